@@ -1,0 +1,161 @@
+"""Public entry points: stream_model, unstream_model, get_runtime, is_streamed."""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional, Union
+
+import torch
+from torch import nn
+
+from . import layer as layer_mod
+from .config import StreamConfig
+from .discovery import find_decoder_layers, layer_name, unwrap_peft
+from .runtime import StreamingError, StreamRuntime
+from .store import HostStore
+
+logger = logging.getLogger(__name__)
+
+_ATTR = "_layerstream_runtime"
+
+
+def _holder(model: nn.Module) -> nn.Module:
+    """The module that carries the runtime: the transformers model under any PEFT wrapper."""
+    return unwrap_peft(model)
+
+
+def is_streamed(model: nn.Module) -> bool:
+    return getattr(_holder(model), _ATTR, None) is not None or getattr(model, _ATTR, None) is not None
+
+
+def get_runtime(model: nn.Module) -> StreamRuntime:
+    """The StreamRuntime of a streamed model (stats, slots, store)."""
+    runtime = getattr(_holder(model), _ATTR, None) or getattr(model, _ATTR, None)
+    if runtime is None:
+        raise StreamingError(
+            f"{type(model).__name__} is not streamed; call layerstream.stream_model(model) first."
+        )
+    return runtime
+
+
+def _check_layers_on_host(layers: nn.ModuleList, path: str) -> None:
+    for index, layer in enumerate(layers):
+        for name, tensor in list(layer.named_parameters()) + list(layer.named_buffers()):
+            where = tensor.device
+            if where.type == "meta":
+                raise StreamingError(
+                    f"{layer_name(path, index)}.{name} is on the meta device (no weights loaded). "
+                    "Load real weights first (from_pretrained without device_map='meta', or "
+                    "materialise with to_empty and load a state dict) before stream_model."
+                )
+            if where.type != "cpu":
+                raise StreamingError(
+                    f"{layer_name(path, index)}.{name} is already on {where}. stream_model takes "
+                    "a model in host memory: load it on CPU (no device_map, no .to('cuda')), "
+                    "stream it, then call model.to('cuda') to place the resident part."
+                )
+
+
+def _streamed_predicate(model: nn.Module, layers: nn.ModuleList):
+    """Which layer tensors stream.
+
+    Frozen tensors and buffers stream. In a model where nothing is frozen yet (fresh
+    from from_pretrained, PEFT not applied), every layer tensor streams: PEFT freezes
+    them later, and training a streamed tensor is refused with a clear error.
+    Tensors shared with the resident part or with another layer stay resident.
+    """
+    nothing_frozen = all(p.requires_grad for p in model.parameters())
+    owner: dict = {}
+    for index, layer in enumerate(layers):
+        for tensor in list(layer.parameters()) + list(layer.buffers()):
+            owner.setdefault(id(tensor), set()).add(index)
+    in_layers = {id(m) for layer in layers for m in layer.modules()}
+    outside = set()
+    for module in model.modules():
+        if id(module) in in_layers:
+            continue
+        for tensor in list(module._parameters.values()) + list(module._buffers.values()):
+            if tensor is not None:
+                outside.add(id(tensor))
+    shared = {key for key, holders in owner.items() if len(holders) > 1} | outside
+
+    def streamed(tensor: torch.Tensor) -> bool:
+        if id(tensor) in shared:
+            return False
+        return nothing_frozen or not tensor.requires_grad
+
+    return streamed
+
+
+def stream_model(model: nn.Module, config: Optional[StreamConfig] = None, **overrides) -> nn.Module:
+    """Stream ``model``'s decoder layers in place and return the same model.
+
+    The layers' frozen weights move into host arenas (pinned when the device is CUDA);
+    a pool of ``config.slots`` device buffers receives each layer just before it runs.
+    Call ``model.to(device)`` afterwards to place the resident part.
+    """
+    if config is None:
+        config = StreamConfig(**overrides)
+    elif overrides:
+        config = config.replace(**overrides)
+    if not isinstance(config, StreamConfig):
+        raise TypeError(f"config must be a layerstream.StreamConfig, got {type(config).__name__}")
+    if is_streamed(model):
+        raise StreamingError(
+            "this model is already streamed; call layerstream.unstream_model(model) before "
+            "streaming it again with other settings."
+        )
+    path, layers = find_decoder_layers(model)
+    _check_layers_on_host(layers, path)
+    streamed = _streamed_predicate(model, layers)
+    records = [HostStore.plan_layer(i, layer_name(path, i), layer, streamed) for i, layer in enumerate(layers)]
+    empty = [r.name for r in records if not r.entries]
+    if len(empty) == len(records):
+        raise StreamingError(
+            "no tensor of the decoder layers can stream: every one is trainable or shared "
+            "with the resident part. Freeze the base weights (e.g. apply PEFT) first."
+        )
+    store = HostStore(config.arena_bytes, pin=bool(config.pin))
+    store.build(records)
+    runtime = StreamRuntime(model, layers, path, config, records, store)
+    object.__setattr__(_holder(model), _ATTR, runtime)
+    for index, layer in enumerate(layers):
+        layer_mod.make_streamed(layer, runtime, index)
+    logger.info(runtime.summary())
+    return model
+
+
+def _resident_device(model: nn.Module, runtime: StreamRuntime) -> torch.device:
+    streamed_ids = {id(v) for r in runtime.records for v in r.host_values}
+    for tensor in model.parameters():
+        if id(tensor) not in streamed_ids:
+            return tensor.device
+    return torch.device("cpu")
+
+
+def unstream_model(model: nn.Module, device: Optional[Union[str, torch.device]] = None) -> nn.Module:
+    """Undo stream_model: every layer tensor gets memory of its own again.
+
+    The layers go where the resident part is (so a model moved to CUDA comes back whole
+    on CUDA), or to ``device`` when given. Names, values and Parameter objects are kept.
+    """
+    runtime = get_runtime(model)
+    target = torch.device(device) if device is not None else _resident_device(model, runtime)
+    runtime.pool.settle()
+    for record in runtime.records:
+        copies = {}
+        for entry, host in zip(record.entries, record.host_values):
+            fresh = copies.get(entry.offset)
+            if fresh is None:
+                fresh = host.detach().to(target, copy=True)
+                copies[entry.offset] = fresh
+            if isinstance(host, nn.Parameter):
+                host.data = fresh
+            else:
+                entry.table[entry.name] = fresh
+    for layer in runtime.layers:
+        layer_mod.make_plain(layer)
+    runtime.close()
+    object.__setattr__(_holder(model), _ATTR, None)
+    del _holder(model).__dict__[_ATTR]
+    return model

@@ -1,0 +1,111 @@
+"""StreamConfig: the validated settings of one streamed model.
+
+Every field is checked when the config is built, so a bad value fails before any
+weight is copied or pinned, with a message that says what to change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+
+DEFAULT_ARENA_BYTES = 1 << 30  # 1 GiB: few enough arenas to pin cheaply, small enough to place
+
+
+class StreamConfigError(ValueError):
+    """A StreamConfig value is out of range or inconsistent."""
+
+
+@dataclass
+class StreamConfig:
+    """How a model's decoder layers stream.
+
+    slots: device buffers that hold one layer each (>= 2). More slots let copies run
+        further ahead and keep more layers across the forward/backward turnaround, at
+        the cost of one largest-layer of device memory each.
+    prefetch: how many layers ahead of the one computing are copied (>= 1, < slots).
+    device: where streamed layers compute. Default: the current CUDA device. "cpu" runs
+        the whole machinery with host-to-host copies (tests and the embedded demo).
+    pin: page-lock the host arenas so copies are asynchronous DMA. Default: pin when
+        the device is CUDA. Pinning is meaningless (and refused) for device="cpu".
+    arena_bytes: target size of one host arena; a layer never straddles arenas, so an
+        arena grows to the largest layer when that is bigger.
+    """
+
+    slots: int = 3
+    prefetch: int = 1
+    device: Optional[Union[str, torch.device]] = None
+    pin: Optional[bool] = None
+    arena_bytes: int = DEFAULT_ARENA_BYTES
+
+    def __post_init__(self) -> None:
+        if isinstance(self.slots, bool) or not isinstance(self.slots, int):
+            raise StreamConfigError(f"slots must be an integer >= 2, got {self.slots!r}")
+        if self.slots < 2:
+            raise StreamConfigError(
+                f"slots={self.slots} is too few: streaming needs >= 2 slots so the next "
+                "layer can be copied while one computes. Use slots=2 or more."
+            )
+        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int):
+            raise StreamConfigError(f"prefetch must be an integer >= 1, got {self.prefetch!r}")
+        if self.prefetch < 1 or self.prefetch >= self.slots:
+            raise StreamConfigError(
+                f"prefetch={self.prefetch} with slots={self.slots}: prefetch must be >= 1 and "
+                f"< slots (one slot is always the layer computing). Use prefetch <= "
+                f"{self.slots - 1} or raise slots to {self.prefetch + 1}."
+            )
+        if not isinstance(self.arena_bytes, int) or self.arena_bytes < (1 << 20):
+            raise StreamConfigError(
+                f"arena_bytes must be an integer >= 1 MiB, got {self.arena_bytes!r}"
+            )
+        self.device = self._resolve_device(self.device)
+        if self.pin is None:
+            self.pin = self.device.type == "cuda"
+        elif self.pin and self.device.type != "cuda":
+            raise StreamConfigError(
+                f"pin=True needs a CUDA device (device is {self.device}); pinned memory only "
+                "speeds host-to-GPU copies. Leave pin unset or pass pin=False."
+            )
+
+    @staticmethod
+    def _resolve_device(device) -> torch.device:
+        if device is None:
+            if not torch.cuda.is_available():
+                raise StreamConfigError(
+                    "no CUDA device is available and StreamConfig.device was not given. "
+                    "Pass device='cpu' to run the streaming machinery on the host "
+                    "(host-to-host copies), or run on a machine with a GPU."
+                )
+            return torch.device("cuda", torch.cuda.current_device())
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError) as exc:
+            raise StreamConfigError(f"device={device!r} is not a torch device: {exc}") from None
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise StreamConfigError(
+                    f"device={device} but CUDA is not available; use device='cpu'."
+                )
+            if device.index is None:
+                device = torch.device("cuda", torch.cuda.current_device())
+        elif device.type != "cpu":
+            raise StreamConfigError(
+                f"device={device}: layerstream streams to CUDA devices or 'cpu' only."
+            )
+        return device
+
+    def replace(self, **overrides) -> "StreamConfig":
+        """A copy with some fields changed, validated again."""
+        names = [f.name for f in dataclasses.fields(self)]
+        unknown = set(overrides) - set(names)
+        if unknown:
+            known = ", ".join(names)
+            raise StreamConfigError(
+                f"unknown StreamConfig field(s) {sorted(unknown)}; known fields: {known}"
+            )
+        values = {name: getattr(self, name) for name in names}
+        values.update(overrides)
+        return StreamConfig(**values)

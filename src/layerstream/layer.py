@@ -1,0 +1,75 @@
+"""The streamed decoder layer: one call binds slot views, runs the layer, unbinds.
+
+A streamed layer keeps its class name, module tree, parameter names and Parameter
+objects. Its class is swapped for a subclass made here that changes three things:
+
+- ``__call__`` asks the runtime for a slot, binds the slot's tensors into the layer's
+  ``_parameters``/``_buffers`` tables for the duration of the call, and restores the
+  host tensors afterwards. With autograd on, the whole call (fetch, bind, compute) runs
+  under non-reentrant activation checkpointing, so backward recomputes it and fetches
+  the weights again: no autograd node keeps slot memory past the layer's call.
+- ``gradient_checkpointing`` always reads False: the layer checkpoints itself, and
+  transformers' own wrapper (on ``__call__`` up to 5.22, on ``forward`` from 5.23) must
+  not checkpoint it a second time. Setting it is accepted and ignored.
+- ``_apply`` (behind ``.to()``, ``.cuda()``, ``.half()``) skips the streamed tensors, so
+  moving a model moves only its resident part.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Type
+
+from torch import nn
+
+_SUBCLASSES: Dict[type, type] = {}
+
+
+class StreamedLayerMixin:
+    """Mixed in front of a decoder layer's own class while it streams."""
+
+    _layerstream_is_streamed = True
+
+    @property
+    def gradient_checkpointing(self) -> bool:  # the layer checkpoints itself
+        return False
+
+    @gradient_checkpointing.setter
+    def gradient_checkpointing(self, value) -> None:
+        pass
+
+    def __call__(self, *args, **kwargs):
+        return self._layerstream_runtime.call_layer(self, args, kwargs)
+
+    def _apply(self, fn, recurse=True):
+        runtime = self._layerstream_runtime
+        runtime.check_apply(fn)
+        with runtime.streamed_tensors_hidden(self._layerstream_index):
+            return super()._apply(fn, recurse)
+
+
+def streamed_class(cls: Type[nn.Module]) -> Type[nn.Module]:
+    """The streamed subclass of ``cls``, made once per class and reused."""
+    sub = _SUBCLASSES.get(cls)
+    if sub is None:
+        sub = type(cls.__name__, (StreamedLayerMixin, cls), {"__module__": cls.__module__,
+                                                             "__qualname__": cls.__qualname__,
+                                                             "_layerstream_base": cls})
+        _SUBCLASSES[cls] = sub
+    return sub
+
+
+def call_unstreamed(layer: nn.Module, args, kwargs):
+    """Run the layer as plain ``nn.Module.__call__`` (hooks, then forward)."""
+    return nn.Module.__call__(layer, *args, **kwargs)
+
+
+def make_streamed(layer: nn.Module, runtime, index: int) -> None:
+    layer.__class__ = streamed_class(type(layer))
+    object.__setattr__(layer, "_layerstream_runtime", runtime)
+    object.__setattr__(layer, "_layerstream_index", index)
+
+
+def make_plain(layer: nn.Module) -> None:
+    layer.__class__ = type(layer)._layerstream_base
+    for name in ("_layerstream_runtime", "_layerstream_index"):
+        layer.__dict__.pop(name, None)

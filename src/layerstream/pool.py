@@ -1,0 +1,141 @@
+"""Device slots: buffers, the copy stream, ready events, owners, and copy/stall timing.
+
+Invariants kept here:
+- A slot is read only after the compute stream waited on that slot's ready event, and
+  only if the slot's owner is the layer asking (``acquire`` checks both).
+- A slot is overwritten only after the compute stream has passed every kernel that read
+  its previous owner: the copy stream waits on the compute stream when a copy is issued.
+- No host synchronisation on the hot path: timing events are read lazily, only once
+  they have completed (``event.query()``), or when stats are asked for.
+
+With device "cpu" there are no streams: copies are synchronous host-to-host copies and
+the same owner bookkeeping runs, which is how CI exercises the machinery.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Deque, List, Optional, Tuple
+
+import torch
+
+from .store import LayerRecord
+
+
+class SlotOwnerError(RuntimeError):
+    """A layer tried to read a slot that holds another layer."""
+
+
+class _EventPool:
+    def __init__(self) -> None:
+        self.free: List[torch.cuda.Event] = []
+
+    def get(self) -> "torch.cuda.Event":
+        return self.free.pop() if self.free else torch.cuda.Event(enable_timing=True)
+
+    def put(self, *events) -> None:
+        self.free.extend(events)
+
+
+class SlotPool:
+    def __init__(self, device: torch.device, slots: int, slot_bytes: int):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.slot_bytes = slot_bytes
+        self.buffers = [torch.empty(max(slot_bytes, 1), dtype=torch.uint8, device=device) for _ in range(slots)]
+        self.owner: List[Optional[int]] = [None] * slots
+        # counters
+        self.loads = 0
+        self.h2d_bytes = 0
+        self.h2d_seconds = 0.0
+        self.stall_seconds = 0.0
+        self.stalls = 0
+        if self.cuda:
+            self.copy_stream = torch.cuda.Stream(device=device)
+            self.ready = [torch.cuda.Event() for _ in range(slots)]
+            self._events = _EventPool()
+            # (start, end, kind) timing pairs not yet read; kind "copy" or "stall"
+            self._pending: Deque[Tuple[torch.cuda.Event, torch.cuda.Event, str]] = deque()
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(b.numel() for b in self.buffers)
+
+    # -- copies --------------------------------------------------------------------
+    def load(self, record: LayerRecord, slot: int, source: Optional[torch.Tensor] = None) -> None:
+        """Copy a layer's region into a slot. ``source`` overrides the region (tests)."""
+        src = record.host_region if source is None else source
+        nbytes = record.nbytes
+        dst = self.buffers[slot][:nbytes]
+        self.owner[slot] = record.index
+        self.loads += 1
+        self.h2d_bytes += nbytes
+        if not self.cuda:
+            start = time.perf_counter()
+            dst.copy_(src)
+            self.h2d_seconds += time.perf_counter() - start
+            return
+        compute = torch.cuda.current_stream(self.device)
+        stream = self.copy_stream
+        stream.wait_stream(compute)  # previous owner's readers are all queued before this point
+        start, end = self._events.get(), self._events.get()
+        with torch.cuda.stream(stream):
+            start.record(stream)
+            dst.copy_(src, non_blocking=True)
+            end.record(stream)
+            self.ready[slot].record(stream)
+        self._pending.append((start, end, "copy"))
+        if len(self._pending) > 64:
+            self._drain(block=False)
+
+    def acquire(self, slot: int, layer: int) -> None:
+        """Make the compute stream wait for the slot's copy; check the owner first."""
+        if self.owner[slot] != layer:
+            raise SlotOwnerError(
+                f"layer {layer} asked for slot {slot}, which holds layer {self.owner[slot]}: "
+                "the slot was overwritten or bound to the wrong layer"
+            )
+        if not self.cuda:
+            return
+        ready = self.ready[slot]
+        if ready.query():
+            return
+        compute = torch.cuda.current_stream(self.device)
+        start, end = self._events.get(), self._events.get()
+        start.record(compute)
+        compute.wait_event(ready)
+        end.record(compute)
+        self._pending.append((start, end, "stall"))
+        self.stalls += 1
+
+    def owns(self, slot: int, layer: int) -> bool:
+        return self.owner[slot] == layer
+
+    # -- lazy timing ---------------------------------------------------------------
+    def _drain(self, block: bool) -> None:
+        pending = self._pending
+        while pending:
+            start, end, kind = pending[0]
+            if not block and not end.query():
+                break
+            if block:
+                end.synchronize()
+            pending.popleft()
+            seconds = start.elapsed_time(end) / 1000.0
+            if kind == "copy":
+                self.h2d_seconds += seconds
+            else:
+                self.stall_seconds += seconds
+            self._events.put(start, end)
+
+    def settle(self) -> None:
+        """Read every outstanding timing event (waits for them; not for the hot path)."""
+        if self.cuda:
+            self._drain(block=True)
+
+    def forget(self) -> None:
+        """Treat every slot as empty (after a fault or when layers were rebuilt)."""
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+        self.owner = [None] * len(self.buffers)

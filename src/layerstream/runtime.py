@@ -1,0 +1,281 @@
+"""StreamRuntime: ties the store, the slot pool and the planner to a model's layers.
+
+One runtime per streamed model, reachable with ``layerstream.get_runtime(model)``.
+The per-visit path (``call_layer`` -> ``_run``) is the hot path: it plans, issues the
+copies, makes the compute stream wait, swaps dictionary entries, and calls the layer.
+It allocates nothing per visit beyond the planner's small lists, and never waits on
+the host.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+from typing import Dict, List, Tuple
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from . import layer as layer_mod
+from .config import StreamConfig
+from .pool import SlotPool
+from .schedule import Phase, PrefetchPlanner
+from .store import HostStore, LayerRecord
+
+logger = logging.getLogger(__name__)
+
+# keyword arguments through which decoder layers receive or update a KV cache
+_CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
+
+
+class StreamingError(RuntimeError):
+    """Streaming cannot go on as asked; the message says what to change."""
+
+
+class StreamRuntime:
+    def __init__(self, model: nn.Module, layers: nn.ModuleList, layers_path: str,
+                 config: StreamConfig, records: List[LayerRecord], store: HostStore):
+        self.model = model
+        self.layers = layers
+        self.layers_path = layers_path
+        self.config = config
+        self.device = config.device
+        self.records = records
+        self.store = store
+        self.pool = SlotPool(config.device, config.slots, store.largest_layer_bytes)
+        self.planner = PrefetchPlanner(len(records), config.slots, config.prefetch)
+        # (slot, layer) -> [(table, name, slot tensor)], built on first use, then reused
+        self._bindings: Dict[Tuple[int, int], list] = {}
+        self.visits = 0
+        self.demand_loads = 0
+        self.peak_resident_layers = 0
+        self._warned_cache = False
+        # test hook: replace the copied bytes of a load (negative controls)
+        self._load_source = None
+
+    # -- binding -------------------------------------------------------------------
+    def _binding(self, slot: int, index: int) -> list:
+        key = (slot, index)
+        binding = self._bindings.get(key)
+        if binding is None:
+            buffer = self.pool.buffers[slot]
+            record = self.records[index]
+            binding = []
+            for entry in record.entries:
+                view = buffer[entry.offset : entry.offset + entry.nbytes].view(entry.dtype).view(entry.shape)
+                if entry.kind == "_parameters":
+                    view = nn.Parameter(view, requires_grad=False)
+                binding.append((entry.table, entry.name, view))
+            self._bindings[key] = binding
+        return binding
+
+    def _host_binding(self, index: int) -> list:
+        record = self.records[index]
+        return [(e.table, e.name, v) for e, v in zip(record.entries, record.host_values)]
+
+    # -- the hot path --------------------------------------------------------------
+    def _enter(self, index: int, phase: Phase) -> int:
+        plan = self.planner.visit(index, phase)
+        source = self._load_source
+        for layer, slot in plan.loads:
+            self.pool.load(self.records[layer], slot,
+                           None if source is None else source(layer, slot))
+        self.pool.acquire(plan.slot, index)
+        self.visits += 1
+        if plan.demand:
+            self.demand_loads += 1
+        resident = len(self.planner.slot_of)
+        if resident > self.peak_resident_layers:
+            self.peak_resident_layers = resident
+        return plan.slot
+
+    def _run(self, layer: nn.Module, index: int, phase: Phase, args, kwargs):
+        slot = self._enter(index, phase)
+        record = self.records[index]
+        for table, name, tensor in self._binding(slot, index):
+            table[name] = tensor
+        try:
+            return layer_mod.call_unstreamed(layer, args, kwargs)
+        finally:
+            for entry, host in zip(record.entries, record.host_values):
+                entry.table[entry.name] = host
+
+    def call_layer(self, layer: nn.Module, args, kwargs):
+        index = layer._layerstream_index
+        if index == 0:
+            self._check_capture()
+        if args and isinstance(args[0], torch.Tensor) and args[0].device != self.device:
+            raise StreamingError(
+                f"streamed layer {self.records[index].name} computes on {self.device} but its "
+                f"input is on {args[0].device}. Move the model's resident part with "
+                f"model.to('{self.device}') after stream_model (and after get_peft_model)."
+            )
+        if not torch.is_grad_enabled():
+            return self._run(layer, index, Phase.INFERENCE, args, kwargs)
+        self._check_trainable(index)
+        kwargs = self._drop_cache(kwargs)
+        calls = [0]
+
+        def checkpointed(*a, **k):
+            phase = Phase.TRAIN_FORWARD if calls[0] == 0 else Phase.BACKWARD
+            calls[0] += 1
+            return self._run(layer, index, phase, a, k)
+
+        return checkpoint(checkpointed, *args, use_reentrant=False, **kwargs)
+
+    # -- checks --------------------------------------------------------------------
+    def _check_capture(self) -> None:
+        if torch.compiler.is_compiling():
+            raise StreamingError(
+                "torch.compile cannot trace a streamed layer: its weights change place on "
+                "every call. Compile the model before stream_model is not supported either; "
+                "run streamed layers eagerly (compile submodules that do not stream)."
+            )
+        if self.pool.cuda and torch.cuda.is_current_stream_capturing():
+            raise StreamingError(
+                "CUDA graph capture of a streamed model is not supported: a graph would "
+                "freeze one slot assignment and its copies. Capture only resident parts."
+            )
+
+    def _check_trainable(self, index: int) -> None:
+        record = self.records[index]
+        for entry, host, ptr in zip(record.entries, record.host_values, record.host_data_ptrs):
+            if host.requires_grad:
+                raise StreamingError(
+                    f"{entry.qualified_name} requires grad, but streamed weights are frozen "
+                    "(gradients for them would have nowhere to live). Freeze the base model, "
+                    "e.g. with peft.get_peft_model(model, LoraConfig(...)), before training; "
+                    "trainable tensors created before stream_model stay resident."
+                )
+            if host.data_ptr() != ptr:
+                raise StreamingError(
+                    f"{entry.qualified_name} no longer points at layerstream's host store "
+                    "(its .data was replaced after stream_model, e.g. by a cast or a merge). "
+                    "Do such changes before stream_model, or unstream_model first."
+                )
+
+    def _drop_cache(self, kwargs):
+        """Checkpointed layers must not write a KV cache: the recompute would write twice."""
+        names = [name for name in _CACHE_KWARGS if kwargs.get(name) is not None]
+        if not names:
+            return kwargs
+        kwargs = dict(kwargs)
+        for name in names:
+            seq_length = getattr(kwargs[name], "get_seq_length", None)
+            if seq_length is not None and seq_length() > 0:
+                raise StreamingError(
+                    "a KV cache holding past tokens reached a streamed layer with autograd on. "
+                    "Streamed layers are checkpointed under autograd and cannot read or extend "
+                    "a cache there; run generation and cached inference under torch.no_grad() "
+                    "(model.generate does)."
+                )
+            kwargs[name] = None
+        if "use_cache" in kwargs:
+            kwargs["use_cache"] = False
+        if not self._warned_cache:
+            self._warned_cache = True
+            logger.warning(
+                "layerstream: streamed layers are checkpointed while autograd is on, so they do "
+                "not fill the KV cache passed to them (as with transformers' gradient "
+                "checkpointing). Set model.config.use_cache = False for training to silence this."
+            )
+        return kwargs
+
+    def check_apply(self, fn) -> None:
+        """Refuse a .to()/.half()/.cuda() that would change streamed weights' dtype or device."""
+        for dtype in {e.dtype for r in self.records for e in r.entries}:
+            probe = fn(torch.empty(0, dtype=dtype))
+            if probe.dtype != dtype:
+                raise StreamingError(
+                    f"this call would cast streamed weights from {dtype} to {probe.dtype}. "
+                    "Streamed weights keep the dtype they were streamed with: cast the model "
+                    "before stream_model, or unstream_model, cast, and stream again."
+                )
+            if probe.device.type == "cuda" and probe.device != self.device:
+                raise StreamingError(
+                    f"the model streams to {self.device}; moving it to {probe.device} is not "
+                    "supported. Stream with StreamConfig(device=...) set to the device you want."
+                )
+            if probe.device.type not in ("cpu", "cuda"):
+                raise StreamingError(
+                    f"a streamed model cannot move to {probe.device}; unstream_model first."
+                )
+
+    @contextlib.contextmanager
+    def streamed_tensors_hidden(self, index: int):
+        """Hide a layer's streamed tensors from ``nn.Module._apply`` while it runs."""
+        record = self.records[index]
+        saved = []
+        streamed_names: Dict[Tuple[int, str], set] = {}
+        for entry in record.entries:
+            streamed_names.setdefault((id(entry.module), entry.kind), set()).add(entry.name)
+        modules = {id(e.module): e.module for e in record.entries}
+        for (mod_id, kind), names in streamed_names.items():
+            module = modules[mod_id]
+            full = getattr(module, kind)
+            saved.append((module, kind, full, names))
+            object.__setattr__(module, kind, {k: v for k, v in full.items() if k not in names})
+        try:
+            yield
+        finally:
+            for module, kind, full, names in saved:
+                changed = getattr(module, kind)
+                object.__setattr__(module, kind, {k: full[k] if k in names else changed[k] for k in full})
+
+    # -- stats ---------------------------------------------------------------------
+    def stats(self) -> dict:
+        """Counters since streaming began. Reads outstanding CUDA timing events (waits)."""
+        self.pool.settle()
+        pool = self.pool
+        return {
+            "layers": len(self.records),
+            "slots": self.config.slots,
+            "prefetch": self.config.prefetch,
+            "visits": self.visits,
+            "layer_loads": pool.loads,
+            "demand_loads": self.demand_loads,
+            "h2d_bytes": pool.h2d_bytes,
+            "h2d_seconds": pool.h2d_seconds,
+            "h2d_gbps": (pool.h2d_bytes / pool.h2d_seconds / 1e9) if pool.h2d_seconds else 0.0,
+            "stall_seconds": pool.stall_seconds,
+            "stalls": pool.stalls,
+            "peak_resident_layers": self.peak_resident_layers,
+            "slot_bytes": pool.total_bytes,
+            "host_bytes": self.store.host_bytes,
+            "pinned": self.store.pinned,
+            "device": str(self.device),
+        }
+
+    def summary(self) -> str:
+        """A one-screen description: what streams, slots, bytes, pinning."""
+        gib = 2**30
+        streamed = sum(len(r.entries) for r in self.records)
+        sizes = sorted({r.nbytes for r in self.records})
+        size_text = (f"{sizes[0] / 2**20:.1f} MiB" if len(sizes) == 1
+                     else f"{sizes[0] / 2**20:.1f}..{sizes[-1] / 2**20:.1f} MiB")
+        lines = [
+            "layerstream: streaming decoder layers",
+            f"  stack        {self.layers_path} ({len(self.records)} layers, {streamed} tensors)",
+            f"  layer size   {size_text} each",
+            f"  host store   {self.store.host_bytes / gib:.3f} GiB in {len(self.store.arenas)} arena(s), "
+            f"{'pinned' if self.store.pinned else 'pageable'}",
+            f"  device       {self.device}: {self.config.slots} slots x "
+            f"{self.pool.slot_bytes / 2**20:.1f} MiB = {self.pool.total_bytes / gib:.3f} GiB",
+            f"  prefetch     {self.config.prefetch} layer(s) ahead",
+            "  resident     embeddings, final norm, head, and every trainable tensor",
+        ]
+        return "\n".join(lines)
+
+    def close(self) -> None:
+        """Release slots and host arenas (after the model's tensors were copied out)."""
+        self.pool.settle()
+        self._bindings.clear()
+        self.pool.buffers = []
+        self.store.release()
+
+    def reset_slots(self) -> None:
+        """Forget what the slots hold; the next visits load on demand."""
+        self.pool.forget()
+        self.planner.forget()

@@ -1,0 +1,159 @@
+"""Which layer to copy into which slot, and when. Pure logic: no CUDA, no tensors.
+
+The planner sees one *visit* at a time (layer index and phase) and answers with the
+slot that layer computes in and the copies to issue now. It predicts the visits to
+come from the phase:
+
+- TRAIN_FORWARD: a forward under autograd. Backward follows, recomputing the layers in
+  reverse, so the order is a cycle F0 .. F(L-1), B(L-1) .. B0 of length 2L. The layers
+  still in slots at the end of forward are the first ones backward needs (turnaround
+  reuse), and the layers left in slots at the end of backward are the first ones the
+  next forward needs.
+- BACKWARD: the recompute of a checkpointed layer during backward (same cycle).
+- INFERENCE: a forward without autograd (evaluation, generation): F0 .. F(L-1), then
+  F0 again for the next token or batch.
+
+A wrong prediction never breaks correctness: a layer that is not in a slot at its visit
+is loaded on demand (counted as a demand load, and the compute waits for it).
+
+Eviction follows the prediction: the slot whose owner is needed furthest in the future
+is overwritten first, and never one whose owner is needed before the layer being
+fetched (that would only trade one wait for another).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import List, Optional, Tuple
+
+
+class Phase(Enum):
+    TRAIN_FORWARD = "train_forward"
+    BACKWARD = "backward"
+    INFERENCE = "inference"
+
+
+@dataclass
+class VisitPlan:
+    """What to do at one visit.
+
+    slot: the slot the visited layer computes in.
+    loads: (layer, slot) copies to issue now, in order. The first one is the visited
+        layer itself when it was not resident (a demand load); the rest are prefetches.
+    demand: True when the visited layer had to be loaded at its own visit.
+    """
+
+    slot: int
+    loads: List[Tuple[int, int]] = field(default_factory=list)
+    demand: bool = False
+
+
+class PrefetchPlanner:
+    """Tracks slot owners and plans copies for a stack of ``num_layers`` layers."""
+
+    def __init__(self, num_layers: int, slots: int, prefetch: int):
+        if num_layers < 1:
+            raise ValueError("num_layers must be >= 1")
+        if slots < 2 or not 1 <= prefetch < slots:
+            raise ValueError(f"need slots >= 2 and 1 <= prefetch < slots, got {slots=}, {prefetch=}")
+        self.num_layers = num_layers
+        self.slots = slots
+        self.prefetch = prefetch
+        self.owner: List[Optional[int]] = [None] * slots
+        self.slot_of: dict = {}
+
+    # -- the predicted order -------------------------------------------------------
+    def _cycle(self, phase: Phase) -> int:
+        return self.num_layers if phase is Phase.INFERENCE else 2 * self.num_layers
+
+    def _position(self, layer: int, phase: Phase) -> int:
+        if phase is Phase.BACKWARD:
+            return 2 * self.num_layers - 1 - layer
+        return layer
+
+    def _layer_at(self, position: int, phase: Phase) -> int:
+        position %= self._cycle(phase)
+        if position < self.num_layers:
+            return position
+        return 2 * self.num_layers - 1 - position
+
+    def _distance(self, layer: int, position: int, phase: Phase) -> int:
+        """Visits from ``position`` until ``layer`` is needed again (0: needed now)."""
+        cycle = self._cycle(phase)
+        best = (layer - position) % cycle
+        if phase is not Phase.INFERENCE:
+            best = min(best, (2 * self.num_layers - 1 - layer - position) % cycle)
+        return best
+
+    def upcoming(self, layer: int, phase: Phase, count: int) -> List[int]:
+        """The next ``count`` distinct layers predicted after this visit (not itself)."""
+        position = self._position(layer, phase)
+        seen = {layer}
+        out: List[int] = []
+        for step in range(1, self._cycle(phase) + 1):
+            nxt = self._layer_at(position + step, phase)
+            if nxt not in seen:
+                seen.add(nxt)
+                out.append(nxt)
+                if len(out) == count:
+                    break
+        return out
+
+    # -- planning ------------------------------------------------------------------
+    def _victim(self, needed_at: int, position: int, phase: Phase, keep: set) -> Optional[int]:
+        """A slot to overwrite for a layer needed ``needed_at`` visits from now."""
+        best_slot, best_distance = None, -1
+        for slot, owner in enumerate(self.owner):
+            if owner is None:
+                return slot
+            if owner in keep:
+                continue
+            distance = self._distance(owner, position, phase)
+            if distance > best_distance:
+                best_slot, best_distance = slot, distance
+        if best_slot is None or best_distance <= needed_at:
+            return None
+        return best_slot
+
+    def _assign(self, layer: int, slot: int) -> None:
+        old = self.owner[slot]
+        if old is not None:
+            del self.slot_of[old]
+        self.owner[slot] = layer
+        self.slot_of[layer] = slot
+
+    def visit(self, layer: int, phase: Phase) -> VisitPlan:
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(f"layer {layer} outside 0..{self.num_layers - 1}")
+        position = self._position(layer, phase)
+        loads: List[Tuple[int, int]] = []
+        demand = False
+        slot = self.slot_of.get(layer)
+        if slot is None:
+            demand = True
+            slot = self._victim(0, position, phase, keep=set())
+            if slot is None:  # every owner is needed now: impossible with >= 2 slots
+                raise RuntimeError("no slot can take the visited layer")
+            self._assign(layer, slot)
+            loads.append((layer, slot))
+        keep = {layer}
+        for target in self.upcoming(layer, phase, self.prefetch):
+            keep.add(target)
+            if target in self.slot_of:
+                continue
+            needed_at = self._distance(target, position, phase)
+            victim = self._victim(needed_at, position, phase, keep)
+            if victim is None:
+                break
+            self._assign(target, victim)
+            loads.append((target, victim))
+        return VisitPlan(slot=slot, loads=loads, demand=demand)
+
+    def forget(self) -> None:
+        """Drop all ownership (after a fault, or when slots were released)."""
+        self.owner = [None] * self.slots
+        self.slot_of = {}
+
+    def resident(self) -> List[int]:
+        return [owner for owner in self.owner if owner is not None]

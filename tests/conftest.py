@@ -1,0 +1,22 @@
+import logging
+import warnings
+
+import pytest
+import torch
+
+warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+
+DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.fail("gpu-marked test selected on a machine without CUDA")
+    return request.param
+
+
+@pytest.fixture(autouse=True)
+def _quiet_transformers():
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    yield

@@ -1,0 +1,144 @@
+"""Streamed and resident runs of the same model agree bit for bit.
+
+Every test uses non-zero LoRA B, more layers than slots (so slots recycle), and at
+least ten optimizer steps; the negative controls below prove the comparison can fail.
+"""
+
+import pytest
+import torch
+
+import layerstream
+from tiny import FAMILIES, assert_traces_equal, batch, peft_pair, stream, train_steps
+
+STEPS = 10
+
+
+def _attn(device):
+    # memory-efficient attention's CUDA backward accumulates with atomics; eager is exact
+    return "eager" if device == "cuda" else None
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_training_matches_resident_for_every_family(family, device):
+    streamed, resident = peft_pair(family, layers=5, attn=_attn(device))
+    stream(streamed, device, slots=2, prefetch=1)
+    resident.to(device)
+    assert_traces_equal(train_steps(streamed, STEPS, device), train_steps(resident, STEPS, device))
+    stats = layerstream.get_runtime(streamed).stats()
+    assert stats["layer_loads"] > stats["layers"], "slots must have recycled"
+
+
+@pytest.mark.parametrize("slots,prefetch", [(2, 1), (3, 1), (3, 2), (4, 1), (4, 2), (4, 3)])
+def test_training_matches_resident_across_slots_and_prefetch(slots, prefetch, device):
+    streamed, resident = peft_pair("llama", layers=6, attn=_attn(device))
+    stream(streamed, device, slots=slots, prefetch=prefetch)
+    resident.to(device)
+    assert_traces_equal(train_steps(streamed, STEPS, device), train_steps(resident, STEPS, device))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_training_matches_resident_in_each_dtype(dtype, device):
+    streamed, resident = peft_pair("qwen3", layers=5, dtype=dtype, attn=_attn(device))
+    stream(streamed, device, slots=3, prefetch=2)
+    resident.to(device)
+    assert_traces_equal(train_steps(streamed, STEPS, device), train_steps(resident, STEPS, device))
+
+
+def test_gradient_accumulation_matches_resident(device):
+    streamed, resident = peft_pair("llama", layers=5, attn=_attn(device))
+    stream(streamed, device, slots=2, prefetch=1)
+    resident.to(device)
+    assert_traces_equal(train_steps(streamed, STEPS, device, accumulation=3),
+                        train_steps(resident, STEPS, device, accumulation=3))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("slots,prefetch", [(2, 1), (4, 3)])
+def test_greedy_generation_matches_resident(family, slots, prefetch, device):
+    streamed, resident = peft_pair(family, layers=5, attn=_attn(device))
+    stream(streamed, device, slots=slots, prefetch=prefetch)
+    resident.to(device)
+    ids = batch(96, size=2, seq=6, device=device)
+    mask = torch.ones_like(ids)
+    kwargs = dict(max_new_tokens=8, do_sample=False, attention_mask=mask, pad_token_id=0)
+    expected = resident.generate(input_ids=ids, **kwargs)
+    got = streamed.generate(input_ids=ids, **kwargs)
+    assert torch.equal(got, expected)
+
+
+def test_eval_and_train_switches_stay_exact(device):
+    streamed, resident = peft_pair("llama", layers=5, attn=_attn(device))
+    stream(streamed, device, slots=2, prefetch=1)
+    resident.to(device)
+    ids = batch(96, device=device)
+    for model in (streamed, resident):
+        model.eval()
+    with torch.no_grad():
+        before = [m(input_ids=ids).logits for m in (streamed, resident)]
+    assert torch.equal(*before)
+    assert_traces_equal(train_steps(streamed, 3, device), train_steps(resident, 3, device))
+    for model in (streamed, resident):
+        model.eval()
+    with torch.no_grad():
+        after = [m(input_ids=ids).logits for m in (streamed, resident)]
+    assert torch.equal(*after)
+    assert not torch.equal(before[0], after[0]), "training must have changed the model"
+
+
+# -- negative controls: the comparisons above can fail -------------------------------
+
+def test_wrong_slot_contents_are_caught_by_parity(device):
+    """Copy the neighbour layer's bytes into the slot: the parity check must go red."""
+    streamed, resident = peft_pair("llama", layers=5, attn=_attn(device))
+    stream(streamed, device, slots=2, prefetch=1)
+    resident.to(device)
+    runtime = layerstream.get_runtime(streamed)
+    records = runtime.records
+    runtime._load_source = lambda layer, slot: records[(layer + 1) % len(records)].host_region
+    with pytest.raises(AssertionError):
+        assert_traces_equal(train_steps(streamed, 2, device), train_steps(resident, 2, device))
+
+
+def test_binding_of_another_slot_is_caught_by_the_owner_check(device):
+    streamed, _ = peft_pair("llama", layers=5, attn=_attn(device))
+    stream(streamed, device, slots=3, prefetch=1)
+    runtime = layerstream.get_runtime(streamed)
+    original = runtime._enter
+    runtime._enter = lambda index, phase: (original(index, phase) + 1) % 3
+    with pytest.raises(AssertionError):  # wrong slot: values differ...
+        streamed_out, _ = _forward_pair(streamed, device)
+    runtime._enter = original
+    slot = runtime.planner.slot_of[next(iter(runtime.planner.slot_of))]
+    wrong_layer = (runtime.pool.owner[slot] + 1) % len(runtime.records)
+    with pytest.raises(layerstream.SlotOwnerError, match="holds layer"):  # ...and owners disagree
+        runtime.pool.acquire(slot, wrong_layer)
+
+
+def _forward_pair(streamed, device):
+    import copy
+    ids = batch(96, device=device)
+    with torch.no_grad():
+        got = streamed(input_ids=ids).logits
+    runtime = layerstream.get_runtime(streamed)
+    runtime._enter = type(runtime)._enter.__get__(runtime)
+    runtime.reset_slots()
+    with torch.no_grad():
+        expected = streamed(input_ids=ids).logits
+    assert torch.equal(got, expected), "wrong slot binding changed the logits"
+    return got, expected
+
+
+def test_training_without_checkpointing_is_caught_by_parity(device, monkeypatch):
+    """Without recompute, autograd keeps slot views that later loads overwrite: either the
+    gradients differ or autograd's version check on the slot buffer raises."""
+    from layerstream import runtime as runtime_mod
+
+    def no_checkpoint(fn, *args, use_reentrant=None, **kwargs):
+        return fn(*args, **kwargs)
+
+    monkeypatch.setattr(runtime_mod, "checkpoint", no_checkpoint)
+    streamed, resident = peft_pair("llama", layers=5, attn=_attn(device))
+    stream(streamed, device, slots=2, prefetch=1)
+    resident.to(device)
+    with pytest.raises((AssertionError, RuntimeError), match="gradient|inplace operation"):
+        assert_traces_equal(train_steps(streamed, 2, device), train_steps(resident, 2, device))

@@ -1,0 +1,112 @@
+"""Tiny random-weight causal LMs of every supported family, and a training harness
+that runs the same steps on a streamed and a resident copy of one model."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import layerstream
+
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3",
+            "qwen3_moe", "mixtral"]
+
+_COMMON = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+               pad_token_id=0, bos_token_id=1, eos_token_id=2)
+_EXTRA = {
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "mistral": dict(sliding_window=8),
+    "gemma2": dict(sliding_window=8),
+    "gemma3_text": dict(sliding_window=8),
+}
+
+
+def tiny_config(family: str = "llama", layers: int = 5, **overrides):
+    values = dict(_COMMON, num_hidden_layers=layers, **_EXTRA.get(family, {}))
+    values.update(overrides)
+    return AutoConfig.for_model(family, **values)
+
+
+def tiny_model(family: str = "llama", layers: int = 5, seed: int = 0, dtype=torch.float32,
+               attn: Optional[str] = None, **overrides):
+    torch.manual_seed(seed)
+    config = tiny_config(family, layers, **overrides)
+    kwargs = {"attn_implementation": attn} if attn else {}
+    model = AutoModelForCausalLM.from_config(config, **kwargs)
+    return model.to(dtype)
+
+
+def lora_config(**overrides) -> LoraConfig:
+    # init_lora_weights=False: LoRA B starts non-zero, so LoRA paths change the output
+    values = dict(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+    values.update(overrides)
+    return LoraConfig(**values)
+
+
+def batch(vocab: int = 96, size: int = 2, seq: int = 12, seed: int = 1, device="cpu"):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (size, seq), generator=gen)
+    return ids.to(device)
+
+
+@dataclass
+class Trace:
+    losses: List[torch.Tensor] = field(default_factory=list)
+    logits: List[torch.Tensor] = field(default_factory=list)
+    grads: List[Dict[str, torch.Tensor]] = field(default_factory=list)
+
+
+def train_steps(model, steps: int, device="cpu", seq: int = 12, accumulation: int = 1,
+                lr: float = 1e-2) -> Trace:
+    """AdamW on the trainable tensors; records loss, logits and every gradient per step."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr)
+    trace = Trace()
+    model.train()
+    vocab = model.config.vocab_size
+    for step in range(steps):
+        for micro in range(accumulation):
+            ids = batch(vocab, seq=seq, seed=100 * step + micro, device=device)
+            out = model(input_ids=ids, labels=ids)
+            (out.loss / accumulation).backward()
+        trace.losses.append(out.loss.detach().cpu())
+        trace.logits.append(out.logits.detach().cpu())
+        trace.grads.append({n: p.grad.detach().cpu().clone() for n, p in model.named_parameters()
+                            if p.requires_grad})
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return trace
+
+
+def assert_traces_equal(a: Trace, b: Trace) -> None:
+    assert len(a.losses) == len(b.losses)
+    for step, (la, lb) in enumerate(zip(a.losses, b.losses)):
+        assert torch.equal(la, lb), f"loss differs at step {step}: {la} vs {lb}"
+        assert torch.equal(a.logits[step], b.logits[step]), f"logits differ at step {step}"
+        assert a.grads[step].keys() == b.grads[step].keys()
+        for name in a.grads[step]:
+            assert torch.equal(a.grads[step][name], b.grads[step][name]), \
+                f"gradient of {name} differs at step {step}"
+
+
+def peft_pair(family="llama", layers=5, dtype=torch.float32, attn=None, **lora_overrides):
+    """Two identical PEFT models (non-zero LoRA B): one to stream, one resident."""
+    base = tiny_model(family, layers, dtype=dtype, attn=attn)
+    resident = get_peft_model(copy.deepcopy(base), lora_config(**lora_overrides))
+    streamed = get_peft_model(base, lora_config(**lora_overrides))
+    streamed.load_state_dict(resident.state_dict())
+    return streamed, resident
+
+
+def stream(model, device="cpu", **config):
+    config.setdefault("slots", 2)
+    config.setdefault("prefetch", 1)
+    layerstream.stream_model(model, device=device, **config)
+    return model.to(device)
