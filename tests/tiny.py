@@ -96,11 +96,11 @@ def assert_traces_equal(a: Trace, b: Trace) -> None:
                 f"gradient of {name} differs at step {step}"
 
 
-def peft_pair(family="llama", layers=5, dtype=torch.float32, attn=None, **lora_overrides):
+def peft_pair(family="llama", layers=5, dtype=torch.float32, attn=None, lora=None, **model_overrides):
     """Two identical PEFT models (non-zero LoRA B): one to stream, one resident."""
-    base = tiny_model(family, layers, dtype=dtype, attn=attn)
-    resident = get_peft_model(copy.deepcopy(base), lora_config(**lora_overrides))
-    streamed = get_peft_model(base, lora_config(**lora_overrides))
+    base = tiny_model(family, layers, dtype=dtype, attn=attn, **model_overrides)
+    resident = get_peft_model(copy.deepcopy(base), lora_config(**(lora or {})))
+    streamed = get_peft_model(base, lora_config(**(lora or {})))
     streamed.load_state_dict(resident.state_dict())
     return streamed, resident
 

@@ -1,0 +1,100 @@
+"""Shared helpers for the GPU benchmarks: real-shape random-weight models, timing."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+SHAPES = {
+    # Llama-3-8B: 32 layers, 4096 hidden, 14336 MLP, GQA 32/8
+    "llama3-8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                      num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                      max_position_embeddings=8192, rope_theta=500000.0),
+    # Llama-3-70B: 80 layers, 8192 hidden, 28672 MLP, GQA 64/8
+    "llama3-70b": dict(model_type="llama", vocab_size=128256, hidden_size=8192, intermediate_size=28672,
+                       num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+                       max_position_embeddings=8192, rope_theta=500000.0),
+}
+
+
+def build_random(shape: str, dtype=torch.bfloat16, layers: int | None = None, attn: str = "sdpa",
+                 **overrides):
+    """A model of a real shape with random weights, built on meta then filled on CPU."""
+    values = dict(SHAPES[shape])
+    model_type = values.pop("model_type")
+    if layers is not None:
+        values["num_hidden_layers"] = layers
+    values.update(overrides)
+    config = AutoConfig.for_model(model_type, **values)
+    config.use_cache = False
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
+    model.to_empty(device="cpu")
+    # random values drawn on the GPU when there is one (CPU RNG is single-threaded and slow)
+    fill_device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator(device=fill_device).manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                values = torch.empty(param.shape, dtype=param.dtype, device=fill_device)
+                param.copy_(values.normal_(0.0, 0.02, generator=gen))
+        # rotary buffers were created on meta: recompute them on the host
+        for module in model.modules():
+            if "inv_freq" in module._buffers:
+                fresh = type(module)(module.config)  # built on the host, buffers computed
+                for name, buffer in fresh.named_buffers(recurse=False):
+                    module._buffers[name] = buffer
+    return model
+
+
+def cuda_timer():
+    torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def median(values):
+    return statistics.median(values)
+
+
+def machine() -> dict:
+    info = {"python": platform.python_version(), "torch": torch.__version__}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    for name in ("transformers", "peft", "bitsandbytes"):
+        try:
+            info[name] = __import__(name).__version__
+        except ImportError:
+            pass
+    return info
+
+
+def pinned_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Host-to-device GB/s of one large pinned copy (median)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    times = []
+    for _ in range(repeats + 1):
+        start = cuda_timer()
+        dst.copy_(src, non_blocking=True)
+        times.append(cuda_timer() - start)
+    del src, dst
+    return nbytes / median(times[1:]) / 1e9
+
+
+def write_result(name: str, payload: dict) -> str:
+    out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"{name}.json")
+    payload = dict(payload, machine=machine(), when=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()))
+    with open(path, "w") as handle:
+        json.dump(payload, handle, indent=2)
+    print(f"wrote {path}")
+    return path

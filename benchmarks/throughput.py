@@ -1,0 +1,122 @@
+"""Resident vs streamed training throughput of a real-shape random-weight model.
+
+LoRA r=16 on every linear layer, bf16, batch 1. The resident baseline uses the same
+non-reentrant activation checkpointing the streamed layers use. In the same run the
+benchmark measures pinned host-to-device bandwidth, so it can state the bound:
+max(resident step time, bytes streamed per step / pinned bandwidth).
+
+    python benchmarks/throughput.py --shape llama3-8b --seq 2048 --configs 3:1,4:2
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+
+import torch
+from peft import LoraConfig, get_peft_model
+
+import layerstream
+from common import build_random, cuda_timer, median, pinned_bandwidth, write_result
+
+
+def run_steps(model, ids, steps: int, warmup: int):
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+    model.train()
+    times = []
+    for i in range(warmup + steps):
+        if i == warmup:
+            torch.cuda.reset_peak_memory_stats()
+        start = cuda_timer()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        elapsed = cuda_timer() - start
+        if i >= warmup:
+            times.append(elapsed)
+    del opt
+    return times, torch.cuda.max_memory_allocated()
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shape", default="llama3-8b")
+    parser.add_argument("--layers", type=int, default=None, help="fewer layers than the shape has")
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--configs", default="3:1,4:2", help="slots:prefetch list")
+    parser.add_argument("--no-resident", action="store_true")
+    parser.add_argument("--name", default=None)
+    args = parser.parse_args()
+
+    bandwidth = pinned_bandwidth()
+    print(f"pinned H2D bandwidth: {bandwidth:.1f} GB/s", flush=True)
+    model = build_random(args.shape, layers=args.layers)
+    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (args.batch, args.seq), device="cuda")
+    tokens = args.batch * args.seq
+    result = {"shape": args.shape, "layers": model.config.num_hidden_layers, "seq": args.seq,
+              "batch": args.batch, "steps": args.steps, "warmup": args.warmup,
+              "pinned_gbps": bandwidth, "rows": []}
+
+    if not args.no_resident:
+        model.cuda()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        times, peak = run_steps(model, ids, args.steps, args.warmup)
+        step = median(times)
+        result["resident"] = {"step_s": step, "tokens_per_s": tokens / step, "peak_gib": peak / 2**30,
+                              "times": times}
+        print("resident", result["resident"], flush=True)
+        model.gradient_checkpointing_disable()
+        model.cpu()
+        gc.collect()
+        torch.cuda.empty_cache()
+
+    for spec in args.configs.split(","):
+        slots, prefetch = (int(x) for x in spec.split(":"))
+        layerstream.stream_model(model, slots=slots, prefetch=prefetch)
+        model.cuda()
+        runtime = layerstream.get_runtime(model)
+        before = runtime.stats()
+        times, peak = run_steps(model, ids, args.steps, args.warmup)
+        after = runtime.stats()
+        step = median(times)
+        measured = args.steps + args.warmup
+        bytes_per_step = (after["h2d_bytes"] - before["h2d_bytes"]) / measured
+        copy_bound = bytes_per_step / (bandwidth * 1e9)
+        row = {"slots": slots, "prefetch": prefetch, "step_s": step, "tokens_per_s": tokens / step,
+               "peak_gib": peak / 2**30, "times": times,
+               "loads_per_step": (after["layer_loads"] - before["layer_loads"]) / measured,
+               "bytes_per_step": bytes_per_step, "copy_bound_s": copy_bound,
+               "h2d_gbps": after["h2d_gbps"],
+               "stall_s_per_step": (after["stall_seconds"] - before["stall_seconds"]) / measured,
+               "pinned": after["pinned"]}
+        if "resident" in result:
+            bound = max(result["resident"]["step_s"], copy_bound)
+            row["bound_s"] = bound
+            row["fraction_of_bound"] = bound / step
+            row["fraction_of_resident"] = result["resident"]["step_s"] / step
+        result["rows"].append(row)
+        print("streamed", {k: v for k, v in row.items() if k != "times"}, flush=True)
+        layerstream.unstream_model(model, device="cpu")
+        gc.collect()
+        torch.cuda.empty_cache()
+
+    print("| config | step s | tokens/s | peak GiB | loads/step | copy bound s | x resident | x bound |")
+    print("|---|---|---|---|---|---|---|---|")
+    if "resident" in result:
+        r = result["resident"]
+        print(f"| resident | {r['step_s']:.3f} | {r['tokens_per_s']:.0f} | {r['peak_gib']:.1f} | - | - | 1.00 | - |")
+    for row in result["rows"]:
+        print(f"| streamed {row['slots']}:{row['prefetch']} | {row['step_s']:.3f} | {row['tokens_per_s']:.0f} | "
+              f"{row['peak_gib']:.1f} | {row['loads_per_step']:.1f} | {row['copy_bound_s']:.3f} | "
+              f"{row.get('fraction_of_resident', float('nan')):.2f} | {row.get('fraction_of_bound', float('nan')):.2f} |")
+    write_result(args.name or f"throughput-{args.shape}-seq{args.seq}", result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""On CUDA, copies race compute: delayed copies must still give bit-exact results.
+
+A sleep kernel queued on the copy stream before every copy makes each copy land long
+after the compute stream reaches the layer; only the ready-event wait keeps the result
+exact. The negative control drops that wait and must see wrong numbers.
+"""
+
+import pytest
+import torch
+
+import layerstream
+from tiny import assert_traces_equal, batch, peft_pair, stream, train_steps
+
+pytestmark = pytest.mark.gpu
+
+DELAY_CYCLES = 2_000_000  # ~1 ms on an H200: far longer than a tiny layer's compute
+
+
+def _delay_copies(runtime, monkeypatch):
+    pool = runtime.pool
+    original = pool.load
+
+    def delayed(record, slot, source=None):
+        with torch.cuda.stream(pool.copy_stream):
+            pool.copy_stream.wait_stream(torch.cuda.current_stream(pool.device))
+            torch.cuda._sleep(DELAY_CYCLES)
+        return original(record, slot, source)
+
+    monkeypatch.setattr(pool, "load", delayed)
+
+
+def _race_pair(dtype, monkeypatch, layers=8):
+    streamed, resident = peft_pair("llama", layers=layers, dtype=dtype, attn="eager",
+                                   hidden_size=256, intermediate_size=1024, head_dim=64)
+    stream(streamed, "cuda", slots=2, prefetch=1)
+    resident.to("cuda")
+    _delay_copies(layerstream.get_runtime(streamed), monkeypatch)
+    return streamed, resident
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_delayed_copies_stay_exact_in_training(dtype, monkeypatch):
+    streamed, resident = _race_pair(dtype, monkeypatch)
+    assert_traces_equal(train_steps(streamed, 10, "cuda", seq=4), train_steps(resident, 10, "cuda", seq=4))
+    stats = layerstream.get_runtime(streamed).stats()
+    assert stats["stalls"] > 0 and stats["stall_seconds"] > 0, "the race must have been real"
+
+
+def test_delayed_copies_stay_exact_in_inference(monkeypatch):
+    streamed, resident = _race_pair(torch.bfloat16, monkeypatch)
+    ids = batch(96, seq=4, device="cuda")
+    with torch.no_grad():
+        for _ in range(5):
+            assert torch.equal(streamed(input_ids=ids).logits, resident(input_ids=ids).logits)
+
+
+def test_skipping_the_ready_wait_is_caught(monkeypatch):
+    streamed, resident = _race_pair(torch.bfloat16, monkeypatch)
+    pool = layerstream.get_runtime(streamed).pool
+
+    def acquire_without_wait(slot, layer):
+        assert pool.owner[slot] == layer
+
+    monkeypatch.setattr(pool, "acquire", acquire_without_wait)
+    ids = batch(96, seq=4, device="cuda")
+    with torch.no_grad():
+        mismatches = sum(not torch.equal(streamed(input_ids=ids).logits, resident(input_ids=ids).logits)
+                         for _ in range(5))
+    assert mismatches > 0
+
+
+def test_streamed_host_store_is_pinned():
+    streamed, _ = peft_pair("llama", layers=3)
+    stream(streamed, "cuda", slots=2, prefetch=1)
+    runtime = layerstream.get_runtime(streamed)
+    assert runtime.stats()["pinned"] is True
+    assert all(v.is_pinned() for r in runtime.records for v in r.host_values)
