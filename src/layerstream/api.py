@@ -38,9 +38,11 @@ def get_runtime(model: nn.Module) -> StreamRuntime:
     return runtime
 
 
-def _check_layers_on_host(layers: nn.ModuleList, path: str) -> None:
+def _check_layers_on_host(layers: nn.ModuleList, path: str, streamed) -> None:
     for index, layer in enumerate(layers):
         for name, tensor in list(layer.named_parameters()) + list(layer.named_buffers()):
+            if not streamed(tensor):
+                continue  # trainable or shared tensors stay resident wherever they are
             where = tensor.device
             if where.type == "meta":
                 raise StreamingError(
@@ -106,8 +108,8 @@ def stream_model(model: nn.Module, config: Optional[StreamConfig] = None, **over
             "streaming it again with other settings."
         )
     path, layers = find_decoder_layers(model)
-    _check_layers_on_host(layers, path)
     streamed = _streamed_predicate(model, layers)
+    _check_layers_on_host(layers, path, streamed)
     records = [HostStore.plan_layer(i, layer_name(path, i), layer, streamed) for i, layer in enumerate(layers)]
     empty = [r.name for r in records if not r.entries]
     if len(empty) == len(records):

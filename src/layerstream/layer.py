@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Dict, Type
 
+import torch
 from torch import nn
 
 _SUBCLASSES: Dict[type, type] = {}
@@ -38,13 +39,26 @@ class StreamedLayerMixin:
         pass
 
     def __call__(self, *args, **kwargs):
-        return self._layerstream_runtime.call_layer(self, args, kwargs)
+        return _streamed_call(self, args, kwargs)
 
     def _apply(self, fn, recurse=True):
         runtime = self._layerstream_runtime
         runtime.check_apply(fn)
         with runtime.streamed_tensors_hidden(self._layerstream_index):
             return super()._apply(fn, recurse)
+
+
+def _streamed_call(layer, args, kwargs):
+    return layer._layerstream_runtime.call_layer(layer, args, kwargs)
+
+
+# torch.compile would otherwise turn a raised error into a graph break and run on; a
+# forbidden callable stops compilation, and its name is the message the user sees.
+_streamed_call.__qualname__ = (
+    "layerstream: torch.compile cannot trace a streamed decoder layer (its weights change "
+    "place on every call); run the model eagerly, or compile only modules that do not stream"
+)
+torch._dynamo.forbid_in_graph(_streamed_call)
 
 
 def streamed_class(cls: Type[nn.Module]) -> Type[nn.Module]:

@@ -71,10 +71,6 @@ class StreamRuntime:
             self._bindings[key] = binding
         return binding
 
-    def _host_binding(self, index: int) -> list:
-        record = self.records[index]
-        return [(e.table, e.name, v) for e, v in zip(record.entries, record.host_values)]
-
     # -- the hot path --------------------------------------------------------------
     def _enter(self, index: int, phase: Phase) -> int:
         plan = self.planner.visit(index, phase)
@@ -99,8 +95,8 @@ class StreamRuntime:
         try:
             return layer_mod.call_unstreamed(layer, args, kwargs)
         finally:
-            for entry, host in zip(record.entries, record.host_values):
-                entry.table[entry.name] = host
+            for table, name, host in record.host_binding:
+                table[name] = host
 
     def call_layer(self, layer: nn.Module, args, kwargs):
         index = layer._layerstream_index
@@ -205,24 +201,29 @@ class StreamRuntime:
 
     @contextlib.contextmanager
     def streamed_tensors_hidden(self, index: int):
-        """Hide a layer's streamed tensors from ``nn.Module._apply`` while it runs."""
-        record = self.records[index]
+        """Hide a layer's streamed tensors from ``nn.Module._apply`` while it runs.
+
+        The ``_parameters``/``_buffers`` dicts are edited in place and restored in their
+        original order: bindings hold these dict objects, and state_dict order must not
+        change.
+        """
+        names_by_table: Dict[int, Tuple[dict, set]] = {}
+        for entry in self.records[index].entries:
+            table = entry.table
+            names_by_table.setdefault(id(table), (table, set()))[1].add(entry.name)
         saved = []
-        streamed_names: Dict[Tuple[int, str], set] = {}
-        for entry in record.entries:
-            streamed_names.setdefault((id(entry.module), entry.kind), set()).add(entry.name)
-        modules = {id(e.module): e.module for e in record.entries}
-        for (mod_id, kind), names in streamed_names.items():
-            module = modules[mod_id]
-            full = getattr(module, kind)
-            saved.append((module, kind, full, names))
-            object.__setattr__(module, kind, {k: v for k, v in full.items() if k not in names})
+        for table, names in names_by_table.values():
+            original = list(table.items())
+            saved.append((table, names, original))
+            for name in names:
+                del table[name]
         try:
             yield
         finally:
-            for module, kind, full, names in saved:
-                changed = getattr(module, kind)
-                object.__setattr__(module, kind, {k: full[k] if k in names else changed[k] for k in full})
+            for table, names, original in saved:
+                changed = dict(table)
+                table.clear()
+                table.update((k, v if k in names else changed[k]) for k, v in original)
 
     # -- stats ---------------------------------------------------------------------
     def stats(self) -> dict:

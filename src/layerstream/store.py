@@ -17,7 +17,9 @@ power of two, which can cost close to double the host RAM.
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -65,25 +67,63 @@ class LayerRecord:
     host_region: Optional[torch.Tensor] = None
     host_values: List[torch.Tensor] = field(default_factory=list)
     host_data_ptrs: List[int] = field(default_factory=list)
+    host_binding: List[tuple] = field(default_factory=list)  # (table, name, host tensor)
 
 
 class PinError(RuntimeError):
     pass
 
 
+def _loaded_cudart():
+    """The CUDA runtime library this process already loaded (for cudaGetLastError)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libcudart.so" in line}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        try:
+            return ctypes.CDLL(path)
+        except OSError:
+            continue
+    return None
+
+
+def clear_cuda_error() -> None:
+    """Reset the CUDA runtime's last error after a failed (non-sticky) runtime call.
+
+    Left set, the error would surface at the next kernel launch check, far from its
+    cause. torch does not expose cudaGetLastError, so call it from the loaded runtime;
+    where the runtime is linked statically, let one kernel launch check consume it.
+    """
+    lib = _loaded_cudart()
+    if lib is not None:
+        lib.cudaGetLastError()
+        return
+    try:
+        torch.empty(1, device="cuda").fill_(0)
+    except Exception:  # the launch check reported (and reset) the stale error
+        pass
+
+
 def _register(tensor: torch.Tensor) -> None:
     cudart = torch.cuda.cudart()
     code = int(cudart.cudaHostRegister(tensor.data_ptr(), tensor.numel() * tensor.element_size(), 0))
     if code != 0:
-        torch.cuda.cudart().cudaGetLastError()  # clear the sticky error so later calls work
+        clear_cuda_error()
         raise PinError(f"cudaHostRegister failed with CUDA error {code}")
 
 
 def _unregister(tensor: torch.Tensor) -> None:
     code = int(torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr()))
     if code != 0:
-        torch.cuda.cudart().cudaGetLastError()
+        clear_cuda_error()
         logger.warning("layerstream: cudaHostUnregister failed with CUDA error %d", code)
+
+
+def _unregister_all(arenas: List[torch.Tensor]) -> None:
+    for arena in arenas:
+        _unregister(arena)
 
 
 def _host_view(arena_np, offset: int, nbytes: int, dtype: torch.dtype, shape) -> torch.Tensor:
@@ -102,6 +142,7 @@ class HostStore:
         self.arenas: List[torch.Tensor] = []
         self._arena_np: list = []
         self.records: List[LayerRecord] = []
+        self._unpin = None  # finaliser: unregister before the arena memory can be freed
 
     @property
     def host_bytes(self) -> int:
@@ -158,13 +199,17 @@ class HostStore:
             self._fill(record)
 
     def _pin_all(self) -> None:
+        registered: List[torch.Tensor] = []
         try:
             for arena in self.arenas:
                 _register(arena)
+                registered.append(arena)
             self.pinned = True
+            # memory freed while still registered would make a later registration of
+            # the same pages fail: unregister whenever the store goes away
+            self._unpin = weakref.finalize(self, _unregister_all, list(self.arenas))
         except PinError as exc:
-            for arena in self.arenas[: self.arenas.index(arena)]:
-                _unregister(arena)
+            _unregister_all(registered)
             self.pinned = False
             gib = self.host_bytes / 2**30
             logger.warning(
@@ -195,11 +240,12 @@ class HostStore:
                 table[entry.name] = view
             record.host_values.append(table[entry.name])
         record.host_data_ptrs = [v.data_ptr() for v in record.host_values]
+        record.host_binding = [(e.table, e.name, v) for e, v in zip(record.entries, record.host_values)]
 
     def release(self) -> None:
-        if self.pinned:
-            for arena in self.arenas:
-                _unregister(arena)
+        if self._unpin is not None:
+            self._unpin()
+            self._unpin = None
         self.pinned = False
         self.arenas = []
         self._arena_np = []

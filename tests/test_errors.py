@@ -1,0 +1,126 @@
+"""Bad input fails early with a message that says what to do."""
+
+import pytest
+import torch
+from torch import nn
+
+import layerstream
+from layerstream import StreamConfig, StreamConfigError
+from tiny import peft_pair, stream, tiny_model
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(slots=1), "slots=1 is too few"),
+    (dict(slots=3, prefetch=3), "prefetch must be >= 1 and < slots"),
+    (dict(slots=3, prefetch=0), "prefetch must be >= 1"),
+    (dict(slots="3"), "slots must be an integer"),
+    (dict(device="tpu"), "not a torch device|streams to CUDA devices"),
+    (dict(device="cpu", pin=True), "pin=True needs a CUDA device"),
+    (dict(arena_bytes=10), "arena_bytes"),
+])
+def test_config_values_out_of_range(kwargs, match):
+    kwargs.setdefault("device", "cpu")
+    with pytest.raises(StreamConfigError, match=match):
+        StreamConfig(**kwargs)
+
+
+def test_unknown_config_field():
+    with pytest.raises(StreamConfigError, match="unknown StreamConfig field"):
+        StreamConfig(device="cpu").replace(slotz=3)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU default")
+def test_default_device_without_cuda_says_what_to_pass():
+    with pytest.raises(StreamConfigError, match="device='cpu'"):
+        StreamConfig()
+
+
+def test_streaming_twice():
+    model = tiny_model(layers=3)
+    layerstream.stream_model(model, device="cpu")
+    with pytest.raises(layerstream.StreamingError, match="already streamed"):
+        layerstream.stream_model(model, device="cpu")
+
+
+def test_model_on_meta():
+    with torch.device("meta"):
+        model = tiny_model(layers=3)
+    with pytest.raises(layerstream.StreamingError, match="meta device"):
+        layerstream.stream_model(model, device="cpu")
+
+
+@pytest.mark.gpu
+def test_model_already_on_the_gpu():
+    model = tiny_model(layers=3).cuda()
+    with pytest.raises(layerstream.StreamingError, match="already on cuda"):
+        layerstream.stream_model(model)
+
+
+def test_model_without_a_decoder_stack():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    with pytest.raises(layerstream.NoDecoderStackError, match="GradientCheckpointingLayer"):
+        layerstream.stream_model(model, device="cpu")
+
+
+def test_training_streamed_weights_without_freezing():
+    model = tiny_model(layers=3)
+    layerstream.stream_model(model, device="cpu")
+    ids = torch.randint(3, 90, (1, 6))
+    with pytest.raises(layerstream.StreamingError, match="requires grad.*Freeze"):
+        model(input_ids=ids, labels=ids)
+
+
+def test_input_left_on_another_device():
+    model = tiny_model(layers=3)
+    layerstream.stream_model(model, device="cpu")
+    runtime = layerstream.get_runtime(model)
+    runtime.device = torch.device("meta")  # stands in for "streams to cuda, input on cpu"
+    with pytest.raises(layerstream.StreamingError, match=r"model.to\("):
+        model(input_ids=torch.randint(3, 90, (1, 6)))
+
+
+def test_torch_compile_of_a_streamed_model():
+    streamed, _ = peft_pair("llama", layers=3)
+    stream(streamed, "cpu")
+    compiled = torch.compile(streamed, backend="eager", fullgraph=False)
+    with pytest.raises(Exception, match="torch.compile cannot trace a streamed"):
+        with torch.no_grad():
+            compiled(input_ids=torch.randint(3, 90, (1, 6)))
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture_of_a_streamed_model():
+    streamed, _ = peft_pair("llama", layers=3)
+    stream(streamed, "cuda")
+    ids = torch.randint(3, 90, (1, 6), device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(Exception, match="CUDA graph capture"):
+        with torch.no_grad(), torch.cuda.graph(graph):
+            streamed(input_ids=ids)
+
+
+def test_moving_to_a_device_other_than_the_stream_device_is_refused():
+    streamed, _ = peft_pair("llama", layers=3)
+    stream(streamed, "cpu")
+
+    class Probe:  # what t.to("cuda:7") would return, without needing eight GPUs
+        def __init__(self, tensor):
+            self.dtype, self.device = tensor.dtype, torch.device("cuda", 7)
+
+    with pytest.raises(layerstream.StreamingError, match="moving it to cuda:7"):
+        layerstream.get_runtime(streamed).check_apply(Probe)
+
+
+def test_get_runtime_of_a_plain_model():
+    with pytest.raises(layerstream.StreamingError, match="not streamed"):
+        layerstream.get_runtime(tiny_model(layers=2))
+
+
+def test_kv_cache_with_past_tokens_under_autograd():
+    streamed, _ = peft_pair("llama", layers=3)
+    stream(streamed, "cpu")
+    ids = torch.randint(3, 90, (1, 6))
+    with torch.no_grad():
+        cache = streamed(input_ids=ids, use_cache=True).past_key_values
+    with pytest.raises(layerstream.StreamingError, match="torch.no_grad"):
+        streamed(input_ids=ids[:, :1], past_key_values=cache, use_cache=True)

@@ -1,0 +1,107 @@
+"""The prefetch planner: pure logic, every order for a grid of shapes."""
+
+import random
+
+import pytest
+
+from layerstream.schedule import Phase, PrefetchPlanner
+
+GRID = [(layers, slots, prefetch) for layers in (1, 2, 3, 5, 8) for slots in (2, 3, 4)
+        for prefetch in range(1, slots)]
+
+
+def training_step(layers):
+    return [(i, Phase.TRAIN_FORWARD) for i in range(layers)] + \
+           [(i, Phase.BACKWARD) for i in reversed(range(layers))]
+
+
+def run(planner, visits):
+    plans = []
+    for layer, phase in visits:
+        plan = planner.visit(layer, phase)
+        assert planner.owner[plan.slot] == layer, "the visited layer must own its slot"
+        assert len(planner.resident()) <= planner.slots
+        assert len(set(planner.resident())) == len(planner.resident()), "a layer in two slots"
+        loaded_slots = [slot for _, slot in plan.loads]
+        assert len(set(loaded_slots)) == len(loaded_slots), "two copies into one slot in one visit"
+        if not plan.demand:
+            assert plan.slot not in loaded_slots, "the computing slot must not be overwritten"
+        assert len(plan.loads) <= planner.prefetch + 1
+        plans.append(plan)
+    return plans
+
+
+@pytest.mark.parametrize("layers,slots,prefetch", GRID)
+def test_training_steady_state_has_no_demand_loads(layers, slots, prefetch):
+    planner = PrefetchPlanner(layers, slots, prefetch)
+    run(planner, training_step(layers))  # first step: cold slots
+    plans = run(planner, training_step(layers) * 3)
+    assert not any(p.demand for p in plans)
+
+
+@pytest.mark.parametrize("layers,slots,prefetch", GRID)
+def test_backward_reuses_the_layers_left_by_forward(layers, slots, prefetch):
+    planner = PrefetchPlanner(layers, slots, prefetch)
+    run(planner, training_step(layers))
+    run(planner, [(i, Phase.TRAIN_FORWARD) for i in range(layers)])
+    left = set(planner.resident())
+    assert left == set(range(max(0, layers - slots), layers))
+    loaded = set()
+    for i in reversed(range(layers)):
+        loaded |= {layer for layer, _ in planner.visit(i, Phase.BACKWARD).loads}
+    assert not (loaded & left), "layers still in slots at the turnaround must not be copied again"
+
+
+@pytest.mark.parametrize("layers,slots,prefetch", GRID)
+def test_loads_per_training_step(layers, slots, prefetch):
+    """Each step copies every layer twice except those kept across both turnarounds."""
+    planner = PrefetchPlanner(layers, slots, prefetch)
+    run(planner, training_step(layers))
+    plans = run(planner, training_step(layers))
+    loads = sum(len(p.loads) for p in plans)
+    kept = min(slots, layers)
+    assert loads == max(0, 2 * (layers - kept))
+
+
+@pytest.mark.parametrize("layers,slots,prefetch", GRID)
+def test_inference_prefetches_ahead_and_wraps_to_the_first_layer(layers, slots, prefetch):
+    planner = PrefetchPlanner(layers, slots, prefetch)
+    forward = [(i, Phase.INFERENCE) for i in range(layers)]
+    run(planner, forward)
+    plans = run(planner, forward * 3)
+    assert not any(p.demand for p in plans)
+    # at the last layer, the first layers of the next pass are already on their way
+    assert set(range(min(prefetch, layers))) <= set(planner.resident())
+
+
+def test_prefetch_depth_is_honoured():
+    planner = PrefetchPlanner(10, 4, 3)
+    plan = planner.visit(0, Phase.INFERENCE)
+    assert plan.demand and [layer for layer, _ in plan.loads] == [0, 1, 2, 3]
+    plan = planner.visit(1, Phase.INFERENCE)
+    assert [layer for layer, _ in plan.loads] == [4]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_random_orders_keep_the_invariants(seed):
+    rng = random.Random(seed)
+    layers, slots = rng.randint(1, 9), rng.randint(2, 5)
+    planner = PrefetchPlanner(layers, slots, rng.randint(1, slots - 1))
+    visits = [(rng.randrange(layers), rng.choice(list(Phase))) for _ in range(300)]
+    run(planner, visits)
+
+
+def test_upcoming_follows_the_training_cycle():
+    planner = PrefetchPlanner(4, 3, 2)
+    assert planner.upcoming(2, Phase.TRAIN_FORWARD, 3) == [3, 1, 0]
+    assert planner.upcoming(1, Phase.BACKWARD, 3) == [0, 2, 3]
+    assert planner.upcoming(3, Phase.INFERENCE, 2) == [0, 1]
+
+
+def test_bad_shapes_are_refused():
+    with pytest.raises(ValueError):
+        PrefetchPlanner(0, 2, 1)
+    with pytest.raises(ValueError):
+        PrefetchPlanner(4, 2, 2)
+    with pytest.raises(IndexError):
+        PrefetchPlanner(4, 2, 1).visit(4, Phase.INFERENCE)

@@ -1,0 +1,133 @@
+"""Streaming changes no name, key, value or saved file, and moves only the resident part."""
+
+import copy
+
+import pytest
+import torch
+from peft import PeftModel, get_peft_model
+from transformers import AutoModelForCausalLM
+
+import layerstream
+from tiny import assert_traces_equal, lora_config, peft_pair, stream, tiny_model, train_steps
+
+
+def _state_equal(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert list(sa) == list(sb), "state_dict keys or their order changed"
+    for key in sa:
+        assert torch.equal(sa[key].cpu(), sb[key].cpu()), key
+
+
+def test_state_dict_and_parameter_names_are_unchanged(device):
+    streamed, resident = peft_pair("qwen2", layers=4)
+    names = [n for n, _ in streamed.named_parameters()]
+    params = [p for p in streamed.parameters()]
+    stream(streamed, device, slots=2)
+    assert [n for n, _ in streamed.named_parameters()] == names
+    assert all(a is b for a, b in zip(streamed.parameters(), params)), "Parameter objects replaced"
+    _state_equal(streamed, resident)
+
+
+def test_move_applies_only_to_the_resident_part():
+    streamed, _ = peft_pair("llama", layers=3)
+    stream(streamed, "cpu", slots=2)
+    runtime = layerstream.get_runtime(streamed)
+    streamed_ids = {id(v) for r in runtime.records for v in r.host_values}
+    before = {n: p.data_ptr() for n, p in streamed.named_parameters()}
+    streamed._apply(lambda t: t.clone())  # what .to() does, with a visible effect
+    for name, param in streamed.named_parameters():
+        moved = param.data_ptr() != before[name]
+        assert moved == (id(param) not in streamed_ids), name
+    assert list(streamed.state_dict()) == list(copy.deepcopy(streamed).state_dict())
+
+
+def test_casting_streamed_weights_is_refused():
+    streamed, _ = peft_pair("llama", layers=3)
+    stream(streamed, "cpu", slots=2)
+    streamed.to(torch.float32)  # no change: allowed
+    with pytest.raises(layerstream.StreamingError, match="cast streamed weights"):
+        streamed.half()
+
+
+def test_save_pretrained_writes_the_plain_model(tmp_path):
+    model = tiny_model("llama", layers=4)
+    reference = copy.deepcopy(model)
+    layerstream.stream_model(model, slots=2, device="cpu")
+    model.save_pretrained(tmp_path / "streamed")
+    reference.save_pretrained(tmp_path / "plain")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "streamed")
+    _state_equal(loaded, reference)
+    assert sorted(p.name for p in (tmp_path / "streamed").iterdir()) == \
+        sorted(p.name for p in (tmp_path / "plain").iterdir())
+
+
+def test_adapters_save_and_load_like_the_plain_model(tmp_path):
+    streamed, resident = peft_pair("llama", layers=4)
+    stream(streamed, "cpu", slots=2)
+    train_steps(streamed, 2)
+    streamed.save_pretrained(tmp_path / "adapter")
+    reloaded = PeftModel.from_pretrained(tiny_model("llama", layers=4), tmp_path / "adapter")
+    layerstream.stream_model(reloaded, slots=3, device="cpu")
+    for (name, a), (_, b) in zip(streamed.named_parameters(), reloaded.named_parameters()):
+        if "lora_" in name:
+            assert torch.equal(a, b), name
+    ids = torch.randint(3, 90, (1, 8))
+    with torch.no_grad():
+        assert torch.equal(streamed(input_ids=ids).logits, reloaded(input_ids=ids).logits)
+
+
+def test_peft_applied_after_streaming_matches_resident():
+    base = tiny_model("mistral", layers=5)
+    resident = get_peft_model(copy.deepcopy(base), lora_config())
+    layerstream.stream_model(base, slots=2, device="cpu")
+    streamed = get_peft_model(base, lora_config())
+    streamed.load_state_dict(resident.state_dict())
+    assert_traces_equal(train_steps(streamed, 10), train_steps(resident, 10))
+
+
+def test_unstream_restores_the_plain_model(device):
+    streamed, resident = peft_pair("gemma", layers=4)
+    layer_types = [type(layer) for layer in streamed.base_model.model.model.layers]
+    stream(streamed, device, slots=2)
+    resident.to(device)
+    train_steps(streamed, 2, device)
+    train_steps(resident, 2, device)
+    layerstream.unstream_model(streamed)
+    assert not layerstream.is_streamed(streamed)
+    assert [type(layer) for layer in streamed.base_model.model.model.layers] == layer_types
+    assert all(p.device.type == device for p in streamed.parameters())
+    _state_equal(streamed, resident)
+    assert_traces_equal(train_steps(streamed, 2, device), train_steps(resident, 2, device))
+
+
+def test_tied_embeddings_stay_tied_and_resident(device):
+    streamed, _ = peft_pair("gemma", layers=3)  # gemma ties input and output embeddings
+    stream(streamed, device, slots=2)
+    inner = streamed.base_model.model
+    assert inner.lm_head.weight is inner.model.embed_tokens.weight
+    assert inner.lm_head.weight.device.type == device
+
+
+def test_user_gradient_checkpointing_flag_is_accepted(device):
+    streamed, resident = peft_pair("llama", layers=4)
+    stream(streamed, device, slots=2)
+    resident.to(device)
+    streamed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert_traces_equal(train_steps(streamed, 3, device), train_steps(resident, 3, device))
+
+
+def test_stats_report_the_required_counters(device):
+    streamed, _ = peft_pair("llama", layers=5)
+    stream(streamed, device, slots=3, prefetch=2)
+    train_steps(streamed, 2, device)
+    stats = layerstream.get_runtime(streamed).stats()
+    for key in ("layer_loads", "h2d_bytes", "h2d_seconds", "stall_seconds", "peak_resident_layers",
+                "slot_bytes", "host_bytes", "pinned"):
+        assert key in stats, key
+    runtime = layerstream.get_runtime(streamed)
+    assert stats["visits"] == 2 * 2 * 5
+    assert stats["h2d_bytes"] == stats["layer_loads"] * runtime.records[0].nbytes
+    assert stats["peak_resident_layers"] == 3
+    assert stats["host_bytes"] >= sum(r.nbytes for r in runtime.records)
+    assert stats["slot_bytes"] == 3 * runtime.pool.slot_bytes
+    assert stats["h2d_seconds"] > 0
