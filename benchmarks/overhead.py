@@ -1,11 +1,15 @@
-"""Host time per streamed layer visit, on CUDA, with compute too small to hide it.
+"""Host time that streaming adds per layer visit, on CUDA, with compute too small to hide it.
 
-A 64-layer Llama-shaped model with hidden size 64 at 16 tokens: the GPU finishes each
-layer in microseconds, so a step's wall time is host time. The streamed step minus the
-resident step, divided by the number of layer visits, is what streaming adds per visit.
-Training compares against resident training with the same non-reentrant checkpointing
-(the streamed layers checkpoint themselves), so checkpointing's own cost is not charged
-to streaming; the no-checkpointing figure is reported beside it.
+A deep Llama-shaped model with hidden size 64 at 16 tokens: the GPU finishes each layer
+in microseconds, so a step's wall time is host time. Two figures per configuration:
+
+- engine time: host time spent inside layerstream per visit (planning, issuing copies,
+  event waits, binding and unbinding slot tensors), measured by timing the streamed
+  call around the layer's own forward.
+- A/B difference: streamed step minus resident step, run alternately in the same loop
+  (so drift cancels), divided by layer visits. Training compares against resident
+  training with the same non-reentrant checkpointing (streamed layers checkpoint
+  themselves); the difference to resident training without checkpointing is reported too.
 
     python benchmarks/overhead.py            # writes $OUT/overhead.json or benchmarks/results/
 """
@@ -14,12 +18,15 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
+import time
 
 import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import layerstream
+from layerstream import layer as layer_mod
 from common import cuda_timer, median, write_result
 
 
@@ -32,71 +39,130 @@ def tiny_deep_model(layers: int):
     return get_peft_model(model, LoraConfig(r=16, target_modules="all-linear"))
 
 
-def time_steps(model, ids, train: bool, iters: int, warmup: int) -> float:
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4) if train else None
-    times = []
-    for i in range(warmup + iters):
+class Stepper:
+    def __init__(self, model, ids, train: bool):
+        self.model, self.ids, self.train = model, ids, train
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(params, lr=1e-4) if train else None
+        model.train(train)
+
+    def __call__(self) -> float:
         start = cuda_timer()
-        if train:
-            model.train()
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        if self.train:
+            self.model(input_ids=self.ids, labels=self.ids).loss.backward()
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
         else:
-            model.eval()
             with torch.no_grad():
-                model(input_ids=ids)
-        elapsed = cuda_timer() - start
+                self.model(input_ids=self.ids)
+        return cuda_timer() - start
+
+
+class EngineClock:
+    """Accumulates host time inside StreamRuntime._run that is not the layer's own call."""
+
+    def __init__(self, runtime):
+        self.total = 0.0
+        self.inner = 0.0
+        self.visits = 0
+        run, call = runtime._run, layer_mod.call_unstreamed
+
+        def timed_call(layer, args, kwargs):
+            start = time.perf_counter()
+            try:
+                return call(layer, args, kwargs)
+            finally:
+                self.inner += time.perf_counter() - start
+
+        def timed_run(*a, **k):
+            start = time.perf_counter()
+            try:
+                return run(*a, **k)
+            finally:
+                self.total += time.perf_counter() - start
+                self.visits += 1
+
+        layer_mod.call_unstreamed = timed_call
+        runtime._run = timed_run
+
+    def reset(self):
+        self.total = self.inner = 0.0
+        self.visits = 0
+
+    def per_visit_us(self) -> float:
+        return (self.total - self.inner) / max(self.visits, 1) * 1e6
+
+
+def ab(resident_step, streamed_step, iters, warmup):
+    diffs, res_times = [], []
+    for i in range(warmup + iters):
+        if i % 2:
+            a = resident_step(); b = streamed_step()
+        else:
+            b = streamed_step(); a = resident_step()
         if i >= warmup:
-            times.append(elapsed)
-    return median(times)
+            diffs.append(b - a)
+            res_times.append(a)
+    return median(diffs), median(res_times)
 
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--layers", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--seq", type=int, default=16)
-    parser.add_argument("--iters", type=int, default=30)
-    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--configs", default="2:1,3:1,4:2")
     args = parser.parse_args()
     ids = torch.randint(0, 256, (1, args.seq), device="cuda")
     base = tiny_deep_model(args.layers)
-    resident = copy.deepcopy(base).cuda()
-    results = {"layers": args.layers, "seq": args.seq, "iters": args.iters}
-    results["resident_infer_s"] = time_steps(resident, ids, False, args.iters, args.warmup)
-    results["resident_train_s"] = time_steps(resident, ids, True, args.iters, args.warmup)
-    resident.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    results["resident_train_ckpt_s"] = time_steps(resident, ids, True, args.iters, args.warmup)
-    del resident
-    rows = []
-    for slots, prefetch in [(2, 1), (3, 1), (4, 2)]:
+    plain = copy.deepcopy(base).cuda()
+    checkpointed = copy.deepcopy(base).cuda()
+    checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    results = {"layers": args.layers, "seq": args.seq, "iters": args.iters, "rows": []}
+    gc.disable()
+    original_call = layer_mod.call_unstreamed
+    for spec in args.configs.split(","):
+        slots, prefetch = (int(x) for x in spec.split(":"))
         model = copy.deepcopy(base)
         layerstream.stream_model(model, slots=slots, prefetch=prefetch)
         model.cuda()
-        infer = time_steps(model, ids, False, args.iters, args.warmup)
-        train = time_steps(model, ids, True, args.iters, args.warmup)
-        stats = layerstream.get_runtime(model).stats()
-        row = {
-            "slots": slots, "prefetch": prefetch,
-            "streamed_infer_s": infer, "streamed_train_s": train,
-            "infer_overhead_us_per_visit": (infer - results["resident_infer_s"]) / args.layers * 1e6,
-            # a training step visits each layer twice (forward, then recompute in backward)
-            "train_overhead_us_per_visit": (train - results["resident_train_ckpt_s"]) / (2 * args.layers) * 1e6,
-            "train_overhead_vs_no_ckpt_us_per_visit": (train - results["resident_train_s"]) / (2 * args.layers) * 1e6,
-            "pinned": stats["pinned"],
-        }
-        rows.append(row)
+        runtime = layerstream.get_runtime(model)
+        row = {"slots": slots, "prefetch": prefetch}
+        diff, res = ab(Stepper(plain, ids, False), Stepper(model, ids, False), args.iters, args.warmup)
+        row["infer_ab_us_per_visit"] = diff / args.layers * 1e6
+        row["resident_infer_us_per_layer"] = res / args.layers * 1e6
+        diff, res = ab(Stepper(checkpointed, ids, True), Stepper(model, ids, True), args.iters, args.warmup)
+        row["train_ab_us_per_visit"] = diff / (2 * args.layers) * 1e6
+        row["resident_ckpt_train_us_per_visit"] = res / (2 * args.layers) * 1e6
+        diff, _ = ab(Stepper(plain, ids, True), Stepper(model, ids, True), args.iters, args.warmup)
+        row["train_ab_vs_no_ckpt_us_per_visit"] = diff / (2 * args.layers) * 1e6
+        clock = EngineClock(runtime)
+        for train in (False, True):
+            step = Stepper(model, ids, train)
+            for _ in range(args.warmup):
+                step()
+            clock.reset()
+            for _ in range(args.iters):
+                step()
+            row["engine_train_us_per_visit" if train else "engine_infer_us_per_visit"] = clock.per_visit_us()
+        layer_mod.call_unstreamed = original_call
+        row["pinned"] = runtime.stats()["pinned"]
+        results["rows"].append(row)
         print(row, flush=True)
+        del runtime._run
         layerstream.unstream_model(model, device="cpu")
         del model
         torch.cuda.empty_cache()
-    results["rows"] = rows
-    print(f"| slots | prefetch | inference us/visit | training us/visit (vs ckpt) | training us/visit (vs no ckpt) |")
-    print("|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['slots']} | {r['prefetch']} | {r['infer_overhead_us_per_visit']:.1f} | "
-              f"{r['train_overhead_us_per_visit']:.1f} | {r['train_overhead_vs_no_ckpt_us_per_visit']:.1f} |")
+    gc.enable()
+    print("| slots:prefetch | engine us/visit (infer) | engine us/visit (train) | A/B us/visit infer | "
+          "A/B us/visit train (vs ckpt) | A/B train (vs no ckpt) | resident us/layer infer |")
+    print("|---|---|---|---|---|---|---|")
+    for r in results["rows"]:
+        print(f"| {r['slots']}:{r['prefetch']} | {r['engine_infer_us_per_visit']:.1f} | "
+              f"{r['engine_train_us_per_visit']:.1f} | {r['infer_ab_us_per_visit']:.1f} | "
+              f"{r['train_ab_us_per_visit']:.1f} | {r['train_ab_vs_no_ckpt_us_per_visit']:.1f} | "
+              f"{r['resident_infer_us_per_layer']:.0f} |")
     write_result("overhead", results)
 
 

@@ -75,3 +75,27 @@ def test_streamed_host_store_is_pinned():
     runtime = layerstream.get_runtime(streamed)
     assert runtime.stats()["pinned"] is True
     assert all(v.is_pinned() for r in runtime.records for v in r.host_values)
+
+
+def test_refused_pinning_falls_back_loudly_and_clears_the_cuda_error(monkeypatch, caplog):
+    from layerstream import store as store_mod
+
+    original = store_mod._register
+
+    def refuse(tensor):
+        # a real CUDA refusal: registering the same pages twice fails
+        original(tensor)
+        try:
+            original(tensor)
+        finally:
+            store_mod._unregister(tensor)
+
+    monkeypatch.setattr(store_mod, "_register", refuse)
+    streamed, resident = peft_pair("llama", layers=4, attn="eager")
+    with caplog.at_level("WARNING", logger="layerstream"):
+        stream(streamed, "cuda", slots=2, prefetch=1)
+    assert "could not page-lock" in caplog.text and "8x slower" in caplog.text
+    assert layerstream.get_runtime(streamed).stats()["pinned"] is False
+    resident.to("cuda")
+    torch.cuda.synchronize()  # no stale CUDA error surfaces here or in the steps below
+    assert_traces_equal(train_steps(streamed, 3, "cuda"), train_steps(resident, 3, "cuda"))

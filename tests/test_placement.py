@@ -1,0 +1,41 @@
+"""Accelerate and Trainer place a streamed model like any other, moving only its resident part."""
+
+import pytest
+import torch
+from accelerate import Accelerator
+from datasets import Dataset
+from transformers import Trainer, TrainingArguments
+
+import layerstream
+from tiny import assert_traces_equal, batch, peft_pair, stream, train_steps
+
+
+def test_accelerator_prepare_keeps_the_model_streamed():
+    streamed, resident = peft_pair("llama", layers=4)
+    stream(streamed, "cpu", slots=2)
+    accelerator = Accelerator(cpu=True)
+    prepared = accelerator.prepare(streamed)
+    assert layerstream.is_streamed(prepared)
+    assert_traces_equal(train_steps(prepared, 10), train_steps(resident, 10))
+
+
+def _trainer_losses(model, tmp_path, name):
+    rows = [{"input_ids": batch(96, size=1, seq=10, seed=s)[0].tolist()} for s in range(16)]
+    data = Dataset.from_list(rows).map(lambda r: {"labels": r["input_ids"]})
+    args = TrainingArguments(output_dir=str(tmp_path / name), per_device_train_batch_size=2,
+                             max_steps=6, learning_rate=1e-2, logging_steps=1, report_to=[],
+                             use_cpu=True, save_strategy="no", seed=0, data_seed=0,
+                             gradient_checkpointing=True,
+                             gradient_checkpointing_kwargs={"use_reentrant": False})
+    trainer = Trainer(model=model, args=args, train_dataset=data)
+    trainer.train()
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+def test_trainer_trains_a_streamed_model_like_the_resident_one(tmp_path):
+    streamed, resident = peft_pair("qwen3", layers=4)
+    stream(streamed, "cpu", slots=2)
+    got = _trainer_losses(streamed, tmp_path, "streamed")
+    expected = _trainer_losses(resident, tmp_path, "resident")
+    assert len(got) == 6 and got == expected
+    assert layerstream.get_runtime(streamed).stats()["layer_loads"] > 0
