@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import argparse
 import gc
+import gzip
+import os
+import time
 
 import torch
 from peft import LoraConfig, get_peft_model
@@ -20,23 +23,42 @@ import layerstream
 from common import build_random, cuda_timer, median, pinned_bandwidth, write_result
 
 
-def run_steps(model, ids, steps: int, warmup: int):
+def run_steps(model, ids, steps: int, warmup: int, trace: str | None = None):
+    """Timed optimizer steps; also the host time to enqueue each step (before the sync)."""
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     model.train()
-    times = []
-    for i in range(warmup + steps):
-        if i == warmup:
-            torch.cuda.reset_peak_memory_stats()
+    times, host = [], []
+
+    def step():
         start = cuda_timer()
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        elapsed = cuda_timer() - start
+        enqueued = time.perf_counter() - start
+        return cuda_timer() - start, enqueued
+
+    for i in range(warmup + steps):
+        if i == warmup:
+            torch.cuda.reset_peak_memory_stats()
+        elapsed, enqueued = step()
         if i >= warmup:
             times.append(elapsed)
+            host.append(enqueued)
+    peak = torch.cuda.max_memory_allocated()
+    if trace:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            step()
+        raw = trace + ".json"
+        prof.export_chrome_trace(raw)
+        with open(raw, "rb") as src, gzip.open(trace + ".json.gz", "wb") as dst:
+            dst.write(src.read())
+        os.remove(raw)
+        print(f"wrote {trace}.json.gz", flush=True)
     del opt
-    return times, torch.cuda.max_memory_allocated()
+    return times, host, peak
 
 
 def main():
@@ -50,6 +72,7 @@ def main():
     parser.add_argument("--configs", default="3:1,4:2", help="slots:prefetch list")
     parser.add_argument("--no-resident", action="store_true")
     parser.add_argument("--name", default=None)
+    parser.add_argument("--trace", default=None, help="slots:prefetch config to profile one step of")
     args = parser.parse_args()
 
     bandwidth = pinned_bandwidth()
@@ -66,10 +89,10 @@ def main():
     if not args.no_resident:
         model.cuda()
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        times, peak = run_steps(model, ids, args.steps, args.warmup)
+        times, host, peak = run_steps(model, ids, args.steps, args.warmup)
         step = median(times)
         result["resident"] = {"step_s": step, "tokens_per_s": tokens / step, "peak_gib": peak / 2**30,
-                              "times": times}
+                              "host_s": median(host), "times": times}
         print("resident", result["resident"], flush=True)
         model.gradient_checkpointing_disable()
         model.cpu()
@@ -82,14 +105,18 @@ def main():
         model.cuda()
         runtime = layerstream.get_runtime(model)
         before = runtime.stats()
-        times, peak = run_steps(model, ids, args.steps, args.warmup)
+        out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
+        trace = os.path.join(out_dir, f"trace-{args.shape}-{slots}x{prefetch}") if spec == args.trace else None
+        times, host, peak = run_steps(model, ids, args.steps, args.warmup)
         after = runtime.stats()
+        if trace:
+            run_steps(model, ids, 0, 1, trace=trace)
         step = median(times)
         measured = args.steps + args.warmup
         bytes_per_step = (after["h2d_bytes"] - before["h2d_bytes"]) / measured
         copy_bound = bytes_per_step / (bandwidth * 1e9)
         row = {"slots": slots, "prefetch": prefetch, "step_s": step, "tokens_per_s": tokens / step,
-               "peak_gib": peak / 2**30, "times": times,
+               "peak_gib": peak / 2**30, "host_s": median(host), "times": times,
                "loads_per_step": (after["layer_loads"] - before["layer_loads"]) / measured,
                "bytes_per_step": bytes_per_step, "copy_bound_s": copy_bound,
                "h2d_gbps": after["h2d_gbps"],
@@ -106,14 +133,14 @@ def main():
         gc.collect()
         torch.cuda.empty_cache()
 
-    print("| config | step s | tokens/s | peak GiB | loads/step | copy bound s | x resident | x bound |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| config | step s | host s | tokens/s | peak GiB | loads/step | stall s/step | copy bound s | x resident | x bound |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     if "resident" in result:
         r = result["resident"]
-        print(f"| resident | {r['step_s']:.3f} | {r['tokens_per_s']:.0f} | {r['peak_gib']:.1f} | - | - | 1.00 | - |")
+        print(f"| resident | {r['step_s']:.3f} | {r['host_s']:.3f} | {r['tokens_per_s']:.0f} | {r['peak_gib']:.1f} | - | - | - | 1.00 | - |")
     for row in result["rows"]:
-        print(f"| streamed {row['slots']}:{row['prefetch']} | {row['step_s']:.3f} | {row['tokens_per_s']:.0f} | "
-              f"{row['peak_gib']:.1f} | {row['loads_per_step']:.1f} | {row['copy_bound_s']:.3f} | "
+        print(f"| streamed {row['slots']}:{row['prefetch']} | {row['step_s']:.3f} | {row['host_s']:.3f} | {row['tokens_per_s']:.0f} | "
+              f"{row['peak_gib']:.1f} | {row['loads_per_step']:.1f} | {row['stall_s_per_step']:.3f} | {row['copy_bound_s']:.3f} | "
               f"{row.get('fraction_of_resident', float('nan')):.2f} | {row.get('fraction_of_bound', float('nan')):.2f} |")
     write_result(args.name or f"throughput-{args.shape}-seq{args.seq}", result)
 

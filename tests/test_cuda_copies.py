@@ -20,11 +20,11 @@ def _delay_copies(runtime, monkeypatch):
     pool = runtime.pool
     original = pool.load
 
-    def delayed(record, slot, source=None):
+    def delayed(record, slot, compute=None, source=None):
         with torch.cuda.stream(pool.copy_stream):
             pool.copy_stream.wait_stream(torch.cuda.current_stream(pool.device))
             torch.cuda._sleep(DELAY_CYCLES)
-        return original(record, slot, source)
+        return original(record, slot, compute, source)
 
     monkeypatch.setattr(pool, "load", delayed)
 
@@ -58,7 +58,7 @@ def test_skipping_the_ready_wait_is_caught(monkeypatch):
     streamed, resident = _race_pair(torch.bfloat16, monkeypatch)
     pool = layerstream.get_runtime(streamed).pool
 
-    def acquire_without_wait(slot, layer):
+    def acquire_without_wait(slot, layer, compute=None):
         assert pool.owner[slot] == layer
 
     monkeypatch.setattr(pool, "acquire", acquire_without_wait)

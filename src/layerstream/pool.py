@@ -54,6 +54,9 @@ class SlotPool:
         if self.cuda:
             self.copy_stream = torch.cuda.Stream(device=device)
             self.ready = [torch.cuda.Event() for _ in range(slots)]
+            # marks how far the compute stream had been queued when a copy was issued;
+            # one event re-recorded each time (a wait binds to the record before it)
+            self._compute_mark = torch.cuda.Event()
             self._events = _EventPool()
             # (start, end, kind) timing pairs not yet read; kind "copy" or "stall"
             self._pending: Deque[Tuple[torch.cuda.Event, torch.cuda.Event, str]] = deque()
@@ -63,7 +66,11 @@ class SlotPool:
         return sum(b.numel() for b in self.buffers)
 
     # -- copies --------------------------------------------------------------------
-    def load(self, record: LayerRecord, slot: int, source: Optional[torch.Tensor] = None) -> None:
+    def compute_stream(self):
+        """The stream layers compute on now (None on the host)."""
+        return torch.cuda.current_stream(self.device) if self.cuda else None
+
+    def load(self, record: LayerRecord, slot: int, compute=None, source: Optional[torch.Tensor] = None) -> None:
         """Copy a layer's region into a slot. ``source`` overrides the region (tests)."""
         src = record.host_region if source is None else source
         nbytes = record.nbytes
@@ -76,20 +83,27 @@ class SlotPool:
             dst.copy_(src)
             self.h2d_seconds += time.perf_counter() - start
             return
-        compute = torch.cuda.current_stream(self.device)
+        if compute is None:
+            compute = torch.cuda.current_stream(self.device)
         stream = self.copy_stream
-        stream.wait_stream(compute)  # previous owner's readers are all queued before this point
+        # the previous owner's readers are all queued on the compute stream by now
+        mark = self._compute_mark
+        mark.record(compute)
+        stream.wait_event(mark)
         start, end = self._events.get(), self._events.get()
-        with torch.cuda.stream(stream):
+        torch.cuda.set_stream(stream)
+        try:
             start.record(stream)
             dst.copy_(src, non_blocking=True)
             end.record(stream)
             self.ready[slot].record(stream)
+        finally:
+            torch.cuda.set_stream(compute)
         self._pending.append((start, end, "copy"))
         if len(self._pending) > 64:
             self._drain(block=False)
 
-    def acquire(self, slot: int, layer: int) -> None:
+    def acquire(self, slot: int, layer: int, compute=None) -> None:
         """Make the compute stream wait for the slot's copy; check the owner first."""
         if self.owner[slot] != layer:
             raise SlotOwnerError(
@@ -101,7 +115,8 @@ class SlotPool:
         ready = self.ready[slot]
         if ready.query():
             return
-        compute = torch.cuda.current_stream(self.device)
+        if compute is None:
+            compute = torch.cuda.current_stream(self.device)
         start, end = self._events.get(), self._events.get()
         start.record(compute)
         compute.wait_event(ready)

@@ -74,11 +74,13 @@ class StreamRuntime:
     # -- the hot path --------------------------------------------------------------
     def _enter(self, index: int, phase: Phase) -> int:
         plan = self.planner.visit(index, phase)
+        pool = self.pool
+        compute = pool.compute_stream()
         source = self._load_source
         for layer, slot in plan.loads:
-            self.pool.load(self.records[layer], slot,
-                           None if source is None else source(layer, slot))
-        self.pool.acquire(plan.slot, index)
+            pool.load(self.records[layer], slot, compute,
+                      None if source is None else source(layer, slot))
+        pool.acquire(plan.slot, index, compute)
         self.visits += 1
         if plan.demand:
             self.demand_loads += 1
