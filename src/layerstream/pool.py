@@ -45,6 +45,7 @@ class SlotPool:
         self.slot_bytes = slot_bytes
         self.buffers = [torch.empty(max(slot_bytes, 1), dtype=torch.uint8, device=device) for _ in range(slots)]
         self.owner: List[Optional[int]] = [None] * slots
+        self._destinations: dict = {}  # (slot, nbytes) -> view of the slot buffer
         # counters
         self.loads = 0
         self.h2d_bytes = 0
@@ -57,6 +58,8 @@ class SlotPool:
             # marks how far the compute stream had been queued when a copy was issued;
             # one event re-recorded each time (a wait binds to the record before it)
             self._compute_mark = torch.cuda.Event()
+            self._device_index = device.index
+            self._streams: dict = {}
             self._events = _EventPool()
             # (start, end, kind) timing pairs not yet read; kind "copy" or "stall"
             self._pending: Deque[Tuple[torch.cuda.Event, torch.cuda.Event, str]] = deque()
@@ -67,14 +70,26 @@ class SlotPool:
 
     # -- copies --------------------------------------------------------------------
     def compute_stream(self):
-        """The stream layers compute on now (None on the host)."""
-        return torch.cuda.current_stream(self.device) if self.cuda else None
+        """The stream layers compute on now (None on the host).
+
+        Looked up by raw handle and cached: building a torch Stream object on every
+        visit costs more host time than the rest of the visit's CUDA calls.
+        """
+        if not self.cuda:
+            return None
+        raw = torch._C._cuda_getCurrentRawStream(self._device_index)
+        stream = self._streams.get(raw)
+        if stream is None:
+            stream = self._streams[raw] = torch.cuda.current_stream(self.device)
+        return stream
 
     def load(self, record: LayerRecord, slot: int, compute=None, source: Optional[torch.Tensor] = None) -> None:
         """Copy a layer's region into a slot. ``source`` overrides the region (tests)."""
         src = record.host_region if source is None else source
         nbytes = record.nbytes
-        dst = self.buffers[slot][:nbytes]
+        dst = self._destinations.get((slot, nbytes))
+        if dst is None:
+            dst = self._destinations[(slot, nbytes)] = self.buffers[slot][:nbytes]
         self.owner[slot] = record.index
         self.loads += 1
         self.h2d_bytes += nbytes
@@ -148,6 +163,12 @@ class SlotPool:
         """Read every outstanding timing event (waits for them; not for the hot path)."""
         if self.cuda:
             self._drain(block=True)
+
+    def release(self) -> None:
+        """Free the slot buffers (the pool is unusable afterwards)."""
+        self.settle()
+        self._destinations.clear()
+        self.buffers = []
 
     def forget(self) -> None:
         """Treat every slot as empty (after a fault or when layers were rebuilt)."""

@@ -273,9 +273,8 @@ class StreamRuntime:
 
     def close(self) -> None:
         """Release slots and host arenas (after the model's tensors were copied out)."""
-        self.pool.settle()
         self._bindings.clear()
-        self.pool.buffers = []
+        self.pool.release()
         self.store.release()
 
     def reset_slots(self) -> None:

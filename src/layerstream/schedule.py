@@ -62,6 +62,9 @@ class PrefetchPlanner:
         self.prefetch = prefetch
         self.owner: List[Optional[int]] = [None] * slots
         self.slot_of: dict = {}
+        # (layer, phase) -> ((target, visits until needed), ...): the lookahead is a pure
+        # function of the visit, so the hot path reads it instead of recomputing it
+        self._lookahead: dict = {}
 
     # -- the predicted order -------------------------------------------------------
     def _cycle(self, phase: Phase) -> int:
@@ -137,12 +140,16 @@ class PrefetchPlanner:
                 raise RuntimeError("no slot can take the visited layer")
             self._assign(layer, slot)
             loads.append((layer, slot))
+        lookahead = self._lookahead.get((layer, phase))
+        if lookahead is None:
+            lookahead = tuple((t, self._distance(t, position, phase))
+                              for t in self.upcoming(layer, phase, self.prefetch))
+            self._lookahead[(layer, phase)] = lookahead
         keep = {layer}
-        for target in self.upcoming(layer, phase, self.prefetch):
+        for target, needed_at in lookahead:
             keep.add(target)
             if target in self.slot_of:
                 continue
-            needed_at = self._distance(target, position, phase)
             victim = self._victim(needed_at, position, phase, keep)
             if victim is None:
                 break
