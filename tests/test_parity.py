@@ -44,6 +44,17 @@ def test_training_matches_resident_in_each_dtype(dtype, device):
     assert_traces_equal(train_steps(streamed, STEPS, device), train_steps(resident, STEPS, device))
 
 
+def test_layers_of_different_sizes_share_the_slots(device):
+    # qwen3_moe with dense MLPs in layers 1 and 3: two layer sizes in one stack
+    streamed, resident = peft_pair("qwen3_moe", layers=6, attn=_attn(device), mlp_only_layers=[1, 3])
+    stream(streamed, device, slots=2, prefetch=1)
+    resident.to(device)
+    sizes = {r.nbytes for r in layerstream.get_runtime(streamed).records}
+    assert len(sizes) == 2
+    assert layerstream.get_runtime(streamed).pool.slot_bytes == max(sizes)
+    assert_traces_equal(train_steps(streamed, STEPS, device), train_steps(resident, STEPS, device))
+
+
 def test_gradient_accumulation_matches_resident(device):
     streamed, resident = peft_pair("llama", layers=5, attn=_attn(device))
     stream(streamed, device, slots=2, prefetch=1)
