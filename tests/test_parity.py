@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import layerstream
-from tiny import FAMILIES, assert_traces_equal, batch, peft_pair, stream, train_steps
+from layerstream.schedule import PrefetchPlanner
+from tiny import FAMILIES, assert_traces_equal, batch, nearest_valid_victim, peft_pair, stream, train_steps
 
 STEPS = 10
 
@@ -52,6 +53,14 @@ def test_layers_of_different_sizes_share_the_slots(device):
     sizes = {r.nbytes for r in layerstream.get_runtime(streamed).records}
     assert len(sizes) == 2
     assert layerstream.get_runtime(streamed).pool.slot_bytes == max(sizes)
+    assert_traces_equal(train_steps(streamed, STEPS, device), train_steps(resident, STEPS, device))
+
+
+def test_any_valid_slot_placement_stays_exact(device, monkeypatch):
+    monkeypatch.setattr(PrefetchPlanner, "_victim", nearest_valid_victim)
+    streamed, resident = peft_pair("llama", layers=6, attn=_attn(device))
+    stream(streamed, device, slots=3, prefetch=1)
+    resident.to(device)
     assert_traces_equal(train_steps(streamed, STEPS, device), train_steps(resident, STEPS, device))
 
 

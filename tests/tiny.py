@@ -110,3 +110,42 @@ def stream(model, device="cpu", **config):
     config.setdefault("prefetch", 1)
     layerstream.stream_model(model, device=device, **config)
     return model.to(device)
+
+
+def nf4_pair(tmp_path, family="llama", layers=5, dtype=torch.bfloat16, nested=True, **model_overrides):
+    """A streamed and a resident QLoRA model loaded from the same files by transformers
+    with BitsAndBytesConfig (NF4), each wrapped by PEFT (lora.Linear4bit), same adapters."""
+    from transformers import BitsAndBytesConfig
+
+    directory = tmp_path / f"{family}-{layers}-{str(dtype)[6:]}-{nested}"
+    if not directory.exists():
+        tiny_model(family, layers, dtype=dtype, hidden_size=64, intermediate_size=128, head_dim=16,
+                   **model_overrides).save_pretrained(directory)
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                               bnb_4bit_use_double_quant=nested, bnb_4bit_compute_dtype=dtype)
+
+    def load():
+        return AutoModelForCausalLM.from_pretrained(directory, quantization_config=quant, dtype=dtype,
+                                                    device_map="cpu")
+
+    resident = get_peft_model(load(), lora_config())
+    streamed = get_peft_model(load(), lora_config())
+    adapters = {k: v for k, v in resident.state_dict().items() if "lora_" in k}
+    streamed.load_state_dict(adapters, strict=False)
+    return streamed, resident
+
+
+def nearest_valid_victim(self, needed_at, position, phase, keep):
+    """An eviction policy that is valid (never evicts a layer needed before the one being
+    fetched) but differs from the planner's: it takes the owner needed soonest. Layers
+    then come back into other slots in backward than they had in forward."""
+    best_slot, best_distance = None, None
+    for slot, owner in enumerate(self.owner):
+        if owner is None:
+            return slot
+        if owner in keep:
+            continue
+        distance = self._distance(owner, position, phase)
+        if distance > needed_at and (best_distance is None or distance < best_distance):
+            best_slot, best_distance = slot, distance
+    return best_slot

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from . import layer as layer_mod
+from . import nf4
 from .config import StreamConfig
 from .discovery import find_decoder_layers, layer_name, unwrap_peft
 from .runtime import StreamingError, StreamRuntime
@@ -123,8 +124,16 @@ def stream_model(model: nn.Module, config: Optional[StreamConfig] = None, **over
     object.__setattr__(_holder(model), _ATTR, runtime)
     for index, layer in enumerate(layers):
         layer_mod.make_streamed(layer, runtime, index)
+    for module in _streamed_linear4bit(records):
+        layer_mod.make_streamed_linear4bit(module, runtime)
     logger.info(runtime.summary())
     return model
+
+
+def _streamed_linear4bit(records) -> list:
+    """The Linear4bit modules whose packed weight streams."""
+    modules = {id(e.module): e.module for r in records for e in r.entries if e.kind == "quant"}
+    return list(modules.values())
 
 
 def _resident_device(model: nn.Module, runtime: StreamRuntime) -> torch.device:
@@ -151,10 +160,14 @@ def unstream_model(model: nn.Module, device: Optional[Union[str, torch.device]] 
             if fresh is None:
                 fresh = host.detach().to(target, copy=True)
                 copies[entry.offset] = fresh
-            if isinstance(host, nn.Parameter):
+            if entry.kind == "quant":
+                nf4.set_quant_tensor(entry.module.weight.quant_state, entry.quant_path, fresh)
+            elif isinstance(host, nn.Parameter):
                 host.data = fresh
             else:
                 entry.table[entry.name] = fresh
+    for module in _streamed_linear4bit(runtime.records):
+        layer_mod.make_plain(module)
     for layer in runtime.layers:
         layer_mod.make_plain(layer)
     runtime.close()

@@ -22,7 +22,9 @@ from typing import Dict, Type
 import torch
 from torch import nn
 
-_SUBCLASSES: Dict[type, type] = {}
+from . import nf4
+
+_SUBCLASSES: Dict[tuple, type] = {}
 
 
 class StreamedLayerMixin:
@@ -61,14 +63,25 @@ _streamed_call.__qualname__ = (
 torch._dynamo.forbid_in_graph(_streamed_call)
 
 
-def streamed_class(cls: Type[nn.Module]) -> Type[nn.Module]:
-    """The streamed subclass of ``cls``, made once per class and reused."""
-    sub = _SUBCLASSES.get(cls)
+class StreamedLinear4bitMixin:
+    """Mixed in front of a bitsandbytes Linear4bit whose weight streams: routes its
+    matmul around MatMul4Bit (see nf4.py)."""
+
+    def forward(self, x):
+        weight = self.weight
+        return nf4.streamed_nf4_forward(self, x, getattr(weight, "_layerstream_owner", None),
+                                        self._layerstream_runtime.nf4_counts)
+
+
+def streamed_class(cls: Type[nn.Module], mixin: type = StreamedLayerMixin) -> Type[nn.Module]:
+    """The streamed subclass of ``cls`` (same name), made once per class and reused."""
+    key = (cls, mixin)
+    sub = _SUBCLASSES.get(key)
     if sub is None:
-        sub = type(cls.__name__, (StreamedLayerMixin, cls), {"__module__": cls.__module__,
-                                                             "__qualname__": cls.__qualname__,
-                                                             "_layerstream_base": cls})
-        _SUBCLASSES[cls] = sub
+        sub = type(cls.__name__, (mixin, cls), {"__module__": cls.__module__,
+                                                "__qualname__": cls.__qualname__,
+                                                "_layerstream_base": cls})
+        _SUBCLASSES[key] = sub
     return sub
 
 
@@ -81,6 +94,11 @@ def make_streamed(layer: nn.Module, runtime, index: int) -> None:
     layer.__class__ = streamed_class(type(layer))
     object.__setattr__(layer, "_layerstream_runtime", runtime)
     object.__setattr__(layer, "_layerstream_index", index)
+
+
+def make_streamed_linear4bit(module: nn.Module, runtime) -> None:
+    module.__class__ = streamed_class(type(module), StreamedLinear4bitMixin)
+    object.__setattr__(module, "_layerstream_runtime", runtime)
 
 
 def make_plain(layer: nn.Module) -> None:

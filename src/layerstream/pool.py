@@ -142,6 +142,14 @@ class SlotPool:
     def owns(self, slot: int, layer: int) -> bool:
         return self.owner[slot] == layer
 
+    def slot_of_pointer(self, pointer: int) -> Optional[int]:
+        """The slot whose buffer contains this device address (None: not slot memory)."""
+        for slot, buffer in enumerate(self.buffers):
+            start = buffer.data_ptr()
+            if start <= pointer < start + buffer.numel():
+                return slot
+        return None
+
     # -- lazy timing ---------------------------------------------------------------
     def _drain(self, block: bool) -> None:
         pending = self._pending

@@ -20,7 +20,8 @@ from torch.utils.checkpoint import checkpoint
 
 from . import layer as layer_mod
 from .config import StreamConfig
-from .pool import SlotPool
+from . import nf4
+from .pool import SlotOwnerError, SlotPool
 from .schedule import Phase, PrefetchPlanner
 from .store import HostStore, LayerRecord
 
@@ -52,6 +53,7 @@ class StreamRuntime:
         self.demand_loads = 0
         self.peak_resident_layers = 0
         self._warned_cache = False
+        self.nf4_counts = {"nf4_function_calls": 0, "nf4_dequant_calls": 0}
         # test hook: replace the copied bytes of a load (negative controls)
         self._load_source = None
 
@@ -62,14 +64,45 @@ class StreamRuntime:
         if binding is None:
             buffer = self.pool.buffers[slot]
             record = self.records[index]
+            views = [buffer[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape) for e in record.entries]
+            quant: Dict[int, dict] = {}
+            for entry, view in zip(record.entries, views):
+                if entry.kind == "quant":
+                    quant.setdefault(id(entry.module), {})[entry.quant_path] = view
             binding = []
-            for entry in record.entries:
-                view = buffer[entry.offset : entry.offset + entry.nbytes].view(entry.dtype).view(entry.shape)
+            for entry, view, host in zip(record.entries, views, record.host_values):
+                if not entry.bound:
+                    continue
                 if entry.kind == "_parameters":
-                    view = nn.Parameter(view, requires_grad=False)
+                    host_state = getattr(host, "quant_state", None)
+                    if host_state is not None and id(entry.module) in quant:
+                        state = nf4.clone_state(host_state, quant[id(entry.module)])
+                        view = nf4.slot_weight(host, view, state)
+                        view._layerstream_owner = self._owner_check(index)
+                    else:
+                        view = nn.Parameter(view, requires_grad=False)
                 binding.append((entry.table, entry.name, view))
             self._bindings[key] = binding
         return binding
+
+    def _owner_check(self, index: int):
+        """A check for backward: the slot a saved tensor lives in still holds this layer.
+
+        The slot is found from the tensor's address, not remembered: under checkpointing
+        the tensors backward reads come from the recompute, which may use another slot
+        than the forward did.
+        """
+        pool, name = self.pool, self.records[index].name
+
+        def check(tensor: torch.Tensor) -> None:
+            slot = pool.slot_of_pointer(tensor.data_ptr())
+            if slot is None or not pool.owns(slot, index):
+                holder = None if slot is None else pool.owner[slot]
+                raise SlotOwnerError(
+                    f"backward of {name} reads slot {slot}, which holds layer {holder}"
+                )
+
+        return check
 
     # -- the hot path --------------------------------------------------------------
     def _enter(self, index: int, phase: Phase) -> int:
@@ -211,6 +244,8 @@ class StreamRuntime:
         """
         names_by_table: Dict[int, Tuple[dict, set]] = {}
         for entry in self.records[index].entries:
+            if not entry.bound:
+                continue
             table = entry.table
             names_by_table.setdefault(id(table), (table, set()))[1].add(entry.name)
         saved = []
@@ -249,6 +284,7 @@ class StreamRuntime:
             "host_bytes": self.store.host_bytes,
             "pinned": self.store.pinned,
             "device": str(self.device),
+            **self.nf4_counts,
         }
 
     def summary(self) -> str:

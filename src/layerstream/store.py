@@ -26,6 +26,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from . import nf4
+
 logger = logging.getLogger(__name__)
 
 ALIGN = 512  # bytes; keeps every tensor aligned for vectorised kernels on host and device
@@ -40,8 +42,8 @@ class TensorEntry:
     """One frozen tensor of a layer: where it is bound and where it lives in the region."""
 
     module: nn.Module
-    kind: str  # "_parameters" or "_buffers"
-    name: str
+    kind: str  # "_parameters" or "_buffers" (bound per call), or "quant" (a QuantState tensor)
+    name: str  # key in the table, or for "quant" the dotted path in the weight's QuantState
     offset: int
     nbytes: int
     shape: Tuple[int, ...]
@@ -51,6 +53,15 @@ class TensorEntry:
     @property
     def table(self) -> dict:
         return getattr(self.module, self.kind)
+
+    @property
+    def bound(self) -> bool:
+        """Bound into a module table per call (quant tensors ride on their weight)."""
+        return self.kind != "quant"
+
+    @property
+    def quant_path(self) -> Tuple[str, ...]:
+        return tuple(self.name.split("."))
 
 
 @dataclass
@@ -173,6 +184,22 @@ class HostStore:
                     qualified = f"{name}.{mod_name}.{tname}" if mod_name else f"{name}.{tname}"
                     entries.append(TensorEntry(mod, kind, tname, tensor_offset, nbytes,
                                                tuple(tensor.shape), tensor.dtype, qualified))
+            # a streamed 4-bit weight brings its quant-state tensors into the region
+            state = getattr(getattr(mod, "weight", None), "quant_state", None)
+            weight = mod._parameters.get("weight") if hasattr(mod, "_parameters") else None
+            if state is None or weight is None or id(weight) not in placed:
+                continue
+            for path, tensor in nf4.quant_tensors(state):
+                nbytes = tensor.numel() * tensor.element_size()
+                if id(tensor) in placed:
+                    tensor_offset, _ = placed[id(tensor)]
+                else:
+                    tensor_offset = offset
+                    placed[id(tensor)] = (offset, nbytes)
+                    offset += _aligned(nbytes)
+                dotted = ".".join(path)
+                entries.append(TensorEntry(mod, "quant", dotted, tensor_offset, nbytes, tuple(tensor.shape),
+                                           tensor.dtype, f"{name}.{mod_name}.weight.quant_state.{dotted}"))
         return LayerRecord(index=index, name=name, module=module, entries=entries, nbytes=offset)
 
     def build(self, records: List[LayerRecord]) -> None:
@@ -226,6 +253,16 @@ class HostStore:
         record.host_region = arena[base : base + record.nbytes]
         views: Dict[int, torch.Tensor] = {}
         for entry in record.entries:
+            if entry.kind == "quant":
+                state = entry.module.weight.quant_state
+                tensor = dict(nf4.quant_tensors(state))[entry.quant_path]
+                if entry.offset not in views:
+                    view = _host_view(arena_np, base + entry.offset, entry.nbytes, entry.dtype, entry.shape)
+                    view.copy_(tensor)
+                    views[entry.offset] = view
+                nf4.set_quant_tensor(state, entry.quant_path, views[entry.offset])
+                record.host_values.append(views[entry.offset])
+                continue
             table = entry.table
             tensor = table[entry.name]
             if entry.offset not in views:
@@ -240,7 +277,8 @@ class HostStore:
                 table[entry.name] = view
             record.host_values.append(table[entry.name])
         record.host_data_ptrs = [v.data_ptr() for v in record.host_values]
-        record.host_binding = [(e.table, e.name, v) for e, v in zip(record.entries, record.host_values)]
+        record.host_binding = [(e.table, e.name, v) for e, v in zip(record.entries, record.host_values)
+                               if e.bound]
 
     def release(self) -> None:
         if self._unpin is not None:
