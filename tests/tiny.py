@@ -112,9 +112,13 @@ def stream(model, device="cpu", **config):
     return model.to(device)
 
 
-def nf4_pair(tmp_path, family="llama", layers=5, dtype=torch.bfloat16, nested=True, **model_overrides):
+def nf4_pair(tmp_path, family="llama", layers=5, dtype=torch.bfloat16, nested=True, device="cpu",
+             **model_overrides):
     """A streamed and a resident QLoRA model loaded from the same files by transformers
-    with BitsAndBytesConfig (NF4), each wrapped by PEFT (lora.Linear4bit), same adapters."""
+    with BitsAndBytesConfig (NF4), each wrapped by PEFT (lora.Linear4bit), same adapters.
+
+    Both are quantised on the host, so their packed bytes are identical; on CUDA the
+    resident one is then moved to the GPU (the streamed one still needs ``stream``)."""
     from transformers import BitsAndBytesConfig
 
     directory = tmp_path / f"{family}-{layers}-{str(dtype)[6:]}-{nested}"
@@ -132,6 +136,8 @@ def nf4_pair(tmp_path, family="llama", layers=5, dtype=torch.bfloat16, nested=Tr
     streamed = get_peft_model(load(), lora_config())
     adapters = {k: v for k, v in resident.state_dict().items() if "lora_" in k}
     streamed.load_state_dict(adapters, strict=False)
+    if device != "cpu":
+        resident.to(device)
     return streamed, resident
 
 

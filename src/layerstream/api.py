@@ -120,6 +120,12 @@ def stream_model(model: nn.Module, config: Optional[StreamConfig] = None, **over
         )
     store = HostStore(config.arena_bytes, pin=bool(config.pin))
     store.build(records)
+    return attach_runtime(model, path, layers, config, records, store)
+
+
+def attach_runtime(model: nn.Module, path: str, layers: nn.ModuleList, config: StreamConfig,
+                   records, store: HostStore) -> nn.Module:
+    """Turn a model whose layers are packed in ``store`` into a streamed model."""
     runtime = StreamRuntime(model, layers, path, config, records, store)
     object.__setattr__(_holder(model), _ATTR, runtime)
     for index, layer in enumerate(layers):

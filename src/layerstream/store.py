@@ -154,6 +154,8 @@ class HostStore:
         self._arena_np: list = []
         self.records: List[LayerRecord] = []
         self._unpin = None  # finaliser: unregister before the arena memory can be freed
+        self._registered: List[torch.Tensor] = []
+        self._used = 0  # bytes used in the last arena (incremental filling)
 
     @property
     def host_bytes(self) -> int:
@@ -226,25 +228,60 @@ class HostStore:
             self._fill(record)
 
     def _pin_all(self) -> None:
-        registered: List[torch.Tensor] = []
+        for arena in self.arenas:
+            if not self._pin(arena):
+                return
+
+    def _pin(self, arena: torch.Tensor) -> bool:
+        """Page-lock one arena; on refusal unpin all, warn once, and go on pageable."""
+        if not self.requested_pin:
+            return False
         try:
-            for arena in self.arenas:
-                _register(arena)
-                registered.append(arena)
-            self.pinned = True
-            # memory freed while still registered would make a later registration of
-            # the same pages fail: unregister whenever the store goes away
-            self._unpin = weakref.finalize(self, _unregister_all, list(self.arenas))
+            _register(arena)
         except PinError as exc:
-            _unregister_all(registered)
+            self._unpin_now()
+            self.requested_pin = False
             self.pinned = False
-            gib = self.host_bytes / 2**30
             logger.warning(
-                "layerstream: could not page-lock %.2f GiB of host memory (%s). Falling back "
-                "to pageable memory: host-to-device copies will run about 8x slower (~7 GB/s "
-                "instead of ~55 GB/s) and will not overlap compute. Raise the locked-memory "
-                "limit (ulimit -l) or free host RAM to get pinned copies back.", gib, exc,
+                "layerstream: could not page-lock host memory for the layer store (%s). Falling "
+                "back to pageable memory: host-to-device copies will run about 8x slower (~7 GB/s "
+                "instead of ~55 GB/s) and will not overlap compute. Raise the locked-memory limit "
+                "(ulimit -l) or free host RAM to get pinned copies back.", exc,
             )
+            return False
+        self._registered.append(arena)
+        self.pinned = True
+        if self._unpin is None:
+            # memory freed while still registered would make a later registration of the
+            # same pages fail: unregister whenever the store goes away (the finaliser holds
+            # the list, so arenas pinned later are covered too)
+            self._unpin = weakref.finalize(self, _unregister_all, self._registered)
+        return True
+
+    def _unpin_now(self) -> None:
+        if self._unpin is not None:
+            self._unpin()
+            self._unpin = None
+        self._registered = []
+
+    def add(self, record: LayerRecord, expected_bytes: int = 0) -> None:
+        """Append one layer (loading layer by layer); a new arena starts when it does not fit.
+
+        ``expected_bytes`` (the bytes still to come, this layer included) keeps the last
+        arena from being much larger than what is left to store.
+        """
+        if not self.arenas or self._used + record.nbytes > self.arenas[-1].numel():
+            size = max(min(self.arena_bytes, max(expected_bytes, record.nbytes)), record.nbytes, ALIGN)
+            arena = torch.empty(size, dtype=torch.uint8)
+            self.arenas.append(arena)
+            self._arena_np.append(arena.numpy())
+            self._pin(arena)
+            self._used = 0
+        record.arena = len(self.arenas) - 1
+        record.arena_offset = self._used
+        self._used += record.nbytes
+        self.records.append(record)
+        self._fill(record)
 
     def _fill(self, record: LayerRecord) -> None:
         arena = self.arenas[record.arena]
@@ -281,9 +318,7 @@ class HostStore:
                                if e.bound]
 
     def release(self) -> None:
-        if self._unpin is not None:
-            self._unpin()
-            self._unpin = None
+        self._unpin_now()
         self.pinned = False
         self.arenas = []
         self._arena_np = []

@@ -1,0 +1,247 @@
+"""from_pretrained: load a causal LM straight into a streamed model, one layer at a time.
+
+The model is built on the meta device; the resident part (embeddings, final norm, head)
+is materialised and loaded first; then each decoder layer in turn is materialised on
+the host, filled from the safetensors files, quantised to NF4 if asked (on the GPU when
+there is one), and packed into the host store, which frees its unquantised weights. So
+loading holds at most about one layer of unquantised weights beyond the packed store.
+
+Only safetensors are read. A hub id is resolved with huggingface_hub (config and
+safetensors files only); remote code runs only with ``trust_remote_code=True``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+from collections import defaultdict
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional, Union
+
+import torch
+from torch import nn
+
+from .config import StreamConfig
+from .discovery import find_decoder_layers, layer_name
+from .store import HostStore
+
+logger = logging.getLogger(__name__)
+
+
+class LoadingError(ValueError):
+    pass
+
+
+def _resolve(model_id: Union[str, os.PathLike], revision: Optional[str]) -> Path:
+    path = Path(model_id)
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise LoadingError(f"{model_id} is a file; pass the directory that holds config.json and the weights")
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError as exc:  # pragma: no cover - a transformers dependency
+        raise LoadingError(f"{model_id} is not a local directory and huggingface_hub is missing") from exc
+    return Path(snapshot_download(str(model_id), revision=revision,
+                                  allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
+
+
+def _weight_files(directory: Path) -> Dict[str, Path]:
+    """tensor name -> safetensors file. Pickle checkpoints are refused."""
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        mapping = json.loads(index.read_text())["weight_map"]
+        return {name: directory / file for name, file in mapping.items()}
+    single = directory / "model.safetensors"
+    if single.exists():
+        from safetensors import safe_open
+
+        with safe_open(str(single), framework="pt") as handle:
+            return {name: single for name in handle.keys()}
+    pickles = sorted(p.name for p in directory.glob("*.bin")) + sorted(p.name for p in directory.glob("*.pt"))
+    if pickles:
+        raise LoadingError(
+            f"{directory} holds only pickle weights ({', '.join(pickles[:3])}). layerstream reads "
+            "safetensors only (pickle files can run code when loaded). Convert them once with "
+            "transformers (from_pretrained + save_pretrained(safe_serialization=True)) in a "
+            "process you trust."
+        )
+    raise LoadingError(f"no safetensors weights (model.safetensors or its index) in {directory}")
+
+
+class _Reader:
+    """Reads named tensors from the safetensors files; each file is opened (mapped) only
+    while the tensors of one module are read, so mapped pages do not pile up."""
+
+    def __init__(self, files: Dict[str, Path]):
+        self.files = files
+
+    def fill(self, targets: Dict[str, torch.Tensor]) -> List[str]:
+        """Copy each named tensor into its target, one at a time; returns names not found."""
+        from safetensors import safe_open
+
+        by_file: Dict[Path, List[str]] = defaultdict(list)
+        missing = []
+        for name in targets:
+            if name in self.files:
+                by_file[self.files[name]].append(name)
+            else:
+                missing.append(name)
+        with torch.no_grad():
+            for path, names in by_file.items():
+                with safe_open(str(path), framework="pt") as handle:
+                    for name in names:
+                        value = handle.get_tensor(name)
+                        target = targets[name]
+                        target.copy_(value.to(target.dtype) if value.is_floating_point() else value)
+                        del value
+        return missing
+
+
+def _load_module(module: nn.Module, prefix: str, reader: _Reader, recurse: bool = True) -> List[str]:
+    """Materialise a meta module on the host and fill it; returns names not found."""
+    module.to_empty(device="cpu", recurse=recurse)
+    wanted = {}
+    for name, tensor in (module.named_parameters(recurse=recurse)):
+        wanted[f"{prefix}{name}"] = tensor
+    persistent = []
+    for mod_name, mod in (module.named_modules() if recurse else [("", module)]):
+        for buf_name in mod._buffers:
+            if buf_name not in mod._non_persistent_buffers_set:
+                full = f"{mod_name}.{buf_name}" if mod_name else buf_name
+                persistent.append(full)
+    for name in persistent:
+        wanted[f"{prefix}{name}"] = module.get_buffer(name)
+    return reader.fill(wanted)
+
+
+def _return_freed_memory() -> None:
+    """Give freed heap memory back to the OS (glibc keeps it otherwise).
+
+    Each layer's unquantised weights are freed once the layer is packed, but glibc keeps
+    large freed blocks in the heap when smaller long-lived blocks sit above them; without
+    a trim, resident memory would grow by a fraction of every layer loaded.
+    """
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
+
+
+def _rebuild_computed_buffers(model: nn.Module) -> None:
+    """Buffers that checkpoints do not hold (rotary frequencies) are computed again."""
+    for module in model.modules():
+        if "inv_freq" in module._buffers and hasattr(module, "config"):
+            fresh = type(module)(module.config)
+            for name, buffer in fresh.named_buffers(recurse=False):
+                module._buffers[name] = buffer
+
+
+def _quantise_layer(layer: nn.Module, device: torch.device, dtype: torch.dtype, quant_config) -> None:
+    """Quantise every Linear4bit weight of a host layer (on ``device``), back on the host,
+    with the settings transformers would use for ``quant_config``."""
+    import bitsandbytes as bnb
+
+    settings = dict(quant_type=quant_config.bnb_4bit_quant_type,
+                    compress_statistics=quant_config.bnb_4bit_use_double_quant,
+                    quant_storage=quant_config.bnb_4bit_quant_storage)
+    for module in layer.modules():
+        if isinstance(module, bnb.nn.Linear4bit) and not getattr(module.weight, "bnb_quantized", False):
+            quantised = bnb.nn.Params4bit(module.weight.data.to(dtype), requires_grad=False, **settings)
+            quantised = quantised.to(device)
+            if device.type != "cpu":
+                quantised.quant_state.to("cpu")
+                quantised = bnb.nn.Params4bit(quantised.data.cpu(), requires_grad=False,
+                                              quant_state=quantised.quant_state,
+                                              blocksize=quantised.blocksize,
+                                              compress_statistics=quantised.compress_statistics,
+                                              quant_type=quantised.quant_type,
+                                              quant_storage=quantised.quant_storage, bnb_quantized=True)
+            quantised.module = module
+            module.weight = quantised
+
+
+def from_pretrained(model_id: Union[str, os.PathLike], *, quantization: Optional[str] = None,
+                    torch_dtype: torch.dtype = torch.bfloat16, stream: Optional[StreamConfig] = None,
+                    trust_remote_code: bool = False, bnb_4bit_use_double_quant: bool = True,
+                    bnb_4bit_compute_dtype: Optional[torch.dtype] = None, revision: Optional[str] = None,
+                    quantize_on: Optional[Union[str, torch.device]] = None):
+    """Load ``model_id`` (a local directory or a hub id) as a streamed causal LM.
+
+    quantization: None (weights in ``torch_dtype``) or "nf4" (bitsandbytes 4-bit,
+        double quantisation unless ``bnb_4bit_use_double_quant=False``). The result is a
+        4-bit model as transformers would load it with BitsAndBytesConfig: PEFT wraps it
+        with ``lora.Linear4bit`` and the Trainer accepts it for adapter training.
+    stream: the StreamConfig (default ``StreamConfig()``).
+    quantize_on: where NF4 quantisation runs; default the stream device.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .api import attach_runtime
+
+    if quantization not in (None, "none", "nf4"):
+        raise LoadingError(f"quantization={quantization!r}: use None or 'nf4'")
+    config_stream = stream if stream is not None else StreamConfig()
+    directory = _resolve(model_id, revision)
+    files = _weight_files(directory)
+    config = AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype, trust_remote_code=trust_remote_code)
+    quantizer = None
+    if quantization == "nf4":
+        from . import nf4
+
+        if not nf4.bnb_available():
+            raise LoadingError("quantization='nf4' needs bitsandbytes: pip install 'bitsandbytes>=0.50.2,<0.51'")
+        from transformers import BitsAndBytesConfig
+        from transformers.quantizers import AutoHfQuantizer
+
+        quant_config = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=bnb_4bit_use_double_quant,
+            bnb_4bit_compute_dtype=bnb_4bit_compute_dtype or torch_dtype)
+        quantizer = AutoHfQuantizer.from_config(quant_config, pre_quantized=False)
+        quantizer.preprocess_model(model, device_map=None, dtype=torch_dtype)
+        import bitsandbytes as bnb
+
+        for module in model.modules():  # unquantised weights arrive in torch_dtype, not fp32
+            if isinstance(module, bnb.nn.Linear4bit):
+                module.weight.data = torch.empty_like(module.weight.data, dtype=torch_dtype)
+    path, layers = find_decoder_layers(model)
+    reader = _Reader(files)
+    stack_modules = {id(m) for layer in layers for m in layer.modules()}
+
+    # the resident part: every module outside the stack
+    missing: List[str] = []
+    for name, module in model.named_modules():
+        if id(module) in stack_modules or module is layers:
+            continue
+        prefix = f"{name}." if name else ""
+        missing += _load_module(module, prefix, reader, recurse=False)
+    _rebuild_computed_buffers(model)
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()
+        missing = [m for m in missing if not m.endswith("lm_head.weight")]
+
+    quant_device = torch.device(quantize_on) if quantize_on is not None else config_stream.device
+    if quant_device.type == "cuda" and not torch.cuda.is_available():
+        quant_device = torch.device("cpu")
+    store = HostStore(config_stream.arena_bytes, pin=bool(config_stream.pin))
+    records = []
+    for index, layer in enumerate(layers):
+        prefix = f"{layer_name(path, index)}."
+        missing += _load_module(layer, prefix, reader)
+        if quantization == "nf4":
+            _quantise_layer(layer, quant_device, torch_dtype, quant_config)
+        record = HostStore.plan_layer(index, layer_name(path, index), layer, lambda t: True)
+        store.add(record, expected_bytes=record.nbytes * (len(layers) - index))
+        _return_freed_memory()
+    if missing:
+        raise LoadingError(f"{len(missing)} tensors were not found in {directory}: {missing[:5]}")
+    if quantizer is not None:
+        quantizer.postprocess_model(model)
+        model.hf_quantizer = quantizer
+    model.eval()
+    return attach_runtime(model, path, layers, config_stream, store.records, store)

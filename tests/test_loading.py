@@ -1,0 +1,153 @@
+"""layerstream.from_pretrained loads local safetensors one layer at a time and gives the
+same model transformers loads (4-bit or not), already streamed."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from peft import get_peft_model
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+import layerstream
+from tiny import assert_traces_equal, lora_config, tiny_model, train_steps
+
+bnb = pytest.importorskip("bitsandbytes")
+
+CPU = layerstream.StreamConfig(device="cpu", slots=2)
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    directory = tmp_path / "ckpt"
+    tiny_model("llama", layers=4, dtype=torch.bfloat16, hidden_size=64, intermediate_size=128,
+               head_dim=16).save_pretrained(directory, max_shard_size="100KB")
+    assert len(list(directory.glob("*.safetensors"))) > 2, "the test needs several shards"
+    return directory
+
+
+def _reference_nf4(directory, nested):
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=nested,
+                               bnb_4bit_compute_dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(directory, quantization_config=quant, dtype=torch.bfloat16,
+                                                 device_map="cpu")
+    for module in model.modules():  # see test_nf4_generation_matches_resident
+        if isinstance(module, bnb.nn.Linear4bit):
+            module.support_avx512bf16_for_cpu = False
+    return model
+
+
+def _same_state(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert list(sa) == list(sb)
+    for key in sa:
+        assert torch.equal(sa[key], sb[key]), key
+
+
+@pytest.mark.parametrize("nested", [True, False], ids=["double-quant", "single-quant"])
+def test_nf4_load_equals_transformers_4bit_load(checkpoint, nested):
+    streamed = layerstream.from_pretrained(checkpoint, quantization="nf4", stream=CPU,
+                                           bnb_4bit_use_double_quant=nested)
+    reference = _reference_nf4(checkpoint, nested)
+    assert layerstream.is_streamed(streamed) and streamed.is_loaded_in_4bit
+    _same_state(streamed, reference)
+    ids = torch.randint(3, 90, (2, 8))
+    with torch.no_grad():
+        assert torch.equal(streamed(input_ids=ids).logits, reference(input_ids=ids).logits)
+
+
+def test_qlora_on_a_loaded_model_matches_resident(checkpoint):
+    streamed = get_peft_model(layerstream.from_pretrained(checkpoint, quantization="nf4", stream=CPU),
+                              lora_config())
+    resident = get_peft_model(_reference_nf4(checkpoint, True), lora_config())
+    streamed.load_state_dict({k: v for k, v in resident.state_dict().items() if "lora_" in k}, strict=False)
+    assert any(type(m).__name__ == "Linear4bit" and hasattr(m, "lora_A") for m in streamed.modules())
+    assert_traces_equal(train_steps(streamed, 10), train_steps(resident, 10))
+
+
+def test_unquantised_load_equals_transformers_load(checkpoint):
+    streamed = layerstream.from_pretrained(checkpoint, torch_dtype=torch.bfloat16, stream=CPU)
+    reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16)
+    _same_state(streamed, reference)
+    ids = torch.randint(3, 90, (2, 8))
+    with torch.no_grad():
+        assert torch.equal(streamed(input_ids=ids).logits, reference(input_ids=ids).logits)
+
+
+def test_pickle_only_checkpoints_are_refused(tmp_path):
+    model = tiny_model("llama", layers=2)
+    model.config.save_pretrained(tmp_path)
+    torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")
+    with pytest.raises(layerstream.LoadingError, match="pickle weights.*safetensors only"):
+        layerstream.from_pretrained(tmp_path, stream=CPU)
+
+
+def test_remote_code_needs_trust(tmp_path, checkpoint):
+    config = json.loads((checkpoint / "config.json").read_text())
+    config["model_type"] = "layerstream_test_custom"  # unknown to transformers: only remote code has it
+    config["auto_map"] = {"AutoConfig": "configuration_custom.CustomConfig",
+                          "AutoModelForCausalLM": "modeling_custom.CustomModel"}
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="trust_remote_code"):
+        layerstream.from_pretrained(checkpoint, stream=CPU)
+
+
+def test_missing_tensors_are_reported(checkpoint):
+    index = json.loads((checkpoint / "model.safetensors.index.json").read_text())
+    dropped = next(k for k in index["weight_map"] if "layers.3.mlp" in k)
+    del index["weight_map"][dropped]
+    (checkpoint / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(layerstream.LoadingError, match="not found"):
+        layerstream.from_pretrained(checkpoint, stream=CPU)
+
+
+PEAK_SCRIPT = textwrap.dedent("""
+    import os, sys, threading, time, torch, layerstream
+    import transformers, peft, bitsandbytes  # imports are not loading
+    page = os.sysconf("SC_PAGE_SIZE")
+    def rss_mib():
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * page / 2**20
+    peak, done = [0.0], threading.Event()
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], rss_mib())
+            time.sleep(0.002)
+    # warm up on a small checkpoint: lazy imports and allocator pools are not loading
+    layerstream.from_pretrained(sys.argv[2], quantization="nf4",
+                                stream=layerstream.StreamConfig(device="cpu", slots=2))
+    before = rss_mib()
+    sampler = threading.Thread(target=sample); sampler.start()
+    model = layerstream.from_pretrained(sys.argv[1], quantization="nf4",
+                                        stream=layerstream.StreamConfig(device="cpu", slots=2))
+    done.set(); sampler.join()
+    store = layerstream.get_runtime(model).store.host_bytes / 2**20
+    print(before, max(peak[0], rss_mib()), store)
+""")
+
+
+def test_loading_holds_about_one_unquantised_layer(tmp_path):
+    """Peak RSS while loading a 16-layer model stays near the packed store plus one bf16
+    layer, far below the whole unquantised model (measured in a fresh process)."""
+    directory = tmp_path / "big"
+    layers, hidden, intermediate = 16, 1024, 2816
+    tiny_model("llama", layers=layers, dtype=torch.bfloat16, hidden_size=hidden, intermediate_size=intermediate,
+               head_dim=64, num_attention_heads=16, num_key_value_heads=16).save_pretrained(directory)
+    layer_mib = (4 * hidden * hidden + 3 * hidden * intermediate) * 2 / 2**20
+    whole_mib = layers * layer_mib
+    warm = tmp_path / "warm"
+    tiny_model("llama", layers=2, dtype=torch.bfloat16, hidden_size=64, intermediate_size=128,
+               head_dim=16).save_pretrained(warm)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, str(directory), str(warm)], capture_output=True,
+                         text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    before, peak, store = (float(x) for x in out.stdout.split()[-3:])
+    grown = peak - before
+    bound = store + 3 * layer_mib + 64  # the store, one layer and its quantisation scratch, slack
+    assert bound < 0.75 * whole_mib, "the model must be large enough for the bound to mean something"
+    print(f"grew {grown:.0f} MiB, bound {bound:.0f}, store {store:.0f}, whole {whole_mib:.0f}")
+    assert grown < bound, f"loading grew RSS by {grown:.0f} MiB; bound {bound:.0f} MiB (whole model {whole_mib:.0f})"

@@ -1,0 +1,111 @@
+"""NF4 streaming on CUDA: bit-exact with resident bitsandbytes at a fused M (bitsandbytes
+picks its fused gemm_4bit kernel) and at a training M (it falls back to dequantise +
+linear), and each way of getting the routing wrong turns a check red."""
+
+import pytest
+import torch
+
+bnb = pytest.importorskip("bitsandbytes")
+
+import layerstream
+from layerstream import nf4
+from layerstream.schedule import PrefetchPlanner
+from tiny import assert_traces_equal, batch, nearest_valid_victim, nf4_pair, stream, train_steps
+
+pytestmark = pytest.mark.gpu
+
+FUSED_SEQ = 4        # batch 1 x 4 tokens: M = 4, at or below bitsandbytes' floor -> fused
+TRAINING_SEQ = 1600  # batch 2 x 1600 tokens: M = 3200 > 1536 -> dequantise + linear
+LONG = dict(max_position_embeddings=4096)
+
+
+def _train(model, seq, steps=10, batch_size=1):
+    trace = None
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    from tiny import Trace
+
+    trace = Trace()
+    model.train()
+    for step in range(steps):
+        ids = batch(96, size=batch_size, seq=seq, seed=step, device="cuda")
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        trace.losses.append(out.loss.detach().cpu())
+        trace.logits.append(out.logits.detach().cpu())
+        trace.grads.append({n: p.grad.detach().cpu().clone() for n, p in model.named_parameters()
+                            if p.requires_grad})
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return trace
+
+
+def _pair(tmp_path, dtype=torch.bfloat16, nested=True, slots=2):
+    streamed, resident = nf4_pair(tmp_path, "llama", layers=5, dtype=dtype, nested=nested, device="cuda",
+                                  attn="eager", **LONG)
+    stream(streamed, "cuda", slots=slots, prefetch=1)
+    return streamed, resident
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("nested", [True, False], ids=["double-quant", "single-quant"])
+def test_parity_at_a_fused_m(tmp_path, dtype, nested):
+    streamed, resident = _pair(tmp_path, dtype, nested)
+    assert_traces_equal(_train(streamed, FUSED_SEQ), _train(resident, FUSED_SEQ))
+    assert layerstream.get_runtime(streamed).stats()["nf4_function_calls"] > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("nested", [True, False], ids=["double-quant", "single-quant"])
+def test_parity_at_a_training_m(tmp_path, dtype, nested):
+    streamed, resident = _pair(tmp_path, dtype, nested)
+    assert_traces_equal(_train(streamed, TRAINING_SEQ, steps=3, batch_size=2),
+                        _train(resident, TRAINING_SEQ, steps=3, batch_size=2))
+    stats = layerstream.get_runtime(streamed).stats()
+    assert stats["nf4_dequant_calls"] > 0
+
+
+def test_generation_matches_resident(tmp_path):
+    streamed, resident = _pair(tmp_path)
+    ids = batch(96, size=1, seq=4, device="cuda")
+    kwargs = dict(max_new_tokens=8, do_sample=False, attention_mask=torch.ones_like(ids), pad_token_id=0)
+    assert torch.equal(streamed.generate(input_ids=ids, **kwargs), resident.generate(input_ids=ids, **kwargs))
+    assert layerstream.get_runtime(streamed).stats()["nf4_function_calls"] > 0
+
+
+# -- mutations: each must turn a check red ------------------------------------------------
+
+def test_gate_always_off_is_caught(tmp_path, monkeypatch):
+    monkeypatch.setattr(nf4, "fused_kernel_would_run", lambda *a, **k: False)
+    streamed, resident = _pair(tmp_path)
+    with pytest.raises(AssertionError):
+        assert_traces_equal(_train(streamed, FUSED_SEQ, steps=2), _train(resident, FUSED_SEQ, steps=2))
+
+
+def test_fused_arm_through_matmul4bit_is_caught(tmp_path, monkeypatch):
+    """MatMul4Bit keeps the packed weight on ctx: with layers coming back into other slots
+    for backward, its gradients read another layer's weights."""
+    monkeypatch.setattr(PrefetchPlanner, "_victim", nearest_valid_victim)
+
+    def through_matmul4bit(module, x, owner=None, counters=None):
+        x = x.to(module.compute_dtype)
+        return bnb.matmul_4bit(x, module.weight.t(), bias=None, quant_state=module.weight.quant_state)
+
+    monkeypatch.setattr(nf4, "streamed_nf4_forward", through_matmul4bit)
+    streamed, resident = _pair(tmp_path, slots=3)
+    with pytest.raises(AssertionError, match="gradient"):
+        assert_traces_equal(_train(streamed, FUSED_SEQ, steps=2), _train(resident, FUSED_SEQ, steps=2))
+
+
+def test_recompute_through_dequantise_at_a_fused_m_is_caught(tmp_path, monkeypatch):
+    """Forward takes the fused kernel, the backward recompute the dequantise path: the
+    recomputed tensors no longer match (checkpointing raises) or gradients differ."""
+    calls = {"n": 0}
+
+    def forward_only_fused(x, shape, blocksize, ops=None):
+        return torch.is_grad_enabled() and not torch._C._current_graph_task_id() >= 0
+
+    monkeypatch.setattr(nf4, "fused_kernel_would_run", forward_only_fused)
+    streamed, resident = _pair(tmp_path)
+    with pytest.raises((AssertionError, RuntimeError)):
+        assert_traces_equal(_train(streamed, FUSED_SEQ, steps=2), _train(resident, FUSED_SEQ, steps=2))
