@@ -151,3 +151,16 @@ def test_loading_holds_about_one_unquantised_layer(tmp_path):
     assert bound < 0.75 * whole_mib, "the model must be large enough for the bound to mean something"
     print(f"grew {grown:.0f} MiB, bound {bound:.0f}, store {store:.0f}, whole {whole_mib:.0f}")
     assert grown < bound, f"loading grew RSS by {grown:.0f} MiB; bound {bound:.0f} MiB (whole model {whole_mib:.0f})"
+
+
+def test_trainer_accepts_a_loaded_4bit_model_with_adapters(checkpoint, tmp_path):
+    from datasets import Dataset
+    from transformers import Trainer, TrainingArguments
+
+    model = get_peft_model(layerstream.from_pretrained(checkpoint, quantization="nf4", stream=CPU), lora_config())
+    rows = [{"input_ids": list(range(3, 13)), "labels": list(range(3, 13))} for _ in range(4)]
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, max_steps=2,
+                             report_to=[], use_cpu=True, save_strategy="no", logging_steps=1)
+    trainer = Trainer(model=model, args=args, train_dataset=Dataset.from_list(rows))
+    trainer.train()
+    assert [e["loss"] for e in trainer.state.log_history if "loss" in e]

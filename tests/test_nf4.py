@@ -147,3 +147,17 @@ def test_nf4_unstream_restores_bitsandbytes_layers(tmp_path):
     kinds = {type(m) for m in streamed.modules() if isinstance(m, bnb.nn.Linear4bit)}
     assert kinds == {bnb.nn.Linear4bit}
     assert_traces_equal(train_steps(streamed, 2), train_steps(resident, 2))
+
+
+def test_slot_weights_are_built_once_per_slot_and_layer(tmp_path):
+    streamed, _ = nf4_pair(tmp_path, "llama", layers=4)
+    stream(streamed, "cpu", slots=2)
+    runtime = layerstream.get_runtime(streamed)
+    train_steps(streamed, 1)
+    first = {key: [id(t) for _, _, t in binding] for key, binding in runtime._bindings.items()}
+    train_steps(streamed, 2)
+    assert {key: [id(t) for _, _, t in binding] for key, binding in runtime._bindings.items()} == first
+    assert len(first) <= 2 * 4
+    weights = [t for binding in runtime._bindings.values() for _, _, t in binding
+               if isinstance(t, bnb.nn.Params4bit)]
+    assert weights and all(w.quant_state.absmax.data_ptr() != 0 for w in weights)
