@@ -20,24 +20,7 @@ LONG = dict(max_position_embeddings=4096)
 
 
 def _train(model, seq, steps=10, batch_size=1):
-    trace = None
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-2)
-    from tiny import Trace
-
-    trace = Trace()
-    model.train()
-    for step in range(steps):
-        ids = batch(96, size=batch_size, seq=seq, seed=step, device="cuda")
-        out = model(input_ids=ids, labels=ids)
-        out.loss.backward()
-        trace.losses.append(out.loss.detach().cpu())
-        trace.logits.append(out.logits.detach().cpu())
-        trace.grads.append({n: p.grad.detach().cpu().clone() for n, p in model.named_parameters()
-                            if p.requires_grad})
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return trace
+    return train_steps(model, steps, "cuda", seq=seq, batch_size=batch_size)
 
 
 def _pair(tmp_path, dtype=torch.bfloat16, nested=True, slots=2):
@@ -100,8 +83,6 @@ def test_fused_arm_through_matmul4bit_is_caught(tmp_path, monkeypatch):
 def test_recompute_through_dequantise_at_a_fused_m_is_caught(tmp_path, monkeypatch):
     """Forward takes the fused kernel, the backward recompute the dequantise path: the
     recomputed tensors no longer match (checkpointing raises) or gradients differ."""
-    calls = {"n": 0}
-
     def forward_only_fused(x, shape, blocksize, ops=None):
         return torch.is_grad_enabled() and not torch._C._current_graph_task_id() >= 0
 

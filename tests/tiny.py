@@ -64,7 +64,7 @@ class Trace:
 
 
 def train_steps(model, steps: int, device="cpu", seq: int = 12, accumulation: int = 1,
-                lr: float = 1e-2) -> Trace:
+                lr: float = 1e-2, batch_size: int = 2) -> Trace:
     """AdamW on the trainable tensors; records loss, logits and every gradient per step."""
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr)
@@ -73,7 +73,7 @@ def train_steps(model, steps: int, device="cpu", seq: int = 12, accumulation: in
     vocab = model.config.vocab_size
     for step in range(steps):
         for micro in range(accumulation):
-            ids = batch(vocab, seq=seq, seed=100 * step + micro, device=device)
+            ids = batch(vocab, size=batch_size, seq=seq, seed=100 * step + micro, device=device)
             out = model(input_ids=ids, labels=ids)
             (out.loss / accumulation).backward()
         trace.losses.append(out.loss.detach().cpu())

@@ -169,40 +169,33 @@ class HostStore:
     def plan_layer(index: int, name: str, module: nn.Module, streamed: Callable[[torch.Tensor], bool]) -> LayerRecord:
         """Lay out a layer's streamed tensors; shared tensors are stored once."""
         entries: List[TensorEntry] = []
-        placed: Dict[int, Tuple[int, int]] = {}
-        offset = 0
+        placed: Dict[int, int] = {}  # id(tensor) -> offset in the region
+        end = 0
+
+        def add(mod, kind, key, tensor, qualified):
+            nonlocal end
+            nbytes = tensor.numel() * tensor.element_size()
+            if id(tensor) not in placed:
+                placed[id(tensor)] = end
+                end += _aligned(nbytes)
+            entries.append(TensorEntry(mod, kind, key, placed[id(tensor)], nbytes, tuple(tensor.shape),
+                                       tensor.dtype, qualified))
+
         for mod_name, mod in module.named_modules(remove_duplicate=False):
+            prefix = f"{name}.{mod_name}" if mod_name else name
             for kind in ("_parameters", "_buffers"):
                 for tname, tensor in getattr(mod, kind).items():
-                    if tensor is None or not streamed(tensor):
-                        continue
-                    nbytes = tensor.numel() * tensor.element_size()
-                    if id(tensor) in placed:
-                        tensor_offset, _ = placed[id(tensor)]
-                    else:
-                        tensor_offset = offset
-                        placed[id(tensor)] = (offset, nbytes)
-                        offset += _aligned(nbytes)
-                    qualified = f"{name}.{mod_name}.{tname}" if mod_name else f"{name}.{tname}"
-                    entries.append(TensorEntry(mod, kind, tname, tensor_offset, nbytes,
-                                               tuple(tensor.shape), tensor.dtype, qualified))
+                    if tensor is not None and streamed(tensor):
+                        add(mod, kind, tname, tensor, f"{prefix}.{tname}")
             # a streamed 4-bit weight brings its quant-state tensors into the region
-            state = getattr(getattr(mod, "weight", None), "quant_state", None)
-            weight = mod._parameters.get("weight") if hasattr(mod, "_parameters") else None
-            if state is None or weight is None or id(weight) not in placed:
+            weight = mod._parameters.get("weight")
+            state = getattr(weight, "quant_state", None)
+            if state is None or id(weight) not in placed:
                 continue
             for path, tensor in nf4.quant_tensors(state):
-                nbytes = tensor.numel() * tensor.element_size()
-                if id(tensor) in placed:
-                    tensor_offset, _ = placed[id(tensor)]
-                else:
-                    tensor_offset = offset
-                    placed[id(tensor)] = (offset, nbytes)
-                    offset += _aligned(nbytes)
                 dotted = ".".join(path)
-                entries.append(TensorEntry(mod, "quant", dotted, tensor_offset, nbytes, tuple(tensor.shape),
-                                           tensor.dtype, f"{name}.{mod_name}.weight.quant_state.{dotted}"))
-        return LayerRecord(index=index, name=name, module=module, entries=entries, nbytes=offset)
+                add(mod, "quant", dotted, tensor, f"{prefix}.weight.quant_state.{dotted}")
+        return LayerRecord(index=index, name=name, module=module, entries=entries, nbytes=end)
 
     def build(self, records: List[LayerRecord]) -> None:
         """Allocate arenas, copy each layer in, and point the model's tensors at them."""
