@@ -239,6 +239,13 @@ def from_pretrained(model_id: Union[str, os.PathLike], *, quantization: Optional
         store.add(record, expected_bytes=record.nbytes * (len(layers) - index))
         _return_freed_memory()
     if missing:
+        if any(".experts." in name for name in missing):
+            raise LoadingError(
+                f"{directory} stores mixture-of-experts weights in a layout layerstream's loader "
+                "does not convert yet (one tensor per expert; transformers fuses them while "
+                "loading). Load with AutoModelForCausalLM.from_pretrained(..., device_map='cpu') "
+                "and call layerstream.stream_model instead."
+            )
         raise LoadingError(f"{len(missing)} tensors were not found in {directory}: {missing[:5]}")
     if quantizer is not None:
         quantizer.postprocess_model(model)

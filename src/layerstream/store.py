@@ -215,10 +215,11 @@ class HostStore:
             arena = torch.empty(max(size, ALIGN), dtype=torch.uint8)
             self.arenas.append(arena)
             self._arena_np.append(arena.numpy())
-        if self.requested_pin:
-            self._pin_all()
         for record in records:
             self._fill(record)
+        # pin after filling: registration locks every page at once, and before the fill
+        # that would hold the whole store next to the model's own copy of the layers
+        self._pin_all()
 
     def _pin_all(self) -> None:
         for arena in self.arenas:
@@ -264,7 +265,9 @@ class HostStore:
         arena from being much larger than what is left to store.
         """
         if not self.arenas or self._used + record.nbytes > self.arenas[-1].numel():
-            size = max(min(self.arena_bytes, max(expected_bytes, record.nbytes)), record.nbytes, ALIGN)
+            # a whole number of layers of this size, so equal layers leave no gap at the end
+            whole_layers = max(1, self.arena_bytes // max(record.nbytes, 1)) * record.nbytes
+            size = max(min(whole_layers, max(expected_bytes, record.nbytes)), record.nbytes, ALIGN)
             arena = torch.empty(size, dtype=torch.uint8)
             self.arenas.append(arena)
             self._arena_np.append(arena.numpy())
