@@ -6,16 +6,68 @@ import argparse
 import sys
 
 
+def _add_plan_parser(sub) -> argparse.ArgumentParser:
+    from .plan import DEFAULT_BANDWIDTH_GBPS, QUANTIZATIONS
+
+    plan = sub.add_parser(
+        "plan", help="predict GPU memory, host RAM and copy time of streamed LoRA training",
+        description="Predict whether streamed LoRA training of a model fits a GPU, from its "
+                    "config alone (no weights, no GPU). Exits 0 when it fits, 1 when it does not.")
+    plan.add_argument("--model", required=True,
+                      help="hub id, local model directory, or path to a config.json file")
+    plan.add_argument("--vram", required=True, help="GPU memory budget, e.g. 16GiB, 24GB, 80GiB")
+    plan.add_argument("--seq", type=int, required=True, help="tokens per sequence")
+    plan.add_argument("--batch", type=int, default=1, help="sequences per step (default 1)")
+    plan.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
+                      help="frozen weights as stored: none (--dtype) or nf4 (bitsandbytes)")
+    plan.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                      help="weight and compute dtype (default bfloat16)")
+    plan.add_argument("--lora-rank", type=int, default=16, help="LoRA rank r (default 16; 0: none)")
+    plan.add_argument("--lora-targets", default="all-linear",
+                      help="PEFT target_modules: all-linear (default) or names, e.g. q_proj,v_proj")
+    plan.add_argument("--slots", type=int, default=None,
+                      help="GPU slots (default: the most in 2..8 that fit)")
+    plan.add_argument("--bandwidth", type=float, default=DEFAULT_BANDWIDTH_GBPS,
+                      help=f"pinned host->device GB/s (default {DEFAULT_BANDWIDTH_GBPS:g}, measured "
+                           "on the team's H200; pass your own)")
+    plan.add_argument("--reserve", default="1GiB",
+                      help="GPU memory kept free for the CUDA context and allocator (default 1GiB)")
+    return plan
+
+
+def _run_plan(args, parser: argparse.ArgumentParser) -> int:
+    from .plan import format_plan, load_config, make_plan, parse_bytes
+
+    try:
+        vram = parse_bytes(args.vram)
+        reserve = parse_bytes(args.reserve)
+        config = load_config(args.model)
+        plan = make_plan(config, seq=args.seq, batch=args.batch, vram_bytes=vram,
+                         quantization=args.quantization, dtype=args.dtype,
+                         lora_rank=args.lora_rank, slots=args.slots,
+                         bandwidth_gbps=args.bandwidth, lora_targets=args.lora_targets,
+                         reserve_bytes=reserve)
+    except (ValueError, OSError) as exc:
+        parser.error(str(exc))  # exits with status 2
+    print(format_plan(plan))
+    return 0 if plan.fits else 1
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="layerstream", description="Stream decoder layers from host memory.")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("demo", help="LoRA-train a tiny streamed model on the embedded data (no download)",
                    add_help=False)
+    plan_parser = _add_plan_parser(sub)
     args, rest = parser.parse_known_args(argv)
     if args.command == "demo":
         from .demo import main as demo_main
 
         demo_main(rest)
+    elif args.command == "plan":
+        if rest:
+            plan_parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        return _run_plan(args, plan_parser)
     return 0
 
 

@@ -1,0 +1,515 @@
+"""The memory planner: layer sizes, resident and LoRA memory, slots, advice, parsing, CLI.
+
+Expected numbers are derived by hand in the comments (or counted from real objects:
+the engine's own host-store layout, PEFT's adapters, bitsandbytes' quant state), never
+by calling the function under test.
+"""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from layerstream import cli
+from layerstream.plan import (GiB, format_plan, layer_bytes, load_config, make_plan,
+                              nf4_weight_bytes, parse_bytes, resident_bytes)
+from layerstream.schedule import Phase, PrefetchPlanner
+from layerstream.store import HostStore
+
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+
+LLAMA3_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                 num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                 max_position_embeddings=8192, rope_theta=500000.0)
+MIXTRAL_8X7B = dict(model_type="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                    num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                    num_local_experts=8, num_experts_per_tok=2)
+# a small Qwen3-MoE: layer 0 dense (mlp_only_layers), then sparse every 2nd layer
+QWEN3_MOE_SMALL = dict(model_type="qwen3_moe", vocab_size=96, hidden_size=64, intermediate_size=96,
+                       num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                       num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                       mlp_only_layers=[0], decoder_sparse_step=2)
+
+# Llama-3-8B, one layer, by hand:
+#   q 4096*4096 = 16,777,216   k = v = 4096*1024 = 4,194,304   o = 16,777,216
+#   gate = up = down = 4096*14336 = 58,720,256
+#   linear weights: 2*16,777,216 + 2*4,194,304 + 3*58,720,256 = 218,103,808
+#   two RMSNorms: 2*4096 = 8,192  ->  218,112,000 parameters (the norms included)
+LLAMA3_8B_LAYER_PARAMS = 218_103_808 + 8_192
+LLAMA3_8B_LAYER_BF16 = 436_224_000  # x2 bytes; every tensor is a multiple of 512 bytes
+# embeddings and head: 128256*4096 = 525,336,576 each, plus the final norm (4096), bf16
+LLAMA3_8B_RESIDENT = (2 * 525_336_576 + 4_096) * 2  # 2,101,354,496
+# LoRA r=16 on all seven linears: 16*((4096+4096)*2 + (4096+1024)*2 + (4096+14336)*3)
+#   = 16*81,920 = 1,310,720 per layer, 41,943,040 for 32 layers
+LLAMA3_8B_LORA_PARAMS = 41_943_040
+
+
+def config_of(values: dict):
+    values = dict(values)
+    return AutoConfig.for_model(values.pop("model_type"), **values)
+
+
+def write_config(directory: Path, values: dict, name: str = "config.json") -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / name
+    path.write_text(json.dumps(values))
+    return path
+
+
+# -- layer sizes -----------------------------------------------------------------------
+def test_llama3_8b_layer_bytes_bf16():
+    assert LLAMA3_8B_LAYER_PARAMS == 218_112_000
+    sizes = layer_bytes(config_of(LLAMA3_8B), "none", torch.bfloat16)
+    assert sizes == [LLAMA3_8B_LAYER_PARAMS * 2] * 32
+    assert sizes[0] == LLAMA3_8B_LAYER_BF16
+    assert layer_bytes(config_of(LLAMA3_8B), "none", torch.float32)[0] == LLAMA3_8B_LAYER_PARAMS * 4
+
+
+def test_llama3_8b_layer_bytes_nf4():
+    # Per NF4 weight of n values (blocksize 64, double quantisation): packed codes n/2,
+    # uint8 absmax n/64, float32 nested absmax per 256 blocks, plus the quant state the
+    # engine streams with it: 16-entry float32 code (64 B), float32 offset (4 B) and the
+    # 256-entry float32 nested code (1024 B), each rounded up to 512 B -> 2048 B.
+    #   q, o (n = 16,777,216): 8,388,608 + 262,144 + 1,024*4 + 2,048 = 8,656,896
+    #   k, v (n = 4,194,304):  2,097,152 +  65,536 +   256*4 + 2,048 = 2,165,760
+    #   MLP  (n = 58,720,256): 29,360,128 + 917,504 + 3,584*4 + 2,048 = 30,294,016
+    #   norms stay bf16: 16,384
+    double = 2 * 8_656_896 + 2 * 2_165_760 + 3 * 30_294_016 + 16_384
+    assert double == 112_543_744
+    assert layer_bytes(config_of(LLAMA3_8B), "nf4", torch.bfloat16) == [double] * 32
+    # single quantisation: float32 absmax per block, code table (512 B aligned) only
+    #   q, o: 8,388,608 + 1,048,576 + 512;  k, v: 2,097,152 + 262,144 + 512
+    #   MLP: 29,360,128 + 3,670,016 + 512
+    single = 2 * 9_437_696 + 2 * 2_359_808 + 3 * 33_030_656 + 16_384
+    assert layer_bytes(config_of(LLAMA3_8B), "nf4", torch.bfloat16, double_quant=False) == [single] * 32
+
+
+def test_qwen2_biases_and_alignment():
+    # h=64, 4 heads, 2 kv heads (head_dim 16), MLP 96; q/k/v have biases, o has none.
+    # q 4096 params -> 8192 B, its bias 64 -> 128 B -> 512 aligned; k, v 2048 -> 4096 B,
+    # bias 32 -> 64 B -> 512; o 8192 B; norms 2 x (128 B -> 512); MLP 3 x 12,288 B
+    values = dict(model_type="qwen2", vocab_size=96, hidden_size=64, intermediate_size=96,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    expected = (8192 + 512) + 2 * (4096 + 512) + 8192 + 2 * 512 + 3 * 12_288
+    assert expected == 64_000
+    assert layer_bytes(config_of(values)) == [64_000, 64_000]
+
+
+def test_moe_layers_sized_per_layer():
+    # Mixtral-8x7B, one layer: attention 41,943,040 params; experts (fused 3-D
+    # Parameters) 8 x 3 x 4096 x 14336 = 1,409,286,144; router 8 x 4096 = 32,768; norms 8,192
+    params = 41_943_040 + 1_409_286_144 + 32_768 + 8_192
+    assert layer_bytes(config_of(MIXTRAL_8X7B)) == [params * 2] * 32
+    # NF4 quantises nn.Linear only: attention as in Llama-3-8B (q, o 8,656,896; k, v
+    # 2,165,760), experts, router and norms stay bf16
+    nf4 = 2 * 8_656_896 + 2 * 2_165_760 + 1_409_286_144 * 2 + 32_768 * 2 + 8_192 * 2
+    assert layer_bytes(config_of(MIXTRAL_8X7B), "nf4") == [nf4] * 32
+    # Qwen3-MoE with mlp_only_layers=[0], decoder_sparse_step=2: layers 1 and 3 are sparse.
+    # attention (bf16): q 8192 + k 4096 + v 4096 + o 8192 = 24,576 B
+    # norms: 2 x 64 (128 B) + q_norm, k_norm 16 (32 B), each aligned to 512 -> 2,048 B
+    # dense MLP: 3 x 64 x 96 x 2 = 36,864 B
+    # sparse MLP: router 4x64 (512 B), gate_up 4x96x64 (49,152 B), down 4x64x48 (24,576 B)
+    dense, sparse = 24_576 + 2_048 + 36_864, 24_576 + 2_048 + 512 + 49_152 + 24_576
+    assert layer_bytes(config_of(QWEN3_MOE_SMALL)) == [dense, sparse, dense, sparse]
+
+
+FAMILIES = {
+    "llama": dict(model_type="llama"),
+    "llama-biases": dict(model_type="llama", attention_bias=True, mlp_bias=True),
+    "mistral": dict(model_type="mistral"),
+    "qwen2": dict(model_type="qwen2"),
+    "qwen3": dict(model_type="qwen3", head_dim=24),
+    "mixtral": dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": dict(model_type="qwen2_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                      shared_expert_intermediate_size=80, mlp_only_layers=[1]),
+    "qwen3_moe": dict(QWEN3_MOE_SMALL),
+}
+
+
+def tiny(family: str, **overrides):
+    values = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2)
+    values.update(FAMILIES[family])
+    values.update(overrides)
+    return config_of(values)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_layer_bytes_equal_the_host_store_layout(family, dtype):
+    """The planned slot size is what HostStore lays out for the real layer (built on meta)."""
+    config = tiny(family)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    engine = [HostStore.plan_layer(i, f"layers.{i}", layer, lambda t: True).nbytes
+              for i, layer in enumerate(model.model.layers)]
+    assert layer_bytes(config, "none", dtype) == engine
+
+
+def test_nf4_weight_bytes_match_bitsandbytes():
+    functional = pytest.importorskip("bitsandbytes.functional")
+    for shape in [(100, 100), (96, 64), (1000, 4096)]:
+        weight = torch.randn(shape, dtype=torch.bfloat16)
+        for nested in (True, False):
+            packed, state = functional.quantize_4bit(weight, blocksize=64, compress_statistics=nested,
+                                                     quant_type="nf4")
+            tensors = [packed, state.absmax, state.code]
+            if nested:
+                tensors += [state.state2.absmax, state.offset.reshape(1), state.state2.code]
+            real = sorted(t.numel() * t.element_size() for t in tensors)
+            assert sorted(nf4_weight_bytes(math.prod(shape), nested)) == real, (shape, nested)
+
+
+# -- resident, LoRA ----------------------------------------------------------------------
+def test_tied_and_untied_embeddings():
+    assert resident_bytes(config_of(LLAMA3_8B), torch.bfloat16) == LLAMA3_8B_RESIDENT == 2_101_354_496
+    tied = config_of(dict(LLAMA3_8B, tie_word_embeddings=True))
+    assert resident_bytes(tied, torch.bfloat16) == (525_336_576 + 4_096) * 2
+    untied = make_plan(config_of(LLAMA3_8B), 2048, 1, 80 * GiB, slots=2)
+    assert untied.resident_bytes - make_plan(tied, 2048, 1, 80 * GiB, slots=2).resident_bytes == 525_336_576 * 2
+
+
+def test_llama3_8b_lora_memory():
+    plan = make_plan(config_of(LLAMA3_8B), 2048, 1, 80 * GiB, slots=2)
+    assert plan.lora_params == LLAMA3_8B_LORA_PARAMS
+    assert plan.lora_bytes == plan.lora_grad_bytes == LLAMA3_8B_LORA_PARAMS * 4  # fp32 adapters
+    assert plan.optimizer_bytes == LLAMA3_8B_LORA_PARAMS * 8  # AdamW: two fp32 states
+    # attention only: 16*((4096+4096)*2 + (4096+1024)*2) = 425,984 per layer
+    attention = make_plan(config_of(LLAMA3_8B), 2048, 1, 80 * GiB, slots=2,
+                          lora_targets="q_proj,k_proj,v_proj,o_proj")
+    assert attention.lora_params == 425_984 * 32
+    assert make_plan(config_of(LLAMA3_8B), 2048, 1, 80 * GiB, lora_rank=0).lora_params == 0
+
+
+def test_mixtral_all_linear_adapts_the_experts_as_peft_does():
+    # PEFT 0.21 maps Mixtral's expert/router names onto the fused Parameters: per layer
+    # attention 425,984; router 16*(4096+8) = 65,664; gate_up (rank 2r for w1+w3)
+    # 32*8*(4096+28672) = 8,388,608; down 16*8*(14336+4096) = 2,359,296
+    plan = make_plan(config_of(MIXTRAL_8X7B), 1024, 1, 200 * GiB, slots=2)
+    assert plan.lora_params == (425_984 + 65_664 + 8_388_608 + 2_359_296) * 32
+    assert any("experts" in note for note in plan.notes)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("targets", ["all-linear", "q_proj,v_proj"])
+def test_lora_params_equal_peft(family, targets):
+    from peft import LoraConfig, get_peft_model
+
+    config = tiny(family)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    wanted = targets if targets == "all-linear" else targets.split(",")
+    model = get_peft_model(model, LoraConfig(r=4, target_modules=wanted))
+    counted = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert make_plan(config, 16, 1, GiB, lora_rank=4, lora_targets=targets).lora_params == counted
+
+
+def test_unknown_lora_target_is_refused():
+    with pytest.raises(ValueError, match="matches nothing"):
+        make_plan(config_of(LLAMA3_8B), 2048, 1, 80 * GiB, lora_targets="query_key_value")
+    with pytest.raises(ValueError, match="up_proj"):  # PEFT refuses half of a fused stack
+        make_plan(tiny("qwen3_moe"), 16, 1, GiB, lora_targets="q_proj,gate_proj")
+
+
+# -- the plan ----------------------------------------------------------------------------
+# Llama-3-8B, seq 2048, batch 1, bf16, LoRA r=16 all-linear, by hand:
+#   boundary states: 32 x 2048 x 4096 x 2           =   536,870,912
+#   loss: 3 x 2048 x 128256 x 4 (fp32 logits)       = 3,152,019,456
+#   one layer's working set per token: norms 8x4096 + q,k,v,out (2x4096+2x1024)x2 +
+#     MLP 3x14336x2 + LoRA fp32 inputs 4x(6x4096 + 14336) = 294,912 -> x2048 = 603,979,776
+#   LoRA weights + grads + AdamW: 41,943,040 x 16      =   671,088,640
+#   everything but the slots: 2,101,354,496 + 671,088,640 + 536,870,912 + 3,152,019,456
+LLAMA3_8B_FIXED = 6_461_333_504
+
+
+def test_llama3_8b_plan_terms():
+    plan = make_plan(config_of(LLAMA3_8B), 2048, 1, 80 * GiB, slots=2)
+    assert plan.boundary_bytes == 536_870_912
+    assert plan.loss_bytes == 3_152_019_456
+    assert plan.layer_working_bytes == 603_979_776
+    assert plan.peak_vram_bytes == LLAMA3_8B_FIXED + 2 * LLAMA3_8B_LAYER_BF16
+    assert plan.host_store_bytes == 32 * LLAMA3_8B_LAYER_BF16
+    # stream_model fills its arenas layer by layer (freeing each loaded layer) and pins
+    # afterwards: store + one loaded layer + resident part + the fp32 adapters
+    assert plan.host_ram_bytes == (33 * LLAMA3_8B_LAYER_BF16 + LLAMA3_8B_RESIDENT
+                                   + LLAMA3_8B_LORA_PARAMS * 4)
+    assert plan.host_steady_bytes == 32 * LLAMA3_8B_LAYER_BF16
+    # layerstream.from_pretrained: arenas of two whole 436,224,000 B layers (1 GiB holds
+    # two), so no gap: 32 x 436,224,000 = 13,959,168,000. Peak: + resident + one layer
+    assert plan.loader_store_bytes == 13_959_168_000
+    assert plan.loader_ram_bytes == 13_959_168_000 + LLAMA3_8B_RESIDENT + LLAMA3_8B_LAYER_BF16
+
+
+@pytest.mark.parametrize("quantization, double_quant", [("none", True), ("nf4", True), ("nf4", False)])
+def test_layers_and_arenas_match_from_pretrained(tmp_path, quantization, double_quant):
+    """Slot sizes (NF4 quant state included) and the host arenas as
+    layerstream.from_pretrained really lays them out (1 MiB arenas: three full, one not)."""
+    import layerstream
+
+    if quantization == "nf4":
+        pytest.importorskip("bitsandbytes")
+    config = config_of(dict(model_type="llama", vocab_size=96, hidden_size=128, intermediate_size=352,
+                            num_hidden_layers=7, num_attention_heads=4, num_key_value_heads=2))
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(tmp_path)
+    model = layerstream.from_pretrained(tmp_path, quantization=None if quantization == "none" else "nf4",
+                                        torch_dtype=torch.bfloat16, bnb_4bit_use_double_quant=double_quant,
+                                        stream=layerstream.StreamConfig(device="cpu", arena_bytes=1 << 20))
+    runtime = layerstream.get_runtime(model)
+    plan = make_plan(config, 16, 1, GiB, quantization=quantization, double_quant=double_quant,
+                     arena_bytes=1 << 20)
+    assert [record.nbytes for record in runtime.records] == plan.layer_bytes
+    assert runtime.store.host_bytes == plan.loader_store_bytes
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3_moe"])
+def test_nf4_layers_match_the_host_store_layout(tmp_path, family):
+    """A model transformers loads with BitsAndBytesConfig (NF4, double quantisation) on
+    the CPU: packed weights, quant state and the MoE experts it leaves in bf16."""
+    pytest.importorskip("bitsandbytes")
+    from transformers import BitsAndBytesConfig
+
+    config = tiny(family)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(tmp_path)
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                               bnb_4bit_compute_dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=quant, dtype=torch.bfloat16,
+                                                 device_map="cpu")
+    engine = [HostStore.plan_layer(i, f"layers.{i}", layer, lambda t: True).nbytes
+              for i, layer in enumerate(model.model.layers)]
+    assert layer_bytes(config, "nf4", torch.bfloat16) == engine
+
+
+def test_plan_matches_the_measured_h200_peak():
+    """docs/performance.md: Llama-3-8B shape, bf16, seq 2048, r=16 all-linear, AdamW,
+    torch.cuda.max_memory_allocated after warm-up, slots 2/3/4."""
+    result = json.loads((RESULTS / "throughput-llama3-8b-seq2048.json").read_text())
+    checked = set()
+    for row in result["rows"]:
+        plan = make_plan(config_of(LLAMA3_8B), 2048, 1, 140 * GiB, slots=row["slots"])
+        predicted = plan.peak_vram_bytes / GiB
+        assert abs(predicted - row["peak_gib"]) / row["peak_gib"] < 0.02, (row["slots"], predicted, row["peak_gib"])
+        # bytes per step were averaged over warm-up steps too (cold slots): within 1%
+        assert abs(plan.copy_bytes_per_step - row["bytes_per_step"]) / row["bytes_per_step"] < 0.01
+        checked.add(row["slots"])
+    assert checked == {2, 3, 4}
+
+
+def test_copies_per_step_and_time():
+    plan = make_plan(config_of(LLAMA3_8B), 2048, 1, 80 * GiB, slots=3, bandwidth_gbps=55.0)
+    assert plan.layers_copied_per_step == 58  # 2 x (32 - 3)
+    assert plan.copy_bytes_per_step == 58 * 436_224_000 == 25_300_992_000
+    assert plan.copy_seconds_per_step == pytest.approx(25_300_992_000 / 55e9)
+    assert make_plan(config_of(LLAMA3_8B), 2048, 1, 80 * GiB, slots=3,
+                     bandwidth_gbps=7.0).copy_seconds_per_step == pytest.approx(25_300_992_000 / 7e9)
+
+
+@pytest.mark.parametrize("slots", [2, 3])
+def test_copies_follow_the_prefetch_planner(slots):
+    """Layers of different sizes: the bytes a steady training step copies, as the
+    engine's own planner issues them (forward, then backward recompute in reverse)."""
+    config = config_of(QWEN3_MOE_SMALL)
+    sizes = [63_488, 100_864, 63_488, 100_864]  # test_moe_layers_sized_per_layer
+    planner = PrefetchPlanner(len(sizes), slots, prefetch=1)
+    loaded = []
+    for _ in range(3):
+        loaded = []
+        for layer in range(len(sizes)):
+            loaded += [l for l, _ in planner.visit(layer, Phase.TRAIN_FORWARD).loads]
+        for layer in reversed(range(len(sizes))):
+            loaded += [l for l, _ in planner.visit(layer, Phase.BACKWARD).loads]
+    plan = make_plan(config, 16, 1, GiB, slots=slots)
+    assert plan.layers_copied_per_step == len(loaded) == 2 * (len(sizes) - slots)
+    assert plan.copy_bytes_per_step == sum(sizes[l] for l in loaded)
+
+
+def test_slots_auto_selection():
+    reserve = GiB
+    # n slots fit when LLAMA3_8B_FIXED + n x 436,224,000 + 1 GiB <= budget:
+    #   5 slots need 9,716,195,328; 6 slots need 10,152,419,328
+    plan = make_plan(config_of(LLAMA3_8B), 2048, 1, 9_800_000_000, reserve_bytes=reserve)
+    assert (plan.slots, plan.slots_auto, plan.fits) == (5, True, True)
+    assert plan.slot_bytes == 5 * LLAMA3_8B_LAYER_BF16
+    assert make_plan(config_of(LLAMA3_8B), 2048, 1, 100 * GiB).slots == 8  # at most 8
+    # 2 slots need 8,407,523,328: nothing fits, the plan keeps 2 and says so
+    tight = make_plan(config_of(LLAMA3_8B), 2048, 1, 8_000_000_000, reserve_bytes=reserve)
+    assert (tight.slots, tight.fits) == (2, False)
+    # never more slots than layers, never fewer than 2
+    assert make_plan(config_of(dict(LLAMA3_8B, num_hidden_layers=3)), 2048, 1, 100 * GiB).slots == 3
+    one = make_plan(config_of(dict(LLAMA3_8B, num_hidden_layers=1)), 2048, 1, 100 * GiB)
+    assert (one.slots, one.layers_copied_per_step, one.copy_bytes_per_step) == (2, 0, 0)
+
+
+def test_a_plan_that_does_not_fit_gives_advice():
+    # seq 8192: boundary 32x8192x4096x2 = 2,147,483,648; loss 3x8192x128256x4 =
+    # 12,608,077,824; peak with 2 slots: 2,101,354,496 + 671,088,640 + 2,147,483,648 +
+    # 12,608,077,824 + 872,448,000 = 18,400,452,608; + 1 GiB reserve - 16 GiB = 2.14 GiB short
+    plan = make_plan(config_of(LLAMA3_8B), 8192, 1, 16 * GiB)
+    assert plan.peak_vram_bytes == 18_400_452_608
+    assert not plan.fits and plan.slots == 2
+    text = "\n".join(plan.advice)
+    assert "short by 2.14 GiB" in plan.advice[0]
+    assert "--quantization nf4" in text
+    # activations are 1,801,216 B per token; room for them: 15 GiB - 3,644,891,136 B of
+    # the rest = 12,461,236,224 B -> 6918 tokens
+    assert "reduce --seq to 6918 or less" in text
+    assert make_plan(config_of(LLAMA3_8B), 6918, 1, 16 * GiB, slots=2).fits
+    assert not make_plan(config_of(LLAMA3_8B), 6919, 1, 16 * GiB, slots=2).fits
+    assert "--slots" not in text  # already at 2 slots
+
+
+def test_advice_names_fewer_slots_and_smaller_batches():
+    plan = make_plan(config_of(LLAMA3_8B), 2048, 4, 16 * GiB, slots=6)
+    assert not plan.fits
+    text = "\n".join(plan.advice)
+    assert "--slots 2 saves 1.63 GiB" in text  # 4 x 436,224,000 B = 1.6251 GiB
+    assert "reduce --batch to" in text
+    batch = int(text.split("reduce --batch to ")[1].split()[0])
+    assert make_plan(config_of(LLAMA3_8B), 2048, batch, 16 * GiB, slots=6).fits
+    assert not make_plan(config_of(LLAMA3_8B), 2048, batch + 1, 16 * GiB, slots=6).fits
+
+
+def test_a_plan_that_fits_gives_no_advice():
+    plan = make_plan(config_of(LLAMA3_8B), 2048, 1, 24 * GiB)
+    assert plan.fits and plan.advice == [] and plan.headroom_bytes > 0
+
+
+def test_nf4_shrinks_slots_and_store_but_not_the_resident_part():
+    none = make_plan(config_of(LLAMA3_8B), 2048, 1, 80 * GiB, slots=3)
+    nf4 = make_plan(config_of(LLAMA3_8B), 2048, 1, 80 * GiB, slots=3, quantization="nf4")
+    assert nf4.max_layer_bytes == 112_543_744
+    assert nf4.host_store_bytes == 32 * 112_543_744
+    assert nf4.resident_bytes == none.resident_bytes
+    assert none.peak_vram_bytes - nf4.peak_vram_bytes == 3 * (436_224_000 - 112_543_744)
+
+
+def test_unknown_family_is_planned_with_a_note():
+    config = AutoConfig.for_model("gpt_neox", vocab_size=96, hidden_size=64, intermediate_size=96,
+                                  num_hidden_layers=2, num_attention_heads=4)
+    plan = make_plan(config, 16, 1, GiB)
+    assert any("gpt_neox" in note for note in plan.notes)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(slots=1), "at least 2 slots"),
+    (dict(seq=0), "seq"),
+    (dict(batch=-1), "batch"),
+    (dict(quantization="int8"), "quantization"),
+    (dict(dtype="int8"), "dtype"),
+    (dict(vram_bytes=0), "vram"),
+    (dict(bandwidth_gbps=0), "bandwidth"),
+])
+def test_bad_arguments_are_refused(kwargs, match):
+    args = dict(config=config_of(LLAMA3_8B), seq=2048, batch=1, vram_bytes=16 * GiB)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        make_plan(**args)
+
+
+def test_format_plan_is_one_screen():
+    plan = make_plan(config_of(LLAMA3_8B), 2048, 1, 16 * GiB, slots=3)
+    text = format_plan(plan)
+    lines = text.splitlines()
+    assert len(lines) <= 30 and max(len(line) for line in lines) <= 100
+    assert "32 layers" in text and "slots: 3 x 0.41 GiB" in text
+    assert "predicted peak VRAM" in text and "7.24 GiB" in text  # (6,461,333,504 + 3 x 436,224,000) / 2^30
+    assert "host RAM needed: transformers load + stream_model" in text and "15.52 GiB" in text
+    assert "host RAM needed: layerstream.from_pretrained" in text and "15.36 GiB" in text
+    assert "58 layer copies" in text and "0.460 s at 55 GB/s" in text
+
+
+# -- parsing ------------------------------------------------------------------------------
+@pytest.mark.parametrize("text, expected", [
+    ("16GiB", 16 * 2**30), ("24GB", 24 * 10**9), ("1.5GiB", 3 * 2**29), ("16000000000", 16 * 10**9),
+    ("512 MiB", 512 * 2**20), ("2tib", 2 * 2**40), ("80gb", 80 * 10**9), (".5GiB", 2**29),
+    ("100B", 100), (4096, 4096),
+])
+def test_parse_bytes(text, expected):
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("text, match", [
+    ("", "not a size"), ("abc", "not a size"), ("GiB", "not a size"), ("-1GiB", "not a size"),
+    ("16G", "ambiguous"), ("16 furlongs", "unknown unit"), ("1.5", "whole number"), (-5, "negative"),
+    ("1,5GiB", "not a size"),
+])
+def test_parse_bytes_errors(text, match):
+    with pytest.raises(ValueError, match=match):
+        parse_bytes(text)
+
+
+def test_load_config_from_file_directory_and_errors(tmp_path):
+    path = write_config(tmp_path / "a", LLAMA3_8B, name="llama3-8b.json")  # any file name
+    config = load_config(path)
+    assert (config.model_type, config.num_key_value_heads, config.vocab_size) == ("llama", 8, 128256)
+    write_config(tmp_path / "b", LLAMA3_8B)
+    assert load_config(tmp_path / "b").intermediate_size == 14336
+    assert load_config(str(tmp_path / "b" / "config.json")).hidden_size == 4096
+    with pytest.raises(FileNotFoundError):
+        load_config(tmp_path / "missing" / "config.json")
+    with pytest.raises(ValueError, match="model_type"):
+        load_config(write_config(tmp_path / "c", {"hidden_size": 8}))
+    with pytest.raises(ValueError, match="no config.json"):
+        load_config(tmp_path / "a")
+
+
+# -- the command --------------------------------------------------------------------------
+def test_cli_plan_fits(tmp_path, capsys):
+    path = write_config(tmp_path, LLAMA3_8B)
+    code = cli.main(["plan", "--model", str(path), "--vram", "16GiB", "--seq", "2048"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "32 layers" in out
+    assert "slots: 8 x 0.41 GiB (auto)" in out  # 16 GiB leaves room for the most slots
+    assert "predicted peak VRAM" in out and "9.27 GiB" in out  # (6,461,333,504 + 8 x 436,224,000) / 2^30
+    assert "host RAM needed" in out and "15.52 GiB" in out
+    assert "fits" in out and "To make it fit" not in out
+
+
+def test_cli_plan_does_not_fit(tmp_path, capsys):
+    write_config(tmp_path, LLAMA3_8B)
+    code = cli.main(["plan", "--model", str(tmp_path), "--vram", "16GiB", "--seq", "8192",
+                     "--slots", "2", "--bandwidth", "7"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "DOES NOT FIT, short by 2.14 GiB" in out
+    assert "--quantization nf4" in out and "reduce --seq to 6918" in out
+    assert "at 7 GB/s" in out
+
+
+def test_cli_plan_options_reach_the_plan(tmp_path, capsys):
+    write_config(tmp_path, LLAMA3_8B)
+    code = cli.main(["plan", "--model", str(tmp_path), "--vram", "80GB", "--seq", "1024", "--batch", "2",
+                     "--quantization", "nf4", "--dtype", "float16", "--lora-rank", "8",
+                     "--lora-targets", "q_proj,v_proj", "--slots", "4", "--reserve", "2GiB"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "seq 1024 x batch 2, float16, NF4, r=8 on q_proj,v_proj" in out
+    assert "slots: 4 x 0.10 GiB (--slots)" in out
+    assert "2.00 GiB" in out  # the reserve
+
+
+@pytest.mark.parametrize("argv", [
+    ["--vram", "16G", "--seq", "2048"],
+    ["--vram", "16GiB", "--seq", "2048", "--slots", "1"],
+    ["--vram", "16GiB", "--seq", "2048", "--unknown"],
+])
+def test_cli_plan_bad_input_exits_2(tmp_path, capsys, argv):
+    write_config(tmp_path, LLAMA3_8B)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["plan", "--model", str(tmp_path)] + argv)
+    assert exit_info.value.code == 2
+    assert "error" in capsys.readouterr().err
+
+
+def test_cli_demo_still_receives_its_arguments(monkeypatch):
+    from layerstream import demo
+
+    seen = []
+    monkeypatch.setattr(demo, "main", lambda argv: seen.append(argv))
+    assert cli.main(["demo", "--steps", "3", "--device", "cpu"]) == 0
+    assert seen == [["--steps", "3", "--device", "cpu"]]
