@@ -7,6 +7,7 @@ pinned host memory and are copied into a few GPU slots just before each layer ru
 from .api import get_runtime, is_streamed, stream_model, unstream_model
 from .config import StreamConfig, StreamConfigError
 from .discovery import NoDecoderStackError
+from .integrations.trainer import StreamingArguments, StreamStatsCallback
 from .loading import LoadingError, from_pretrained
 from .pool import SlotOwnerError
 from .runtime import StreamingError, StreamRuntime
@@ -19,6 +20,8 @@ __all__ = [
     "StreamRuntime",
     "StreamingError",
     "NoDecoderStackError",
+    "StreamingArguments",
+    "StreamStatsCallback",
     "LoadingError",
     "from_pretrained",
     "SlotOwnerError",

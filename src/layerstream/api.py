@@ -128,12 +128,22 @@ def attach_runtime(model: nn.Module, path: str, layers: nn.ModuleList, config: S
     """Turn a model whose layers are packed in ``store`` into a streamed model."""
     runtime = StreamRuntime(model, layers, path, config, records, store)
     object.__setattr__(_holder(model), _ATTR, runtime)
+    _install_trainer_integration()
     for index, layer in enumerate(layers):
         layer_mod.make_streamed(layer, runtime, index)
     for module in _streamed_linear4bit(records):
         layer_mod.make_streamed_linear4bit(module, runtime)
     logger.info(runtime.summary())
     return model
+
+
+def _install_trainer_integration() -> None:
+    """A streamed model handed to a Trainer reports its stats with no further code."""
+    try:
+        from .integrations.trainer import install
+    except ImportError:  # transformers without Trainer support
+        return
+    install()
 
 
 def _streamed_linear4bit(records) -> list:

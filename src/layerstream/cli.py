@@ -53,12 +53,49 @@ def _run_plan(args, parser: argparse.ArgumentParser) -> int:
     return 0 if plan.fits else 1
 
 
+def _add_run_parser(sub) -> argparse.ArgumentParser:
+    run = sub.add_parser(
+        "run", help="run an unchanged training script with every Trainer's model streamed",
+        description="Run SCRIPT as __main__ with every transformers.Trainer (and subclass) streaming "
+                    "the model it is given. Options before SCRIPT are layerstream's; the rest are "
+                    "the script's own.")
+    run.add_argument("--slots", type=int, default=3)
+    run.add_argument("--prefetch", type=int, default=1)
+    run.add_argument("--device", default=None, help="cuda (default when available) or cpu")
+    run.add_argument("script")
+    return run
+
+
+def _run_script(args, rest) -> int:
+    import runpy
+
+    from .config import StreamConfig
+    from .integrations import trainer as trainer_integration
+
+    config = StreamConfig(slots=args.slots, prefetch=args.prefetch, device=args.device)
+    saved_argv = sys.argv
+    sys.argv = [args.script] + list(rest)
+    trainer_integration.enable_auto_stream(config)
+    try:
+        runpy.run_path(args.script, run_name="__main__")
+    finally:
+        trainer_integration.disable_auto_stream()
+        sys.argv = saved_argv
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="layerstream", description="Stream decoder layers from host memory.")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("demo", help="LoRA-train a tiny streamed model on the embedded data (no download)",
                    add_help=False)
     plan_parser = _add_plan_parser(sub)
+    _add_run_parser(sub)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "run":  # everything after the script belongs to the script
+        script_at = next((i for i, a in enumerate(argv[1:], 1) if a.endswith(".py")), len(argv))
+        args = parser.parse_args(argv[: script_at + 1])
+        return _run_script(args, argv[script_at + 1:])
     args, rest = parser.parse_known_args(argv)
     if args.command == "demo":
         from .demo import main as demo_main

@@ -1,0 +1,65 @@
+"""A plain Hugging Face Trainer script (HfArgumentParser), LoRA on a tiny model built from
+a config, trained on the instruction data shipped in this repository. It knows nothing
+of layerstream; to stream it, run it unchanged under the launcher:
+
+    python examples/train_trainer.py --output_dir out --max_steps 20
+    layerstream run --slots 2 --device cpu examples/train_trainer.py --output_dir out --max_steps 20
+"""
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from datasets import Dataset
+from peft import LoraConfig, get_peft_model
+from transformers import AutoConfig, AutoModelForCausalLM, HfArgumentParser, Trainer, TrainingArguments
+
+DATA = Path(__file__).resolve().parents[1] / "src" / "layerstream" / "data" / "tiny_instructions.jsonl"
+PAD, BOS, EOS, BYTE0 = 0, 1, 2, 3  # byte-level ids: no tokenizer download
+
+
+@dataclass
+class ModelArguments:
+    layers: int = field(default=4, metadata={"help": "decoder layers of the tiny model"})
+    hidden_size: int = field(default=64)
+    lora_rank: int = field(default=8)
+
+
+def encode(example):
+    text = f"Q: {example['instruction']}\nA: {example['response']}"
+    ids = [BOS] + [BYTE0 + b for b in text.encode()] + [EOS]
+    return {"input_ids": ids, "labels": ids}
+
+
+def collate(rows):
+    width = max(len(r["input_ids"]) for r in rows)
+    ids = torch.full((len(rows), width), PAD)
+    labels = torch.full((len(rows), width), -100)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        n = len(r["input_ids"])
+        ids[i, :n], labels[i, :n], mask[i, :n] = torch.tensor(r["input_ids"]), torch.tensor(r["labels"]), 1
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+
+def main():
+    model_args, args = HfArgumentParser((ModelArguments, TrainingArguments)).parse_args_into_dataclasses()
+    config = AutoConfig.for_model("llama", vocab_size=BYTE0 + 256, hidden_size=model_args.hidden_size,
+                                  intermediate_size=2 * model_args.hidden_size,
+                                  num_hidden_layers=model_args.layers, num_attention_heads=4,
+                                  num_key_value_heads=2, pad_token_id=PAD, bos_token_id=BOS,
+                                  eos_token_id=EOS, use_cache=False)
+    torch.manual_seed(0)
+    model = get_peft_model(AutoModelForCausalLM.from_config(config),
+                           LoraConfig(r=model_args.lora_rank, target_modules="all-linear",
+                                      init_lora_weights=False))
+    rows = [json.loads(line) for line in DATA.read_text().splitlines() if line.strip()]
+    data = Dataset.from_list(rows).map(encode, remove_columns=["instruction", "response"])
+    trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=collate)
+    trainer.train()
+    trainer.save_state()  # trainer_state.json (log_history) in output_dir
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Integrations with the Hugging Face training stack."""

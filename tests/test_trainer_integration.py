@@ -1,0 +1,76 @@
+"""The Trainer paths: an unchanged script under `layerstream run`, StreamingArguments
+flags, and a streamed model handed to a Trainer; stats reach log_history."""
+
+import json
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import HfArgumentParser, Trainer, TrainingArguments
+
+import layerstream
+from layerstream import cli
+from layerstream.integrations import trainer as integration
+from tiny import peft_pair
+
+SCRIPT = str(Path(__file__).resolve().parents[1] / "examples" / "train_trainer.py")
+STAT_KEYS = {"layerstream/h2d_gbps", "layerstream/stall_fraction", "layerstream/layer_loads",
+             "layerstream/peak_resident_layers"}
+
+
+def _script_args(out):
+    return ["--output_dir", str(out), "--max_steps", "6", "--logging_steps", "2", "--report_to", "none",
+            "--use_cpu", "--save_strategy", "no", "--per_device_train_batch_size", "4"]
+
+
+def _history(out):
+    return json.loads((Path(out) / "trainer_state.json").read_text())["log_history"]
+
+
+def _losses(history):
+    return [entry["loss"] for entry in history if "loss" in entry]
+
+
+@pytest.fixture(autouse=True)
+def _no_auto_stream_left_over():
+    yield
+    integration.disable_auto_stream()
+
+
+def test_unchanged_script_under_the_launcher_matches_the_plain_run(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", [SCRIPT] + _script_args(tmp_path / "plain"))
+    runpy.run_path(SCRIPT, run_name="__main__")
+    assert cli.main(["run", "--slots", "2", "--device", "cpu", SCRIPT] + _script_args(tmp_path / "streamed")) == 0
+    plain, streamed = _history(tmp_path / "plain"), _history(tmp_path / "streamed")
+    assert len(_losses(plain)) == 3 and _losses(streamed) == _losses(plain)
+    logged = [entry for entry in streamed if "loss" in entry]
+    assert all(STAT_KEYS <= set(entry) for entry in logged)
+    assert sum(entry["layerstream/layer_loads"] for entry in logged) > 0
+    assert not any(key.startswith("layerstream/") for entry in plain for key in entry)
+
+
+def test_streaming_arguments_flags_stream_the_trainers_model(tmp_path):
+    (streaming,) = HfArgumentParser((layerstream.StreamingArguments,)).parse_args_into_dataclasses(
+        ["--layer_stream", "--layer_stream_slots", "2", "--layer_stream_device", "cpu"])
+    assert streaming.layer_stream
+    model, _ = peft_pair("llama", layers=3)
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=1)
+    Trainer(model=model, args=args)
+    assert layerstream.is_streamed(model)
+    assert layerstream.get_runtime(model).config.slots == 2
+
+
+def test_a_streamed_model_handed_to_a_trainer_gets_the_stats_callback(tmp_path):
+    model, _ = peft_pair("llama", layers=3)
+    layerstream.stream_model(model, device="cpu", slots=2)
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=1)
+    trainer = Trainer(model=model, args=args)
+    assert any(isinstance(cb, layerstream.StreamStatsCallback) for cb in trainer.callback_handler.callbacks)
+
+
+def test_launcher_flags_are_validated_before_the_script_runs(tmp_path):
+    with pytest.raises(layerstream.StreamConfigError, match="prefetch"):
+        cli.main(["run", "--slots", "2", "--prefetch", "2", "--device", "cpu", SCRIPT, "--output_dir", str(tmp_path)])
+    assert not (tmp_path / "trainer_state.json").exists()
