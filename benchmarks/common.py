@@ -98,3 +98,79 @@ def write_result(name: str, payload: dict) -> str:
         json.dump(payload, handle, indent=2)
     print(f"wrote {path}")
     return path
+
+
+def build_random_nf4(shape: str, layers: int | None = None, double_quant: bool = True,
+                     dtype=torch.bfloat16, attn: str = "sdpa"):
+    """A real-shape NF4 model (as transformers loads one with BitsAndBytesConfig) on the host.
+
+    Quantising fresh random weights costs seconds per large layer, so layer 0 is
+    quantised once (on the GPU when there is one) and every other layer gets its own copy
+    of those packed bytes and quant state: the same sizes and kernels as a real model.
+    """
+    import copy
+
+    import bitsandbytes as bnb
+    from transformers import BitsAndBytesConfig
+    from transformers.quantizers import AutoHfQuantizer
+
+    from layerstream.discovery import find_decoder_layers
+    from layerstream.loading import _quantise_layer, _rebuild_computed_buffers
+
+    values = dict(SHAPES[shape])
+    model_type = values.pop("model_type")
+    if layers is not None:
+        values["num_hidden_layers"] = layers
+    config = AutoConfig.for_model(model_type, **values)
+    config.use_cache = False
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
+    quant_config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                      bnb_4bit_use_double_quant=double_quant, bnb_4bit_compute_dtype=dtype)
+    quantizer = AutoHfQuantizer.from_config(quant_config, pre_quantized=False)
+    quantizer.preprocess_model(model, device_map=None, dtype=dtype)
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            module.weight.data = torch.empty_like(module.weight.data, dtype=dtype)
+    _, stack = find_decoder_layers(model)
+    fill_device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator(device=fill_device).manual_seed(0)
+
+    def fill(module, recurse):
+        module.to_empty(device="cpu", recurse=recurse)
+        with torch.no_grad():
+            for name, param in module.named_parameters(recurse=recurse):
+                if name.endswith("norm.weight") or name == "weight" and "Norm" in type(module).__name__:
+                    param.fill_(1.0)
+                else:
+                    values = torch.empty(param.shape, dtype=param.dtype, device=fill_device)
+                    param.copy_(values.normal_(0.0, 0.02, generator=gen))
+
+    in_stack = {id(m) for layer in stack for m in layer.modules()}
+    for module in model.modules():
+        if id(module) not in in_stack and module is not stack:
+            fill(module, recurse=False)
+    _rebuild_computed_buffers(model)
+    fill(stack[0], recurse=True)
+    _quantise_layer(stack[0], torch.device(fill_device), dtype, quant_config)
+    source = dict(stack[0].named_modules())
+    for layer in list(stack)[1:]:
+        layer.to_empty(device="cpu")
+        for name, module in layer.named_modules():
+            original = source[name]
+            for pname, param in list(module._parameters.items()):
+                if param is None:
+                    continue
+                src = original._parameters[pname]
+                if isinstance(src, bnb.nn.Params4bit):
+                    module._parameters[pname] = bnb.nn.Params4bit(
+                        src.data.clone(), requires_grad=False, quant_state=copy.deepcopy(src.quant_state),
+                        blocksize=src.blocksize, compress_statistics=src.compress_statistics,
+                        quant_type=src.quant_type, quant_storage=src.quant_storage, bnb_quantized=True,
+                        module=module)
+                else:
+                    with torch.no_grad():
+                        param.copy_(src)
+    quantizer.postprocess_model(model)
+    model.hf_quantizer = quantizer
+    return model

@@ -6,6 +6,7 @@ benchmark measures pinned host-to-device bandwidth, so it can state the bound:
 max(resident step time, bytes streamed per step / pinned bandwidth).
 
     python benchmarks/throughput.py --shape llama3-8b --seq 2048 --configs 3:1,4:2
+    python benchmarks/throughput.py --shape llama3-70b --quantization nf4 --configs 3:1
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 import layerstream
-from common import build_random, cuda_timer, median, pinned_bandwidth, write_result
+from common import build_random, build_random_nf4, cuda_timer, median, pinned_bandwidth, write_result
 
 
 def run_steps(model, ids, steps: int, warmup: int, trace: str | None = None):
@@ -73,20 +74,24 @@ def main():
     parser.add_argument("--no-resident", action="store_true")
     parser.add_argument("--name", default=None)
     parser.add_argument("--trace", default=None, help="slots:prefetch config to profile one step of")
+    parser.add_argument("--quantization", choices=["none", "nf4"], default="none",
+                        help="nf4: bitsandbytes NF4 with double quantisation, bf16 compute")
     args = parser.parse_args()
 
     bandwidth = pinned_bandwidth()
     print(f"pinned H2D bandwidth: {bandwidth:.1f} GB/s", flush=True)
-    model = build_random(args.shape, layers=args.layers)
+    nf4 = args.quantization == "nf4"
+    model = build_random_nf4(args.shape, layers=args.layers) if nf4 else build_random(args.shape, layers=args.layers)
     model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (args.batch, args.seq), device="cuda")
     tokens = args.batch * args.seq
-    result = {"shape": args.shape, "layers": model.config.num_hidden_layers, "seq": args.seq,
+    result = {"shape": args.shape, "quantization": args.quantization,
+              "layers": model.config.num_hidden_layers, "seq": args.seq,
               "batch": args.batch, "steps": args.steps, "warmup": args.warmup,
               "pinned_gbps": bandwidth, "rows": []}
 
-    if not args.no_resident:
+    def run_resident():
         model.cuda()
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         times, host, peak = run_steps(model, ids, args.steps, args.warmup)
@@ -95,6 +100,12 @@ def main():
                               "host_s": median(host), "times": times}
         print("resident", result["resident"], flush=True)
         model.gradient_checkpointing_disable()
+
+    # bf16: resident first, then back to the host to stream. NF4 models are built on the
+    # host (4-bit weights do not come back from the GPU cheaply): stream first, then
+    # unstream onto the GPU for the resident run.
+    if not args.no_resident and not nf4:
+        run_resident()
         model.cpu()
         gc.collect()
         torch.cuda.empty_cache()
@@ -106,7 +117,8 @@ def main():
         runtime = layerstream.get_runtime(model)
         before = runtime.stats()
         out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
-        trace = os.path.join(out_dir, f"trace-{args.shape}-{slots}x{prefetch}") if spec == args.trace else None
+        trace = (os.path.join(out_dir, f"trace-{args.shape}-{args.quantization}-{slots}x{prefetch}")
+                 if spec == args.trace else None)
         times, host, peak = run_steps(model, ids, args.steps, args.warmup)
         after = runtime.stats()
         if trace:
@@ -133,6 +145,14 @@ def main():
         gc.collect()
         torch.cuda.empty_cache()
 
+    if not args.no_resident and nf4:
+        run_resident()
+        for row in result["rows"]:
+            bound = max(result["resident"]["step_s"], row["copy_bound_s"])
+            row["bound_s"] = bound
+            row["fraction_of_bound"] = bound / row["step_s"]
+            row["fraction_of_resident"] = result["resident"]["step_s"] / row["step_s"]
+
     print("| config | step s | host s | tokens/s | peak GiB | loads/step | stall s/step | copy bound s | x resident | x bound |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     if "resident" in result:
@@ -142,7 +162,8 @@ def main():
         print(f"| streamed {row['slots']}:{row['prefetch']} | {row['step_s']:.3f} | {row['host_s']:.3f} | {row['tokens_per_s']:.0f} | "
               f"{row['peak_gib']:.1f} | {row['loads_per_step']:.1f} | {row['stall_s_per_step']:.3f} | {row['copy_bound_s']:.3f} | "
               f"{row.get('fraction_of_resident', float('nan')):.2f} | {row.get('fraction_of_bound', float('nan')):.2f} |")
-    write_result(args.name or f"throughput-{args.shape}-seq{args.seq}", result)
+    suffix = "-nf4" if nf4 else ""
+    write_result(args.name or f"throughput-{args.shape}{suffix}-seq{args.seq}", result)
 
 
 if __name__ == "__main__":

@@ -161,3 +161,11 @@ def test_slot_weights_are_built_once_per_slot_and_layer(tmp_path):
     weights = [t for binding in runtime._bindings.values() for _, _, t in binding
                if isinstance(t, bnb.nn.Params4bit)]
     assert weights and all(w.quant_state.absmax.data_ptr() != 0 for w in weights)
+
+
+def test_nf4_model_streams_again_after_unstreaming(tmp_path):
+    streamed, resident = nf4_pair(tmp_path, "llama", layers=4)
+    for slots in (2, 3):
+        stream(streamed, "cpu", slots=slots, prefetch=1)
+        assert_traces_equal(train_steps(streamed, 2), train_steps(resident, 2))
+        layerstream.unstream_model(streamed, device="cpu")
