@@ -57,7 +57,7 @@ def main():
     rows = [json.loads(line) for line in DATA.read_text().splitlines() if line.strip()]
     data = Dataset.from_list(rows).map(encode, remove_columns=["instruction", "response"])
     trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=collate)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     trainer.save_state()  # trainer_state.json (log_history) in output_dir
 
 

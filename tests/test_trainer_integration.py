@@ -74,3 +74,18 @@ def test_launcher_flags_are_validated_before_the_script_runs(tmp_path):
     with pytest.raises(layerstream.StreamConfigError, match="prefetch"):
         cli.main(["run", "--slots", "2", "--prefetch", "2", "--device", "cpu", SCRIPT, "--output_dir", str(tmp_path)])
     assert not (tmp_path / "trainer_state.json").exists()
+
+
+def test_resuming_a_streamed_run_gives_the_uninterrupted_losses(tmp_path):
+    def run(out, *extra):
+        args = ["--output_dir", str(out), "--max_steps", "6", "--logging_steps", "1", "--report_to", "none",
+                "--use_cpu", "--per_device_train_batch_size", "4", "--save_steps", "3", *extra]
+        assert cli.main(["run", "--slots", "2", "--device", "cpu", SCRIPT] + args) == 0
+
+    run(tmp_path / "whole")
+    whole = _losses(_history(tmp_path / "whole"))
+    checkpoint = tmp_path / "whole" / "checkpoint-3"
+    assert (checkpoint / "adapter_model.safetensors").exists(), "the adapter checkpoint was saved"
+    run(tmp_path / "resumed", "--resume_from_checkpoint", str(checkpoint))
+    resumed = _losses(_history(tmp_path / "resumed"))
+    assert len(whole) == 6 and resumed[-3:] == whole[-3:]
