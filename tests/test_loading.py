@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 import layerstream
 from tiny import assert_traces_equal, lora_config, tiny_model, train_steps
 
-bnb = pytest.importorskip("bitsandbytes")
+import bitsandbytes as bnb
 
 CPU = layerstream.StreamConfig(device="cpu", slots=2)
 

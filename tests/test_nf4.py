@@ -4,7 +4,7 @@ bitsandbytes model, and never reach MatMul4Bit."""
 import pytest
 import torch
 
-bnb = pytest.importorskip("bitsandbytes")
+import bitsandbytes as bnb
 
 import layerstream
 from layerstream import nf4

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-bnb = pytest.importorskip("bitsandbytes")
+import bitsandbytes as bnb
 
 from layerstream import nf4
 

@@ -89,3 +89,20 @@ def test_resuming_a_streamed_run_gives_the_uninterrupted_losses(tmp_path):
     run(tmp_path / "resumed", "--resume_from_checkpoint", str(checkpoint))
     resumed = _losses(_history(tmp_path / "resumed"))
     assert len(whole) == 6 and resumed[-3:] == whole[-3:]
+
+
+SFT_SCRIPT = str(Path(__file__).resolve().parents[1] / "examples" / "train_sft.py")
+
+
+def test_unchanged_trl_sft_script_under_the_launcher_matches_the_plain_run(tmp_path, monkeypatch):
+
+    def args(out):
+        return ["--output_dir", str(out), "--max_steps", "4", "--logging_steps", "1", "--report_to", "none",
+                "--use_cpu", "--per_device_train_batch_size", "4", "--save_strategy", "no"]
+
+    monkeypatch.setattr(sys, "argv", [SFT_SCRIPT] + args(tmp_path / "plain"))
+    runpy.run_path(SFT_SCRIPT, run_name="__main__")
+    assert cli.main(["run", "--slots", "2", "--device", "cpu", SFT_SCRIPT] + args(tmp_path / "streamed")) == 0
+    plain, streamed = _history(tmp_path / "plain"), _history(tmp_path / "streamed")
+    assert len(_losses(plain)) == 4 and _losses(streamed) == _losses(plain)
+    assert all(STAT_KEYS <= set(entry) for entry in streamed if "loss" in entry)
