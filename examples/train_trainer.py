@@ -56,7 +56,9 @@ def main():
                                       init_lora_weights=False))
     rows = [json.loads(line) for line in DATA.read_text().splitlines() if line.strip()]
     data = Dataset.from_list(rows).map(encode, remove_columns=["instruction", "response"])
-    trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=collate)
+    train, held_out = data.select(range(len(data) - 40)), data.select(range(len(data) - 40, len(data)))
+    trainer = Trainer(model=model, args=args, train_dataset=train, data_collator=collate,
+                      eval_dataset=held_out if args.eval_strategy != "no" else None)
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     trainer.save_state()  # trainer_state.json (log_history) in output_dir
 

@@ -106,3 +106,30 @@ def test_unchanged_trl_sft_script_under_the_launcher_matches_the_plain_run(tmp_p
     plain, streamed = _history(tmp_path / "plain"), _history(tmp_path / "streamed")
     assert len(_losses(plain)) == 4 and _losses(streamed) == _losses(plain)
     assert all(STAT_KEYS <= set(entry) for entry in streamed if "loss" in entry)
+
+
+def test_custom_accelerate_loop_streamed_matches_plain():
+    example = runpy.run_path(str(Path(SCRIPT).parent / "train_accelerate.py"))
+    plain = example["main"](["--steps", "6", "--cpu"])
+    streamed = example["main"](["--steps", "6", "--cpu", "--stream", "--slots", "2"])
+    assert len(plain) == 6 and streamed == plain
+
+
+def test_evaluation_during_training_and_accumulation_match_the_plain_run(tmp_path, monkeypatch):
+    def args(out):
+        return ["--output_dir", str(out), "--max_steps", "4", "--logging_steps", "2", "--report_to", "none",
+                "--use_cpu", "--save_strategy", "no", "--per_device_train_batch_size", "2",
+                "--gradient_accumulation_steps", "2", "--eval_strategy", "steps", "--eval_steps", "2",
+                "--per_device_eval_batch_size", "8"]
+
+    monkeypatch.setattr(sys, "argv", [SCRIPT] + args(tmp_path / "plain"))
+    runpy.run_path(SCRIPT, run_name="__main__")
+    assert cli.main(["run", "--slots", "2", "--device", "cpu", SCRIPT] + args(tmp_path / "streamed")) == 0
+    plain, streamed = _history(tmp_path / "plain"), _history(tmp_path / "streamed")
+
+    def evals(history):
+        return [entry["eval_loss"] for entry in history if "eval_loss" in entry]
+
+    assert len(evals(plain)) == 2 and evals(streamed) == evals(plain)
+    assert _losses(streamed) == _losses(plain)
+    assert all(STAT_KEYS <= set(entry) for entry in streamed if "eval_loss" in entry)
