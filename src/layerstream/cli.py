@@ -84,6 +84,27 @@ def _run_script(args, rest) -> int:
     return 0
 
 
+def _add_train_parser(sub) -> argparse.ArgumentParser:
+    train = sub.add_parser("train", help="LoRA/QLoRA SFT from a YAML config (TRL SFTTrainer), streamed",
+                           description="Train as CONFIG says. The config is checked whole before "
+                                       "anything is built or written.")
+    train.add_argument("config", help="a YAML file, e.g. configs/default.yaml")
+    train.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                       help="override one config value (repeatable), e.g. --set training.max_steps=10")
+    return train
+
+
+def _run_train(args, parser) -> int:
+    from .train import TrainConfigError, load, run
+
+    try:
+        config = load(args.config, args.set)
+    except TrainConfigError as exc:
+        parser.error(str(exc))  # exits with status 2, before any work
+    run(config)
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="layerstream", description="Stream decoder layers from host memory.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -91,6 +112,7 @@ def main(argv=None) -> int:
                    add_help=False)
     plan_parser = _add_plan_parser(sub)
     _add_run_parser(sub)
+    train_parser = _add_train_parser(sub)
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "run":  # everything after the script belongs to the script
         script_at = next((i for i, a in enumerate(argv[1:], 1) if a.endswith(".py")), len(argv))
@@ -101,6 +123,10 @@ def main(argv=None) -> int:
         from .demo import main as demo_main
 
         demo_main(rest)
+    elif args.command == "train":
+        if rest:
+            train_parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        return _run_train(args, train_parser)
     elif args.command == "plan":
         if rest:
             plan_parser.error(f"unrecognized arguments: {' '.join(rest)}")

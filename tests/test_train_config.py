@@ -1,0 +1,76 @@
+"""`layerstream train CONFIG.yaml`: the embedded default trains, and a bad config stops
+with a clear message before anything is built or written."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from layerstream import cli
+from layerstream.train import TrainConfigError, load
+
+DEFAULT = Path(__file__).resolve().parents[1] / "configs" / "default.yaml"
+
+
+def test_the_embedded_default_trains_and_its_loss_falls(tmp_path):
+    out = tmp_path / "out"
+    code = cli.main(["train", str(DEFAULT), "--set", f"training.output_dir={out}",
+                     "--set", "training.max_steps=30", "--set", "training.logging_steps=5",
+                     "--set", "stream.device=cpu"])
+    assert code == 0
+    history = json.loads((out / "trainer_state.json").read_text())["log_history"]
+    losses = [e["loss"] for e in history if "loss" in e]
+    assert len(losses) == 6 and losses[-1] < losses[0] - 0.5
+    assert all("layerstream/layer_loads" in e for e in history if "loss" in e)
+    assert (out / "adapter_model.safetensors").exists()
+
+
+def _write(tmp_path, text):
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("text,match", [
+    ("modle: {}\n", r"unknown section\(s\) \['modle'\]"),
+    ("lora: {rank: 8}\n", r"unknown key\(s\) \['rank'\] in 'lora'"),
+    ("training: {max_stepz: 3}\n", r"unknown key\(s\) \['max_stepz'\] in 'training'"),
+    ("stream: {slots: 1, device: cpu}\n", r"stream: slots=1 is too few"),
+    ("stream: {slots: 2, prefetch: 2, device: cpu}\n", r"prefetch must be >= 1 and < slots"),
+    ("lora: {r: 0}\n", r"lora.r=0 must be an integer >= 1"),
+    ("model: {dtype: float8}\n", r"model.dtype"),
+    ("data: {path: /nonexistent/data.jsonl}\n", r"dataset file /nonexistent/data.jsonl does not exist"),
+    ("training: {eval_strategy: sometimes}\nstream: {device: cpu}\n", r"training: .*sometimes"),
+])
+def test_bad_configs_stop_before_any_work(tmp_path, text, match):
+    out = tmp_path / "never"
+    path = _write(tmp_path, text)
+    with pytest.raises(TrainConfigError, match=match):
+        load(str(path), [f"training.output_dir={out}"])
+    assert not out.exists()
+
+
+def test_malformed_dataset_rows_are_reported_with_their_line(tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"text": "fine"}\n{"instruction": "no response"}\n')
+    path = _write(tmp_path, f"data: {{path: {data}}}\nstream: {{device: cpu}}\n")
+    with pytest.raises(TrainConfigError, match=r"data.jsonl:2: each row needs"):
+        load(str(path))
+    data.write_text('{"text": "fine"}\nnot json\n')
+    with pytest.raises(TrainConfigError, match=r"data.jsonl:2: not valid JSON"):
+        load(str(path))
+
+
+def test_the_command_exits_with_the_message_and_writes_nothing(tmp_path, capsys):
+    out = tmp_path / "never"
+    path = _write(tmp_path, "stream: {slots: 1, device: cpu}\n")
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["train", str(path), "--set", f"training.output_dir={out}"])
+    assert exit_info.value.code == 2
+    assert "slots=1 is too few" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_overrides_need_a_section_and_a_key(tmp_path):
+    with pytest.raises(TrainConfigError, match="section.key=value"):
+        load(str(DEFAULT), ["max_steps=3"])
