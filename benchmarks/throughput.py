@@ -58,7 +58,6 @@ def run_steps(model, ids, steps: int, warmup: int, trace: str | None = None):
             dst.write(src.read())
         os.remove(raw)
         print(f"wrote {trace}.json.gz", flush=True)
-    del opt
     return times, host, peak
 
 

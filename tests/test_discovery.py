@@ -1,7 +1,6 @@
 """The decoder stack is found by what its layers are, plain or PEFT-wrapped."""
 
 import pytest
-import torch
 from peft import get_peft_model
 from torch import nn
 from transformers import AutoConfig, LlavaConfig, LlavaForConditionalGeneration

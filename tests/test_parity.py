@@ -135,7 +135,6 @@ def test_binding_of_another_slot_is_caught_by_the_owner_check(device):
 
 
 def _forward_pair(streamed, device):
-    import copy
     ids = batch(96, device=device)
     with torch.no_grad():
         got = streamed(input_ids=ids).logits

@@ -1,7 +1,5 @@
 """Accelerate and Trainer place a streamed model like any other, moving only its resident part."""
 
-import pytest
-import torch
 from accelerate import Accelerator
 from datasets import Dataset
 from transformers import Trainer, TrainingArguments

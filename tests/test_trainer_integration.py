@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from transformers import HfArgumentParser, Trainer, TrainingArguments
 
 import layerstream

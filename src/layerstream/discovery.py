@@ -10,7 +10,7 @@ mistaken for its language stack.
 
 from __future__ import annotations
 
-from typing import Iterable, List, Optional, Tuple
+from typing import Iterable, List, Tuple
 
 from torch import nn
 
@@ -95,9 +95,3 @@ def _path_from(model: nn.Module, target: nn.Module) -> str:
 
 def layer_name(path: str, index: int) -> str:
     return f"{path}.{index}" if path else str(index)
-
-
-def first_device(model: nn.Module) -> Optional[str]:
-    for tensor in list(model.parameters()) + list(model.buffers()):
-        return str(tensor.device)
-    return None

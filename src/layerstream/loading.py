@@ -18,7 +18,7 @@ import logging
 import os
 from collections import defaultdict
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Union
+from typing import Dict, List, Optional, Union
 
 import torch
 from torch import nn
@@ -229,7 +229,6 @@ def from_pretrained(model_id: Union[str, os.PathLike], *, quantization: Optional
     if quant_device.type == "cuda" and not torch.cuda.is_available():
         quant_device = torch.device("cpu")
     store = HostStore(config_stream.arena_bytes, pin=bool(config_stream.pin))
-    records = []
     for index, layer in enumerate(layers):
         prefix = f"{layer_name(path, index)}."
         missing += _load_module(layer, prefix, reader)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import warnings
 from typing import Dict, List, Tuple
 
 import torch
@@ -19,8 +18,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from . import layer as layer_mod
-from .config import StreamConfig
 from . import nf4
+from .config import StreamConfig
 from .pool import SlotOwnerError, SlotPool
 from .schedule import Phase, PrefetchPlanner
 from .store import HostStore, LayerRecord

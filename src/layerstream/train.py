@@ -73,7 +73,7 @@ def validate(raw: Dict[str, Any], where: str = "config") -> Dict[str, Dict[str, 
             hint = "any SFTConfig / TrainingArguments field" if section == "training" else sorted(known)
             raise TrainConfigError(f"{where}: unknown key(s) {sorted(bad)} in {section!r}; known: {hint}")
         config[section] = {**defaults, **values}
-    model, lora, data, stream = config["model"], config["lora"], config["data"], config["stream"]
+    model, lora, data = config["model"], config["lora"], config["data"]
     if model["dtype"] not in DTYPES:
         raise TrainConfigError(f"{where}: model.dtype={model['dtype']!r}; use one of {DTYPES}")
     if model["quantization"] not in ("none", "nf4"):
