@@ -128,6 +128,7 @@ def attach_runtime(model: nn.Module, path: str, layers: nn.ModuleList, config: S
     """Turn a model whose layers are packed in ``store`` into a streamed model."""
     runtime = StreamRuntime(model, layers, path, config, records, store)
     object.__setattr__(_holder(model), _ATTR, runtime)
+    _hide_from_ddp(model, records)
     _install_trainer_integration()
     for index, layer in enumerate(layers):
         layer_mod.make_streamed(layer, runtime, index)
@@ -135,6 +136,30 @@ def attach_runtime(model: nn.Module, path: str, layers: nn.ModuleList, config: S
         layer_mod.make_streamed_linear4bit(module, runtime)
     logger.info(runtime.summary())
     return model
+
+
+_DDP_IGNORE = "_ddp_params_and_buffers_to_ignore"
+_PEFT_PREFIX = "base_model.model."  # where a PEFT wrapper keeps the transformers model
+
+
+def _hide_from_ddp(model: nn.Module, records) -> None:
+    """Keep DistributedDataParallel away from streamed tensors.
+
+    DDP broadcasts every parameter and buffer it is not told to ignore, and refuses a
+    module whose parameters sit on more than one device type; streamed tensors live on
+    the host. The names are given relative to the transformers model and to a PEFT
+    wrapper around it (PEFT forwards the attribute lookup), so DDP finds them whichever
+    of the two it wraps, whether PEFT came before or after streaming.
+    """
+    holder = _holder(model)
+    prefix = next((name + "." for name, module in model.named_modules() if module is holder and name), "")
+    names = set()
+    for record in records:
+        for entry in record.entries:
+            if entry.bound:
+                relative = entry.qualified_name[len(prefix):] if entry.qualified_name.startswith(prefix) else entry.qualified_name
+                names.update((relative, _PEFT_PREFIX + relative))
+    object.__setattr__(holder, _DDP_IGNORE, sorted(names))
 
 
 def _install_trainer_integration() -> None:
@@ -187,6 +212,6 @@ def unstream_model(model: nn.Module, device: Optional[Union[str, torch.device]] 
     for layer in runtime.layers:
         layer_mod.make_plain(layer)
     runtime.close()
-    object.__setattr__(_holder(model), _ATTR, None)
-    del _holder(model).__dict__[_ATTR]
+    _holder(model).__dict__.pop(_ATTR, None)
+    _holder(model).__dict__.pop(_DDP_IGNORE, None)
     return model

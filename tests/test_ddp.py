@@ -1,0 +1,77 @@
+"""Data parallel training of a streamed model (DistributedDataParallel, gloo on the CPU):
+two processes at half the batch each train like one process at the whole batch."""
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel
+
+import layerstream
+from tiny import batch, peft_pair, stream
+
+STEPS, GLOBAL_BATCH = 4, 4
+
+
+def _model():
+    model, _ = peft_pair("llama", layers=4)
+    return stream(model, "cpu", slots=2, prefetch=1)
+
+
+def _train(model, rank=0, world=1):
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    losses = []
+    for step in range(STEPS):
+        ids = batch(96, size=GLOBAL_BATCH, seq=10, seed=step)
+        share = GLOBAL_BATCH // world
+        mine = ids[rank * share:(rank + 1) * share]
+        loss = model(input_ids=mine, labels=mine).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        total = loss.detach().clone()
+        if world > 1:
+            dist.all_reduce(total)
+            total /= world
+        losses.append(total.item())
+    return losses
+
+
+def _worker(rank, world, rendezvous, out):
+    # a file rendezvous: no port to pick, so no race with other processes for one
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    try:
+        model = _model()
+        ddp = DistributedDataParallel(model)
+        streamed = {id(v) for r in layerstream.get_runtime(model).records for v in r.host_values}
+        assert ddp.parameters_to_ignore, "DDP must be told to ignore streamed tensors"
+        assert not any(id(p) in streamed for p in ddp._module_parameters)
+        losses = _train(ddp, rank, world)
+        if rank == 0:
+            torch.save(losses, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_processes_train_like_one_at_the_same_global_batch(tmp_path):
+    single = _train(_model())
+    out = tmp_path / "losses.pt"
+    mp.spawn(_worker, args=(2, str(tmp_path / "rendezvous"), str(out)), nprocs=2, join=True)
+    parallel = torch.load(out)
+    assert len(parallel) == STEPS
+    assert torch.allclose(torch.tensor(parallel), torch.tensor(single), rtol=1e-5, atol=1e-6), (parallel, single)
+    assert parallel[-1] < parallel[0]
+
+
+def test_ddp_names_cover_the_transformers_model_and_a_peft_wrapper():
+    model = _model()
+    names = set(model.base_model.model._ddp_params_and_buffers_to_ignore)
+    assert "model.layers.0.self_attn.q_proj.base_layer.weight" in names
+    assert "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight" in names
+    assert set(model._ddp_params_and_buffers_to_ignore) == names  # found through PEFT's lookup
+    assert not any("lora_" in n for n in names)
+    layerstream.unstream_model(model)
+    assert not hasattr(model.base_model.model, "_ddp_params_and_buffers_to_ignore")
