@@ -48,6 +48,8 @@ class StreamRuntime:
         self.planner = PrefetchPlanner(len(records), config.slots, config.prefetch)
         # (slot, layer) -> [(table, name, slot tensor)], built on first use, then reused
         self._bindings: Dict[Tuple[int, int], list] = {}
+        # every streamed layer's _apply checks these; collect them once, not per layer
+        self._streamed_dtypes = {e.dtype for r in records for e in r.entries}
         self.visits = 0
         self.demand_loads = 0
         self.peak_resident_layers = 0
@@ -215,7 +217,7 @@ class StreamRuntime:
 
     def check_apply(self, fn) -> None:
         """Refuse a .to()/.half()/.cuda() that would change streamed weights' dtype or device."""
-        for dtype in {e.dtype for r in self.records for e in r.entries}:
+        for dtype in self._streamed_dtypes:
             probe = fn(torch.empty(0, dtype=dtype))
             if probe.dtype != dtype:
                 raise StreamingError(
