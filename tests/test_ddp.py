@@ -1,7 +1,11 @@
 """Data parallel training of a streamed model (DistributedDataParallel, gloo on the CPU):
 two processes at half the batch each train like one process at the whole batch."""
 
+import os
+import time
 from datetime import timedelta
+
+import pytest
 
 import torch
 import torch.distributed as dist
@@ -52,14 +56,24 @@ def _worker(rank, world, rendezvous, out):
         losses = _train(ddp, rank, world)
         if rank == 0:
             torch.save(losses, out)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
+    # gloo's helper threads can keep an exiting interpreter waiting forever; the results
+    # are on disk, so leave without the interpreter's shutdown
+    os._exit(0)
 
 
 def test_two_processes_train_like_one_at_the_same_global_batch(tmp_path):
     single = _train(_model())
     out = tmp_path / "losses.pt"
-    mp.spawn(_worker, args=(2, str(tmp_path / "rendezvous"), str(out)), nprocs=2, join=True)
+    context = mp.spawn(_worker, args=(2, str(tmp_path / "rendezvous"), str(out)), nprocs=2, join=False)
+    deadline = time.monotonic() + 180
+    while not context.join(timeout=5):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail("the two data-parallel processes did not finish within 180 s")
     parallel = torch.load(out)
     assert len(parallel) == STEPS
     assert torch.allclose(torch.tensor(parallel), torch.tensor(single), rtol=1e-5, atol=1e-6), (parallel, single)
