@@ -29,25 +29,38 @@ def _delay_copies(runtime, monkeypatch):
     monkeypatch.setattr(pool, "load", delayed)
 
 
-def _race_pair(dtype, monkeypatch, layers=8):
+def _race_pair(dtype, monkeypatch, layers=8, route="direct"):
     streamed, resident = peft_pair("llama", layers=layers, dtype=dtype, attn="eager",
                                    hidden_size=256, intermediate_size=1024, head_dim=64)
     stream(streamed, "cuda", slots=2, prefetch=1)
     resident.to("cuda")
-    _delay_copies(layerstream.get_runtime(streamed), monkeypatch)
+    runtime = layerstream.get_runtime(streamed)
+    if route == "torch":  # the path taken where no shared CUDA runtime can be called
+        runtime.pool._rt = None
+    _delay_copies(runtime, monkeypatch)
     return streamed, resident
 
 
+def test_copies_call_the_cuda_runtime_directly():
+    streamed, _ = peft_pair("llama", layers=3)
+    stream(streamed, "cuda", slots=2, prefetch=1)
+    assert layerstream.get_runtime(streamed).pool._direct(), \
+        "no shared libcudart found: copies fall back to the slower torch calls"
+
+
+@pytest.mark.parametrize("route", ["direct", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_delayed_copies_stay_exact_in_training(dtype, monkeypatch):
-    streamed, resident = _race_pair(dtype, monkeypatch)
+def test_delayed_copies_stay_exact_in_training(dtype, route, monkeypatch):
+    streamed, resident = _race_pair(dtype, monkeypatch, route=route)
     assert_traces_equal(train_steps(streamed, 10, "cuda", seq=4), train_steps(resident, 10, "cuda", seq=4))
     stats = layerstream.get_runtime(streamed).stats()
     assert stats["stalls"] > 0 and stats["stall_seconds"] > 0, "the race must have been real"
+    assert stats["h2d_seconds"] > 0 and stats["h2d_gbps"] > 0
 
 
-def test_delayed_copies_stay_exact_in_inference(monkeypatch):
-    streamed, resident = _race_pair(torch.bfloat16, monkeypatch)
+@pytest.mark.parametrize("route", ["direct", "torch"])
+def test_delayed_copies_stay_exact_in_inference(route, monkeypatch):
+    streamed, resident = _race_pair(torch.bfloat16, monkeypatch, route=route)
     ids = batch(96, seq=4, device="cuda")
     with torch.no_grad():
         for _ in range(5):

@@ -177,3 +177,35 @@ def test_equal_layers_fill_their_arenas_without_gaps(checkpoint):
     store = layerstream.get_runtime(layerstream.from_pretrained(
         checkpoint, stream=layerstream.StreamConfig(device="cpu", slots=2, arena_bytes=1 << 20))).store
     assert store.host_bytes == sum(r.nbytes for r in store.records)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("nested", [True, False], ids=["double-quant", "single-quant"])
+def test_nf4_load_on_the_gpu_equals_transformers_4bit_load(tmp_path, nested):
+    """With a GPU the loader quantises there, one layer at a time: the packed bytes equal
+    what transformers loads onto the GPU, and the device never holds the whole model."""
+    directory = tmp_path / "gpu-ckpt"
+    layers, hidden, intermediate = 8, 512, 1408
+    tiny_model("llama", layers=layers, dtype=torch.bfloat16, hidden_size=hidden, intermediate_size=intermediate,
+               head_dim=64, num_attention_heads=8, num_key_value_heads=8).save_pretrained(directory)
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    streamed = layerstream.from_pretrained(directory, quantization="nf4", bnb_4bit_use_double_quant=nested,
+                                           stream=layerstream.StreamConfig(device="cuda", slots=2))
+    peak = torch.cuda.max_memory_allocated() - base
+    layer_bytes = (4 * hidden * hidden + 3 * hidden * intermediate) * 2
+    # one bf16 layer being quantised, its packed result, and the slots
+    assert peak < 3 * layer_bytes < layers * layer_bytes / 2, \
+        f"loading peaked at {peak / 2**20:.1f} MiB on the GPU; one bf16 layer is {layer_bytes / 2**20:.1f} MiB"
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=nested,
+                               bnb_4bit_compute_dtype=torch.bfloat16)
+    reference = AutoModelForCausalLM.from_pretrained(directory, quantization_config=quant, dtype=torch.bfloat16,
+                                                     device_map="cuda:0")
+    sa, sb = streamed.state_dict(), reference.state_dict()
+    assert list(sa) == list(sb)
+    for key in sa:
+        assert torch.equal(sa[key].cpu(), sb[key].cpu()), key
+    streamed.to("cuda")
+    ids = torch.randint(3, 90, (2, 8), device="cuda")
+    with torch.no_grad():
+        assert torch.equal(streamed(input_ids=ids).logits, reference(input_ids=ids).logits)

@@ -105,3 +105,36 @@ def test_bad_shapes_are_refused():
         PrefetchPlanner(4, 2, 2)
     with pytest.raises(IndexError):
         PrefetchPlanner(4, 2, 1).visit(4, Phase.INFERENCE)
+
+
+class _Unmemoised(PrefetchPlanner):
+    def visit(self, layer, phase):
+        return self._plan(layer, phase)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_remembered_plans_equal_fresh_plans(seed):
+    """The plan memo must answer exactly what planning from scratch answers, and leave
+    the same owners, for regular steps and arbitrary visit orders mixed together."""
+    rng = random.Random(seed)
+    layers, slots = rng.randint(2, 9), rng.randint(2, 4)
+    prefetch = rng.randint(1, slots - 1)
+    memo, fresh = PrefetchPlanner(layers, slots, prefetch), _Unmemoised(layers, slots, prefetch)
+    visits = []
+    for _ in range(30):
+        if rng.random() < 0.5:
+            visits += training_step(layers)
+        else:
+            visits += [(rng.randrange(layers), rng.choice(list(Phase))) for _ in range(layers)]
+    for layer, phase in visits:
+        assert memo.visit(layer, phase) == fresh.visit(layer, phase)
+        assert memo.owner == fresh.owner and memo.slot_of == fresh.slot_of
+    assert len(memo._plans) < len(visits), "steady state must reuse remembered plans"
+
+
+def test_remembered_plans_are_reused_in_steady_state():
+    planner = PrefetchPlanner(8, 3, 1)
+    run(planner, training_step(8) * 2)
+    known = len(planner._plans)
+    run(planner, training_step(8) * 5)
+    assert len(planner._plans) == known

@@ -23,7 +23,7 @@ fetched (that would only trade one wait for another).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 from typing import List, Optional, Tuple
 
@@ -34,7 +34,7 @@ class Phase(Enum):
     INFERENCE = "inference"
 
 
-@dataclass
+@dataclass(frozen=True)
 class VisitPlan:
     """What to do at one visit.
 
@@ -45,7 +45,7 @@ class VisitPlan:
     """
 
     slot: int
-    loads: List[Tuple[int, int]] = field(default_factory=list)
+    loads: Tuple[Tuple[int, int], ...] = ()
     demand: bool = False
 
 
@@ -65,6 +65,9 @@ class PrefetchPlanner:
         # (layer, phase) -> ((target, visits until needed), ...): the lookahead is a pure
         # function of the visit, so the hot path reads it instead of recomputing it
         self._lookahead: dict = {}
+        # (layer, phase, owners before) -> plan: planning is a pure function of these,
+        # and steady-state training or inference cycles through a few such states
+        self._plans: dict = {}
 
     # -- the predicted order -------------------------------------------------------
     def _cycle(self, phase: Phase) -> int:
@@ -126,9 +129,25 @@ class PrefetchPlanner:
         self.owner[slot] = layer
         self.slot_of[layer] = slot
 
+    _MAX_PLANS = 1 << 14  # bounds the memo for odd visit orders; steady state needs few
+
     def visit(self, layer: int, phase: Phase) -> VisitPlan:
         if not 0 <= layer < self.num_layers:
             raise IndexError(f"layer {layer} outside 0..{self.num_layers - 1}")
+        key = (layer, phase, tuple(self.owner))
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plan(layer, phase)
+            if len(self._plans) >= self._MAX_PLANS:
+                self._plans.clear()
+            self._plans[key] = plan
+        else:
+            for target, slot in plan.loads:
+                self._assign(target, slot)
+        return plan
+
+    def _plan(self, layer: int, phase: Phase) -> VisitPlan:
+        """Plan one visit from scratch and apply its assignments."""
         position = self._position(layer, phase)
         loads: List[Tuple[int, int]] = []
         demand = False
@@ -155,7 +174,7 @@ class PrefetchPlanner:
                 break
             self._assign(target, victim)
             loads.append((target, victim))
-        return VisitPlan(slot=slot, loads=loads, demand=demand)
+        return VisitPlan(slot=slot, loads=tuple(loads), demand=demand)
 
     def forget(self) -> None:
         """Drop all ownership (after a fault, or when slots were released)."""

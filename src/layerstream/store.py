@@ -17,7 +17,6 @@ power of two, which can cost close to double the host RAM.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import weakref
 from dataclasses import dataclass, field
@@ -26,7 +25,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from . import nf4
+from . import cudart, nf4
 
 logger = logging.getLogger(__name__)
 
@@ -85,50 +84,18 @@ class PinError(RuntimeError):
     pass
 
 
-def _loaded_cudart():
-    """The CUDA runtime library this process already loaded (for cudaGetLastError)."""
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if "libcudart.so" in line}
-    except OSError:
-        return None
-    for path in sorted(paths):
-        try:
-            return ctypes.CDLL(path)
-        except OSError:
-            continue
-    return None
-
-
-def clear_cuda_error() -> None:
-    """Reset the CUDA runtime's last error after a failed (non-sticky) runtime call.
-
-    Left set, the error would surface at the next kernel launch check, far from its
-    cause. torch does not expose cudaGetLastError, so call it from the loaded runtime;
-    where the runtime is linked statically, let one kernel launch check consume it.
-    """
-    lib = _loaded_cudart()
-    if lib is not None:
-        lib.cudaGetLastError()
-        return
-    try:
-        torch.empty(1, device="cuda").fill_(0)
-    except Exception:  # the launch check reported (and reset) the stale error
-        pass
-
-
 def _register(tensor: torch.Tensor) -> None:
     cudart = torch.cuda.cudart()
     code = int(cudart.cudaHostRegister(tensor.data_ptr(), tensor.numel() * tensor.element_size(), 0))
     if code != 0:
-        clear_cuda_error()
+        cudart.clear_error()
         raise PinError(f"cudaHostRegister failed with CUDA error {code}")
 
 
 def _unregister(tensor: torch.Tensor) -> None:
     code = int(torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr()))
     if code != 0:
-        clear_cuda_error()
+        cudart.clear_error()
         logger.warning("layerstream: cudaHostUnregister failed with CUDA error %d", code)
 
 
