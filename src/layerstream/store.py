@@ -85,8 +85,7 @@ class PinError(RuntimeError):
 
 
 def _register(tensor: torch.Tensor) -> None:
-    cudart = torch.cuda.cudart()
-    code = int(cudart.cudaHostRegister(tensor.data_ptr(), tensor.numel() * tensor.element_size(), 0))
+    code = int(torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.numel() * tensor.element_size(), 0))
     if code != 0:
         cudart.clear_error()
         raise PinError(f"cudaHostRegister failed with CUDA error {code}")
