@@ -132,3 +132,33 @@ def test_evaluation_during_training_and_accumulation_match_the_plain_run(tmp_pat
     assert len(evals(plain)) == 2 and evals(streamed) == evals(plain)
     assert _losses(streamed) == _losses(plain)
     assert all(STAT_KEYS <= set(entry) for entry in streamed if "eval_loss" in entry)
+
+
+def test_training_writes_the_residency_timeline_of_one_step(tmp_path, caplog):
+    from datasets import Dataset
+
+    model, _ = peft_pair("llama", layers=5)
+    layerstream.stream_model(model, device="cpu", slots=2)
+    data = Dataset.from_list([{"input_ids": [3, 4, 5, 6, 7, 8], "labels": [3, 4, 5, 6, 7, 8]}] * 16)
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=3,
+                             per_device_train_batch_size=4, save_strategy="no")
+    with caplog.at_level("WARNING", logger="layerstream"):
+        Trainer(model=model, args=args, train_dataset=data).train()
+    assert "predicted    peak VRAM" in caplog.text and "GiB at batch 4 x 512 tokens" in caplog.text
+    trace = json.loads((tmp_path / "layerstream-trace.json").read_text())
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    computes = [(e["cat"], e["args"]["layer"]) for e in spans if e["cat"] in ("forward", "backward")]
+    assert computes == [("forward", i) for i in range(5)] + [("backward", i) for i in reversed(range(5))], \
+        "exactly one step: every layer forward, then recomputed in reverse"
+    copies = [e for e in spans if e["cat"] == "copy"]
+    assert len(copies) == 2 * (5 - 2), "a steady-state step copies all but the turnaround layers, twice"
+    holds = [e for e in spans if e["cat"] == "hold"]
+    assert {e["args"]["slot"] for e in holds} == {0, 1}
+    for compute in (e for e in spans if e["cat"] in ("forward", "backward")):
+        slot_holds = [h for h in holds if h["args"]["slot"] == compute["args"]["slot"]
+                      and h["ts"] <= compute["ts"] <= h["ts"] + h["dur"]]
+        assert slot_holds and all(h["args"]["layer"] == compute["args"]["layer"] for h in slot_holds), \
+            "a layer computes only while its slot holds it"
+    png = (tmp_path / "layerstream-timeline.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    assert not layerstream.get_runtime(model).timeline_active

@@ -656,6 +656,32 @@ def make_plan(config, seq: int, batch: int, vram_bytes: int, quantization: str =
     return plan
 
 
+def plan_for_model(model, seq: int, batch: int, slots: Optional[int] = None,
+                   vram_bytes: int = 1 << 50) -> MemoryPlan:
+    """The plan of a live (possibly PEFT-wrapped) model: its config, 4-bit state, compute
+    dtype, and LoRA rank and targets. Reads attributes only; raises ValueError when the
+    adapters cannot be described to the planner (regex targets, several adapters)."""
+    config = getattr(model, "config", None)
+    if config is None:
+        raise ValueError("the model has no transformers config")
+    quantization = "nf4" if getattr(model, "is_loaded_in_4bit", False) else "none"
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    dtype = embeddings.weight.dtype if embeddings is not None else torch.bfloat16
+    rank, targets = 0, "all-linear"
+    peft_configs = getattr(model, "peft_config", None) or {}
+    if len(peft_configs) > 1:
+        raise ValueError("several adapters: plan each with `layerstream plan`")
+    for peft_config in peft_configs.values():
+        rank = int(getattr(peft_config, "r", 0))
+        modules = getattr(peft_config, "target_modules", None)
+        if isinstance(modules, str) and modules.lower() != "all-linear":
+            raise ValueError(f"LoRA target_modules is a pattern ({modules!r})")
+        if modules and not isinstance(modules, str):
+            targets = ",".join(sorted(modules))
+    return make_plan(config, seq=seq, batch=batch, vram_bytes=vram_bytes, quantization=quantization,
+                     dtype=dtype, lora_rank=rank, slots=slots, lora_targets=targets)
+
+
 def _gib(nbytes: float) -> str:
     return f"{nbytes / GiB:.2f} GiB"
 

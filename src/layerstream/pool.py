@@ -60,6 +60,7 @@ class SlotPool:
         self.buffers = [torch.empty(max(slot_bytes, 1), dtype=torch.uint8, device=device) for _ in range(slots)]
         self.owner: List[Optional[int]] = [None] * slots
         self._destinations: dict = {}  # (slot, nbytes) -> view of the slot buffer
+        self.recording = None  # a timeline.Recording while one step is being recorded
         # counters
         self.loads = 0
         self.h2d_bytes = 0
@@ -125,7 +126,10 @@ class SlotPool:
         if not self.cuda:
             start = time.perf_counter()
             dst.copy_(src)
-            self.h2d_seconds += time.perf_counter() - start
+            stop = time.perf_counter()
+            self.h2d_seconds += stop - start
+            if self.recording is not None:
+                self.recording.copies.append((record.index, slot, start, stop))
             return
         if compute is None:
             compute = self.compute_stream()
@@ -142,6 +146,8 @@ class SlotPool:
         else:
             self._load_with_torch(dst, src, slot, self._torch_stream(compute), start, end)
         self._pending.append((start, end, "copy"))
+        if self.recording is not None:
+            self.recording.copies.append((record.index, slot, start, end))
         if len(self._pending) > 64:
             self._drain(block=False)
 
@@ -219,7 +225,8 @@ class SlotPool:
                 self.h2d_seconds += seconds
             else:
                 self.stall_seconds += seconds
-            self._events.put(start, end)
+            if self.recording is None:  # a recording reads its events later
+                self._events.put(start, end)
 
     def settle(self) -> None:
         """Read every outstanding timing event (waits for them; not for the hot path)."""

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from . import layer as layer_mod
-from . import nf4
+from . import nf4, timeline
 from .config import StreamConfig
 from .pool import SlotOwnerError, SlotPool
 from .schedule import Phase, PrefetchPlanner
@@ -57,6 +57,7 @@ class StreamRuntime:
         self.nf4_counts = {"nf4_function_calls": 0, "nf4_dequant_calls": 0}
         # test hook: replace the copied bytes of a load (negative controls)
         self._load_source = None
+        self._recording = None  # timeline.Recording while a step is recorded
 
     # -- binding -------------------------------------------------------------------
     def _binding(self, slot: int, index: int) -> list:
@@ -128,11 +129,16 @@ class StreamRuntime:
         record = self.records[index]
         for table, name, tensor in self._binding(slot, index):
             table[name] = tensor
+        recording = self._recording
+        if recording is not None:
+            begin = recording.now()
         try:
             return layer_mod.call_unstreamed(layer, args, kwargs)
         finally:
             for table, name, host in record.host_binding:
                 table[name] = host
+            if recording is not None:
+                recording.computes.append((index, slot, phase, begin, recording.now()))
 
     def call_layer(self, layer: nn.Module, args, kwargs):
         index = layer._layerstream_index
@@ -262,6 +268,46 @@ class StreamRuntime:
                 changed = dict(table)
                 table.clear()
                 table.update((k, v if k in names else changed[k]) for k, v in original)
+
+    # -- timeline ------------------------------------------------------------------
+    @property
+    def timeline_active(self) -> bool:
+        return self._recording is not None
+
+    def start_timeline(self) -> None:
+        """Record copies, residency and layer calls from now until ``finish_timeline``."""
+        if self._recording is not None:
+            raise StreamingError("a timeline is already being recorded; call finish_timeline() first")
+        self._recording = self.pool.recording = timeline.Recording(self.pool, self.pool.owner)
+
+    def finish_timeline(self) -> List["timeline.Span"]:
+        """Stop recording; returns the spans (waits once for the device)."""
+        recording = self._recording
+        if recording is None:
+            raise StreamingError("no timeline is being recorded; call start_timeline() first")
+        try:
+            return recording.finish()
+        finally:
+            self._recording = self.pool.recording = None
+
+    @contextlib.contextmanager
+    def timeline(self, directory: Optional[str] = None):
+        """Record the steps run inside the block; write the trace and plot to ``directory``.
+
+        Yields a list that holds the spans once the block ends.
+        """
+        spans: list = []
+        self.start_timeline()
+        try:
+            yield spans
+        finally:
+            spans.extend(self.finish_timeline())
+        if directory is not None:
+            timeline.write(spans, self.config.slots, directory, self._timeline_title())
+
+    def _timeline_title(self) -> str:
+        return (f"layerstream: {len(self.records)} layers, {self.config.slots} slots, prefetch "
+                f"{self.config.prefetch}, on {self.device}; layer number on each bar")
 
     # -- stats ---------------------------------------------------------------------
     def stats(self) -> dict:

@@ -6,7 +6,8 @@ TRL's trainers included) by :func:`install`:
 - before ``Trainer.__init__`` places the model, an *auto-stream* setting (from
   ``layerstream run`` or ``StreamingArguments``) streams it, if it is not streamed yet;
 - after ``__init__``, a streamed model gets :class:`StreamStatsCallback`, which prints the
-  one-screen summary at train start;
+  one-screen summary at train start (with the planner's predicted peak VRAM), records
+  the residency timeline of one step, and writes it to ``output_dir`` at train end;
 - ``Trainer.log`` adds streaming figures to ``logs`` before the original runs, so they
   land in ``state.log_history`` and reach every ``report_to`` backend (a callback's
   ``on_log`` would be too late: callbacks see ``logs`` after ``log_history`` was written).
@@ -22,6 +23,7 @@ from typing import Optional
 
 import torch
 
+from .. import plan, timeline
 from ..api import get_runtime, is_streamed, stream_model
 from ..config import StreamConfig
 
@@ -118,12 +120,66 @@ except ImportError:  # pragma: no cover
     _CallbackBase = object
 
 
+def predicted_vram(model, args) -> str:
+    """The summary's predicted-peak line, from the memory planner."""
+    runtime = get_runtime(model)
+    batch = int(getattr(args, "per_device_train_batch_size", 1) or 1)
+    seq = getattr(args, "max_length", None) or getattr(args, "max_seq_length", None)
+    try:
+        if seq:
+            peak = plan.plan_for_model(model, int(seq), batch, slots=runtime.config.slots).peak_vram_bytes
+            return f"  predicted    peak VRAM {peak / 2**30:.2f} GiB at batch {batch} x {seq} tokens"
+        short, long = (plan.plan_for_model(model, n, batch, slots=runtime.config.slots).peak_vram_bytes
+                       for n in (512, 2048))
+        return (f"  predicted    peak VRAM {short / 2**30:.2f} GiB at batch {batch} x 512 tokens, "
+                f"{long / 2**30:.2f} GiB at x 2048")
+    except ValueError as exc:
+        return f"  predicted    peak VRAM not planned ({exc}); see `layerstream plan`"
+
+
 class StreamStatsCallback(_CallbackBase):
-    """Prints what streams at train start (slots, bytes, device) once per training run."""
+    """Prints what streams at train start; records one step's residency timeline and
+    writes it (trace JSON, and a PNG plot with matplotlib) to ``output_dir`` at train end.
+
+    The recorded step is the second optimizer step (the first one when training has a
+    single step): the first step also fills cold slots.
+    """
+
+    def __init__(self) -> None:
+        self._runtime = None
+        self._spans = None
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self._runtime, self._spans = None, None
+        if model is not None and is_streamed(model) and get_runtime(model).timeline_active:
+            get_runtime(model).finish_timeline()  # left armed by a run that raised mid-step
         if model is not None and is_streamed(model) and state.is_world_process_zero:
-            logger.warning("\n%s", get_runtime(model).summary())
+            logger.warning("\n%s\n%s", get_runtime(model).summary(), predicted_vram(model, args))
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        if self._spans is not None or self._runtime is not None or model is None or not is_streamed(model):
+            return
+        if state.global_step == (1 if state.max_steps > 1 else 0):
+            self._runtime = get_runtime(model)
+            self._runtime.start_timeline()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self._runtime is not None and self._spans is None:
+            self._spans = self._runtime.finish_timeline()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        runtime, spans = self._runtime, self._spans
+        self._runtime = self._spans = None
+        if runtime is None:
+            return
+        if spans is None:  # training stopped inside the recorded step
+            if runtime.timeline_active:
+                runtime.finish_timeline()
+            return
+        if state.is_world_process_zero and args.output_dir:
+            written = timeline.write(spans, runtime.config.slots, args.output_dir, runtime._timeline_title())
+            logger.warning("layerstream: residency timeline of step %d written to %s",
+                           (1 if state.max_steps > 1 else 0) + 1, ", ".join(written))
 
 
 @dataclass
