@@ -23,10 +23,15 @@ SHAPES = {
 }
 
 
-def build_random(shape: str, dtype=torch.bfloat16, layers: int | None = None, attn: str = "sdpa",
+def _shape_values(shape) -> dict:
+    """A SHAPES key, or a transformers config.json's values (configs/shapes/*.json)."""
+    return dict(SHAPES[shape]) if isinstance(shape, str) else dict(shape)
+
+
+def build_random(shape, dtype=torch.bfloat16, layers: int | None = None, attn: str = "sdpa",
                  **overrides):
     """A model of a real shape with random weights, built on meta then filled on CPU."""
-    values = dict(SHAPES[shape])
+    values = _shape_values(shape)
     model_type = values.pop("model_type")
     if layers is not None:
         values["num_hidden_layers"] = layers
@@ -100,7 +105,7 @@ def write_result(name: str, payload: dict) -> str:
     return path
 
 
-def build_random_nf4(shape: str, layers: int | None = None, double_quant: bool = True,
+def build_random_nf4(shape, layers: int | None = None, double_quant: bool = True,
                      dtype=torch.bfloat16, attn: str = "sdpa"):
     """A real-shape NF4 model (as transformers loads one with BitsAndBytesConfig) on the host.
 
@@ -117,7 +122,7 @@ def build_random_nf4(shape: str, layers: int | None = None, double_quant: bool =
     from layerstream.discovery import find_decoder_layers
     from layerstream.loading import _quantise_layer, _rebuild_computed_buffers
 
-    values = dict(SHAPES[shape])
+    values = _shape_values(shape)
     model_type = values.pop("model_type")
     if layers is not None:
         values["num_hidden_layers"] = layers

@@ -112,3 +112,21 @@ def test_refused_pinning_falls_back_loudly_and_clears_the_cuda_error(monkeypatch
     resident.to("cuda")
     torch.cuda.synchronize()  # no stale CUDA error surfaces here or in the steps below
     assert_traces_equal(train_steps(streamed, 3, "cuda"), train_steps(resident, 3, "cuda"))
+
+
+def test_timeline_on_cuda_places_every_compute_inside_its_layers_residency(tmp_path):
+    streamed, _ = peft_pair("llama", layers=6, attn="eager", hidden_size=256, intermediate_size=1024, head_dim=64)
+    stream(streamed, "cuda", slots=2, prefetch=1)
+    train_steps(streamed, 1, "cuda", seq=4)
+    runtime = layerstream.get_runtime(streamed)
+    with runtime.timeline(str(tmp_path)) as spans:
+        train_steps(streamed, 1, "cuda", seq=4)
+    copies = [s for s in spans if s.kind == "copy"]
+    computes = [s for s in spans if s.row == "compute"]
+    assert len(copies) == 2 * (6 - 2) and all(s.end_ms > s.start_ms for s in copies)
+    assert len(computes) == 12
+    for span in computes:
+        holding = [h for h in spans if h.kind == "hold" and h.slot == span.slot
+                   and h.start_ms <= span.start_ms and span.end_ms <= h.end_ms]
+        assert [h.layer for h in holding] == [span.layer], span
+    assert (tmp_path / "layerstream-trace.json").exists()

@@ -1,5 +1,6 @@
-"""Data parallel training of a streamed model (DistributedDataParallel, gloo on the CPU):
-two processes at half the batch each train like one process at the whole batch."""
+"""Data parallel training of a streamed model (DistributedDataParallel): two processes at
+half the batch each train like one process at the whole batch; gloo on the CPU, and NCCL
+on two GPUs (gpu marker; needs two CUDA devices)."""
 
 import os
 import time
@@ -18,17 +19,18 @@ from tiny import batch, peft_pair, stream
 STEPS, GLOBAL_BATCH = 4, 4
 
 
-def _model():
+def _model(device="cpu"):
     model, _ = peft_pair("llama", layers=4)
-    return stream(model, "cpu", slots=2, prefetch=1)
+    stream(model, device, slots=2, prefetch=1)
+    return model.to(device)
 
 
-def _train(model, rank=0, world=1):
+def _train(model, rank=0, world=1, device="cpu"):
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-2)
     losses = []
     for step in range(STEPS):
-        ids = batch(96, size=GLOBAL_BATCH, seq=10, seed=step)
+        ids = batch(96, size=GLOBAL_BATCH, seq=10, seed=step).to(device)
         share = GLOBAL_BATCH // world
         mine = ids[rank * share:(rank + 1) * share]
         loss = model(input_ids=mine, labels=mine).loss
@@ -43,17 +45,22 @@ def _train(model, rank=0, world=1):
     return losses
 
 
-def _worker(rank, world, rendezvous, out):
+def _worker(rank, world, rendezvous, out, device_type):
+    device = "cpu"
+    if device_type == "cuda":
+        torch.cuda.set_device(rank)
+        device = f"cuda:{rank}"
     # a file rendezvous: no port to pick, so no race with other processes for one
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", init_method=f"file://{rendezvous}",
+                            rank=rank, world_size=world, timeout=timedelta(seconds=60))
     try:
-        model = _model()
-        ddp = DistributedDataParallel(model)
+        model = _model(device)
+        ddp = DistributedDataParallel(model, device_ids=[rank] if device_type == "cuda" else None)
         streamed = {id(v) for r in layerstream.get_runtime(model).records for v in r.host_values}
         assert ddp.parameters_to_ignore, "DDP must be told to ignore streamed tensors"
         assert not any(id(p) in streamed for p in ddp._module_parameters)
-        losses = _train(ddp, rank, world)
+        assert str(layerstream.get_runtime(model).device) == device
+        losses = _train(ddp, rank, world, device)
         if rank == 0:
             torch.save(losses, out)
         dist.barrier()
@@ -64,10 +71,18 @@ def _worker(rank, world, rendezvous, out):
     os._exit(0)
 
 
-def test_two_processes_train_like_one_at_the_same_global_batch(tmp_path):
-    single = _train(_model())
+DEVICE_TYPES = [pytest.param("cpu", id="gloo-cpu"), pytest.param("cuda", id="nccl-2gpu", marks=[pytest.mark.gpu, pytest.mark.multigpu])]
+
+
+@pytest.mark.parametrize("device_type", DEVICE_TYPES)
+def test_two_processes_train_like_one_at_the_same_global_batch(tmp_path, device_type):
+    if device_type == "cuda" and torch.cuda.device_count() < 2:
+        pytest.fail("the two-GPU data-parallel test needs two CUDA devices (run it on a two-GPU machine)")
+    device = "cuda:0" if device_type == "cuda" else "cpu"
+    single = _train(_model(device), device=device)
     out = tmp_path / "losses.pt"
-    context = mp.spawn(_worker, args=(2, str(tmp_path / "rendezvous"), str(out)), nprocs=2, join=False)
+    context = mp.spawn(_worker, args=(2, str(tmp_path / "rendezvous"), str(out), device_type), nprocs=2,
+                       join=False)
     deadline = time.monotonic() + 180
     while not context.join(timeout=5):
         if time.monotonic() > deadline:
@@ -76,6 +91,7 @@ def test_two_processes_train_like_one_at_the_same_global_batch(tmp_path):
             pytest.fail("the two data-parallel processes did not finish within 180 s")
     parallel = torch.load(out)
     assert len(parallel) == STEPS
+    print("single", single, "two processes", parallel)
     assert torch.allclose(torch.tensor(parallel), torch.tensor(single), rtol=1e-5, atol=1e-6), (parallel, single)
     assert parallel[-1] < parallel[0]
 

@@ -41,6 +41,8 @@ def _write(tmp_path, text):
     ("model: {dtype: float8}\n", r"model.dtype"),
     ("data: {path: /nonexistent/data.jsonl}\n", r"dataset file /nonexistent/data.jsonl does not exist"),
     ("training: {eval_strategy: sometimes}\nstream: {device: cpu}\n", r"training: .*sometimes"),
+    ("stream: {device: cpu, vram: 16 gigs}\n", r"stream.vram: unknown unit .gigs."),
+    ("stream: {device: cpu, vram: 900MiB}\n", r"does not fit in 0.9 GiB .* even when streamed"),
 ])
 def test_bad_configs_stop_before_any_work(tmp_path, text, match):
     out = tmp_path / "never"
@@ -74,3 +76,26 @@ def test_the_command_exits_with_the_message_and_writes_nothing(tmp_path, capsys)
 def test_overrides_need_a_section_and_a_key(tmp_path):
     with pytest.raises(TrainConfigError, match="section.key=value"):
         load(str(DEFAULT), ["max_steps=3"])
+
+
+def test_a_run_that_does_not_fit_says_what_to_change_in_config_terms(tmp_path):
+    """A 32-layer 4096-wide model at 4 x 4096 tokens in 6 GiB: the planner's advice comes
+    back naming the YAML keys to change."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8}))
+    path = _write(tmp_path, f"model: {{name: {model}, dtype: bfloat16}}\n"
+                            "stream: {device: cpu, vram: 6GiB, slots: 3}\n"
+                            "training: {max_length: 4096, per_device_train_batch_size: 4}\n")
+    with pytest.raises(TrainConfigError) as error:
+        load(str(path), [f"training.output_dir={tmp_path / 'never'}"])
+    message = str(error.value)
+    assert "does not fit in 6.0 GiB" in message and "batch 4 x 4096 tokens" in message
+    assert "model.quantization: nf4" in message and "training.max_length to" in message
+    assert "--" not in message, "advice must name config keys, not CLI flags"
+    assert not (tmp_path / "never").exists()
+    fitting = path.read_text().replace("vram: 6GiB", "vram: 80GiB")
+    path.write_text(fitting)
+    load(str(path), [f"training.output_dir={tmp_path / 'never'}"])

@@ -18,10 +18,10 @@ from .config import StreamConfig, StreamConfigError
 
 SECTIONS: Dict[str, Dict[str, Any]] = {
     "model": {"name": "embedded-tiny", "layers": 6, "hidden_size": 128, "dtype": "float32",
-              "quantization": "none", "trust_remote_code": False},
+              "quantization": "none", "trust_remote_code": False, "config": None},
     "lora": {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": "all-linear"},
     "data": {"path": "embedded", "eval_rows": 0},
-    "stream": {"slots": 2, "prefetch": 1, "device": "auto"},
+    "stream": {"slots": 2, "prefetch": 1, "device": "auto", "vram": "auto"},
     "training": {},  # any TRL SFTConfig / transformers TrainingArguments field
 }
 DTYPES = ("float32", "bfloat16", "float16")
@@ -54,6 +54,9 @@ def load(path: str, overrides: Optional[List[str]] = None) -> Dict[str, Dict[str
         if not sep or not dot:
             raise TrainConfigError(f"override {item!r}: write section.key=value, e.g. training.max_steps=10")
         raw.setdefault(section, {})[name] = yaml.safe_load(value)
+    shape = (raw.get("model") or {}).get("config") if isinstance(raw.get("model"), dict) else None
+    if isinstance(shape, str) and not Path(shape).is_absolute():
+        raw["model"]["config"] = str(source.parent / shape)  # relative to the YAML file
     return validate(raw, str(path))
 
 
@@ -99,7 +102,80 @@ def validate(raw: Dict[str, Any], where: str = "config") -> Dict[str, Dict[str, 
     config["rows"] = read_rows(data["path"])
     if not isinstance(data["eval_rows"], int) or not 0 <= data["eval_rows"] < len(config["rows"]):
         raise TrainConfigError(f"{where}: data.eval_rows={data['eval_rows']!r} must be in 0..{len(config['rows']) - 1}")
+    check_fits(config, where)
     return config
+
+
+def _vram_budget(config, where: str) -> Optional[int]:
+    """stream.vram in bytes: a size, or "auto" (the GPU's memory; None on the host)."""
+    from .plan import parse_bytes
+
+    vram = config["stream"]["vram"]
+    if vram == "auto":
+        device = stream_config(config).device
+        if device.type != "cuda":
+            return None
+        import torch
+
+        return torch.cuda.get_device_properties(device).total_memory
+    try:
+        return parse_bytes(vram)
+    except ValueError as exc:
+        raise TrainConfigError(f"{where}: stream.vram: {exc}") from None
+
+
+def model_config(config):
+    """The transformers config of the model the run trains (read before any weights)."""
+    model = config["model"]
+    if model["name"] == "embedded-tiny":
+        from . import embedded
+
+        return embedded.tiny_config(embedded.byte_tokenizer(), model["layers"], model["hidden_size"])
+    from .plan import load_config
+
+    return load_config(model["config"] or model["name"])
+
+
+_FLAG_TO_KEY = (("--quantization ", "model.quantization: "), ("--slots ", "stream.slots: "),
+                ("--seq to ", "training.max_length to "), ("--batch to ", "training.per_device_train_batch_size to "))
+
+
+def _config_names(advice: str) -> str:
+    """The planner's advice names `layerstream plan` flags; name the config keys instead."""
+    for flag, key in _FLAG_TO_KEY:
+        advice = advice.replace(flag, key)
+    return advice
+
+
+def check_fits(config, where: str = "config") -> None:
+    """Refuse, before anything is loaded or written, a run the memory planner says will
+    not fit in stream.vram even when streamed; the message carries the planner's advice."""
+    from . import plan
+
+    budget = _vram_budget(config, where)
+    if budget is None:
+        return
+    training = training_arguments(config)
+    seq = int(training.get("max_length") or 1024)  # SFTConfig's default max_length
+    batch = int(training.get("per_device_train_batch_size") or 8)
+    targets = config["lora"]["target_modules"]
+    targets = targets if isinstance(targets, str) else ",".join(targets)
+    try:
+        memory = plan.make_plan(model_config(config), seq=seq, batch=batch, vram_bytes=budget,
+                                quantization=config["model"]["quantization"], dtype=config["model"]["dtype"],
+                                lora_rank=config["lora"]["r"], slots=config["stream"]["slots"],
+                                lora_targets=targets)
+    except (ValueError, OSError) as exc:
+        raise TrainConfigError(
+            f"{where}: cannot plan this run: {exc}. Point model.config at the model's config.json "
+            "to plan without the hub") from None
+    if not memory.fits:
+        advice = "\n".join(f"  - {_config_names(line)}" for line in memory.advice)
+        raise TrainConfigError(
+            f"{where}: this run does not fit in {budget / 2**30:.1f} GiB of GPU memory even when streamed: "
+            f"the planner predicts a peak of {memory.peak_vram_bytes / 2**30:.2f} GiB plus "
+            f"{memory.reserve_bytes / 2**30:.1f} GiB reserve at batch {batch} x {seq} tokens "
+            f"with {memory.slots} slots. What would make it fit:\n{advice}")
 
 
 def training_arguments(config) -> Dict[str, Any]:

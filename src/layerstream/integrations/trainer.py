@@ -15,6 +15,7 @@ TRL's trainers included) by :func:`install`:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -83,6 +84,18 @@ def _streaming_figures(trainer) -> dict:
     return window.figures()
 
 
+def _on_the_trainers_device(config: StreamConfig, training_args) -> StreamConfig:
+    """Under ``accelerate launch``/torchrun each rank trains on its own GPU, which the
+    Trainer's arguments know (``args.device`` sets it up) and the launcher flags, parsed
+    before the ranks chose their devices, do not: stream to the Trainer's GPU."""
+    if config.device.type != "cuda" or training_args is None:
+        return config
+    device = getattr(training_args, "device", None)
+    if isinstance(device, torch.device) and device.type == "cuda" and device != config.device:
+        return dataclasses.replace(config, device=device)
+    return config
+
+
 def install() -> None:
     """Wrap Trainer.__init__ and Trainer.log once (idempotent)."""
     global _installed
@@ -96,7 +109,8 @@ def install() -> None:
     def __init__(self, *args, **kwargs):
         model = kwargs.get("model", args[0] if args else None)
         if _auto_stream is not None and model is not None and not is_streamed(model):
-            stream_model(model, _auto_stream)
+            training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+            stream_model(model, _on_the_trainers_device(_auto_stream, training_args))
         original_init(self, *args, **kwargs)
         if self.model is not None and is_streamed(self.model):
             self._layerstream_window = _LogWindow(get_runtime(self.model))  # counts from here
