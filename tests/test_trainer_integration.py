@@ -162,3 +162,13 @@ def test_training_writes_the_residency_timeline_of_one_step(tmp_path, caplog):
     png = (tmp_path / "layerstream-timeline.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     assert not layerstream.get_runtime(model).timeline_active
+
+
+def test_a_process_that_sees_several_gpus_is_told_to_launch_one_per_gpu(tmp_path, monkeypatch):
+    """The Trainer would wrap the model in nn.DataParallel; that must stop with advice."""
+    model, _ = peft_pair("llama", layers=3)
+    layerstream.stream_model(model, device="cpu", slots=2)
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=1)
+    monkeypatch.setattr(TrainingArguments, "n_gpu", property(lambda self: 2))
+    with pytest.raises(layerstream.StreamingError, match="accelerate launch --num_processes N"):
+        Trainer(model=model, args=args)

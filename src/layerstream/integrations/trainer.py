@@ -27,6 +27,7 @@ import torch
 from .. import plan, timeline
 from ..api import get_runtime, is_streamed, stream_model
 from ..config import StreamConfig
+from ..runtime import StreamingError
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +113,13 @@ def install() -> None:
             training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
             stream_model(model, _on_the_trainers_device(_auto_stream, training_args))
         original_init(self, *args, **kwargs)
+        if self.model is not None and is_streamed(self.model) and self.args.n_gpu > 1:
+            raise StreamingError(
+                f"this process sees {self.args.n_gpu} GPUs, so the Trainer would wrap the streamed model "
+                "in nn.DataParallel, which copies it to every GPU on each step; streamed layers stay "
+                f"on {get_runtime(self.model).device}. Launch one process per GPU "
+                "(accelerate launch --num_processes N, or torchrun), or make one GPU visible "
+                "with CUDA_VISIBLE_DEVICES.")
         if self.model is not None and is_streamed(self.model):
             self._layerstream_window = _LogWindow(get_runtime(self.model))  # counts from here
             if not any(isinstance(cb, StreamStatsCallback) for cb in self.callback_handler.callbacks):
@@ -155,9 +163,11 @@ class StreamStatsCallback(_CallbackBase):
     """Prints what streams at train start; records one step's residency timeline and
     writes it (trace JSON, and a PNG plot with matplotlib) to ``output_dir`` at train end.
 
-    The recorded step is the second optimizer step (the first one when training has a
-    single step): the first step also fills cold slots.
+    The recorded step is the fifth optimizer step, or the last one of a shorter run: the
+    first steps also fill cold slots and pay one-time kernel and allocator warm-up.
     """
+
+    RECORDED_STEP = 4  # zero-based
 
     def __init__(self) -> None:
         self._runtime = None
@@ -173,7 +183,7 @@ class StreamStatsCallback(_CallbackBase):
     def on_step_begin(self, args, state, control, model=None, **kwargs):
         if self._spans is not None or self._runtime is not None or model is None or not is_streamed(model):
             return
-        if state.global_step == (1 if state.max_steps > 1 else 0):
+        if state.global_step == self._recorded_step(state):
             self._runtime = get_runtime(model)
             self._runtime.start_timeline()
 
@@ -193,7 +203,10 @@ class StreamStatsCallback(_CallbackBase):
         if state.is_world_process_zero and args.output_dir:
             written = timeline.write(spans, runtime.config.slots, args.output_dir, runtime._timeline_title())
             logger.warning("layerstream: residency timeline of step %d written to %s",
-                           (1 if state.max_steps > 1 else 0) + 1, ", ".join(written))
+                           self._recorded_step(state) + 1, ", ".join(written))
+
+    def _recorded_step(self, state) -> int:
+        return max(0, min(self.RECORDED_STEP, state.max_steps - 1))
 
 
 @dataclass

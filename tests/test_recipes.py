@@ -1,0 +1,51 @@
+"""The recipes in configs/: each validates offline (planned from its shipped config.json,
+no download), and the figures its header states are the planner's and the committed GPU
+measurement's, so they cannot drift from either."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from layerstream import plan
+from layerstream.train import load
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = sorted(p for p in (ROOT / "configs").glob("*.yaml") if p.name != "default.yaml")
+MEASURED = {r["recipe"]: r for r in json.loads((ROOT / "benchmarks/results/recipes.json").read_text())["rows"]}
+
+
+def test_there_are_recipes_for_the_small_gpus_we_promise():
+    names = {p.stem for p in RECIPES}
+    assert {"llama-3.1-8b-qlora-8gb", "llama-3.1-70b-qlora-24gb", "qwen2.5-32b-lora-24gb"} <= names
+    assert any("mistral" in n for n in names) and any("qwen3" in n for n in names)
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
+def test_recipe_validates_and_states_planned_and_measured_figures(path, tmp_path):
+    config = load(str(path), [f"training.output_dir={tmp_path / 'never'}", "stream.device=cpu"])
+    model, stream, training = config["model"], config["stream"], config["training"]
+    assert model["name"] != "embedded-tiny" and Path(model["config"]).is_file()
+    budget = plan.parse_bytes(stream["vram"])
+    predicted = plan.make_plan(plan.load_config(model["config"]), seq=training["max_length"],
+                               batch=training["per_device_train_batch_size"], vram_bytes=budget,
+                               quantization=model["quantization"], dtype=model["dtype"],
+                               lora_rank=config["lora"]["r"], slots=stream["slots"])
+    assert predicted.fits
+    text = path.read_text()
+    stated = re.search(r"peak VRAM ([\d.]+) GiB, host store ([\d.]+) GiB", text)
+    assert stated, f"{path.name} must state the planned peak and host store"
+    assert float(stated.group(1)) == round(predicted.peak_vram_bytes / 2**30, 2)
+    assert float(stated.group(2)) == round(predicted.host_store_bytes / 2**30, 2)
+    measured = MEASURED[path.stem]
+    line = re.search(r"peak ([\d.]+) GiB allocated,\s*#\s*([\d.]+) s per step of (\d+) x (\d+) tokens", text)
+    assert line, f"{path.name} must state the measured peak and step time"
+    assert float(line.group(1)) == round(measured["peak_allocated_gib"], 2)
+    assert float(line.group(2)) == round(measured["step_s"], 3)
+    assert (int(line.group(3)), int(line.group(4))) == (measured["batch"], measured["seq"])
+    assert (measured["slots"], measured["seq"], measured["quantization"]) == \
+        (stream["slots"], training["max_length"], model["quantization"]), "measured with the recipe's settings"
+    assert measured["peak_allocated_gib"] < budget / 2**30
+    assert abs(measured["peak_allocated_gib"] - predicted.peak_vram_bytes / 2**30) < 0.05 * budget / 2**30, \
+        "the plan and the GPU disagree by more than 5% of the budget"
