@@ -172,3 +172,45 @@ def test_a_process_that_sees_several_gpus_is_told_to_launch_one_per_gpu(tmp_path
     monkeypatch.setattr(TrainingArguments, "n_gpu", property(lambda self: 2))
     with pytest.raises(layerstream.StreamingError, match="accelerate launch --num_processes N"):
         Trainer(model=model, args=args)
+
+
+def test_full_model_checkpoints_of_a_streamed_model_hold_every_weight(tmp_path):
+    """Without PEFT, with the head trained and the decoder layers frozen (so they stream),
+    the Trainer's checkpoint is the whole model: it loads back equal to the trained one."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+
+    from tiny import tiny_model
+
+    model = tiny_model("llama", layers=4, tie_word_embeddings=False)
+    for name, param in model.named_parameters():
+        param.requires_grad = name.startswith("lm_head")
+    before = model.lm_head.weight.detach().clone()
+    layerstream.stream_model(model, device="cpu", slots=2)
+    data = Dataset.from_list([{"input_ids": [3, 4, 5, 6, 7, 8], "labels": [3, 4, 5, 6, 7, 8]}] * 8)
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=2,
+                             per_device_train_batch_size=4, save_strategy="steps", save_steps=2,
+                             learning_rate=1e-2)
+    Trainer(model=model, args=args, train_dataset=data).train()
+    assert not torch.equal(model.lm_head.weight, before), "the head must have trained"
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint-2")
+    ours, theirs = model.state_dict(), saved.state_dict()
+    assert list(ours) == list(theirs)
+    for key in ours:
+        assert torch.equal(ours[key], theirs[key]), key
+
+
+@pytest.mark.parametrize("precision", ["--bf16", "--fp16"])
+def test_mixed_precision_training_matches_the_plain_run(tmp_path, monkeypatch, precision, device):
+    """Autocast (bf16, or fp16 with loss scaling) through the Trainer: streamed equals plain."""
+    def args(out):
+        extra = ["--use_cpu"] if device == "cpu" else []
+        return ["--output_dir", str(out), "--max_steps", "4", "--logging_steps", "1", "--report_to", "none",
+                "--save_strategy", "no", "--per_device_train_batch_size", "4", precision, *extra]
+
+    monkeypatch.setattr(sys, "argv", [SCRIPT] + args(tmp_path / "plain"))
+    runpy.run_path(SCRIPT, run_name="__main__")
+    assert cli.main(["run", "--slots", "2", "--device", device, SCRIPT] + args(tmp_path / "streamed")) == 0
+    plain, streamed = _losses(_history(tmp_path / "plain")), _losses(_history(tmp_path / "streamed"))
+    assert len(plain) == 4 and streamed == plain
