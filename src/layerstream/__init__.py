@@ -9,6 +9,7 @@ from .config import StreamConfig, StreamConfigError
 from .discovery import NoDecoderStackError
 from .integrations.trainer import StreamingArguments, StreamStatsCallback
 from .loading import LoadingError, from_pretrained
+from .checksum import SlotChecksumError
 from .pool import SlotOwnerError
 from .runtime import StreamingError, StreamRuntime
 
@@ -24,6 +25,7 @@ __all__ = [
     "StreamStatsCallback",
     "LoadingError",
     "from_pretrained",
+    "SlotChecksumError",
     "SlotOwnerError",
     "get_runtime",
     "is_streamed",

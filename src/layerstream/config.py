@@ -7,6 +7,7 @@ weight is copied or pinned, with a message that says what to change.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -33,6 +34,10 @@ class StreamConfig:
         the device is CUDA. Pinning is meaningless (and refused) for device="cpu".
     arena_bytes: target size of one host arena; a layer never straddles arenas, so an
         arena grows to the largest layer when that is bigger.
+    checksum: debug mode. Checksum each slot after its copy and again before each use,
+        against the layer's host bytes, and raise at the first mismatch naming the layer
+        and slot. Waits for the device on every copy and visit: slow, for debugging only.
+        Default: on when the environment variable LAYERSTREAM_CHECKSUM=1.
     """
 
     slots: int = 3
@@ -40,8 +45,11 @@ class StreamConfig:
     device: Optional[Union[str, torch.device]] = None
     pin: Optional[bool] = None
     arena_bytes: int = DEFAULT_ARENA_BYTES
+    checksum: Optional[bool] = None
 
     def __post_init__(self) -> None:
+        if self.checksum is None:
+            self.checksum = os.environ.get("LAYERSTREAM_CHECKSUM", "") == "1"
         if isinstance(self.slots, bool) or not isinstance(self.slots, int):
             raise StreamConfigError(f"slots must be an integer >= 2, got {self.slots!r}")
         if self.slots < 2:

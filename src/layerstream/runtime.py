@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from . import layer as layer_mod
-from . import nf4, timeline
+from . import checksum, nf4, timeline
 from .config import StreamConfig
 from .pool import SlotOwnerError, SlotPool
 from .schedule import Phase, PrefetchPlanner
@@ -58,6 +58,10 @@ class StreamRuntime:
         # test hook: replace the copied bytes of a load (negative controls)
         self._load_source = None
         self._recording = None  # timeline.Recording while a step is recorded
+        self._checker = checksum.SlotChecker(self.pool, records) if config.checksum else None
+        if self._checker is not None:
+            logger.warning("layerstream: debug checksums are on (StreamConfig.checksum or "
+                           "LAYERSTREAM_CHECKSUM=1): every copy and visit waits for the device")
 
     # -- binding -------------------------------------------------------------------
     def _binding(self, slot: int, index: int) -> list:
@@ -115,7 +119,13 @@ class StreamRuntime:
         for layer, slot in plan.loads:
             pool.load(self.records[layer], slot, compute,
                       None if source is None else source(layer, slot))
+        checker = self._checker
+        if checker is not None:
+            for layer, slot in plan.loads:
+                checker.after_copy(layer, slot)
         pool.acquire(plan.slot, index, compute)
+        if checker is not None:
+            checker.before_use(index, plan.slot)
         self.visits += 1
         if plan.demand:
             self.demand_loads += 1
@@ -134,6 +144,8 @@ class StreamRuntime:
             begin = recording.now()
         try:
             return layer_mod.call_unstreamed(layer, args, kwargs)
+        except torch.OutOfMemoryError as exc:
+            raise self.explain_oom(exc, f"in streamed layer {record.name}") from exc
         finally:
             for table, name, host in record.host_binding:
                 table[name] = host
@@ -269,6 +281,34 @@ class StreamRuntime:
                 table.clear()
                 table.update((k, v if k in names else changed[k]) for k, v in original)
 
+    def explain_oom(self, exc: BaseException, where: str) -> BaseException:
+        """The same out-of-memory error, with what streaming holds and which budget to change.
+
+        Same type, so code that reacts to out-of-memory (the Trainer's
+        auto_find_batch_size) still does; explained once, however often it is re-raised.
+        """
+        if getattr(exc, "_layerstream_explained", False):
+            return exc
+        gib = 2**30
+        slot_gib = self.pool.total_bytes / gib
+        one_slot = self.pool.slot_bytes / gib
+        lines = [
+            str(exc), "",
+            f"layerstream: the GPU ran out of memory {where}. Streaming holds {self.config.slots} slots x "
+            f"{one_slot:.2f} GiB = {slot_gib:.2f} GiB on {self.device}; the rest is the resident part "
+            "(embeddings, head, adapters, optimizer state) and activations. To fit:",
+            "  - shorten sequences or the batch (activations and logits grow with batch x seq length);",
+        ]
+        if self.config.slots > 2:
+            lines.append(f"  - use fewer slots: StreamConfig(slots=2) (--slots 2, stream.slots: 2) frees "
+                         f"{(self.config.slots - 2) * one_slot:.2f} GiB;")
+        if not any(e.kind == "quant" for r in self.records for e in r.entries):
+            lines.append("  - load the model in NF4 (quantization='nf4'): a quarter of the bytes per slot;")
+        lines.append("  - `layerstream plan --model <model> --vram <GPU memory> --seq <tokens>` predicts what fits.")
+        explained = type(exc)("\n".join(lines))
+        explained._layerstream_explained = True
+        return explained
+
     # -- timeline ------------------------------------------------------------------
     @property
     def timeline_active(self) -> bool:
@@ -331,6 +371,7 @@ class StreamRuntime:
             "host_bytes": self.store.host_bytes,
             "pinned": self.store.pinned,
             "device": str(self.device),
+            "checksum_checks": self._checker.checks if self._checker is not None else 0,
             **self.nf4_counts,
         }
 

@@ -8,6 +8,8 @@ TRL's trainers included) by :func:`install`:
 - after ``__init__``, a streamed model gets :class:`StreamStatsCallback`, which prints the
   one-screen summary at train start (with the planner's predicted peak VRAM), records
   the residency timeline of one step, and writes it to ``output_dir`` at train end;
+- ``Trainer.training_step`` re-raises a CUDA out-of-memory error of a streamed model
+  with what streaming holds and which budget to change;
 - ``Trainer.log`` adds streaming figures to ``logs`` before the original runs, so they
   land in ``state.log_history`` and reach every ``report_to`` backend (a callback's
   ``on_log`` would be too late: callbacks see ``logs`` after ``log_history`` was written).
@@ -98,13 +100,14 @@ def _on_the_trainers_device(config: StreamConfig, training_args) -> StreamConfig
 
 
 def install() -> None:
-    """Wrap Trainer.__init__ and Trainer.log once (idempotent)."""
+    """Wrap Trainer.__init__, Trainer.training_step and Trainer.log once (idempotent)."""
     global _installed
     if _installed:
         return
     from transformers import Trainer
 
     original_init, original_log = Trainer.__init__, Trainer.log
+    original_training_step = Trainer.training_step
 
     @functools.wraps(original_init)
     def __init__(self, *args, **kwargs):
@@ -131,8 +134,18 @@ def install() -> None:
             logs.update(_streaming_figures(self))
         return original_log(self, logs, *args, **kwargs)
 
+    @functools.wraps(original_training_step)
+    def training_step(self, *args, **kwargs):
+        try:
+            return original_training_step(self, *args, **kwargs)
+        except torch.OutOfMemoryError as exc:
+            if self.model is None or not is_streamed(self.model):
+                raise
+            raise get_runtime(self.model).explain_oom(exc, "in a training step") from exc
+
     Trainer.__init__ = __init__
     Trainer.log = log
+    Trainer.training_step = training_step
     _installed = True
 
 

@@ -1,0 +1,63 @@
+"""Debug mode (``StreamConfig(checksum=True)`` or ``LAYERSTREAM_CHECKSUM=1``): every slot
+is checked against its layer's host bytes twice, after the copy that filled it and
+before each use, and the first mismatch raises with the layer and the slot.
+
+The checksum is the 64-bit sum of the region's 32-bit words (plus any tail bytes). It
+catches a slot holding another layer, a copy that had not finished or was cut short, and
+bytes changed after the copy; it does not catch words swapped within one layer. Each
+check waits for the device, so this mode is for finding a fault, not for training.
+"""
+
+from __future__ import annotations
+
+from typing import Dict
+
+import torch
+
+
+class SlotChecksumError(RuntimeError):
+    """A slot's bytes differ from its layer's host bytes."""
+
+
+def checksum(region: torch.Tensor) -> int:
+    """Sum of the 32-bit words of a uint8 region (and of its 0-3 tail bytes)."""
+    whole = region.numel() // 4 * 4
+    total = region[:whole].view(torch.int32).sum(dtype=torch.int64)
+    if whole < region.numel():
+        total = total + region[whole:].sum(dtype=torch.int64)
+    return int(total.item())
+
+
+class SlotChecker:
+    def __init__(self, pool, records):
+        self.pool = pool
+        self.records = records
+        self._host: Dict[int, int] = {}
+        self.checks = 0
+
+    def _expected(self, index: int) -> int:
+        value = self._host.get(index)
+        if value is None:
+            value = self._host[index] = checksum(self.records[index].host_region)
+        return value
+
+    def _check(self, index: int, slot: int, when: str) -> None:
+        record = self.records[index]
+        got = checksum(self.pool.buffers[slot][: record.nbytes])
+        self.checks += 1
+        want = self._expected(index)
+        if got != want:
+            raise SlotChecksumError(
+                f"layerstream debug checksum: slot {slot} does not hold {record.name} (layer {index}) "
+                f"{when}: checksum {got}, the host copy has {want}. The slot was overwritten, or "
+                "its copy had not finished or was wrong; slot owner says layer "
+                f"{self.pool.owner[slot]}."
+            )
+
+    def after_copy(self, index: int, slot: int) -> None:
+        if self.pool.cuda:
+            self.pool.copy_stream.synchronize()
+        self._check(index, slot, "after its copy")
+
+    def before_use(self, index: int, slot: int) -> None:
+        self._check(index, slot, "before use")
