@@ -9,7 +9,7 @@ import bitsandbytes as bnb
 import layerstream
 from layerstream import nf4
 from layerstream.schedule import PrefetchPlanner
-from tiny import assert_traces_equal, nearest_valid_victim, nf4_pair, stream, train_steps
+from tiny import assert_traces_equal, nearest_valid_victim, nf4_pair, stream, tiny_model, train_steps
 
 STEPS = 10
 
@@ -169,3 +169,27 @@ def test_nf4_model_streams_again_after_unstreaming(tmp_path):
         stream(streamed, "cpu", slots=slots, prefetch=1)
         assert_traces_equal(train_steps(streamed, 2), train_steps(resident, 2))
         layerstream.unstream_model(streamed, device="cpu")
+
+
+def test_a_too_old_bitsandbytes_is_named_with_the_upgrade_command(tmp_path, monkeypatch):
+    import bitsandbytes
+
+    streamed, _ = nf4_pair(tmp_path, layers=3)
+    monkeypatch.setattr(bitsandbytes, "__version__", "0.45.5")
+    with pytest.raises(layerstream.StreamingError, match=r"needs bitsandbytes >= 0.50.2 .* found 0.45.5: pip install -U"):
+        layerstream.stream_model(streamed, device="cpu", slots=2)
+    assert not layerstream.is_streamed(streamed)
+    checkpoint = tmp_path / "plain"
+    tiny_model("llama", layers=2, dtype=torch.bfloat16).save_pretrained(checkpoint)
+    with pytest.raises(layerstream.LoadingError, match=r"found 0.45.5"):
+        layerstream.from_pretrained(checkpoint, quantization="nf4",
+                                    stream=layerstream.StreamConfig(device="cpu", slots=2))
+
+
+def test_missing_bitsandbytes_is_named_with_the_install_command(tmp_path, monkeypatch):
+    monkeypatch.setattr(nf4, "bnb_available", lambda: False)
+    checkpoint = tmp_path / "plain"
+    tiny_model("llama", layers=2, dtype=torch.bfloat16).save_pretrained(checkpoint)
+    with pytest.raises(layerstream.LoadingError, match=r"needs bitsandbytes: pip install"):
+        layerstream.from_pretrained(checkpoint, quantization="nf4",
+                                    stream=layerstream.StreamConfig(device="cpu", slots=2))

@@ -118,6 +118,11 @@ def stream_model(model: nn.Module, config: Optional[StreamConfig] = None, **over
             "no tensor of the decoder layers can stream: every one is trainable or shared "
             "with the resident part. Freeze the base weights (e.g. apply PEFT) first."
         )
+    if any(e.kind == "quant" for r in records for e in r.entries):
+        try:
+            nf4.require_bnb("streaming a 4-bit model")
+        except ImportError as exc:
+            raise StreamingError(str(exc)) from None
     store = HostStore(config.arena_bytes, pin=bool(config.pin))
     store.build(records)
     return attach_runtime(model, path, layers, config, records, store)

@@ -25,7 +25,7 @@ from torch import nn
 
 from .config import StreamConfig
 from .discovery import find_decoder_layers, layer_name
-from .store import HostStore
+from .store import HostStore, check_host_memory
 
 logger = logging.getLogger(__name__)
 
@@ -163,6 +163,21 @@ def _quantise_layer(layer: nn.Module, device: torch.device, dtype: torch.dtype, 
             module.weight = quantised
 
 
+def _check_host_memory(config, quantization, dtype, stream: StreamConfig, double_quant: bool) -> None:
+    """Before reading any weight: will the host hold the store, the resident part and one
+    unquantised layer (the loader's peak), and may the store be page-locked?"""
+    from . import plan
+
+    try:
+        sizes = plan.layer_bytes(config, quantization or "none", dtype, double_quant)
+        unquantised = max(plan.layer_bytes(config, "none", dtype))
+        resident = plan.resident_bytes(config, dtype)
+    except (ValueError, AttributeError, TypeError):
+        return  # a layout the planner cannot size: loading reports its own problems
+    store = plan.loader_arena_bytes(sizes, stream.arena_bytes)
+    check_host_memory(store + resident + unquantised, store, bool(stream.pin), "loading this model")
+
+
 def from_pretrained(model_id: Union[str, os.PathLike], *, quantization: Optional[str] = None,
                     torch_dtype: torch.dtype = torch.bfloat16, stream: Optional[StreamConfig] = None,
                     trust_remote_code: bool = False, bnb_4bit_use_double_quant: bool = True,
@@ -193,8 +208,10 @@ def from_pretrained(model_id: Union[str, os.PathLike], *, quantization: Optional
     if quantization == "nf4":
         from . import nf4
 
-        if not nf4.bnb_available():
-            raise LoadingError("quantization='nf4' needs bitsandbytes: pip install 'bitsandbytes>=0.50.2,<0.51'")
+        try:
+            nf4.require_bnb("quantization='nf4'")
+        except ImportError as exc:
+            raise LoadingError(str(exc)) from None
         from transformers import BitsAndBytesConfig
         from transformers.quantizers import AutoHfQuantizer
 
@@ -210,6 +227,7 @@ def from_pretrained(model_id: Union[str, os.PathLike], *, quantization: Optional
             if isinstance(module, bnb.nn.Linear4bit):
                 module.weight.data = torch.empty_like(module.weight.data, dtype=torch_dtype)
     path, layers = find_decoder_layers(model)
+    _check_host_memory(config, quantization, torch_dtype, config_stream, bnb_4bit_use_double_quant)
     reader = _Reader(files)
     stack_modules = {id(m) for layer in layers for m in layer.modules()}
 

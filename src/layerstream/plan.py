@@ -466,7 +466,7 @@ def _copies(sizes: Sequence[int], slots: int) -> Tuple[int, int]:
     return 2 * (layers - slots), sum(sizes[slots:]) + sum(sizes[: layers - slots])
 
 
-def _loader_arenas(sizes: Sequence[int], arena_bytes: int) -> int:
+def loader_arena_bytes(sizes: Sequence[int], arena_bytes: int) -> int:
     """Host bytes of the arenas ``layerstream.from_pretrained`` allocates (HostStore.add).
 
     It adds layers one at a time; when a layer does not fit in the last arena it starts
@@ -576,7 +576,7 @@ def _build(config, seq: int, batch: int, vram_bytes: int, quantization: str, dty
     peak = fixed + slots * max_layer
     copied_layers, copied_bytes = _copies(sizes, slots)
     store = sum(sizes)
-    loader_store = _loader_arenas(sizes, arena_bytes)
+    loader_store = loader_arena_bytes(sizes, arena_bytes)
     unquantised = max(layer_bytes(config, "none", dtype)) if quantization != "none" else max_layer
 
     notes = []

@@ -84,6 +84,49 @@ class PinError(RuntimeError):
     pass
 
 
+class HostMemoryError(MemoryError):
+    """The host cannot hold (or page-lock) the layer store; raised before any copy."""
+
+
+GiB = 1 << 30
+
+
+def host_memory() -> Optional[Tuple[int, int]]:
+    """(MemAvailable, MemTotal) in bytes from /proc/meminfo; None where there is none."""
+    try:
+        with open("/proc/meminfo") as handle:
+            fields = dict(line.split(":", 1) for line in handle if ":" in line)
+        return (int(fields["MemAvailable"].split()[0]) * 1024, int(fields["MemTotal"].split()[0]) * 1024)
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def check_host_memory(new_bytes: int, store_bytes: int, pin: bool, what: str) -> None:
+    """Refuse, before work starts, a store the host cannot hold or should not page-lock.
+
+    new_bytes: host memory the operation still has to allocate at its peak.
+    store_bytes: the whole store, page-locked when ``pin``: locked pages cannot be
+        swapped or reclaimed, so at least max(4 GiB, 10%) of the host must stay unlocked.
+    """
+    memory = host_memory()
+    if memory is None:
+        return
+    available, total = memory
+    if new_bytes > available:
+        raise HostMemoryError(
+            f"{what} needs {new_bytes / GiB:.1f} GiB more host RAM at its peak (the layer store is "
+            f"{store_bytes / GiB:.1f} GiB) but only {available / GiB:.1f} GiB is available. Free host "
+            "memory, or load in NF4 (quantization='nf4': about a quarter of the bytes); "
+            "`layerstream plan` shows the host RAM a run needs before it starts.")
+    keep = max(4 * GiB, total // 10)
+    if pin and store_bytes > total - keep:
+        raise HostMemoryError(
+            f"{what} would page-lock {store_bytes / GiB:.1f} GiB of this host's {total / GiB:.1f} GiB, "
+            f"leaving less than {keep / GiB:.1f} GiB for everything else. Load in NF4 "
+            "(quantization='nf4'), use a host with more RAM, or pass StreamConfig(pin=False) "
+            "(pageable copies, about 8x slower).")
+
+
 def _register(tensor: torch.Tensor) -> None:
     code = int(torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.numel() * tensor.element_size(), 0))
     if code != 0:
@@ -165,6 +208,10 @@ class HostStore:
 
     def build(self, records: List[LayerRecord]) -> None:
         """Allocate arenas, copy each layer in, and point the model's tensors at them."""
+        # each layer's own memory is freed once it is copied, so the fill needs about one
+        # layer more than the model already takes
+        check_host_memory(max((r.nbytes for r in records), default=0), sum(r.nbytes for r in records),
+                          self.requested_pin, "streaming this model")
         self.records = records
         layout: List[List[LayerRecord]] = [[]]
         used = 0
