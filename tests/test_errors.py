@@ -6,7 +6,7 @@ from torch import nn
 
 import layerstream
 from layerstream import StreamConfig, StreamConfigError
-from tiny import peft_pair, stream, tiny_model
+from tiny import assert_traces_equal, batch, peft_pair, stream, tiny_model, train_steps
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -17,6 +17,8 @@ from tiny import peft_pair, stream, tiny_model
     (dict(device="tpu"), "not a torch device|streams to CUDA devices"),
     (dict(device="cpu", pin=True), "pin=True needs a CUDA device"),
     (dict(arena_bytes=10), "arena_bytes"),
+    (dict(vram_budget="12 gigs"), "vram_budget: unknown unit"),
+    (dict(vram_budget=0), "vram_budget must be a positive size"),
 ])
 def test_config_values_out_of_range(kwargs, match):
     kwargs.setdefault("device", "cpu")
@@ -124,3 +126,25 @@ def test_kv_cache_with_past_tokens_under_autograd():
         cache = streamed(input_ids=ids, use_cache=True).past_key_values
     with pytest.raises(layerstream.StreamingError, match="torch.no_grad"):
         streamed(input_ids=ids[:, :1], past_key_values=cache, use_cache=True)
+
+
+def test_slots_larger_than_the_vram_budget_are_refused_before_any_copy():
+    streamed, _ = peft_pair("llama", layers=4)
+    with pytest.raises(layerstream.StreamConfigError, match=r"3 slots of the largest layer .* more than vram_budget=0.00 GiB"):
+        layerstream.stream_model(streamed, device="cpu", slots=3, vram_budget="100KiB")
+    assert not layerstream.is_streamed(streamed)
+
+
+def test_a_step_that_cannot_fit_the_vram_budget_is_refused_before_it_computes():
+    streamed, _ = peft_pair("llama", layers=4)
+    stream(streamed, "cpu", slots=2, vram_budget="1GiB")  # the planner keeps a 1 GiB reserve
+    ids = batch(96, size=2, seq=16)
+    with pytest.raises(layerstream.StreamingError, match=r"batch 2 x 16 tokens does not fit vram_budget=1.00 GiB.*Nothing has been computed"):
+        streamed(input_ids=ids, labels=ids)
+    assert layerstream.get_runtime(streamed).visits == 0
+
+
+def test_a_step_within_the_vram_budget_runs():
+    streamed, resident = peft_pair("llama", layers=4)
+    stream(streamed, "cpu", slots=2, vram_budget="2GiB")
+    assert_traces_equal(train_steps(streamed, 2), train_steps(resident, 2))

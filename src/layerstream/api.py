@@ -10,7 +10,7 @@ from torch import nn
 
 from . import layer as layer_mod
 from . import nf4
-from .config import StreamConfig
+from .config import StreamConfig, StreamConfigError
 from .discovery import find_decoder_layers, layer_name, unwrap_peft
 from .runtime import StreamingError, StreamRuntime
 from .store import HostStore
@@ -118,6 +118,7 @@ def stream_model(model: nn.Module, config: Optional[StreamConfig] = None, **over
             "no tensor of the decoder layers can stream: every one is trainable or shared "
             "with the resident part. Freeze the base weights (e.g. apply PEFT) first."
         )
+    _check_slots_fit_budget(config, max(r.nbytes for r in records))
     if any(e.kind == "quant" for r in records for e in r.entries):
         try:
             nf4.require_bnb("streaming a 4-bit model")
@@ -126,6 +127,20 @@ def stream_model(model: nn.Module, config: Optional[StreamConfig] = None, **over
     store = HostStore(config.arena_bytes, pin=bool(config.pin))
     store.build(records)
     return attach_runtime(model, path, layers, config, records, store)
+
+
+def _check_slots_fit_budget(config: StreamConfig, largest_layer: int) -> None:
+    budget = config.vram_budget
+    if budget is None or config.slots * largest_layer <= budget:
+        return
+    gib = 2**30
+    fitting = budget // max(largest_layer, 1)
+    advice = (f"use slots={fitting}" if fitting >= 2 else
+              "load the model in NF4 (quantization='nf4'), or raise the budget")
+    raise StreamConfigError(
+        f"{config.slots} slots of the largest layer ({largest_layer / gib:.2f} GiB each) need "
+        f"{config.slots * largest_layer / gib:.2f} GiB, more than vram_budget={budget / gib:.2f} GiB "
+        f"before anything else is on the GPU: {advice}.")
 
 
 def attach_runtime(model: nn.Module, path: str, layers: nn.ModuleList, config: StreamConfig,

@@ -34,6 +34,11 @@ class StreamConfig:
         the device is CUDA. Pinning is meaningless (and refused) for device="cpu".
     arena_bytes: target size of one host arena; a layer never straddles arenas, so an
         arena grows to the largest layer when that is bigger.
+    vram_budget: GPU memory the run may use, in bytes or as text ("16GiB"), to stand in
+        for a smaller card and to be told before the first step when it cannot fit: the
+        slots must fit it at stream time, and at the first training step of each batch
+        shape the memory planner's predicted peak (plus its 1 GiB reserve) must too.
+        Default None: no budget checks.
     checksum: debug mode. Checksum each slot after its copy and again before each use,
         against the layer's host bytes, and raise at the first mismatch naming the layer
         and slot. Waits for the device on every copy and visit: slow, for debugging only.
@@ -46,8 +51,18 @@ class StreamConfig:
     pin: Optional[bool] = None
     arena_bytes: int = DEFAULT_ARENA_BYTES
     checksum: Optional[bool] = None
+    vram_budget: Optional[Union[int, str]] = None
 
     def __post_init__(self) -> None:
+        if self.vram_budget is not None:
+            from .plan import parse_bytes
+
+            try:
+                self.vram_budget = parse_bytes(self.vram_budget)
+            except ValueError as exc:
+                raise StreamConfigError(f"vram_budget: {exc}") from None
+            if self.vram_budget <= 0:
+                raise StreamConfigError("vram_budget must be a positive size, e.g. '16GiB'")
         if self.checksum is None:
             self.checksum = os.environ.get("LAYERSTREAM_CHECKSUM", "") == "1"
         if isinstance(self.slots, bool) or not isinstance(self.slots, int):

@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from . import layer as layer_mod
-from . import checksum, nf4, timeline
+from . import checksum, nf4, plan, timeline
 from .config import StreamConfig
 from .pool import SlotOwnerError, SlotPool
 from .schedule import Phase, PrefetchPlanner
@@ -58,6 +58,7 @@ class StreamRuntime:
         # test hook: replace the copied bytes of a load (negative controls)
         self._load_source = None
         self._recording = None  # timeline.Recording while a step is recorded
+        self._budget_checked: set = set()  # (batch, seq) shapes checked against vram_budget
         self._checker = checksum.SlotChecker(self.pool, records) if config.checksum else None
         if self._checker is not None:
             logger.warning("layerstream: debug checksums are on (StreamConfig.checksum or "
@@ -164,6 +165,8 @@ class StreamRuntime:
             )
         if not torch.is_grad_enabled():
             return self._run(layer, index, Phase.INFERENCE, args, kwargs)
+        if index == 0 and self.config.vram_budget is not None and args:
+            self._check_budget(args[0])
         self._check_trainable(index)
         kwargs = self._drop_cache(kwargs)
         calls = [0]
@@ -188,6 +191,31 @@ class StreamRuntime:
                 "CUDA graph capture of a streamed model is not supported: a graph would "
                 "freeze one slot assignment and its copies. Capture only resident parts."
             )
+
+    def _check_budget(self, hidden: torch.Tensor) -> None:
+        """Before the first training step of each batch shape: will it fit vram_budget?"""
+        if hidden.dim() < 2 or (hidden.shape[0], hidden.shape[1]) in self._budget_checked:
+            return
+        batch, seq = int(hidden.shape[0]), int(hidden.shape[1])
+        self._budget_checked.add((batch, seq))
+        budget = self.config.vram_budget
+        try:
+            memory = plan.plan_for_model(self.model, seq, batch, slots=self.config.slots, vram_bytes=budget)
+        except ValueError as exc:
+            logger.warning("layerstream: vram_budget is not checked for this model: its memory cannot "
+                           "be predicted (%s)", exc)
+            return
+        if memory.fits:
+            return
+        gib = 2**30
+        advice = "\n".join(f"  - {line}" for line in memory.advice[1:])
+        raise StreamingError(
+            f"a training step of batch {batch} x {seq} tokens does not fit vram_budget="
+            f"{budget / gib:.2f} GiB: the memory planner predicts a peak of "
+            f"{memory.peak_vram_bytes / gib:.2f} GiB plus {memory.reserve_bytes / gib:.1f} GiB reserve "
+            f"(resident part {memory.resident_bytes / gib:.2f} GiB, {memory.slots} slots "
+            f"{memory.slot_bytes / gib:.2f} GiB, activations {memory.activation_bytes / gib:.2f} GiB). "
+            f"Nothing has been computed yet. What would fit:\n{advice}")
 
     def _check_trainable(self, index: int) -> None:
         record = self.records[index]
