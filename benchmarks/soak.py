@@ -40,7 +40,6 @@ def soak(args) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import layerstream
-    from common import median, write_result
 
     config = AutoConfig.for_model("llama", vocab_size=32000, hidden_size=1024, intermediate_size=2816,
                                   num_hidden_layers=args.layers, num_attention_heads=16, num_key_value_heads=8,
@@ -76,7 +75,15 @@ def soak(args) -> dict:
                          "allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved(),
                          "rss": rss_bytes(), "pinned_store": stats["host_bytes"] if stats["pinned"] else 0,
                          "torch_pinned_host": host_allocator_bytes(), "layer_loads": stats["layer_loads"]})
+            if len(rows) % 50 == 0:  # a run cut short keeps what it recorded
+                _write(args, rows)
             last = time.perf_counter()
+    return _write(args, rows)
+
+
+def _write(args, rows) -> dict:
+    from common import median, write_result
+
     tenth = max(1, len(rows) // 10)
     early, late = rows[1:1 + tenth], rows[-tenth:]  # the first record includes warm-up
     summary = {}
@@ -84,7 +91,7 @@ def soak(args) -> dict:
         a, b = median([r[key] for r in early]), median([r[key] for r in late])
         summary[key] = {"early": a, "late": b, "late_over_early": (b / a) if a else None,
                         "max": max(r[key] for r in rows[1:]), "min": min(r[key] for r in rows[1:])}
-    result = {"steps": args.steps, "layers": args.layers, "slots": args.slots, "prefetch": args.prefetch,
+    result = {"steps": rows[-1]["step"], "steps_asked": args.steps, "layers": args.layers, "slots": args.slots, "prefetch": args.prefetch,
               "seq": args.seq, "batch": args.batch, "every": args.every, "interleave": args.interleave,
               "summary": summary, "rows": rows}
     write_result("soak", result)

@@ -81,8 +81,18 @@ def test_pickle_only_checkpoints_are_refused(tmp_path):
     model = tiny_model("llama", layers=2)
     model.config.save_pretrained(tmp_path)
     torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")
-    with pytest.raises(layerstream.LoadingError, match="pickle weights.*safetensors only"):
+    with pytest.raises(layerstream.LoadingError, match="pickle weights.*safetensors by default.*allow_pickle=True"):
         layerstream.from_pretrained(tmp_path, stream=CPU)
+
+
+def test_pickle_checkpoints_load_when_the_user_opts_in(tmp_path, caplog):
+    model = tiny_model("llama", layers=3, dtype=torch.bfloat16)
+    model.config.save_pretrained(tmp_path)
+    torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")
+    with caplog.at_level("WARNING", logger="layerstream"):
+        streamed = layerstream.from_pretrained(tmp_path, stream=CPU, allow_pickle=True)
+    assert "allow_pickle=True" in caplog.text and "weights_only=True" in caplog.text
+    _same_state(streamed, model)
 
 
 def test_remote_code_needs_trust(tmp_path, checkpoint):

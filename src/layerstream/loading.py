@@ -34,7 +34,7 @@ class LoadingError(ValueError):
     pass
 
 
-def _resolve(model_id: Union[str, os.PathLike], revision: Optional[str]) -> Path:
+def _resolve(model_id: Union[str, os.PathLike], revision: Optional[str], allow_pickle: bool = False) -> Path:
     path = Path(model_id)
     if path.is_dir():
         return path
@@ -44,12 +44,33 @@ def _resolve(model_id: Union[str, os.PathLike], revision: Optional[str]) -> Path
         from huggingface_hub import snapshot_download
     except ImportError as exc:  # pragma: no cover - a transformers dependency
         raise LoadingError(f"{model_id} is not a local directory and huggingface_hub is missing") from exc
-    return Path(snapshot_download(str(model_id), revision=revision,
-                                  allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
+    patterns = ["*.json", "*.safetensors", "*.model", "*.txt"] + (["*.bin"] if allow_pickle else [])
+    return Path(snapshot_download(str(model_id), revision=revision, allow_patterns=patterns))
 
 
-def _weight_files(directory: Path) -> Dict[str, Path]:
-    """tensor name -> safetensors file. Pickle checkpoints are refused."""
+def _pickle_load(path: Path) -> Dict[str, torch.Tensor]:
+    """A pickle checkpoint through torch's restricted unpickler, memory-mapped (lazy)."""
+    return torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+
+
+def _pickle_files(directory: Path, pickles: List[str]) -> Dict[str, Path]:
+    logger.warning(
+        "layerstream: reading pickle weights from %s (allow_pickle=True) with "
+        "torch.load(weights_only=True), which refuses arbitrary objects; convert them to "
+        "safetensors once to load faster and without pickle.", directory)
+    index = directory / "pytorch_model.bin.index.json"
+    if index.exists():
+        mapping = json.loads(index.read_text())["weight_map"]
+        return {name: directory / file for name, file in mapping.items()}
+    files: Dict[str, Path] = {}
+    for name in pickles:
+        for key in _pickle_load(directory / name):
+            files[key] = directory / name
+    return files
+
+
+def _weight_files(directory: Path, allow_pickle: bool = False) -> Dict[str, Path]:
+    """tensor name -> weight file. Pickle checkpoints are refused unless ``allow_pickle``."""
     index = directory / "model.safetensors.index.json"
     if index.exists():
         mapping = json.loads(index.read_text())["weight_map"]
@@ -61,12 +82,15 @@ def _weight_files(directory: Path) -> Dict[str, Path]:
         with safe_open(str(single), framework="pt") as handle:
             return {name: single for name in handle.keys()}
     pickles = sorted(p.name for p in directory.glob("*.bin")) + sorted(p.name for p in directory.glob("*.pt"))
+    if pickles and allow_pickle:
+        return _pickle_files(directory, pickles)
     if pickles:
         raise LoadingError(
             f"{directory} holds only pickle weights ({', '.join(pickles[:3])}). layerstream reads "
-            "safetensors only (pickle files can run code when loaded). Convert them once with "
+            "safetensors by default (pickle files can run code when loaded). Convert them once with "
             "transformers (from_pretrained + save_pretrained(safe_serialization=True)) in a "
-            "process you trust."
+            "process you trust, or pass allow_pickle=True to read them with "
+            "torch.load(weights_only=True)."
         )
     raise LoadingError(f"no safetensors weights (model.safetensors or its index) in {directory}")
 
@@ -91,13 +115,22 @@ class _Reader:
                 missing.append(name)
         with torch.no_grad():
             for path, names in by_file.items():
+                if path.suffix in (".bin", ".pt"):  # allow_pickle=True
+                    tensors = _pickle_load(path)
+                    for name in names:
+                        _copy_into(targets[name], tensors[name])
+                    del tensors
+                    continue
                 with safe_open(str(path), framework="pt") as handle:
                     for name in names:
                         value = handle.get_tensor(name)
-                        target = targets[name]
-                        target.copy_(value.to(target.dtype) if value.is_floating_point() else value)
+                        _copy_into(targets[name], value)
                         del value
         return missing
+
+
+def _copy_into(target: torch.Tensor, value: torch.Tensor) -> None:
+    target.copy_(value.to(target.dtype) if value.is_floating_point() else value)
 
 
 def _load_module(module: nn.Module, prefix: str, reader: _Reader, recurse: bool = True) -> List[str]:
@@ -182,7 +215,7 @@ def from_pretrained(model_id: Union[str, os.PathLike], *, quantization: Optional
                     torch_dtype: torch.dtype = torch.bfloat16, stream: Optional[StreamConfig] = None,
                     trust_remote_code: bool = False, bnb_4bit_use_double_quant: bool = True,
                     bnb_4bit_compute_dtype: Optional[torch.dtype] = None, revision: Optional[str] = None,
-                    quantize_on: Optional[Union[str, torch.device]] = None):
+                    quantize_on: Optional[Union[str, torch.device]] = None, allow_pickle: bool = False):
     """Load ``model_id`` (a local directory or a hub id) as a streamed causal LM.
 
     quantization: None (weights in ``torch_dtype``) or "nf4" (bitsandbytes 4-bit,
@@ -191,6 +224,8 @@ def from_pretrained(model_id: Union[str, os.PathLike], *, quantization: Optional
         with ``lora.Linear4bit`` and the Trainer accepts it for adapter training.
     stream: the StreamConfig (default ``StreamConfig()``).
     quantize_on: where NF4 quantisation runs; default the stream device.
+    allow_pickle: also read pickle checkpoints (``*.bin``), through
+        ``torch.load(weights_only=True)``; refused by default.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -199,8 +234,8 @@ def from_pretrained(model_id: Union[str, os.PathLike], *, quantization: Optional
     if quantization not in (None, "none", "nf4"):
         raise LoadingError(f"quantization={quantization!r}: use None or 'nf4'")
     config_stream = stream if stream is not None else StreamConfig()
-    directory = _resolve(model_id, revision)
-    files = _weight_files(directory)
+    directory = _resolve(model_id, revision, allow_pickle)
+    files = _weight_files(directory, allow_pickle)
     config = AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype, trust_remote_code=trust_remote_code)
