@@ -38,6 +38,8 @@ def test_recipe_validates_and_states_planned_and_measured_figures(path, tmp_path
     assert stated, f"{path.name} must state the planned peak and host store"
     assert float(stated.group(1)) == round(predicted.peak_vram_bytes / 2**30, 2)
     assert float(stated.group(2)) == round(predicted.host_store_bytes / 2**30, 2)
+    copies = re.search(r"copies ([\d.]+) s per step at 55 GB/s", text)
+    assert copies and float(copies.group(1)) == round(predicted.copy_seconds_per_step, 3)
     measured = MEASURED[path.stem]
     line = re.search(r"peak ([\d.]+) GiB allocated,\s*#\s*([\d.]+) s per step of (\d+) x (\d+) tokens", text)
     assert line, f"{path.name} must state the measured peak and step time"
