@@ -85,7 +85,6 @@ class SlotPool:
                 self._ready_handles = [event.cuda_event for event in self.ready]
                 self._mark_handle = self._compute_mark.cuda_event
                 self._copy_handle = self.copy_stream.cuda_stream
-                self._slot_pointers = [buffer.data_ptr() for buffer in self.buffers]
 
     @property
     def total_bytes(self) -> int:

@@ -46,7 +46,6 @@ class Recording:
         self.copies: list = []  # (layer, slot, start mark, end mark)
         self.computes: list = []  # (layer, slot, phase, start mark, end mark)
         self.base = self.now()
-        self.spans: Optional[List[Span]] = None
 
     def now(self):
         if not self.cuda:
@@ -79,8 +78,7 @@ class Recording:
         for layer, slot, phase, start, stop in self.computes:
             spans.append(Span("compute", phase.value.replace("train_", ""), layer, slot,
                               self._ms(start), self._ms(stop)))
-        self.spans = sorted(spans, key=lambda s: (s.start_ms, s.row))
-        return self.spans
+        return sorted(spans, key=lambda s: (s.start_ms, s.row))
 
 
 def chrome_trace(spans: List[Span], slots: int) -> dict:
