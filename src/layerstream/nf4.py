@@ -42,7 +42,7 @@ GATE_NAMES = ("_gemm_4bit_custom_max_m", "_gemm_4bit_use_custom_fn")
 _warned_gate = False
 
 
-MIN_BNB = (0, 50, 2)  # the oldest bitsandbytes whose dispatch and QuantState layout we test
+MIN_BNB = "0.50.2"  # the oldest bitsandbytes whose dispatch and QuantState layout we test
 
 
 def bnb_available() -> bool:
@@ -53,26 +53,19 @@ def bnb_available() -> bool:
     return True
 
 
-def _version_tuple(text: str) -> Tuple[int, ...]:
-    parts = []
-    for piece in text.split("+")[0].split(".")[:3]:
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        parts.append(int(digits) if digits else 0)
-    return tuple(parts)
-
-
 def require_bnb(what: str) -> None:
     """Raise ImportError with the install command unless a tested bitsandbytes is there."""
-    wanted = ".".join(map(str, MIN_BNB))
+    from packaging.version import Version
+
     if not bnb_available():
-        raise ImportError(f"{what} needs bitsandbytes: pip install 'bitsandbytes>={wanted},<0.51'")
+        raise ImportError(f"{what} needs bitsandbytes: pip install 'bitsandbytes>={MIN_BNB},<0.51'")
     import bitsandbytes
 
     found = getattr(bitsandbytes, "__version__", "0")
-    if _version_tuple(found) < MIN_BNB:
+    if Version(found) < Version(MIN_BNB):
         raise ImportError(
-            f"{what} needs bitsandbytes >= {wanted} (its 4-bit dispatch and QuantState layout are "
-            f"what layerstream reads), found {found}: pip install -U 'bitsandbytes>={wanted},<0.51'")
+            f"{what} needs bitsandbytes >= {MIN_BNB} (its 4-bit dispatch and QuantState layout are "
+            f"what layerstream reads), found {found}: pip install -U 'bitsandbytes>={MIN_BNB},<0.51'")
 
 
 def is_linear4bit(module) -> bool:
