@@ -124,13 +124,14 @@ def _vram_budget(config, where: str) -> Optional[int]:
         raise TrainConfigError(f"{where}: stream.vram: {exc}") from None
 
 
-def model_config(config):
-    """The transformers config of the model the run trains (read before any weights)."""
+def model_config(config, tokenizer=None):
+    """The transformers config of the model the run trains (read before any weights).
+    ``tokenizer``: the embedded model's, when the caller already built it."""
     model = config["model"]
     if model["name"] == "embedded-tiny":
         from . import embedded
 
-        return embedded.tiny_config(embedded.byte_tokenizer(), model["layers"], model["hidden_size"])
+        return embedded.tiny_config(tokenizer or embedded.byte_tokenizer(), model["layers"], model["hidden_size"])
     from .plan import load_config
 
     return load_config(model["config"] or model["name"])
@@ -243,8 +244,7 @@ def run(config: Dict[str, Dict[str, Any]]):
 
         tokenizer = embedded.byte_tokenizer()
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(
-            embedded.tiny_config(tokenizer, model_section["layers"], model_section["hidden_size"]), dtype=dtype)
+        model = AutoModelForCausalLM.from_config(model_config(config, tokenizer), dtype=dtype)
     else:
         from transformers import AutoTokenizer
 

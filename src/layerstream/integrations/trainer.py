@@ -188,10 +188,13 @@ class StreamStatsCallback(_CallbackBase):
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self._runtime, self._spans = None, None
-        if model is not None and is_streamed(model) and get_runtime(model).timeline_active:
-            get_runtime(model).finish_timeline()  # left armed by a run that raised mid-step
-        if model is not None and is_streamed(model) and state.is_world_process_zero:
-            logger.warning("\n%s\n%s", get_runtime(model).summary(), predicted_vram(model, args))
+        if model is None or not is_streamed(model):
+            return
+        runtime = get_runtime(model)
+        if runtime.timeline_active:
+            runtime.finish_timeline()  # left armed by a run that raised mid-step
+        if state.is_world_process_zero:
+            logger.warning("\n%s\n%s", runtime.summary(), predicted_vram(model, args))
 
     def on_step_begin(self, args, state, control, model=None, **kwargs):
         if self._spans is not None or self._runtime is not None or model is None or not is_streamed(model):
