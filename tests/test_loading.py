@@ -13,9 +13,7 @@ from peft import get_peft_model
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
 import layerstream
-from tiny import assert_traces_equal, lora_config, tiny_model, train_steps
-
-import bitsandbytes as bnb
+from tiny import assert_traces_equal, lora_config, portable_cpu_nf4, tiny_model, train_steps
 
 CPU = layerstream.StreamConfig(device="cpu", slots=2)
 
@@ -32,12 +30,8 @@ def checkpoint(tmp_path):
 def _reference_nf4(directory, nested):
     quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=nested,
                                bnb_4bit_compute_dtype=torch.bfloat16)
-    model = AutoModelForCausalLM.from_pretrained(directory, quantization_config=quant, dtype=torch.bfloat16,
-                                                 device_map="cpu")
-    for module in model.modules():  # see test_nf4_generation_matches_resident
-        if isinstance(module, bnb.nn.Linear4bit):
-            module.support_avx512bf16_for_cpu = False
-    return model
+    return portable_cpu_nf4(AutoModelForCausalLM.from_pretrained(
+        directory, quantization_config=quant, dtype=torch.bfloat16, device_map="cpu"))
 
 
 def _same_state(a, b):

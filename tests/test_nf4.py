@@ -9,7 +9,8 @@ import bitsandbytes as bnb
 import layerstream
 from layerstream import nf4
 from layerstream.schedule import PrefetchPlanner
-from tiny import assert_traces_equal, nearest_valid_victim, nf4_pair, stream, tiny_model, train_steps
+from tiny import (assert_traces_equal, nearest_valid_victim, nf4_pair, portable_cpu_nf4, stream, tiny_model,
+                  train_steps)
 
 STEPS = 10
 
@@ -118,11 +119,7 @@ def test_backward_owner_check_finds_the_slot_from_the_tensor(tmp_path):
 
 def test_nf4_generation_matches_resident(tmp_path):
     streamed, resident = nf4_pair(tmp_path, "llama", layers=5)
-    # bitsandbytes repacks CPU weights in place for AVX512-BF16 inference; a streamed
-    # weight cannot be rewritten, so the reference runs the portable CPU path too
-    for module in resident.modules():
-        if isinstance(module, bnb.nn.Linear4bit):
-            module.support_avx512bf16_for_cpu = False
+    portable_cpu_nf4(resident)
     stream(streamed, "cpu", slots=2, prefetch=1)
     ids = torch.randint(3, 90, (2, 6))
     kwargs = dict(max_new_tokens=6, do_sample=False, attention_mask=torch.ones_like(ids), pad_token_id=0)

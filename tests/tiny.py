@@ -141,6 +141,17 @@ def nf4_pair(tmp_path, family="llama", layers=5, dtype=torch.bfloat16, nested=Tr
     return streamed, resident
 
 
+def portable_cpu_nf4(model):
+    """bitsandbytes repacks CPU 4-bit weights in place for AVX512-BF16 inference; a streamed
+    weight cannot be rewritten, so a resident reference must run the portable CPU path too."""
+    import bitsandbytes as bnb
+
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            module.support_avx512bf16_for_cpu = False
+    return model
+
+
 def nearest_valid_victim(self, needed_at, position, phase, keep):
     """An eviction policy that is valid (never evicts a layer needed before the one being
     fetched) but differs from the planner's: it takes the owner needed soonest. Layers
