@@ -138,3 +138,16 @@ def test_remembered_plans_are_reused_in_steady_state():
     known = len(planner._plans)
     run(planner, training_step(8) * 5)
     assert len(planner._plans) == known
+
+
+@pytest.mark.parametrize("layers", [1, 2, 5, 8, 32, 80])
+def test_resident_layers_are_spread_so_streamed_ones_are_evenly_spaced(layers):
+    from layerstream.schedule import spread_resident
+
+    for count in range(0, layers + 2):
+        resident = spread_resident(layers, count)
+        assert resident == sorted(set(resident)) and len(resident) == min(count, layers)
+        streamed = [i for i in range(layers) if i not in resident]
+        if len(streamed) > 1:
+            gaps = [b - a for a, b in zip(streamed, streamed[1:])]
+            assert max(gaps) - min(gaps) <= 1, (layers, count, streamed)

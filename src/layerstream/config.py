@@ -34,11 +34,11 @@ class StreamConfig:
         the device is CUDA. Pinning is meaningless (and refused) for device="cpu".
     arena_bytes: target size of one host arena; a layer never straddles arenas, so an
         arena grows to the largest layer when that is bigger.
-    vram_budget: GPU memory the run may use, in bytes or as text ("16GiB"), to stand in
-        for a smaller card and to be told before the first step when it cannot fit: the
-        slots must fit it at stream time, and at the first training step of each batch
-        shape the memory planner's predicted peak (plus its 1 GiB reserve) must too.
-        Default None: no budget checks.
+    vram_budget: GPU memory the run may use, in bytes, as text ("16GiB"), or "auto" (the
+        GPU's memory). The slots must fit it at stream time; at the first training step of
+        each batch shape the memory planner's predicted peak (plus its 1 GiB reserve) must
+        too, and the layers the remaining room holds stay on the GPU for good (the
+        resident window: no copies for them). Default None: no budget, everything streams.
     checksum: debug mode. Checksum each slot after its copy and again before each use,
         against the layer's host bytes, and raise at the first mismatch naming the layer
         and slot. Waits for the device on every copy and visit: slow, for debugging only.
@@ -54,7 +54,7 @@ class StreamConfig:
     vram_budget: Optional[Union[int, str]] = None
 
     def __post_init__(self) -> None:
-        if self.vram_budget is not None:
+        if self.vram_budget is not None and self.vram_budget != "auto":
             from .plan import parse_bytes
 
             try:
@@ -85,6 +85,10 @@ class StreamConfig:
                 f"arena_bytes must be an integer >= 1 MiB, got {self.arena_bytes!r}"
             )
         self.device = self._resolve_device(self.device)
+        if self.vram_budget == "auto":
+            if self.device.type != "cuda":
+                raise StreamConfigError("vram_budget='auto' means the GPU's memory; give a size on the host")
+            self.vram_budget = torch.cuda.get_device_properties(self.device).total_memory
         if self.pin is None:
             self.pin = self.device.type == "cuda"
         elif self.pin and self.device.type != "cuda":

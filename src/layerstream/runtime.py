@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from . import layer as layer_mod
-from . import checksum, nf4, plan, timeline
+from . import checksum, nf4, plan, schedule, timeline
 from .config import StreamConfig
 from .pool import SlotOwnerError, SlotPool
 from .schedule import Phase, PrefetchPlanner
@@ -28,6 +28,10 @@ logger = logging.getLogger(__name__)
 
 # keyword arguments through which decoder layers receive or update a KV cache
 _CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
+
+
+def _always_owned(tensor: torch.Tensor) -> None:
+    """The backward owner check of a resident-window layer: its buffer is never reused."""
 
 
 class StreamingError(RuntimeError):
@@ -46,6 +50,13 @@ class StreamRuntime:
         self.store = store
         self.pool = SlotPool(config.device, config.slots, store.largest_layer_bytes)
         self.planner = PrefetchPlanner(len(records), config.slots, config.prefetch)
+        # the resident window: layers kept on the device for good, and the dense numbering
+        # of the layers that still stream (the planner sees only those)
+        self._window: Dict[int, list] = {}
+        self._window_buffers: List[torch.Tensor] = []
+        self._dense: List[Optional[int]] = list(range(len(records)))
+        self._layer_of: List[int] = list(range(len(records)))
+        self._window_decided = False
         # (slot, layer) -> [(table, name, slot tensor)], built on first use, then reused
         self._bindings: Dict[Tuple[int, int], list] = {}
         # every streamed layer's _apply checks these; collect them once, not per layer
@@ -69,27 +80,31 @@ class StreamRuntime:
         key = (slot, index)
         binding = self._bindings.get(key)
         if binding is None:
-            buffer = self.pool.buffers[slot]
-            record = self.records[index]
-            views = [buffer[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape) for e in record.entries]
-            quant: Dict[int, dict] = {}
-            for entry, view in zip(record.entries, views):
-                if entry.kind == "quant":
-                    quant.setdefault(id(entry.module), {})[entry.quant_path] = view
-            binding = []
-            for entry, view, host in zip(record.entries, views, record.host_values):
-                if not entry.bound:
-                    continue
-                if entry.kind == "_parameters":
-                    host_state = getattr(host, "quant_state", None)
-                    if host_state is not None and id(entry.module) in quant:
-                        state = nf4.clone_state(host_state, quant[id(entry.module)])
-                        view = nf4.slot_weight(host, view, state)
-                        view._layerstream_owner = self._owner_check(index)
-                    else:
-                        view = nn.Parameter(view, requires_grad=False)
-                binding.append((entry.table, entry.name, view))
-            self._bindings[key] = binding
+            binding = self._bindings[key] = self._make_binding(self.pool.buffers[slot], index,
+                                                               self._owner_check(index))
+        return binding
+
+    def _make_binding(self, buffer: torch.Tensor, index: int, owner_check) -> list:
+        """(table, name, device tensor) for each bound tensor of a layer held in ``buffer``."""
+        record = self.records[index]
+        views = [buffer[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape) for e in record.entries]
+        quant: Dict[int, dict] = {}
+        for entry, view in zip(record.entries, views):
+            if entry.kind == "quant":
+                quant.setdefault(id(entry.module), {})[entry.quant_path] = view
+        binding = []
+        for entry, view, host in zip(record.entries, views, record.host_values):
+            if not entry.bound:
+                continue
+            if entry.kind == "_parameters":
+                host_state = getattr(host, "quant_state", None)
+                if host_state is not None and id(entry.module) in quant:
+                    state = nf4.clone_state(host_state, quant[id(entry.module)])
+                    view = nf4.slot_weight(host, view, state)
+                    view._layerstream_owner = owner_check
+                else:
+                    view = nn.Parameter(view, requires_grad=False)
+            binding.append((entry.table, entry.name, view))
         return binding
 
     def _owner_check(self, index: int):
@@ -113,16 +128,17 @@ class StreamRuntime:
 
     # -- the hot path --------------------------------------------------------------
     def _enter(self, index: int, phase: Phase) -> int:
-        plan = self.planner.visit(index, phase)
+        plan = self.planner.visit(self._dense[index], phase)
         pool = self.pool
         compute = pool.compute_stream()
         source = self._load_source
-        for layer, slot in plan.loads:
+        loads = [(self._layer_of[dense], slot) for dense, slot in plan.loads]
+        for layer, slot in loads:
             pool.load(self.records[layer], slot, compute,
                       None if source is None else source(layer, slot))
         checker = self._checker
         if checker is not None:
-            for layer, slot in plan.loads:
+            for layer, slot in loads:
                 checker.after_copy(layer, slot)
         pool.acquire(plan.slot, index, compute)
         if checker is not None:
@@ -136,9 +152,15 @@ class StreamRuntime:
         return plan.slot
 
     def _run(self, layer: nn.Module, index: int, phase: Phase, args, kwargs):
-        slot = self._enter(index, phase)
+        binding = self._window.get(index)
+        if binding is None:
+            slot = self._enter(index, phase)
+            binding = self._binding(slot, index)
+        else:  # kept on the device for good (resident window): no copy, no slot
+            slot = -1
+            self.visits += 1
         record = self.records[index]
-        for table, name, tensor in self._binding(slot, index):
+        for table, name, tensor in binding:
             table[name] = tensor
         recording = self._recording
         if recording is not None:
@@ -206,6 +228,7 @@ class StreamRuntime:
                            "be predicted (%s)", exc)
             return
         if memory.fits:
+            self._fit_window(memory)
             return
         gib = 2**30
         advice = "\n".join(f"  - {line}" for line in memory.advice[1:])
@@ -216,6 +239,54 @@ class StreamRuntime:
             f"(resident part {memory.resident_bytes / gib:.2f} GiB, {memory.slots} slots "
             f"{memory.slot_bytes / gib:.2f} GiB, activations {memory.activation_bytes / gib:.2f} GiB). "
             f"Nothing has been computed yet. What would fit:\n{advice}")
+
+    # -- resident window -------------------------------------------------------------
+    def _fit_window(self, memory) -> None:
+        """Keep on the device as many layers as the budget leaves room for after the
+        planned peak (every layer streamed) and the reserve. Decided at the first training
+        step; a later batch shape may shrink the window, never grow it (no thrash)."""
+        largest = max(self.store.largest_layer_bytes, 1)
+        count = int(min(len(self.records), max(0, memory.headroom_bytes // largest)))
+        if self._window_decided and count >= len(self._window):
+            return
+        self._window_decided = True
+        if count == len(self._window):
+            return
+        self.set_window(schedule.spread_resident(len(self.records), count))
+        logger.warning(
+            "layerstream: vram_budget=%.2f GiB leaves room for %d of %d layers at batch %d x %d tokens: "
+            "they stay on the GPU for good, %d stream.", self.config.vram_budget / 2**30, count,
+            len(self.records), memory.batch, memory.seq, len(self.records) - count)
+
+    def set_window(self, layers) -> None:
+        """Keep these layers on the device for good (one copy each, now); the rest stream.
+
+        The host store stays the source of truth. What the slots held is forgotten, so call
+        this between steps, not inside one.
+        """
+        keep = sorted(set(layers))
+        if keep and not 0 <= keep[0] <= keep[-1] < len(self.records):
+            raise ValueError(f"layer indices must be in 0..{len(self.records) - 1}, got {keep}")
+        self._window = {}
+        self._window_buffers = []
+        for index in keep:
+            record = self.records[index]
+            buffer = torch.empty(max(record.nbytes, 1), dtype=torch.uint8, device=self.device)
+            buffer[: record.nbytes].copy_(record.host_region)
+            self._window_buffers.append(buffer)
+            self._window[index] = self._make_binding(buffer, index, _always_owned)
+        streamed = [i for i in range(len(self.records)) if i not in self._window]
+        self._dense = [None] * len(self.records)
+        for dense, index in enumerate(streamed):
+            self._dense[index] = dense
+        self._layer_of = streamed
+        self.pool.forget()
+        self.planner = PrefetchPlanner(max(len(streamed), 1), self.config.slots, self.config.prefetch)
+
+    @property
+    def window(self) -> List[int]:
+        """The layers kept on the device for good (the resident window)."""
+        return sorted(self._window)
 
     def _check_trainable(self, index: int) -> None:
         record = self.records[index]
@@ -400,6 +471,7 @@ class StreamRuntime:
             "pinned": self.store.pinned,
             "device": str(self.device),
             "checksum_checks": self._checker.checks if self._checker is not None else 0,
+            "window_layers": len(self._window),
             **self.nf4_counts,
         }
 
@@ -426,6 +498,8 @@ class StreamRuntime:
     def close(self) -> None:
         """Release slots and host arenas (after the model's tensors were copied out)."""
         self._bindings.clear()
+        self._window = {}
+        self._window_buffers = []
         self.pool.release()
         self.store.release()
 

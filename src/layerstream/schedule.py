@@ -183,3 +183,19 @@ class PrefetchPlanner:
 
     def resident(self) -> List[int]:
         return [owner for owner in self.owner if owner is not None]
+
+
+def spread_resident(num_layers: int, count: int) -> List[int]:
+    """Which ``count`` of ``num_layers`` layers to keep on the GPU for good (sorted).
+
+    The streamed layers are spread evenly through the stack, so between two of them run
+    resident layers whose compute hides the next copy; clustering the streamed layers
+    would leave copies back to back with nothing to hide behind.
+    """
+    if count <= 0:
+        return []
+    if count >= num_layers:
+        return list(range(num_layers))
+    streamed_count = num_layers - count
+    streamed = {min(num_layers - 1, int((i + 0.5) * num_layers / streamed_count)) for i in range(streamed_count)}
+    return [layer for layer in range(num_layers) if layer not in streamed]

@@ -1,0 +1,89 @@
+"""The resident window: layers kept on the device for good stream no more, everything
+stays exact, and a VRAM budget picks how many layers the window holds."""
+
+import pytest
+import torch
+
+import layerstream
+from layerstream import plan
+from layerstream.schedule import spread_resident
+from tiny import assert_traces_equal, batch, nf4_pair, peft_pair, stream, train_steps
+
+
+def test_window_layers_are_not_copied_and_training_stays_exact(device):
+    streamed, resident = peft_pair("llama", layers=6)
+    stream(streamed, device, slots=2, prefetch=1)
+    resident.to(device)
+    runtime = layerstream.get_runtime(streamed)
+    runtime.set_window([1, 3])
+    assert runtime.window == [1, 3]
+    assert_traces_equal(train_steps(streamed, 4, device), train_steps(resident, 4, device))
+    before = runtime.stats()
+    train_steps(streamed, 1, device)
+    after = runtime.stats()
+    assert after["window_layers"] == 2
+    # 4 streamed layers, 2 slots: a steady step copies 2 x (4 - 2) layers, none of the window
+    assert after["layer_loads"] - before["layer_loads"] == 4
+
+
+def test_the_window_bytes_are_the_ones_computed_with():
+    """Negative control: corrupting a window layer's device copy must change the results."""
+    streamed, resident = peft_pair("llama", layers=6)
+    stream(streamed, "cpu", slots=2, prefetch=1)
+    runtime = layerstream.get_runtime(streamed)
+    runtime.set_window([2])
+    runtime._window_buffers[0].zero_()
+    with pytest.raises(AssertionError):
+        assert_traces_equal(train_steps(streamed, 1), train_steps(resident, 1))
+
+
+def test_window_generation_matches_resident(device):
+    streamed, resident = peft_pair("llama", layers=5)
+    stream(streamed, device, slots=2, prefetch=1)
+    resident.to(device)
+    layerstream.get_runtime(streamed).set_window([0, 4])
+    ids = batch(96, size=2, seq=6, device=device)
+    kwargs = dict(max_new_tokens=6, do_sample=False, attention_mask=torch.ones_like(ids), pad_token_id=0)
+    assert torch.equal(streamed.generate(input_ids=ids, **kwargs), resident.generate(input_ids=ids, **kwargs))
+
+
+def test_nf4_window_layers_stay_exact(tmp_path):
+    streamed, resident = nf4_pair(tmp_path, layers=5)
+    stream(streamed, "cpu", slots=2, prefetch=1)
+    layerstream.get_runtime(streamed).set_window([1, 2])
+    assert_traces_equal(train_steps(streamed, 3), train_steps(resident, 3))
+
+
+def _budget_for(model, extra_layers, seq=12, batch_size=2, slots=2):
+    memory = plan.plan_for_model(model, seq, batch_size, slots=slots)
+    largest = layerstream.get_runtime(model).store.largest_layer_bytes
+    return memory.peak_vram_bytes + memory.reserve_bytes + extra_layers * largest + largest // 2
+
+
+def test_a_vram_budget_keeps_as_many_layers_as_fit(caplog):
+    streamed, resident = peft_pair("llama", layers=6)
+    stream(streamed, "cpu", slots=2, prefetch=1)
+    budget = _budget_for(streamed, extra_layers=3)
+    layerstream.unstream_model(streamed)
+    stream(streamed, "cpu", slots=2, prefetch=1, vram_budget=budget)
+    with caplog.at_level("WARNING", logger="layerstream"):
+        assert_traces_equal(train_steps(streamed, 3), train_steps(resident, 3))
+    runtime = layerstream.get_runtime(streamed)
+    assert len(runtime.window) == 3 and "leaves room for 3 of 6 layers" in caplog.text
+    assert runtime.window == spread_resident(6, 3)
+
+
+def test_a_larger_batch_shape_shrinks_the_window_and_stays_exact():
+    streamed, resident = peft_pair("llama", layers=6)
+    stream(streamed, "cpu", slots=2, prefetch=1)
+    budget = _budget_for(streamed, extra_layers=4)
+    layerstream.unstream_model(streamed)
+    stream(streamed, "cpu", slots=2, prefetch=1, vram_budget=budget)
+    runtime = layerstream.get_runtime(streamed)
+    assert_traces_equal(train_steps(streamed, 1), train_steps(resident, 1))
+    first = len(runtime.window)
+    assert first == 4
+    assert_traces_equal(train_steps(streamed, 2, batch_size=4), train_steps(resident, 2, batch_size=4))
+    assert 0 < len(runtime.window) < first
+    assert_traces_equal(train_steps(streamed, 1), train_steps(resident, 1))
+    assert 0 < len(runtime.window) < first, "a smaller shape later must not grow the window again"
