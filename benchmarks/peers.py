@@ -1,0 +1,146 @@
+"""Forward passes over a stack of real-shape decoder layers: layerstream against its peers,
+in one process, on the same weights and inputs.
+
+Rows: resident (every layer on the GPU), layerstream (slots:prefetch configs),
+block-streamer's StreamedModel (prefetch_ahead 1), and Accelerate's cpu_offload. Each
+row is the median wall time of `--iters` forward passes after `--warmup`, with the copy
+bound (the stack's bytes over the pinned bandwidth measured in the same run) beside it.
+Peers that cannot run here are reported as skipped with the reason, never dropped.
+
+    python benchmarks/peers.py --shape llama3-8b --layers 8 --seq 2048     # writes $OUT/peers-*.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import gc
+
+import torch
+
+import layerstream
+from common import build_random, cuda_timer, median, pinned_bandwidth, write_result
+
+
+def layer_inputs(model, seq: int, batch: int):
+    """Hidden states and the rotary position embeddings every decoder layer takes."""
+    hidden = torch.randn(batch, seq, model.config.hidden_size, dtype=torch.bfloat16, device="cuda")
+    positions = torch.arange(seq, device="cuda").unsqueeze(0).expand(batch, -1)
+    rotary = copy.deepcopy(model.model.rotary_emb).cuda()
+    return hidden, rotary(hidden, positions)
+
+
+def run_stack(layers, hidden, position_embeddings):
+    for layer in layers:
+        out = layer(hidden, position_embeddings=position_embeddings, attention_mask=None)
+        hidden = out[0] if isinstance(out, tuple) else out
+    return hidden
+
+
+def timed(fn, iters: int, warmup: int):
+    times = []
+    with torch.no_grad():
+        for i in range(warmup + iters):
+            start = cuda_timer()
+            fn()
+            if i >= warmup:
+                times.append(cuda_timer() - start)
+    return median(times), times
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shape", default="llama3-8b")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--iters", type=int, default=7)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--configs", default="2:1,3:2")
+    args = parser.parse_args()
+
+    bandwidth = pinned_bandwidth()
+    model = build_random(args.shape, layers=args.layers)
+    model.eval()
+    model.requires_grad_(False)  # frozen, as under LoRA: what streams
+    layer_bytes = sum(p.numel() * p.element_size() for p in model.model.layers.parameters())
+    copy_bound = layer_bytes / (bandwidth * 1e9)
+    hidden, rope = layer_inputs(model, args.seq, args.batch)
+    result = {"shape": args.shape, "layers": args.layers, "seq": args.seq, "batch": args.batch,
+              "iters": args.iters, "pinned_gbps": bandwidth, "stack_bytes": layer_bytes,
+              "copy_bound_s": copy_bound, "rows": []}
+
+    def record(name, fn, **extra):
+        step, times = timed(fn, args.iters, args.warmup)
+        row = {"name": name, "forward_s": step, "times": times, "over_copy_bound": step / copy_bound, **extra}
+        result["rows"].append(row)
+        print(name, f"{step:.4f} s", f"{step / copy_bound:.2f}x copy bound", flush=True)
+
+    def skipped(name, why):
+        result["rows"].append({"name": name, "skipped": why})
+        print(name, "skipped:", why, flush=True)
+
+    # resident
+    resident = copy.deepcopy(model.model.layers).cuda()
+    record("resident", functools.partial(run_stack, resident, hidden, rope))
+    del resident
+    gc.collect()
+    torch.cuda.empty_cache()
+
+    # layerstream
+    for spec in args.configs.split(","):
+        slots, prefetch = (int(x) for x in spec.split(":"))
+        streamed = copy.deepcopy(model)
+        layerstream.stream_model(streamed, slots=slots, prefetch=prefetch)
+        streamed.cuda()
+        layers = streamed.model.layers
+        record(f"layerstream {slots}:{prefetch}", functools.partial(run_stack, layers, hidden, rope),
+               stats=layerstream.get_runtime(streamed).stats())
+        layerstream.unstream_model(streamed, device="cpu")
+        del streamed, layers
+        gc.collect()
+        torch.cuda.empty_cache()
+
+    # block-streamer
+    try:
+        from streamer import StreamedModel
+    except ImportError as exc:
+        skipped("block-streamer", f"not installed ({exc})")
+    else:
+        blocks = StreamedModel(copy.deepcopy(model.model.layers), device="cuda", prefetch_ahead=1)
+        record("block-streamer 0.2.0 (prefetch_ahead 1)",
+               functools.partial(blocks, hidden, position_embeddings=rope, attention_mask=None))
+        blocks.close()
+        del blocks
+        gc.collect()
+        torch.cuda.empty_cache()
+
+    # Accelerate cpu_offload: weights stay on the host, each module's are moved at its call
+    try:
+        from accelerate import cpu_offload
+    except ImportError as exc:
+        skipped("accelerate cpu_offload", f"not installed ({exc})")
+    else:
+        offloaded = copy.deepcopy(model.model.layers)
+        for layer in offloaded:
+            cpu_offload(layer, execution_device=torch.device("cuda"))
+        record("accelerate cpu_offload", functools.partial(run_stack, offloaded, hidden, rope))
+        del offloaded
+        gc.collect()
+        torch.cuda.empty_cache()
+
+    print("| stack forward | s | x copy bound | x resident |")
+    print("|---|---|---|---|")
+    resident_s = result["rows"][0]["forward_s"]
+    for row in result["rows"]:
+        if "skipped" in row:
+            print(f"| {row['name']} | skipped: {row['skipped']} | | |")
+            continue
+        print(f"| {row['name']} | {row['forward_s']:.4f} | {row['over_copy_bound']:.2f} | "
+              f"{resident_s / row['forward_s']:.2f} |")
+    write_result(f"peers-{args.shape}-{args.layers}x-seq{args.seq}", result)
+
+
+if __name__ == "__main__":
+    main()
