@@ -21,6 +21,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 import layerstream
+from layerstream.plan import parse_bytes
 from common import build_random, build_random_nf4, cuda_timer, median, pinned_bandwidth, write_result
 
 
@@ -73,6 +74,9 @@ def main():
     parser.add_argument("--no-resident", action="store_true")
     parser.add_argument("--name", default=None)
     parser.add_argument("--trace", default=None, help="slots:prefetch config to profile one step of")
+    parser.add_argument("--budget", default=None,
+                        help="VRAM budget for streamed rows, e.g. 12GiB: StreamConfig(vram_budget=...) "
+                             "(resident window) and enforced with set_per_process_memory_fraction")
     parser.add_argument("--quantization", choices=["none", "nf4"], default="none",
                         help="nf4: bitsandbytes NF4 with double quantisation, bf16 compute")
     args = parser.parse_args()
@@ -111,7 +115,11 @@ def main():
 
     for spec in args.configs.split(","):
         slots, prefetch = (int(x) for x in spec.split(":"))
-        layerstream.stream_model(model, slots=slots, prefetch=prefetch)
+        budget = parse_bytes(args.budget) if args.budget else None
+        layerstream.stream_model(model, slots=slots, prefetch=prefetch, vram_budget=budget)
+        if budget:
+            total = torch.cuda.get_device_properties(0).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total))
         model.cuda()
         runtime = layerstream.get_runtime(model)
         before = runtime.stats()
@@ -132,7 +140,8 @@ def main():
                "bytes_per_step": bytes_per_step, "copy_bound_s": copy_bound,
                "h2d_gbps": after["h2d_gbps"],
                "stall_s_per_step": (after["stall_seconds"] - before["stall_seconds"]) / measured,
-               "pinned": after["pinned"]}
+               "pinned": after["pinned"], "window_layers": after.get("window_layers", 0),
+               "vram_budget_gib": (budget / 2**30) if budget else None}
         if "resident" in result:
             bound = max(result["resident"]["step_s"], copy_bound)
             row["bound_s"] = bound
@@ -141,6 +150,7 @@ def main():
         result["rows"].append(row)
         print("streamed", {k: v for k, v in row.items() if k != "times"}, flush=True)
         layerstream.unstream_model(model, device="cpu")
+        torch.cuda.set_per_process_memory_fraction(1.0)
         gc.collect()
         torch.cuda.empty_cache()
 
@@ -161,7 +171,7 @@ def main():
         print(f"| streamed {row['slots']}:{row['prefetch']} | {row['step_s']:.3f} | {row['host_s']:.3f} | {row['tokens_per_s']:.0f} | "
               f"{row['peak_gib']:.1f} | {row['loads_per_step']:.1f} | {row['stall_s_per_step']:.3f} | {row['copy_bound_s']:.3f} | "
               f"{row.get('fraction_of_resident', float('nan')):.2f} | {row.get('fraction_of_bound', float('nan')):.2f} |")
-    suffix = "-nf4" if nf4 else ""
+    suffix = ("-nf4" if nf4 else "") + (f"-budget{args.budget}" if args.budget else "")
     write_result(args.name or f"throughput-{args.shape}{suffix}-seq{args.seq}", result)
 
 
