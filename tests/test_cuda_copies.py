@@ -130,3 +130,68 @@ def test_timeline_on_cuda_places_every_compute_inside_its_layers_residency(tmp_p
                    and h.start_ms <= span.start_ms and span.end_ms <= h.end_ms]
         assert [h.layer for h in holding] == [span.layer], span
     assert (tmp_path / "layerstream-trace.json").exists()
+
+
+def _delay_compute(monkeypatch, backward_too=False):
+    """Queue a sleep before every layer's kernels (and, optionally, before its backward
+    kernels), so the kernels reading a slot run long after the host issued them."""
+    from layerstream import layer as layer_mod
+
+    original = layer_mod.call_unstreamed
+
+    def delayed(layer, args, kwargs):
+        torch.cuda._sleep(DELAY_CYCLES)
+        out = original(layer, args, kwargs)
+        hidden = out[0] if isinstance(out, tuple) else out
+        if backward_too and hidden.requires_grad:
+            hidden.register_hook(lambda grad: (torch.cuda._sleep(DELAY_CYCLES), grad)[1])
+        return out
+
+    monkeypatch.setattr(layer_mod, "call_unstreamed", delayed)
+
+
+def _slow_compute_pair(monkeypatch, backward_too=False):
+    streamed, resident = peft_pair("llama", layers=8, dtype=torch.bfloat16, attn="eager",
+                                   hidden_size=256, intermediate_size=1024, head_dim=64)
+    stream(streamed, "cuda", slots=2, prefetch=1)
+    resident.to("cuda")
+    _delay_compute(monkeypatch, backward_too)
+    return streamed, resident
+
+
+def test_copies_wait_for_slow_readers_of_the_slot_they_overwrite(monkeypatch):
+    streamed, resident = _slow_compute_pair(monkeypatch, backward_too=True)
+    assert_traces_equal(train_steps(streamed, 4, "cuda", seq=4), train_steps(resident, 4, "cuda", seq=4))
+
+
+def test_skipping_the_released_wait_is_caught(monkeypatch):
+    streamed, resident = _slow_compute_pair(monkeypatch)
+    pool = layerstream.get_runtime(streamed).pool
+    monkeypatch.setattr(pool, "mark_released", lambda slot, compute=None: None)
+    ids = batch(96, seq=4, device="cuda")
+    with torch.no_grad():
+        mismatches = sum(not torch.equal(streamed(input_ids=ids).logits, resident(input_ids=ids).logits)
+                         for _ in range(5))
+    assert mismatches > 0
+
+
+def test_releasing_a_slot_when_its_call_returns_is_too_early_for_backward(monkeypatch):
+    """Backward kernels that read a slot are queued after the recompute returns; a release
+    at the end of the call (instead of at the next visit) must give wrong gradients."""
+    from layerstream import layer as layer_mod
+
+    streamed, resident = _slow_compute_pair(monkeypatch, backward_too=True)
+    runtime = layerstream.get_runtime(streamed)
+    pool = runtime.pool
+    release = pool.mark_released
+    monkeypatch.setattr(pool, "mark_released", lambda slot, compute=None: None)
+    inner = layer_mod.call_unstreamed
+
+    def release_at_return(layer, args, kwargs):
+        out = inner(layer, args, kwargs)
+        release(pool.owner.index(layer._layerstream_index))
+        return out
+
+    monkeypatch.setattr(layer_mod, "call_unstreamed", release_at_return)
+    with pytest.raises(AssertionError):
+        assert_traces_equal(train_steps(streamed, 3, "cuda", seq=4), train_steps(resident, 3, "cuda", seq=4))

@@ -4,7 +4,11 @@ Invariants kept here:
 - A slot is read only after the compute stream waited on that slot's ready event, and
   only if the slot's owner is the layer asking (``acquire`` checks both).
 - A slot is overwritten only after the compute stream has passed every kernel that read
-  its previous owner: the copy stream waits on the compute stream when a copy is issued.
+  its previous owner: each slot has a *released* event, recorded on the compute stream
+  at the visit after the one that used the slot (by then every kernel of that visit,
+  its backward kernels included, is queued), and a copy into the slot waits on it. The
+  copy stream does not wait for compute it does not conflict with, so with one layer of
+  prefetch copies still run back to back.
 - No host synchronisation on the hot path: timing events are read lazily, only once
   they have completed (``event.query()``), or when stats are asked for.
 
@@ -70,9 +74,9 @@ class SlotPool:
         if self.cuda:
             self.copy_stream = torch.cuda.Stream(device=device)
             self.ready = [torch.cuda.Event() for _ in range(slots)]
-            # marks how far the compute stream had been queued when a copy was issued;
-            # one event re-recorded each time (a wait binds to the record before it)
-            self._compute_mark = torch.cuda.Event()
+            # per slot: how far the compute stream had been queued when the slot's last
+            # reader was done being queued; copies into the slot wait on it
+            self.released = [torch.cuda.Event() for _ in range(slots)]
             self._device_index = device.index
             self._streams: dict = {}
             self._events = _EventPool(device)
@@ -80,10 +84,10 @@ class SlotPool:
             self._pending: Deque[Tuple[torch.cuda.Event, torch.cuda.Event, str]] = deque()
             self._rt = cudart.runtime()
             if self._rt is not None:
-                for event in (*self.ready, self._compute_mark):
+                for event in (*self.ready, *self.released):
                     _materialised(event, device)
                 self._ready_handles = [event.cuda_event for event in self.ready]
-                self._mark_handle = self._compute_mark.cuda_event
+                self._released_handles = [event.cuda_event for event in self.released]
                 self._copy_handle = self.copy_stream.cuda_stream
 
     @property
@@ -135,9 +139,7 @@ class SlotPool:
         start, end = self._events.get(), self._events.get()
         if self._direct():
             rt, stream = self._rt, self._copy_handle
-            # the previous owner's readers are all queued on the compute stream by now
-            rt.record(self._mark_handle, compute)
-            rt.wait(stream, self._mark_handle)
+            rt.wait(stream, self._released_handles[slot])  # the previous owner's readers are done
             rt.record(start.cuda_event, stream)
             rt.copy_h2d(dst.data_ptr(), src.data_ptr(), nbytes, stream)
             rt.record(end.cuda_event, stream)
@@ -152,9 +154,7 @@ class SlotPool:
 
     def _load_with_torch(self, dst, src, slot, compute, start, end) -> None:
         stream = self.copy_stream
-        mark = self._compute_mark
-        mark.record(compute)
-        stream.wait_event(mark)
+        stream.wait_event(self.released[slot])
         torch.cuda.set_stream(stream)
         try:
             start.record(stream)
@@ -163,6 +163,21 @@ class SlotPool:
             self.ready[slot].record(stream)
         finally:
             torch.cuda.set_stream(compute)
+
+    def mark_released(self, slot: int, compute: Optional[int] = None) -> None:
+        """Mark the slot's readers so far as the ones a copy into it must wait for.
+
+        Called at the visit after the one that used the slot: every kernel that reads
+        it, forward or backward, is queued on the compute stream by then.
+        """
+        if not self.cuda:
+            return
+        if compute is None:
+            compute = self.compute_stream()
+        if self._direct():
+            self._rt.record(self._released_handles[slot], compute)
+        else:
+            self.released[slot].record(self._torch_stream(compute))
 
     def acquire(self, slot: int, layer: int, compute: Optional[int] = None) -> None:
         """Make the compute stream wait for the slot's copy; check the owner first."""

@@ -57,6 +57,7 @@ class StreamRuntime:
         self._dense: List[Optional[int]] = list(range(len(records)))
         self._layer_of: List[int] = list(range(len(records)))
         self._window_decided = False
+        self._last_slot: Optional[int] = None  # the slot of the previous streamed visit
         # (slot, layer) -> [(table, name, slot tensor)], built on first use, then reused
         self._bindings: Dict[Tuple[int, int], list] = {}
         # every streamed layer's _apply checks these; collect them once, not per layer
@@ -128,9 +129,12 @@ class StreamRuntime:
 
     # -- the hot path --------------------------------------------------------------
     def _enter(self, index: int, phase: Phase) -> int:
-        plan = self.planner.visit(self._dense[index], phase)
         pool = self.pool
         compute = pool.compute_stream()
+        if self._last_slot is not None:
+            # every kernel of the previous visit (its backward ones too) is queued by now
+            pool.mark_released(self._last_slot, compute)
+        plan = self.planner.visit(self._dense[index], phase)
         source = self._load_source
         loads = [(self._layer_of[dense], slot) for dense, slot in plan.loads]
         for layer, slot in loads:
@@ -143,6 +147,7 @@ class StreamRuntime:
         pool.acquire(plan.slot, index, compute)
         if checker is not None:
             checker.before_use(index, plan.slot)
+        self._last_slot = plan.slot
         self.visits += 1
         if plan.demand:
             self.demand_loads += 1
