@@ -20,6 +20,15 @@ SHAPES = {
     "llama3-70b": dict(model_type="llama", vocab_size=128256, hidden_size=8192, intermediate_size=28672,
                        num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
                        max_position_embeddings=8192, rope_theta=500000.0),
+    # Qwen2.5-32B: 64 layers, 5120 hidden, 27648 MLP, GQA 40/8, q/k/v bias
+    "qwen2.5-32b": dict(model_type="qwen2", vocab_size=152064, hidden_size=5120, intermediate_size=27648,
+                        num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8,
+                        max_position_embeddings=32768, rope_theta=1000000.0),
+    # Qwen3-30B-A3B: 48 MoE layers, 128 experts of width 768, 8 routed per token
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                          moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                          num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                          max_position_embeddings=40960, rope_theta=1000000.0),
 }
 
 

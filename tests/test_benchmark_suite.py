@@ -1,0 +1,36 @@
+"""The benchmark suite's bookkeeping (no GPU): cells parse or fail clearly, results merge
+into one table, and cells not measured are listed, never dropped."""
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import suite  # noqa: E402
+
+
+def test_cells_parse_and_bad_cells_say_how_to_write_them():
+    assert suite.parse_cell("llama3-70b:nf4:2048:1:16GiB") == {
+        "shape": "llama3-70b", "quantization": "nf4", "seq": 2048, "batch": 1, "budget": "16GiB"}
+    with pytest.raises(ValueError, match="shape:quantization:seq:batch"):
+        suite.parse_cell("llama3-8b:2048")
+    with pytest.raises(ValueError, match="none or nf4"):
+        suite.parse_cell("llama3-8b:int8:2048:1")
+
+
+def test_measured_cells_merge_and_missing_ones_are_listed(tmp_path):
+    measured = "llama3-8b:nf4:2048:1"
+    shutil.copy(ROOT / "benchmarks/results/throughput-llama3-8b-nf4-seq2048.json",
+                tmp_path / f"{suite.cell_name(measured)}.json")
+    merged = suite.merge(tmp_path, [measured, "llama3-70b:nf4:2048:1:16GiB"])
+    source = json.loads((ROOT / "benchmarks/results/throughput-llama3-8b-nf4-seq2048.json").read_text())
+    assert [r["config"] for r in merged["rows"]] == [f"{r['slots']}:{r['prefetch']}" for r in source["rows"]]
+    assert merged["rows"][0]["fraction_of_resident"] == source["rows"][0]["fraction_of_resident"]
+    assert merged["missing"] == ["llama3-70b:nf4:2048:1:16GiB"]
+    text = suite.table(merged)
+    assert "| llama3-70b:nf4:2048:1:16GiB | not measured |" in text
+    assert suite.plot(merged, tmp_path / "suite.png") and (tmp_path / "suite.png").stat().st_size > 1000
