@@ -43,13 +43,15 @@ def cell_name(cell: str) -> str:
     return "cell-" + cell.replace(":", "-")
 
 
-def run_cell(cell: str, out_dir: Path, configs: str, steps: int, timeout: int) -> str:
+def run_cell(cell: str, out_dir: Path, configs: str, steps: int, timeout: int, trace: str | None = None) -> str:
     spec = parse_cell(cell)
     command = [sys.executable, str(HERE / "throughput.py"), "--shape", spec["shape"],
                "--quantization", spec["quantization"], "--seq", str(spec["seq"]), "--batch", str(spec["batch"]),
                "--configs", configs, "--steps", str(steps), "--name", cell_name(cell)]
     if spec["budget"]:
         command += ["--budget", spec["budget"]]
+    if trace:
+        command += ["--trace", trace]
     try:
         done = subprocess.run(command, env=dict(os.environ, OUT=str(out_dir)), timeout=timeout,
                               capture_output=True, text=True, cwd=HERE)
@@ -130,6 +132,7 @@ def main():
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--timeout", type=int, default=540, help="seconds per cell")
     parser.add_argument("--out", default=os.environ.get("OUT") or str(HERE / "results" / "suite"))
+    parser.add_argument("--trace", default=None, help="slots:prefetch config to profile one step of, in every cell")
     parser.add_argument("--merge-only", action="store_true")
     args = parser.parse_args()
     cells = [c for name in args.preset for c in PRESETS[name]] + [c for c in args.cells.split(",") if c]
@@ -144,7 +147,7 @@ def main():
             if (out_dir / f"{cell_name(cell)}.json").exists():
                 print(cell, "already measured", flush=True)
                 continue
-            print(cell, run_cell(cell, out_dir, args.configs, args.steps, args.timeout), flush=True)
+            print(cell, run_cell(cell, out_dir, args.configs, args.steps, args.timeout, args.trace), flush=True)
     merged = merge(out_dir, cells)
     (out_dir / "suite.json").write_text(json.dumps(merged, indent=1))
     (out_dir / "suite.md").write_text(table(merged) + "\n")
