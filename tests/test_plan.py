@@ -393,6 +393,7 @@ def test_unknown_family_is_planned_with_a_note():
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(slots=1), "at least 2 slots"),
+    (dict(stream_embeddings="yes"), "stream_embeddings must be True or False"),
     (dict(seq=0), "seq"),
     (dict(batch=-1), "batch"),
     (dict(quantization="int8"), "quantization"),
@@ -417,6 +418,71 @@ def test_format_plan_is_one_screen():
     assert "host RAM needed: transformers load + stream_model" in text and "15.52 GiB" in text
     assert "host RAM needed: layerstream.from_pretrained" in text and "15.36 GiB" in text
     assert "58 layer copies" in text and "0.460 s at 55 GB/s" in text
+
+
+# -- streamed embedding and head ----------------------------------------------------------
+# Llama-3-8B, bf16: one vocab x hidden matrix is 128,256 x 4,096 x 2 = 1,050,673,152 B
+# (a multiple of the store's 512-byte alignment); the final norm is 4,096 x 2 = 8,192 B.
+LLAMA3_8B_MATRIX = 1_050_673_152
+
+
+def test_stream_embeddings_takes_the_embedding_and_head_off_the_gpu():
+    plan = make_plan(config_of(LLAMA3_8B), 2048, 1, 80 * GiB, slots=2, stream_embeddings=True)
+    assert plan.stream_embeddings and plan.resident_bytes == 8_192
+    # the loss phase is the peak at seq 2048 and now holds one transient head copy:
+    # both matrices leave the resident part, one comes back for the loss
+    assert plan.head_copy_bytes == LLAMA3_8B_MATRIX
+    assert plan.peak_vram_bytes == LLAMA3_8B_FIXED - LLAMA3_8B_MATRIX + 2 * LLAMA3_8B_LAYER_BF16
+    # the host keeps both matrices in a store of their own
+    assert plan.ends_host_bytes == 2 * LLAMA3_8B_MATRIX
+    assert plan.host_steady_bytes == 32 * LLAMA3_8B_LAYER_BF16 + 2 * LLAMA3_8B_MATRIX
+    # a step copies 2 x (32 - 2) layers, the head twice and 2048 embedding rows of 8,192 B
+    assert plan.ends_copy_bytes_per_step == 2 * LLAMA3_8B_MATRIX + 2048 * 8_192
+    assert plan.copy_bytes_per_step == 60 * LLAMA3_8B_LAYER_BF16 + 2 * LLAMA3_8B_MATRIX + 2048 * 8_192
+    assert plan.layers_copied_per_step == 60
+    resident = make_plan(config_of(LLAMA3_8B), 2048, 1, 80 * GiB, slots=2)
+    assert (resident.head_copy_bytes, resident.ends_host_bytes, resident.ends_copy_bytes_per_step) == (0, 0, 0)
+
+
+def test_a_tied_head_streams_from_one_host_copy():
+    tied = config_of(dict(LLAMA3_8B, tie_word_embeddings=True))
+    resident = make_plan(tied, 2048, 1, 80 * GiB, slots=2)
+    streamed = make_plan(tied, 2048, 1, 80 * GiB, slots=2, stream_embeddings=True)
+    assert streamed.ends_host_bytes == LLAMA3_8B_MATRIX
+    assert streamed.resident_bytes == 8_192
+    # the one matrix leaves the GPU but comes back for the loss, which is the peak
+    assert streamed.peak_vram_bytes == resident.peak_vram_bytes
+
+
+def test_advice_suggests_streaming_the_embedding_and_head():
+    # Llama-3-8B at seq 8192 in 16 GiB is 2,294,325,248 B (2.14 GiB) short
+    # (test_a_plan_that_does_not_fit_gives_advice); streaming saves one matrix at the peak,
+    # 1,050,673,152 B = 0.98 GiB, leaving 1,243,652,096 B = 1.16 GiB
+    plan = make_plan(config_of(LLAMA3_8B), 8192, 1, 16 * GiB)
+    text = " ".join(plan.advice)
+    assert ("use --stream-embeddings (StreamConfig(stream_embeddings=True)): the input embedding and head "
+            "(1.96 GiB) stay in host memory, saving 0.98 GiB (not enough alone, still 1.16 GiB short)") in text
+    streamed = make_plan(config_of(LLAMA3_8B), 8192, 1, 16 * GiB, stream_embeddings=True)
+    assert not streamed.fits and "stream-embeddings" not in " ".join(streamed.advice)
+    # tied: nothing saved at the peak, nothing suggested
+    tied = make_plan(config_of(dict(LLAMA3_8B, tie_word_embeddings=True)), 8192, 1, 16 * GiB)
+    assert not tied.fits and "stream-embeddings" not in " ".join(tied.advice)
+    # a small vocabulary (2 x 8,000 x 4,096 x 2 = 131 MB, under 10% of what stays on the
+    # GPU): not worth suggesting
+    small = make_plan(config_of(dict(LLAMA3_8B, vocab_size=8000)), 8192, 1, 4 * GiB)
+    assert not small.fits and "stream-embeddings" not in " ".join(small.advice)
+
+
+def test_cli_plan_stream_embeddings(tmp_path, capsys):
+    write_config(tmp_path, LLAMA3_8B)
+    code = cli.main(["plan", "--model", str(tmp_path), "--vram", "16GiB", "--seq", "2048", "--stream-embeddings"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "final norm (embeddings and head stream)" in out and "head weight copied in for the loss" in out
+    # (6,461,333,504 - 1,050,673,152 + 8 x 436,224,000) / 2^30 = 8.29
+    assert "predicted peak VRAM" in out and "8.29 GiB" in out
+    assert "embeddings and head (--stream-embeddings)" in out and "1.96 GiB" in out
+    assert "2 head copies (forward, backward), embedding rows" in out and "all copies" in out
 
 
 # -- parsing ------------------------------------------------------------------------------

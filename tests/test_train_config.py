@@ -94,6 +94,7 @@ def test_a_run_that_does_not_fit_says_what_to_change_in_config_terms(tmp_path):
     message = str(error.value)
     assert "does not fit in 6.0 GiB" in message and "batch 4 x 4096 tokens" in message
     assert "model.quantization: nf4" in message and "training.max_length to" in message
+    assert "stream.stream_embeddings: true" in message
     assert "--" not in message, "advice must name config keys, not CLI flags"
     assert not (tmp_path / "never").exists()
     fitting = path.read_text().replace("vram: 6GiB", "vram: 80GiB")

@@ -32,6 +32,9 @@ def _add_plan_parser(sub) -> argparse.ArgumentParser:
                            "on the team's H200; pass your own)")
     plan.add_argument("--reserve", default="1GiB",
                       help="GPU memory kept free for the CUDA context and allocator (default 1GiB)")
+    plan.add_argument("--stream-embeddings", action="store_true",
+                      help="keep the input embedding and head in host memory "
+                           "(StreamConfig(stream_embeddings=True)); the head is copied in for the loss")
     return plan
 
 
@@ -46,7 +49,7 @@ def _run_plan(args, parser: argparse.ArgumentParser) -> int:
                          quantization=args.quantization, dtype=args.dtype,
                          lora_rank=args.lora_rank, slots=args.slots,
                          bandwidth_gbps=args.bandwidth, lora_targets=args.lora_targets,
-                         reserve_bytes=reserve)
+                         reserve_bytes=reserve, stream_embeddings=args.stream_embeddings)
     except (ValueError, OSError) as exc:
         parser.error(str(exc))  # exits with status 2
     print(format_plan(plan))

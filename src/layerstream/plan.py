@@ -11,6 +11,9 @@ The model of a step that the numbers follow (docs/plan.md derives each term):
 - Every decoder layer streams: its frozen weights live in host arenas and are copied
   into ``slots`` GPU buffers of one largest layer each. Embeddings, the final norm, the
   head and the LoRA adapters (with their gradients and AdamW state) stay resident.
+  With ``stream_embeddings`` the embedding and head live on the host too: the resident
+  part is the final norm, the loss phase also holds one transient copy of the head
+  weight, and a step copies the head twice (forward, backward) and the embedding rows.
 - Training runs every streamed layer under activation checkpointing, so autograd keeps
   one hidden state per layer boundary, and backward recomputes one layer at a time.
 - The loss (logits in fp32, their log-softmax and its gradient) and the recompute of a
@@ -69,6 +72,10 @@ ADAMW_STATES = 2
 LOSS_LOGIT_COPIES = 3
 
 SLOT_CHOICES = range(2, 9)  # auto slots: the largest of these that fits
+# advice suggests streaming the embedding and head when they are at least this share of
+# what stays on the GPU for the whole step (Llama-3-8B bf16: 21%; 70B NF4: 25%)
+STREAM_EMBEDDINGS_ADVICE_SHARE = 0.10
+STREAM_EMBEDDINGS_ADVICE = "use --stream-embeddings (StreamConfig(stream_embeddings=True))"
 DEFAULT_BANDWIDTH_GBPS = 55.0  # the team's measured pinned host->device bandwidth, H200
 DEFAULT_RESERVE_BYTES = GiB  # CUDA context, cuBLAS workspaces, allocator slack
 
@@ -302,12 +309,29 @@ def layer_bytes(config, quantization: str = "none", dtype=torch.bfloat16,
             for shape in layer_shapes(config)]
 
 
-def resident_bytes(config, dtype=torch.bfloat16) -> int:
-    """Embeddings, final norm and head (bitsandbytes never quantises these)."""
+def embedding_bytes(config, dtype=torch.bfloat16) -> int:
+    """The input embedding and, when untied, the head: what ``stream_embeddings`` keeps on
+    the host (bitsandbytes never quantises these)."""
+    return _embedding_matrices(config) * head_bytes(config, dtype)
+
+
+def _embedding_matrices(config) -> int:
+    """1 when the head is tied to the input embedding, else 2."""
+    return 1 if _get(_text_config(config), "tie_word_embeddings", False) else 2
+
+
+def head_bytes(config, dtype=torch.bfloat16) -> int:
+    """One vocab x hidden matrix: the head, and with ``stream_embeddings`` its transient
+    device copy during the loss."""
     config = _text_config(config)
-    hidden, vocab = int(config.hidden_size), int(config.vocab_size)
-    matrices = 1 if _get(config, "tie_word_embeddings", False) else 2
-    return (matrices * vocab * hidden + hidden) * dtype_bytes(dtype)
+    return int(config.vocab_size) * int(config.hidden_size) * dtype_bytes(dtype)
+
+
+def resident_bytes(config, dtype=torch.bfloat16, stream_embeddings: bool = False) -> int:
+    """Embeddings, final norm and head; the final norm alone when the embedding and head
+    stream."""
+    norm = int(_text_config(config).hidden_size) * dtype_bytes(dtype)
+    return norm if stream_embeddings else embedding_bytes(config, dtype) + norm
 
 
 @dataclass
@@ -432,6 +456,11 @@ class MemoryPlan:
     bandwidth_gbps: float
     copy_seconds_per_step: float
     fits: bool
+    # stream_embeddings: embedding and head on the host, the head copied in for the loss
+    stream_embeddings: bool = False
+    head_copy_bytes: int = 0  # the transient device copy of the head weight (loss phase)
+    ends_host_bytes: int = 0  # the embedding and head weights in host memory
+    ends_copy_bytes_per_step: int = 0  # two head copies and the embedding rows (in copy_bytes_per_step)
     advice: List[str] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)
 
@@ -440,6 +469,11 @@ class MemoryPlan:
         """What lives on the GPU for the whole step."""
         return (self.resident_bytes + self.slot_bytes + self.lora_bytes + self.lora_grad_bytes
                 + self.optimizer_bytes + self.boundary_bytes)
+
+    @property
+    def loss_phase_bytes(self) -> int:
+        """The loss, and the head weight copied in for it when the head streams."""
+        return self.loss_bytes + self.head_copy_bytes
 
     @property
     def activation_bytes(self) -> int:
@@ -527,7 +561,8 @@ def _positive_int(name: str, value) -> int:
 
 def _build(config, seq: int, batch: int, vram_bytes: int, quantization: str, dtype,
            lora_rank: int, slots: Optional[int], bandwidth_gbps: float, lora_targets: str,
-           reserve_bytes: int, double_quant: bool, arena_bytes: int) -> MemoryPlan:
+           reserve_bytes: int, double_quant: bool, arena_bytes: int,
+           stream_embeddings: bool = False) -> MemoryPlan:
     """A plan without advice (advice itself is computed from alternative plans)."""
     config = _text_config(config)
     seq, batch = _positive_int("seq", seq), _positive_int("batch", batch)
@@ -555,7 +590,14 @@ def _build(config, seq: int, batch: int, vram_bytes: int, quantization: str, dty
     tokens = batch * seq
     hidden, vocab = int(config.hidden_size), int(config.vocab_size)
 
-    resident = resident_bytes(config, dtype)
+    if not isinstance(stream_embeddings, bool):
+        raise ValueError(f"stream_embeddings must be True or False, got {stream_embeddings!r}")
+    resident = resident_bytes(config, dtype, stream_embeddings)
+    all_resident = resident_bytes(config, dtype)  # on the host until model.to(device), streamed or not
+    head_copy = head_bytes(config, dtype) if stream_embeddings else 0
+    # the ends' host store: each matrix at the store's alignment
+    ends_host = _embedding_matrices(config) * _aligned(head_bytes(config, dtype)) if stream_embeddings else 0
+    ends_copies = 2 * head_copy + (tokens * hidden * elem if stream_embeddings else 0)
     lora_bytes = lora_grads = lora_params * LORA_BYTES  # gradients take the adapters' dtype
     optimizer = lora_params * 4 * ADAMW_STATES
     boundary = len(shapes) * tokens * hidden * elem
@@ -565,7 +607,7 @@ def _build(config, seq: int, batch: int, vram_bytes: int, quantization: str, dty
     max_layer = max(sizes)
     # everything but the slots; gradients are counted for the whole step (they outlive
     # backward when gradients accumulate over micro-batches)
-    fixed = resident + lora_bytes + lora_grads + optimizer + boundary + max(loss, working)
+    fixed = resident + lora_bytes + lora_grads + optimizer + boundary + max(loss + head_copy, working)
 
     slots_auto = slots is None
     if slots_auto:
@@ -575,6 +617,7 @@ def _build(config, seq: int, batch: int, vram_bytes: int, quantization: str, dty
         slots = max(fitting) if fitting else SLOT_CHOICES[0]
     peak = fixed + slots * max_layer
     copied_layers, copied_bytes = _copies(sizes, slots)
+    copied_bytes += ends_copies
     store = sum(sizes)
     loader_store = loader_arena_bytes(sizes, arena_bytes)
     unquantised = max(layer_bytes(config, "none", dtype)) if quantization != "none" else max_layer
@@ -611,18 +654,21 @@ def _build(config, seq: int, batch: int, vram_bytes: int, quantization: str, dty
         peak_vram_bytes=peak, vram_bytes=vram_bytes, reserve_bytes=reserve_bytes,
         # stream_model copies the loaded layers into its arenas one at a time (each
         # layer's own memory is freed once it is copied) and page-locks afterwards, so
-        # at the peak the store and one loaded layer coexist; embeddings, head and
-        # adapters are on the host too until model.to(device)
-        host_ram_bytes=store + max_layer + resident + lora_bytes,
-        host_steady_bytes=store,
+        # at the peak the store and one loaded layer (or one embedding matrix, copied into
+        # the ends' store the same way) coexist; embeddings, head and adapters are on the
+        # host too until model.to(device)
+        host_ram_bytes=store + max(max_layer, head_copy) + all_resident + lora_bytes,
+        host_steady_bytes=store + ends_host,
         # from_pretrained loads the resident part, then one layer at a time (unquantised,
         # then packed); PEFT's adapters come after loading, on the host until .to(device)
         loader_store_bytes=loader_store,
-        loader_ram_bytes=loader_store + resident + max(unquantised, lora_bytes),
+        loader_ram_bytes=loader_store + all_resident + max(unquantised, lora_bytes, head_copy),
         layers_copied_per_step=copied_layers, copy_bytes_per_step=copied_bytes,
         bandwidth_gbps=float(bandwidth_gbps),
         copy_seconds_per_step=copied_bytes / (bandwidth_gbps * 1e9),
         fits=peak + reserve_bytes <= vram_bytes, notes=notes,
+        stream_embeddings=stream_embeddings, head_copy_bytes=head_copy, ends_host_bytes=ends_host,
+        ends_copy_bytes_per_step=ends_copies,
     )
 
 
@@ -630,7 +676,7 @@ def make_plan(config, seq: int, batch: int, vram_bytes: int, quantization: str =
               dtype=torch.bfloat16, lora_rank: int = 16, slots: Optional[int] = None,
               bandwidth_gbps: float = DEFAULT_BANDWIDTH_GBPS, lora_targets: str = "all-linear",
               reserve_bytes: int = DEFAULT_RESERVE_BYTES, double_quant: bool = True,
-              arena_bytes: int = DEFAULT_ARENA_BYTES) -> MemoryPlan:
+              arena_bytes: int = DEFAULT_ARENA_BYTES, stream_embeddings: bool = False) -> MemoryPlan:
     """Plan a streamed LoRA training step of ``batch`` x ``seq`` tokens on a GPU of
     ``vram_bytes``.
 
@@ -643,13 +689,16 @@ def make_plan(config, seq: int, batch: int, vram_bytes: int, quantization: str =
         measurement on an H200; measure your own machine and pass it.
     double_quant: NF4 with double quantisation (bnb_4bit_use_double_quant).
     arena_bytes: StreamConfig.arena_bytes (host RAM of layerstream.from_pretrained).
+    stream_embeddings: StreamConfig.stream_embeddings: the input embedding and head stay
+        in host memory; the loss phase holds one transient copy of the head weight.
 
     A plan that does not fit carries ``advice``: what to change, and by how much.
     """
     args = dict(config=config, seq=seq, batch=batch, vram_bytes=vram_bytes,
                 quantization=quantization, dtype=dtype, lora_rank=lora_rank, slots=slots,
                 bandwidth_gbps=bandwidth_gbps, lora_targets=lora_targets,
-                reserve_bytes=reserve_bytes, double_quant=double_quant, arena_bytes=arena_bytes)
+                reserve_bytes=reserve_bytes, double_quant=double_quant, arena_bytes=arena_bytes,
+                stream_embeddings=stream_embeddings)
     plan = _build(**args)
     if not plan.fits:
         plan.advice = _advice(plan, args)
@@ -657,10 +706,11 @@ def make_plan(config, seq: int, batch: int, vram_bytes: int, quantization: str =
 
 
 def plan_for_model(model, seq: int, batch: int, slots: Optional[int] = None,
-                   vram_bytes: int = 1 << 50) -> MemoryPlan:
+                   vram_bytes: int = 1 << 50, stream_embeddings: bool = False) -> MemoryPlan:
     """The plan of a live (possibly PEFT-wrapped) model: its config, 4-bit state, compute
-    dtype, and LoRA rank and targets. Reads attributes only; raises ValueError when the
-    adapters cannot be described to the planner (regex targets, several adapters)."""
+    dtype, and LoRA rank and targets; ``stream_embeddings`` as the model streams (or would).
+    Reads attributes only; raises ValueError when the adapters cannot be described to the
+    planner (regex targets, several adapters)."""
     config = getattr(model, "config", None)
     if config is None:
         raise ValueError("the model has no transformers config")
@@ -679,7 +729,8 @@ def plan_for_model(model, seq: int, batch: int, slots: Optional[int] = None,
         if modules and not isinstance(modules, str):
             targets = ",".join(sorted(modules))
     return make_plan(config, seq=seq, batch=batch, vram_bytes=vram_bytes, quantization=quantization,
-                     dtype=dtype, lora_rank=rank, slots=slots, lora_targets=targets)
+                     dtype=dtype, lora_rank=rank, slots=slots, lora_targets=targets,
+                     stream_embeddings=stream_embeddings)
 
 
 def _gib(nbytes: float) -> str:
@@ -704,6 +755,14 @@ def _advice(plan: MemoryPlan, args: dict) -> List[str]:
     if plan.slots > 2:
         saved = (plan.slots - 2) * plan.max_layer_bytes
         out.append(f"use fewer slots: --slots 2 saves {_gib(saved)} ({verdict(saved)})")
+    ends = embedding_bytes(args["config"], args["dtype"])
+    if not plan.stream_embeddings and ends >= STREAM_EMBEDDINGS_ADVICE_SHARE * plan.static_bytes:
+        streamed = _build(**dict(args, stream_embeddings=True, slots=plan.slots))
+        saved = plan.peak_vram_bytes - streamed.peak_vram_bytes
+        if saved > 0:
+            out.append(f"{STREAM_EMBEDDINGS_ADVICE}: the input embedding and head ({_gib(ends)}) stay in "
+                       f"host memory, saving {_gib(saved)} ({verdict(saved)}); the head "
+                       f"({_gib(streamed.head_copy_bytes)}) is then copied to the GPU twice per step")
     # activations grow linearly with batch x seq; find the largest that fits
     tokens = plan.batch * plan.seq
     per_token = plan.activation_bytes / tokens
@@ -741,16 +800,22 @@ def format_plan(plan: MemoryPlan) -> str:
                  f"{', NF4' if plan.quantization == 'nf4' else ''}, {lora}")
     lines.append("")
     lines.append("GPU memory")
-    row("embeddings, final norm, head (resident)", plan.resident_bytes)
+    if plan.stream_embeddings:
+        row("final norm (embeddings and head stream)", plan.resident_bytes)
+    else:
+        row("embeddings, final norm, head (resident)", plan.resident_bytes)
     slots_how = "auto" if plan.slots_auto else "--slots"
     row(f"slots: {plan.slots} x {_gib(plan.max_layer_bytes)} ({slots_how})", plan.slot_bytes)
     row(f"LoRA: {plan.lora_params / 1e6:.1f}M fp32 params, grads, AdamW",
         plan.lora_bytes + plan.lora_grad_bytes + plan.optimizer_bytes)
     row(f"hidden states at {plan.num_layers} layer boundaries", plan.boundary_bytes)
     # the loss and a layer's recompute happen at different moments: only the larger counts
-    loss_peak = plan.loss_bytes >= plan.layer_working_bytes
+    loss_peak = plan.loss_phase_bytes >= plan.layer_working_bytes
     row(f"loss: fp32 logits x{LOSS_LOGIT_COPIES}" + ("" if loss_peak else " (not at the peak)"),
         plan.loss_bytes)
+    if plan.head_copy_bytes:
+        row("head weight copied in for the loss" + ("" if loss_peak else " (not at the peak)"),
+            plan.head_copy_bytes)
     row("one layer's recompute + backward" + (" (not at the peak)" if loss_peak else ""),
         plan.layer_working_bytes)
     row("predicted peak VRAM", plan.peak_vram_bytes)
@@ -761,16 +826,22 @@ def format_plan(plan: MemoryPlan) -> str:
     lines.append("")
     lines.append("Host memory")
     row(f"host store: {plan.num_layers} layers of {per_layer}", plan.host_store_bytes)
+    if plan.stream_embeddings:
+        row("embeddings and head (--stream-embeddings)", plan.ends_host_bytes)
     row("host RAM needed: transformers load + stream_model", plan.host_ram_bytes,
         f"after .to(device): {_gib(plan.host_steady_bytes)}")
     row("host RAM needed: layerstream.from_pretrained", plan.loader_ram_bytes,
-        f"after .to(device): {_gib(plan.loader_store_bytes)}")
+        f"after .to(device): {_gib(plan.loader_store_bytes + plan.ends_host_bytes)}")
     lines.append("")
     lines.append("Copies per training step")
+    timing = f"{plan.copy_seconds_per_step:.3f} s at {plan.bandwidth_gbps:g} GB/s"
+    ends = plan.ends_copy_bytes_per_step
     row(f"{plan.layers_copied_per_step} layer copies (2 x ({plan.num_layers} - {plan.slots} slots))"
         if plan.num_layers > plan.slots else "0 layer copies (every layer stays in a slot)",
-        plan.copy_bytes_per_step,
-        f"{plan.copy_seconds_per_step:.3f} s at {plan.bandwidth_gbps:g} GB/s")
+        plan.copy_bytes_per_step - ends, "" if ends else timing)
+    if ends:
+        row("2 head copies (forward, backward), embedding rows", ends)
+        row("all copies", plan.copy_bytes_per_step, timing)
     for note in plan.notes:
         lines.extend(textwrap.wrap(f"note: {note}", width=88, subsequent_indent="      "))
     if plan.advice:

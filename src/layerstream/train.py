@@ -138,6 +138,7 @@ def model_config(config, tokenizer=None):
 
 
 _FLAG_TO_KEY = (("--quantization ", "model.quantization: "), ("--slots ", "stream.slots: "),
+                ("--stream-embeddings (StreamConfig(stream_embeddings=True))", "stream.stream_embeddings: true"),
                 ("--seq to ", "training.max_length to "), ("--batch to ", "training.per_device_train_batch_size to "))
 
 
