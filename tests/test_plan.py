@@ -454,6 +454,20 @@ def test_a_tied_head_streams_from_one_host_copy():
     assert streamed.peak_vram_bytes == resident.peak_vram_bytes
 
 
+def test_the_planned_embedding_and_head_match_the_engine():
+    import layerstream
+    from layerstream.plan import plan_for_model
+
+    for tied in (False, True):
+        model = AutoModelForCausalLM.from_config(tiny("llama", tie_word_embeddings=tied))
+        layerstream.stream_model(model, device="cpu", slots=2, stream_embeddings=True)
+        plan = plan_for_model(model, 16, 1, slots=2, stream_embeddings=True)
+        runtime = layerstream.get_runtime(model)
+        assert runtime.ends.host_bytes == plan.ends_host_bytes
+        assert plan.resident_bytes == model.model.norm.weight.numel() * 4
+        assert plan.head_copy_bytes == model.lm_head.weight.numel() * 4
+
+
 def test_advice_suggests_streaming_the_embedding_and_head():
     # Llama-3-8B at seq 8192 in 16 GiB is 2,294,325,248 B (2.14 GiB) short
     # (test_a_plan_that_does_not_fit_gives_advice); streaming saves one matrix at the peak,

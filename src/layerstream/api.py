@@ -8,12 +8,13 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
+from . import ends as ends_mod
 from . import layer as layer_mod
 from . import nf4
 from .config import StreamConfig, StreamConfigError
 from .discovery import find_decoder_layers, layer_name, unwrap_peft
 from .runtime import StreamingError, StreamRuntime
-from .store import HostStore
+from .store import HostStore, check_host_memory
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +96,9 @@ def stream_model(model: nn.Module, config: Optional[StreamConfig] = None, **over
 
     The layers' frozen weights move into host arenas (pinned when the device is CUDA);
     a pool of ``config.slots`` device buffers receives each layer just before it runs.
-    Call ``model.to(device)`` afterwards to place the resident part.
+    With ``stream_embeddings=True`` the input embedding and output head stay in host
+    memory too (see ``layerstream.ends``). Call ``model.to(device)`` afterwards to place
+    the resident part.
     """
     if config is None:
         config = StreamConfig(**overrides)
@@ -119,6 +122,13 @@ def stream_model(model: nn.Module, config: Optional[StreamConfig] = None, **over
             "with the resident part. Freeze the base weights (e.g. apply PEFT) first."
         )
     _check_slots_fit_budget(config, max(r.nbytes for r in records))
+    if config.stream_embeddings:
+        # checked whole before any copy; the host must hold and may page-lock both stores
+        ends_weights = [w for _, w in ends_mod.find_ends(model).weights()]
+        ends_bytes = [w.numel() * w.element_size() for w in ends_weights]
+        check_host_memory(max(max(r.nbytes for r in records), *ends_bytes),
+                          sum(r.nbytes for r in records) + sum(ends_bytes), bool(config.pin),
+                          "streaming this model with its embedding and head")
     if any(e.kind == "quant" for r in records for e in r.entries):
         try:
             nf4.require_bnb("streaming a 4-bit model")
@@ -147,8 +157,10 @@ def attach_runtime(model: nn.Module, path: str, layers: nn.ModuleList, config: S
                    records, store: HostStore) -> nn.Module:
     """Turn a model whose layers are packed in ``store`` into a streamed model."""
     runtime = StreamRuntime(model, layers, path, config, records, store)
+    if config.stream_embeddings:
+        runtime.ends = ends_mod.stream_ends(model, runtime)
     object.__setattr__(_holder(model), _ATTR, runtime)
-    _hide_from_ddp(model, records)
+    _hide_from_ddp(model, records + (runtime.ends.records if runtime.ends is not None else []))
     _install_trainer_integration()
     for index, layer in enumerate(layers):
         layer_mod.make_streamed(layer, runtime, index)
@@ -199,6 +211,8 @@ def _streamed_linear4bit(records) -> list:
 
 def _resident_device(model: nn.Module, runtime: StreamRuntime) -> torch.device:
     streamed_ids = {id(v) for r in runtime.records for v in r.host_values}
+    if runtime.ends is not None:
+        streamed_ids |= {id(w) for _, w in runtime.ends.found.weights()}
     for tensor in model.parameters():
         if id(tensor) not in streamed_ids:
             return tensor.device
@@ -231,6 +245,8 @@ def unstream_model(model: nn.Module, device: Optional[Union[str, torch.device]] 
         layer_mod.make_plain(module)
     for layer in runtime.layers:
         layer_mod.make_plain(layer)
+    if runtime.ends is not None:
+        runtime.ends.restore(target)
     runtime.close()
     _holder(model).__dict__.pop(_ATTR, None)
     _holder(model).__dict__.pop(_DDP_IGNORE, None)

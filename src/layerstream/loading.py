@@ -205,10 +205,12 @@ def _check_host_memory(config, quantization, dtype, stream: StreamConfig, double
         sizes = plan.layer_bytes(config, quantization or "none", dtype, double_quant)
         unquantised = max(plan.layer_bytes(config, "none", dtype))
         resident = plan.resident_bytes(config, dtype)
+        # streamed embedding and head: a store of their own, page-locked with the layers'
+        ends = plan.embedding_bytes(config, dtype) if stream.stream_embeddings else 0
     except (ValueError, AttributeError, TypeError):
         return  # a layout the planner cannot size: loading reports its own problems
     store = plan.loader_arena_bytes(sizes, stream.arena_bytes)
-    check_host_memory(store + resident + unquantised, store, bool(stream.pin), "loading this model")
+    check_host_memory(store + resident + unquantised, store + ends, bool(stream.pin), "loading this model")
 
 
 def from_pretrained(model_id: Union[str, os.PathLike], *, quantization: Optional[str] = None,
@@ -277,6 +279,10 @@ def from_pretrained(model_id: Union[str, os.PathLike], *, quantization: Optional
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
         missing = [m for m in missing if not m.endswith("lm_head.weight")]
+    if config_stream.stream_embeddings:  # refused now rather than after every layer is read
+        from .ends import find_ends
+
+        find_ends(model)
 
     quant_device = torch.device(quantize_on) if quantize_on is not None else config_stream.device
     if quant_device.type == "cuda" and not torch.cuda.is_available():

@@ -164,6 +164,29 @@ class SlotPool:
         finally:
             torch.cuda.set_stream(compute)
 
+    def fetch(self, src: torch.Tensor) -> torch.Tensor:
+        """A transient device copy of a host tensor, outside the slots (the streamed head
+        weight, gathered embedding rows), counted and timed with the slot copies.
+
+        Issued on the current (compute) stream: the caller computes with it right away and
+        drops it, and the caching allocator reuses its memory in that stream's order.
+        """
+        self.h2d_bytes += src.numel() * src.element_size()
+        if not self.cuda:
+            start = time.perf_counter()
+            out = src.detach().clone()
+            self.h2d_seconds += time.perf_counter() - start
+            return out
+        stream = torch.cuda.current_stream(self.device)
+        start, end = self._events.get(), self._events.get()
+        start.record(stream)
+        out = src.detach().to(self.device, non_blocking=True)
+        end.record(stream)
+        self._pending.append((start, end, "copy"))
+        if len(self._pending) > 64:
+            self._drain(block=False)
+        return out
+
     def mark_released(self, slot: int, compute: Optional[int] = None) -> None:
         """Mark the slot's readers so far as the ones a copy into it must wait for.
 

@@ -72,6 +72,7 @@ class StreamRuntime:
         self._recording = None  # timeline.Recording while a step is recorded
         self._budget_checked: set = set()  # (batch, seq) shapes checked against vram_budget
         self._checker = checksum.SlotChecker(self.pool, records) if config.checksum else None
+        self.ends = None  # ends.StreamedEnds when the embedding and head stream too
         if self._checker is not None:
             logger.warning("layerstream: debug checksums are on (StreamConfig.checksum or "
                            "LAYERSTREAM_CHECKSUM=1): every copy and visit waits for the device")
@@ -227,7 +228,8 @@ class StreamRuntime:
         self._budget_checked.add((batch, seq))
         budget = self.config.vram_budget
         try:
-            memory = plan.plan_for_model(self.model, seq, batch, slots=self.config.slots, vram_bytes=budget)
+            memory = plan.plan_for_model(self.model, seq, batch, slots=self.config.slots, vram_bytes=budget,
+                                         stream_embeddings=self.ends is not None)
         except ValueError as exc:
             logger.warning("layerstream: vram_budget is not checked for this model: its memory cannot "
                            "be predicted (%s)", exc)
@@ -337,9 +339,10 @@ class StreamRuntime:
             )
         return kwargs
 
-    def check_apply(self, fn) -> None:
-        """Refuse a .to()/.half()/.cuda() that would change streamed weights' dtype or device."""
-        for dtype in self._streamed_dtypes:
+    def check_apply(self, fn, dtypes=None) -> None:
+        """Refuse a .to()/.half()/.cuda() that would change streamed weights' dtype or device.
+        ``dtypes``: the streamed dtypes to check (default: the decoder layers')."""
+        for dtype in self._streamed_dtypes if dtypes is None else dtypes:
             probe = fn(torch.empty(0, dtype=dtype))
             if probe.dtype != dtype:
                 raise StreamingError(
@@ -408,6 +411,14 @@ class StreamRuntime:
                          f"{(self.config.slots - 2) * one_slot:.2f} GiB;")
         if not any(e.kind == "quant" for r in self.records for e in r.entries):
             lines.append("  - load the model in NF4 (quantization='nf4'): a quarter of the bytes per slot;")
+        if self.ends is None:
+            from .ends import host_bytes
+
+            ends_bytes = host_bytes(self.model)
+            if ends_bytes:
+                lines.append(f"  - keep the input embedding and head in host memory: StreamConfig(stream_embeddings=True) "
+                             f"(--stream-embeddings, stream.stream_embeddings: true) frees {ends_bytes / gib:.2f} GiB, less one head "
+                             "copied in for the loss;")
         lines.append("  - `layerstream plan --model <model> --vram <GPU memory> --seq <tokens>` predicts what fits.")
         explained = type(exc)("\n".join(lines))
         explained._layerstream_explained = True
@@ -465,18 +476,21 @@ class StreamRuntime:
             "visits": self.visits,
             "layer_loads": pool.loads,
             "demand_loads": self.demand_loads,
-            "h2d_bytes": pool.h2d_bytes,
+            "h2d_bytes": pool.h2d_bytes,  # the layers, and the head and embedding rows when they stream
             "h2d_seconds": pool.h2d_seconds,
             "h2d_gbps": (pool.h2d_bytes / pool.h2d_seconds / 1e9) if pool.h2d_seconds else 0.0,
             "stall_seconds": pool.stall_seconds,
             "stalls": pool.stalls,
             "peak_resident_layers": self.peak_resident_layers,
             "slot_bytes": pool.total_bytes,
-            "host_bytes": self.store.host_bytes,
+            "host_bytes": self.store.host_bytes + (self.ends.host_bytes if self.ends is not None else 0),
             "pinned": self.store.pinned,
             "device": str(self.device),
             "checksum_checks": self._checker.checks if self._checker is not None else 0,
             "window_layers": len(self._window),
+            "stream_embeddings": self.ends is not None,
+            **(self.ends.stats() if self.ends is not None
+               else {"head_copies": 0, "head_h2d_bytes": 0, "embedding_h2d_bytes": 0}),
             **self.nf4_counts,
         }
 
@@ -496,8 +510,13 @@ class StreamRuntime:
             f"  device       {self.device}: {self.config.slots} slots x "
             f"{self.pool.slot_bytes / 2**20:.1f} MiB = {self.pool.total_bytes / gib:.3f} GiB",
             f"  prefetch     {self.config.prefetch} layer(s) ahead",
-            "  resident     embeddings, final norm, head, and every trainable tensor",
         ]
+        if self.ends is not None:
+            lines += [f"  ends         streamed: {self.ends.describe()}",
+                      "  resident     final norm, and every trainable tensor"]
+        else:
+            lines += ["  ends         resident (stream_embeddings=False)",
+                      "  resident     embeddings, final norm, head, and every trainable tensor"]
         return "\n".join(lines)
 
     def close(self) -> None:
@@ -507,6 +526,8 @@ class StreamRuntime:
         self._window_buffers = []
         self.pool.release()
         self.store.release()
+        if self.ends is not None:
+            self.ends.close()
 
     def reset_slots(self) -> None:
         """Forget what the slots hold; the next visits load on demand."""

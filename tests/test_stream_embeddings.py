@@ -1,0 +1,357 @@
+"""StreamConfig(stream_embeddings=True): the input embedding and the output head stay in host
+memory, and training, generation and every LoRA gradient stay bit for bit the resident
+model's. Every parity test uses non-zero LoRA B and more layers than slots; the negative
+controls below prove the comparisons can fail."""
+
+import copy
+import weakref
+
+import pytest
+import torch
+import torch.nn.functional as F
+from peft import get_peft_model
+from torch import nn
+
+import layerstream
+from layerstream import ends as ends_mod
+from layerstream.ends import HeadLinear
+from tiny import assert_traces_equal, batch, lora_config, peft_pair, stream, tiny_model, train_steps
+
+STEPS = 6
+
+
+def _attn(device):
+    # memory-efficient attention's CUDA backward accumulates with atomics; eager is exact
+    return "eager" if device == "cuda" else None
+
+
+def _ends(model):
+    inner = layerstream.api.unwrap_peft(model)
+    return inner.get_input_embeddings(), inner.get_output_embeddings()
+
+
+def _pair(device, family="llama", tied=False, layers=5, **overrides):
+    streamed, resident = peft_pair(family, layers=layers, attn=_attn(device), tie_word_embeddings=tied,
+                                   **overrides)
+    stream(streamed, device, slots=2, prefetch=1, stream_embeddings=True)
+    resident.to(device)
+    return streamed, resident
+
+
+@pytest.mark.parametrize("family,tied", [("llama", False), ("llama", True), ("qwen3", False),
+                                         ("gemma", True), ("gemma3_text", True)],
+                         ids=["llama-untied", "llama-tied", "qwen3-untied", "gemma-tied", "gemma3-scaled"])
+def test_training_with_streamed_embedding_and_head_matches_resident(family, tied, device):
+    streamed, resident = _pair(device, family, tied)
+    embedding, head = _ends(streamed)
+    assert (head.weight is embedding.weight) == tied
+    assert embedding.weight.device.type == "cpu" and head.weight.device.type == "cpu"
+    assert_traces_equal(train_steps(streamed, STEPS, device), train_steps(resident, STEPS, device))
+    stats = layerstream.get_runtime(streamed).stats()
+    assert stats["layer_loads"] > stats["layers"], "slots must have recycled"
+    assert stats["head_copies"] == 2 * STEPS, "one head copy per forward and one per backward"
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_autocast_training_matches_resident(tied, device):
+    """Under bf16 autocast the head's matmul runs in bf16: backward must cast the weight as
+    the forward did and hand the input its gradient in the input's dtype."""
+    streamed, resident = _pair(device, tied=tied)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        expected = train_steps(resident, STEPS, device)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        got = train_steps(streamed, STEPS, device)
+    assert_traces_equal(got, expected)
+
+
+def test_bf16_model_training_matches_resident(device):
+    streamed, resident = _pair(device, layers=4, dtype=torch.bfloat16)
+    assert_traces_equal(train_steps(streamed, STEPS, device), train_steps(resident, STEPS, device))
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_greedy_generation_with_streamed_ends_matches_resident(tied, device):
+    streamed, resident = _pair(device, tied=tied)
+    ids = batch(96, size=2, seq=6, device=device)
+    kwargs = dict(max_new_tokens=8, do_sample=False, attention_mask=torch.ones_like(ids), pad_token_id=0)
+    with torch.no_grad():
+        expected = resident.generate(input_ids=ids, **kwargs)
+        got = streamed.generate(input_ids=ids, **kwargs)
+    assert torch.equal(got, expected)
+
+
+_LAYOUTS = {
+    "3d": lambda h, d: torch.randn(2, 7, h, dtype=d),
+    "2d": lambda h, d: torch.randn(9, h, dtype=d),
+    "last-position-slice": lambda h, d: torch.randn(2, 7, h, dtype=d)[:, -1:, :],  # matmul uses bmm
+    "transposed-3d": lambda h, d: torch.randn(2, h, 7, dtype=d).transpose(1, 2),
+    "column-major-2d": lambda h, d: torch.randn(h, 9, dtype=d).t(),
+    "4d": lambda h, d: torch.randn(2, 3, 5, h, dtype=d),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(_LAYOUTS))
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp32-autocast-bf16"])
+def test_head_input_gradient_is_autograds_for_every_layout(layout, bias, precision, device):
+    """HeadLinear against F.linear on a resident weight: same output, same input gradient,
+    bit for bit, whichever kernel (mm, bmm, transposed mm) autograd picks for the layout."""
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    torch.manual_seed(0)
+    weight = torch.randn(96, 32, dtype=dtype)
+    bias_t = torch.randn(96, dtype=dtype, device=device) if bias else None
+    source = _LAYOUTS[layout](32, dtype)
+
+    def run(streamed):
+        x = torch.empty_strided(source.shape, source.stride(), dtype=dtype, device=device)
+        x.copy_(source)
+        x.requires_grad_(True)
+        autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=precision.endswith("autocast-bf16"))
+        with autocast:
+            if streamed:
+                out = HeadLinear.apply(x, weight, bias_t, lambda w: w.to(device, copy=True))
+            else:
+                out = F.linear(x, weight.to(device), bias_t)
+        grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(device, out.dtype)
+        out.backward(grad)
+        return out.detach(), x.grad
+
+    (out, grad), (expected_out, expected_grad) = run(True), run(False)
+    assert torch.equal(out, expected_out)
+    assert grad.dtype == expected_grad.dtype and torch.equal(grad, expected_grad)
+
+
+def test_no_device_copy_of_the_head_outlives_its_forward_or_backward(device):
+    streamed, _ = _pair(device)
+    runtime = layerstream.get_runtime(streamed)
+    _, head = _ends(streamed)
+    copies = []
+    fetch = runtime.pool.fetch
+
+    def tracked(src):
+        out = fetch(src)
+        if src is head.weight:  # the embedding rows live on as the first hidden state
+            copies.append(weakref.ref(out))
+        return out
+
+    runtime.pool.fetch = tracked
+    ids = batch(96, device=device)
+    loss = streamed(input_ids=ids, labels=ids).loss
+    assert len(copies) == 1 and copies[0]() is None, "the forward's head copy must be gone once it returns"
+    loss.backward()
+    assert len(copies) == 2 and copies[1]() is None, "and the backward's once backward is done"
+
+
+def test_backward_copies_the_head_weight_again():
+    """Negative control for the above: a head weight changed between forward and backward
+    (behind autograd's version counter) changes the gradient, so backward read the host
+    weight again rather than a copy kept from the forward."""
+    def input_grad(change):
+        streamed, _ = _pair("cpu")
+        _, head = _ends(streamed)
+        ids = batch(96)
+        loss = streamed(input_ids=ids, labels=ids).loss
+        if change:
+            head.weight.data.mul_(2.0)
+        loss.backward()
+        return [p.grad.clone() for p in streamed.parameters() if p.requires_grad]
+
+    assert any(not torch.equal(a, b) for a, b in zip(input_grad(False), input_grad(True)))
+
+
+def test_a_wrong_host_embedding_row_is_caught_by_parity():
+    """Negative control: one host embedding row off by a little must turn parity red."""
+    streamed, resident = _pair("cpu")
+    embedding, _ = _ends(streamed)
+    row = int(batch(96, seed=0)[0, 0])  # a token of the first training batch (train_steps seeds)
+    embedding.weight.data[row, 0] += 1e-3
+    with pytest.raises(AssertionError):
+        assert_traces_equal(train_steps(streamed, 1), train_steps(resident, 1))
+
+
+def test_the_head_computes_with_the_host_weight():
+    """Negative control: a changed host head weight changes the logits."""
+    streamed, resident = _pair("cpu")
+    _, head = _ends(streamed)
+    head.weight.data[5] += 1e-3
+    ids = batch(96)
+    with torch.no_grad():
+        assert not torch.equal(streamed(input_ids=ids).logits, resident(input_ids=ids).logits)
+
+
+def test_moving_the_model_keeps_the_embedding_and_head_on_the_host():
+    streamed, _ = _pair("cpu")
+    embedding, head = _ends(streamed)
+    runtime = layerstream.get_runtime(streamed)
+    on_host = {id(v) for r in runtime.records for v in r.host_values} | {id(embedding.weight), id(head.weight)}
+    before = {n: p.data_ptr() for n, p in streamed.named_parameters()}
+    keys = list(streamed.state_dict())
+    streamed._apply(lambda t: t.clone())  # what .to() does, with a visible effect
+    for name, param in streamed.named_parameters():
+        assert (param.data_ptr() != before[name]) == (id(param) not in on_host), name
+    assert list(streamed.state_dict()) == keys
+    streamed.to(torch.float32)  # no change: allowed
+    with pytest.raises(layerstream.StreamingError, match="cast streamed weights"):
+        streamed.half()
+
+
+def test_the_modules_stay_the_models_own_and_their_hooks_run():
+    streamed, _ = peft_pair("llama", layers=4)
+    embedding, head = _ends(streamed)
+    names = [n for n, _ in streamed.named_parameters()]
+    params = list(streamed.parameters())
+    stream(streamed, "cpu", stream_embeddings=True)
+    assert _ends(streamed) == (embedding, head)
+    assert isinstance(embedding, nn.Embedding) and type(embedding).__name__ == "Embedding"
+    assert [n for n, _ in streamed.named_parameters()] == names
+    assert all(a is b for a, b in zip(streamed.parameters(), params)), "Parameter objects replaced"
+    streamed.enable_input_require_grads()  # what gradient checkpointing with PEFT registers
+    outputs = []
+    embedding.register_forward_hook(lambda module, args, out: outputs.append(out))
+    ids = batch(96)
+    streamed(input_ids=ids, labels=ids).loss.backward()
+    assert len(outputs) == 1 and outputs[0].requires_grad, "PEFT's hook ran on the streamed embedding"
+
+
+def test_unstream_restores_plain_modules_with_the_same_parameters(device):
+    streamed, resident = _pair(device, "gemma3_text", tied=True)
+    embedding, head = _ends(streamed)
+    classes = [type(m) for m in _ends(resident)]
+    assert [type(m) for m in (embedding, head)] != classes, "streamed: swapped classes"
+    weight = embedding.weight
+    train_steps(streamed, 2, device)
+    train_steps(resident, 2, device)
+    layerstream.unstream_model(streamed)
+    assert not layerstream.is_streamed(streamed)
+    assert _ends(streamed) == (embedding, head) and embedding.weight is weight and head.weight is weight
+    assert [type(m) for m in (embedding, head)] == classes
+    assert all(p.device.type == device for p in streamed.parameters())
+    ours, theirs = streamed.state_dict(), resident.state_dict()
+    assert list(ours) == list(theirs)
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+    assert_traces_equal(train_steps(streamed, 2, device), train_steps(resident, 2, device))
+
+
+def test_stats_count_the_head_and_the_embedding_rows(device):
+    streamed, _ = _pair(device)
+    train_steps(streamed, 2, device)
+    runtime = layerstream.get_runtime(streamed)
+    stats = runtime.stats()
+    _, head = _ends(streamed)
+    head_bytes = head.weight.numel() * head.weight.element_size()
+    rows = 2 * 2 * 12 * 32 * 4  # steps x batch x seq x hidden x fp32
+    assert stats["stream_embeddings"] is True
+    assert stats["head_copies"] == 4 and stats["head_h2d_bytes"] == 4 * head_bytes
+    assert stats["embedding_h2d_bytes"] == rows
+    assert stats["h2d_bytes"] == stats["layer_loads"] * runtime.records[0].nbytes + 4 * head_bytes + rows
+    assert stats["host_bytes"] >= sum(r.nbytes for r in runtime.records) + 2 * head_bytes
+    assert stats["h2d_seconds"] > 0
+    plain, _ = peft_pair("llama", layers=3)
+    stream(plain, device)
+    off = layerstream.get_runtime(plain).stats()
+    assert off["stream_embeddings"] is False and off["head_h2d_bytes"] == 0
+
+
+def test_summary_says_the_embedding_and_head_stream():
+    streamed, _ = _pair("cpu", tied=True)
+    summary = layerstream.get_runtime(streamed).summary()
+    assert "ends         streamed: input embedding and the head tied to it (one host copy)" in summary
+    assert "resident     final norm, and every trainable tensor" in summary
+    plain, _ = peft_pair("llama", layers=3)
+    stream(plain, "cpu")
+    assert "ends         resident (stream_embeddings=False)" in layerstream.get_runtime(plain).summary()
+
+
+# -- refusals -------------------------------------------------------------------------------
+
+def test_a_trained_head_is_refused_at_stream_time():
+    model = tiny_model("llama", layers=3)
+    for name, param in model.named_parameters():
+        param.requires_grad = name.startswith("lm_head")
+    with pytest.raises(layerstream.StreamingError,
+                       match=r"lm_head.weight requires grad, but stream_embeddings=True keeps it in host memory.*"
+                             r"freeze it .*or stream without stream_embeddings"):
+        layerstream.stream_model(model, device="cpu", stream_embeddings=True)
+    assert not layerstream.is_streamed(model)
+    assert model.lm_head.weight.untyped_storage().data_ptr() != 0
+
+
+def test_peft_modules_to_save_on_the_head_is_refused_at_stream_time():
+    model = get_peft_model(tiny_model("llama", layers=3), lora_config(modules_to_save=["lm_head"]))
+    with pytest.raises(layerstream.StreamingError, match=r"lm_head is a ModulesToSaveWrapper.*PEFT wraps it"):
+        layerstream.stream_model(model, device="cpu", stream_embeddings=True)
+    assert not layerstream.is_streamed(model)
+
+
+def test_training_an_embedding_left_trainable_is_refused_at_the_first_forward():
+    """Streamed before PEFT (nothing frozen yet), then trained without freezing."""
+    model = tiny_model("llama", layers=3)
+    layerstream.stream_model(model, device="cpu", stream_embeddings=True)
+    ids = batch(96)
+    with pytest.raises(layerstream.StreamingError, match="embed_tokens.weight requires grad"):
+        model(input_ids=ids, labels=ids)
+    with torch.no_grad():  # inference needs no gradient: fine
+        model(input_ids=ids)
+
+
+def test_peft_applied_after_streaming_the_ends_matches_resident():
+    base = tiny_model("mistral", layers=5)
+    resident = get_peft_model(copy.deepcopy(base), lora_config())
+    layerstream.stream_model(base, slots=2, device="cpu", stream_embeddings=True)
+    streamed = get_peft_model(base, lora_config())
+    streamed.load_state_dict(resident.state_dict())
+    assert_traces_equal(train_steps(streamed, STEPS), train_steps(resident, STEPS))
+
+
+def test_an_embedding_whose_forward_bypasses_nn_embedding_is_refused():
+    class OwnLookup(nn.Embedding):
+        def forward(self, ids):
+            return self.weight[ids]
+
+    model = tiny_model("llama", layers=3)
+    model.model.embed_tokens.__class__ = OwnLookup
+    with pytest.raises(layerstream.StreamingError, match="does not call nn.Embedding.forward"):
+        layerstream.stream_model(model, device="cpu", stream_embeddings=True)
+    assert type(model.model.embed_tokens) is OwnLookup
+
+
+def test_an_embedding_with_max_norm_is_refused():
+    model = tiny_model("llama", layers=3)
+    model.model.embed_tokens.max_norm = 1.0
+    with pytest.raises(layerstream.StreamingError, match="max_norm=1.0.*Set max_norm=None"):
+        layerstream.stream_model(model, device="cpu", stream_embeddings=True)
+
+
+def test_stream_embeddings_must_be_a_bool():
+    with pytest.raises(layerstream.StreamConfigError, match="stream_embeddings must be True or False"):
+        layerstream.StreamConfig(device="cpu", stream_embeddings="yes")
+
+
+def test_host_bytes_of_the_ends_count_a_tied_matrix_once():
+    untied, tied = tiny_model("llama", layers=2), tiny_model("llama", layers=2, tie_word_embeddings=True)
+    assert ends_mod.host_bytes(untied) == 2 * 96 * 32 * 4
+    assert ends_mod.host_bytes(tied) == 96 * 32 * 4
+
+
+# -- CUDA -----------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_on_cuda_the_ends_stay_pinned_on_the_host_and_only_a_transient_head_reaches_the_gpu():
+    """Vocab 4096 makes the head (512 KiB fp32) stand out from the LoRA state."""
+    streamed, resident = peft_pair("llama", layers=4, attn="eager", vocab_size=4096)
+    stream(streamed, "cuda", slots=2, prefetch=1, stream_embeddings=True)
+    resident.to("cuda")
+    embedding, head = _ends(streamed)
+    assert embedding.weight.device.type == "cpu" and embedding.weight.is_pinned()
+    assert head.weight.device.type == "cpu" and head.weight.is_pinned()
+    head_bytes = head.weight.numel() * head.weight.element_size()
+    ids = batch(4096, device="cuda")
+    streamed(input_ids=ids, labels=ids).loss.backward()  # warm up (LoRA gradients exist now)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    streamed(input_ids=ids, labels=ids).loss.backward()
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() >= before + head_bytes, "the head was copied in"
+    assert torch.cuda.memory_allocated() < before + head_bytes // 2, "and not kept"
+    assert_traces_equal(train_steps(streamed, STEPS, "cuda", ), train_steps(resident, STEPS, "cuda"))
