@@ -327,6 +327,27 @@ def test_stream_embeddings_must_be_a_bool():
         layerstream.StreamConfig(device="cpu", stream_embeddings="yes")
 
 
+def test_a_qlora_model_loaded_by_from_pretrained_streams_its_ends_and_matches_resident(tmp_path):
+    """layerstream.from_pretrained(stream=StreamConfig(stream_embeddings=True)): 4-bit layers
+    (frozen as loaded) and the embedding and head (trainable until PEFT freezes them)."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from tiny import portable_cpu_nf4
+
+    tiny_model("llama", layers=4, dtype=torch.bfloat16, hidden_size=64, intermediate_size=128,
+               head_dim=16).save_pretrained(tmp_path)
+    config = layerstream.StreamConfig(device="cpu", slots=2, stream_embeddings=True)
+    streamed = get_peft_model(layerstream.from_pretrained(tmp_path, quantization="nf4", stream=config),
+                              lora_config())
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                               bnb_4bit_compute_dtype=torch.bfloat16)
+    resident = get_peft_model(portable_cpu_nf4(AutoModelForCausalLM.from_pretrained(
+        tmp_path, quantization_config=quant, dtype=torch.bfloat16, device_map="cpu")), lora_config())
+    streamed.load_state_dict({k: v for k, v in resident.state_dict().items() if "lora_" in k}, strict=False)
+    assert layerstream.get_runtime(streamed).stats()["stream_embeddings"]
+    assert_traces_equal(train_steps(streamed, 4), train_steps(resident, 4))
+
+
 def test_host_bytes_of_the_ends_count_a_tied_matrix_once():
     untied, tied = tiny_model("llama", layers=2), tiny_model("llama", layers=2, tie_word_embeddings=True)
     assert ends_mod.host_bytes(untied) == 2 * 96 * 32 * 4

@@ -151,11 +151,12 @@ def _wrapper_hint(module: nn.Module) -> str:
 
 
 def trainables_chosen(model: nn.Module) -> bool:
-    """Whether what trains has been chosen: some floating-point parameter is frozen (by
-    PEFT or by hand). Fresh from from_pretrained nothing is (bitsandbytes' packed 4-bit
-    weights are not floating point), and PEFT freezes the embedding and head later; once
+    """Whether what trains has been chosen: some parameter that could train is frozen (by
+    PEFT or by hand). Fresh from from_pretrained none is (bitsandbytes' 4-bit weights,
+    frozen as loaded, cannot train), and PEFT freezes the embedding and head later; once
     it is chosen, an embedding or head that still requires grad is meant to train."""
-    return any(not p.requires_grad for p in model.parameters() if p.dtype.is_floating_point)
+    return any(not p.requires_grad for p in model.parameters()
+               if p.dtype.is_floating_point and not hasattr(p, "quant_state"))
 
 
 def _check_weight(name: str, weight: torch.Tensor, chosen: bool) -> None:
