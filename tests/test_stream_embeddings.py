@@ -11,10 +11,13 @@ import torch
 import torch.nn.functional as F
 from peft import get_peft_model
 from torch import nn
+from transformers import HfArgumentParser, Trainer, TrainingArguments
 
 import layerstream
 from layerstream import ends as ends_mod
 from layerstream.ends import HeadLinear
+from layerstream.integrations import trainer as integration
+from layerstream.train import TrainConfigError, load, stream_config
 from tiny import assert_traces_equal, batch, lora_config, peft_pair, stream, tiny_model, train_steps
 
 STEPS = 6
@@ -325,6 +328,53 @@ def test_an_embedding_with_max_norm_is_refused():
 def test_stream_embeddings_must_be_a_bool():
     with pytest.raises(layerstream.StreamConfigError, match="stream_embeddings must be True or False"):
         layerstream.StreamConfig(device="cpu", stream_embeddings="yes")
+
+
+# -- configuration paths --------------------------------------------------------------------
+
+def test_yaml_launcher_and_trainer_flags_accept_stream_embeddings(tmp_path, monkeypatch):
+    import runpy
+
+    from layerstream import cli
+    from test_train_config import DEFAULT
+
+    config = load(str(DEFAULT), ["stream.stream_embeddings=true", "stream.device=cpu",
+                                 f"training.output_dir={tmp_path / 'never'}"])
+    assert stream_config(config).stream_embeddings is True
+    with pytest.raises(TrainConfigError, match="stream: stream_embeddings must be True or False"):
+        load(str(DEFAULT), ["stream.stream_embeddings=maybe", "stream.device=cpu"])
+    (streaming,) = HfArgumentParser((layerstream.StreamingArguments,)).parse_args_into_dataclasses(
+        ["--layer_stream_embeddings", "--layer_stream_device", "cpu", "--layer_stream_slots", "2"])
+    assert streaming.to_config().stream_embeddings is True
+    seen = []
+    monkeypatch.setattr(runpy, "run_path", lambda path, run_name: seen.append(integration._auto_stream))
+    assert cli.main(["run", "--stream-embeddings", "--slots", "2", "--device", "cpu", "train.py"]) == 0
+    assert seen[0].stream_embeddings is True
+
+
+def test_a_trainer_run_with_streamed_ends_matches_the_plain_run(tmp_path, caplog):
+    from datasets import Dataset
+
+    data = Dataset.from_list([{"input_ids": [3, 4, 5, 6, 7, 8], "labels": [3, 4, 5, 6, 7, 8]}] * 16)
+
+    def run(model, out):
+        args = TrainingArguments(output_dir=str(out), use_cpu=True, report_to=[], max_steps=3, logging_steps=1,
+                                 per_device_train_batch_size=4, save_strategy="no", learning_rate=1e-2)
+        trainer = Trainer(model=model, args=args, train_dataset=data)
+        trainer.train()
+        return [e["loss"] for e in trainer.state.log_history if "loss" in e]
+
+    streamed, resident = peft_pair("llama", layers=4)
+    plain = run(resident, tmp_path / "plain")
+    integration.enable_auto_stream(layerstream.StreamConfig(device="cpu", slots=2, stream_embeddings=True))
+    try:
+        with caplog.at_level("WARNING", logger="layerstream"):
+            got = run(streamed, tmp_path / "streamed")
+    finally:
+        integration.disable_auto_stream()
+    assert len(plain) == 3 and got == plain
+    assert layerstream.get_runtime(streamed).stats()["stream_embeddings"]
+    assert "ends         streamed: input embedding and head" in caplog.text
 
 
 def test_a_qlora_model_loaded_by_from_pretrained_streams_its_ends_and_matches_resident(tmp_path):

@@ -65,6 +65,8 @@ def _add_run_parser(sub) -> argparse.ArgumentParser:
     run.add_argument("--slots", type=int, default=3)
     run.add_argument("--prefetch", type=int, default=1)
     run.add_argument("--device", default=None, help="cuda (default when available) or cpu")
+    run.add_argument("--stream-embeddings", action="store_true",
+                     help="keep the input embedding and head in host memory too")
     run.add_argument("script")
     return run
 
@@ -75,7 +77,8 @@ def _run_script(args, rest) -> int:
     from .config import StreamConfig
     from .integrations import trainer as trainer_integration
 
-    config = StreamConfig(slots=args.slots, prefetch=args.prefetch, device=args.device)
+    config = StreamConfig(slots=args.slots, prefetch=args.prefetch, device=args.device,
+                          stream_embeddings=args.stream_embeddings)
     saved_argv = sys.argv
     sys.argv = [args.script] + list(rest)
     trainer_integration.enable_auto_stream(config)

@@ -21,7 +21,7 @@ SECTIONS: Dict[str, Dict[str, Any]] = {
               "quantization": "none", "trust_remote_code": False, "config": None},
     "lora": {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": "all-linear"},
     "data": {"path": "embedded", "eval_rows": 0},
-    "stream": {"slots": 2, "prefetch": 1, "device": "auto", "vram": "auto"},
+    "stream": {"slots": 2, "prefetch": 1, "device": "auto", "vram": "auto", "stream_embeddings": False},
     "training": {},  # any TRL SFTConfig / transformers TrainingArguments field
 }
 DTYPES = ("float32", "bfloat16", "float16")
@@ -166,7 +166,8 @@ def check_fits(config, where: str = "config") -> None:
         memory = plan.make_plan(model_config(config), seq=seq, batch=batch, vram_bytes=budget,
                                 quantization=config["model"]["quantization"], dtype=config["model"]["dtype"],
                                 lora_rank=config["lora"]["r"], slots=config["stream"]["slots"],
-                                lora_targets=targets)
+                                lora_targets=targets,
+                                stream_embeddings=config["stream"]["stream_embeddings"])
     except (ValueError, OSError) as exc:
         raise TrainConfigError(
             f"{where}: cannot plan this run: {exc}. Point model.config at the model's config.json "
@@ -197,7 +198,8 @@ def stream_config(config) -> StreamConfig:
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    return StreamConfig(slots=stream["slots"], prefetch=stream["prefetch"], device=device)
+    return StreamConfig(slots=stream["slots"], prefetch=stream["prefetch"], device=device,
+                        stream_embeddings=stream["stream_embeddings"])
 
 
 def read_rows(path: str) -> List[str]:

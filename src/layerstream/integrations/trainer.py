@@ -162,9 +162,11 @@ def predicted_vram(model, args) -> str:
     seq = getattr(args, "max_length", None) or getattr(args, "max_seq_length", None)
     try:
         if seq:
-            peak = plan.plan_for_model(model, int(seq), batch, slots=runtime.config.slots).peak_vram_bytes
+            peak = plan.plan_for_model(model, int(seq), batch, slots=runtime.config.slots,
+                                       stream_embeddings=runtime.ends is not None).peak_vram_bytes
             return f"  predicted    peak VRAM {peak / 2**30:.2f} GiB at batch {batch} x {seq} tokens"
-        short, long = (plan.plan_for_model(model, n, batch, slots=runtime.config.slots).peak_vram_bytes
+        short, long = (plan.plan_for_model(model, n, batch, slots=runtime.config.slots,
+                                           stream_embeddings=runtime.ends is not None).peak_vram_bytes
                        for n in (512, 2048))
         return (f"  predicted    peak VRAM {short / 2**30:.2f} GiB at batch {batch} x 512 tokens, "
                 f"{long / 2**30:.2f} GiB at x 2048")
@@ -228,13 +230,16 @@ class StreamStatsCallback(_CallbackBase):
 @dataclass
 class StreamingArguments:
     """HfArgumentParser flags: ``--layer_stream`` streams the model of every Trainer the
-    script builds, with the given slots and prefetch."""
+    script builds, with the given slots and prefetch (and, with
+    ``--layer_stream_embeddings``, its input embedding and head too)."""
 
     layer_stream: bool = field(default=False, metadata={"help": "stream decoder layers from host memory"})
     layer_stream_slots: int = field(default=3, metadata={"help": "GPU slots (one layer each), >= 2"})
     layer_stream_prefetch: int = field(default=1, metadata={"help": "layers copied ahead, >= 1 and < slots"})
     layer_stream_device: Optional[str] = field(
         default=None, metadata={"help": "cuda (default when available) or cpu"})
+    layer_stream_embeddings: bool = field(
+        default=False, metadata={"help": "keep the input embedding and head in host memory too"})
 
     def __post_init__(self):
         if self.layer_stream:
@@ -242,4 +247,4 @@ class StreamingArguments:
 
     def to_config(self) -> StreamConfig:
         return StreamConfig(slots=self.layer_stream_slots, prefetch=self.layer_stream_prefetch,
-                            device=self.layer_stream_device)
+                            device=self.layer_stream_device, stream_embeddings=self.layer_stream_embeddings)
