@@ -7,6 +7,7 @@ max(resident step time, bytes streamed per step / pinned bandwidth).
 
     python benchmarks/throughput.py --shape llama3-8b --seq 2048 --configs 3:1,4:2
     python benchmarks/throughput.py --shape llama3-70b --quantization nf4 --configs 3:1
+    python benchmarks/throughput.py --shape llama3-70b --quantization nf4 --configs 3:1 --stream-embeddings
 """
 
 from __future__ import annotations
@@ -79,6 +80,9 @@ def main():
                              "(resident window) and enforced with set_per_process_memory_fraction")
     parser.add_argument("--quantization", choices=["none", "nf4"], default="none",
                         help="nf4: bitsandbytes NF4 with double quantisation, bf16 compute")
+    parser.add_argument("--stream-embeddings", action="store_true",
+                        help="streamed rows keep the input embedding and head in host memory too "
+                             "(StreamConfig(stream_embeddings=True)); their copies count in bytes_per_step")
     args = parser.parse_args()
 
     bandwidth = pinned_bandwidth()
@@ -92,7 +96,7 @@ def main():
     result = {"shape": args.shape, "quantization": args.quantization,
               "layers": model.config.num_hidden_layers, "seq": args.seq,
               "batch": args.batch, "steps": args.steps, "warmup": args.warmup,
-              "pinned_gbps": bandwidth, "rows": []}
+              "pinned_gbps": bandwidth, "stream_embeddings": args.stream_embeddings, "rows": []}
 
     def run_resident():
         model.cuda()
@@ -116,7 +120,8 @@ def main():
     for spec in args.configs.split(","):
         slots, prefetch = (int(x) for x in spec.split(":"))
         budget = parse_bytes(args.budget) if args.budget else None
-        layerstream.stream_model(model, slots=slots, prefetch=prefetch, vram_budget=budget)
+        layerstream.stream_model(model, slots=slots, prefetch=prefetch, vram_budget=budget,
+                                 stream_embeddings=args.stream_embeddings)
         if budget:
             total = torch.cuda.get_device_properties(0).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total))
@@ -141,7 +146,9 @@ def main():
                "h2d_gbps": after["h2d_gbps"],
                "stall_s_per_step": (after["stall_seconds"] - before["stall_seconds"]) / measured,
                "pinned": after["pinned"], "window_layers": after.get("window_layers", 0),
-               "vram_budget_gib": (budget / 2**30) if budget else None}
+               "vram_budget_gib": (budget / 2**30) if budget else None,
+               "stream_embeddings": after["stream_embeddings"],
+               "head_bytes_per_step": (after["head_h2d_bytes"] - before["head_h2d_bytes"]) / measured}
         if "resident" in result:
             bound = max(result["resident"]["step_s"], copy_bound)
             row["bound_s"] = bound
@@ -168,10 +175,11 @@ def main():
         r = result["resident"]
         print(f"| resident | {r['step_s']:.3f} | {r['host_s']:.3f} | {r['tokens_per_s']:.0f} | {r['peak_gib']:.1f} | - | - | - | 1.00 | - |")
     for row in result["rows"]:
-        print(f"| streamed {row['slots']}:{row['prefetch']} | {row['step_s']:.3f} | {row['host_s']:.3f} | {row['tokens_per_s']:.0f} | "
+        print(f"| streamed {row['slots']}:{row['prefetch']}{' +emb' if row['stream_embeddings'] else ''} | {row['step_s']:.3f} | {row['host_s']:.3f} | {row['tokens_per_s']:.0f} | "
               f"{row['peak_gib']:.1f} | {row['loads_per_step']:.1f} | {row['stall_s_per_step']:.3f} | {row['copy_bound_s']:.3f} | "
               f"{row.get('fraction_of_resident', float('nan')):.2f} | {row.get('fraction_of_bound', float('nan')):.2f} |")
-    suffix = ("-nf4" if nf4 else "") + (f"-budget{args.budget}" if args.budget else "")
+    suffix = (("-nf4" if nf4 else "") + (f"-budget{args.budget}" if args.budget else "")
+              + ("-stream-embeddings" if args.stream_embeddings else ""))
     write_result(args.name or f"throughput-{args.shape}{suffix}-seq{args.seq}", result)
 
 
