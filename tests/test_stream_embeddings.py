@@ -60,10 +60,8 @@ def test_autocast_training_matches_resident(tied, device):
     """Under bf16 autocast the head's matmul runs in bf16: backward must cast the weight as
     the forward did and hand the input its gradient in the input's dtype."""
     streamed, resident = _pair(device, tied=tied)
-    with torch.autocast(device, dtype=torch.bfloat16):
-        expected = train_steps(resident, STEPS, device)
-    with torch.autocast(device, dtype=torch.bfloat16):
-        got = train_steps(streamed, STEPS, device)
+    expected = train_steps(resident, STEPS, device, autocast=torch.bfloat16)
+    got = train_steps(streamed, STEPS, device, autocast=torch.bfloat16)
     assert_traces_equal(got, expected)
 
 
@@ -81,6 +79,19 @@ def test_greedy_generation_with_streamed_ends_matches_resident(tied, device):
         expected = resident.generate(input_ids=ids, **kwargs)
         got = streamed.generate(input_ids=ids, **kwargs)
     assert torch.equal(got, expected)
+
+
+def test_the_model_reports_the_device_it_computes_on_and_unstream_restores_it(device):
+    """transformers takes a model's device from its first parameter, the host embedding;
+    generate moves its inputs to that device, so it must be the compute device."""
+    streamed, _ = _pair(device)
+    inner = layerstream.api.unwrap_peft(streamed)
+    assert inner.device.type == device and inner.model.device.type == device
+    assert streamed.device.type == device  # through PEFT's attribute forwarding
+    assert type(inner).__name__ == "LlamaForCausalLM" and isinstance(inner, ends_mod.ComputeDevice)
+    layerstream.unstream_model(streamed, device="cpu")
+    assert inner.device.type == "cpu" and not hasattr(inner, "_layerstream_ends")
+    assert not isinstance(inner, ends_mod.ComputeDevice) and not isinstance(inner.model, ends_mod.ComputeDevice)
 
 
 _LAYOUTS = {

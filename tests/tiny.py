@@ -64,8 +64,12 @@ class Trace:
 
 
 def train_steps(model, steps: int, device="cpu", seq: int = 12, accumulation: int = 1,
-                lr: float = 1e-2, batch_size: int = 2) -> Trace:
-    """AdamW on the trainable tensors; records loss, logits and every gradient per step."""
+                lr: float = 1e-2, batch_size: int = 2, autocast: Optional[torch.dtype] = None) -> Trace:
+    """AdamW on the trainable tensors; records loss, logits and every gradient per step.
+
+    ``autocast`` wraps each forward (not backward or the optimizer step), as the Trainer
+    does: one autocast context across optimizer steps would reuse its cached casts of
+    the adapters after the optimizer changed them."""
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr)
     trace = Trace()
@@ -74,7 +78,9 @@ def train_steps(model, steps: int, device="cpu", seq: int = 12, accumulation: in
     for step in range(steps):
         for micro in range(accumulation):
             ids = batch(vocab, size=batch_size, seq=seq, seed=100 * step + micro, device=device)
-            out = model(input_ids=ids, labels=ids)
+            with torch.autocast(torch.device(device).type, dtype=autocast or torch.bfloat16,
+                                enabled=autocast is not None):
+                out = model(input_ids=ids, labels=ids)
             (out.loss / accumulation).backward()
         trace.losses.append(out.loss.detach().cpu())
         trace.logits.append(out.logits.detach().cpu())

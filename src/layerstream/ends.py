@@ -19,6 +19,10 @@ per forward. ``StreamConfig(stream_embeddings=True)`` keeps both in (pinned) hos
   own class (Gemma3's scaled embedding then multiplies the rows on the device), and
   whose ``_apply`` hides the host weight from ``.to()``/``.cuda()``.
 - The weights must be frozen: their gradients would have nowhere to live.
+- transformers reads a model's device from its first parameter, the embedding weight,
+  which now lives on the host; ``generate`` then moves its inputs there. Each
+  transformers model in the module tree gets a class whose ``device`` is the device
+  the model computes on.
 """
 
 from __future__ import annotations
@@ -125,6 +129,37 @@ def _swap(module: nn.Module, replacement: type, ends) -> None:
 def _make_plain(module: nn.Module) -> None:
     module.__class__ = type(module)._layerstream_base
     module.__dict__.pop("_layerstream_ends", None)
+
+
+class ComputeDevice:
+    """Mixed in front of a transformers model's class while its embedding streams:
+    ``device`` (the first parameter's, in transformers) is where the model computes."""
+
+    @property
+    def device(self) -> torch.device:
+        return self._layerstream_ends.device
+
+
+def _transformers_models(model: nn.Module) -> List[nn.Module]:
+    from transformers import PreTrainedModel
+
+    return [m for m in model.modules() if isinstance(m, PreTrainedModel)]
+
+
+def _swap_device(model: nn.Module, ends) -> List[nn.Module]:
+    swapped = []
+    for module in _transformers_models(model):
+        cls = type(module)
+        key = (cls, ComputeDevice)
+        sub = _SUBCLASSES.get(key)
+        if sub is None:
+            sub = _SUBCLASSES[key] = type(cls.__name__, (ComputeDevice, cls),
+                                          {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                                           "_layerstream_base": cls})
+        module.__class__ = sub
+        object.__setattr__(module, "_layerstream_ends", ends)
+        swapped.append(module)
+    return swapped
 
 
 @contextlib.contextmanager
@@ -320,6 +355,7 @@ class StreamedEnds:
         self.head_copies = 0
         self.head_h2d_bytes = 0
         self.embedding_h2d_bytes = 0
+        self.models: List[nn.Module] = []  # transformers models whose device this reports
 
     @property
     def tied(self) -> bool:
@@ -394,6 +430,9 @@ class StreamedEnds:
         _make_plain(self.found.embedding)
         if self.found.head is not None:
             _make_plain(self.found.head)
+        for module in self.models:
+            _make_plain(module)
+        self.models = []
 
     def close(self) -> None:
         self.store.release()
@@ -415,6 +454,7 @@ def stream_ends(model: nn.Module, runtime) -> StreamedEnds:
     _swap(found.embedding, StreamedEmbedding, ends)
     if found.head is not None:
         _swap(found.head, StreamedHead, ends)
+    ends.models = _swap_device(model, ends)
     return ends
 
 
