@@ -34,3 +34,25 @@ def test_measured_cells_merge_and_missing_ones_are_listed(tmp_path):
     text = suite.table(merged)
     assert "| llama3-70b:nf4:2048:1:16GiB | not measured |" in text
     assert suite.plot(merged, tmp_path / "suite.png") and (tmp_path / "suite.png").stat().st_size > 1000
+
+
+def test_trace_overlap_counts_only_copy_time_that_runs_beside_kernels():
+    import trace_overlap
+
+    def span(cat, name, ts, dur):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+
+    events = [
+        span("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 0, 4000),      # half beside a kernel
+        span("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 10000, 2000),  # alone
+        span("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 20000, 10),    # too short: not a layer
+        span("kernel", "gemm", 2000, 3000),
+        span("kernel", "gemm", 4000, 1000),  # overlaps the one before: counted once
+    ]
+    summary = trace_overlap.summarise(events)
+    assert summary["copies"] == 2
+    assert summary["copy_ms"] == 6.0
+    assert summary["kernel_busy_ms"] == 3.0
+    assert summary["copy_overlapping_compute_ms"] == 2.0
+    assert summary["overlap_fraction"] == 2.0 / 6.0
+    assert summary["largest_copy_gaps_ms"] == [6.0]
