@@ -56,6 +56,9 @@ def run_cell(cell: str, out_dir: Path, configs: str, steps: int, timeout: int, t
         done = subprocess.run(command, env=dict(os.environ, OUT=str(out_dir)), timeout=timeout,
                               capture_output=True, text=True, cwd=HERE)
     except subprocess.TimeoutExpired:
+        if (out_dir / f"{cell_name(cell)}.json").exists():
+            # freeing tens of GB of page-locked memory can outlast the limit
+            return f"ok (result written; the process outlived the {timeout} s limit in teardown)"
         return f"timed out after {timeout} s"
     return "ok" if done.returncode == 0 else f"failed ({done.returncode}): {done.stderr[-400:]}"
 

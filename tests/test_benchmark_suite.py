@@ -56,3 +56,23 @@ def test_trace_overlap_counts_only_copy_time_that_runs_beside_kernels():
     assert summary["copy_overlapping_compute_ms"] == 2.0
     assert summary["overlap_fraction"] == 2.0 / 6.0
     assert summary["largest_copy_gaps_ms"] == [6.0]
+
+
+def test_a_cell_that_wrote_its_result_before_its_limit_counts_as_measured(tmp_path, monkeypatch):
+    import subprocess
+
+    cell = "qwen3-30b-a3b:none:2048:1"
+
+    def slow_teardown(command, **kwargs):
+        (tmp_path / f"{suite.cell_name(cell)}.json").write_text("{}")
+        raise subprocess.TimeoutExpired(command, kwargs["timeout"])
+
+    monkeypatch.setattr(suite.subprocess, "run", slow_teardown)
+    assert suite.run_cell(cell, tmp_path, "3:2", 5, 170).startswith("ok (result written")
+    (tmp_path / f"{suite.cell_name(cell)}.json").unlink()
+
+    def too_slow(command, **kwargs):
+        raise subprocess.TimeoutExpired(command, kwargs["timeout"])
+
+    monkeypatch.setattr(suite.subprocess, "run", too_slow)
+    assert suite.run_cell(cell, tmp_path, "3:2", 5, 170) == "timed out after 170 s"
