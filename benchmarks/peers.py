@@ -8,6 +8,7 @@ bound (the stack's bytes over the pinned bandwidth measured in the same run) bes
 Peers that cannot run here are reported as skipped with the reason, never dropped.
 
     python benchmarks/peers.py --shape llama3-8b --layers 8 --seq 2048     # writes $OUT/peers-*.json
+    python benchmarks/peers.py --shape llama3-8b --layers 8 --seq 2048 --backward   # training
 """
 
 from __future__ import annotations
@@ -38,9 +39,31 @@ def run_stack(layers, hidden, position_embeddings):
     return hidden
 
 
-def timed(fn, iters: int, warmup: int):
+def with_backward(forward, hidden):
+    """Forward from a fresh leaf copy of ``hidden`` and backward to it through frozen layers
+    (what a LoRA step streams: every layer twice, backward recomputing its forward)."""
+    grad = torch.ones_like(hidden)
+
+    def step():
+        leaf = hidden.detach().requires_grad_(True)
+        out = forward(leaf)
+        out = out[0] if isinstance(out, tuple) else out
+        out.backward(grad)
+        return leaf.grad
+
+    return step
+
+
+def checkpointed(layers):
+    """Resident layers under the non-reentrant checkpointing streamed layers use."""
+    from torch.utils.checkpoint import checkpoint
+
+    return [functools.partial(checkpoint, layer, use_reentrant=False) for layer in layers]
+
+
+def timed(fn, iters: int, warmup: int, grad: bool = False):
     times = []
-    with torch.no_grad():
+    with torch.set_grad_enabled(grad):
         for i in range(warmup + iters):
             start = cuda_timer()
             fn()
@@ -58,6 +81,9 @@ def main():
     parser.add_argument("--iters", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--configs", default="2:1,3:2")
+    parser.add_argument("--backward", action="store_true",
+                        help="time forward + backward to the input through the frozen stack (training), "
+                             "the resident rows with non-reentrant checkpointing")
     args = parser.parse_args()
 
     bandwidth = pinned_bandwidth()
@@ -65,14 +91,21 @@ def main():
     model.eval()
     model.requires_grad_(False)  # frozen, as under LoRA: what streams
     layer_bytes = sum(p.numel() * p.element_size() for p in model.model.layers.parameters())
-    copy_bound = layer_bytes / (bandwidth * 1e9)
+    # one pass over the stack's bytes; with backward two (backward recomputes every layer),
+    # less whatever a streamer keeps across the turnaround
+    copy_bound = (2 if args.backward else 1) * layer_bytes / (bandwidth * 1e9)
     hidden, rope = layer_inputs(model, args.seq, args.batch)
     result = {"shape": args.shape, "layers": args.layers, "seq": args.seq, "batch": args.batch,
               "iters": args.iters, "pinned_gbps": bandwidth, "stack_bytes": layer_bytes,
               "copy_bound_s": copy_bound, "rows": []}
 
+    def stack(layers):
+        if args.backward:
+            return with_backward(lambda h: run_stack(layers, h, rope), hidden)
+        return functools.partial(run_stack, layers, hidden, rope)
+
     def record(name, fn, **extra):
-        step, times = timed(fn, args.iters, args.warmup)
+        step, times = timed(fn, args.iters, args.warmup, grad=args.backward)
         row = {"name": name, "forward_s": step, "times": times, "over_copy_bound": step / copy_bound, **extra}
         result["rows"].append(row)
         print(name, f"{step:.4f} s", f"{step / copy_bound:.2f}x copy bound", flush=True)
@@ -83,7 +116,8 @@ def main():
 
     # resident
     resident = copy.deepcopy(model.model.layers).cuda()
-    record("resident", functools.partial(run_stack, resident, hidden, rope))
+    record("resident" + (" (checkpointed)" if args.backward else ""),
+           stack(checkpointed(resident) if args.backward else resident))
     del resident
     gc.collect()
     torch.cuda.empty_cache()
@@ -95,8 +129,7 @@ def main():
         layerstream.stream_model(streamed, slots=slots, prefetch=prefetch)
         streamed.cuda()
         layers = streamed.model.layers
-        record(f"layerstream {slots}:{prefetch}", functools.partial(run_stack, layers, hidden, rope),
-               stats=layerstream.get_runtime(streamed).stats())
+        record(f"layerstream {slots}:{prefetch}", stack(layers), stats=layerstream.get_runtime(streamed).stats())
         layerstream.unstream_model(streamed, device="cpu")
         del streamed, layers
         gc.collect()
@@ -109,8 +142,9 @@ def main():
         skipped("block-streamer", f"not installed ({exc})")
     else:
         blocks = StreamedModel(copy.deepcopy(model.model.layers), device="cuda", prefetch_ahead=1)
+        run_blocks = functools.partial(blocks, position_embeddings=rope, attention_mask=None)
         record("block-streamer 0.2.0 (prefetch_ahead 1)",
-               functools.partial(blocks, hidden, position_embeddings=rope, attention_mask=None))
+               with_backward(run_blocks, hidden) if args.backward else functools.partial(run_blocks, hidden))
         blocks.close()
         del blocks
         gc.collect()
@@ -125,12 +159,16 @@ def main():
         offloaded = copy.deepcopy(model.model.layers)
         for layer in offloaded:
             cpu_offload(layer, execution_device=torch.device("cuda"))
-        record("accelerate cpu_offload", functools.partial(run_stack, offloaded, hidden, rope))
+        try:
+            record("accelerate cpu_offload", stack(offloaded))
+        except RuntimeError as exc:  # reported, never dropped
+            skipped("accelerate cpu_offload", f"raised {type(exc).__name__}: {str(exc)[:200]}")
         del offloaded
         gc.collect()
         torch.cuda.empty_cache()
 
-    print("| stack forward | s | x copy bound | x resident |")
+    what = "stack forward + backward" if args.backward else "stack forward"
+    print(f"| {what} | s | x copy bound | x resident |")
     print("|---|---|---|---|")
     resident_s = result["rows"][0]["forward_s"]
     for row in result["rows"]:
@@ -139,7 +177,8 @@ def main():
             continue
         print(f"| {row['name']} | {row['forward_s']:.4f} | {row['over_copy_bound']:.2f} | "
               f"{resident_s / row['forward_s']:.2f} |")
-    write_result(f"peers-{args.shape}-{args.layers}x-seq{args.seq}", result)
+    result["backward"] = args.backward
+    write_result(f"peers-{args.shape}-{args.layers}x-seq{args.seq}" + ("-backward" if args.backward else ""), result)
 
 
 if __name__ == "__main__":

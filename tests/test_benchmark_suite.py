@@ -34,3 +34,45 @@ def test_measured_cells_merge_and_missing_ones_are_listed(tmp_path):
     text = suite.table(merged)
     assert "| llama3-70b:nf4:2048:1:16GiB | not measured |" in text
     assert suite.plot(merged, tmp_path / "suite.png") and (tmp_path / "suite.png").stat().st_size > 1000
+
+
+def test_trace_overlap_counts_only_copy_time_that_runs_beside_kernels():
+    import trace_overlap
+
+    def span(cat, name, ts, dur):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+
+    events = [
+        span("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 0, 4000),      # half beside a kernel
+        span("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 10000, 2000),  # alone
+        span("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 20000, 10),    # too short: not a layer
+        span("kernel", "gemm", 2000, 3000),
+        span("kernel", "gemm", 4000, 1000),  # overlaps the one before: counted once
+    ]
+    summary = trace_overlap.summarise(events)
+    assert summary["copies"] == 2
+    assert summary["copy_ms"] == 6.0
+    assert summary["kernel_busy_ms"] == 3.0
+    assert summary["copy_overlapping_compute_ms"] == 2.0
+    assert summary["overlap_fraction"] == 2.0 / 6.0
+    assert summary["largest_copy_gaps_ms"] == [6.0]
+
+
+def test_a_cell_that_wrote_its_result_before_its_limit_counts_as_measured(tmp_path, monkeypatch):
+    import subprocess
+
+    cell = "qwen3-30b-a3b:none:2048:1"
+
+    def slow_teardown(command, **kwargs):
+        (tmp_path / f"{suite.cell_name(cell)}.json").write_text("{}")
+        raise subprocess.TimeoutExpired(command, kwargs["timeout"])
+
+    monkeypatch.setattr(suite.subprocess, "run", slow_teardown)
+    assert suite.run_cell(cell, tmp_path, "3:2", 5, 170).startswith("ok (result written")
+    (tmp_path / f"{suite.cell_name(cell)}.json").unlink()
+
+    def too_slow(command, **kwargs):
+        raise subprocess.TimeoutExpired(command, kwargs["timeout"])
+
+    monkeypatch.setattr(suite.subprocess, "run", too_slow)
+    assert suite.run_cell(cell, tmp_path, "3:2", 5, 170) == "timed out after 170 s"

@@ -132,6 +132,11 @@ def test_timeline_on_cuda_places_every_compute_inside_its_layers_residency(tmp_p
     assert (tmp_path / "layerstream-trace.json").exists()
 
 
+# ~20 ms: longer than the host takes to issue a tiny layer (1-2 ms on the GPU machine),
+# so the compute stream falls far behind the host and an unguarded copy really races
+SLOW_READER_CYCLES = 40_000_000
+
+
 def _delay_compute(monkeypatch, backward_too=False):
     """Queue a sleep before every layer's kernels (and, optionally, before its backward
     kernels), so the kernels reading a slot run long after the host issued them."""
@@ -140,11 +145,11 @@ def _delay_compute(monkeypatch, backward_too=False):
     original = layer_mod.call_unstreamed
 
     def delayed(layer, args, kwargs):
-        torch.cuda._sleep(DELAY_CYCLES)
+        torch.cuda._sleep(SLOW_READER_CYCLES)
         out = original(layer, args, kwargs)
         hidden = out[0] if isinstance(out, tuple) else out
         if backward_too and hidden.requires_grad:
-            hidden.register_hook(lambda grad: (torch.cuda._sleep(DELAY_CYCLES), grad)[1])
+            hidden.register_hook(lambda grad: (torch.cuda._sleep(SLOW_READER_CYCLES), grad)[1])
         return out
 
     monkeypatch.setattr(layer_mod, "call_unstreamed", delayed)

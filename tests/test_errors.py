@@ -14,6 +14,8 @@ from tiny import assert_traces_equal, batch, peft_pair, stream, tiny_model, trai
     (dict(slots=3, prefetch=3), "prefetch must be >= 1 and < slots"),
     (dict(slots=3, prefetch=0), "prefetch must be >= 1"),
     (dict(slots="3"), "slots must be an integer"),
+    (dict(slots="many"), "slots must be an integer >= 2 or 'auto'"),
+    (dict(prefetch="ahead"), "prefetch must be an integer >= 1 or 'auto'"),
     (dict(device="tpu"), "not a torch device|streams to CUDA devices"),
     (dict(device="cpu", pin=True), "pin=True needs a CUDA device"),
     (dict(arena_bytes=10), "arena_bytes"),

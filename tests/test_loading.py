@@ -134,10 +134,10 @@ PEAK_SCRIPT = textwrap.dedent("""
 
 
 def test_loading_holds_about_one_unquantised_layer(tmp_path):
-    """Peak RSS while loading a 16-layer model stays near the packed store plus one bf16
+    """Peak RSS while loading a 24-layer model stays near the packed store plus one bf16
     layer, far below the whole unquantised model (measured in a fresh process)."""
     directory = tmp_path / "big"
-    layers, hidden, intermediate = 16, 1024, 2816
+    layers, hidden, intermediate = 24, 1024, 2816
     tiny_model("llama", layers=layers, dtype=torch.bfloat16, hidden_size=hidden, intermediate_size=intermediate,
                head_dim=64, num_attention_heads=16, num_key_value_heads=16).save_pretrained(directory)
     layer_mib = (4 * hidden * hidden + 3 * hidden * intermediate) * 2 / 2**20
@@ -151,7 +151,9 @@ def test_loading_holds_about_one_unquantised_layer(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     before, peak, store = (float(x) for x in out.stdout.split()[-3:])
     grown = peak - before
-    bound = store + 3 * layer_mib + 64  # the store, one layer and its quantisation scratch, slack
+    # the store, one layer and its quantisation scratch, and slack for the host allocator:
+    # RSS growth of the same load varies by about 40 MiB from run to run
+    bound = store + 3 * layer_mib + 128
     assert bound < 0.75 * whole_mib, "the model must be large enough for the bound to mean something"
     print(f"grew {grown:.0f} MiB, bound {bound:.0f}, store {store:.0f}, whole {whole_mib:.0f}")
     assert grown < bound, f"loading grew RSS by {grown:.0f} MiB; bound {bound:.0f} MiB (whole model {whole_mib:.0f})"

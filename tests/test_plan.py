@@ -14,7 +14,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from layerstream import cli
-from layerstream.plan import (GiB, format_plan, layer_bytes, load_config, make_plan,
+from layerstream.plan import (GiB, format_plan, layer_bytes, load_config, make_plan, speed_hints,
                               nf4_weight_bytes, parse_bytes, resident_bytes)
 from layerstream.schedule import Phase, PrefetchPlanner
 from layerstream.store import HostStore
@@ -590,3 +590,41 @@ def test_cli_demo_still_receives_its_arguments(monkeypatch):
     monkeypatch.setattr(demo, "main", lambda argv: seen.append(argv))
     assert cli.main(["demo", "--steps", "3", "--device", "cpu"]) == 0
     assert seen == [["--steps", "3", "--device", "cpu"]]
+
+
+def test_the_planned_window_is_the_one_the_runtime_keeps():
+    """plan.window_layers mirrors StreamRuntime._fit_window: a budget the size of the plan's
+    keeps exactly that many layers, and the copies the plan predicts are the ones made."""
+    import layerstream
+    from tiny import peft_pair, train_steps
+
+    streamed, _ = peft_pair("llama", layers=8)
+    from layerstream.plan import plan_for_model
+
+    probe = plan_for_model(streamed, 12, 2, slots=2)  # no budget: the peak alone
+    budget = probe.needed_bytes + 3 * probe.max_layer_bytes + probe.max_layer_bytes // 2
+    planned = plan_for_model(streamed, 12, 2, slots=2, vram_bytes=budget)
+    assert planned.window_layers == 3
+    layerstream.stream_model(streamed, device="cpu", slots=2, prefetch=1, vram_budget=budget)
+    runtime = layerstream.get_runtime(streamed)
+    train_steps(streamed, 2)
+    assert len(runtime.window) == planned.window_layers
+    before = runtime.stats()["layer_loads"]
+    train_steps(streamed, 1)
+    assert runtime.stats()["layer_loads"] - before == planned.window_copies()[0] == 2 * (8 - 3 - 2)
+
+
+def test_speed_hints_name_the_window_and_a_larger_batch_when_they_help():
+    roomy = make_plan(config_of(LLAMA3_8B), 2048, 1, 16 * GiB, slots=3)
+    hints = "\n".join(speed_hints(roomy))
+    assert f"keeps {roomy.window_layers} of 32 layers" in hints and roomy.window_layers > 0
+    assert f"batch {roomy.largest_batch} fits at seq 2048" in hints and roomy.largest_batch > 1
+    assert "per_device_train_batch_size before gradient_accumulation_steps" in hints
+    # the largest batch is the largest that fits
+    assert make_plan(config_of(LLAMA3_8B), 2048, roomy.largest_batch, 16 * GiB, slots=3).fits
+    assert not make_plan(config_of(LLAMA3_8B), 2048, roomy.largest_batch + 1, 16 * GiB, slots=3).fits
+    # everything fits: nothing streams
+    assert "nothing is copied per step" in "\n".join(speed_hints(make_plan(config_of(LLAMA3_8B), 2048, 1, 40 * GiB, slots=3)))
+    # a plan that does not fit gets advice, not speed hints
+    assert speed_hints(make_plan(config_of(LLAMA3_8B), 8192, 1, 16 * GiB)) == []
+    assert "speed: " in format_plan(roomy)

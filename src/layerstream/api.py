@@ -121,6 +121,7 @@ def stream_model(model: nn.Module, config: Optional[StreamConfig] = None, **over
             "no tensor of the decoder layers can stream: every one is trainable or shared "
             "with the resident part. Freeze the base weights (e.g. apply PEFT) first."
         )
+    config = _automatic_slots(config, max(r.nbytes for r in records))
     _check_slots_fit_budget(config, max(r.nbytes for r in records))
     if config.stream_embeddings:
         # checked whole before any copy; the host must hold and may page-lock both stores
@@ -137,6 +138,16 @@ def stream_model(model: nn.Module, config: Optional[StreamConfig] = None, **over
     store = HostStore(config.arena_bytes, pin=bool(config.pin))
     store.build(records)
     return attach_runtime(model, path, layers, config, records, store)
+
+
+def _automatic_slots(config: StreamConfig, largest_layer: int) -> StreamConfig:
+    """slots='auto' takes two slots, not three, when the budget holds no more."""
+    budget = config.vram_budget
+    if "slots" not in config.automatic or budget is None or config.slots * largest_layer <= budget:
+        return config
+    chosen = config.replace(slots=2)
+    chosen.automatic = chosen.automatic | {"slots"}
+    return chosen
 
 
 def _check_slots_fit_budget(config: StreamConfig, largest_layer: int) -> None:

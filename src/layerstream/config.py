@@ -14,6 +14,11 @@ from typing import Optional, Union
 import torch
 
 DEFAULT_ARENA_BYTES = 1 << 30  # 1 GiB: few enough arenas to pin cheaply, small enough to place
+# slots="auto": three slots let a copy run one layer further ahead than two when compute
+# is briefly faster than copies; each slot beyond that is worth no more than one more
+# layer in the resident window (both save two copies per step), and a window layer has
+# no per-visit cost. Two when the budget holds no more (see stream_model).
+AUTO_SLOTS = 3
 
 
 class StreamConfigError(ValueError):
@@ -26,8 +31,12 @@ class StreamConfig:
 
     slots: device buffers that hold one layer each (>= 2). More slots let copies run
         further ahead and keep more layers across the forward/backward turnaround, at
-        the cost of one largest-layer of device memory each.
+        the cost of one largest-layer of device memory each. Default "auto": 3, or 2
+        when vram_budget holds no more than two of the largest layer.
     prefetch: how many layers ahead of the one computing are copied (>= 1, < slots).
+        Default "auto": slots - 1, as far ahead as the slots allow (a copy waits only
+        for the readers of the slot it overwrites, so looking further ahead never delays
+        the layer computing).
     device: where streamed layers compute. Default: the current CUDA device. "cpu" runs
         the whole machinery with host-to-host copies (tests and the embedded demo).
     pin: page-lock the host arenas so copies are asynchronous DMA. Default: pin when
@@ -50,8 +59,8 @@ class StreamConfig:
         transient device memory). Both must be frozen. Default False.
     """
 
-    slots: int = 3
-    prefetch: int = 1
+    slots: Union[int, str] = "auto"
+    prefetch: Union[int, str] = "auto"
     device: Optional[Union[str, torch.device]] = None
     pin: Optional[bool] = None
     arena_bytes: int = DEFAULT_ARENA_BYTES
@@ -74,15 +83,24 @@ class StreamConfig:
                 raise StreamConfigError("vram_budget must be a positive size, e.g. '16GiB'")
         if self.checksum is None:
             self.checksum = os.environ.get("LAYERSTREAM_CHECKSUM", "") == "1"
+        auto = set()
+        if self.slots == "auto":
+            self.slots = AUTO_SLOTS
+            auto.add("slots")
         if isinstance(self.slots, bool) or not isinstance(self.slots, int):
-            raise StreamConfigError(f"slots must be an integer >= 2, got {self.slots!r}")
+            raise StreamConfigError(f"slots must be an integer >= 2 or 'auto', got {self.slots!r}")
         if self.slots < 2:
             raise StreamConfigError(
                 f"slots={self.slots} is too few: streaming needs >= 2 slots so the next "
                 "layer can be copied while one computes. Use slots=2 or more."
             )
+        if self.prefetch == "auto":
+            self.prefetch = self.slots - 1
+            auto.add("prefetch")
+        # which fields were chosen here, so replace() can choose them again
+        self.automatic = frozenset(auto)
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int):
-            raise StreamConfigError(f"prefetch must be an integer >= 1, got {self.prefetch!r}")
+            raise StreamConfigError(f"prefetch must be an integer >= 1 or 'auto', got {self.prefetch!r}")
         if self.prefetch < 1 or self.prefetch >= self.slots:
             raise StreamConfigError(
                 f"prefetch={self.prefetch} with slots={self.slots}: prefetch must be >= 1 and "
@@ -134,7 +152,8 @@ class StreamConfig:
         return device
 
     def replace(self, **overrides) -> "StreamConfig":
-        """A copy with some fields changed, validated again."""
+        """A copy with some fields changed, validated again; fields chosen automatically
+        are chosen again (prefetch follows a changed slots)."""
         names = [f.name for f in dataclasses.fields(self)]
         unknown = set(overrides) - set(names)
         if unknown:
@@ -142,6 +161,6 @@ class StreamConfig:
             raise StreamConfigError(
                 f"unknown StreamConfig field(s) {sorted(unknown)}; known fields: {known}"
             )
-        values = {name: getattr(self, name) for name in names}
+        values = {name: "auto" if name in self.automatic else getattr(self, name) for name in names}
         values.update(overrides)
         return StreamConfig(**values)

@@ -507,9 +507,9 @@ class StreamRuntime:
             f"  layer size   {size_text} each",
             f"  host store   {self.store.host_bytes / gib:.3f} GiB in {len(self.store.arenas)} arena(s), "
             f"{'pinned' if self.store.pinned else 'pageable'}",
-            f"  device       {self.device}: {self.config.slots} slots x "
+            f"  device       {self.device}: {self.config.slots} slots{self._auto_note('slots')} x "
             f"{self.pool.slot_bytes / 2**20:.1f} MiB = {self.pool.total_bytes / gib:.3f} GiB",
-            f"  prefetch     {self.config.prefetch} layer(s) ahead",
+            f"  prefetch     {self.config.prefetch} layer(s) ahead{self._auto_note('prefetch')}",
         ]
         if self.ends is not None:
             lines += [f"  ends         streamed: {self.ends.describe()}",
@@ -518,6 +518,9 @@ class StreamRuntime:
             lines += ["  ends         resident (stream_embeddings=False)",
                       "  resident     embeddings, final norm, head, and every trainable tensor"]
         return "\n".join(lines)
+
+    def _auto_note(self, name: str) -> str:
+        return " (auto)" if name in self.config.automatic else ""
 
     def close(self) -> None:
         """Release slots and host arenas (after the model's tensors were copied out)."""

@@ -227,6 +227,13 @@ class StreamStatsCallback(_CallbackBase):
         return max(0, min(self.RECORDED_STEP, state.max_steps - 1))
 
 
+def _int_or_auto(value):
+    """HfArgumentParser gives flags as text; 'auto' stays, digits become an int."""
+    if isinstance(value, str) and value.strip().isdigit():
+        return int(value)
+    return value
+
+
 @dataclass
 class StreamingArguments:
     """HfArgumentParser flags: ``--layer_stream`` streams the model of every Trainer the
@@ -234,8 +241,9 @@ class StreamingArguments:
     ``--layer_stream_embeddings``, its input embedding and head too)."""
 
     layer_stream: bool = field(default=False, metadata={"help": "stream decoder layers from host memory"})
-    layer_stream_slots: int = field(default=3, metadata={"help": "GPU slots (one layer each), >= 2"})
-    layer_stream_prefetch: int = field(default=1, metadata={"help": "layers copied ahead, >= 1 and < slots"})
+    layer_stream_slots: str = field(default="auto", metadata={"help": "GPU slots (one layer each), >= 2, or auto"})
+    layer_stream_prefetch: str = field(
+        default="auto", metadata={"help": "layers copied ahead, >= 1 and < slots, or auto (slots - 1)"})
     layer_stream_device: Optional[str] = field(
         default=None, metadata={"help": "cuda (default when available) or cpu"})
     layer_stream_embeddings: bool = field(
@@ -246,5 +254,6 @@ class StreamingArguments:
             enable_auto_stream(self.to_config())
 
     def to_config(self) -> StreamConfig:
-        return StreamConfig(slots=self.layer_stream_slots, prefetch=self.layer_stream_prefetch,
+        return StreamConfig(slots=_int_or_auto(self.layer_stream_slots),
+                            prefetch=_int_or_auto(self.layer_stream_prefetch),
                             device=self.layer_stream_device, stream_embeddings=self.layer_stream_embeddings)
