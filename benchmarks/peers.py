@@ -8,7 +8,7 @@ bound (the stack's bytes over the pinned bandwidth measured in the same run) bes
 Peers that cannot run here are reported as skipped with the reason, never dropped.
 
     python benchmarks/peers.py --shape llama3-8b --layers 8 --seq 2048     # writes $OUT/peers-*.json
-    python benchmarks/peers.py --shape llama3-8b --layers 8 --seq 2048 --backward   # training
+    python benchmarks/peers.py --shape llama3-8b --layers 8 --seq 2048 --backward --nf4   # training, NF4 rows
 """
 
 from __future__ import annotations
@@ -81,6 +81,9 @@ def main():
     parser.add_argument("--iters", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--configs", default="2:1,3:2")
+    parser.add_argument("--nf4", action="store_true",
+                        help="add layerstream rows streaming the same shape in NF4 (a quarter of the bytes; "
+                             "the peers stream bf16 only)")
     parser.add_argument("--backward", action="store_true",
                         help="time forward + backward to the input through the frozen stack (training), "
                              "the resident rows with non-reentrant checkpointing")
@@ -134,6 +137,22 @@ def main():
         del streamed, layers
         gc.collect()
         torch.cuda.empty_cache()
+
+    if args.nf4:
+        from common import build_random_nf4
+
+        quantised = build_random_nf4(args.shape, layers=args.layers)
+        quantised.requires_grad_(False)
+        for spec in args.configs.split(","):
+            slots, prefetch = (int(x) for x in spec.split(":"))
+            layerstream.stream_model(quantised, slots=slots, prefetch=prefetch)
+            quantised.cuda()
+            record(f"layerstream NF4 {slots}:{prefetch}", stack(quantised.model.layers),
+                   stats=layerstream.get_runtime(quantised).stats())
+            layerstream.unstream_model(quantised, device="cpu")
+            gc.collect()
+            torch.cuda.empty_cache()
+        del quantised
 
     # block-streamer
     try:

@@ -100,3 +100,29 @@ def test_a_run_that_does_not_fit_says_what_to_change_in_config_terms(tmp_path):
     fitting = path.read_text().replace("vram: 6GiB", "vram: 80GiB")
     path.write_text(fitting)
     load(str(path), [f"training.output_dir={tmp_path / 'never'}"])
+
+
+def test_resident_window_keeps_the_layers_that_fit_in_stream_vram(tmp_path):
+    """stream.resident_window: stream.vram becomes the vram_budget; the embedded model fits
+    whole in 2 GiB, so after the first step its layers stay put and nothing is copied."""
+    out = tmp_path / "out"
+    code = cli.main(["train", str(DEFAULT), "--set", f"training.output_dir={out}",
+                     "--set", "training.max_steps=4", "--set", "training.logging_steps=2",
+                     "--set", "stream.device=cpu", "--set", "stream.vram=2GiB",
+                     "--set", "stream.resident_window=true"])
+    assert code == 0
+    logged = [e for e in json.loads((out / "trainer_state.json").read_text())["log_history"] if "loss" in e]
+    from layerstream.train import model_config
+
+    layers = model_config(load(str(DEFAULT), [f"training.output_dir={out}"])).num_hidden_layers
+    assert logged[-1]["layerstream/window_layers"] == layers
+    assert logged[-1]["layerstream/layer_loads"] == 0, "window layers are not copied"
+
+
+@pytest.mark.parametrize("text,match", [
+    ("stream: {device: cpu, resident_window: yes please}\n", r"stream.resident_window=.* must be true or false"),
+    ("stream: {device: cpu, resident_window: true}\n", r"stream.vram, which is 'auto' .* without a GPU"),
+])
+def test_resident_window_needs_a_boolean_and_a_budget(tmp_path, text, match):
+    with pytest.raises(TrainConfigError, match=match):
+        load(str(_write(tmp_path, text)), [f"training.output_dir={tmp_path / 'never'}"])

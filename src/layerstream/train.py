@@ -21,7 +21,8 @@ SECTIONS: Dict[str, Dict[str, Any]] = {
               "quantization": "none", "trust_remote_code": False, "config": None},
     "lora": {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": "all-linear"},
     "data": {"path": "embedded", "eval_rows": 0},
-    "stream": {"slots": 2, "prefetch": 1, "device": "auto", "vram": "auto", "stream_embeddings": False},
+    "stream": {"slots": 2, "prefetch": 1, "device": "auto", "vram": "auto", "resident_window": False,
+               "stream_embeddings": False},
     "training": {},  # any TRL SFTConfig / transformers TrainingArguments field
 }
 DTYPES = ("float32", "bfloat16", "float16")
@@ -88,8 +89,11 @@ def validate(raw: Dict[str, Any], where: str = "config") -> Dict[str, Dict[str, 
             raise TrainConfigError(f"{where}: lora.{key}={lora[key]!r} must be an integer >= 1")
     if not 0.0 <= float(lora["dropout"]) < 1.0:
         raise TrainConfigError(f"{where}: lora.dropout={lora['dropout']!r} must be in [0, 1)")
+    if not isinstance(config["stream"]["resident_window"], bool):
+        raise TrainConfigError(f"{where}: stream.resident_window={config['stream']['resident_window']!r} "
+                               "must be true or false")
     try:
-        stream_config(config)
+        stream_config(config, where)
     except StreamConfigError as exc:
         raise TrainConfigError(f"{where}: stream: {exc}") from None
     training = training_arguments(config)
@@ -112,7 +116,7 @@ def _vram_budget(config, where: str) -> Optional[int]:
 
     vram = config["stream"]["vram"]
     if vram == "auto":
-        device = stream_config(config).device
+        device = _device(config)
         if device.type != "cuda":
             return None
         import torch
@@ -191,15 +195,29 @@ def training_arguments(config) -> Dict[str, Any]:
     return training
 
 
-def stream_config(config) -> StreamConfig:
-    stream = config["stream"]
-    device = stream["device"]
-    if device == "auto":
-        import torch
+def _device(config):
+    import torch
 
+    device = config["stream"]["device"]
+    if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    return StreamConfig(slots=stream["slots"], prefetch=stream["prefetch"], device=device,
-                        stream_embeddings=stream["stream_embeddings"])
+    return torch.device(device) if device in ("cuda", "cpu") else device
+
+
+def stream_config(config, where: str = "config") -> StreamConfig:
+    """The StreamConfig of a config; with stream.resident_window, stream.vram is the
+    vram_budget, so the layers that fit beside the planned peak stay on the GPU."""
+    stream = config["stream"]
+    budget = None
+    if stream.get("resident_window"):
+        budget = _vram_budget(config, where)
+        if budget is None:
+            raise TrainConfigError(
+                f"{where}: stream.resident_window keeps layers in the budget stream.vram, which is "
+                "'auto' (the GPU's memory) on a run without a GPU: give stream.vram a size, or set "
+                "stream.resident_window: false")
+    return StreamConfig(slots=stream["slots"], prefetch=stream["prefetch"], device=_device(config),
+                        vram_budget=budget, stream_embeddings=stream["stream_embeddings"])
 
 
 def read_rows(path: str) -> List[str]:

@@ -68,6 +68,7 @@ class _LogWindow:
             PREFIX + "stall_fraction": round((now["stall_seconds"] - self.last["stall_seconds"]) / wall, 4),
             PREFIX + "layer_loads": now["layer_loads"] - self.last["layer_loads"],
             PREFIX + "peak_resident_layers": now["peak_resident_layers"],
+            PREFIX + "window_layers": now["window_layers"],
         }
         if self.runtime.pool.cuda:
             out[PREFIX + "peak_vram_gib"] = round(torch.cuda.max_memory_allocated(self.runtime.device) / 2**30, 3)
