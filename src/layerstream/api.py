@@ -118,8 +118,9 @@ def stream_model(model: nn.Module, config: Optional[StreamConfig] = None, **over
             "no tensor of the decoder layers can stream: every one is trainable or shared "
             "with the resident part. Freeze the base weights (e.g. apply PEFT) first."
         )
-    config = _automatic_slots(config, max(r.nbytes for r in records))
-    _check_slots_fit_budget(config, max(r.nbytes for r in records))
+    largest = max(r.nbytes for r in records)
+    config = _automatic_slots(config, largest)
+    _check_slots_fit_budget(config, largest)
     if any(e.kind == "quant" for r in records for e in r.entries):
         try:
             nf4.require_bnb("streaming a 4-bit model")
