@@ -121,13 +121,14 @@ def stream_model(model: nn.Module, config: Optional[StreamConfig] = None, **over
             "no tensor of the decoder layers can stream: every one is trainable or shared "
             "with the resident part. Freeze the base weights (e.g. apply PEFT) first."
         )
-    config = _automatic_slots(config, max(r.nbytes for r in records))
-    _check_slots_fit_budget(config, max(r.nbytes for r in records))
+    largest = max(r.nbytes for r in records)
+    config = _automatic_slots(config, largest)
+    _check_slots_fit_budget(config, largest)
     if config.stream_embeddings:
         # checked whole before any copy; the host must hold and may page-lock both stores
         ends_weights = [w for _, w in ends_mod.find_ends(model).weights()]
         ends_bytes = [w.numel() * w.element_size() for w in ends_weights]
-        check_host_memory(max(max(r.nbytes for r in records), *ends_bytes),
+        check_host_memory(max(largest, *ends_bytes),
                           sum(r.nbytes for r in records) + sum(ends_bytes), bool(config.pin),
                           "streaming this model with its embedding and head")
     if any(e.kind == "quant" for r in records for e in r.entries):

@@ -56,18 +56,16 @@ def _run_plan(args, parser: argparse.ArgumentParser) -> int:
     return 0 if plan.fits else 1
 
 
-def _int_or_auto(text: str):
-    return text if text == "auto" else int(text)
-
-
 def _add_run_parser(sub) -> argparse.ArgumentParser:
+    from .config import int_or_auto
+
     run = sub.add_parser(
         "run", help="run an unchanged training script with every Trainer's model streamed",
         description="Run SCRIPT as __main__ with every transformers.Trainer (and subclass) streaming "
                     "the model it is given. Options before SCRIPT are layerstream's; the rest are "
                     "the script's own.")
-    run.add_argument("--slots", type=_int_or_auto, default="auto", help="GPU slots, >= 2 (default: auto)")
-    run.add_argument("--prefetch", type=_int_or_auto, default="auto",
+    run.add_argument("--slots", type=int_or_auto, default="auto", help="GPU slots, >= 2 (default: auto)")
+    run.add_argument("--prefetch", type=int_or_auto, default="auto",
                      help="layers copied ahead, >= 1 and < slots (default: auto, slots - 1)")
     run.add_argument("--device", default=None, help="cuda (default when available) or cpu")
     run.add_argument("--stream-embeddings", action="store_true",

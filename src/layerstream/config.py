@@ -25,6 +25,17 @@ class StreamConfigError(ValueError):
     """A StreamConfig value is out of range or inconsistent."""
 
 
+def int_or_auto(text, name: str = "the value"):
+    """A slots/prefetch value given as text (command lines, HfArgumentParser): 'auto' or
+    an integer."""
+    if text == "auto" or isinstance(text, int):
+        return text
+    try:
+        return int(text)
+    except (TypeError, ValueError):
+        raise StreamConfigError(f"{name} must be an integer or 'auto', got {text!r}") from None
+
+
 @dataclass
 class StreamConfig:
     """How a model's decoder layers stream.

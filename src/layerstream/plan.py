@@ -492,10 +492,8 @@ class MemoryPlan:
     @property
     def window_layers(self) -> int:
         """Layers a ``vram_budget`` of this plan's budget keeps on the GPU for good (the
-        resident window): whole largest layers in the headroom, as the runtime decides."""
-        if not self.fits:
-            return 0
-        return int(min(self.num_layers, self.headroom_bytes // max(self.max_layer_bytes, 1)))
+        resident window), as the runtime decides them."""
+        return window_size(self.headroom_bytes, self.max_layer_bytes, self.num_layers) if self.fits else 0
 
     def window_copies(self) -> Tuple[int, int]:
         """(layers, bytes) copied per step with that window; its layers are the ones
@@ -507,12 +505,23 @@ class MemoryPlan:
         return _copies(streamed, self.slots)
 
     @property
-    def largest_batch(self) -> int:
-        """The largest batch at this seq that fits (activations grow linearly with tokens);
-        0 when not even one sequence does."""
+    def largest_tokens(self) -> int:
+        """The most batch x seq tokens whose activations fit beside everything else
+        (activations grow linearly with tokens); 0 when there is no room."""
         per_token = self.activation_bytes / (self.batch * self.seq)
         room = self.vram_bytes - self.reserve_bytes - (self.peak_vram_bytes - self.activation_bytes)
-        return int(room // (per_token * self.seq)) if room > 0 else 0
+        return int(room // per_token) if room > 0 else 0
+
+    @property
+    def largest_batch(self) -> int:
+        """The largest batch at this seq that fits; 0 when not even one sequence does."""
+        return self.largest_tokens // self.seq
+
+
+def window_size(headroom_bytes: int, largest_layer_bytes: int, num_layers: int) -> int:
+    """How many layers the resident window holds: whole largest layers in the headroom a
+    VRAM budget leaves after the planned peak and the reserve (StreamRuntime uses it too)."""
+    return int(min(num_layers, max(0, headroom_bytes // max(largest_layer_bytes, 1))))
 
 
 def _copies(sizes: Sequence[int], slots: int) -> Tuple[int, int]:
@@ -789,15 +798,12 @@ def _advice(plan: MemoryPlan, args: dict) -> List[str]:
                        f"host memory, saving {_gib(saved)} ({verdict(saved)}); the head "
                        f"({_gib(streamed.head_copy_bytes)}) is then copied to the GPU twice per step")
     # activations grow linearly with batch x seq; find the largest that fits
-    tokens = plan.batch * plan.seq
-    per_token = plan.activation_bytes / tokens
-    room = plan.vram_bytes - plan.reserve_bytes - (plan.peak_vram_bytes - plan.activation_bytes)
-    max_tokens = int(room // per_token) if room > 0 else 0
+    max_tokens = plan.largest_tokens
     if max_tokens // plan.batch >= 1:
         out.append(f"reduce --seq to {max_tokens // plan.batch} or less: activations and logits take "
                    f"{_gib(plan.activation_bytes)} at seq {plan.seq} x batch {plan.batch}")
-    if plan.batch > 1 and max_tokens // plan.seq >= 1:
-        out.append(f"reduce --batch to {max_tokens // plan.seq} or less at seq {plan.seq}")
+    if plan.batch > 1 and plan.largest_batch >= 1:
+        out.append(f"reduce --batch to {plan.largest_batch} or less at seq {plan.seq}")
     if max_tokens < plan.batch:
         out.append(f"everything but the activations already takes "
                    f"{_gib(plan.peak_vram_bytes - plan.activation_bytes + plan.reserve_bytes)} "

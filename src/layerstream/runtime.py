@@ -252,8 +252,7 @@ class StreamRuntime:
         """Keep on the device as many layers as the budget leaves room for after the
         planned peak (every layer streamed) and the reserve. Decided at the first training
         step; a later batch shape may shrink the window, never grow it (no thrash)."""
-        largest = max(self.store.largest_layer_bytes, 1)
-        count = int(min(len(self.records), max(0, memory.headroom_bytes // largest)))
+        count = plan.window_size(memory.headroom_bytes, self.store.largest_layer_bytes, len(self.records))
         if self._window_decided and count >= len(self._window):
             return
         self._window_decided = True

@@ -196,12 +196,14 @@ def training_arguments(config) -> Dict[str, Any]:
 
 
 def _device(config):
+    """stream.device as a torch device ("auto": CUDA when there is one); a bad value
+    raises StreamConfigError, which validate() reports under the stream section."""
     import torch
 
     device = config["stream"]["device"]
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(device) if device in ("cuda", "cpu") else device
+    return StreamConfig._resolve_device(device)
 
 
 def stream_config(config, where: str = "config") -> StreamConfig:

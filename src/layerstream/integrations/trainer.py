@@ -28,7 +28,7 @@ import torch
 
 from .. import plan, timeline
 from ..api import get_runtime, is_streamed, stream_model
-from ..config import StreamConfig
+from ..config import StreamConfig, int_or_auto
 from ..runtime import StreamingError
 
 logger = logging.getLogger(__name__)
@@ -228,13 +228,6 @@ class StreamStatsCallback(_CallbackBase):
         return max(0, min(self.RECORDED_STEP, state.max_steps - 1))
 
 
-def _int_or_auto(value):
-    """HfArgumentParser gives flags as text; 'auto' stays, digits become an int."""
-    if isinstance(value, str) and value.strip().isdigit():
-        return int(value)
-    return value
-
-
 @dataclass
 class StreamingArguments:
     """HfArgumentParser flags: ``--layer_stream`` streams the model of every Trainer the
@@ -255,6 +248,6 @@ class StreamingArguments:
             enable_auto_stream(self.to_config())
 
     def to_config(self) -> StreamConfig:
-        return StreamConfig(slots=_int_or_auto(self.layer_stream_slots),
-                            prefetch=_int_or_auto(self.layer_stream_prefetch),
+        return StreamConfig(slots=int_or_auto(self.layer_stream_slots, "layer_stream_slots"),
+                            prefetch=int_or_auto(self.layer_stream_prefetch, "layer_stream_prefetch"),
                             device=self.layer_stream_device, stream_embeddings=self.layer_stream_embeddings)
