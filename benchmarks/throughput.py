@@ -26,28 +26,44 @@ from layerstream.plan import parse_bytes
 from common import build_random, build_random_nf4, cuda_timer, median, pinned_bandwidth, write_result
 
 
-def run_steps(model, ids, steps: int, warmup: int, trace: str | None = None):
-    """Timed optimizer steps; also the host time to enqueue each step (before the sync)."""
+def run_steps(model, ids, steps: int, warmup: int, trace: str | None = None, copied=None):
+    """Timed optimizer steps; also the host time to enqueue each step (before the sync),
+    and the GPU time of each phase (forward with the loss, backward, optimizer) from CUDA
+    events. ``copied()``, the streamer's cumulative bytes issued, is read when the host
+    has enqueued the forward, to split a step's copies between forward and backward."""
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     model.train()
     times, host = [], []
+    phases = {"forward_s": [], "backward_s": [], "optimizer_s": [], "forward_bytes": []}
 
     def step():
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
         start = cuda_timer()
+        before = copied() if copied else 0
+        marks[0].record()
         loss = model(input_ids=ids, labels=ids).loss
+        marks[1].record()
+        forward_bytes = (copied() - before) if copied else 0
         loss.backward()
+        marks[2].record()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        marks[3].record()
         enqueued = time.perf_counter() - start
-        return cuda_timer() - start, enqueued
+        elapsed = cuda_timer() - start
+        split = [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:])]
+        return elapsed, enqueued, split, forward_bytes
 
     for i in range(warmup + steps):
         if i == warmup:
             torch.cuda.reset_peak_memory_stats()
-        elapsed, enqueued = step()
+        elapsed, enqueued, split, forward_bytes = step()
         if i >= warmup:
             times.append(elapsed)
             host.append(enqueued)
+            for key, value in zip(("forward_s", "backward_s", "optimizer_s"), split):
+                phases[key].append(value)
+            phases["forward_bytes"].append(forward_bytes)
     peak = torch.cuda.max_memory_allocated()
     if trace:
         from torch.profiler import ProfilerActivity, profile
@@ -60,7 +76,27 @@ def run_steps(model, ids, steps: int, warmup: int, trace: str | None = None):
             dst.write(src.read())
         os.remove(raw)
         print(f"wrote {trace}.json.gz", flush=True)
-    return times, host, peak
+    return times, host, peak, {key: median(values) for key, values in phases.items() if values}
+
+
+def add_bounds(row: dict, resident: dict, bandwidth_gbps: float) -> None:
+    """The bound of the performance target, max(resident step, copies / bandwidth), and the
+    phase bound: the same per phase, where a copy cannot move between forward and backward
+    (a slot holds a layer only between its uses, so backward's copies cannot start before
+    the forward, nor the next forward's before backward frees a slot):
+    max(resident forward, forward copies) + max(resident backward, backward copies) +
+    resident optimizer step."""
+    bound = max(resident["step_s"], row["copy_bound_s"])
+    row["bound_s"] = bound
+    row["fraction_of_bound"] = bound / row["step_s"]
+    row["fraction_of_resident"] = resident["step_s"] / row["step_s"]
+    if "forward_bytes" in row and "forward_s" in resident:
+        forward_copies = row["forward_bytes"] / (bandwidth_gbps * 1e9)
+        backward_copies = (row["bytes_per_step"] - row["forward_bytes"]) / (bandwidth_gbps * 1e9)
+        phase = (max(resident["forward_s"], forward_copies) + max(resident["backward_s"], backward_copies)
+                 + resident["optimizer_s"])
+        row["phase_bound_s"] = phase
+        row["fraction_of_phase_bound"] = phase / row["step_s"]
 
 
 def main():
@@ -101,10 +137,10 @@ def main():
     def run_resident():
         model.cuda()
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        times, host, peak = run_steps(model, ids, args.steps, args.warmup)
+        times, host, peak, phases = run_steps(model, ids, args.steps, args.warmup)
         step = median(times)
         result["resident"] = {"step_s": step, "tokens_per_s": tokens / step, "peak_gib": peak / 2**30,
-                              "host_s": median(host), "times": times}
+                              "host_s": median(host), "times": times, **phases}
         print("resident", result["resident"], flush=True)
         model.gradient_checkpointing_disable()
 
@@ -131,7 +167,8 @@ def main():
         out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
         trace = (os.path.join(out_dir, f"trace-{args.shape}-{args.quantization}-{slots}x{prefetch}")
                  if spec == args.trace else None)
-        times, host, peak = run_steps(model, ids, args.steps, args.warmup)
+        times, host, peak, phases = run_steps(model, ids, args.steps, args.warmup,
+                                              copied=lambda: runtime.stats()["h2d_bytes"])
         after = runtime.stats()
         if trace:
             run_steps(model, ids, 0, 1, trace=trace)
@@ -148,12 +185,10 @@ def main():
                "pinned": after["pinned"], "window_layers": after.get("window_layers", 0),
                "vram_budget_gib": (budget / 2**30) if budget else None,
                "stream_embeddings": after["stream_embeddings"],
-               "head_bytes_per_step": (after["head_h2d_bytes"] - before["head_h2d_bytes"]) / measured}
+               "head_bytes_per_step": (after["head_h2d_bytes"] - before["head_h2d_bytes"]) / measured,
+               **phases}
         if "resident" in result:
-            bound = max(result["resident"]["step_s"], copy_bound)
-            row["bound_s"] = bound
-            row["fraction_of_bound"] = bound / step
-            row["fraction_of_resident"] = result["resident"]["step_s"] / step
+            add_bounds(row, result["resident"], bandwidth)
         result["rows"].append(row)
         print("streamed", {k: v for k, v in row.items() if k != "times"}, flush=True)
         layerstream.unstream_model(model, device="cpu")
@@ -164,20 +199,18 @@ def main():
     if not args.no_resident and nf4:
         run_resident()
         for row in result["rows"]:
-            bound = max(result["resident"]["step_s"], row["copy_bound_s"])
-            row["bound_s"] = bound
-            row["fraction_of_bound"] = bound / row["step_s"]
-            row["fraction_of_resident"] = result["resident"]["step_s"] / row["step_s"]
+            add_bounds(row, result["resident"], bandwidth)
 
-    print("| config | step s | host s | tokens/s | peak GiB | loads/step | stall s/step | copy bound s | x resident | x bound |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| config | step s | host s | tokens/s | peak GiB | loads/step | stall s/step | copy bound s | x resident | x bound | x phase bound |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     if "resident" in result:
         r = result["resident"]
-        print(f"| resident | {r['step_s']:.3f} | {r['host_s']:.3f} | {r['tokens_per_s']:.0f} | {r['peak_gib']:.1f} | - | - | - | 1.00 | - |")
+        print(f"| resident | {r['step_s']:.3f} | {r['host_s']:.3f} | {r['tokens_per_s']:.0f} | {r['peak_gib']:.1f} | - | - | - | 1.00 | - | - |")
     for row in result["rows"]:
         print(f"| streamed {row['slots']}:{row['prefetch']}{' +emb' if row['stream_embeddings'] else ''} | {row['step_s']:.3f} | {row['host_s']:.3f} | {row['tokens_per_s']:.0f} | "
               f"{row['peak_gib']:.1f} | {row['loads_per_step']:.1f} | {row['stall_s_per_step']:.3f} | {row['copy_bound_s']:.3f} | "
-              f"{row.get('fraction_of_resident', float('nan')):.2f} | {row.get('fraction_of_bound', float('nan')):.2f} |")
+              f"{row.get('fraction_of_resident', float('nan')):.2f} | {row.get('fraction_of_bound', float('nan')):.2f} | "
+              f"{row.get('fraction_of_phase_bound', float('nan')):.2f} |")
     suffix = (("-nf4" if nf4 else "") + (f"-budget{args.budget}" if args.budget else "")
               + ("-stream-embeddings" if args.stream_embeddings else ""))
     write_result(args.name or f"throughput-{args.shape}{suffix}-seq{args.seq}", result)

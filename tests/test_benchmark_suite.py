@@ -76,3 +76,20 @@ def test_a_cell_that_wrote_its_result_before_its_limit_counts_as_measured(tmp_pa
 
     monkeypatch.setattr(suite.subprocess, "run", too_slow)
     assert suite.run_cell(cell, tmp_path, "3:2", 5, 170) == "timed out after 170 s"
+
+
+def test_phase_bound_takes_the_slower_of_copies_and_compute_in_each_phase():
+    import throughput
+
+    resident = {"step_s": 0.35, "forward_s": 0.10, "backward_s": 0.24, "optimizer_s": 0.01}
+    gbps = 50.0
+    # forward copies 0.2 s (copy-bound), backward copies 0.2 s (compute-bound at 0.24 s)
+    row = {"step_s": 0.5, "copy_bound_s": 0.4, "bytes_per_step": 20e9, "forward_bytes": 10e9}
+    throughput.add_bounds(row, resident, gbps)
+    assert row["bound_s"] == 0.4 and row["fraction_of_bound"] == 0.4 / 0.5
+    assert row["phase_bound_s"] == 0.2 + 0.24 + 0.01
+    assert row["fraction_of_phase_bound"] == (0.2 + 0.24 + 0.01) / 0.5
+    # rows of an older result (no phase split) keep only the step bound
+    old = {"step_s": 0.5, "copy_bound_s": 0.4, "bytes_per_step": 20e9}
+    throughput.add_bounds(old, {"step_s": 0.35}, gbps)
+    assert "phase_bound_s" not in old and old["bound_s"] == 0.4
