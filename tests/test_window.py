@@ -87,3 +87,36 @@ def test_a_larger_batch_shape_shrinks_the_window_and_stays_exact():
     assert 0 < len(runtime.window) < first
     assert_traces_equal(train_steps(streamed, 1), train_steps(resident, 1))
     assert 0 < len(runtime.window) < first, "a smaller shape later must not grow the window again"
+
+
+def test_an_auto_budget_leaves_out_memory_other_processes_hold(monkeypatch, caplog):
+    from layerstream import config as config_mod
+
+    gib = 2**30
+    # a 24 GiB card: 20 GiB free, 2 GiB reserved by this run's allocator, so 2 GiB are
+    # held elsewhere (a display, another job)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (20 * gib, 24 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 2 * gib)
+    with caplog.at_level("WARNING", logger="layerstream"):
+        assert config_mod.gpu_memory_for_run(torch.device("cuda", 0)) == 22 * gib
+    assert "vram_budget='auto' is 22.00 GiB, not the GPU's 24.00 GiB" in caplog.text
+    # an idle card: all of it, and no warning
+    caplog.clear()
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (23.6 * gib, 24 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    with caplog.at_level("WARNING", logger="layerstream"):
+        assert config_mod.gpu_memory_for_run(torch.device("cuda", 0)) == 23.6 * gib
+    assert caplog.text == ""
+
+
+def test_stream_config_and_yaml_resolve_an_auto_budget_the_same_way(monkeypatch):
+    from layerstream import config as config_mod
+    from layerstream import train
+
+    monkeypatch.setattr(config_mod, "gpu_memory_for_run", lambda device: 7 * 2**30)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert config_mod.StreamConfig(device="cuda:0", vram_budget="auto").vram_budget == 7 * 2**30
+    yaml_config = {"stream": {"vram": "auto", "device": "cuda:0"}}
+    monkeypatch.setattr(train, "_device", lambda config: torch.device("cuda", 0))
+    assert train._vram_budget(yaml_config, "run.yaml") == 7 * 2**30

@@ -7,6 +7,7 @@ weight is copied or pinned, with a message that says what to change.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -19,10 +20,35 @@ DEFAULT_ARENA_BYTES = 1 << 30  # 1 GiB: few enough arenas to pin cheaply, small 
 # layer in the resident window (both save two copies per step), and a window layer has
 # no per-visit cost. Two when the budget holds no more (see stream_model).
 AUTO_SLOTS = 3
+# vram_budget="auto" warns when this much of the GPU is held outside this run's allocator
+# (other processes; this process's own CUDA context is about half a GiB of it)
+FOREIGN_MEMORY_WARN_BYTES = 1 << 30
+
+logger = logging.getLogger(__name__)
 
 
 class StreamConfigError(ValueError):
     """A StreamConfig value is out of range or inconsistent."""
+
+
+def gpu_memory_for_run(device: torch.device) -> int:
+    """What vram_budget="auto" means: the GPU's memory less what is held outside this
+    run's caching allocator, measured now.
+
+    Not the card's total: on a desktop the display, or another job, holds part of it,
+    and a window sized to the total would run out of memory mid-step. Memory this
+    process's allocator already reserved counts as usable (the model's resident part
+    may be on the GPU already)."""
+    free, total = torch.cuda.mem_get_info(device)
+    usable = min(total, free + torch.cuda.memory_reserved(device))
+    foreign = total - usable
+    gib = 2**30
+    if foreign >= FOREIGN_MEMORY_WARN_BYTES:
+        logger.warning(
+            "layerstream: vram_budget='auto' is %.2f GiB, not the GPU's %.2f GiB: %.2f GiB is held "
+            "outside this run (other processes, the CUDA context). Close them for a larger "
+            "resident window, or give vram_budget a size.", usable / gib, total / gib, foreign / gib)
+    return usable
 
 
 def int_or_auto(text, name: str = "the value"):
@@ -55,7 +81,7 @@ class StreamConfig:
     arena_bytes: target size of one host arena; a layer never straddles arenas, so an
         arena grows to the largest layer when that is bigger.
     vram_budget: GPU memory the run may use, in bytes, as text ("16GiB"), or "auto" (the
-        GPU's memory). The slots must fit it at stream time; at the first training step of
+        GPU's memory less what other processes hold, measured when the config is built). The slots must fit it at stream time; at the first training step of
         each batch shape the memory planner's predicted peak (plus its 1 GiB reserve) must
         too, and the layers the remaining room holds stay on the GPU for good (the
         resident window: no copies for them). Default None: no budget, everything streams.
@@ -126,7 +152,7 @@ class StreamConfig:
         if self.vram_budget == "auto":
             if self.device.type != "cuda":
                 raise StreamConfigError("vram_budget='auto' means the GPU's memory; give a size on the host")
-            self.vram_budget = torch.cuda.get_device_properties(self.device).total_memory
+            self.vram_budget = gpu_memory_for_run(self.device)
         if self.pin is None:
             self.pin = self.device.type == "cuda"
         elif self.pin and self.device.type != "cuda":

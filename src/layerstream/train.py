@@ -111,7 +111,8 @@ def validate(raw: Dict[str, Any], where: str = "config") -> Dict[str, Dict[str, 
 
 
 def _vram_budget(config, where: str) -> Optional[int]:
-    """stream.vram in bytes: a size, or "auto" (the GPU's memory; None on the host)."""
+    """stream.vram in bytes: a size, or "auto" (the GPU memory free for this run; None on
+    the host)."""
     from .plan import parse_bytes
 
     vram = config["stream"]["vram"]
@@ -119,9 +120,9 @@ def _vram_budget(config, where: str) -> Optional[int]:
         device = _device(config)
         if device.type != "cuda":
             return None
-        import torch
+        from .config import gpu_memory_for_run
 
-        return torch.cuda.get_device_properties(device).total_memory
+        return gpu_memory_for_run(device)
     try:
         return parse_bytes(vram)
     except ValueError as exc:
