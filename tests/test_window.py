@@ -120,3 +120,15 @@ def test_stream_config_and_yaml_resolve_an_auto_budget_the_same_way(monkeypatch)
     yaml_config = {"stream": {"vram": "auto", "device": "cuda:0"}}
     monkeypatch.setattr(train, "_device", lambda config: torch.device("cuda", 0))
     assert train._vram_budget(yaml_config, "run.yaml") == 7 * 2**30
+
+
+@pytest.mark.gpu
+def test_an_auto_budget_on_cuda_is_what_the_driver_reports_free_for_this_run():
+    from layerstream.config import StreamConfig
+
+    held = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")  # this run's own memory
+    free, total = torch.cuda.mem_get_info()
+    budget = StreamConfig(device="cuda", vram_budget="auto").vram_budget
+    # what the allocator holds (at least the 256 MiB above) counts; nothing beyond the card
+    assert free + held.numel() <= budget <= total
+    assert budget == min(total, free + torch.cuda.memory_reserved())
