@@ -243,6 +243,27 @@ def test_llama3_8b_plan_terms():
     assert plan.loader_ram_bytes == 13_959_168_000 + LLAMA3_8B_RESIDENT + LLAMA3_8B_LAYER_BF16
 
 
+def test_nf4_working_set_counts_the_dequantised_weights_autograd_keeps():
+    import bitsandbytes as bnb
+
+    from layerstream import nf4
+
+    # what a streamed NF4 projection keeps for backward at training sizes: the
+    # dequantised weight, in the compute dtype
+    weight = bnb.nn.Params4bit(torch.randn(512, 256, dtype=torch.bfloat16), requires_grad=False,
+                               quant_type="nf4", compress_statistics=True).to("cpu")
+    x = torch.randn(64, 256, dtype=torch.bfloat16, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        nf4.dequantized_linear(x, weight.data.view(-1, 1), weight.quant_state, None)
+    assert sum(t.numel() * t.element_size() for t in saved if t.dtype == torch.bfloat16
+               and sorted(t.shape) == [256, 512]) == 512 * 256 * 2
+    # and the plan counts one layer's linear weights in bf16 for it
+    bf16 = make_plan(config_of(LLAMA3_8B), 2048, 1, 80 * GiB, slots=2)
+    quantised = make_plan(config_of(LLAMA3_8B), 2048, 1, 80 * GiB, slots=2, quantization="nf4")
+    assert quantised.layer_working_bytes - bf16.layer_working_bytes == 218_103_808 * 2
+
+
 @pytest.mark.parametrize("quantization, double_quant", [("none", True), ("nf4", True), ("nf4", False)])
 def test_layers_and_arenas_match_from_pretrained(tmp_path, quantization, double_quant):
     """Slot sizes (NF4 quant state included) and the host arenas as

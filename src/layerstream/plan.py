@@ -553,7 +553,7 @@ def loader_arena_bytes(sizes: Sequence[int], arena_bytes: int) -> int:
 
 
 def _working_bytes(config, shape: LayerShape, adapted: LoraTargets, tokens: int,
-                   elem: int) -> int:
+                   elem: int, dequantised: bool = False) -> int:
     """Activation memory of one layer while backward recomputes and differentiates it.
 
     Per token, what autograd keeps for a transformers decoder layer (sdpa or flash
@@ -567,7 +567,11 @@ def _working_bytes(config, shape: LayerShape, adapted: LoraTargets, tokens: int,
     - for each LoRA-adapted nn.Linear, PEFT's float32 copy of its input (the adapter is
       float32, the activations are not).
     Per layer: a LoRA-adapted Parameter (expert stack, router) is merged as W + B@A by
-    PEFT's ParamWrapper on every call, and autograd keeps the merged weight.
+    PEFT's ParamWrapper on every call, and autograd keeps the merged weight. With
+    ``dequantised`` (NF4 layers in training), every nn.Linear's weight in the compute
+    dtype: a streamed NF4 projection at training sizes is dequantize_4bit + F.linear as
+    ordinary autograd ops (nf4.dequantized_linear), and autograd keeps the dequantised
+    weight for the input gradient.
 
     Checked against allocation traces of streamed training steps on CPU (dense and MoE
     layers, bf16 and fp32): within 5% (docs/plan.md).
@@ -584,6 +588,8 @@ def _working_bytes(config, shape: LayerShape, adapted: LoraTargets, tokens: int,
         per_token += 2 * shape.top_k * hidden * elem + 2 * 4 * _num_experts(config)
     per_token += LORA_BYTES * sum(lin.in_features for lin in adapted.linears)
     merged = sum(param.numel for param, _ in adapted.params) * elem
+    if dequantised:
+        merged += sum(lin.in_features * lin.out_features for lin in shape.linears) * elem
     return tokens * per_token + merged
 
 
@@ -635,7 +641,7 @@ def _build(config, seq: int, batch: int, vram_bytes: int, quantization: str, dty
     lora_bytes = lora_grads = lora_params * LORA_BYTES  # gradients take the adapters' dtype
     optimizer = lora_params * 4 * ADAMW_STATES
     boundary = len(shapes) * tokens * hidden * elem
-    working = max(_working_bytes(config, shape, layer, tokens, elem)
+    working = max(_working_bytes(config, shape, layer, tokens, elem, dequantised=quantization == "nf4")
                   for shape, layer in zip(shapes, adapted))
     loss = LOSS_LOGIT_COPIES * tokens * vocab * 4
     max_layer = max(sizes)
