@@ -20,12 +20,12 @@ SHAPES = {
     "llama3-70b": dict(model_type="llama", vocab_size=128256, hidden_size=8192, intermediate_size=28672,
                        num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
                        max_position_embeddings=8192, rope_theta=500000.0),
-    # Qwen2.5-32B: 64 layers, 5120 hidden, 27648 MLP, GQA 40/8, q/k/v bias
     # Mistral-7B-v0.3: Llama-3-8B's layer shape with a 32768-token vocabulary, so the loss
     # is small and a layer's recompute + backward, not the loss, sets the training peak
     "mistral-7b": dict(model_type="mistral", vocab_size=32768, hidden_size=4096, intermediate_size=14336,
                        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                        max_position_embeddings=32768, rope_theta=1000000.0),
+    # Qwen2.5-32B: 64 layers, 5120 hidden, 27648 MLP, GQA 40/8, q/k/v bias
     "qwen2.5-32b": dict(model_type="qwen2", vocab_size=152064, hidden_size=5120, intermediate_size=27648,
                         num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8,
                         max_position_embeddings=32768, rope_theta=1000000.0),
