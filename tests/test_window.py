@@ -97,9 +97,15 @@ def test_an_auto_budget_leaves_out_memory_other_processes_hold(monkeypatch, capl
     # held elsewhere (a display, another job)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (20 * gib, 24 * gib))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 2 * gib)
+    monkeypatch.setattr(config_mod, "_warned_foreign_memory", set())
     with caplog.at_level("WARNING", logger="layerstream"):
         assert config_mod.gpu_memory_for_run(torch.device("cuda", 0)) == 22 * gib
     assert "vram_budget='auto' is 22.00 GiB, not the GPU's 24.00 GiB" in caplog.text
+    # said once per device: a YAML run resolves its budget more than once
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="layerstream"):
+        assert config_mod.gpu_memory_for_run(torch.device("cuda", 0)) == 22 * gib
+    assert caplog.text == ""
     # an idle card: all of it, and no warning
     caplog.clear()
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (23.6 * gib, 24 * gib))

@@ -25,6 +25,7 @@ AUTO_SLOTS = 3
 FOREIGN_MEMORY_WARN_BYTES = 1 << 30
 
 logger = logging.getLogger(__name__)
+_warned_foreign_memory: set = set()  # devices whose auto budget warning was given
 
 
 class StreamConfigError(ValueError):
@@ -43,7 +44,8 @@ def gpu_memory_for_run(device: torch.device) -> int:
     usable = min(total, free + torch.cuda.memory_reserved(device))
     foreign = total - usable
     gib = 2**30
-    if foreign >= FOREIGN_MEMORY_WARN_BYTES:
+    if foreign >= FOREIGN_MEMORY_WARN_BYTES and device not in _warned_foreign_memory:
+        _warned_foreign_memory.add(device)  # once: a YAML run resolves the budget more than once
         logger.warning(
             "layerstream: vram_budget='auto' is %.2f GiB, not the GPU's %.2f GiB: %.2f GiB is held "
             "outside this run (other processes, the CUDA context). Close them for a larger "
@@ -81,9 +83,9 @@ class StreamConfig:
     arena_bytes: target size of one host arena; a layer never straddles arenas, so an
         arena grows to the largest layer when that is bigger.
     vram_budget: GPU memory the run may use, in bytes, as text ("16GiB"), or "auto" (the
-        GPU's memory less what other processes hold, measured when the config is built). The slots must fit it at stream time; at the first training step of
-        each batch shape the memory planner's predicted peak (plus its 1 GiB reserve) must
-        too, and the layers the remaining room holds stay on the GPU for good (the
+        GPU's memory less what other processes hold, measured when the config is built).
+        The slots must fit it at stream time; at the first training step of each batch
+        shape the memory planner's predicted peak (plus its 1 GiB reserve) must too, and the layers the remaining room holds stay on the GPU for good (the
         resident window: no copies for them). Default None: no budget, everything streams.
     checksum: debug mode. Checksum each slot after its copy and again before each use,
         against the layer's host bytes, and raise at the first mismatch naming the layer

@@ -217,7 +217,7 @@ def stream_config(config, where: str = "config") -> StreamConfig:
         if budget is None:
             raise TrainConfigError(
                 f"{where}: stream.resident_window keeps layers in the budget stream.vram, which is "
-                "'auto' (the GPU's memory) on a run without a GPU: give stream.vram a size, or set "
+                "'auto' (the GPU memory free for the run) on a run without a GPU: give stream.vram a size, or set "
                 "stream.resident_window: false")
     return StreamConfig(slots=stream["slots"], prefetch=stream["prefetch"], device=_device(config),
                         vram_budget=budget, stream_embeddings=stream["stream_embeddings"])
