@@ -30,7 +30,9 @@ def run_steps(model, ids, steps: int, warmup: int, trace: str | None = None, cop
     """Timed optimizer steps; also the host time to enqueue each step (before the sync),
     and the GPU time of each phase (forward with the loss, backward, optimizer) from CUDA
     events. ``copied()``, the streamer's cumulative bytes issued, is read when the host
-    has enqueued the forward, to split a step's copies between forward and backward."""
+    has enqueued the forward, to split a step's copies between forward and backward; it
+    must be a host counter (``runtime.stats()`` waits for the device, which would stall
+    the step between its forward and backward)."""
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     model.train()
     times, host = [], []
@@ -168,7 +170,7 @@ def main():
         trace = (os.path.join(out_dir, f"trace-{args.shape}-{args.quantization}-{slots}x{prefetch}")
                  if spec == args.trace else None)
         times, host, peak, phases = run_steps(model, ids, args.steps, args.warmup,
-                                              copied=lambda: runtime.stats()["h2d_bytes"])
+                                              copied=lambda: runtime.pool.h2d_bytes)
         after = runtime.stats()
         if trace:
             run_steps(model, ids, 0, 1, trace=trace)
