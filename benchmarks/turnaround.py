@@ -30,10 +30,13 @@ from torch.utils.checkpoint import checkpoint
 from common import build_random, median, write_result
 
 
-def event_ms(fn, iters: int, warmup: int):
-    """Median GPU time of ``fn`` between two CUDA events, in ms."""
+def event_ms(fn, iters: int, warmup: int, prepare=None):
+    """Median GPU time of ``fn`` between two CUDA events, in ms; ``prepare`` runs untimed
+    before each call (the forward whose backward is timed)."""
     times = []
     for i in range(warmup + iters):
+        if prepare is not None:
+            prepare()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
         start.record()
@@ -74,18 +77,8 @@ def main():
     def forward_only():
         state["out"] = layer_forward()
 
-    def backward_only():
+    def backward_only():  # recompute and backward of one checkpointed layer
         state["out"].backward(torch.ones_like(state["out"]))
-
-    def layer_backward():  # recompute and backward of one checkpointed layer, timed alone
-        forward_only()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        backward_only()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end)
 
     # the ends: the model with its one layer skipped; the loss's gradient flows into the
     # hidden states through the frozen head, as it flows into the last layer in a step
@@ -95,23 +88,14 @@ def main():
         logits = inner.lm_head(normed)
         state["loss"] = inner.loss_function(logits=logits, labels=ids, vocab_size=model.config.vocab_size)
 
-    def ends_backward_timed():
-        ends_forward()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+    def ends_backward():
         state["loss"].backward()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end)
 
     result = {"shape": args.shape, "seq": args.seq, "batch": args.batch, "iters": args.iters}
     result["layer_forward_ms"] = event_ms(forward_only, args.iters, args.warmup)
-    result["layer_recompute_backward_ms"] = median(
-        [layer_backward() for _ in range(args.warmup + args.iters)][args.warmup:])
+    result["layer_recompute_backward_ms"] = event_ms(backward_only, args.iters, args.warmup, prepare=forward_only)
     result["ends_forward_ms"] = event_ms(ends_forward, args.iters, args.warmup)
-    result["ends_backward_ms"] = median(
-        [ends_backward_timed() for _ in range(args.warmup + args.iters)][args.warmup:])
+    result["ends_backward_ms"] = event_ms(ends_backward, args.iters, args.warmup, prepare=ends_forward)
     result["predicted_forward_idle_ms"] = 2 * result["layer_forward_ms"] + result["ends_forward_ms"]
     result["predicted_backward_idle_ms"] = result["ends_backward_ms"] + 2 * result["layer_recompute_backward_ms"]
     for key, value in result.items():
