@@ -6,6 +6,7 @@ benchmark measures pinned host-to-device bandwidth, so it can state the bound:
 max(resident step time, bytes streamed per step / pinned bandwidth).
 
     python benchmarks/throughput.py --shape llama3-8b --seq 2048 --configs 3:1,4:2
+    python benchmarks/throughput.py --shape llama3-8b --seq 2048 --configs 3:2:0,3:2   # slots:prefetch[:backward slots, default auto]
     python benchmarks/throughput.py --shape llama3-70b --quantization nf4 --configs 3:1
     python benchmarks/throughput.py --shape llama3-70b --quantization nf4 --configs 3:1 --stream-embeddings
 """
@@ -109,7 +110,8 @@ def main():
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--configs", default="3:1,4:2", help="slots:prefetch list")
+    parser.add_argument("--configs", default="3:1,4:2",
+                        help="slots:prefetch[:backward_slots] list; backward slots default to auto")
     parser.add_argument("--no-resident", action="store_true")
     parser.add_argument("--name", default=None)
     parser.add_argument("--trace", default=None, help="slots:prefetch config to profile one step of")
@@ -156,10 +158,12 @@ def main():
         torch.cuda.empty_cache()
 
     for spec in args.configs.split(","):
-        slots, prefetch = (int(x) for x in spec.split(":"))
+        fields = spec.split(":")
+        slots, prefetch = int(fields[0]), int(fields[1])
+        backward = int(fields[2]) if len(fields) > 2 else "auto"
         budget = parse_bytes(args.budget) if args.budget else None
         layerstream.stream_model(model, slots=slots, prefetch=prefetch, vram_budget=budget,
-                                 stream_embeddings=args.stream_embeddings)
+                                 stream_embeddings=args.stream_embeddings, backward_slots=backward)
         if budget:
             total = torch.cuda.get_device_properties(0).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total))
@@ -178,8 +182,12 @@ def main():
         measured = args.steps + args.warmup
         bytes_per_step = (after["h2d_bytes"] - before["h2d_bytes"]) / measured
         copy_bound = bytes_per_step / (bandwidth * 1e9)
-        row = {"slots": slots, "prefetch": prefetch, "step_s": step, "tokens_per_s": tokens / step,
-               "peak_gib": peak / 2**30, "host_s": median(host), "times": times,
+        row = {"slots": slots, "prefetch": prefetch, "backward_slots": after["backward_slots"],
+               "backward_slots_asked": backward,
+               "backward_slot_peak_gib": after["backward_slot_peak_bytes"] / 2**30,
+               "step_s": step, "tokens_per_s": tokens / step,
+               "peak_gib": peak / 2**30, "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
+               "host_s": median(host), "times": times,
                "loads_per_step": (after["layer_loads"] - before["layer_loads"]) / measured,
                "bytes_per_step": bytes_per_step, "copy_bound_s": copy_bound,
                "h2d_gbps": after["h2d_gbps"],
@@ -209,7 +217,7 @@ def main():
         r = result["resident"]
         print(f"| resident | {r['step_s']:.3f} | {r['host_s']:.3f} | {r['tokens_per_s']:.0f} | {r['peak_gib']:.1f} | - | - | - | 1.00 | - | - |")
     for row in result["rows"]:
-        print(f"| streamed {row['slots']}:{row['prefetch']}{' +emb' if row['stream_embeddings'] else ''} | {row['step_s']:.3f} | {row['host_s']:.3f} | {row['tokens_per_s']:.0f} | "
+        print(f"| streamed {row['slots']}:{row['prefetch']}+{row['backward_slots']}{' +emb' if row['stream_embeddings'] else ''} | {row['step_s']:.3f} | {row['host_s']:.3f} | {row['tokens_per_s']:.0f} | "
               f"{row['peak_gib']:.1f} | {row['loads_per_step']:.1f} | {row['stall_s_per_step']:.3f} | {row['copy_bound_s']:.3f} | "
               f"{row.get('fraction_of_resident', float('nan')):.2f} | {row.get('fraction_of_bound', float('nan')):.2f} | "
               f"{row.get('fraction_of_phase_bound', float('nan')):.2f} |")

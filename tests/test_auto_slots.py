@@ -10,12 +10,12 @@ from tiny import peft_pair
 def test_auto_is_three_slots_copying_as_far_ahead_as_they_allow():
     config = StreamConfig(device="cpu")
     assert (config.slots, config.prefetch) == (AUTO_SLOTS, AUTO_SLOTS - 1) == (3, 2)
-    assert config.automatic == {"slots", "prefetch"}
+    assert config.automatic == {"slots", "prefetch", "backward_slots"}
 
 
 def test_explicit_values_are_kept_and_auto_prefetch_follows_slots():
-    assert StreamConfig(device="cpu", slots=5, prefetch=1).automatic == set()
-    config = StreamConfig(device="cpu", slots=5)
+    assert StreamConfig(device="cpu", slots=5, prefetch=1, backward_slots=0).automatic == set()
+    config = StreamConfig(device="cpu", slots=5, backward_slots=2)
     assert (config.slots, config.prefetch, config.automatic) == (5, 4, {"prefetch"})
     # replace() chooses automatic fields again: prefetch follows the new slot count
     assert config.replace(slots=2).prefetch == 1

@@ -105,7 +105,53 @@ def test_eval_and_train_switches_stay_exact(device):
     assert not torch.equal(before[0], after[0]), "training must have changed the model"
 
 
+@pytest.mark.parametrize("backward_slots", [1, 3])
+def test_training_with_backward_slots_matches_resident_and_copies_less(backward_slots, device):
+    streamed, resident = peft_pair("llama", layers=7, attn=_attn(device))
+    plain, _ = peft_pair("llama", layers=7, attn=_attn(device))
+    stream(streamed, device, slots=2, prefetch=1, backward_slots=backward_slots)
+    stream(plain, device, slots=2, prefetch=1, backward_slots=0)
+    resident.to(device)
+    assert_traces_equal(train_steps(streamed, STEPS, device), train_steps(resident, STEPS, device))
+    train_steps(plain, STEPS, device)
+    with_slots, without = (layerstream.get_runtime(m).stats() for m in (streamed, plain))
+    assert with_slots["backward_slots"] == backward_slots and without["backward_slots"] == 0
+    # each step after the first keeps backward_slots more layers across the step boundary
+    assert without["layer_loads"] - with_slots["layer_loads"] == (STEPS - 1) * backward_slots
+    assert with_slots["backward_slot_peak_bytes"] == backward_slots * layerstream.get_runtime(streamed).pool.slot_bytes
+
+
+def test_backward_slots_hold_no_memory_while_the_loss_is_computed(device):
+    streamed, resident = peft_pair("llama", layers=6, attn=_attn(device))
+    stream(streamed, device, slots=2, prefetch=1, backward_slots=2)
+    resident.to(device)
+    pool = layerstream.get_runtime(streamed).pool
+    at_loss, seen = [], []
+    streamed.base_model.model.lm_head.register_forward_hook(
+        lambda *_: at_loss.append(pool.total_bytes - pool.ring_bytes))
+    for layer in streamed.base_model.model.model.layers:
+        layer.register_forward_hook(lambda *_: seen.append(pool.total_bytes - pool.ring_bytes))
+    assert_traces_equal(train_steps(streamed, 3, device, accumulation=2),
+                        train_steps(resident, 3, device, accumulation=2))
+    assert at_loss and set(at_loss) == {0}, "backward slots must be freed before the head and loss run"
+    assert max(seen) == 2 * pool.slot_bytes, "backward slots were used"
+
+
 # -- negative controls: the comparisons above can fail -------------------------------
+
+def test_wrong_backward_slot_contents_are_caught_by_parity(device):
+    """Layers copied into backward slots are the ones computed with: wrong bytes there
+    must turn the parity check red."""
+    streamed, resident = peft_pair("llama", layers=7, attn=_attn(device))
+    stream(streamed, device, slots=2, prefetch=1, backward_slots=2)
+    resident.to(device)
+    runtime = layerstream.get_runtime(streamed)
+    records = runtime.records
+    runtime._load_source = (lambda layer, slot: records[(layer + 1) % len(records)].host_region
+                            if slot >= runtime.pool.ring_slots else None)
+    with pytest.raises(AssertionError):
+        assert_traces_equal(train_steps(streamed, 3, device), train_steps(resident, 3, device))
+
 
 def test_wrong_slot_contents_are_caught_by_parity(device):
     """Copy the neighbour layer's bytes into the slot: the parity check must go red."""

@@ -14,8 +14,9 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from layerstream import cli
-from layerstream.plan import (GiB, format_plan, layer_bytes, load_config, make_plan, speed_hints,
-                              nf4_weight_bytes, parse_bytes, resident_bytes)
+from layerstream.plan import (BACKWARD_SLOTS_MAX, GiB, backward_slot_count, format_plan, layer_bytes,
+                              load_config, make_plan, nf4_weight_bytes, parse_bytes, resident_bytes,
+                              speed_hints)
 from layerstream.schedule import Phase, PrefetchPlanner
 from layerstream.store import HostStore
 
@@ -308,7 +309,8 @@ def test_plan_matches_the_measured_h200_peak():
     result = json.loads((RESULTS / "throughput-llama3-8b-seq2048.json").read_text())
     checked = set()
     for row in result["rows"]:
-        plan = make_plan(config_of(LLAMA3_8B), 2048, 1, 140 * GiB, slots=row["slots"])
+        # measured before backward slots existed: the copies of a ring alone
+        plan = make_plan(config_of(LLAMA3_8B), 2048, 1, 140 * GiB, slots=row["slots"], backward_slots=0)
         predicted = plan.peak_vram_bytes / GiB
         assert abs(predicted - row["peak_gib"]) / row["peak_gib"] < 0.02, (row["slots"], predicted, row["peak_gib"])
         # bytes per step were averaged over warm-up steps too (cold slots): within 1%
@@ -335,21 +337,48 @@ def test_plan_matches_the_measured_nf4_peak_where_a_layer_not_the_loss_sets_it(s
 
 
 def test_copies_per_step_and_time():
-    plan = make_plan(config_of(LLAMA3_8B), 2048, 1, 80 * GiB, slots=3, bandwidth_gbps=55.0)
+    plan = make_plan(config_of(LLAMA3_8B), 2048, 1, 80 * GiB, slots=3, bandwidth_gbps=55.0, backward_slots=0)
     assert plan.layers_copied_per_step == 58  # 2 x (32 - 3)
     assert plan.copy_bytes_per_step == 58 * 436_224_000 == 25_300_992_000
     assert plan.copy_seconds_per_step == pytest.approx(25_300_992_000 / 55e9)
-    assert make_plan(config_of(LLAMA3_8B), 2048, 1, 80 * GiB, slots=3,
-                     bandwidth_gbps=7.0).copy_seconds_per_step == pytest.approx(25_300_992_000 / 7e9)
+    assert make_plan(config_of(LLAMA3_8B), 2048, 1, 80 * GiB, slots=3, bandwidth_gbps=7.0,
+                     backward_slots=0).copy_seconds_per_step == pytest.approx(25_300_992_000 / 7e9)
 
 
-@pytest.mark.parametrize("slots", [2, 3])
-def test_copies_follow_the_prefetch_planner(slots):
+def test_backward_slots_fill_the_loss_memory_outside_the_loss():
+    """Llama-3-8B at 2048 tokens: the fp32 logits (2.94 GiB) less a layer's recompute and
+    backward and three adapter-sized tensors leave room for four 0.41 GiB layers (the cap),
+    which stay across the step boundary: 4 copies fewer. At 512 tokens the loss leaves
+    room for none, and where a layer's working set sets the peak there is none either."""
+    plan = make_plan(config_of(LLAMA3_8B), 2048, 1, 80 * GiB, slots=3, backward_slots=None)
+    room = plan.loss_bytes - plan.layer_working_bytes - 3 * plan.lora_bytes
+    assert room // LLAMA3_8B_LAYER_BF16 >= BACKWARD_SLOTS_MAX == plan.backward_slots == 4
+    assert plan.layers_copied_per_step == (32 - 3 - 4) + (32 - 3) == 54
+    assert plan.peak_vram_bytes == make_plan(config_of(LLAMA3_8B), 2048, 1, 80 * GiB, slots=3,
+                                             backward_slots=0).peak_vram_bytes
+    assert make_plan(config_of(LLAMA3_8B), 512, 1, 80 * GiB, slots=3, backward_slots=None).backward_slots == 0
+    mistral = make_plan(config_of(MISTRAL_7B), 2048, 1, 80 * GiB, slots=3, quantization="nf4", backward_slots=None)
+    assert mistral.layer_working_bytes > mistral.loss_bytes and mistral.backward_slots == 0
+    # fewer than the layers beyond the ring: the last layer is never kept across the step
+    assert make_plan(config_of(dict(LLAMA3_8B, num_hidden_layers=5)), 2048, 1, 80 * GiB,
+                     slots=3, backward_slots=None).backward_slots == 1
+    # the default plan has none (the runtime takes them only with expandable segments),
+    # and its speed hints say what they would save
+    default = make_plan(config_of(LLAMA3_8B), 2048, 1, 80 * GiB, slots=3)
+    assert default.backward_slots == 0 and default.layers_copied_per_step == 58
+    assert any("expandable_segments:True, 4 backward slots" in hint and "4 layer copies fewer" in hint
+               for hint in speed_hints(default))
+    assert backward_slot_count(10 * GiB, GiB, 0, GiB, streamed_layers=32, slots=3) == BACKWARD_SLOTS_MAX
+    assert backward_slot_count(GiB, 2 * GiB, 0, GiB, streamed_layers=32, slots=3) == 0
+
+
+@pytest.mark.parametrize("slots,backward", [(2, 0), (3, 0), (2, 1)])
+def test_copies_follow_the_prefetch_planner(slots, backward):
     """Layers of different sizes: the bytes a steady training step copies, as the
     engine's own planner issues them (forward, then backward recompute in reverse)."""
     config = config_of(QWEN3_MOE_SMALL)
     sizes = [63_488, 100_864, 63_488, 100_864]  # test_moe_layers_sized_per_layer
-    planner = PrefetchPlanner(len(sizes), slots, prefetch=1)
+    planner = PrefetchPlanner(len(sizes), slots, prefetch=1, backward_slots=backward)
     loaded = []
     for _ in range(3):
         loaded = []
@@ -357,8 +386,8 @@ def test_copies_follow_the_prefetch_planner(slots):
             loaded += [l for l, _ in planner.visit(layer, Phase.TRAIN_FORWARD).loads]
         for layer in reversed(range(len(sizes))):
             loaded += [l for l, _ in planner.visit(layer, Phase.BACKWARD).loads]
-    plan = make_plan(config, 16, 1, GiB, slots=slots)
-    assert plan.layers_copied_per_step == len(loaded) == 2 * (len(sizes) - slots)
+    plan = make_plan(config, 16, 1, GiB, slots=slots, backward_slots=backward)
+    assert plan.layers_copied_per_step == len(loaded) == 2 * (len(sizes) - slots) - backward
     assert plan.copy_bytes_per_step == sum(sizes[l] for l in loaded)
 
 
@@ -456,6 +485,10 @@ def test_format_plan_is_one_screen():
     assert "host RAM needed: transformers load + stream_model" in text and "15.52 GiB" in text
     assert "host RAM needed: layerstream.from_pretrained" in text and "15.36 GiB" in text
     assert "58 layer copies" in text and "0.460 s at 55 GB/s" in text
+    with_backward = format_plan(make_plan(config_of(LLAMA3_8B), 2048, 1, 16 * GiB, slots=3, backward_slots=None))
+    assert "54 layer copies (32 - 7 + 32 - 3)" in with_backward and "0.428 s at 55 GB/s" in with_backward
+    assert "backward slots: 4 x 0.41 GiB (not at the peak)" in with_backward
+    assert max(len(line) for line in with_backward.splitlines()) <= 100
 
 
 # -- streamed embedding and head ----------------------------------------------------------
@@ -465,7 +498,7 @@ LLAMA3_8B_MATRIX = 1_050_673_152
 
 
 def test_stream_embeddings_takes_the_embedding_and_head_off_the_gpu():
-    plan = make_plan(config_of(LLAMA3_8B), 2048, 1, 80 * GiB, slots=2, stream_embeddings=True)
+    plan = make_plan(config_of(LLAMA3_8B), 2048, 1, 80 * GiB, slots=2, stream_embeddings=True, backward_slots=0)
     assert plan.stream_embeddings and plan.resident_bytes == 8_192
     # the loss phase is the peak at seq 2048 and now holds one transient head copy:
     # both matrices leave the resident part, one comes back for the loss

@@ -20,13 +20,13 @@ def run(planner, visits):
     for layer, phase in visits:
         plan = planner.visit(layer, phase)
         assert planner.owner[plan.slot] == layer, "the visited layer must own its slot"
-        assert len(planner.resident()) <= planner.slots
+        assert len(planner.resident()) <= planner.slots + planner.backward_slots
         assert len(set(planner.resident())) == len(planner.resident()), "a layer in two slots"
         loaded_slots = [slot for _, slot in plan.loads]
         assert len(set(loaded_slots)) == len(loaded_slots), "two copies into one slot in one visit"
         if not plan.demand:
             assert plan.slot not in loaded_slots, "the computing slot must not be overwritten"
-        assert len(plan.loads) <= planner.prefetch + 1
+        assert len(plan.loads) <= planner.prefetch + planner.backward_slots + 1
         plans.append(plan)
     return plans
 
@@ -151,3 +151,95 @@ def test_resident_layers_are_spread_so_streamed_ones_are_evenly_spaced(layers):
         if len(streamed) > 1:
             gaps = [b - a for a, b in zip(streamed, streamed[1:])]
             assert max(gaps) - min(gaps) <= 1, (layers, count, streamed)
+
+
+# -- backward slots ------------------------------------------------------------------------
+
+BACKWARD_GRID = [(layers, slots, prefetch, extra) for layers in (4, 6, 9) for slots in (2, 3)
+                 for prefetch in range(1, slots) for extra in (1, 2, 3) if slots + extra < layers]
+
+
+def _step_checking_backward_slots(planner, layers):
+    """One training step; asserts backward slots take new memory only at backward visits
+    and are empty from the last forward visit to the first backward one, the loss."""
+    ring = planner.slots
+    for layer, phase in training_step(layers):
+        held = list(planner.owner)
+        plan = planner.visit(layer, phase)
+        assert planner.owner[plan.slot] == layer
+        if phase is not Phase.BACKWARD:
+            assert all(slot < ring or held[slot] is not None for _, slot in plan.loads), \
+                "a forward visit took a backward slot that held no layer (new memory)"
+            assert all(slot < ring or target < layers - ring for target, slot in plan.loads)
+        if phase is Phase.TRAIN_FORWARD and layer == layers - 1:
+            assert all(owner is None for owner in planner.owner[ring:]), "a backward slot is held at the loss"
+
+
+@pytest.mark.parametrize("layers,slots,prefetch,extra", BACKWARD_GRID)
+def test_backward_slots_are_empty_at_the_loss_and_keep_more_layers_across_the_step(layers, slots, prefetch, extra):
+    planner = PrefetchPlanner(layers, slots, prefetch, backward_slots=extra)
+    for _ in range(2):
+        _step_checking_backward_slots(planner, layers)
+    # the next forward starts with its first slots + extra layers in slots
+    assert sorted(planner.resident()) == list(range(slots + extra))
+    loads = []
+    for layer, phase in training_step(layers):
+        plan = planner.visit(layer, phase)
+        assert not plan.demand
+        loads += [target for target, _ in plan.loads]
+    assert len(loads) == (layers - slots - extra) + (layers - slots)
+
+
+@pytest.mark.parametrize("layers,slots,prefetch,extra", BACKWARD_GRID)
+def test_each_backward_slot_is_given_back_once_per_step_after_its_last_forward_use(layers, slots, prefetch, extra):
+    planner = PrefetchPlanner(layers, slots, prefetch, backward_slots=extra)
+    run(planner, training_step(layers))
+    dropped, last_use = [], {}
+    for layer, phase in training_step(layers):
+        plan = planner.visit(layer, phase)
+        for slot in plan.drop:
+            assert last_use[slot] < layer, "given back before the visit that used it was queued"
+        dropped += plan.drop
+        if phase is Phase.TRAIN_FORWARD and plan.slot >= slots:
+            last_use[plan.slot] = layer
+    assert sorted(dropped) == sorted(last_use) == list(range(slots, slots + extra))
+
+
+def test_backward_slots_copy_further_ahead_after_the_loss():
+    """Without backward slots the first backward copy waits for a ring slot, which the
+    last layers hold until their own backward; with them it is issued at the first
+    backward visit."""
+    layers = 8
+    for extra, first_copies in ((0, 0), (2, 2)):
+        planner = PrefetchPlanner(layers, 3, 2, backward_slots=extra)
+        run(planner, training_step(layers))
+        run(planner, [(i, Phase.TRAIN_FORWARD) for i in range(layers)])
+        plan = planner.visit(layers - 1, Phase.BACKWARD)
+        assert [target for target, _ in plan.loads] == [layers - 4, layers - 5][:first_copies]
+
+
+def test_a_disabled_backward_slot_is_never_planned_again():
+    layers = 8
+    planner = PrefetchPlanner(layers, 3, 2, backward_slots=2)
+    run(planner, training_step(layers))
+    planner.disable_backward_slot(3)
+    for _ in range(2):
+        for layer, phase in training_step(layers):
+            plan = planner.visit(layer, phase)
+            assert all(slot != 3 for _, slot in plan.loads) and plan.slot != 3
+    loads = sum(len(planner.visit(l, p).loads) for l, p in training_step(layers))
+    assert loads == (layers - 3 - 1) + (layers - 3)
+    with pytest.raises(ValueError, match="ring slot"):
+        planner.disable_backward_slot(1)
+
+
+def test_inference_neither_fills_nor_keeps_backward_slots():
+    layers = 6
+    planner = PrefetchPlanner(layers, 2, 1, backward_slots=2)
+    run(planner, training_step(layers))
+    assert any(owner is not None for owner in planner.owner[2:])
+    for _ in range(2):
+        for layer in range(layers):
+            plan = planner.visit(layer, Phase.INFERENCE)
+            assert all(slot < 2 for _, slot in plan.loads)
+    assert all(owner is None for owner in planner.owner[2:])

@@ -426,7 +426,9 @@ def test_on_cuda_the_ends_stay_pinned_on_the_host_and_only_a_transient_head_reac
     top of what stays (logits 2 x 12 x 4096 fp32, a few copies of them, small layers)."""
     streamed, resident = peft_pair("llama", layers=4, attn="eager", vocab_size=4096, hidden_size=256,
                                    head_dim=64, intermediate_size=512)
-    stream(streamed, "cuda", slots=2, prefetch=1, stream_embeddings=True)
+    # no backward slots: they hold memory across the step boundary that this step's forward
+    # gives back, which would hide the head's copy in the comparison with `before`
+    stream(streamed, "cuda", slots=2, prefetch=1, stream_embeddings=True, backward_slots=0)
     resident.to("cuda")
     embedding, head = _ends(streamed)
     assert embedding.weight.device.type == "cpu" and embedding.weight.is_pinned()

@@ -158,12 +158,13 @@ def portable_cpu_nf4(model):
     return model
 
 
-def nearest_valid_victim(self, needed_at, position, phase, keep):
+def nearest_valid_victim(self, needed_at, position, phase, keep, target=None):
     """An eviction policy that is valid (never evicts a layer needed before the one being
     fetched) but differs from the planner's: it takes the owner needed soonest. Layers
     then come back into other slots in backward than they had in forward."""
     best_slot, best_distance = None, None
-    for slot, owner in enumerate(self.owner):
+    for slot in self._candidates(phase, target):
+        owner = self.owner[slot]
         if owner is None:
             return slot
         if owner in keep:

@@ -7,6 +7,8 @@ import sys
 
 
 def _add_plan_parser(sub) -> argparse.ArgumentParser:
+    from .config import int_or_auto
+
     from .plan import DEFAULT_BANDWIDTH_GBPS, QUANTIZATIONS
 
     plan = sub.add_parser(
@@ -35,6 +37,10 @@ def _add_plan_parser(sub) -> argparse.ArgumentParser:
     plan.add_argument("--stream-embeddings", action="store_true",
                       help="keep the input embedding and head in host memory "
                            "(StreamConfig(stream_embeddings=True)); the head is copied in for the loss")
+    plan.add_argument("--backward-slots", type=int_or_auto, default=0,
+                      help="extra slots used only outside the loss (default 0; auto: as many as the "
+                           "loss's memory holds, as StreamConfig(backward_slots='auto') takes with "
+                           "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)")
     return plan
 
 
@@ -49,7 +55,8 @@ def _run_plan(args, parser: argparse.ArgumentParser) -> int:
                          quantization=args.quantization, dtype=args.dtype,
                          lora_rank=args.lora_rank, slots=args.slots,
                          bandwidth_gbps=args.bandwidth, lora_targets=args.lora_targets,
-                         reserve_bytes=reserve, stream_embeddings=args.stream_embeddings)
+                         reserve_bytes=reserve, stream_embeddings=args.stream_embeddings,
+                         backward_slots=None if args.backward_slots == "auto" else args.backward_slots)
     except (ValueError, OSError) as exc:
         parser.error(str(exc))  # exits with status 2
     print(format_plan(plan))
@@ -70,6 +77,8 @@ def _add_run_parser(sub) -> argparse.ArgumentParser:
     run.add_argument("--device", default=None, help="cuda (default when available) or cpu")
     run.add_argument("--stream-embeddings", action="store_true",
                      help="keep the input embedding and head in host memory too")
+    run.add_argument("--backward-slots", type=int_or_auto, default="auto",
+                     help="extra slots used only outside the loss, >= 0 (default: auto)")
     run.add_argument("script")
     return run
 
@@ -81,7 +90,7 @@ def _run_script(args, rest) -> int:
     from .integrations import trainer as trainer_integration
 
     config = StreamConfig(slots=args.slots, prefetch=args.prefetch, device=args.device,
-                          stream_embeddings=args.stream_embeddings)
+                          stream_embeddings=args.stream_embeddings, backward_slots=args.backward_slots)
     saved_argv = sys.argv
     sys.argv = [args.script] + list(rest)
     trainer_integration.enable_auto_stream(config)

@@ -53,6 +53,21 @@ def gpu_memory_for_run(device: torch.device) -> int:
     return usable
 
 
+def expandable_segments() -> bool:
+    """Whether torch's CUDA caching allocator uses expandable segments, where memory freed
+    in one shape of blocks serves another without fragmenting (backward_slots="auto"
+    needs it: backward slots reuse the loss's memory in blocks of another size)."""
+    getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    settings = getter() if getter is not None else ""
+    if not settings:
+        settings = ",".join(os.environ.get(name, "") for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"))
+    for item in settings.split(","):
+        key, _, value = item.partition(":")
+        if key.strip() == "expandable_segments":
+            return value.strip().lower() == "true"
+    return False
+
+
 def int_or_auto(text, name: str = "the value"):
     """A slots/prefetch value given as text (command lines, HfArgumentParser): 'auto' or
     an integer."""
@@ -91,6 +106,18 @@ class StreamConfig:
         against the layer's host bytes, and raise at the first mismatch naming the layer
         and slot. Waits for the device on every copy and visit: slow, for debugging only.
         Default: on when the environment variable LAYERSTREAM_CHECKSUM=1.
+    backward_slots: extra slots that exist for the whole step except around the loss: they
+        take memory at backward visits and give it back before the last layers' forward,
+        so they never coexist with the loss's logits, the step's memory peak. Backward then
+        copies further ahead, and more layers stay on the GPU across the step boundary
+        (one copy fewer per step each). Default "auto": as many as the memory planner finds
+        room for below the loss (at most 4; none where a layer's working set sets the
+        peak), decided at the first training step of each batch shape, each allocated only
+        while memory in use stays below this process's peak so far; and only on CUDA, with
+        no vram_budget (the resident window spends a budget better: a window layer saves
+        two copies per step), and with the caching allocator's expandable segments
+        (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True): without them the loss's memory,
+        reused in blocks of another size, can fragment. 0: none; an integer: that many.
     stream_embeddings: also keep the input embedding and the output head in (pinned) host
         memory instead of on the GPU (2 x 2.1 GB of bf16 for a 70B model). The embedding
         gathers its rows on the host and copies only those; the head's weight is copied to
@@ -106,6 +133,7 @@ class StreamConfig:
     checksum: Optional[bool] = None
     vram_budget: Optional[Union[int, str]] = None
     stream_embeddings: bool = False
+    backward_slots: Union[int, str] = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.stream_embeddings, bool):
@@ -136,6 +164,12 @@ class StreamConfig:
         if self.prefetch == "auto":
             self.prefetch = self.slots - 1
             auto.add("prefetch")
+        if self.backward_slots == "auto":
+            auto.add("backward_slots")
+        elif isinstance(self.backward_slots, bool) or not isinstance(self.backward_slots, int) \
+                or self.backward_slots < 0:
+            raise StreamConfigError(
+                f"backward_slots must be an integer >= 0 or 'auto', got {self.backward_slots!r}")
         # which fields were chosen here, so replace() can choose them again
         self.automatic = frozenset(auto)
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int):

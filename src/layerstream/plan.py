@@ -74,6 +74,10 @@ LOSS_LOGIT_COPIES = 3
 SLOT_CHOICES = range(2, 9)  # auto slots: the largest of these that fits
 # advice suggests streaming the embedding and head when they are at least this share of
 # what stays on the GPU for the whole step (Llama-3-8B bf16: 21%; 70B NF4: 25%)
+# backward slots (schedule.py) hold at most this many layers: each is memory the loss
+# phase needs and the rest of the step does not, but the planner's activation figures are
+# a few percent off at some shapes, so the borrowing stays modest
+BACKWARD_SLOTS_MAX = 4
 STREAM_EMBEDDINGS_ADVICE_SHARE = 0.10
 STREAM_EMBEDDINGS_ADVICE = "use --stream-embeddings (StreamConfig(stream_embeddings=True))"
 DEFAULT_BANDWIDTH_GBPS = 55.0  # the team's measured pinned host->device bandwidth, H200
@@ -438,6 +442,7 @@ class MemoryPlan:
     slots: int
     slots_auto: bool
     slot_bytes: int
+    backward_slots: int  # extra slots between the loss and the next forward (borrowed memory)
     # activations
     boundary_bytes: int  # one hidden state per layer boundary (checkpointing keeps these)
     layer_working_bytes: int  # one layer's recompute + backward
@@ -502,7 +507,8 @@ class MemoryPlan:
 
         kept = set(spread_resident(self.num_layers, self.window_layers))
         streamed = [size for index, size in enumerate(self.layer_bytes) if index not in kept]
-        return _copies(streamed, self.slots)
+        backward = min(self.backward_slots, max(0, len(streamed) - self.slots - 1))
+        return _copies(streamed, self.slots, backward)
 
     @property
     def largest_tokens(self) -> int:
@@ -524,14 +530,30 @@ def window_size(headroom_bytes: int, largest_layer_bytes: int, num_layers: int) 
     return int(min(num_layers, max(0, headroom_bytes // max(largest_layer_bytes, 1))))
 
 
-def _copies(sizes: Sequence[int], slots: int) -> Tuple[int, int]:
+def _copies(sizes: Sequence[int], slots: int, backward_slots: int = 0) -> Tuple[int, int]:
     """Layers and bytes copied per steady-state training step. Forward starts with the
-    ``slots`` first layers left in slots by the previous backward; backward starts with
-    the ``slots`` last layers left by forward. Every other visit copies its layer."""
+    first ``slots + backward_slots`` layers left in slots by the previous backward;
+    backward starts with the ``slots`` last layers left by forward (backward slots are
+    empty at the loss). Every other visit copies its layer."""
     layers = len(sizes)
-    if layers <= slots:
-        return 0, 0
-    return 2 * (layers - slots), sum(sizes[slots:]) + sum(sizes[: layers - slots])
+    kept_forward = min(layers, slots + backward_slots)
+    kept_backward = min(layers, slots)
+    return ((layers - kept_forward) + (layers - kept_backward),
+            sum(sizes[kept_forward:]) + sum(sizes[: layers - kept_backward]))
+
+
+def backward_slot_count(loss_phase_bytes: int, working_bytes: int, lora_bytes: int,
+                        slot_bytes: int, streamed_layers: int, slots: int) -> int:
+    """How many backward slots fit in memory the loss phase needs and the rest of the
+    step does not: the loss phase less one layer's recompute and backward, the adapters'
+    gradients and the optimizer's temporaries (two more adapter-sized tensors) that come
+    while backward slots hold layers. None when a layer's working set, not the loss, sets
+    the peak (the memory would raise it). At most one fewer than the layers beyond the
+    ring, so the last layer is never kept across the step boundary in one."""
+    room = loss_phase_bytes - working_bytes - 3 * lora_bytes
+    if room <= 0 or slot_bytes <= 0:
+        return 0
+    return int(min(BACKWARD_SLOTS_MAX, max(0, streamed_layers - slots - 1), room // slot_bytes))
 
 
 def loader_arena_bytes(sizes: Sequence[int], arena_bytes: int) -> int:
@@ -602,7 +624,7 @@ def _positive_int(name: str, value) -> int:
 def _build(config, seq: int, batch: int, vram_bytes: int, quantization: str, dtype,
            lora_rank: int, slots: Optional[int], bandwidth_gbps: float, lora_targets: str,
            reserve_bytes: int, double_quant: bool, arena_bytes: int,
-           stream_embeddings: bool = False) -> MemoryPlan:
+           stream_embeddings: bool = False, backward_slots: Optional[int] = 0) -> MemoryPlan:
     """A plan without advice (advice itself is computed from alternative plans)."""
     config = _text_config(config)
     seq, batch = _positive_int("seq", seq), _positive_int("batch", batch)
@@ -617,6 +639,9 @@ def _build(config, seq: int, batch: int, vram_bytes: int, quantization: str, dty
         _positive_int("slots", slots)
         if slots < 2:
             raise ValueError(f"slots={slots}: streaming needs at least 2 slots")
+    if backward_slots is not None and (isinstance(backward_slots, bool) or not isinstance(backward_slots, int)
+                                       or backward_slots < 0):
+        raise ValueError(f"backward_slots must be an integer >= 0 or None (auto), got {backward_slots!r}")
     _check_quantization(quantization)
     dtype = parse_dtype(dtype)
     elem = dtype.itemsize
@@ -656,7 +681,9 @@ def _build(config, seq: int, batch: int, vram_bytes: int, quantization: str, dty
         fitting = [n for n in range(SLOT_CHOICES[0], ceiling + 1) if n * max_layer <= budget]
         slots = max(fitting) if fitting else SLOT_CHOICES[0]
     peak = fixed + slots * max_layer
-    copied_layers, copied_bytes = _copies(sizes, slots)
+    if backward_slots is None:
+        backward_slots = backward_slot_count(loss + head_copy, working, lora_bytes, max_layer, len(sizes), slots)
+    copied_layers, copied_bytes = _copies(sizes, slots, backward_slots)
     copied_bytes += ends_copies
     store = sum(sizes)
     loader_store = loader_arena_bytes(sizes, arena_bytes)
@@ -689,7 +716,7 @@ def _build(config, seq: int, batch: int, vram_bytes: int, quantization: str, dty
         layer_bytes=sizes, max_layer_bytes=max_layer, host_store_bytes=store,
         resident_bytes=resident, lora_params=lora_params, lora_bytes=lora_bytes,
         lora_grad_bytes=lora_grads, optimizer_bytes=optimizer,
-        slots=slots, slots_auto=slots_auto, slot_bytes=slots * max_layer,
+        slots=slots, slots_auto=slots_auto, slot_bytes=slots * max_layer, backward_slots=backward_slots,
         boundary_bytes=boundary, layer_working_bytes=working, loss_bytes=loss,
         peak_vram_bytes=peak, vram_bytes=vram_bytes, reserve_bytes=reserve_bytes,
         # stream_model copies the loaded layers into its arenas one at a time (each
@@ -716,7 +743,8 @@ def make_plan(config, seq: int, batch: int, vram_bytes: int, quantization: str =
               dtype=torch.bfloat16, lora_rank: int = 16, slots: Optional[int] = None,
               bandwidth_gbps: float = DEFAULT_BANDWIDTH_GBPS, lora_targets: str = "all-linear",
               reserve_bytes: int = DEFAULT_RESERVE_BYTES, double_quant: bool = True,
-              arena_bytes: int = DEFAULT_ARENA_BYTES, stream_embeddings: bool = False) -> MemoryPlan:
+              arena_bytes: int = DEFAULT_ARENA_BYTES, stream_embeddings: bool = False,
+              backward_slots: Optional[int] = 0) -> MemoryPlan:
     """Plan a streamed LoRA training step of ``batch`` x ``seq`` tokens on a GPU of
     ``vram_bytes``.
 
@@ -731,6 +759,9 @@ def make_plan(config, seq: int, batch: int, vram_bytes: int, quantization: str =
     arena_bytes: StreamConfig.arena_bytes (host RAM of layerstream.from_pretrained).
     stream_embeddings: StreamConfig.stream_embeddings: the input embedding and head stay
         in host memory; the loss phase holds one transient copy of the head weight.
+    backward_slots: StreamConfig.backward_slots (default 0); None: as many as the loss
+        phase's memory holds (``backward_slot_count``), what the runtime's "auto" takes
+        when the caching allocator uses expandable segments.
 
     A plan that does not fit carries ``advice``: what to change, and by how much.
     """
@@ -738,7 +769,7 @@ def make_plan(config, seq: int, batch: int, vram_bytes: int, quantization: str =
                 quantization=quantization, dtype=dtype, lora_rank=lora_rank, slots=slots,
                 bandwidth_gbps=bandwidth_gbps, lora_targets=lora_targets,
                 reserve_bytes=reserve_bytes, double_quant=double_quant, arena_bytes=arena_bytes,
-                stream_embeddings=stream_embeddings)
+                stream_embeddings=stream_embeddings, backward_slots=backward_slots)
     plan = _build(**args)
     if not plan.fits:
         plan.advice = _advice(plan, args)
@@ -746,7 +777,8 @@ def make_plan(config, seq: int, batch: int, vram_bytes: int, quantization: str =
 
 
 def plan_for_model(model, seq: int, batch: int, slots: Optional[int] = None,
-                   vram_bytes: int = 1 << 50, stream_embeddings: bool = False) -> MemoryPlan:
+                   vram_bytes: int = 1 << 50, stream_embeddings: bool = False,
+                   backward_slots: Optional[int] = 0) -> MemoryPlan:
     """The plan of a live (possibly PEFT-wrapped) model: its config, 4-bit state, compute
     dtype, and LoRA rank and targets; ``stream_embeddings`` as the model streams (or would).
     Reads attributes only; raises ValueError when the adapters cannot be described to the
@@ -770,7 +802,7 @@ def plan_for_model(model, seq: int, batch: int, slots: Optional[int] = None,
             targets = ",".join(sorted(modules))
     return make_plan(config, seq=seq, batch=batch, vram_bytes=vram_bytes, quantization=quantization,
                      dtype=dtype, lora_rank=rank, slots=slots, lora_targets=targets,
-                     stream_embeddings=stream_embeddings)
+                     stream_embeddings=stream_embeddings, backward_slots=backward_slots)
 
 
 def _gib(nbytes: float) -> str:
@@ -838,6 +870,12 @@ def speed_hints(plan: MemoryPlan) -> List[str]:
             f"the resident window keeps {window} of {plan.num_layers} layers on the GPU: {layers} layer "
             f"copies per step instead of {plan.layers_copied_per_step}, "
             f"{nbytes / (plan.bandwidth_gbps * 1e9):.3f} s at {plan.bandwidth_gbps:g} GB/s")
+    backward = backward_slot_count(plan.loss_phase_bytes, plan.layer_working_bytes, plan.lora_bytes,
+                                   plan.max_layer_bytes, plan.num_layers, plan.slots)
+    if backward > plan.backward_slots:
+        hints.append(f"with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, {backward} backward slots "
+                     f"(StreamConfig(backward_slots='auto'), the default) reuse the loss's memory outside "
+                     f"the loss: {backward} layer copies fewer per step, the peak unchanged")
     largest = plan.largest_batch
     if largest > plan.batch:
         hints.append(
@@ -873,6 +911,9 @@ def format_plan(plan: MemoryPlan) -> str:
         row("embeddings, final norm, head (resident)", plan.resident_bytes)
     slots_how = "auto" if plan.slots_auto else "--slots"
     row(f"slots: {plan.slots} x {_gib(plan.max_layer_bytes)} ({slots_how})", plan.slot_bytes)
+    if plan.backward_slots:
+        row(f"backward slots: {plan.backward_slots} x {_gib(plan.max_layer_bytes)} (not at the peak)",
+            plan.backward_slots * plan.max_layer_bytes, "outside the loss")
     row(f"LoRA: {plan.lora_params / 1e6:.1f}M fp32 params, grads, AdamW",
         plan.lora_bytes + plan.lora_grad_bytes + plan.optimizer_bytes)
     row(f"hidden states at {plan.num_layers} layer boundaries", plan.boundary_bytes)
@@ -903,7 +944,10 @@ def format_plan(plan: MemoryPlan) -> str:
     lines.append("Copies per training step")
     timing = f"{plan.copy_seconds_per_step:.3f} s at {plan.bandwidth_gbps:g} GB/s"
     ends = plan.ends_copy_bytes_per_step
-    row(f"{plan.layers_copied_per_step} layer copies (2 x ({plan.num_layers} - {plan.slots} slots))"
+    kept_forward = plan.slots + plan.backward_slots
+    how = (f"2 x ({plan.num_layers} - {plan.slots} slots)" if not plan.backward_slots
+           else f"{plan.num_layers} - {kept_forward} + {plan.num_layers} - {plan.slots}")
+    row(f"{plan.layers_copied_per_step} layer copies ({how})"
         if plan.num_layers > plan.slots else "0 layer copies (every layer stays in a slot)",
         plan.copy_bytes_per_step - ends, "" if ends else timing)
     if ends:

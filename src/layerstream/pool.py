@@ -57,12 +57,20 @@ class _EventPool:
 
 
 class SlotPool:
-    def __init__(self, device: torch.device, slots: int, slot_bytes: int):
+    """``slots`` ring buffers allocated now, and ``backward_slots`` buffers allocated when
+    a copy first goes into them and freed when the planner drops them (see schedule)."""
+
+    def __init__(self, device: torch.device, slots: int, slot_bytes: int, backward_slots: int = 0):
         self.device = device
         self.cuda = device.type == "cuda"
         self.slot_bytes = slot_bytes
-        self.buffers = [torch.empty(max(slot_bytes, 1), dtype=torch.uint8, device=device) for _ in range(slots)]
+        self.ring_slots = slots
+        slots += backward_slots
+        self.buffers: List[Optional[torch.Tensor]] = [
+            torch.empty(max(slot_bytes, 1), dtype=torch.uint8, device=device) if slot < self.ring_slots else None
+            for slot in range(slots)]
         self.owner: List[Optional[int]] = [None] * slots
+        self.borrowed_peak_bytes = 0  # the most backward-slot memory held at once
         self._destinations: dict = {}  # (slot, nbytes) -> view of the slot buffer
         self.recording = None  # a timeline.Recording while one step is being recorded
         # counters
@@ -92,7 +100,41 @@ class SlotPool:
 
     @property
     def total_bytes(self) -> int:
-        return sum(b.numel() for b in self.buffers)
+        """Slot memory held now (the ring, and backward slots while they hold a layer)."""
+        return sum(b.numel() for b in self.buffers if b is not None)
+
+    @property
+    def ring_bytes(self) -> int:
+        return sum(b.numel() for b in self.buffers[: self.ring_slots] if b is not None)
+
+    # -- backward slots ------------------------------------------------------------
+    def allocated(self, slot: int) -> bool:
+        return self.buffers[slot] is not None
+
+    def allocate(self, slot: int) -> None:
+        """Give a backward slot its memory, from the caching allocator on the compute stream.
+
+        The memory may have been freed by the compute stream a moment ago, so the slot's
+        released event is recorded there now: the copy into it waits for those readers.
+        """
+        self.buffers[slot] = torch.empty(max(self.slot_bytes, 1), dtype=torch.uint8, device=self.device)
+        self.borrowed_peak_bytes = max(self.borrowed_peak_bytes, self.total_bytes - self.ring_bytes)
+        if self.cuda:
+            self.mark_released(slot)
+
+    def free(self, slot: int) -> None:
+        """Return a backward slot's memory to the caching allocator.
+
+        Called once every kernel that reads the slot is queued on the compute stream; the
+        copy that filled it completed before those kernels ran (they waited on it), so the
+        allocator may hand the memory out again in that stream's order.
+        """
+        if slot < self.ring_slots:
+            raise ValueError(f"slot {slot} is a ring slot; only backward slots are freed")
+        self.buffers[slot] = None
+        self.owner[slot] = None
+        for key in [key for key in self._destinations if key[0] == slot]:
+            del self._destinations[key]
 
     # -- copies --------------------------------------------------------------------
     def compute_stream(self) -> Optional[int]:
@@ -239,6 +281,8 @@ class SlotPool:
     def slot_of_pointer(self, pointer: int) -> Optional[int]:
         """The slot whose buffer contains this device address (None: not slot memory)."""
         for slot, buffer in enumerate(self.buffers):
+            if buffer is None:
+                continue
             start = buffer.data_ptr()
             if start <= pointer < start + buffer.numel():
                 return slot
@@ -277,7 +321,11 @@ class SlotPool:
         self.buffers = []
 
     def forget(self) -> None:
-        """Treat every slot as empty (after a fault or when layers were rebuilt)."""
+        """Treat every slot as empty (after a fault or when layers were rebuilt); backward
+        slots give their memory back."""
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
         self.owner = [None] * len(self.buffers)
+        for slot in range(self.ring_slots, len(self.buffers)):
+            if self.buffers[slot] is not None:
+                self.free(slot)

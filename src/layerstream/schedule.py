@@ -19,6 +19,14 @@ is loaded on demand (counted as a demand load, and the compute waits for it).
 Eviction follows the prediction: the slot whose owner is needed furthest in the future
 is overwritten first, and never one whose owner is needed before the layer being
 fetched (that would only trade one wait for another).
+
+Backward slots: extra slots that exist for the whole step except around the loss. They
+take memory at backward visits only; in the next forward a copy may reuse one still held
+(for a layer before the last ``slots``), and they are given back from the visit before
+the last ``slots`` layers on. So none is held while the loss holds its logits, the
+step's memory peak: they borrow that memory for the rest of the step. With them the
+backward copies further ahead (its first copy need not wait for the last layer's
+backward to free a slot), and more layers stay across the step boundary.
 """
 
 from __future__ import annotations
@@ -42,26 +50,36 @@ class VisitPlan:
     loads: (layer, slot) copies to issue now, in order. The first one is the visited
         layer itself when it was not resident (a demand load); the rest are prefetches.
     demand: True when the visited layer had to be loaded at its own visit.
+    drop: backward slots emptied before this visit (their memory can be freed now: every
+        kernel that read them is queued).
     """
 
     slot: int
     loads: Tuple[Tuple[int, int], ...] = ()
     demand: bool = False
+    drop: Tuple[int, ...] = ()
 
 
 class PrefetchPlanner:
     """Tracks slot owners and plans copies for a stack of ``num_layers`` layers."""
 
-    def __init__(self, num_layers: int, slots: int, prefetch: int):
+    def __init__(self, num_layers: int, slots: int, prefetch: int, backward_slots: int = 0):
         if num_layers < 1:
             raise ValueError("num_layers must be >= 1")
         if slots < 2 or not 1 <= prefetch < slots:
             raise ValueError(f"need slots >= 2 and 1 <= prefetch < slots, got {slots=}, {prefetch=}")
+        if backward_slots < 0:
+            raise ValueError(f"backward_slots must be >= 0, got {backward_slots}")
         self.num_layers = num_layers
         self.slots = slots
         self.prefetch = prefetch
-        self.owner: List[Optional[int]] = [None] * slots
+        # at most num_layers - slots - 1: the layers kept across the step boundary then
+        # never include the last one, which a backward slot would hold through the loss
+        self.backward_slots = min(backward_slots, max(0, num_layers - slots - 1))
+        # slots 0..slots-1 are the ring; slots from `slots` on are backward slots
+        self.owner: List[Optional[int]] = [None] * (slots + self.backward_slots)
         self.slot_of: dict = {}
+        self._disabled: set = set()  # backward slots whose memory could not be had
         # (layer, phase) -> ((target, visits until needed), ...): the lookahead is a pure
         # function of the visit, so the hot path reads it instead of recomputing it
         self._lookahead: dict = {}
@@ -107,10 +125,30 @@ class PrefetchPlanner:
         return out
 
     # -- planning ------------------------------------------------------------------
-    def _victim(self, needed_at: int, position: int, phase: Phase, keep: set) -> Optional[int]:
-        """A slot to overwrite for a layer needed ``needed_at`` visits from now."""
+    def _candidates(self, phase: Phase, target: Optional[int] = None):
+        """Slots a copy of ``target`` planned at a visit of this phase may go into.
+
+        Backward visits: the ring and every backward slot in use. Training forward visits:
+        the ring, and backward slots that still hold a layer (no new memory is taken in
+        forward), for layers before the last ``slots`` ones (so the slot is emptied by the
+        visit after that layer's forward, before the loss, and the layers kept across the
+        turnaround stay in the ring). Inference: the ring.
+        """
+        if len(self._disabled) == self.backward_slots:
+            return range(self.slots)
+        if phase is Phase.BACKWARD:
+            return [slot for slot in range(len(self.owner)) if slot not in self._disabled]
+        if phase is Phase.TRAIN_FORWARD and target is not None and target < self.num_layers - self.slots:
+            return [slot for slot in range(len(self.owner))
+                    if slot < self.slots or self.owner[slot] is not None]
+        return range(self.slots)
+
+    def _victim(self, needed_at: int, position: int, phase: Phase, keep: set,
+                target: Optional[int] = None) -> Optional[int]:
+        """A slot to overwrite for ``target``, needed ``needed_at`` visits from now."""
         best_slot, best_distance = None, -1
-        for slot, owner in enumerate(self.owner):
+        for slot in self._candidates(phase, target):
+            owner = self.owner[slot]
             if owner is None:
                 return slot
             if owner in keep:
@@ -144,7 +182,24 @@ class PrefetchPlanner:
         else:
             for target, slot in plan.loads:
                 self._assign(target, slot)
+        if self.backward_slots and phase is not Phase.BACKWARD:
+            spent = self._spent_backward_slots(layer, phase)
+            if spent:
+                for slot in spent:
+                    del self.slot_of[self.owner[slot]]
+                    self.owner[slot] = None
+                plan = VisitPlan(plan.slot, plan.loads, plan.demand, drop=spent)
         return plan
+
+    def _spent_backward_slots(self, layer: int, phase: Phase) -> Tuple[int, ...]:
+        """Backward slots to give back at this forward visit: those whose layer this pass
+        has already run (its kernels are queued), once no forward copy can take them over:
+        in inference at once, in training from the visit before the last ``slots`` layers
+        (then none is held at the loss)."""
+        if phase is Phase.TRAIN_FORWARD and layer < self.num_layers - self.slots - 1:
+            return ()
+        return tuple(slot for slot in range(self.slots, len(self.owner))
+                     if self.owner[slot] is not None and self.owner[slot] < layer)
 
     def _plan(self, layer: int, phase: Phase) -> VisitPlan:
         """Plan one visit from scratch and apply its assignments."""
@@ -161,24 +216,37 @@ class PrefetchPlanner:
             loads.append((layer, slot))
         lookahead = self._lookahead.get((layer, phase))
         if lookahead is None:
+            ahead = self.prefetch + (self.backward_slots if phase is Phase.BACKWARD else 0)
             lookahead = tuple((t, self._distance(t, position, phase))
-                              for t in self.upcoming(layer, phase, self.prefetch))
+                              for t in self.upcoming(layer, phase, ahead))
             self._lookahead[(layer, phase)] = lookahead
         keep = {layer}
         for target, needed_at in lookahead:
             keep.add(target)
             if target in self.slot_of:
                 continue
-            victim = self._victim(needed_at, position, phase, keep)
+            victim = self._victim(needed_at, position, phase, keep, target)
             if victim is None:
                 break
             self._assign(target, victim)
             loads.append((target, victim))
         return VisitPlan(slot=slot, loads=tuple(loads), demand=demand)
 
+    def disable_backward_slot(self, slot: int) -> None:
+        """Stop using a backward slot (its memory was not there); what it was given is
+        unassigned, and is loaded into the ring when its turn comes."""
+        if slot < self.slots:
+            raise ValueError(f"slot {slot} is a ring slot, not a backward slot")
+        owner = self.owner[slot]
+        if owner is not None:
+            del self.slot_of[owner]
+            self.owner[slot] = None
+        self._disabled.add(slot)
+        self._plans.clear()
+
     def forget(self) -> None:
         """Drop all ownership (after a fault, or when slots were released)."""
-        self.owner = [None] * self.slots
+        self.owner = [None] * len(self.owner)
         self.slot_of = {}
 
     def resident(self) -> List[int]:

@@ -22,7 +22,7 @@ SECTIONS: Dict[str, Dict[str, Any]] = {
     "lora": {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": "all-linear"},
     "data": {"path": "embedded", "eval_rows": 0},
     "stream": {"slots": 2, "prefetch": 1, "device": "auto", "vram": "auto", "resident_window": False,
-               "stream_embeddings": False},
+               "stream_embeddings": False, "backward_slots": "auto"},
     "training": {},  # any TRL SFTConfig / transformers TrainingArguments field
 }
 DTYPES = ("float32", "bfloat16", "float16")
@@ -172,7 +172,8 @@ def check_fits(config, where: str = "config") -> None:
                                 quantization=config["model"]["quantization"], dtype=config["model"]["dtype"],
                                 lora_rank=config["lora"]["r"], slots=config["stream"]["slots"],
                                 lora_targets=targets,
-                                stream_embeddings=config["stream"]["stream_embeddings"])
+                                stream_embeddings=config["stream"]["stream_embeddings"],
+                                backward_slots=0)  # the peak does not depend on them
     except (ValueError, OSError) as exc:
         raise TrainConfigError(
             f"{where}: cannot plan this run: {exc}. Point model.config at the model's config.json "
@@ -220,7 +221,8 @@ def stream_config(config, where: str = "config") -> StreamConfig:
                 "'auto' (the GPU memory free for the run) on a run without a GPU: give stream.vram a size, or set "
                 "stream.resident_window: false")
     return StreamConfig(slots=stream["slots"], prefetch=stream["prefetch"], device=_device(config),
-                        vram_budget=budget, stream_embeddings=stream["stream_embeddings"])
+                        vram_budget=budget, stream_embeddings=stream["stream_embeddings"],
+                        backward_slots=stream["backward_slots"])
 
 
 def read_rows(path: str) -> List[str]:

@@ -220,7 +220,7 @@ class StreamStatsCallback(_CallbackBase):
                 runtime.finish_timeline()
             return
         if state.is_world_process_zero and args.output_dir:
-            written = timeline.write(spans, runtime.config.slots, args.output_dir, runtime._timeline_title())
+            written = timeline.write(spans, runtime.slot_rows, args.output_dir, runtime._timeline_title())
             logger.warning("layerstream: residency timeline of step %d written to %s",
                            self._recorded_step(state) + 1, ", ".join(written))
 
@@ -242,6 +242,8 @@ class StreamingArguments:
         default=None, metadata={"help": "cuda (default when available) or cpu"})
     layer_stream_embeddings: bool = field(
         default=False, metadata={"help": "keep the input embedding and head in host memory too"})
+    layer_stream_backward_slots: str = field(
+        default="auto", metadata={"help": "extra slots used only outside the loss, >= 0, or auto"})
 
     def __post_init__(self):
         if self.layer_stream:
@@ -250,4 +252,6 @@ class StreamingArguments:
     def to_config(self) -> StreamConfig:
         return StreamConfig(slots=int_or_auto(self.layer_stream_slots, "layer_stream_slots"),
                             prefetch=int_or_auto(self.layer_stream_prefetch, "layer_stream_prefetch"),
-                            device=self.layer_stream_device, stream_embeddings=self.layer_stream_embeddings)
+                            device=self.layer_stream_device, stream_embeddings=self.layer_stream_embeddings,
+                            backward_slots=int_or_auto(self.layer_stream_backward_slots,
+                                                       "layer_stream_backward_slots"))
