@@ -6,7 +6,7 @@ import torch
 
 import layerstream
 from layerstream import config as config_mod
-from layerstream import runtime as runtime_mod
+from layerstream import backward_slots as backward_mod
 from tiny import assert_traces_equal, peft_pair, stream, train_steps
 
 # a loss-dominated shape: tiny layers, a vocabulary whose fp32 logits dwarf them
@@ -28,7 +28,7 @@ def test_auto_takes_no_backward_slots_on_the_host():
     runtime = layerstream.get_runtime(streamed)
     train_steps(streamed, 2)
     assert runtime.stats()["backward_slots"] == 0
-    assert "no backward slots" in runtime.summary()
+    assert "backward     none (auto: none on the host)" in runtime.summary()
 
 
 def test_expandable_segments_are_read_from_the_allocator_settings_or_the_environment(monkeypatch):
@@ -49,12 +49,12 @@ def test_expandable_segments_are_read_from_the_allocator_settings_or_the_environ
 def expandable(monkeypatch):
     """As if the allocator used expandable segments (they can only be chosen before CUDA
     starts; what is tested here is the borrowing, not the allocator)."""
-    monkeypatch.setattr(runtime_mod, "expandable_segments", lambda: True)
+    monkeypatch.setattr(backward_mod, "expandable_segments", lambda: True)
 
 
 @pytest.mark.gpu
 def test_auto_takes_no_backward_slots_without_expandable_segments(monkeypatch, caplog):
-    monkeypatch.setattr(runtime_mod, "expandable_segments", lambda: False)
+    monkeypatch.setattr(backward_mod, "expandable_segments", lambda: False)
     streamed, _ = peft_pair("llama", layers=8, attn="eager", **LOSS_HEAVY)
     stream(streamed, "cuda", slots=2, prefetch=1)
     with caplog.at_level("INFO", logger="layerstream"):
@@ -92,13 +92,14 @@ def test_auto_backward_slots_stop_borrowing_when_the_memory_is_not_below_the_pea
     streamed, resident = peft_pair("llama", layers=8, attn="eager", **LOSS_HEAVY)
     stream(streamed, "cuda", slots=2, prefetch=1)
     runtime = layerstream.get_runtime(streamed)
-    original = runtime._decide_backward_slots
+    original = runtime.backward.decide
 
-    def decide(hidden):
-        original(hidden)
-        runtime._borrow_margin = 1 << 40  # nothing fits below the peak with this margin
+    def decide(*args):
+        count = original(*args)
+        runtime.backward._margin = 1 << 40  # nothing fits below the peak with this margin
+        return count
 
-    runtime._decide_backward_slots = decide
+    runtime.backward.decide = decide
     with caplog.at_level("WARNING", logger="layerstream"):
         trace = train_steps(streamed, 3, "cuda", seq=256)
     assert caplog.text.count("not used:") == 1 and "would pass this run's peak" in caplog.text

@@ -19,7 +19,8 @@ from torch.utils.checkpoint import checkpoint
 
 from . import layer as layer_mod
 from . import checksum, nf4, plan, schedule, timeline
-from .config import StreamConfig, expandable_segments
+from .backward_slots import BackwardSlots
+from .config import StreamConfig
 from .pool import SlotOwnerError, SlotPool
 from .schedule import Phase, PrefetchPlanner
 from .store import HostStore, LayerRecord
@@ -48,16 +49,9 @@ class StreamRuntime:
         self.device = config.device
         self.records = records
         self.store = store
-        # backward slots: a fixed count now, or "auto" decided at the first training step
-        fixed = config.backward_slots if isinstance(config.backward_slots, int) else None
-        if fixed is None and config.device.type != "cuda":
-            fixed = 0  # auto borrows GPU memory; on the host there is none to borrow
+        self.backward = BackwardSlots(config)
         self.pool = SlotPool(config.device, config.slots, store.largest_layer_bytes,
-                             backward_slots=plan.BACKWARD_SLOTS_MAX if fixed is None else fixed)
-        self.backward_slots = fixed or 0
-        self._backward_decided: Dict[Tuple[int, int], int] = {}  # (batch, seq) -> auto count
-        self._borrow_margin = 0  # memory later allocations need while backward slots hold layers
-        self._warned_borrow = False
+                             backward_slots=self.backward.capacity)
         self.planner = self._new_planner(len(records))
         # the resident window: layers kept on the device for good, and the dense numbering
         # of the layers that still stream (the planner sees only those)
@@ -139,7 +133,7 @@ class StreamRuntime:
 
     def _new_planner(self, streamed_layers: int) -> PrefetchPlanner:
         return PrefetchPlanner(max(streamed_layers, 1), self.config.slots, self.config.prefetch,
-                               backward_slots=self.backward_slots)
+                               backward_slots=self.backward.count)
 
     # -- the hot path --------------------------------------------------------------
     def _enter(self, index: int, phase: Phase) -> int:
@@ -153,9 +147,10 @@ class StreamRuntime:
             self._free_backward_slot(slot)
         source = self._load_source
         loads = [(self._layer_of[dense], slot) for dense, slot in plan.loads]
-        if self.backward_slots:
+        if self.backward.count:
             loads = [(layer, slot) for layer, slot in loads
-                     if slot < pool.ring_slots or pool.allocated(slot) or self._borrow(slot)]
+                     if slot < pool.ring_slots or pool.allocated(slot)
+                     or self.backward.borrow(pool, self.planner, slot)]
         for layer, slot in loads:
             pool.load(self.records[layer], slot, compute,
                       None if source is None else source(layer, slot))
@@ -174,40 +169,6 @@ class StreamRuntime:
         if resident > self.peak_resident_layers:
             self.peak_resident_layers = resident
         return plan.slot
-
-    def _borrow(self, slot: int) -> bool:
-        """Allocate a backward slot. With backward_slots="auto", only if this process's
-        memory in use, with it and with what the rest of the step allocates while it is
-        held, stays below its peak so far (the loss); otherwise, or when the allocation
-        fails, stop using that slot, once and loudly."""
-        pool = self.pool
-        if pool.cuda and self.config.backward_slots == "auto":
-            in_use = torch.cuda.memory_allocated(self.device)
-            peak = torch.cuda.max_memory_allocated(self.device)
-            if in_use + pool.slot_bytes + self._borrow_margin > peak:
-                self.planner.disable_backward_slot(slot)
-                if not self._warned_borrow:
-                    self._warned_borrow = True
-                    gib = 2**30
-                    logger.warning(
-                        "layerstream: backward slot %d not used: %.2f GiB in use + %.2f GiB for the slot + "
-                        "%.2f GiB for the rest of backward would pass this run's peak of %.2f GiB (the loss "
-                        "may not hold fp32 logits, e.g. a fused loss). Training goes on with fewer backward "
-                        "slots, a few copies more per step; StreamConfig(backward_slots=0) silences this.",
-                        slot - pool.ring_slots, in_use / gib, pool.slot_bytes / gib,
-                        self._borrow_margin / gib, peak / gib)
-                return False
-        try:
-            pool.allocate(slot)
-        except torch.OutOfMemoryError:
-            self.planner.disable_backward_slot(slot)
-            if not self._warned_borrow:
-                self._warned_borrow = True
-                logger.warning("layerstream: backward slot %d not used: the GPU has no room for it. "
-                               "Training goes on with fewer backward slots, a few copies more per step.",
-                               slot - pool.ring_slots)
-            return False
-        return True
 
     def _free_backward_slot(self, slot: int) -> None:
         for key in [key for key in self._bindings if key[0] == slot]:
@@ -252,7 +213,7 @@ class StreamRuntime:
             return self._run(layer, index, Phase.INFERENCE, args, kwargs)
         if index == 0 and self.config.vram_budget is not None and args:
             self._check_budget(args[0])
-        if index == 0 and self.config.backward_slots == "auto" and self.pool.cuda and args:
+        if index == 0 and self.backward.auto and args:
             self._decide_backward_slots(args[0])
         self._check_trainable(index)
         kwargs = self._drop_cache(kwargs)
@@ -307,45 +268,11 @@ class StreamRuntime:
             f"Nothing has been computed yet. What would fit:\n{advice}")
 
     def _decide_backward_slots(self, hidden: torch.Tensor) -> None:
-        """backward_slots="auto": as many as the memory planner finds room for below the
-        loss, at the first training step of each batch shape; a later shape may lower the
-        count, never raise it (the slots' memory is borrowed from the smallest loss seen)."""
-        if hidden.dim() < 2 or (int(hidden.shape[0]), int(hidden.shape[1])) in self._backward_decided:
-            return
-        batch, seq = int(hidden.shape[0]), int(hidden.shape[1])
-        count = 0
-        if self.config.vram_budget is not None:
-            if not self._backward_decided:
-                logger.info("layerstream: no backward slots under vram_budget: the resident window "
-                            "spends the budget, and each window layer saves two copies per step to a "
-                            "backward slot's one")
-        elif not expandable_segments():
-            if not self._backward_decided:
-                logger.info("layerstream: no backward slots: backward_slots='auto' needs the caching "
-                            "allocator's expandable segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, "
-                            "set before CUDA starts); with them, where the loss sets the memory peak, a few "
-                            "more layers stay on the GPU across each step boundary")
-        elif self.pool.cuda:
-            try:
-                memory = plan.plan_for_model(self.model, seq, batch, slots=self.config.slots,
-                                             stream_embeddings=self.ends is not None)
-            except ValueError as exc:
-                logger.info("layerstream: no backward slots: the model's memory cannot be predicted (%s)", exc)
-            else:
-                streamed = len(self.records) - len(self._window)
-                count = plan.backward_slot_count(memory.loss_phase_bytes, memory.layer_working_bytes,
-                                                 memory.lora_bytes, self.store.largest_layer_bytes,
-                                                 streamed, self.config.slots)
-                self._borrow_margin = memory.layer_working_bytes + 3 * memory.lora_bytes
-        if self._backward_decided:
-            count = min(count, self.backward_slots)
-        self._backward_decided[(batch, seq)] = count
-        if count != self.backward_slots:
-            self.backward_slots = count
+        streamed = len(self.records) - len(self._window)
+        if self.backward.decide(self.model, hidden, streamed, self.ends is not None,
+                                self.store.largest_layer_bytes) is not None:
             self._forget_slots()
             self.planner = self._new_planner(len(self._layer_of))
-            logger.info("layerstream: %d backward slot(s) of %.2f GiB at batch %d x %d tokens", count,
-                        self.store.largest_layer_bytes / 2**30, batch, seq)
 
     # -- resident window -------------------------------------------------------------
     def _fit_window(self, memory) -> None:
@@ -616,7 +543,7 @@ class StreamRuntime:
             f"  device       {self.device}: {self.config.slots} slots{self._auto_note('slots')} x "
             f"{self.pool.slot_bytes / 2**20:.1f} MiB = {self.pool.total_bytes / gib:.3f} GiB",
             f"  prefetch     {self.config.prefetch} layer(s) ahead{self._auto_note('prefetch')}",
-            f"  backward     {self._backward_note()}",
+            f"  backward     {self.backward.note(self.planner.backward_slots, self.pool.cuda)}",
         ]
         if self.ends is not None:
             lines += [f"  ends         streamed: {self.ends.describe()}",
@@ -625,15 +552,6 @@ class StreamRuntime:
             lines += ["  ends         resident (stream_embeddings=False)",
                       "  resident     embeddings, final norm, head, and every trainable tensor"]
         return "\n".join(lines)
-
-    def _backward_note(self) -> str:
-        if self.config.backward_slots == "auto" and not self._backward_decided:
-            return ("backward slots: auto, decided at the first training step (room below the loss "
-                    "for extra slots outside it)" if self.pool.cuda else "no backward slots (auto: none on the host)")
-        count = self.planner.backward_slots
-        return (f"{count} backward slot(s) x {self.pool.slot_bytes / 2**20:.1f} MiB, allocated "
-                f"outside the loss{self._auto_note('backward_slots')}" if count else
-                f"no backward slots{self._auto_note('backward_slots')}")
 
     def _auto_note(self, name: str) -> str:
         return " (auto)" if name in self.config.automatic else ""
