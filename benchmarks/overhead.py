@@ -112,7 +112,9 @@ def main():
     parser.add_argument("--seq", type=int, default=16)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--configs", default="2:1,3:1,4:2")
+    parser.add_argument("--configs", default="2:1,3:1,4:2",
+                        help="slots:prefetch[:backward_slots] list (backward slots default to auto, "
+                             "which takes none at this shape: its loss is tiny)")
     args = parser.parse_args()
     ids = torch.randint(0, 256, (1, args.seq), device="cuda")
     base = tiny_deep_model(args.layers)
@@ -123,12 +125,14 @@ def main():
     gc.disable()
     original_call = layer_mod.call_unstreamed
     for spec in args.configs.split(","):
-        slots, prefetch = (int(x) for x in spec.split(":"))
+        fields = spec.split(":")
+        slots, prefetch = int(fields[0]), int(fields[1])
+        backward = int(fields[2]) if len(fields) > 2 else "auto"
         model = copy.deepcopy(base)
-        layerstream.stream_model(model, slots=slots, prefetch=prefetch)
+        layerstream.stream_model(model, slots=slots, prefetch=prefetch, backward_slots=backward)
         model.cuda()
         runtime = layerstream.get_runtime(model)
-        row = {"slots": slots, "prefetch": prefetch}
+        row = {"slots": slots, "prefetch": prefetch, "backward_slots_asked": backward}
         diff, res = ab(Stepper(plain, ids, False), Stepper(model, ids, False), args.iters, args.warmup)
         row["infer_ab_us_per_visit"] = diff / args.layers * 1e6
         row["resident_infer_us_per_layer"] = res / args.layers * 1e6
@@ -150,6 +154,7 @@ def main():
             row["engine_train_us_per_visit" if train else "engine_infer_us_per_visit"] = median(per_step)
         layer_mod.call_unstreamed = original_call
         row["pinned"] = runtime.stats()["pinned"]
+        row["backward_slots"] = runtime.stats()["backward_slots"]
         results["rows"].append(row)
         print(row, flush=True)
         del runtime._run
