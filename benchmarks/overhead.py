@@ -166,7 +166,7 @@ def main():
           "A/B us/visit train (vs ckpt) | A/B train (vs no ckpt) | resident us/layer infer |")
     print("|---|---|---|---|---|---|---|")
     for r in results["rows"]:
-        print(f"| {r['slots']}:{r['prefetch']} | {r['engine_infer_us_per_visit']:.1f} | "
+        print(f"| {r['slots']}:{r['prefetch']}+{r['backward_slots']} | {r['engine_infer_us_per_visit']:.1f} | "
               f"{r['engine_train_us_per_visit']:.1f} | {r['infer_ab_us_per_visit']:.1f} | "
               f"{r['train_ab_us_per_visit']:.1f} | {r['train_ab_vs_no_ckpt_us_per_visit']:.1f} | "
               f"{r['resident_infer_us_per_layer']:.0f} |")
