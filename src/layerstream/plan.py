@@ -507,7 +507,7 @@ class MemoryPlan:
 
         kept = set(spread_resident(self.num_layers, self.window_layers))
         streamed = [size for index, size in enumerate(self.layer_bytes) if index not in kept]
-        backward = min(self.backward_slots, max(0, len(streamed) - self.slots - 1))
+        backward = min(self.backward_slots, max(0, len(streamed) - 2 * self.slots))
         return _copies(streamed, self.slots, backward)
 
     @property
@@ -548,12 +548,12 @@ def backward_slot_count(loss_phase_bytes: int, working_bytes: int, lora_bytes: i
     step does not: the loss phase less one layer's recompute and backward, the adapters'
     gradients and the optimizer's temporaries (two more adapter-sized tensors) that come
     while backward slots hold layers. None when a layer's working set, not the loss, sets
-    the peak (the memory would raise it). At most one fewer than the layers beyond the
-    ring, so the last layer is never kept across the step boundary in one."""
+    the peak (the memory would raise it). At most the layers beyond twice the ring: the
+    ones they keep are then none of the last ``slots`` (schedule.PrefetchPlanner)."""
     room = loss_phase_bytes - working_bytes - 3 * lora_bytes
     if room <= 0 or slot_bytes <= 0:
         return 0
-    return int(min(BACKWARD_SLOTS_MAX, max(0, streamed_layers - slots - 1), room // slot_bytes))
+    return int(min(BACKWARD_SLOTS_MAX, max(0, streamed_layers - 2 * slots), room // slot_bytes))
 
 
 def loader_arena_bytes(sizes: Sequence[int], arena_bytes: int) -> int:
@@ -683,6 +683,8 @@ def _build(config, seq: int, batch: int, vram_bytes: int, quantization: str, dty
     peak = fixed + slots * max_layer
     if backward_slots is None:
         backward_slots = backward_slot_count(loss + head_copy, working, lora_bytes, max_layer, len(sizes), slots)
+    else:  # as many as the engine's planner takes (schedule.PrefetchPlanner)
+        backward_slots = min(backward_slots, max(0, len(sizes) - 2 * slots))
     copied_layers, copied_bytes = _copies(sizes, slots, backward_slots)
     copied_bytes += ends_copies
     store = sum(sizes)

@@ -514,7 +514,7 @@ class StreamRuntime:
             "stalls": pool.stalls,
             "peak_resident_layers": self.peak_resident_layers,
             "slot_bytes": pool.ring_bytes,
-            "backward_slots": self.planner.backward_slots,
+            "backward_slots": self.planner.active_backward_slots,
             "backward_slot_peak_bytes": pool.borrowed_peak_bytes,
             "host_bytes": self.store.host_bytes + (self.ends.host_bytes if self.ends is not None else 0),
             "pinned": self.store.pinned,

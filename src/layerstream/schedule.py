@@ -20,13 +20,13 @@ Eviction follows the prediction: the slot whose owner is needed furthest in the 
 is overwritten first, and never one whose owner is needed before the layer being
 fetched (that would only trade one wait for another).
 
-Backward slots: extra slots that exist for the whole step except around the loss. They
-take memory at backward visits only; in the next forward a copy may reuse one still held
-(for a layer before the last ``slots``), and they are given back from the visit before
-the last ``slots`` layers on. So none is held while the loss holds its logits, the
-step's memory peak: they borrow that memory for the rest of the step. With them the
-backward copies further ahead (its first copy need not wait for the last layer's
-backward to free a slot), and more layers stay across the step boundary.
+Backward slots: extra slots, one for each of the layers ``slots`` .. ``slots +
+backward_slots - 1``, that take memory when backward copies that layer in and give it
+back once the next forward has run it. So they hold memory from late in backward until
+early in the next forward, never while the loss holds its logits, the step's memory
+peak: they borrow that memory for the rest of the step. With them those layers stay on
+the GPU across the step boundary (one copy fewer per step each), copied early in the
+backward's tail because they need no ring slot to free.
 """
 
 from __future__ import annotations
@@ -73,9 +73,10 @@ class PrefetchPlanner:
         self.num_layers = num_layers
         self.slots = slots
         self.prefetch = prefetch
-        # at most num_layers - slots - 1: the layers kept across the step boundary then
-        # never include the last one, which a backward slot would hold through the loss
-        self.backward_slots = min(backward_slots, max(0, num_layers - slots - 1))
+        # at most num_layers - 2 * slots: the layers they keep (slots .. slots +
+        # backward_slots - 1) are then none of the last ``slots``, which the ring keeps
+        # across the forward/backward turnaround and which run just before the loss
+        self.backward_slots = min(backward_slots, max(0, num_layers - 2 * slots))
         # slots 0..slots-1 are the ring; slots from `slots` on are backward slots
         self.owner: List[Optional[int]] = [None] * (slots + self.backward_slots)
         self.slot_of: dict = {}
@@ -124,23 +125,20 @@ class PrefetchPlanner:
                     break
         return out
 
+    @property
+    def active_backward_slots(self) -> int:
+        """Backward slots still in use (some may have been disabled: no memory for them)."""
+        return self.backward_slots - len(self._disabled)
+
     # -- planning ------------------------------------------------------------------
     def _candidates(self, phase: Phase, target: Optional[int] = None):
-        """Slots a copy of ``target`` planned at a visit of this phase may go into.
-
-        Backward visits: the ring and every backward slot in use. Training forward visits:
-        the ring, and backward slots that still hold a layer (no new memory is taken in
-        forward), for layers before the last ``slots`` ones (so the slot is emptied by the
-        visit after that layer's forward, before the loss, and the layers kept across the
-        turnaround stay in the ring). Inference: the ring.
-        """
-        if len(self._disabled) == self.backward_slots:
-            return range(self.slots)
-        if phase is Phase.BACKWARD:
+        """Slots a copy of ``target`` planned at a visit of this phase may go into: the
+        ring, and at backward visits the backward slots for the layers they keep across
+        the step boundary (``slots`` .. ``slots + backward_slots - 1``; the ring keeps the
+        first ``slots``, so the next forward's first copy waits only for layer 0)."""
+        if (phase is Phase.BACKWARD and target is not None
+                and self.slots <= target < self.slots + self.active_backward_slots):
             return [slot for slot in range(len(self.owner)) if slot not in self._disabled]
-        if phase is Phase.TRAIN_FORWARD and target is not None and target < self.num_layers - self.slots:
-            return [slot for slot in range(len(self.owner))
-                    if slot < self.slots or self.owner[slot] is not None]
         return range(self.slots)
 
     def _victim(self, needed_at: int, position: int, phase: Phase, keep: set,
@@ -193,11 +191,7 @@ class PrefetchPlanner:
 
     def _spent_backward_slots(self, layer: int, phase: Phase) -> Tuple[int, ...]:
         """Backward slots to give back at this forward visit: those whose layer this pass
-        has already run (its kernels are queued), once no forward copy can take them over:
-        in inference at once, in training from the visit before the last ``slots`` layers
-        (then none is held at the loss)."""
-        if phase is Phase.TRAIN_FORWARD and layer < self.num_layers - self.slots - 1:
-            return ()
+        has already run (its kernels are queued)."""
         return tuple(slot for slot in range(self.slots, len(self.owner))
                      if self.owner[slot] is not None and self.owner[slot] < layer)
 
@@ -209,14 +203,14 @@ class PrefetchPlanner:
         slot = self.slot_of.get(layer)
         if slot is None:
             demand = True
-            slot = self._victim(0, position, phase, keep=set())
+            slot = self._victim(0, position, phase, set(), layer)
             if slot is None:  # every owner is needed now: impossible with >= 2 slots
                 raise RuntimeError("no slot can take the visited layer")
             self._assign(layer, slot)
             loads.append((layer, slot))
         lookahead = self._lookahead.get((layer, phase))
         if lookahead is None:
-            ahead = self.prefetch + (self.backward_slots if phase is Phase.BACKWARD else 0)
+            ahead = self.prefetch + (self.active_backward_slots if phase is Phase.BACKWARD else 0)
             lookahead = tuple((t, self._distance(t, position, phase))
                               for t in self.upcoming(layer, phase, ahead))
             self._lookahead[(layer, phase)] = lookahead
@@ -243,6 +237,7 @@ class PrefetchPlanner:
             self.owner[slot] = None
         self._disabled.add(slot)
         self._plans.clear()
+        self._lookahead.clear()
 
     def forget(self) -> None:
         """Drop all ownership (after a fault, or when slots were released)."""
