@@ -106,18 +106,19 @@ class StreamConfig:
         against the layer's host bytes, and raise at the first mismatch naming the layer
         and slot. Waits for the device on every copy and visit: slow, for debugging only.
         Default: on when the environment variable LAYERSTREAM_CHECKSUM=1.
-    backward_slots: extra slots that exist for the whole step except around the loss: they
-        take memory at backward visits and give it back before the last layers' forward,
-        so they never coexist with the loss's logits, the step's memory peak. Backward then
-        copies further ahead, and more layers stay on the GPU across the step boundary
-        (one copy fewer per step each). Default "auto": as many as the memory planner finds
-        room for below the loss (at most 4; none where a layer's working set sets the
-        peak), decided at the first training step of each batch shape, each allocated only
-        while memory in use stays below this process's peak so far; and only on CUDA, with
-        no vram_budget (the resident window spends a budget better: a window layer saves
-        two copies per step), and with the caching allocator's expandable segments
-        (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True): without them the loss's memory,
-        reused in blocks of another size, can fragment. 0: none; an integer: that many.
+    backward_slots: extra slots, one for each of the layers slots .. slots +
+        backward_slots - 1, that take memory when backward copies that layer in and give
+        it back once the next forward has run it: they never coexist with the loss's
+        logits, the step's memory peak. Those layers stay on the GPU across each step
+        boundary, one copy fewer per step each. Default "auto": as many as the memory
+        planner finds room for below the loss (at most 4; none where a layer's working
+        set sets the peak), decided at the first training step of each batch shape, each
+        allocated only while memory in use stays below this process's peak so far; and
+        only on CUDA, with no vram_budget (the resident window spends a budget better: a
+        window layer saves two copies per step), and with the caching allocator's
+        expandable segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True): without
+        them the loss's memory, reused in blocks of another size, can fragment.
+        0: none; an integer: that many (at most the layers beyond twice ``slots``).
     stream_embeddings: also keep the input embedding and the output head in (pinned) host
         memory instead of on the GPU (2 x 2.1 GB of bf16 for a 70B model). The embedding
         gathers its rows on the host and copies only those; the head's weight is copied to

@@ -442,7 +442,7 @@ class MemoryPlan:
     slots: int
     slots_auto: bool
     slot_bytes: int
-    backward_slots: int  # extra slots between the loss and the next forward (borrowed memory)
+    backward_slots: int  # extra slots, late backward to early next forward (the loss's memory)
     # activations
     boundary_bytes: int  # one hidden state per layer boundary (checkpointing keeps these)
     layer_working_bytes: int  # one layer's recompute + backward
