@@ -572,6 +572,17 @@ def test_cli_plan_stream_embeddings(tmp_path, capsys):
     assert "2 head copies (forward, backward), embedding rows" in out and "all copies" in out
 
 
+def test_cli_plan_backward_slots(tmp_path, capsys):
+    write_config(tmp_path, LLAMA3_8B)
+    assert cli.main(["plan", "--model", str(tmp_path), "--vram", "16GiB", "--seq", "2048", "--slots", "3",
+                     "--backward-slots", "auto"]) == 0
+    out = capsys.readouterr().out
+    assert "backward slots: 4 x 0.41 GiB (not at the peak)" in out and "54 layer copies" in out
+    assert cli.main(["plan", "--model", str(tmp_path), "--vram", "16GiB", "--seq", "2048", "--slots", "3",
+                     "--backward-slots", "2"]) == 0
+    assert "56 layer copies (32 - 5 + 32 - 3)" in capsys.readouterr().out
+
+
 # -- parsing ------------------------------------------------------------------------------
 @pytest.mark.parametrize("text, expected", [
     ("16GiB", 16 * 2**30), ("24GB", 24 * 10**9), ("1.5GiB", 3 * 2**29), ("16000000000", 16 * 10**9),

@@ -43,6 +43,7 @@ def _write(tmp_path, text):
     ("training: {eval_strategy: sometimes}\nstream: {device: cpu}\n", r"training: .*sometimes"),
     ("stream: {device: cpu, vram: 16 gigs}\n", r"stream.vram: unknown unit .gigs."),
     ("stream: {device: cpu, vram: 900MiB}\n", r"does not fit in 0.9 GiB .* even when streamed"),
+    ("stream: {device: cpu, backward_slots: -1}\n", r"stream: backward_slots must be an integer >= 0 or 'auto'"),
 ])
 def test_bad_configs_stop_before_any_work(tmp_path, text, match):
     out = tmp_path / "never"

@@ -50,6 +50,19 @@ def test_unchanged_script_under_the_launcher_matches_the_plain_run(tmp_path, mon
     assert not any(key.startswith("layerstream/") for entry in plain for key in entry)
 
 
+def test_streaming_arguments_carry_backward_slots_and_refuse_bad_ones():
+    parser = HfArgumentParser((layerstream.StreamingArguments,))
+    (streaming,) = parser.parse_args_into_dataclasses(
+        ["--layer_stream_backward_slots", "1", "--layer_stream_device", "cpu"])
+    assert streaming.to_config().backward_slots == 1
+    (streaming,) = parser.parse_args_into_dataclasses(["--layer_stream_device", "cpu"])
+    assert streaming.to_config().backward_slots == "auto"
+    (streaming,) = parser.parse_args_into_dataclasses(
+        ["--layer_stream_backward_slots", "some", "--layer_stream_device", "cpu"])
+    with pytest.raises(layerstream.StreamConfigError, match="layer_stream_backward_slots"):
+        streaming.to_config()
+
+
 def test_streaming_arguments_flags_stream_the_trainers_model(tmp_path):
     (streaming,) = HfArgumentParser((layerstream.StreamingArguments,)).parse_args_into_dataclasses(
         ["--layer_stream", "--layer_stream_slots", "2", "--layer_stream_device", "cpu"])

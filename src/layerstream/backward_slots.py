@@ -19,7 +19,7 @@ import torch
 from . import plan
 from .config import StreamConfig, expandable_segments
 
-logger = logging.getLogger(__name__.rsplit(".", 1)[0] + ".runtime")
+logger = logging.getLogger(__name__)
 
 
 class BackwardSlots:
