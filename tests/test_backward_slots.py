@@ -116,3 +116,26 @@ def test_auto_takes_no_backward_slots_under_a_vram_budget(expandable, caplog):
         train_steps(streamed, 2, "cuda", seq=256)
     assert layerstream.get_runtime(streamed).stats()["backward_slots"] == 0
     assert "no backward slots under vram_budget" in caplog.text
+
+
+def test_a_backward_slot_without_memory_is_dropped_once_loudly_and_training_stays_exact(monkeypatch, caplog):
+    """The allocation of a backward slot fails (no room on the GPU): the planner stops
+    using that slot, the run warns once, and the layers it would have kept load into
+    the ring instead, bit for bit the same."""
+    streamed, resident = peft_pair("llama", layers=8)
+    stream(streamed, "cpu", slots=2, prefetch=1, backward_slots=2)
+    pool = layerstream.get_runtime(streamed).pool
+    original = pool.allocate
+
+    def allocate(slot):
+        if slot == pool.ring_slots:  # the first backward slot never gets memory
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        original(slot)
+
+    monkeypatch.setattr(pool, "allocate", allocate)
+    with caplog.at_level("WARNING", logger="layerstream"):
+        trace = train_steps(streamed, 4)
+    assert_traces_equal(trace, train_steps(resident, 4))
+    assert caplog.text.count("not used: the GPU has no room for it") == 1
+    stats = layerstream.get_runtime(streamed).stats()
+    assert stats["backward_slots"] == 1 and stats["backward_slot_peak_bytes"] == pool.slot_bytes

@@ -50,7 +50,7 @@ class VisitPlan:
     loads: (layer, slot) copies to issue now, in order. The first one is the visited
         layer itself when it was not resident (a demand load); the rest are prefetches.
     demand: True when the visited layer had to be loaded at its own visit.
-    drop: backward slots emptied before this visit (their memory can be freed now: every
+    drop: backward slots given back at this visit (their memory can be freed now: every
         kernel that read them is queued).
     """
 
@@ -203,7 +203,9 @@ class PrefetchPlanner:
         slot = self.slot_of.get(layer)
         if slot is None:
             demand = True
-            slot = self._victim(0, position, phase, set(), layer)
+            # into the ring: a backward slot's memory may not be there (its loads can be
+            # refused), and the layer computing must have its slot
+            slot = self._victim(0, position, phase, keep=set())
             if slot is None:  # every owner is needed now: impossible with >= 2 slots
                 raise RuntimeError("no slot can take the visited layer")
             self._assign(layer, slot)
