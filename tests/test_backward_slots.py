@@ -139,3 +139,19 @@ def test_a_backward_slot_without_memory_is_dropped_once_loudly_and_training_stay
     assert caplog.text.count("not used: the GPU has no room for it") == 1
     stats = layerstream.get_runtime(streamed).stats()
     assert stats["backward_slots"] == 1 and stats["backward_slot_peak_bytes"] == pool.slot_bytes
+
+
+def test_the_summary_says_why_auto_takes_no_backward_slots(monkeypatch):
+    from layerstream.backward_slots import BackwardSlots
+    from layerstream.config import StreamConfig
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(backward_mod, "expandable_segments", lambda: False)
+    assert "needs PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in BackwardSlots(
+        StreamConfig(device="cuda:0")).note(0, cuda=True)
+    monkeypatch.setattr(backward_mod, "expandable_segments", lambda: True)
+    assert "decided at the first training step" in BackwardSlots(StreamConfig(device="cuda:0")).note(0, cuda=True)
+    assert "resident window" in BackwardSlots(StreamConfig(device="cuda:0", vram_budget="8GiB")).note(0, cuda=True)
+    assert BackwardSlots(StreamConfig(device="cuda:0", backward_slots=2)).note(2, cuda=True) == \
+        "2 backward slot(s), allocated outside the loss"

@@ -114,5 +114,9 @@ class BackwardSlots:
         if how and not cuda:
             return "none (auto: none on the host)"
         if self.auto and not self._decided:
+            if self.config.vram_budget is not None:
+                return "none (auto leaves a vram_budget to the resident window)"
+            if not expandable_segments():
+                return "none (auto needs PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)"
             return "auto, decided at the first training step (extra slots in the loss's memory, used outside the loss)"
         return f"{planner_count} backward slot(s), allocated outside the loss{how}" if planner_count else f"none{how}"
