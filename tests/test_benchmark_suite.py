@@ -10,6 +10,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
+import schedule_sim  # noqa: E402
 import suite  # noqa: E402
 
 
@@ -93,3 +94,20 @@ def test_phase_bound_takes_the_slower_of_copies_and_compute_in_each_phase():
     old = {"step_s": 0.5, "copy_bound_s": 0.4, "bytes_per_step": 20e9}
     throughput.add_bounds(old, {"step_s": 0.35}, gbps)
     assert "phase_bound_s" not in old and old["bound_s"] == 0.4
+
+
+def test_the_schedule_simulator_matches_the_measured_step_and_each_backward_slot_saves_a_copy():
+    """The planner played out with the measured 8B pieces (turnaround.py) predicts the
+    measured all-streamed step within 2%, and each backward slot removes one copy and
+    about one copy's time."""
+    pieces = json.loads((ROOT / "benchmarks/results/turnaround-llama3-8b-seq2048.json").read_text())
+    measured = json.loads((ROOT / "benchmarks/results/suite/cell-llama3-8b-none-2048-1.json").read_text())
+    row = next(r for r in measured["rows"] if (r["slots"], r["prefetch"]) == (3, 2))
+    copy_ms = 436_224_000 / 55.3e9 * 1e3
+    runs = [schedule_sim.simulate(32, 3, 2, count, pieces["layer_forward_ms"], pieces["layer_recompute_backward_ms"],
+                                  pieces["ends_forward_ms"], pieces["ends_backward_ms"], 1.5, copy_ms)
+            for count in range(5)]
+    assert abs(runs[0]["step_ms"] / 1e3 - row["step_s"]) / row["step_s"] < 0.02
+    assert [r["copies"] for r in runs] == [58, 57, 56, 55, 54]
+    for fewer, run in enumerate(runs):
+        assert abs(runs[0]["step_ms"] - run["step_ms"] - fewer * copy_ms) < copy_ms

@@ -1,0 +1,98 @@
+"""Predict a streamed training step's time from the engine's own planner and measured pieces.
+
+No GPU: the planner (``layerstream.schedule.PrefetchPlanner``) decides every copy as it does
+in a run, and two queues play it out. The compute queue runs each visit for a measured
+time (a layer's forward, its recompute and backward, the model's ends at the turnaround,
+the optimizer step at the step's end), after the copy of its layer has finished. The copy
+queue runs the copies in the order they are issued, each for one layer's bytes over the
+pinned bandwidth, after the compute that last read the slot it overwrites. A backward
+slot's memory is new when it is first filled, so its copy waits only for the compute
+queued before that visit.
+
+It assumes the host is never late (at batch 1 and short sequences it is: see
+docs/performance.md), one layer size, and pieces that do not slow each other down.
+Against the H200 (Llama-3-8B bf16, seq 2048, 3:2): 0.499 s predicted, 0.493-0.526 s
+measured; 4 backward slots shorten it by 30 ms, measured 22-40 ms (the pairs in
+docs/performance.md). It predicts a little more idle copy time than was measured
+(0.916x of the copy bound against 0.93x).
+
+    python benchmarks/schedule_sim.py                      # the 8B turnaround pieces, 3:2
+    python benchmarks/schedule_sim.py --slots 3 --prefetch 2 --backward-slots 0,2,4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from layerstream.schedule import Phase, PrefetchPlanner
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def simulate(layers: int, slots: int, prefetch: int, backward_slots: int, forward_ms: float,
+             backward_ms: float, ends_forward_ms: float, ends_backward_ms: float, optimizer_ms: float,
+             copy_ms: float, steps: int = 8) -> dict:
+    """The last of ``steps`` steady training steps: its time and its copies."""
+    planner = PrefetchPlanner(layers, slots, prefetch, backward_slots=backward_slots)
+    total = slots + planner.backward_slots
+    ready, released = [0.0] * total, [0.0] * total
+    allocated = [False] * total
+    copy_free = compute_free = 0.0
+    order = [(i, Phase.TRAIN_FORWARD) for i in range(layers)] + \
+            [(i, Phase.BACKWARD) for i in reversed(range(layers))]
+    step_ms, copies = 0.0, 0
+    for _ in range(steps):
+        start, copies = compute_free, 0
+        for layer, phase in order:
+            plan = planner.visit(layer, phase)
+            for slot in plan.drop:
+                allocated[slot] = False
+            for _, slot in plan.loads:
+                if slot >= slots and not allocated[slot]:
+                    allocated[slot] = True
+                    released[slot] = compute_free  # new memory: only what is queued before
+                begin = max(copy_free, released[slot])
+                copy_free = ready[slot] = begin + copy_ms
+                copies += 1
+            begin = max(compute_free, ready[plan.slot])
+            compute_free = begin + (forward_ms if phase is Phase.TRAIN_FORWARD else backward_ms)
+            released[plan.slot] = compute_free
+            if phase is Phase.TRAIN_FORWARD and layer == layers - 1:
+                compute_free += ends_forward_ms + ends_backward_ms
+            if phase is Phase.BACKWARD and layer == 0:
+                compute_free += optimizer_ms
+        step_ms = compute_free - start
+    copy_bound = copies * copy_ms
+    return {"backward_slots": planner.backward_slots, "step_ms": step_ms, "copies": copies,
+            "copy_ms": copy_bound, "fraction_of_copy_bound": copy_bound / step_ms}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pieces", default=str(RESULTS / "turnaround-llama3-8b-seq2048.json"),
+                        help="a turnaround.py result: the layer and ends times")
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--slots", type=int, default=3)
+    parser.add_argument("--prefetch", type=int, default=2)
+    parser.add_argument("--backward-slots", default="0,1,2,3,4")
+    parser.add_argument("--layer-bytes", type=int, default=436_224_000, help="one layer (Llama-3-8B bf16)")
+    parser.add_argument("--bandwidth-gbps", type=float, default=55.3, help="pinned host->device GB/s")
+    parser.add_argument("--optimizer-ms", type=float, default=1.5, help="measured: throughput.py phases")
+    args = parser.parse_args()
+    pieces = json.loads(Path(args.pieces).read_text())
+    copy_ms = args.layer_bytes / (args.bandwidth_gbps * 1e9) * 1e3
+    print(f"pieces from {args.pieces}; one copy {copy_ms:.2f} ms")
+    print("| backward slots | step ms | copies | copy ms | x copy bound |")
+    print("|---|---|---|---|---|")
+    for count in (int(x) for x in args.backward_slots.split(",")):
+        row = simulate(args.layers, args.slots, args.prefetch, count, pieces["layer_forward_ms"],
+                       pieces["layer_recompute_backward_ms"], pieces["ends_forward_ms"],
+                       pieces["ends_backward_ms"], args.optimizer_ms, copy_ms)
+        print(f"| {row['backward_slots']} | {row['step_ms']:.1f} | {row['copies']} | {row['copy_ms']:.1f} | "
+              f"{row['fraction_of_copy_bound']:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
