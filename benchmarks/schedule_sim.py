@@ -18,6 +18,7 @@ docs/performance.md). It predicts a little more idle copy time than was measured
 
     python benchmarks/schedule_sim.py                      # the 8B turnaround pieces, 3:2
     python benchmarks/schedule_sim.py --slots 3 --prefetch 2 --backward-slots 0,2,4
+    python benchmarks/schedule_sim.py --backward-slots 0 --skip-last-recompute --ends-scale 0.8
 """
 
 from __future__ import annotations
@@ -33,8 +34,10 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 def simulate(layers: int, slots: int, prefetch: int, backward_slots: int, forward_ms: float,
              backward_ms: float, ends_forward_ms: float, ends_backward_ms: float, optimizer_ms: float,
-             copy_ms: float, steps: int = 8) -> dict:
-    """The last of ``steps`` steady training steps: its time and its copies."""
+             copy_ms: float, steps: int = 8, last_backward_ms: float | None = None) -> dict:
+    """The last of ``steps`` steady training steps: its time and its copies.
+    ``last_backward_ms``: the last layer's backward, when it differs (e.g. without its
+    recompute)."""
     planner = PrefetchPlanner(layers, slots, prefetch, backward_slots=backward_slots)
     total = slots + planner.backward_slots
     ready, released = [0.0] * total, [0.0] * total
@@ -57,7 +60,12 @@ def simulate(layers: int, slots: int, prefetch: int, backward_slots: int, forwar
                 copy_free = ready[slot] = begin + copy_ms
                 copies += 1
             begin = max(compute_free, ready[plan.slot])
-            compute_free = begin + (forward_ms if phase is Phase.TRAIN_FORWARD else backward_ms)
+            if phase is Phase.TRAIN_FORWARD:
+                compute_free = begin + forward_ms
+            elif layer == layers - 1 and last_backward_ms is not None:
+                compute_free = begin + last_backward_ms
+            else:
+                compute_free = begin + backward_ms
             released[plan.slot] = compute_free
             if phase is Phase.TRAIN_FORWARD and layer == layers - 1:
                 compute_free += ends_forward_ms + ends_backward_ms
@@ -80,6 +88,10 @@ def main():
     parser.add_argument("--layer-bytes", type=int, default=436_224_000, help="one layer (Llama-3-8B bf16)")
     parser.add_argument("--bandwidth-gbps", type=float, default=55.3, help="pinned host->device GB/s")
     parser.add_argument("--optimizer-ms", type=float, default=1.5, help="measured: throughput.py phases")
+    parser.add_argument("--skip-last-recompute", action="store_true",
+                        help="what if the last layer kept its activations: its backward without its forward")
+    parser.add_argument("--ends-scale", type=float, default=1.0,
+                        help="what if the ends (head and loss) took this fraction of their measured time")
     args = parser.parse_args()
     pieces = json.loads(Path(args.pieces).read_text())
     copy_ms = args.layer_bytes / (args.bandwidth_gbps * 1e9) * 1e3
@@ -87,9 +99,11 @@ def main():
     print("| backward slots | step ms | copies | copy ms | x copy bound |")
     print("|---|---|---|---|---|")
     for count in (int(x) for x in args.backward_slots.split(",")):
-        row = simulate(args.layers, args.slots, args.prefetch, count, pieces["layer_forward_ms"],
-                       pieces["layer_recompute_backward_ms"], pieces["ends_forward_ms"],
-                       pieces["ends_backward_ms"], args.optimizer_ms, copy_ms)
+        forward, backward = pieces["layer_forward_ms"], pieces["layer_recompute_backward_ms"]
+        row = simulate(args.layers, args.slots, args.prefetch, count, forward, backward,
+                       args.ends_scale * pieces["ends_forward_ms"], args.ends_scale * pieces["ends_backward_ms"],
+                       args.optimizer_ms, copy_ms,
+                       last_backward_ms=backward - forward if args.skip_last_recompute else None)
         print(f"| {row['backward_slots']} | {row['step_ms']:.1f} | {row['copies']} | {row['copy_ms']:.1f} | "
               f"{row['fraction_of_copy_bound']:.3f} |")
 

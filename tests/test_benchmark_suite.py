@@ -111,3 +111,8 @@ def test_the_schedule_simulator_matches_the_measured_step_and_each_backward_slot
     assert [r["copies"] for r in runs] == [58, 57, 56, 55, 54]
     for fewer, run in enumerate(runs):
         assert abs(runs[0]["step_ms"] - run["step_ms"] - fewer * copy_ms) < copy_ms
+    # the last layer without its recompute: at most its forward shorter, the copies the same
+    skip = schedule_sim.simulate(32, 3, 2, 0, pieces["layer_forward_ms"], pieces["layer_recompute_backward_ms"],
+                                 pieces["ends_forward_ms"], pieces["ends_backward_ms"], 1.5, copy_ms,
+                                 last_backward_ms=pieces["layer_recompute_backward_ms"] - pieces["layer_forward_ms"])
+    assert skip["copies"] == 58 and 0 < runs[0]["step_ms"] - skip["step_ms"] <= pieces["layer_forward_ms"] + 1e-9
