@@ -74,6 +74,12 @@ def build_random(shape, dtype=torch.bfloat16, layers: int | None = None, attn: s
     return model
 
 
+def parse_streamed_config(spec: str):
+    """A streamed row's "slots:prefetch[:backward_slots]" (backward slots default to auto)."""
+    fields = spec.split(":")
+    return int(fields[0]), int(fields[1]), int(fields[2]) if len(fields) > 2 else "auto"
+
+
 def cuda_timer():
     torch.cuda.synchronize()
     return time.perf_counter()

@@ -27,7 +27,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import layerstream
 from layerstream import layer as layer_mod
-from common import cuda_timer, median, write_result
+from common import cuda_timer, median, parse_streamed_config, write_result
 
 
 def tiny_deep_model(layers: int):
@@ -125,9 +125,7 @@ def main():
     gc.disable()
     original_call = layer_mod.call_unstreamed
     for spec in args.configs.split(","):
-        fields = spec.split(":")
-        slots, prefetch = int(fields[0]), int(fields[1])
-        backward = int(fields[2]) if len(fields) > 2 else "auto"
+        slots, prefetch, backward = parse_streamed_config(spec)
         model = copy.deepcopy(base)
         layerstream.stream_model(model, slots=slots, prefetch=prefetch, backward_slots=backward)
         model.cuda()

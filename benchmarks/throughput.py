@@ -24,7 +24,8 @@ from peft import LoraConfig, get_peft_model
 
 import layerstream
 from layerstream.plan import parse_bytes
-from common import build_random, build_random_nf4, cuda_timer, median, pinned_bandwidth, write_result
+from common import (build_random, build_random_nf4, cuda_timer, median, parse_streamed_config, pinned_bandwidth,
+                    write_result)
 
 
 def run_steps(model, ids, steps: int, warmup: int, trace: str | None = None, copied=None):
@@ -158,9 +159,7 @@ def main():
         torch.cuda.empty_cache()
 
     for spec in args.configs.split(","):
-        fields = spec.split(":")
-        slots, prefetch = int(fields[0]), int(fields[1])
-        backward = int(fields[2]) if len(fields) > 2 else "auto"
+        slots, prefetch, backward = parse_streamed_config(spec)
         budget = parse_bytes(args.budget) if args.budget else None
         layerstream.stream_model(model, slots=slots, prefetch=prefetch, vram_budget=budget,
                                  stream_embeddings=args.stream_embeddings, backward_slots=backward)

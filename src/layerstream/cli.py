@@ -8,7 +8,6 @@ import sys
 
 def _add_plan_parser(sub) -> argparse.ArgumentParser:
     from .config import int_or_auto
-
     from .plan import DEFAULT_BANDWIDTH_GBPS, QUANTIZATIONS
 
     plan = sub.add_parser(

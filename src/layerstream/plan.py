@@ -40,6 +40,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from .config import DEFAULT_ARENA_BYTES
+from .schedule import usable_backward_slots
 
 GiB = 1 << 30
 
@@ -72,12 +73,12 @@ ADAMW_STATES = 2
 LOSS_LOGIT_COPIES = 3
 
 SLOT_CHOICES = range(2, 9)  # auto slots: the largest of these that fits
-# advice suggests streaming the embedding and head when they are at least this share of
-# what stays on the GPU for the whole step (Llama-3-8B bf16: 21%; 70B NF4: 25%)
 # backward slots (schedule.py) hold at most this many layers: each is memory the loss
 # phase needs and the rest of the step does not, but the planner's activation figures are
 # a few percent off at some shapes, so the borrowing stays modest
 BACKWARD_SLOTS_MAX = 4
+# advice suggests streaming the embedding and head when they are at least this share of
+# what stays on the GPU for the whole step (Llama-3-8B bf16: 21%; 70B NF4: 25%)
 STREAM_EMBEDDINGS_ADVICE_SHARE = 0.10
 STREAM_EMBEDDINGS_ADVICE = "use --stream-embeddings (StreamConfig(stream_embeddings=True))"
 DEFAULT_BANDWIDTH_GBPS = 55.0  # the team's measured pinned host->device bandwidth, H200
@@ -507,8 +508,7 @@ class MemoryPlan:
 
         kept = set(spread_resident(self.num_layers, self.window_layers))
         streamed = [size for index, size in enumerate(self.layer_bytes) if index not in kept]
-        backward = min(self.backward_slots, max(0, len(streamed) - 2 * self.slots))
-        return _copies(streamed, self.slots, backward)
+        return _copies(streamed, self.slots, usable_backward_slots(self.backward_slots, len(streamed), self.slots))
 
     @property
     def largest_tokens(self) -> int:
@@ -548,12 +548,11 @@ def backward_slot_count(loss_phase_bytes: int, working_bytes: int, lora_bytes: i
     step does not: the loss phase less one layer's recompute and backward, the adapters'
     gradients and the optimizer's temporaries (two more adapter-sized tensors) that come
     while backward slots hold layers. None when a layer's working set, not the loss, sets
-    the peak (the memory would raise it). At most the layers beyond twice the ring: the
-    ones they keep are then none of the last ``slots`` (schedule.PrefetchPlanner)."""
+    the peak (the memory would raise it); never more than ``usable_backward_slots``."""
     room = loss_phase_bytes - working_bytes - 3 * lora_bytes
     if room <= 0 or slot_bytes <= 0:
         return 0
-    return int(min(BACKWARD_SLOTS_MAX, max(0, streamed_layers - 2 * slots), room // slot_bytes))
+    return usable_backward_slots(int(min(BACKWARD_SLOTS_MAX, room // slot_bytes)), streamed_layers, slots)
 
 
 def loader_arena_bytes(sizes: Sequence[int], arena_bytes: int) -> int:
@@ -683,8 +682,8 @@ def _build(config, seq: int, batch: int, vram_bytes: int, quantization: str, dty
     peak = fixed + slots * max_layer
     if backward_slots is None:
         backward_slots = backward_slot_count(loss + head_copy, working, lora_bytes, max_layer, len(sizes), slots)
-    else:  # as many as the engine's planner takes (schedule.PrefetchPlanner)
-        backward_slots = min(backward_slots, max(0, len(sizes) - 2 * slots))
+    else:
+        backward_slots = usable_backward_slots(backward_slots, len(sizes), slots)
     copied_layers, copied_bytes = _copies(sizes, slots, backward_slots)
     copied_bytes += ends_copies
     store = sum(sizes)

@@ -60,6 +60,14 @@ class VisitPlan:
     drop: Tuple[int, ...] = ()
 
 
+def usable_backward_slots(wanted: int, num_layers: int, slots: int) -> int:
+    """How many of ``wanted`` backward slots a stack can use: at most the layers beyond
+    twice the ring, so the layers they keep (``slots`` .. ``slots + n - 1``) are none of
+    the last ``slots``, which the ring keeps across the forward/backward turnaround and
+    which run just before the loss."""
+    return min(wanted, max(0, num_layers - 2 * slots))
+
+
 class PrefetchPlanner:
     """Tracks slot owners and plans copies for a stack of ``num_layers`` layers."""
 
@@ -73,10 +81,7 @@ class PrefetchPlanner:
         self.num_layers = num_layers
         self.slots = slots
         self.prefetch = prefetch
-        # at most num_layers - 2 * slots: the layers they keep (slots .. slots +
-        # backward_slots - 1) are then none of the last ``slots``, which the ring keeps
-        # across the forward/backward turnaround and which run just before the loss
-        self.backward_slots = min(backward_slots, max(0, num_layers - 2 * slots))
+        self.backward_slots = usable_backward_slots(backward_slots, num_layers, slots)
         # slots 0..slots-1 are the ring; slots from `slots` on are backward slots
         self.owner: List[Optional[int]] = [None] * (slots + self.backward_slots)
         self.slot_of: dict = {}

@@ -172,8 +172,7 @@ def check_fits(config, where: str = "config") -> None:
                                 quantization=config["model"]["quantization"], dtype=config["model"]["dtype"],
                                 lora_rank=config["lora"]["r"], slots=config["stream"]["slots"],
                                 lora_targets=targets,
-                                stream_embeddings=config["stream"]["stream_embeddings"],
-                                backward_slots=0)  # the peak does not depend on them
+                                stream_embeddings=config["stream"]["stream_embeddings"])
     except (ValueError, OSError) as exc:
         raise TrainConfigError(
             f"{where}: cannot plan this run: {exc}. Point model.config at the model's config.json "
