@@ -8,6 +8,7 @@ from peft import PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
 import layerstream
+from layerstream.pool import TIMED_COPY_EVERY
 from tiny import assert_traces_equal, lora_config, peft_pair, stream, tiny_model, train_steps
 
 
@@ -131,3 +132,21 @@ def test_stats_report_the_required_counters(device):
     assert stats["host_bytes"] >= sum(r.nbytes for r in runtime.records)
     assert stats["slot_bytes"] == 3 * runtime.pool.slot_bytes
     assert stats["h2d_seconds"] > 0
+
+
+def test_copy_time_is_measured_on_one_copy_in_n_and_scaled_to_every_byte(device):
+    """Timing a copy costs CUDA calls on the hot path, so one copy in TIMED_COPY_EVERY is
+    timed (the first, then every n-th); h2d_seconds scales their time to all bytes copied,
+    and h2d_gbps is their bandwidth."""
+    streamed, _ = peft_pair("llama", layers=5)
+    stream(streamed, device, slots=2, prefetch=1)
+    train_steps(streamed, 8, device)
+    runtime = layerstream.get_runtime(streamed)
+    stats, pool = runtime.stats(), runtime.pool
+    loads = stats["layer_loads"]
+    assert loads > 2 * TIMED_COPY_EVERY
+    assert pool._timed_bytes == -(-loads // TIMED_COPY_EVERY) * runtime.records[0].nbytes
+    assert pool._timed_bytes < stats["h2d_bytes"]  # so the scaling below is not the identity
+    assert stats["h2d_seconds"] == pytest.approx(pool._timed_seconds * stats["h2d_bytes"] / pool._timed_bytes)
+    assert stats["h2d_seconds"] > pool._timed_seconds
+    assert stats["h2d_gbps"] == pytest.approx(pool._timed_bytes / pool._timed_seconds / 1e9)

@@ -11,6 +11,11 @@ Invariants kept here:
   prefetch copies still run back to back.
 - No host synchronisation on the hot path: timing events are read lazily, only once
   they have completed (``event.query()``), or when stats are asked for.
+- Copy time is measured on one copy in ``TIMED_COPY_EVERY`` (and on every copy while a
+  timeline records) and scaled to all bytes copied: each timed copy costs two event
+  records and, later, a query and an elapsed-time read, CUDA calls that cost several
+  microseconds of host time each on the hot path, while one copy in sixteen measures the
+  bandwidth as well as all of them.
 
 With device "cpu" there are no streams: copies are synchronous host-to-host copies and
 the same owner bookkeeping runs, which is how CI exercises the machinery.
@@ -30,6 +35,8 @@ import torch
 
 from . import cudart
 from .store import LayerRecord
+
+TIMED_COPY_EVERY = 16
 
 
 class SlotOwnerError(RuntimeError):
@@ -76,7 +83,8 @@ class SlotPool:
         # counters
         self.loads = 0
         self.h2d_bytes = 0
-        self.h2d_seconds = 0.0
+        self._timed_bytes = 0  # bytes of the timed copies that have completed
+        self._timed_seconds = 0.0  # and the time they took
         self.stall_seconds = 0.0
         self.stalls = 0
         if self.cuda:
@@ -88,8 +96,8 @@ class SlotPool:
             self._device_index = device.index
             self._streams: dict = {}
             self._events = _EventPool(device)
-            # (start, end, kind) timing pairs not yet read; kind "copy" or "stall"
-            self._pending: Deque[Tuple[torch.cuda.Event, torch.cuda.Event, str]] = deque()
+            # (start, end, kind, bytes) timing pairs not yet read; kind "copy" or "stall"
+            self._pending: Deque[Tuple[torch.cuda.Event, torch.cuda.Event, str, int]] = deque()
             self._rt = cudart.runtime()
             if self._rt is not None:
                 for event in (*self.ready, *self.released):
@@ -97,6 +105,17 @@ class SlotPool:
                 self._ready_handles = [event.cuda_event for event in self.ready]
                 self._released_handles = [event.cuda_event for event in self.released]
                 self._copy_handle = self.copy_stream.cuda_stream
+
+    @property
+    def h2d_seconds(self) -> float:
+        """Time all copies took: the timed copies' time, scaled by bytes to every copy."""
+        if not self._timed_bytes:
+            return 0.0
+        return self._timed_seconds * self.h2d_bytes / self._timed_bytes
+
+    def _timed(self, seconds: float, nbytes: int) -> None:
+        self._timed_seconds += seconds
+        self._timed_bytes += nbytes
 
     @property
     def total_bytes(self) -> int:
@@ -168,27 +187,33 @@ class SlotPool:
         self.owner[slot] = record.index
         self.loads += 1
         self.h2d_bytes += nbytes
+        timed = self.recording is not None or self.loads % TIMED_COPY_EVERY == 1
         if not self.cuda:
             start = time.perf_counter()
             dst.copy_(src)
             stop = time.perf_counter()
-            self.h2d_seconds += stop - start
+            if timed:
+                self._timed(stop - start, nbytes)
             if self.recording is not None:
                 self.recording.copies.append((record.index, slot, start, stop))
             return
         if compute is None:
             compute = self.compute_stream()
-        start, end = self._events.get(), self._events.get()
+        start, end = (self._events.get(), self._events.get()) if timed else (None, None)
         if self._direct():
             rt, stream = self._rt, self._copy_handle
             rt.wait(stream, self._released_handles[slot])  # the previous owner's readers are done
-            rt.record(start.cuda_event, stream)
+            if timed:
+                rt.record(start.cuda_event, stream)
             rt.copy_h2d(dst.data_ptr(), src.data_ptr(), nbytes, stream)
-            rt.record(end.cuda_event, stream)
+            if timed:
+                rt.record(end.cuda_event, stream)
             rt.record(self._ready_handles[slot], stream)
         else:
             self._load_with_torch(dst, src, slot, self._torch_stream(compute), start, end)
-        self._pending.append((start, end, "copy"))
+        if not timed:
+            return
+        self._pending.append((start, end, "copy", nbytes))
         if self.recording is not None:
             self.recording.copies.append((record.index, slot, start, end))
         if len(self._pending) > 64:
@@ -199,9 +224,11 @@ class SlotPool:
         stream.wait_event(self.released[slot])
         torch.cuda.set_stream(stream)
         try:
-            start.record(stream)
+            if start is not None:
+                start.record(stream)
             dst.copy_(src, non_blocking=True)
-            end.record(stream)
+            if end is not None:
+                end.record(stream)
             self.ready[slot].record(stream)
         finally:
             torch.cuda.set_stream(compute)
@@ -213,18 +240,19 @@ class SlotPool:
         Issued on the current (compute) stream: the caller computes with it right away and
         drops it, and the caching allocator reuses its memory in that stream's order.
         """
-        self.h2d_bytes += src.numel() * src.element_size()
+        nbytes = src.numel() * src.element_size()
+        self.h2d_bytes += nbytes
         if not self.cuda:
             start = time.perf_counter()
             out = src.detach().clone()
-            self.h2d_seconds += time.perf_counter() - start
+            self._timed(time.perf_counter() - start, nbytes)
             return out
         stream = torch.cuda.current_stream(self.device)
         start, end = self._events.get(), self._events.get()
         start.record(stream)
         out = src.detach().to(self.device, non_blocking=True)
         end.record(stream)
-        self._pending.append((start, end, "copy"))
+        self._pending.append((start, end, "copy", nbytes))
         if len(self._pending) > 64:
             self._drain(block=False)
         return out
@@ -272,7 +300,7 @@ class SlotPool:
             start.record(stream)
             stream.wait_event(ready)
             end.record(stream)
-        self._pending.append((start, end, "stall"))
+        self._pending.append((start, end, "stall", 0))
         self.stalls += 1
 
     def owns(self, slot: int, layer: int) -> bool:
@@ -292,7 +320,7 @@ class SlotPool:
     def _drain(self, block: bool) -> None:
         pending, rt = self._pending, self._rt
         while pending:
-            start, end, kind = pending[0]
+            start, end, kind, nbytes = pending[0]
             if block:
                 end.synchronize()
             elif not (rt.done(end.cuda_event) if rt is not None else end.query()):
@@ -303,7 +331,7 @@ class SlotPool:
             else:
                 seconds = start.elapsed_time(end) / 1000.0
             if kind == "copy":
-                self.h2d_seconds += seconds
+                self._timed(seconds, nbytes)
             else:
                 self.stall_seconds += seconds
             if self.recording is None:  # a recording reads its events later
