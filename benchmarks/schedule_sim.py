@@ -11,10 +11,14 @@ queued before that visit.
 
 It assumes the host is never late (at batch 1 and short sequences it is: see
 docs/performance.md), one layer size, and pieces that do not slow each other down.
-Against the H200 (Llama-3-8B bf16, seq 2048, 3:2): 0.499 s predicted, 0.493-0.526 s
-measured; 4 backward slots shorten it by 30 ms, measured 22-40 ms (the pairs in
-docs/performance.md). It predicts a little more idle copy time than was measured
-(0.916x of the copy bound against 0.93x).
+
+A layer's recompute and backward is taken from a full step, not from the layer timed
+alone: (the resident step's backward - the ends' backward) / layers, from a throughput.py
+result with phase times (7.05 ms for the 8B at seq 2048, where turnaround.py timed one
+layer alone at 7.88 ms, start-up included). With it, against the H200 (Llama-3-8B bf16,
+seq 2048, 3:2): 0.490 s predicted, 0.493 s measured in the same suite run, 0.934x of the
+copy bound against 0.93x measured; 4 backward slots shorten it by 30 ms, measured
+22-40 ms (the pairs in docs/performance.md). ``--phases ''`` uses the layer timed alone.
 
     python benchmarks/schedule_sim.py                      # the 8B turnaround pieces, 3:2
     python benchmarks/schedule_sim.py --slots 3 --prefetch 2 --backward-slots 0,2,4
@@ -77,10 +81,19 @@ def simulate(layers: int, slots: int, prefetch: int, backward_slots: int, forwar
             "copy_ms": copy_bound, "fraction_of_copy_bound": copy_bound / step_ms}
 
 
+def backward_in_step_ms(phases: dict, pieces: dict, layers: int) -> float:
+    """A layer's recompute and backward within a resident step: the step's backward less
+    the ends' backward, per layer."""
+    return (phases["resident"]["backward_s"] * 1e3 - pieces["ends_backward_ms"]) / layers
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pieces", default=str(RESULTS / "turnaround-llama3-8b-seq2048.json"),
                         help="a turnaround.py result: the layer and ends times")
+    parser.add_argument("--phases", default=str(RESULTS / "throughput-llama3-8b-phases-seq2048.json"),
+                        help="a throughput.py result with phase times, for a layer's recompute and backward "
+                             "within a step ('' for the pieces' layer timed alone)")
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--slots", type=int, default=3)
     parser.add_argument("--prefetch", type=int, default=2)
@@ -95,11 +108,14 @@ def main():
     args = parser.parse_args()
     pieces = json.loads(Path(args.pieces).read_text())
     copy_ms = args.layer_bytes / (args.bandwidth_gbps * 1e9) * 1e3
-    print(f"pieces from {args.pieces}; one copy {copy_ms:.2f} ms")
+    forward, backward = pieces["layer_forward_ms"], pieces["layer_recompute_backward_ms"]
+    if args.phases:
+        backward = backward_in_step_ms(json.loads(Path(args.phases).read_text()), pieces, args.layers)
+    print(f"pieces from {args.pieces}; a layer's recompute and backward {backward:.2f} ms"
+          f"{' (from ' + args.phases + ')' if args.phases else ''}; one copy {copy_ms:.2f} ms")
     print("| backward slots | step ms | copies | copy ms | x copy bound |")
     print("|---|---|---|---|---|")
     for count in (int(x) for x in args.backward_slots.split(",")):
-        forward, backward = pieces["layer_forward_ms"], pieces["layer_recompute_backward_ms"]
         row = simulate(args.layers, args.slots, args.prefetch, count, forward, backward,
                        args.ends_scale * pieces["ends_forward_ms"], args.ends_scale * pieces["ends_backward_ms"],
                        args.optimizer_ms, copy_ms,
