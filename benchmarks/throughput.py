@@ -34,11 +34,15 @@ def run_steps(model, ids, steps: int, warmup: int, trace: str | None = None, cop
     events. ``copied()``, the streamer's cumulative bytes issued, is read when the host
     has enqueued the forward, to split a step's copies between forward and backward; it
     must be a host counter (``runtime.stats()`` waits for the device, which would stall
-    the step between its forward and backward)."""
+    the step between its forward and backward). Also per step: the host time to enqueue
+    the forward (``host_forward_s``; the rest of ``host`` is backward and optimizer), and
+    the garbage collector's runs of each generation over the timed steps
+    (``gc_collections``): a step whose host time equals its GPU time waits on the host,
+    and these say where the host spent it."""
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     model.train()
     times, host = [], []
-    phases = {"forward_s": [], "backward_s": [], "optimizer_s": [], "forward_bytes": []}
+    phases = {"forward_s": [], "backward_s": [], "optimizer_s": [], "forward_bytes": [], "host_forward_s": []}
 
     def step():
         marks = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
@@ -47,6 +51,7 @@ def run_steps(model, ids, steps: int, warmup: int, trace: str | None = None, cop
         marks[0].record()
         loss = model(input_ids=ids, labels=ids).loss
         marks[1].record()
+        host_forward = time.perf_counter() - start
         forward_bytes = (copied() - before) if copied else 0
         loss.backward()
         marks[2].record()
@@ -56,18 +61,22 @@ def run_steps(model, ids, steps: int, warmup: int, trace: str | None = None, cop
         enqueued = time.perf_counter() - start
         elapsed = cuda_timer() - start
         split = [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:])]
-        return elapsed, enqueued, split, forward_bytes
+        return elapsed, enqueued, split, forward_bytes, host_forward
 
+    collections_before = None
     for i in range(warmup + steps):
         if i == warmup:
             torch.cuda.reset_peak_memory_stats()
-        elapsed, enqueued, split, forward_bytes = step()
+            collections_before = [g["collections"] for g in gc.get_stats()]
+        elapsed, enqueued, split, forward_bytes, host_forward = step()
         if i >= warmup:
             times.append(elapsed)
             host.append(enqueued)
             for key, value in zip(("forward_s", "backward_s", "optimizer_s"), split):
                 phases[key].append(value)
             phases["forward_bytes"].append(forward_bytes)
+            phases["host_forward_s"].append(host_forward)
+    gc_collections = [g["collections"] - b for g, b in zip(gc.get_stats(), collections_before or [])]
     peak = torch.cuda.max_memory_allocated()
     if trace:
         from torch.profiler import ProfilerActivity, profile
@@ -80,7 +89,9 @@ def run_steps(model, ids, steps: int, warmup: int, trace: str | None = None, cop
             dst.write(src.read())
         os.remove(raw)
         print(f"wrote {trace}.json.gz", flush=True)
-    return times, host, peak, {key: median(values) for key, values in phases.items() if values}
+    summary = {key: median(values) for key, values in phases.items() if values}
+    summary["gc_collections"] = gc_collections
+    return times, host, peak, summary
 
 
 def add_bounds(row: dict, resident: dict, bandwidth_gbps: float) -> None:
