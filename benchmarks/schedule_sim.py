@@ -23,6 +23,7 @@ copy bound against 0.93x measured; 4 backward slots shorten it by 30 ms, measure
     python benchmarks/schedule_sim.py                      # the 8B turnaround pieces, 3:2
     python benchmarks/schedule_sim.py --slots 3 --prefetch 2 --backward-slots 0,2,4
     python benchmarks/schedule_sim.py --backward-slots 0 --skip-last-recompute --ends-scale 0.8
+    python benchmarks/schedule_sim.py --backward-slots 0,2,4 --early-backward-slots
 """
 
 from __future__ import annotations
@@ -36,24 +37,43 @@ from layerstream.schedule import Phase, PrefetchPlanner
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+class EarlyBackwardSlotsPlanner(PrefetchPlanner):
+    """What if backward slots also took the backward's early copies (not built): at a
+    backward visit, a layer past those the backward slots keep may go into a backward slot
+    as well as into the ring, so the backward's first copy need not wait for the last
+    layer's backward to free a ring slot; the layers they keep still go only into backward
+    slots, and the first ``slots`` only into the ring. It assumes a slot's memory is there
+    once the head's backward has freed the logits."""
+
+    def _candidates(self, phase: Phase, target=None):
+        if phase is not Phase.BACKWARD or target is None or target < self.slots:
+            return range(self.slots)
+        extra = [slot for slot in range(self.slots, len(self.owner)) if slot not in self._disabled]
+        if target < self.slots + self.active_backward_slots:
+            return extra
+        return [*range(self.slots), *extra]
+
+
 def simulate(layers: int, slots: int, prefetch: int, backward_slots: int, forward_ms: float,
              backward_ms: float, ends_forward_ms: float, ends_backward_ms: float, optimizer_ms: float,
-             copy_ms: float, steps: int = 8, last_backward_ms: float | None = None) -> dict:
-    """The last of ``steps`` steady training steps: its time and its copies.
-    ``last_backward_ms``: the last layer's backward, when it differs (e.g. without its
-    recompute)."""
-    planner = PrefetchPlanner(layers, slots, prefetch, backward_slots=backward_slots)
+             copy_ms: float, steps: int = 8, last_backward_ms: float | None = None,
+             planner_class: type = PrefetchPlanner) -> dict:
+    """The last of ``steps`` steady training steps: its time, its copies and its demand
+    loads. ``last_backward_ms``: the last layer's backward, when it differs (e.g. without
+    its recompute)."""
+    planner = planner_class(layers, slots, prefetch, backward_slots=backward_slots)
     total = slots + planner.backward_slots
     ready, released = [0.0] * total, [0.0] * total
     allocated = [False] * total
     copy_free = compute_free = 0.0
     order = [(i, Phase.TRAIN_FORWARD) for i in range(layers)] + \
             [(i, Phase.BACKWARD) for i in reversed(range(layers))]
-    step_ms, copies = 0.0, 0
+    step_ms, copies, demand = 0.0, 0, 0
     for _ in range(steps):
-        start, copies = compute_free, 0
+        start, copies, demand = compute_free, 0, 0
         for layer, phase in order:
             plan = planner.visit(layer, phase)
+            demand += plan.demand
             for slot in plan.drop:
                 allocated[slot] = False
             for _, slot in plan.loads:
@@ -78,7 +98,7 @@ def simulate(layers: int, slots: int, prefetch: int, backward_slots: int, forwar
         step_ms = compute_free - start
     copy_bound = copies * copy_ms
     return {"backward_slots": planner.backward_slots, "step_ms": step_ms, "copies": copies,
-            "copy_ms": copy_bound, "fraction_of_copy_bound": copy_bound / step_ms}
+            "demand_loads": demand, "copy_ms": copy_bound, "fraction_of_copy_bound": copy_bound / step_ms}
 
 
 def backward_in_step_ms(phases: dict, pieces: dict, layers: int) -> float:
@@ -103,6 +123,9 @@ def main():
     parser.add_argument("--optimizer-ms", type=float, default=1.5, help="measured: throughput.py phases")
     parser.add_argument("--skip-last-recompute", action="store_true",
                         help="what if the last layer kept its activations: its backward without its forward")
+    parser.add_argument("--early-backward-slots", action="store_true",
+                        help="what if backward slots also took the backward's early copies "
+                             "(EarlyBackwardSlotsPlanner)")
     parser.add_argument("--ends-scale", type=float, default=1.0,
                         help="what if the ends (head and loss) took this fraction of their measured time")
     args = parser.parse_args()
@@ -113,14 +136,16 @@ def main():
         backward = backward_in_step_ms(json.loads(Path(args.phases).read_text()), pieces, args.layers)
     print(f"pieces from {args.pieces}; a layer's recompute and backward {backward:.2f} ms"
           f"{' (from ' + args.phases + ')' if args.phases else ''}; one copy {copy_ms:.2f} ms")
-    print("| backward slots | step ms | copies | copy ms | x copy bound |")
-    print("|---|---|---|---|---|")
+    print("| backward slots | step ms | copies | demand loads | copy ms | x copy bound |")
+    print("|---|---|---|---|---|---|")
     for count in (int(x) for x in args.backward_slots.split(",")):
         row = simulate(args.layers, args.slots, args.prefetch, count, forward, backward,
                        args.ends_scale * pieces["ends_forward_ms"], args.ends_scale * pieces["ends_backward_ms"],
                        args.optimizer_ms, copy_ms,
-                       last_backward_ms=backward - forward if args.skip_last_recompute else None)
-        print(f"| {row['backward_slots']} | {row['step_ms']:.1f} | {row['copies']} | {row['copy_ms']:.1f} | "
+                       last_backward_ms=backward - forward if args.skip_last_recompute else None,
+                       planner_class=EarlyBackwardSlotsPlanner if args.early_backward_slots else PrefetchPlanner)
+        print(f"| {row['backward_slots']} | {row['step_ms']:.1f} | {row['copies']} | {row['demand_loads']} | "
+              f"{row['copy_ms']:.1f} | "
               f"{row['fraction_of_copy_bound']:.3f} |")
 
 
