@@ -38,20 +38,25 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 class EarlyBackwardSlotsPlanner(PrefetchPlanner):
-    """What if backward slots also took the backward's early copies (not built): at a
-    backward visit, a layer past those the backward slots keep may go into a backward slot
-    as well as into the ring, so the backward's first copy need not wait for the last
-    layer's backward to free a ring slot; the layers they keep still go only into backward
-    slots, and the first ``slots`` only into the ring. It assumes a slot's memory is there
-    once the head's backward has freed the logits."""
+    """What if backward slots also took the backward's first copies (not built): at a
+    backward visit, a layer whose backward comes before the backward slots' own layers
+    are fetched (``slots + 2 * backward_slots + prefetch`` or later) may go into an empty
+    backward slot as well as into the ring, so the backward's first copy need not wait for
+    the last layer's backward to free a ring slot. The layers the slots keep still go only
+    into backward slots, the first ``slots`` only into the ring, and each slot takes one
+    early layer per step. It assumes a slot's memory is there once the head's backward
+    has freed the logits (the same room as later in backward: the checkpointed inputs
+    alive then were alive at the loss too)."""
 
     def _candidates(self, phase: Phase, target=None):
         if phase is not Phase.BACKWARD or target is None or target < self.slots:
             return range(self.slots)
         extra = [slot for slot in range(self.slots, len(self.owner)) if slot not in self._disabled]
-        if target < self.slots + self.active_backward_slots:
+        if target < self.slots + len(extra):
             return extra
-        return [*range(self.slots), *extra]
+        if extra and target >= self.slots + 2 * len(extra) + self.prefetch:
+            return [*range(self.slots), *(slot for slot in extra if self.owner[slot] is None)]
+        return range(self.slots)
 
 
 def simulate(layers: int, slots: int, prefetch: int, backward_slots: int, forward_ms: float,

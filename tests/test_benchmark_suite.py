@@ -129,16 +129,16 @@ def test_the_schedule_simulator_matches_the_measured_step_and_each_backward_slot
 
 def test_backward_slots_taking_the_backwards_early_copies_would_shorten_the_step_at_the_same_copies():
     """The simulator's what-if for the next step (EarlyBackwardSlotsPlanner, not built): with
-    2-4 backward slots, letting them take the backward's first copies as well shortens the
-    step by about one layer's backward, with the same copies and no demand loads."""
+    1-4 backward slots, letting them take the backward's first copies as well shortens the
+    step by at least 0.4 of a layer's backward, with the same copies and no demand loads."""
     pieces = json.loads((ROOT / "benchmarks/results/turnaround-llama3-8b-seq2048.json").read_text())
     phases = json.loads((ROOT / "benchmarks/results/throughput-llama3-8b-phases-seq2048.json").read_text())
     backward = schedule_sim.backward_in_step_ms(phases, pieces, 32)
     copy_ms = 436_224_000 / 55.3e9 * 1e3
-    for count in (2, 3, 4):
+    for count in (1, 2, 3, 4):
         runs = [schedule_sim.simulate(32, 3, 2, count, pieces["layer_forward_ms"], backward, pieces["ends_forward_ms"],
                                       pieces["ends_backward_ms"], 1.5, copy_ms, planner_class=planner)
                 for planner in (schedule_sim.PrefetchPlanner, schedule_sim.EarlyBackwardSlotsPlanner)]
         keep, early = runs
         assert early["copies"] == keep["copies"] and early["demand_loads"] == keep["demand_loads"] == 0
-        assert 0.5 * backward < keep["step_ms"] - early["step_ms"] <= backward + 1e-9
+        assert 0.4 * backward < keep["step_ms"] - early["step_ms"] <= backward + 1e-9
