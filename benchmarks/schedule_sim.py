@@ -24,6 +24,7 @@ copy bound against 0.93x measured; 4 backward slots shorten it by 30 ms, measure
     python benchmarks/schedule_sim.py --slots 3 --prefetch 2 --backward-slots 0,2,4
     python benchmarks/schedule_sim.py --backward-slots 0 --skip-last-recompute --ends-scale 0.8
     python benchmarks/schedule_sim.py --backward-slots 0,2,4 --early-backward-slots
+    python benchmarks/schedule_sim.py --backward-slots 0 --attention-mlp-units 0.25 --slots 4
 """
 
 from __future__ import annotations
@@ -59,13 +60,19 @@ class EarlyBackwardSlotsPlanner(PrefetchPlanner):
         return range(self.slots)
 
 
-def simulate(layers: int, slots: int, prefetch: int, backward_slots: int, forward_ms: float,
-             backward_ms: float, ends_forward_ms: float, ends_backward_ms: float, optimizer_ms: float,
-             copy_ms: float, steps: int = 8, last_backward_ms: float | None = None,
+def _per_unit(value, count: int) -> list:
+    return list(value) if isinstance(value, (list, tuple)) else [value] * count
+
+
+def simulate(layers: int, slots: int, prefetch: int, backward_slots: int, forward_ms,
+             backward_ms, ends_forward_ms: float, ends_backward_ms: float, optimizer_ms: float,
+             copy_ms, steps: int = 8, last_backward_ms: float | None = None,
              planner_class: type = PrefetchPlanner) -> dict:
-    """The last of ``steps`` steady training steps: its time, its copies and its demand
-    loads. ``last_backward_ms``: the last layer's backward, when it differs (e.g. without
-    its recompute)."""
+    """The last of ``steps`` steady training steps: its time, its copies (and their time)
+    and its demand loads. ``forward_ms``, ``backward_ms`` and ``copy_ms`` are one number
+    for every streamed unit or one per unit. ``last_backward_ms``: the last unit's
+    backward, when it differs (e.g. without its recompute)."""
+    forward_ms, backward_ms, copy_ms = (_per_unit(v, layers) for v in (forward_ms, backward_ms, copy_ms))
     planner = planner_class(layers, slots, prefetch, backward_slots=backward_slots)
     total = slots + planner.backward_slots
     ready, released = [0.0] * total, [0.0] * total
@@ -73,37 +80,50 @@ def simulate(layers: int, slots: int, prefetch: int, backward_slots: int, forwar
     copy_free = compute_free = 0.0
     order = [(i, Phase.TRAIN_FORWARD) for i in range(layers)] + \
             [(i, Phase.BACKWARD) for i in reversed(range(layers))]
-    step_ms, copies, demand = 0.0, 0, 0
+    step_ms, copies, demand, copying = 0.0, 0, 0, 0.0
     for _ in range(steps):
-        start, copies, demand = compute_free, 0, 0
+        start, copies, demand, copying = compute_free, 0, 0, 0.0
         for layer, phase in order:
             plan = planner.visit(layer, phase)
             demand += plan.demand
             for slot in plan.drop:
                 allocated[slot] = False
-            for _, slot in plan.loads:
+            for target, slot in plan.loads:
                 if slot >= slots and not allocated[slot]:
                     allocated[slot] = True
                     released[slot] = compute_free  # new memory: only what is queued before
                 begin = max(copy_free, released[slot])
-                copy_free = ready[slot] = begin + copy_ms
+                copy_free = ready[slot] = begin + copy_ms[target]
                 copies += 1
+                copying += copy_ms[target]
             begin = max(compute_free, ready[plan.slot])
             if phase is Phase.TRAIN_FORWARD:
-                compute_free = begin + forward_ms
+                compute_free = begin + forward_ms[layer]
             elif layer == layers - 1 and last_backward_ms is not None:
                 compute_free = begin + last_backward_ms
             else:
-                compute_free = begin + backward_ms
+                compute_free = begin + backward_ms[layer]
             released[plan.slot] = compute_free
             if phase is Phase.TRAIN_FORWARD and layer == layers - 1:
                 compute_free += ends_forward_ms + ends_backward_ms
             if phase is Phase.BACKWARD and layer == 0:
                 compute_free += optimizer_ms
         step_ms = compute_free - start
-    copy_bound = copies * copy_ms
     return {"backward_slots": planner.backward_slots, "step_ms": step_ms, "copies": copies,
-            "demand_loads": demand, "copy_ms": copy_bound, "fraction_of_copy_bound": copy_bound / step_ms}
+            "demand_loads": demand, "copy_ms": copying, "fraction_of_copy_bound": copying / step_ms}
+
+
+def attention_mlp_units(layers: int, forward_ms: float, backward_ms: float, copy_ms: float,
+                        attention_share: float, attention_fraction_of_bytes: float):
+    """Per-unit times if each decoder layer streamed and checkpointed as two units, its
+    attention (``attention_share`` of the layer's compute, ``attention_fraction_of_bytes``
+    of its bytes) then its MLP: forward, backward and copy times of 2 x ``layers`` units."""
+    forward, backward, copy = [], [], []
+    for _ in range(layers):
+        forward += [forward_ms * attention_share, forward_ms * (1 - attention_share)]
+        backward += [backward_ms * attention_share, backward_ms * (1 - attention_share)]
+        copy += [copy_ms * attention_fraction_of_bytes, copy_ms * (1 - attention_fraction_of_bytes)]
+    return forward, backward, copy
 
 
 def backward_in_step_ms(phases: dict, pieces: dict, layers: int) -> float:
@@ -131,6 +151,11 @@ def main():
     parser.add_argument("--early-backward-slots", action="store_true",
                         help="what if backward slots also took the backward's early copies "
                              "(EarlyBackwardSlotsPlanner)")
+    parser.add_argument("--attention-mlp-units", type=float, default=None, metavar="SHARE",
+                        help="what if each layer streamed as two units, attention (this share of the "
+                             "layer's compute) and MLP; slots then hold the larger unit, the MLP")
+    parser.add_argument("--attention-bytes", type=int, default=83_886_080,
+                        help="one layer's attention projections (Llama-3-8B bf16: q, k, v, o)")
     parser.add_argument("--ends-scale", type=float, default=1.0,
                         help="what if the ends (head and loss) took this fraction of their measured time")
     args = parser.parse_args()
@@ -141,12 +166,19 @@ def main():
         backward = backward_in_step_ms(json.loads(Path(args.phases).read_text()), pieces, args.layers)
     print(f"pieces from {args.pieces}; a layer's recompute and backward {backward:.2f} ms"
           f"{' (from ' + args.phases + ')' if args.phases else ''}; one copy {copy_ms:.2f} ms")
+    units, unit_forward, unit_backward, unit_copy = args.layers, forward, backward, copy_ms
+    if args.attention_mlp_units is not None:
+        units = 2 * args.layers
+        unit_forward, unit_backward, unit_copy = attention_mlp_units(
+            args.layers, forward, backward, copy_ms, args.attention_mlp_units, args.attention_bytes / args.layer_bytes)
+        print(f"attention and MLP as units: {args.slots} slots of "
+              f"{(args.layer_bytes - args.attention_bytes) / 2**20:.0f} MiB (the MLP)")
     print("| backward slots | step ms | copies | demand loads | copy ms | x copy bound |")
     print("|---|---|---|---|---|---|")
     for count in (int(x) for x in args.backward_slots.split(",")):
-        row = simulate(args.layers, args.slots, args.prefetch, count, forward, backward,
+        row = simulate(units, args.slots, args.prefetch, count, unit_forward, unit_backward,
                        args.ends_scale * pieces["ends_forward_ms"], args.ends_scale * pieces["ends_backward_ms"],
-                       args.optimizer_ms, copy_ms,
+                       args.optimizer_ms, unit_copy,
                        last_backward_ms=backward - forward if args.skip_last_recompute else None,
                        planner_class=EarlyBackwardSlotsPlanner if args.early_backward_slots else PrefetchPlanner)
         print(f"| {row['backward_slots']} | {row['step_ms']:.1f} | {row['copies']} | {row['demand_loads']} | "

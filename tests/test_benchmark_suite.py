@@ -142,3 +142,25 @@ def test_backward_slots_taking_the_backwards_early_copies_would_shorten_the_step
         keep, early = runs
         assert early["copies"] == keep["copies"] and early["demand_loads"] == keep["demand_loads"] == 0
         assert 0.4 * backward < keep["step_ms"] - early["step_ms"] <= backward + 1e-9
+
+
+def test_attention_and_mlp_units_would_stay_under_the_target_and_lengthen_the_step():
+    """The simulator's what-if for streaming attention and MLP as separate units: with at
+    least the slot memory of 3 layers (4 MLP-sized slots), the ratio to the copy bound rises
+    but stays under 0.95, and the step is longer than with whole layers (fewer bytes fit the
+    slots, so more are copied)."""
+    pieces = json.loads((ROOT / "benchmarks/results/turnaround-llama3-8b-seq2048.json").read_text())
+    phases = json.loads((ROOT / "benchmarks/results/throughput-llama3-8b-phases-seq2048.json").read_text())
+    forward, backward = pieces["layer_forward_ms"], schedule_sim.backward_in_step_ms(phases, pieces, 32)
+    layer_bytes, attention_bytes = 436_224_000, 83_886_080
+    copy_ms = layer_bytes / 55.3e9 * 1e3
+    ends = (pieces["ends_forward_ms"], pieces["ends_backward_ms"], 1.5)
+    layers = schedule_sim.simulate(32, 3, 2, 0, forward, backward, *ends, copy_ms)
+    assert 4 * (layer_bytes - attention_bytes) >= 3 * layer_bytes
+    for share in (0.2, 0.3):
+        unit_forward, unit_backward, unit_copy = schedule_sim.attention_mlp_units(
+            32, forward, backward, copy_ms, share, attention_bytes / layer_bytes)
+        units = schedule_sim.simulate(64, 4, 2, 0, unit_forward, unit_backward, *ends, unit_copy)
+        assert units["copies"] == 2 * (64 - 4) and units["demand_loads"] == 0
+        assert layers["fraction_of_copy_bound"] < units["fraction_of_copy_bound"] < 0.95
+        assert units["step_ms"] > layers["step_ms"]
