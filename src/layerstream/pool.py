@@ -213,11 +213,9 @@ class SlotPool:
             self._load_with_torch(dst, src, slot, self._torch_stream(compute), start, end)
         if not timed:
             return
-        self._pending.append((start, end, "copy", nbytes))
+        self._pend_copy(start, end, nbytes)
         if self.recording is not None:
             self.recording.copies.append((record.index, slot, start, end))
-        if len(self._pending) > 64:
-            self._drain(block=False)
 
     def _load_with_torch(self, dst, src, slot, compute, start, end) -> None:
         stream = self.copy_stream
@@ -252,10 +250,14 @@ class SlotPool:
         start.record(stream)
         out = src.detach().to(self.device, non_blocking=True)
         end.record(stream)
+        self._pend_copy(start, end, nbytes)
+        return out
+
+    def _pend_copy(self, start, end, nbytes: int) -> None:
+        """Queue a timed copy's events, reading those already complete now and then."""
         self._pending.append((start, end, "copy", nbytes))
         if len(self._pending) > 64:
             self._drain(block=False)
-        return out
 
     def mark_released(self, slot: int, compute: Optional[int] = None) -> None:
         """Mark the slot's readers so far as the ones a copy into it must wait for.
