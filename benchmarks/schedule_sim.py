@@ -173,13 +173,16 @@ def main():
             args.layers, forward, backward, copy_ms, args.attention_mlp_units, args.attention_bytes / args.layer_bytes)
         print(f"attention and MLP as units: {args.slots} slots of "
               f"{(args.layer_bytes - args.attention_bytes) / 2**20:.0f} MiB (the MLP)")
+    # without its recompute, the last unit's backward less its forward (the MLP's, as units)
+    last_backward = (_per_unit(unit_backward, units)[-1] - _per_unit(unit_forward, units)[-1]
+                     if args.skip_last_recompute else None)
     print("| backward slots | step ms | copies | demand loads | copy ms | x copy bound |")
     print("|---|---|---|---|---|---|")
     for count in (int(x) for x in args.backward_slots.split(",")):
         row = simulate(units, args.slots, args.prefetch, count, unit_forward, unit_backward,
                        args.ends_scale * pieces["ends_forward_ms"], args.ends_scale * pieces["ends_backward_ms"],
                        args.optimizer_ms, unit_copy,
-                       last_backward_ms=backward - forward if args.skip_last_recompute else None,
+                       last_backward_ms=last_backward,
                        planner_class=EarlyBackwardSlotsPlanner if args.early_backward_slots else PrefetchPlanner)
         print(f"| {row['backward_slots']} | {row['step_ms']:.1f} | {row['copies']} | {row['demand_loads']} | "
               f"{row['copy_ms']:.1f} | "
