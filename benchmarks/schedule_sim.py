@@ -17,13 +17,14 @@ alone: (the resident step's backward - the ends' backward) / layers, from a thro
 result with phase times (7.05 ms for the 8B at seq 2048, where turnaround.py timed one
 layer alone at 7.88 ms, start-up included). With it, against the H200 (Llama-3-8B bf16,
 seq 2048, 3:2): 0.490 s predicted, 0.493 s measured in the same suite run, 0.934x of the
-copy bound against 0.93x measured; 4 backward slots shorten it by 30 ms, measured
-22-40 ms (the pairs in docs/performance.md). ``--phases ''`` uses the layer timed alone.
+copy bound against 0.93x measured; 4 backward slots shorten it by 36 ms (by 30 ms with
+the earlier rule, ``--kept-only-backward-slots``, measured 22-40 ms: the pairs in
+docs/performance.md). ``--phases ''`` uses the layer timed alone.
 
     python benchmarks/schedule_sim.py                      # the 8B turnaround pieces, 3:2
     python benchmarks/schedule_sim.py --slots 3 --prefetch 2 --backward-slots 0,2,4
     python benchmarks/schedule_sim.py --backward-slots 0 --skip-last-recompute --ends-scale 0.8
-    python benchmarks/schedule_sim.py --backward-slots 0,2,4 --early-backward-slots
+    python benchmarks/schedule_sim.py --backward-slots 0,2,4 --kept-only-backward-slots
     python benchmarks/schedule_sim.py --backward-slots 0 --attention-mlp-units 0.25 --slots 4
 """
 
@@ -38,26 +39,13 @@ from layerstream.schedule import Phase, PrefetchPlanner
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-class EarlyBackwardSlotsPlanner(PrefetchPlanner):
-    """What if backward slots also took the backward's first copies (not built): at a
-    backward visit, a layer whose backward comes before the backward slots' own layers
-    are fetched (``slots + 2 * backward_slots + prefetch`` or later) may go into an empty
-    backward slot as well as into the ring, so the backward's first copy need not wait for
-    the last layer's backward to free a ring slot. The layers the slots keep still go only
-    into backward slots, the first ``slots`` only into the ring, and each slot takes one
-    early layer per step. It assumes a slot's memory is there once the head's backward
-    has freed the logits (the same room as later in backward: the checkpointed inputs
-    alive then were alive at the loss too)."""
+class KeptOnlyBackwardSlotsPlanner(PrefetchPlanner):
+    """The earlier rule, for comparison: backward slots take only the layers they keep
+    across the step boundary, so backward's first copy waits for the last layer's backward
+    to free a ring slot."""
 
-    def _candidates(self, phase: Phase, target=None):
-        if phase is not Phase.BACKWARD or target is None or target < self.slots:
-            return range(self.slots)
-        extra = [slot for slot in range(self.slots, len(self.owner)) if slot not in self._disabled]
-        if target < self.slots + len(extra):
-            return extra
-        if extra and target >= self.slots + 2 * len(extra) + self.prefetch:
-            return [*range(self.slots), *(slot for slot in extra if self.owner[slot] is None)]
-        return range(self.slots)
+    def _early_in_backward_slot(self, target: int, active: int) -> bool:
+        return False
 
 
 def _per_unit(value, count: int) -> list:
@@ -148,9 +136,9 @@ def main():
     parser.add_argument("--optimizer-ms", type=float, default=1.5, help="measured: throughput.py phases")
     parser.add_argument("--skip-last-recompute", action="store_true",
                         help="what if the last layer kept its activations: its backward without its forward")
-    parser.add_argument("--early-backward-slots", action="store_true",
-                        help="what if backward slots also took the backward's early copies "
-                             "(EarlyBackwardSlotsPlanner)")
+    parser.add_argument("--kept-only-backward-slots", action="store_true",
+                        help="the earlier rule: backward slots take only the layers they keep "
+                             "(KeptOnlyBackwardSlotsPlanner)")
     parser.add_argument("--attention-mlp-units", type=float, default=None, metavar="SHARE",
                         help="what if each layer streamed as two units, attention (this share of the "
                              "layer's compute) and MLP; slots then hold the larger unit, the MLP")
@@ -183,7 +171,7 @@ def main():
                        args.ends_scale * pieces["ends_forward_ms"], args.ends_scale * pieces["ends_backward_ms"],
                        args.optimizer_ms, unit_copy,
                        last_backward_ms=last_backward,
-                       planner_class=EarlyBackwardSlotsPlanner if args.early_backward_slots else PrefetchPlanner)
+                       planner_class=KeptOnlyBackwardSlotsPlanner if args.kept_only_backward_slots else PrefetchPlanner)
         print(f"| {row['backward_slots']} | {row['step_ms']:.1f} | {row['copies']} | {row['demand_loads']} | "
               f"{row['copy_ms']:.1f} | "
               f"{row['fraction_of_copy_bound']:.3f} |")

@@ -66,8 +66,10 @@ def test_auto_takes_no_backward_slots_without_expandable_segments(monkeypatch, c
 @pytest.mark.gpu
 def test_auto_backward_slots_borrow_the_loss_memory_without_raising_the_peak(expandable):
     seq = 256
-    streamed, resident = peft_pair("llama", layers=8, attn="eager", **LOSS_HEAVY)
-    plain, _ = peft_pair("llama", layers=8, attn="eager", **LOSS_HEAVY)
+    # 16 layers: enough for the backward slots to take the backward's first copies too
+    # (layers 13 down to 11) before their own (2-5)
+    streamed, resident = peft_pair("llama", layers=16, attn="eager", **LOSS_HEAVY)
+    plain, _ = peft_pair("llama", layers=16, attn="eager", **LOSS_HEAVY)
     stream(streamed, "cuda", slots=2, prefetch=1)  # backward_slots="auto"
     peak_auto, trace = _peak_over_steps(streamed, 3, seq)
     runtime = layerstream.get_runtime(streamed)

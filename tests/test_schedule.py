@@ -160,16 +160,18 @@ BACKWARD_GRID = [(layers, slots, prefetch, extra) for layers in (4, 6, 9) for sl
 
 
 def _step_checking_backward_slots(planner, layers):
-    """One training step; asserts backward slots take new memory only at backward visits
-    and are empty from the last forward visit to the first backward one, the loss."""
-    ring = planner.slots
+    """One training step; asserts backward slots take new memory only at backward visits,
+    hold their own layers or ones whose backward comes before those are fetched, and are
+    empty from the last forward visit to the first backward one, the loss."""
+    ring, extra = planner.slots, planner.backward_slots
     for layer, phase in training_step(layers):
         plan = planner.visit(layer, phase)
         assert planner.owner[plan.slot] == layer
         for target, slot in plan.loads:
             if slot >= ring:
                 assert phase is Phase.BACKWARD, "only backward fills a backward slot"
-                assert ring <= target < ring + planner.backward_slots, "a backward slot holds one of its layers"
+                assert ring <= target < ring + extra or target >= ring + 2 * extra + planner.prefetch, \
+                    "a backward slot holds one of its layers, or one done before those are fetched"
         if phase is Phase.TRAIN_FORWARD and layer == layers - 1:
             assert all(owner is None for owner in planner.owner[ring:]), "a backward slot is held at the loss"
 
@@ -218,6 +220,54 @@ def test_the_ring_keeps_the_first_layers_so_the_next_forward_copies_after_layer_
         if loads and first is None:
             first = loads[0]
     assert first == (slots + extra, 0)
+
+
+def test_backward_slots_take_the_backwards_first_copies_without_waiting_for_a_ring_slot():
+    """At the first backward visit the ring holds the last layers, all still needed; the
+    backward's first copies go into the backward slots then, not after the last layer's
+    backward has freed a ring slot."""
+    layers, slots, extra = 32, 3, 4
+    planner = PrefetchPlanner(layers, slots, 2, backward_slots=extra)
+    run(planner, training_step(layers))
+    for layer in range(layers):
+        planner.visit(layer, Phase.TRAIN_FORWARD)
+    first = planner.visit(layers - 1, Phase.BACKWARD).loads
+    assert [target for target, _ in first] == [28, 27, 26, 25]
+    assert sorted(slot for _, slot in first) == list(range(slots, slots + extra))
+
+
+def _steady_step(planner, layers):
+    run(planner, training_step(layers))
+    run(planner, training_step(layers))
+    return [planner.visit(layer, phase) for layer, phase in training_step(layers)]
+
+
+def test_early_copies_into_backward_slots_never_cost_a_copy_or_a_wait():
+    """The backward slots' early copies leave a steady step's copies at
+    (L - slots - extra) + (L - slots), make no demand load, and pass at most two layers
+    through each backward slot per step, across stacks of 6-39 layers."""
+    for layers in range(6, 40):
+        for slots, prefetch in [(2, 1), (3, 1), (3, 2), (4, 2), (4, 3)]:
+            for extra in (1, 2, 3, 4):
+                planner = PrefetchPlanner(layers, slots, prefetch, backward_slots=extra)
+                used = planner.backward_slots
+                plans = _steady_step(planner, layers)
+                case = (layers, slots, prefetch, extra)
+                assert not any(plan.demand for plan in plans), case
+                assert sum(len(plan.loads) for plan in plans) == (layers - slots - used) + (layers - slots), case
+                into_backward_slots = [slot for plan in plans for _, slot in plan.loads if slot >= slots]
+                assert all(into_backward_slots.count(slot) <= 2 for slot in set(into_backward_slots)), case
+
+
+def test_without_the_early_rule_a_small_stack_costs_a_demand_load_and_a_copy(monkeypatch):
+    """Negative control: let any layer past the kept ones take an empty backward slot, and
+    in a small stack an early layer still holds the single backward slot when its kept
+    layer is due."""
+    monkeypatch.setattr(PrefetchPlanner, "_early_in_backward_slot", lambda self, target, active: active > 0)
+    layers, slots = 8, 3
+    plans = _steady_step(PrefetchPlanner(layers, slots, 2, backward_slots=1), layers)
+    assert any(plan.demand for plan in plans)
+    assert sum(len(plan.loads) for plan in plans) > (layers - slots - 1) + (layers - slots)
 
 
 def test_a_disabled_backward_slot_is_never_planned_again():

@@ -107,10 +107,11 @@ class StreamConfig:
         and slot. Waits for the device on every copy and visit: slow, for debugging only.
         Default: on when the environment variable LAYERSTREAM_CHECKSUM=1.
     backward_slots: extra slots, one for each of the layers slots .. slots +
-        backward_slots - 1, that take memory when backward copies that layer in and give
-        it back once the next forward has run it: they never coexist with the loss's
-        logits, the step's memory peak. Those layers stay on the GPU across each step
-        boundary, one copy fewer per step each. Default "auto": as many as the memory
+        backward_slots - 1, that take memory at the start of backward (where each first
+        takes one of backward's first copies) and give it back once the next forward has
+        run their layer: they never coexist with the loss's logits, the step's memory
+        peak. Those layers stay on the GPU across each step boundary, one copy fewer per
+        step each, and backward starts copying without waiting for a ring slot. Default "auto": as many as the memory
         planner finds room for below the loss (at most 4; none where a layer's working
         set sets the peak), decided at the first training step of each batch shape, each
         allocated only while memory in use stays below this process's peak so far; and

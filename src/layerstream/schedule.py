@@ -21,12 +21,17 @@ is overwritten first, and never one whose owner is needed before the layer being
 fetched (that would only trade one wait for another).
 
 Backward slots: extra slots, one for each of the layers ``slots`` .. ``slots +
-backward_slots - 1``, that take memory when backward copies that layer in and give it
-back once the next forward has run it. So they hold memory from late in backward until
-early in the next forward, never while the loss holds its logits, the step's memory
-peak: they borrow that memory for the rest of the step. With them those layers stay on
-the GPU across the step boundary (one copy fewer per step each), copied early in the
-backward's tail because they need no ring slot to free.
+backward_slots - 1``, that take memory at the first copy backward puts in them and give
+it back once the next forward has run their layer. So they hold memory from the start of backward
+until early in the next forward, never while the loss holds its logits, the step's
+memory peak: they borrow that memory for the rest of the step. With them those layers
+stay on the GPU across the step boundary (one copy fewer per step each). Before that,
+each also takes one of the backward's first copies: backward then starts copying as soon
+as the head's backward has freed the logits, instead of waiting for the last layer's
+backward to free a ring slot. Only a layer done early enough takes one (before the
+backward slots' own layers are fetched, ``_early_in_backward_slot``), so a kept layer
+never waits for its slot; and only an empty one, so two layers pass through each per
+step (each needs its tensor views rebuilt, the memory being new each step).
 """
 
 from __future__ import annotations
@@ -138,13 +143,26 @@ class PrefetchPlanner:
     # -- planning ------------------------------------------------------------------
     def _candidates(self, phase: Phase, target: Optional[int] = None):
         """Slots a copy of ``target`` planned at a visit of this phase may go into: the
-        ring, and at backward visits the backward slots for the layers they keep across
+        ring; at backward visits, only the backward slots for the layers they keep across
         the step boundary (``slots`` .. ``slots + backward_slots - 1``; the ring keeps the
-        first ``slots``, so the next forward's first copy waits only for layer 0)."""
-        if (phase is Phase.BACKWARD and target is not None
-                and self.slots <= target < self.slots + self.active_backward_slots):
-            return [slot for slot in range(len(self.owner)) if slot not in self._disabled]
+        first ``slots``, so the next forward's first copy waits only for layer 0), and the
+        ring or a backward slot for a layer early in backward."""
+        if phase is not Phase.BACKWARD or target is None or target < self.slots:
+            return range(self.slots)
+        backward = [slot for slot in range(self.slots, len(self.owner)) if slot not in self._disabled]
+        if target < self.slots + len(backward):
+            return backward
+        if self._early_in_backward_slot(target, len(backward)):
+            # an empty one only: each backward slot takes one early layer per step, so at
+            # most two layers pass through it (each needs its tensor views rebuilt)
+            return [*range(self.slots), *(slot for slot in backward if self.owner[slot] is None)]
         return range(self.slots)
+
+    def _early_in_backward_slot(self, target: int, active: int) -> bool:
+        """Whether ``target`` may take a backward slot: its backward must come before the
+        backward slots' own layers are fetched, ``prefetch + active`` visits ahead of the
+        first of them (``slots + active - 1``)."""
+        return active > 0 and target >= self.slots + 2 * active + self.prefetch
 
     def _victim(self, needed_at: int, position: int, phase: Phase, keep: set,
                 target: Optional[int] = None) -> Optional[int]:
