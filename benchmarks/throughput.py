@@ -28,6 +28,14 @@ from common import (build_random, build_random_nf4, cuda_timer, median, parse_st
                     write_result)
 
 
+ALLOCATOR_COUNTERS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")
+
+
+def allocator_counters() -> dict:
+    stats = torch.cuda.memory_stats()
+    return {key: stats.get(key, 0) for key in ALLOCATOR_COUNTERS}
+
+
 def run_steps(model, ids, steps: int, warmup: int, trace: str | None = None, copied=None):
     """Timed optimizer steps; also the host time to enqueue each step (before the sync),
     and the GPU time of each phase (forward with the loss, backward, optimizer) from CUDA
@@ -38,7 +46,9 @@ def run_steps(model, ids, steps: int, warmup: int, trace: str | None = None, cop
     the forward (``host_forward_s``; the rest of ``host`` is backward and optimizer), and
     the garbage collector's runs of each generation over the timed steps
     (``gc_collections``): a step whose host time equals its GPU time waits on the host,
-    and these say where the host spent it."""
+    and these say where the host spent it. ``per_step`` keeps each timed step's phases and
+    the CUDA caching allocator's counters of device allocations, frees and retries
+    (``ALLOCATOR_COUNTERS``), to tell a slow step's cause from the medians'."""
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     model.train()
     times, host = [], []
@@ -64,12 +74,20 @@ def run_steps(model, ids, steps: int, warmup: int, trace: str | None = None, cop
         return elapsed, enqueued, split, forward_bytes, host_forward
 
     collections_before = None
+    per_step = []
     for i in range(warmup + steps):
         if i == warmup:
             torch.cuda.reset_peak_memory_stats()
             collections_before = [g["collections"] for g in gc.get_stats()]
+        counters = allocator_counters()
+        gc_before = [g["collections"] for g in gc.get_stats()]
         elapsed, enqueued, split, forward_bytes, host_forward = step()
         if i >= warmup:
+            after = allocator_counters()
+            per_step.append({"step_s": elapsed, "host_s": enqueued, "host_forward_s": host_forward,
+                             **dict(zip(("forward_s", "backward_s", "optimizer_s"), split)),
+                             **{k: after[k] - counters[k] for k in after},
+                             "gc": [g["collections"] - b for g, b in zip(gc.get_stats(), gc_before)]})
             times.append(elapsed)
             host.append(enqueued)
             for key, value in zip(("forward_s", "backward_s", "optimizer_s"), split):
@@ -91,6 +109,7 @@ def run_steps(model, ids, steps: int, warmup: int, trace: str | None = None, cop
         print(f"wrote {trace}.json.gz", flush=True)
     summary = {key: median(values) for key, values in phases.items() if values}
     summary["gc_collections"] = gc_collections
+    summary["per_step"] = per_step
     return times, host, peak, summary
 
 
@@ -157,7 +176,7 @@ def main():
         step = median(times)
         result["resident"] = {"step_s": step, "tokens_per_s": tokens / step, "peak_gib": peak / 2**30,
                               "host_s": median(host), "times": times, **phases}
-        print("resident", result["resident"], flush=True)
+        print("resident", {k: v for k, v in result["resident"].items() if k not in ("times", "per_step")}, flush=True)
         model.gradient_checkpointing_disable()
 
     # bf16: resident first, then back to the host to stream. NF4 models are built on the
@@ -210,7 +229,7 @@ def main():
         if "resident" in result:
             add_bounds(row, result["resident"], bandwidth)
         result["rows"].append(row)
-        print("streamed", {k: v for k, v in row.items() if k != "times"}, flush=True)
+        print("streamed", {k: v for k, v in row.items() if k not in ("times", "per_step")}, flush=True)
         layerstream.unstream_model(model, device="cpu")
         torch.cuda.set_per_process_memory_fraction(1.0)
         gc.collect()
