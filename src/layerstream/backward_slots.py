@@ -47,17 +47,10 @@ class BackwardSlots:
             return None
         first = not self._decided
         count = 0
-        if self.config.vram_budget is not None:
+        off = self._auto_off()
+        if off is not None:
             if first:
-                logger.info("layerstream: no backward slots under vram_budget: the resident window "
-                            "spends the budget, and each window layer saves two copies per step to a "
-                            "backward slot's one")
-        elif not expandable_segments():
-            if first:
-                logger.info("layerstream: no backward slots: backward_slots='auto' needs the caching "
-                            "allocator's expandable segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, "
-                            "set before CUDA starts); with them, where the loss sets the memory peak, a few "
-                            "more layers stay on the GPU across each step boundary")
+                logger.info("layerstream: no backward slots: %s", off[1])
         else:
             try:
                 memory = plan.plan_for_model(model, seq, batch, slots=self.config.slots,
@@ -78,6 +71,20 @@ class BackwardSlots:
         logger.info("layerstream: %d backward slot(s) of %.2f GiB at batch %d x %d tokens", count,
                     slot_bytes / 2**30, batch, seq)
         return count
+
+    def _auto_off(self) -> Optional[Tuple[str, str]]:
+        """Why auto takes none whatever the memory: (summary note, log line), or None."""
+        if self.config.vram_budget is not None:
+            return ("auto leaves a vram_budget to the resident window",
+                    "under vram_budget the resident window spends the budget, and each window "
+                    "layer saves two copies per step to a backward slot's one")
+        if not expandable_segments():
+            return ("auto needs PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
+                    "backward_slots='auto' needs the caching allocator's expandable segments "
+                    "(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, set before CUDA starts); with "
+                    "them, where the loss sets the memory peak, a few more layers stay on the GPU "
+                    "across each step boundary")
+        return None
 
     def borrow(self, pool, planner, slot: int) -> bool:
         """Allocate a backward slot, under auto only below the run's peak so far; when it
@@ -114,9 +121,8 @@ class BackwardSlots:
         if how and not cuda:
             return "none (auto: none on the host)"
         if self.auto and not self._decided:
-            if self.config.vram_budget is not None:
-                return "none (auto leaves a vram_budget to the resident window)"
-            if not expandable_segments():
-                return "none (auto needs PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)"
+            off = self._auto_off()
+            if off is not None:
+                return f"none ({off[0]})"
             return "auto, decided at the first training step (extra slots in the loss's memory, used outside the loss)"
         return f"{planner_count} backward slot(s), allocated outside the loss{how}" if planner_count else f"none{how}"

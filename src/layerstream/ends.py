@@ -78,30 +78,28 @@ class _Probe:
         raise _Reached
 
 
-class StreamedEmbedding(nn.Embedding):
+class _WeightStaysOnHost:
+    """``model.to(...)`` and friends skip a streamed end's weight, which lives in host
+    memory, after the ends have checked the call."""
+
+    def _apply(self, fn, recurse=True):
+        self._layerstream_ends.check_apply(fn)
+        with weight_hidden(self):
+            return super()._apply(fn, recurse)
+
+
+class StreamedEmbedding(_WeightStaysOnHost, nn.Embedding):
     """What replaces ``nn.Embedding`` under the module's own class while it streams."""
 
     def forward(self, input):
         return self._layerstream_ends.embed(self, input)
 
-    def _apply(self, fn, recurse=True):
-        ends = self._layerstream_ends
-        ends.check_apply(fn)
-        with weight_hidden(self):
-            return super()._apply(fn, recurse)
 
-
-class StreamedHead(nn.Linear):
+class StreamedHead(_WeightStaysOnHost, nn.Linear):
     """What replaces ``nn.Linear`` under the head's own class while it streams."""
 
     def forward(self, input):
         return self._layerstream_ends.head(self, input)
-
-    def _apply(self, fn, recurse=True):
-        ends = self._layerstream_ends
-        ends.check_apply(fn)
-        with weight_hidden(self):
-            return super()._apply(fn, recurse)
 
 
 _SUBCLASSES: Dict[tuple, type] = {}
@@ -113,7 +111,7 @@ def _streamed_class(cls: type, replacement: type) -> type:
     key = (cls, replacement)
     sub = _SUBCLASSES.get(key)
     if sub is None:
-        base = replacement.__bases__[0]
+        base = replacement.__bases__[-1]  # the torch class it stands in for
         bases = (replacement,) if cls is base else (cls, replacement)
         sub = type(cls.__name__, bases, {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
                                          "_layerstream_base": cls})
