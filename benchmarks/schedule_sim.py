@@ -24,6 +24,7 @@ docs/performance.md). ``--phases ''`` uses the layer timed alone.
     python benchmarks/schedule_sim.py                      # the 8B turnaround pieces, 3:2
     python benchmarks/schedule_sim.py --slots 3 --prefetch 2 --backward-slots 0,2,4
     python benchmarks/schedule_sim.py --backward-slots 0 --skip-last-recompute --ends-scale 0.8
+    python benchmarks/schedule_sim.py --backward-slots 0 --skip-first-recompute --skip-last-recompute
     python benchmarks/schedule_sim.py --backward-slots 0,2,4 --kept-only-backward-slots
     python benchmarks/schedule_sim.py --backward-slots 0 --attention-mlp-units 0.25 --slots 4
 """
@@ -136,6 +137,9 @@ def main():
     parser.add_argument("--optimizer-ms", type=float, default=1.5, help="measured: throughput.py phases")
     parser.add_argument("--skip-last-recompute", action="store_true",
                         help="what if the last layer kept its activations: its backward without its forward")
+    parser.add_argument("--skip-first-recompute", action="store_true",
+                        help="what if the first layer kept its activations through the step: its backward "
+                             "without its forward")
     parser.add_argument("--kept-only-backward-slots", action="store_true",
                         help="the earlier rule: backward slots take only the layers they keep "
                              "(KeptOnlyBackwardSlotsPlanner)")
@@ -164,6 +168,9 @@ def main():
     # without its recompute, the last unit's backward less its forward (the MLP's, as units)
     last_backward = (_per_unit(unit_backward, units)[-1] - _per_unit(unit_forward, units)[-1]
                      if args.skip_last_recompute else None)
+    if args.skip_first_recompute:
+        unit_backward = _per_unit(unit_backward, units)
+        unit_backward[0] -= _per_unit(unit_forward, units)[0]
     print("| backward slots | step ms | copies | demand loads | copy ms | x copy bound |")
     print("|---|---|---|---|---|---|")
     for count in (int(x) for x in args.backward_slots.split(",")):

@@ -127,6 +127,29 @@ def test_the_schedule_simulator_matches_the_measured_step_and_each_backward_slot
     assert skip["copies"] == 58 and 0 < runs[0]["step_ms"] - skip["step_ms"] <= pieces["layer_forward_ms"] + 1e-9
 
 
+def test_skipping_the_first_and_last_recompute_would_still_stay_under_the_target():
+    """The simulator's what-if for keeping the first and the last layer's activations (no
+    recompute for either): the same copies, the step shorter by at most their two
+    forwards, and the ratio to the copy bound still under 0.95 with head and loss as
+    measured, and with them 10% cheaper; only 20% cheaper as well reaches it."""
+    pieces = json.loads((ROOT / "benchmarks/results/turnaround-llama3-8b-seq2048.json").read_text())
+    phases = json.loads((ROOT / "benchmarks/results/throughput-llama3-8b-phases-seq2048.json").read_text())
+    forward, backward = pieces["layer_forward_ms"], schedule_sim.backward_in_step_ms(phases, pieces, 32)
+    copy_ms = 436_224_000 / 55.3e9 * 1e3
+    skipped = [backward - forward] + [backward] * 30 + [backward - forward]
+
+    def play(backward_ms, ends_scale=1.0):
+        return schedule_sim.simulate(32, 3, 2, 0, forward, backward_ms, ends_scale * pieces["ends_forward_ms"],
+                                     ends_scale * pieces["ends_backward_ms"], 1.5, copy_ms)
+
+    whole, both = play(backward), play(skipped)
+    assert both["copies"] == whole["copies"] == 58
+    assert 0 < whole["step_ms"] - both["step_ms"] <= 2 * forward + 1e-9
+    assert whole["fraction_of_copy_bound"] < both["fraction_of_copy_bound"] < 0.95
+    assert play(skipped, ends_scale=0.9)["fraction_of_copy_bound"] < 0.95
+    assert play(skipped, ends_scale=0.8)["fraction_of_copy_bound"] >= 0.95
+
+
 def test_backward_slots_taking_the_backwards_first_copies_shorten_the_step_at_the_same_copies():
     """Played out by the simulator: with 1-4 backward slots, taking the backward's first
     copies as well as keeping their layers shortens the step by at least 0.4 of a layer's
