@@ -16,6 +16,7 @@ import argparse
 import torch
 
 from common import cuda_timer, median, write_result
+from layerstream.store import _register, _unregister  # page-locks as the engine's store does
 
 
 def timed(fn, repeats: int) -> float:
@@ -28,14 +29,6 @@ def timed(fn, repeats: int) -> float:
     return median(times[1:])
 
 
-def registered(nbytes: int) -> torch.Tensor:
-    host = torch.empty(nbytes, dtype=torch.uint8)
-    code = int(torch.cuda.cudart().cudaHostRegister(host.data_ptr(), nbytes, 0))
-    if code != 0:
-        raise RuntimeError(f"cudaHostRegister failed with CUDA error {code}")
-    return host
-
-
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--layer-mib", type=int, default=416, help="one layer's bytes (Llama-3-8B bf16: 416 MiB)")
@@ -45,7 +38,8 @@ def main():
     layer = args.layer_mib << 20
     total = layer * args.layers
     pinned = torch.empty(total, dtype=torch.uint8, pin_memory=True)
-    host = registered(total)
+    host = torch.empty(total, dtype=torch.uint8)
+    _register(host)
     device = torch.empty(total, dtype=torch.uint8, device="cuda")
     streams = [torch.cuda.Stream() for _ in range(4)]
     rows = {}
@@ -78,7 +72,7 @@ def main():
     print("| how | GB/s |\n| --- | --- |")
     for row in result["rows"]:
         print(f"| {row['how']} | {row['gbps']:.2f} |")
-    torch.cuda.cudart().cudaHostUnregister(host.data_ptr())
+    _unregister(host)
     write_result("h2d-bandwidth", result)
 
 

@@ -55,12 +55,11 @@ def _per_unit(value, count: int) -> list:
 
 def simulate(layers: int, slots: int, prefetch: int, backward_slots: int, forward_ms,
              backward_ms, ends_forward_ms: float, ends_backward_ms: float, optimizer_ms: float,
-             copy_ms, steps: int = 8, last_backward_ms: float | None = None,
-             planner_class: type = PrefetchPlanner) -> dict:
+             copy_ms, steps: int = 8, planner_class: type = PrefetchPlanner) -> dict:
     """The last of ``steps`` steady training steps: its time, its copies (and their time)
     and its demand loads. ``forward_ms``, ``backward_ms`` and ``copy_ms`` are one number
-    for every streamed unit or one per unit. ``last_backward_ms``: the last unit's
-    backward, when it differs (e.g. without its recompute)."""
+    for every streamed unit or one per unit (a unit whose recompute is skipped: its
+    backward less its forward, ``without_recompute``)."""
     forward_ms, backward_ms, copy_ms = (_per_unit(v, layers) for v in (forward_ms, backward_ms, copy_ms))
     planner = planner_class(layers, slots, prefetch, backward_slots=backward_slots)
     total = slots + planner.backward_slots
@@ -86,12 +85,7 @@ def simulate(layers: int, slots: int, prefetch: int, backward_slots: int, forwar
                 copies += 1
                 copying += copy_ms[target]
             begin = max(compute_free, ready[plan.slot])
-            if phase is Phase.TRAIN_FORWARD:
-                compute_free = begin + forward_ms[layer]
-            elif layer == layers - 1 and last_backward_ms is not None:
-                compute_free = begin + last_backward_ms
-            else:
-                compute_free = begin + backward_ms[layer]
+            compute_free = begin + (forward_ms if phase is Phase.TRAIN_FORWARD else backward_ms)[layer]
             released[plan.slot] = compute_free
             if phase is Phase.TRAIN_FORWARD and layer == layers - 1:
                 compute_free += ends_forward_ms + ends_backward_ms
@@ -100,6 +94,13 @@ def simulate(layers: int, slots: int, prefetch: int, backward_slots: int, forwar
         step_ms = compute_free - start
     return {"backward_slots": planner.backward_slots, "step_ms": step_ms, "copies": copies,
             "demand_loads": demand, "copy_ms": copying, "fraction_of_copy_bound": copying / step_ms}
+
+
+def without_recompute(forward_ms, backward_ms, units: int, skipped) -> list:
+    """Per-unit backward times where the units in ``skipped`` keep their activations from
+    the forward: their backward less their forward."""
+    forward, backward = _per_unit(forward_ms, units), _per_unit(backward_ms, units)
+    return [b - f if unit in skipped else b for unit, (f, b) in enumerate(zip(forward, backward))]
 
 
 def attention_mlp_units(layers: int, forward_ms: float, backward_ms: float, copy_ms: float,
@@ -165,19 +166,15 @@ def main():
             args.layers, forward, backward, copy_ms, args.attention_mlp_units, args.attention_bytes / args.layer_bytes)
         print(f"attention and MLP as units: {args.slots} slots of "
               f"{(args.layer_bytes - args.attention_bytes) / 2**20:.0f} MiB (the MLP)")
-    # without its recompute, the last unit's backward less its forward (the MLP's, as units)
-    last_backward = (_per_unit(unit_backward, units)[-1] - _per_unit(unit_forward, units)[-1]
-                     if args.skip_last_recompute else None)
-    if args.skip_first_recompute:
-        unit_backward = _per_unit(unit_backward, units)
-        unit_backward[0] -= _per_unit(unit_forward, units)[0]
+    # as units, the first unit is an attention and the last an MLP
+    skipped = {unit for unit, skip in ((0, args.skip_first_recompute), (units - 1, args.skip_last_recompute)) if skip}
+    unit_backward = without_recompute(unit_forward, unit_backward, units, skipped)
     print("| backward slots | step ms | copies | demand loads | copy ms | x copy bound |")
     print("|---|---|---|---|---|---|")
     for count in (int(x) for x in args.backward_slots.split(",")):
         row = simulate(units, args.slots, args.prefetch, count, unit_forward, unit_backward,
                        args.ends_scale * pieces["ends_forward_ms"], args.ends_scale * pieces["ends_backward_ms"],
                        args.optimizer_ms, unit_copy,
-                       last_backward_ms=last_backward,
                        planner_class=KeptOnlyBackwardSlotsPlanner if args.kept_only_backward_slots else PrefetchPlanner)
         print(f"| {row['backward_slots']} | {row['step_ms']:.1f} | {row['copies']} | {row['demand_loads']} | "
               f"{row['copy_ms']:.1f} | "

@@ -121,9 +121,10 @@ def test_the_schedule_simulator_matches_the_measured_step_and_each_backward_slot
     assert abs(calibrated["step_ms"] / 1e3 - row["step_s"]) / row["step_s"] < 0.01
     assert abs(calibrated["fraction_of_copy_bound"] - row["fraction_of_bound"]) < 0.01
     # the last layer without its recompute: at most its forward shorter, the copies the same
-    skip = schedule_sim.simulate(32, 3, 2, 0, pieces["layer_forward_ms"], pieces["layer_recompute_backward_ms"],
-                                 pieces["ends_forward_ms"], pieces["ends_backward_ms"], 1.5, copy_ms,
-                                 last_backward_ms=pieces["layer_recompute_backward_ms"] - pieces["layer_forward_ms"])
+    skip = schedule_sim.simulate(32, 3, 2, 0, pieces["layer_forward_ms"],
+                                 schedule_sim.without_recompute(pieces["layer_forward_ms"],
+                                                                pieces["layer_recompute_backward_ms"], 32, {31}),
+                                 pieces["ends_forward_ms"], pieces["ends_backward_ms"], 1.5, copy_ms)
     assert skip["copies"] == 58 and 0 < runs[0]["step_ms"] - skip["step_ms"] <= pieces["layer_forward_ms"] + 1e-9
 
 
@@ -136,7 +137,7 @@ def test_skipping_the_first_and_last_recompute_would_still_stay_under_the_target
     phases = json.loads((ROOT / "benchmarks/results/throughput-llama3-8b-phases-seq2048.json").read_text())
     forward, backward = pieces["layer_forward_ms"], schedule_sim.backward_in_step_ms(phases, pieces, 32)
     copy_ms = 436_224_000 / 55.3e9 * 1e3
-    skipped = [backward - forward] + [backward] * 30 + [backward - forward]
+    skipped = schedule_sim.without_recompute(forward, backward, 32, {0, 31})
 
     def play(backward_ms, ends_scale=1.0):
         return schedule_sim.simulate(32, 3, 2, 0, forward, backward_ms, ends_scale * pieces["ends_forward_ms"],
