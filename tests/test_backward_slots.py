@@ -151,9 +151,12 @@ def test_the_summary_says_why_auto_takes_no_backward_slots(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(backward_mod, "expandable_segments", lambda: False)
     assert "needs PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in BackwardSlots(
-        StreamConfig(device="cuda:0")).note(0, cuda=True)
+        StreamConfig(device="cuda:0", vram_budget=None)).note(0, cuda=True)
     monkeypatch.setattr(backward_mod, "expandable_segments", lambda: True)
-    assert "decided at the first training step" in BackwardSlots(StreamConfig(device="cuda:0")).note(0, cuda=True)
+    assert "decided at the first training step" in BackwardSlots(
+        StreamConfig(device="cuda:0", vram_budget=None)).note(0, cuda=True)
     assert "resident window" in BackwardSlots(StreamConfig(device="cuda:0", vram_budget="8GiB")).note(0, cuda=True)
+    assert "resident window" in BackwardSlots(StreamConfig(device="cuda:0")).note(0, cuda=True), \
+        "the default budget, auto, leaves the memory to the window"
     assert BackwardSlots(StreamConfig(device="cuda:0", backward_slots=2)).note(2, cuda=True) == \
         "2 backward slot(s), allocated outside the loss"

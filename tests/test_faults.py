@@ -55,7 +55,7 @@ def test_a_failed_step_leaves_the_next_steps_exact(monkeypatch, exc, when):
         assert "quantization='nf4'" in message and "layerstream plan" in message
     streamed.zero_grad(set_to_none=True)
     runtime = layerstream.get_runtime(streamed)
-    assert runtime.planner.owner == runtime.pool.owner, "planner and pool must agree on slot owners"
+    assert runtime.prefetch.owner == runtime.pool.owner, "planner and pool must agree on slot owners"
     for entry, host in zip(runtime.records[2].entries, runtime.records[2].host_values):
         if entry.bound:
             assert entry.table[entry.name] is host, "host tensors must be bound back after the error"
@@ -104,7 +104,7 @@ def test_an_exception_in_a_trainer_callback_leaves_the_next_steps_exact(tmp_path
     with pytest.raises(Injected):
         Trainer(model=streamed, args=args, train_dataset=data, callbacks=[Failing()]).train()
     runtime = layerstream.get_runtime(streamed)
-    assert runtime.planner.owner == runtime.pool.owner
+    assert runtime.prefetch.owner == runtime.pool.owner
     streamed.zero_grad(set_to_none=True)
     trained = {k: v for k, v in streamed.state_dict().items() if "lora_" in k}
     assert trained, "the adapters must be in the state dict"

@@ -107,7 +107,7 @@ def test_backward_owner_check_finds_the_slot_from_the_tensor(tmp_path):
     stream(streamed, "cpu", slots=2)
     runtime = layerstream.get_runtime(streamed)
     train_steps(streamed, 1)
-    slot = runtime.planner.slot_of[next(iter(runtime.planner.slot_of))]
+    slot = runtime.prefetch.slot_of[next(iter(runtime.prefetch.slot_of))]
     owner = runtime.pool.owner[slot]
     inside = runtime.pool.buffers[slot][8:]
     runtime._owner_check(owner)(inside)  # the owner: passes

@@ -9,7 +9,7 @@ import torch
 
 import layerstream
 from layerstream.schedule import PrefetchPlanner
-from tiny import FAMILIES, assert_traces_equal, batch, nearest_valid_victim, peft_pair, stream, train_steps
+from tiny import corrupt_copies, FAMILIES, assert_traces_equal, batch, nearest_valid_victim, peft_pair, stream, train_steps
 
 STEPS = 10
 
@@ -148,7 +148,7 @@ def test_wrong_backward_slot_contents_are_caught_by_parity(device):
     resident.to(device)
     runtime = layerstream.get_runtime(streamed)
     records = runtime.records
-    runtime._load_source = (lambda layer, slot: records[(layer + 1) % len(records)].host_region
+    corrupt_copies(runtime, lambda layer, slot: records[(layer + 1) % len(records)].host_region
                             if slot >= runtime.pool.ring_slots else None)
     with pytest.raises(AssertionError):
         assert_traces_equal(train_steps(streamed, 3, device), train_steps(resident, 3, device))
@@ -161,7 +161,7 @@ def test_wrong_slot_contents_are_caught_by_parity(device):
     resident.to(device)
     runtime = layerstream.get_runtime(streamed)
     records = runtime.records
-    runtime._load_source = lambda layer, slot: records[(layer + 1) % len(records)].host_region
+    corrupt_copies(runtime, lambda layer, slot: records[(layer + 1) % len(records)].host_region)
     with pytest.raises(AssertionError):
         assert_traces_equal(train_steps(streamed, 2, device), train_steps(resident, 2, device))
 
@@ -175,7 +175,7 @@ def test_binding_of_another_slot_is_caught_by_the_owner_check(device):
     with pytest.raises(AssertionError):  # wrong slot: values differ...
         streamed_out, _ = _forward_pair(streamed, device)
     runtime._enter = original
-    slot = runtime.planner.slot_of[next(iter(runtime.planner.slot_of))]
+    slot = runtime.prefetch.slot_of[next(iter(runtime.prefetch.slot_of))]
     wrong_layer = (runtime.pool.owner[slot] + 1) % len(runtime.records)
     with pytest.raises(layerstream.SlotOwnerError, match="holds layer"):  # ...and owners disagree
         runtime.pool.acquire(slot, wrong_layer)

@@ -27,7 +27,7 @@ def test_recipe_validates_and_states_planned_and_measured_figures(path, tmp_path
     config = load(str(path), [f"training.output_dir={tmp_path / 'never'}", "stream.device=cpu"])
     model, stream, training = config["model"], config["stream"], config["training"]
     assert model["name"] != "embedded-tiny" and Path(model["config"]).is_file()
-    budget = plan.parse_bytes(stream["vram"])
+    budget = plan.parse_bytes(stream["vram_budget"])
     predicted = plan.make_plan(plan.load_config(model["config"]), seq=training["max_length"],
                                batch=training["per_device_train_batch_size"], vram_bytes=budget,
                                quantization=model["quantization"], dtype=model["dtype"],

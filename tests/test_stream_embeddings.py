@@ -14,8 +14,9 @@ from torch import nn
 from transformers import HfArgumentParser, Trainer, TrainingArguments
 
 import layerstream
-from layerstream import ends as ends_mod
-from layerstream.ends import HeadLinear
+from layerstream import embeddings as ends_mod
+from layerstream.embeddings import HeadLinear
+from layerstream.integrations import launch
 from layerstream.integrations import trainer as integration
 from layerstream.train import TrainConfigError, load, stream_config
 from tiny import assert_traces_equal, batch, lora_config, peft_pair, stream, tiny_model, train_steps
@@ -272,11 +273,11 @@ def test_stats_count_the_head_and_the_embedding_rows(device):
 def test_summary_says_the_embedding_and_head_stream():
     streamed, _ = _pair("cpu", tied=True)
     summary = layerstream.get_runtime(streamed).summary()
-    assert "ends         streamed: input embedding and the head tied to it (one host copy)" in summary
+    assert "embeddings   streamed: input embedding and the head tied to it (one host copy)" in summary
     assert "resident     final norm, and every trainable tensor" in summary
     plain, _ = peft_pair("llama", layers=3)
     stream(plain, "cpu")
-    assert "ends         resident (stream_embeddings=False)" in layerstream.get_runtime(plain).summary()
+    assert "embeddings   resident (stream_embeddings=False)" in layerstream.get_runtime(plain).summary()
 
 
 # -- refusals -------------------------------------------------------------------------------
@@ -355,14 +356,15 @@ def test_yaml_launcher_and_trainer_flags_accept_stream_embeddings(tmp_path, monk
     config = load(str(DEFAULT), ["stream.stream_embeddings=true", "stream.device=cpu",
                                  f"training.output_dir={tmp_path / 'never'}"])
     assert stream_config(config).stream_embeddings is True
-    with pytest.raises(TrainConfigError, match="stream: stream_embeddings must be True or False"):
+    with pytest.raises(TrainConfigError, match="stream.stream_embeddings must be true or false"):
         load(str(DEFAULT), ["stream.stream_embeddings=maybe", "stream.device=cpu"])
     (streaming,) = HfArgumentParser((layerstream.StreamingArguments,)).parse_args_into_dataclasses(
         ["--layer_stream_embeddings", "--layer_stream_device", "cpu", "--layer_stream_slots", "2"])
     assert streaming.to_config().stream_embeddings is True
     seen = []
-    monkeypatch.setattr(runpy, "run_path", lambda path, run_name: seen.append(integration._auto_stream))
-    assert cli.main(["run", "--stream-embeddings", "--slots", "2", "--device", "cpu", "train.py"]) == 0
+    (tmp_path / "train.py").write_text("")
+    monkeypatch.setattr(runpy, "run_path", lambda path, run_name: seen.append(launch.config_for()))
+    assert cli.main(["run", "--stream-embeddings", "--slots", "2", "--device", "cpu", str(tmp_path / "train.py")]) == 0
     assert seen[0].stream_embeddings is True
 
 
@@ -380,15 +382,15 @@ def test_a_trainer_run_with_streamed_ends_matches_the_plain_run(tmp_path, caplog
 
     streamed, resident = peft_pair("llama", layers=4)
     plain = run(resident, tmp_path / "plain")
-    integration.enable_auto_stream(layerstream.StreamConfig(device="cpu", slots=2, stream_embeddings=True))
+    launch.enable(dict(device="cpu", slots=2, stream_embeddings=True))
     try:
         with caplog.at_level("WARNING", logger="layerstream"):
             got = run(streamed, tmp_path / "streamed")
     finally:
-        integration.disable_auto_stream()
+        launch.disable()
     assert len(plain) == 3 and got == plain
     assert layerstream.get_runtime(streamed).stats()["stream_embeddings"]
-    assert "ends         streamed: input embedding and head" in caplog.text
+    assert "embeddings   streamed: input embedding and head" in caplog.text
 
 
 def test_a_qlora_model_loaded_by_from_pretrained_streams_its_ends_and_matches_resident(tmp_path):

@@ -35,15 +35,17 @@ def _write(tmp_path, text):
     ("modle: {}\n", r"unknown section\(s\) \['modle'\]"),
     ("lora: {rank: 8}\n", r"unknown key\(s\) \['rank'\] in 'lora'"),
     ("training: {max_stepz: 3}\n", r"unknown key\(s\) \['max_stepz'\] in 'training'"),
-    ("stream: {slots: 1, device: cpu}\n", r"stream: slots=1 is too few"),
+    ("stream: {slots: 1, device: cpu}\n", r"stream: stream.slots=1 is too few"),
     ("stream: {slots: 2, prefetch: 2, device: cpu}\n", r"prefetch must be >= 1 and < slots"),
     ("lora: {r: 0}\n", r"lora.r=0 must be an integer >= 1"),
     ("model: {dtype: float8}\n", r"model.dtype"),
     ("data: {path: /nonexistent/data.jsonl}\n", r"dataset file /nonexistent/data.jsonl does not exist"),
     ("training: {eval_strategy: sometimes}\nstream: {device: cpu}\n", r"training: .*sometimes"),
-    ("stream: {device: cpu, vram: 16 gigs}\n", r"stream.vram: unknown unit .gigs."),
-    ("stream: {device: cpu, vram: 900MiB}\n", r"does not fit in 0.9 GiB .* even when streamed"),
-    ("stream: {device: cpu, backward_slots: -1}\n", r"stream: backward_slots must be an integer >= 0 or 'auto'"),
+    ("stream: {device: cpu, vram_budget: 16 gigs}\n", r"stream.vram_budget: unknown unit .gigs."),
+    ("stream: {device: cpu, vram_budget: 900MiB}\n", r"does not fit in 0.9 GiB .* even when streamed"),
+    ("stream: {device: cpu, backward_slots: -1}\n", r"stream: stream.backward_slots must be an integer >= 0 or 'auto'"),
+    ("stream: {device: cpu, vram: 8GiB}\n", r"stream.vram is now stream.vram_budget"),
+    ("stream: {device: cpu, resident_window: true}\n", r"stream.resident_window is now stream.vram_budget"),
 ])
 def test_bad_configs_stop_before_any_work(tmp_path, text, match):
     out = tmp_path / "never"
@@ -88,7 +90,7 @@ def test_a_run_that_does_not_fit_says_what_to_change_in_config_terms(tmp_path):
         "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
         "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8}))
     path = _write(tmp_path, f"model: {{name: {model}, dtype: bfloat16}}\n"
-                            "stream: {device: cpu, vram: 6GiB, slots: 3}\n"
+                            "stream: {device: cpu, vram_budget: 6GiB, slots: 3}\n"
                             "training: {max_length: 4096, per_device_train_batch_size: 4}\n")
     with pytest.raises(TrainConfigError) as error:
         load(str(path), [f"training.output_dir={tmp_path / 'never'}"])
@@ -98,19 +100,18 @@ def test_a_run_that_does_not_fit_says_what_to_change_in_config_terms(tmp_path):
     assert "stream.stream_embeddings: true" in message
     assert "--" not in message, "advice must name config keys, not CLI flags"
     assert not (tmp_path / "never").exists()
-    fitting = path.read_text().replace("vram: 6GiB", "vram: 80GiB")
+    fitting = path.read_text().replace("vram_budget: 6GiB", "vram_budget: 80GiB")
     path.write_text(fitting)
     load(str(path), [f"training.output_dir={tmp_path / 'never'}"])
 
 
-def test_resident_window_keeps_the_layers_that_fit_in_stream_vram(tmp_path):
-    """stream.resident_window: stream.vram becomes the vram_budget; the embedded model fits
-    whole in 2 GiB, so after the first step its layers stay put and nothing is copied."""
+def test_a_vram_budget_keeps_the_layers_that_fit(tmp_path):
+    """stream.vram_budget: the embedded model fits whole in 2 GiB, so after the first step
+    (measured with no window) its layers stay put and nothing is copied."""
     out = tmp_path / "out"
     code = cli.main(["train", str(DEFAULT), "--set", f"training.output_dir={out}",
                      "--set", "training.max_steps=4", "--set", "training.logging_steps=2",
-                     "--set", "stream.device=cpu", "--set", "stream.vram=2GiB",
-                     "--set", "stream.resident_window=true"])
+                     "--set", "stream.device=cpu", "--set", "stream.vram_budget=2GiB"])
     assert code == 0
     logged = [e for e in json.loads((out / "trainer_state.json").read_text())["log_history"] if "loss" in e]
     from layerstream.train import model_config
@@ -120,10 +121,8 @@ def test_resident_window_keeps_the_layers_that_fit_in_stream_vram(tmp_path):
     assert logged[-1]["layerstream/layer_loads"] == 0, "window layers are not copied"
 
 
-@pytest.mark.parametrize("text,match", [
-    ("stream: {device: cpu, resident_window: yes please}\n", r"stream.resident_window=.* must be true or false"),
-    ("stream: {device: cpu, resident_window: true}\n", r"stream.vram, which is 'auto' .* without a GPU"),
-])
-def test_resident_window_needs_a_boolean_and_a_budget(tmp_path, text, match):
-    with pytest.raises(TrainConfigError, match=match):
-        load(str(_write(tmp_path, text)), [f"training.output_dir={tmp_path / 'never'}"])
+def test_the_stream_section_has_every_streamconfig_setting_under_its_own_name():
+    from layerstream.config import settings
+    from layerstream.train import SECTIONS
+
+    assert set(SECTIONS["stream"]) == {s.name for s in settings()}

@@ -11,6 +11,7 @@ from transformers import HfArgumentParser, Trainer, TrainingArguments
 
 import layerstream
 from layerstream import cli
+from layerstream.integrations import launch
 from layerstream.integrations import trainer as integration
 from tiny import peft_pair
 
@@ -35,7 +36,7 @@ def _losses(history):
 @pytest.fixture(autouse=True)
 def _no_auto_stream_left_over():
     yield
-    integration.disable_auto_stream()
+    launch.disable()
 
 
 def test_unchanged_script_under_the_launcher_matches_the_plain_run(tmp_path, monkeypatch):
@@ -82,9 +83,10 @@ def test_a_streamed_model_handed_to_a_trainer_gets_the_stats_callback(tmp_path):
     assert any(isinstance(cb, layerstream.StreamStatsCallback) for cb in trainer.callback_handler.callbacks)
 
 
-def test_launcher_flags_are_validated_before_the_script_runs(tmp_path):
-    with pytest.raises(layerstream.StreamConfigError, match="prefetch"):
+def test_launcher_flags_are_validated_before_the_script_runs(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
         cli.main(["run", "--slots", "2", "--prefetch", "2", "--device", "cpu", SCRIPT, "--output_dir", str(tmp_path)])
+    assert exit_info.value.code == 2 and "prefetch=2 with slots=2" in capsys.readouterr().err
     assert not (tmp_path / "trainer_state.json").exists()
 
 

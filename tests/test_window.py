@@ -32,7 +32,7 @@ def test_the_window_bytes_are_the_ones_computed_with():
     stream(streamed, "cpu", slots=2, prefetch=1)
     runtime = layerstream.get_runtime(streamed)
     runtime.set_window([2])
-    runtime._window_buffers[0].zero_()
+    runtime._window_buffers[2].zero_()
     with pytest.raises(AssertionError):
         assert_traces_equal(train_steps(streamed, 1), train_steps(resident, 1))
 
@@ -55,22 +55,35 @@ def test_nf4_window_layers_stay_exact(tmp_path):
 
 
 def _budget_for(model, extra_layers, seq=12, batch_size=2, slots=2):
+    """A budget whose room, beside the planned step and the window's margin, holds
+    ``extra_layers`` layers and half a layer more."""
+    from layerstream.window import margin_bytes
+
     memory = plan.plan_for_model(model, seq, batch_size, slots=slots)
     largest = layerstream.get_runtime(model).store.largest_layer_bytes
-    return memory.peak_vram_bytes + memory.reserve_bytes + extra_layers * largest + largest // 2
+    need = memory.peak_vram_bytes + memory.reserve_bytes + extra_layers * largest + largest // 2
+    budget = need + margin_bytes(need)
+    while budget - margin_bytes(budget) < need:
+        budget += largest // 4
+    return budget
 
 
 def test_a_vram_budget_keeps_as_many_layers_as_fit(caplog):
+    """The first step runs with no window; from what it used (on the host: the planner's
+    stand-in for a measurement), the window takes the layers that fit."""
     streamed, resident = peft_pair("llama", layers=6)
     stream(streamed, "cpu", slots=2, prefetch=1)
     budget = _budget_for(streamed, extra_layers=3)
     layerstream.unstream_model(streamed)
     stream(streamed, "cpu", slots=2, prefetch=1, vram_budget=budget)
-    with caplog.at_level("WARNING", logger="layerstream"):
-        assert_traces_equal(train_steps(streamed, 3), train_steps(resident, 3))
     runtime = layerstream.get_runtime(streamed)
-    assert len(runtime.window) == 3 and "leaves room for 3 of 6 layers" in caplog.text
+    with caplog.at_level("WARNING", logger="layerstream"):
+        assert_traces_equal(train_steps(streamed, 1), train_steps(resident, 1))
+        assert runtime.window == []
+        assert_traces_equal(train_steps(streamed, 3), train_steps(resident, 3))
+    assert len(runtime.window) == 3 and "resident window 0 -> 3 of 6 layers" in caplog.text
     assert runtime.window == spread_resident(6, 3)
+    assert runtime.stats()["window_changes"] == 1
 
 
 def test_a_larger_batch_shape_shrinks_the_window_and_stays_exact():
@@ -80,13 +93,20 @@ def test_a_larger_batch_shape_shrinks_the_window_and_stays_exact():
     layerstream.unstream_model(streamed)
     stream(streamed, "cpu", slots=2, prefetch=1, vram_budget=budget)
     runtime = layerstream.get_runtime(streamed)
-    assert_traces_equal(train_steps(streamed, 1), train_steps(resident, 1))
+    assert_traces_equal(train_steps(streamed, 2), train_steps(resident, 2))
     first = len(runtime.window)
     assert first == 4
     assert_traces_equal(train_steps(streamed, 2, batch_size=4), train_steps(resident, 2, batch_size=4))
     assert 0 < len(runtime.window) < first
     assert_traces_equal(train_steps(streamed, 1), train_steps(resident, 1))
     assert 0 < len(runtime.window) < first, "a smaller shape later must not grow the window again"
+
+
+def test_no_budget_streams_every_layer():
+    streamed, resident = peft_pair("llama", layers=6)
+    stream(streamed, "cpu", slots=2, prefetch=1, vram_budget=None)
+    assert_traces_equal(train_steps(streamed, 3), train_steps(resident, 3))
+    assert layerstream.get_runtime(streamed).window == []
 
 
 def test_an_auto_budget_leaves_out_memory_other_processes_hold(monkeypatch, caplog):
@@ -97,6 +117,7 @@ def test_an_auto_budget_leaves_out_memory_other_processes_hold(monkeypatch, capl
     # held elsewhere (a display, another job)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (20 * gib, 24 * gib))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 2 * gib)
+    monkeypatch.setattr(config_mod, "per_process_fraction", lambda device: 1.0)
     monkeypatch.setattr(config_mod, "_warned_foreign_memory", set())
     with caplog.at_level("WARNING", logger="layerstream"):
         assert config_mod.gpu_memory_for_run(torch.device("cuda", 0)) == 22 * gib
@@ -113,6 +134,9 @@ def test_an_auto_budget_leaves_out_memory_other_processes_hold(monkeypatch, capl
     with caplog.at_level("WARNING", logger="layerstream"):
         assert config_mod.gpu_memory_for_run(torch.device("cuda", 0)) == 23.6 * gib
     assert caplog.text == ""
+    # a per-process memory fraction (a smaller card stood in for) caps it
+    monkeypatch.setattr(config_mod, "per_process_fraction", lambda device: 0.5)
+    assert config_mod.gpu_memory_for_run(torch.device("cuda", 0)) == 12 * gib
 
 
 def test_stream_config_and_yaml_resolve_an_auto_budget_the_same_way(monkeypatch):
@@ -122,19 +146,22 @@ def test_stream_config_and_yaml_resolve_an_auto_budget_the_same_way(monkeypatch)
     monkeypatch.setattr(config_mod, "gpu_memory_for_run", lambda device: 7 * 2**30)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    assert config_mod.StreamConfig(device="cuda:0", vram_budget="auto").vram_budget == 7 * 2**30
-    yaml_config = {"stream": {"vram": "auto", "device": "cuda:0"}}
+    config = config_mod.StreamConfig(device="cuda:0")
+    assert config.vram_budget == "auto" and config.budget_bytes() == 7 * 2**30
+    yaml_config = {"stream": {"vram_budget": "auto", "device": "cuda:0"}}
     monkeypatch.setattr(train, "_device", lambda config: torch.device("cuda", 0))
     assert train._vram_budget(yaml_config, "run.yaml") == 7 * 2**30
+    assert config_mod.StreamConfig(device="cpu").vram_budget is None, "auto means no budget on the host"
 
 
 @pytest.mark.gpu
 def test_an_auto_budget_on_cuda_is_what_the_driver_reports_free_for_this_run():
-    from layerstream.config import StreamConfig
+    from layerstream.config import StreamConfig, per_process_fraction
 
     held = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")  # this run's own memory
     free, total = torch.cuda.mem_get_info()
-    budget = StreamConfig(device="cuda", vram_budget="auto").vram_budget
+    budget = StreamConfig(device="cuda", vram_budget="auto").budget_bytes()
     # what the allocator holds (at least the 256 MiB above) counts; nothing beyond the card
     assert free + held.numel() <= budget <= total
-    assert budget == min(total, free + torch.cuda.memory_reserved())
+    cap = int(per_process_fraction(torch.device("cuda", torch.cuda.current_device())) * total)
+    assert budget == min(total, free + torch.cuda.memory_reserved(), cap)

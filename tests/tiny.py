@@ -173,3 +173,15 @@ def nearest_valid_victim(self, needed_at, position, phase, keep, target=None):
         if distance > needed_at and (best_distance is None or distance < best_distance):
             best_slot, best_distance = slot, distance
     return best_slot
+
+
+def corrupt_copies(runtime, source_for):
+    """Negative controls: make the slot pool copy ``source_for(layer, slot)`` (a host region,
+    or None for the layer's own) instead of the layer's bytes."""
+    pool = runtime.pool
+    original = pool.load
+
+    def load(record, slot, compute=None, source=None):
+        return original(record, slot, compute, source_for(record.index, slot))
+
+    pool.load = load

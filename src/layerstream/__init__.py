@@ -5,13 +5,13 @@ pinned host memory and are copied into a few GPU slots just before each layer ru
 """
 
 from .api import get_runtime, is_streamed, stream_model, unstream_model
-from .config import StreamConfig, StreamConfigError
-from .discovery import NoDecoderStackError
+from .config import StreamConfig
+from .errors import (HostMemoryError, LayerstreamError, LoadingError, NoDecoderStackError, SlotChecksumError,
+                     SlotOwnerError, StreamConfigError, StreamingError, TrainConfigError)
+from .integrations import peft as _peft_integration  # noqa: F401  (registers the PEFT merge integration)
 from .integrations.trainer import StreamingArguments, StreamStatsCallback
-from .loading import LoadingError, from_pretrained
-from .checksum import SlotChecksumError
-from .pool import SlotOwnerError
-from .runtime import StreamingError, StreamRuntime
+from .loading import from_pretrained
+from .runtime import StreamRuntime
 
 __version__ = "0.1.0"
 
@@ -20,10 +20,13 @@ __all__ = [
     "StreamConfigError",
     "StreamRuntime",
     "StreamingError",
+    "LayerstreamError",
+    "HostMemoryError",
     "NoDecoderStackError",
     "StreamingArguments",
     "StreamStatsCallback",
     "LoadingError",
+    "TrainConfigError",
     "from_pretrained",
     "SlotChecksumError",
     "SlotOwnerError",

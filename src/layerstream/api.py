@@ -3,22 +3,30 @@
 from __future__ import annotations
 
 import logging
-from typing import Optional, Union
+from typing import Callable, List, Optional, Union
 
 import torch
 from torch import nn
 
-from . import ends as ends_mod
-from . import layer as layer_mod
-from . import nf4
-from .config import StreamConfig, StreamConfigError
+from . import changes, layer, nf4
+from .config import StreamConfig, resolve_device
 from .discovery import find_decoder_layers, layer_name, unwrap_peft
-from .runtime import StreamingError, StreamRuntime
-from .store import HostStore, check_host_memory
+from .errors import StreamConfigError, StreamingError
+from .runtime import StreamRuntime
+from .store import LAYOUT, HostStore, check_host_memory
+from .units import GiB
 
 logger = logging.getLogger(__name__)
 
 _ATTR = "_layerstream_runtime"
+_ON_STREAM: List[Callable[[nn.Module], None]] = []  # integrations that want to know
+
+
+def on_stream(callback: Callable[[nn.Module], None]) -> None:
+    """Have ``callback(model)`` called whenever a model becomes streamed (integrations
+    register here, so the core never imports them)."""
+    if callback not in _ON_STREAM:
+        _ON_STREAM.append(callback)
 
 
 def _holder(model: nn.Module) -> nn.Module:
@@ -35,29 +43,24 @@ def get_runtime(model: nn.Module) -> StreamRuntime:
     runtime = getattr(_holder(model), _ATTR, None) or getattr(model, _ATTR, None)
     if runtime is None:
         raise StreamingError(
-            f"{type(model).__name__} is not streamed; call layerstream.stream_model(model) first."
-        )
+            f"{type(model).__name__} is not streamed; call layerstream.stream_model(model) first.")
     return runtime
 
 
-def _check_layers_on_host(layers: nn.ModuleList, path: str, streamed) -> None:
-    for index, layer in enumerate(layers):
-        for name, tensor in list(layer.named_parameters()) + list(layer.named_buffers()):
+def _layer_devices(layers: nn.ModuleList, path: str, streamed) -> set:
+    """The devices the streamed tensors are on now (a meta tensor is refused)."""
+    devices = set()
+    for index, module in enumerate(layers):
+        for name, tensor in list(module.named_parameters()) + list(module.named_buffers()):
             if not streamed(tensor):
                 continue  # trainable or shared tensors stay resident wherever they are
-            where = tensor.device
-            if where.type == "meta":
+            if tensor.device.type == "meta":
                 raise StreamingError(
                     f"{layer_name(path, index)}.{name} is on the meta device (no weights loaded). "
                     "Load real weights first (from_pretrained without device_map='meta', or "
-                    "materialise with to_empty and load a state dict) before stream_model."
-                )
-            if where.type != "cpu":
-                raise StreamingError(
-                    f"{layer_name(path, index)}.{name} is already on {where}. stream_model takes "
-                    "a model in host memory: load it on CPU (no device_map, no .to('cuda')), "
-                    "stream it, then call model.to('cuda') to place the resident part."
-                )
+                    "materialise with to_empty and load a state dict) before stream_model.")
+            devices.add(tensor.device)
+    return devices
 
 
 def _streamed_predicate(model: nn.Module, layers: nn.ModuleList):
@@ -70,10 +73,10 @@ def _streamed_predicate(model: nn.Module, layers: nn.ModuleList):
     """
     nothing_frozen = all(p.requires_grad for p in model.parameters())
     owner: dict = {}
-    for index, layer in enumerate(layers):
-        for tensor in list(layer.parameters()) + list(layer.buffers()):
+    for index, module in enumerate(layers):
+        for tensor in list(module.parameters()) + list(module.buffers()):
             owner.setdefault(id(tensor), set()).add(index)
-    in_layers = {id(m) for layer in layers for m in layer.modules()}
+    in_layers = {id(m) for module in layers for m in module.modules()}
     outside = set()
     for module in model.modules():
         if id(module) in in_layers:
@@ -96,40 +99,46 @@ def stream_model(model: nn.Module, config: Optional[StreamConfig] = None, **over
 
     The layers' frozen weights move into host arenas (pinned when the device is CUDA);
     a pool of ``config.slots`` device buffers receives each layer just before it runs.
-    With ``stream_embeddings=True`` the input embedding and output head stay in host
-    memory too (see ``layerstream.ends``). Call ``model.to(device)`` afterwards to place
-    the resident part.
+    A model already on a GPU is streamed too: its layer weights move into the host store
+    (freeing their GPU memory), and without a ``device`` it streams to that GPU. With
+    ``stream_embeddings=True`` the input embedding and output head stay in host memory
+    too (see ``layerstream.embeddings``). Call ``model.to(device)`` afterwards to place a
+    resident part that is still on the host.
     """
-    if config is None:
-        config = StreamConfig(**overrides)
-    elif overrides:
-        config = config.replace(**overrides)
-    if not isinstance(config, StreamConfig):
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"stream_model takes a torch.nn.Module (a transformers model, maybe wrapped by PEFT), "
+                        f"got {type(model).__name__}")
+    if config is not None and not isinstance(config, StreamConfig):
         raise TypeError(f"config must be a layerstream.StreamConfig, got {type(config).__name__}")
     if is_streamed(model):
         raise StreamingError(
             "this model is already streamed; call layerstream.unstream_model(model) before "
-            "streaming it again with other settings."
-        )
+            "streaming it again with other settings.")
     path, layers = find_decoder_layers(model)
     streamed = _streamed_predicate(model, layers)
-    _check_layers_on_host(layers, path, streamed)
-    records = [HostStore.plan_layer(i, layer_name(path, i), layer, streamed) for i, layer in enumerate(layers)]
-    empty = [r.name for r in records if not r.entries]
-    if len(empty) == len(records):
+    devices = _layer_devices(layers, path, streamed)
+    gpus = sorted({d for d in devices if d.type == "cuda"}, key=str)
+    if config is None:
+        if gpus and "device" not in overrides:
+            overrides["device"] = gpus[0]
+        config = StreamConfig(**overrides)
+    elif overrides:
+        config = config.replace(**overrides)
+    records = [HostStore.plan_layer(i, layer_name(path, i), module, streamed) for i, module in enumerate(layers)]
+    if all(not r.entries for r in records):
         raise StreamingError(
             "no tensor of the decoder layers can stream: every one is trainable or shared "
-            "with the resident part. Freeze the base weights (e.g. apply PEFT) first."
-        )
+            "with the resident part. Freeze the base weights (e.g. apply PEFT) first.")
     largest = max(r.nbytes for r in records)
     config = _automatic_slots(config, largest)
     _check_slots_fit_budget(config, largest)
+    store_bytes = sum(r.nbytes for r in records)
     if config.stream_embeddings:
         # checked whole before any copy; the host must hold and may page-lock both stores
-        ends_weights = [w for _, w in ends_mod.find_ends(model).weights()]
-        ends_bytes = [w.numel() * w.element_size() for w in ends_weights]
-        check_host_memory(max(largest, *ends_bytes),
-                          sum(r.nbytes for r in records) + sum(ends_bytes), bool(config.pin),
+        from .embeddings import find_ends
+
+        ends_bytes = [w.numel() * w.element_size() for _, w in find_ends(model).weights()]
+        check_host_memory(max(largest, *ends_bytes), store_bytes + sum(ends_bytes), bool(config.pin),
                           "streaming this model with its embedding and head")
     if any(e.kind == "quant" for r in records for e in r.entries):
         try:
@@ -137,31 +146,38 @@ def stream_model(model: nn.Module, config: Optional[StreamConfig] = None, **over
         except ImportError as exc:
             raise StreamingError(str(exc)) from None
     store = HostStore(config.arena_bytes, pin=bool(config.pin))
-    store.build(records)
+    store.build(records, new_bytes=store_bytes if gpus else None)
+    if gpus:
+        if config.device.type == "cuda":
+            torch.cuda.empty_cache()  # the layers' GPU memory goes back to the driver
+        logger.warning("layerstream: the decoder layers were on %s; their frozen weights (%.2f GiB) moved into "
+                       "the host store and their GPU memory was freed. Load the model on the CPU (or let "
+                       "`layerstream run` load it) to skip that copy.", ", ".join(map(str, gpus)), store_bytes / GiB)
     return attach_runtime(model, path, layers, config, records, store)
 
 
 def _automatic_slots(config: StreamConfig, largest_layer: int) -> StreamConfig:
     """slots='auto' takes two slots, not three, when the budget holds no more."""
-    budget = config.vram_budget
-    if "slots" not in config.automatic or budget is None or config.slots * largest_layer <= budget:
+    from .config import auto_slots
+
+    budget = config.budget_bytes()
+    if "slots" not in config.automatic or auto_slots(budget, largest_layer) == config.slots:
         return config
-    chosen = config.replace(slots=2)
+    chosen = config.replace(slots=auto_slots(budget, largest_layer))
     chosen.automatic = chosen.automatic | {"slots"}
     return chosen
 
 
 def _check_slots_fit_budget(config: StreamConfig, largest_layer: int) -> None:
-    budget = config.vram_budget
+    budget = config.budget_bytes()
     if budget is None or config.slots * largest_layer <= budget:
         return
-    gib = 2**30
     fitting = budget // max(largest_layer, 1)
     advice = (f"use slots={fitting}" if fitting >= 2 else
               "load the model in NF4 (quantization='nf4'), or raise the budget")
     raise StreamConfigError(
-        f"{config.slots} slots of the largest layer ({largest_layer / gib:.2f} GiB each) need "
-        f"{config.slots * largest_layer / gib:.2f} GiB, more than vram_budget={budget / gib:.2f} GiB "
+        f"{config.slots} slots of the largest layer ({largest_layer / GiB:.2f} GiB each) need "
+        f"{config.slots * largest_layer / GiB:.2f} GiB, more than vram_budget={budget / GiB:.2f} GiB "
         f"before anything else is on the GPU: {advice}.")
 
 
@@ -169,15 +185,17 @@ def attach_runtime(model: nn.Module, path: str, layers: nn.ModuleList, config: S
                    records, store: HostStore) -> nn.Module:
     """Turn a model whose layers are packed in ``store`` into a streamed model."""
     runtime = StreamRuntime(model, layers, path, config, records, store)
-    if config.stream_embeddings:
-        runtime.ends = ends_mod.stream_ends(model, runtime)
-    object.__setattr__(_holder(model), _ATTR, runtime)
-    _hide_from_ddp(model, records + (runtime.ends.records if runtime.ends is not None else []))
-    _install_trainer_integration()
-    for index, layer in enumerate(layers):
-        layer_mod.make_streamed(layer, runtime, index)
-    for module in _streamed_linear4bit(records):
-        layer_mod.make_streamed_linear4bit(module, runtime)
+    holder = _holder(model)
+    object.__setattr__(holder, _ATTR, runtime)
+    runtime.guarded = layer.ancestors(holder, layers)
+    _hide_from_ddp(model, records + (runtime.embeddings.records if runtime.embeddings is not None else []))
+    for index, module in enumerate(layers):
+        layer.make_streamed(module, runtime, index)
+    for module in nf4.streamed_linear4bit_modules(records):
+        nf4.make_streamed(module, runtime)
+    layer.guard_ancestors(runtime.guarded, runtime)
+    for callback in list(_ON_STREAM):
+        callback(model)
     logger.info(runtime.summary())
     return model
 
@@ -201,30 +219,16 @@ def _hide_from_ddp(model: nn.Module, records) -> None:
     for record in records:
         for entry in record.entries:
             if entry.bound:
-                relative = entry.qualified_name[len(prefix):] if entry.qualified_name.startswith(prefix) else entry.qualified_name
+                qualified = entry.qualified_name
+                relative = qualified[len(prefix):] if qualified.startswith(prefix) else qualified
                 names.update((relative, _PEFT_PREFIX + relative))
     object.__setattr__(holder, _DDP_IGNORE, sorted(names))
 
 
-def _install_trainer_integration() -> None:
-    """A streamed model handed to a Trainer reports its stats with no further code."""
-    try:
-        from .integrations.trainer import install
-    except ImportError:  # transformers without Trainer support
-        return
-    install()
-
-
-def _streamed_linear4bit(records) -> list:
-    """The Linear4bit modules whose packed weight streams."""
-    modules = {id(e.module): e.module for r in records for e in r.entries if e.kind == "quant"}
-    return list(modules.values())
-
-
 def _resident_device(model: nn.Module, runtime: StreamRuntime) -> torch.device:
     streamed_ids = {id(v) for r in runtime.records for v in r.host_values}
-    if runtime.ends is not None:
-        streamed_ids |= {id(w) for _, w in runtime.ends.found.weights()}
+    if runtime.embeddings is not None:
+        streamed_ids |= {id(w) for _, w in runtime.embeddings.found.weights()}
     for tensor in model.parameters():
         if id(tensor) not in streamed_ids:
             return tensor.device
@@ -236,29 +240,31 @@ def unstream_model(model: nn.Module, device: Optional[Union[str, torch.device]] 
 
     The layers go where the resident part is (so a model moved to CUDA comes back whole
     on CUDA), or to ``device`` when given. Names, values and Parameter objects are kept.
+    Every copy is made before the model is changed, so a failure (out of memory, an
+    interrupt) while copying leaves it streamed as it was; calling again finishes the job.
     """
     runtime = get_runtime(model)
-    target = torch.device(device) if device is not None else _resident_device(model, runtime)
+    target = resolve_device(device) if device is not None else _resident_device(model, runtime)
     runtime.pool.settle()
+    for record in runtime.records:  # values written since the last forward are in the store too
+        if not record.fresh_deep() and runtime.store.sync(record) == LAYOUT:
+            runtime.store.repack(record)
+    copies = [runtime.store.copies_out(record, target) for record in runtime.records]
+    # the commit: plain assignments and class swaps, nothing that allocates
+    for record, values in zip(runtime.records, copies):
+        changes.unwatch(record)
+        HostStore.restore(record, values)
+    for module in nf4.streamed_linear4bit_modules(runtime.records):
+        nf4.make_plain(module)
+    for module in runtime.layers:
+        layer.make_plain(module)
+    if runtime.embeddings is not None:
+        runtime.embeddings.restore(target)
+    layer.release_ancestors(getattr(runtime, "guarded", []), runtime)
     for record in runtime.records:
-        copies = {}
-        for entry, host in zip(record.entries, record.host_values):
-            fresh = copies.get(entry.offset)
-            if fresh is None:
-                fresh = host.detach().to(target, copy=True)
-                copies[entry.offset] = fresh
-            if entry.kind == "quant":
-                nf4.set_quant_tensor(entry.module.weight.quant_state, entry.quant_path, fresh)
-            elif isinstance(host, nn.Parameter):
-                host.data = fresh
-            else:
-                entry.table[entry.name] = fresh
-    for module in _streamed_linear4bit(runtime.records):
-        layer_mod.make_plain(module)
-    for layer in runtime.layers:
-        layer_mod.make_plain(layer)
-    if runtime.ends is not None:
-        runtime.ends.restore(target)
+        for entry in record.entries:
+            if entry.module.__dict__.get(_ATTR) is runtime:
+                entry.module.__dict__.pop(_ATTR, None)
     runtime.close()
     _holder(model).__dict__.pop(_ATTR, None)
     _holder(model).__dict__.pop(_DDP_IGNORE, None)

@@ -18,6 +18,7 @@ import torch
 
 from . import plan
 from .config import StreamConfig, expandable_segments
+from .units import GiB
 
 logger = logging.getLogger(__name__)
 
@@ -35,13 +36,13 @@ class BackwardSlots:
         self._margin = 0  # memory the rest of the step allocates while backward slots hold layers
         self._warned = False
 
-    def decide(self, model, hidden: torch.Tensor, streamed_layers: int, ends_streamed: bool,
-               slot_bytes: int) -> Optional[int]:
+    def decide(self, runtime, hidden: torch.Tensor, streamed_layers: int) -> Optional[int]:
         """At the first training step of each batch shape: the new count when it changes,
         else None. A later shape may lower the count, never raise it (the memory is
         borrowed from the smallest loss seen)."""
         if not self.auto or hidden.dim() < 2:
             return None
+        slot_bytes = runtime.store.largest_layer_bytes
         batch, seq = int(hidden.shape[0]), int(hidden.shape[1])
         if (batch, seq) in self._decided:
             return None
@@ -53,8 +54,7 @@ class BackwardSlots:
                 logger.info("layerstream: no backward slots: %s", off[1])
         else:
             try:
-                memory = plan.plan_for_model(model, seq, batch, slots=self.config.slots,
-                                             stream_embeddings=ends_streamed)
+                memory = runtime.memory_plan(batch, seq)
             except ValueError as exc:
                 logger.info("layerstream: no backward slots: the model's memory cannot be predicted (%s)", exc)
             else:
@@ -69,13 +69,13 @@ class BackwardSlots:
             return None
         self.count = count
         logger.info("layerstream: %d backward slot(s) of %.2f GiB at batch %d x %d tokens", count,
-                    slot_bytes / 2**30, batch, seq)
+                    slot_bytes / GiB, batch, seq)
         return count
 
     def _auto_off(self) -> Optional[Tuple[str, str]]:
         """Why auto takes none whatever the memory: (summary note, log line), or None."""
         if self.config.vram_budget is not None:
-            return ("auto leaves a vram_budget to the resident window",
+            return ("auto leaves a vram_budget to the resident window (vram_budget=None to use them)",
                     "under vram_budget the resident window spends the budget, and each window "
                     "layer saves two copies per step to a backward slot's one")
         if not expandable_segments():
@@ -93,7 +93,7 @@ class BackwardSlots:
             device = pool.device
             in_use, peak = torch.cuda.memory_allocated(device), torch.cuda.max_memory_allocated(device)
             if in_use + pool.slot_bytes + self._margin > peak:
-                gib = 2**30
+                gib = GiB
                 self._refuse(planner, slot, pool.ring_slots,
                              f"{in_use / gib:.2f} GiB in use + {pool.slot_bytes / gib:.2f} GiB for the slot + "
                              f"{self._margin / gib:.2f} GiB for the rest of backward would pass this run's "

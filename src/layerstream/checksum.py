@@ -14,9 +14,7 @@ from typing import Dict
 
 import torch
 
-
-class SlotChecksumError(RuntimeError):
-    """A slot's bytes differ from its layer's host bytes."""
+from .errors import SlotChecksumError
 
 
 def checksum(region: torch.Tensor) -> int:
@@ -53,6 +51,10 @@ class SlotChecker:
                 "its copy had not finished or was wrong; slot owner says layer "
                 f"{self.pool.owner[slot]}."
             )
+
+    def forget(self, index: int) -> None:
+        """The layer's host bytes changed: checksum them again at its next check."""
+        self._host.pop(index, None)
 
     def after_copy(self, index: int, slot: int) -> None:
         if self.pool.cuda:

@@ -6,8 +6,13 @@ import argparse
 import sys
 
 
+def _count_or_auto(text: str):
+    from .config import parse_setting
+
+    return parse_setting("backward_slots", text, "--backward-slots")
+
+
 def _add_plan_parser(sub) -> argparse.ArgumentParser:
-    from .config import int_or_auto
     from .plan import DEFAULT_BANDWIDTH_GBPS, QUANTIZATIONS
 
     plan = sub.add_parser(
@@ -27,7 +32,7 @@ def _add_plan_parser(sub) -> argparse.ArgumentParser:
     plan.add_argument("--lora-targets", default="all-linear",
                       help="PEFT target_modules: all-linear (default) or names, e.g. q_proj,v_proj")
     plan.add_argument("--slots", type=int, default=None,
-                      help="GPU slots (default: the most in 2..8 that fit)")
+                      help="GPU slots (default: auto, as StreamConfig takes them: 3, or 2 when the budget holds fewer)")
     plan.add_argument("--bandwidth", type=float, default=DEFAULT_BANDWIDTH_GBPS,
                       help=f"pinned host->device GB/s (default {DEFAULT_BANDWIDTH_GBPS:g}, measured "
                            "on the team's H200; pass your own)")
@@ -36,7 +41,7 @@ def _add_plan_parser(sub) -> argparse.ArgumentParser:
     plan.add_argument("--stream-embeddings", action="store_true",
                       help="keep the input embedding and head in host memory "
                            "(StreamConfig(stream_embeddings=True)); the head is copied in for the loss")
-    plan.add_argument("--backward-slots", type=int_or_auto, default=0,
+    plan.add_argument("--backward-slots", type=_count_or_auto, default=0,
                       help="extra slots used only outside the loss (default 0; auto: as many as the "
                            "loss's memory holds, as StreamConfig(backward_slots='auto') takes with "
                            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)")
@@ -44,7 +49,8 @@ def _add_plan_parser(sub) -> argparse.ArgumentParser:
 
 
 def _run_plan(args, parser: argparse.ArgumentParser) -> int:
-    from .plan import format_plan, load_config, make_plan, parse_bytes
+    from .plan import format_plan, load_config, make_plan
+    from .units import parse_bytes
 
     try:
         vram = parse_bytes(args.vram)
@@ -62,42 +68,117 @@ def _run_plan(args, parser: argparse.ArgumentParser) -> int:
     return 0 if plan.fits else 1
 
 
-def _add_run_parser(sub) -> argparse.ArgumentParser:
-    from .config import int_or_auto
+def flag_name(setting_name: str) -> str:
+    return "--" + setting_name.replace("_", "-")
 
+
+def add_setting_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per StreamConfig setting, with its help and default (``config.settings``)."""
+    from .config import FLAG, TRISTATE, setting_default_text, settings
+
+    for setting in settings():
+        kind, help_text = setting.metadata["kind"], setting.metadata["help"]
+        name = flag_name(setting.name)
+        if kind == FLAG:
+            parser.add_argument(name, dest=setting.name, action="store_true", help=help_text)
+        elif kind == TRISTATE:
+            parser.add_argument(name, dest=setting.name, action=argparse.BooleanOptionalAction, default=None,
+                                help=help_text)
+        else:
+            default = setting_default_text(setting)
+            parser.add_argument(name, dest=setting.name, default=default, metavar=kind.split(",")[0].upper(),
+                                help=f"{help_text} (default: {default or 'unset'})")
+
+
+def _add_run_parser(sub) -> argparse.ArgumentParser:
     run = sub.add_parser(
-        "run", help="run an unchanged training script with every Trainer's model streamed",
-        description="Run SCRIPT as __main__ with every transformers.Trainer (and subclass) streaming "
-                    "the model it is given. Options before SCRIPT are layerstream's; the rest are "
-                    "the script's own.")
-    run.add_argument("--slots", type=int_or_auto, default="auto", help="GPU slots, >= 2 (default: auto)")
-    run.add_argument("--prefetch", type=int_or_auto, default="auto",
-                     help="layers copied ahead, >= 1 and < slots (default: auto, slots - 1)")
-    run.add_argument("--device", default=None, help="cuda (default when available) or cpu")
-    run.add_argument("--stream-embeddings", action="store_true",
-                     help="keep the input embedding and head in host memory too")
-    run.add_argument("--backward-slots", type=int_or_auto, default="auto",
-                     help="extra slots used only outside the loss, >= 0 (default: auto)")
-    run.add_argument("script")
+        "run", help="run an unchanged training script with every model it loads or trains streamed",
+        usage="layerstream run [options] (SCRIPT.py | -m MODULE | COMMAND) [its arguments]",
+        description="Run a script (as `python SCRIPT.py`), a module (as `python -m MODULE`) or an installed "
+                    "command (as `trl sft`) with every causal-LM from_pretrained loading layer by layer "
+                    "into layerstream's host store and every transformers.Trainer (and subclass) "
+                    "streaming its model. Options before the target are layerstream's; the rest are "
+                    "the target's own.")
+    add_setting_flags(run)
+    run.add_argument("-m", dest="module", metavar="MODULE", help="run a module, as python -m does")
+    run.add_argument("target", nargs="?", help="SCRIPT.py or an installed command")
     return run
 
 
-def _run_script(args, rest) -> int:
+def split_run_arguments(parser: argparse.ArgumentParser, argv):
+    """Split ``layerstream run`` arguments into layerstream's and the target's: the target
+    is the first argument that is neither an option nor an option's value (``-m`` takes
+    the module name with it)."""
+    takes_value = {option: action.nargs != 0 for action in parser._actions for option in action.option_strings}
+    index = 0
+    while index < len(argv):
+        item = argv[index]
+        if item == "-m":
+            return argv[: index + 2], argv[index + 2:]
+        if item.startswith("-") and item != "-":
+            option = item.split("=", 1)[0]
+            index += 2 if takes_value.get(option) and "=" not in item else 1
+            continue
+        return argv[: index + 1], argv[index + 1:]
+    return argv, []
+
+
+def _allocator_defaults() -> None:
+    """Expandable segments unless the user configured torch's allocator: freed memory of one
+    block shape then serves another (the resident window and the loss share memory without
+    fragmenting it). Must happen before CUDA starts; the start-up summary says so."""
+    import os
+
+    import torch
+
+    if torch.cuda.is_initialized():
+        return  # too late to change the allocator in this process
+    if not os.environ.get("PYTORCH_CUDA_ALLOC_CONF") and not os.environ.get("PYTORCH_ALLOC_CONF"):
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+        os.environ["LAYERSTREAM_SET_ALLOC_CONF"] = "1"
+
+
+def _run_target(args, rest, parser) -> int:
+    import os
     import runpy
+    from importlib import metadata
 
-    from .config import StreamConfig
-    from .integrations import trainer as trainer_integration
+    from .config import parse_setting, settings
+    from .errors import StreamConfigError
+    from .integrations import launch
 
-    config = StreamConfig(slots=args.slots, prefetch=args.prefetch, device=args.device,
-                          stream_embeddings=args.stream_embeddings, backward_slots=args.backward_slots)
-    saved_argv = sys.argv
-    sys.argv = [args.script] + list(rest)
-    trainer_integration.enable_auto_stream(config)
     try:
-        runpy.run_path(args.script, run_name="__main__")
+        values = {s.name: parse_setting(s.name, getattr(args, s.name), flag_name(s.name)) for s in settings()}
+        launch.enable(values)
+    except StreamConfigError as exc:
+        parser.error(str(exc))
+    target = args.module or args.target
+    if target is None:
+        parser.error("name a SCRIPT.py, -m MODULE or an installed command to run")
+    saved_argv, saved_path = sys.argv, list(sys.path)
+    try:
+        if args.module:
+            sys.argv = [args.module] + list(rest)
+            sys.path.insert(0, os.getcwd())
+            runpy.run_module(args.module, run_name="__main__", alter_sys=True)
+        elif os.path.isfile(target):
+            sys.argv = [target] + list(rest)
+            sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
+            runpy.run_path(target, run_name="__main__")
+        else:
+            found = [ep for ep in metadata.entry_points(group="console_scripts") if ep.name == target]
+            if not found:
+                parser.error(f"{target!r} is not a file, and no installed command has that name; give "
+                             "SCRIPT.py, -m MODULE, or a command such as trl")
+            sys.argv = [target] + list(rest)
+            result = found[0].load()()
+            return int(result) if isinstance(result, int) else 0
+    except SystemExit as exc:
+        code = exc.code
+        return code if isinstance(code, int) else (0 if code is None else 1)
     finally:
-        trainer_integration.disable_auto_stream()
-        sys.argv = saved_argv
+        launch.disable()
+        sys.argv, sys.path[:] = saved_argv, saved_path
     return 0
 
 
@@ -131,10 +212,12 @@ def main(argv=None) -> int:
     _add_run_parser(sub)
     train_parser = _add_train_parser(sub)
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "run":  # everything after the script belongs to the script
-        script_at = next((i for i, a in enumerate(argv[1:], 1) if a.endswith(".py")), len(argv))
-        args = parser.parse_args(argv[: script_at + 1])
-        return _run_script(args, argv[script_at + 1:])
+    if argv and argv[0] == "run":  # everything after the target belongs to the target
+        run_parser = sub.choices["run"]
+        ours, rest = split_run_arguments(run_parser, argv[1:])
+        args = run_parser.parse_args(ours)
+        _allocator_defaults()
+        return _run_target(args, rest, run_parser)
     args, rest = parser.parse_known_args(argv)
     if args.command == "demo":
         from .demo import main as demo_main

@@ -1,7 +1,11 @@
-"""StreamConfig: the validated settings of one streamed model.
+"""StreamConfig: the settings of one streamed model, defined once.
 
-Every field is checked when the config is built, so a bad value fails before any
-weight is copied or pinned, with a message that says what to change.
+Every field carries its help text and the kind of value it takes in its metadata; the
+command-line flags (``layerstream run --vram-budget``), the HfArgumentParser fields
+(``--layer_stream_vram_budget``) and the YAML keys (``stream.vram_budget``) are derived
+from these fields (``settings()``, ``parse_setting``), so the surfaces cannot drift.
+Every value is checked when the config is built, so a bad one fails before any weight
+is copied or pinned, with a message that says what to change.
 """
 
 from __future__ import annotations
@@ -9,147 +13,137 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from dataclasses import dataclass
-from typing import Optional, Union
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Union
 
 import torch
 
-DEFAULT_ARENA_BYTES = 1 << 30  # 1 GiB: few enough arenas to pin cheaply, small enough to place
+from .errors import StreamConfigError
+from .units import GiB, parse_bytes
+
+DEFAULT_ARENA_BYTES = GiB  # few enough arenas to pin cheaply, small enough to place
 # slots="auto": three slots let a copy run one layer further ahead than two when compute
 # is briefly faster than copies; each slot beyond that is worth no more than one more
 # layer in the resident window (both save two copies per step), and a window layer has
-# no per-visit cost. Two when the budget holds no more (see stream_model).
+# no per-visit cost. Two when the memory holds no more (``auto_slots``).
 AUTO_SLOTS = 3
 # vram_budget="auto" warns when this much of the GPU is held outside this run's allocator
 # (other processes; this process's own CUDA context is about half a GiB of it)
-FOREIGN_MEMORY_WARN_BYTES = 1 << 30
+FOREIGN_MEMORY_WARN_BYTES = GiB
 
 logger = logging.getLogger(__name__)
 _warned_foreign_memory: set = set()  # devices whose auto budget warning was given
 
+# the kinds of value a setting takes, as text on a command line or in YAML
+COUNT = "integer or auto"
+SIZE = "size"
+BUDGET = "size, auto or none"
+DEVICE = "device"
+FLAG = "flag"
+TRISTATE = "true, false or unset"
 
-class StreamConfigError(ValueError):
-    """A StreamConfig value is out of range or inconsistent."""
+
+def auto_slots(room_bytes: Optional[int], largest_layer_bytes: int) -> int:
+    """What slots="auto" means, for the engine and the planner alike: AUTO_SLOTS, or two
+    when ``room_bytes`` (the memory the slots may take; None: unknown) holds fewer."""
+    if room_bytes is not None and AUTO_SLOTS * largest_layer_bytes > room_bytes:
+        return 2
+    return AUTO_SLOTS
 
 
 def gpu_memory_for_run(device: torch.device) -> int:
-    """What vram_budget="auto" means: the GPU's memory less what is held outside this
-    run's caching allocator, measured now.
+    """The GPU memory this process's caching allocator can reach now: what the driver
+    reports free plus what the allocator already holds, capped by
+    ``torch.cuda.set_per_process_memory_fraction`` (how users and benchmarks stand in
+    for a smaller card).
 
     Not the card's total: on a desktop the display, or another job, holds part of it,
-    and a window sized to the total would run out of memory mid-step. Memory this
-    process's allocator already reserved counts as usable (the model's resident part
-    may be on the GPU already)."""
+    and a window sized to the total would run out of memory mid-step."""
     free, total = torch.cuda.mem_get_info(device)
     usable = min(total, free + torch.cuda.memory_reserved(device))
-    foreign = total - usable
-    gib = 2**30
+    fraction = per_process_fraction(device)
+    if fraction < 1.0:
+        usable = min(usable, int(fraction * total))
+    foreign = total - (free + torch.cuda.memory_reserved(device))
     if foreign >= FOREIGN_MEMORY_WARN_BYTES and device not in _warned_foreign_memory:
-        _warned_foreign_memory.add(device)  # once: a YAML run resolves the budget more than once
+        _warned_foreign_memory.add(device)
         logger.warning(
             "layerstream: vram_budget='auto' is %.2f GiB, not the GPU's %.2f GiB: %.2f GiB is held "
             "outside this run (other processes, the CUDA context). Close them for a larger "
-            "resident window, or give vram_budget a size.", usable / gib, total / gib, foreign / gib)
+            "resident window, or give vram_budget a size.", usable / GiB, total / GiB, foreign / GiB)
     return usable
+
+
+def per_process_fraction(device: torch.device) -> float:
+    """The fraction of the GPU this process's allocator may take (1.0 when not capped)."""
+    getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    if getter is None:  # pragma: no cover - torch without the query
+        return 1.0
+    try:
+        return float(getter(device))
+    except Exception:  # no CUDA in this build or process: no cap to read
+        return 1.0
+
+
+def allocator_setting(name: str) -> Optional[str]:
+    """A setting of torch's CUDA caching allocator (e.g. expandable_segments), as text."""
+    getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    text = getter() if getter is not None else ""
+    if not text:
+        text = ",".join(os.environ.get(key, "") for key in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"))
+    for item in text.split(","):
+        key, _, value = item.partition(":")
+        if key.strip() == name:
+            return value.strip()
+    return None
 
 
 def expandable_segments() -> bool:
     """Whether torch's CUDA caching allocator uses expandable segments, where memory freed
-    in one shape of blocks serves another without fragmenting (backward_slots="auto"
-    needs it: backward slots reuse the loss's memory in blocks of another size)."""
-    getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
-    settings = getter() if getter is not None else ""
-    if not settings:
-        settings = ",".join(os.environ.get(name, "") for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"))
-    for item in settings.split(","):
-        key, _, value = item.partition(":")
-        if key.strip() == "expandable_segments":
-            return value.strip().lower() == "true"
-    return False
+    in one shape of blocks serves another without fragmenting."""
+    return (allocator_setting("expandable_segments") or "").lower() == "true"
 
 
-def int_or_auto(text, name: str = "the value"):
-    """A slots/prefetch value given as text (command lines, HfArgumentParser): 'auto' or
-    an integer."""
-    if text == "auto" or isinstance(text, int):
-        return text
-    try:
-        return int(text)
-    except (TypeError, ValueError):
-        raise StreamConfigError(f"{name} must be an integer or 'auto', got {text!r}") from None
+def _setting(default, kind: str, help: str):
+    return field(default=default, metadata={"kind": kind, "help": help})
 
 
 @dataclass
 class StreamConfig:
-    """How a model's decoder layers stream.
+    """How a model's decoder layers stream. Each field's help is in its metadata
+    (``settings()``); docs/usage.md has the same table."""
 
-    slots: device buffers that hold one layer each (>= 2). More slots let copies run
-        further ahead and keep more layers across the forward/backward turnaround, at
-        the cost of one largest-layer of device memory each. Default "auto": 3, or 2
-        when vram_budget holds no more than two of the largest layer.
-    prefetch: how many layers ahead of the one computing are copied (>= 1, < slots).
-        Default "auto": slots - 1, as far ahead as the slots allow (a copy waits only
-        for the readers of the slot it overwrites, so looking further ahead never delays
-        the layer computing).
-    device: where streamed layers compute. Default: the current CUDA device. "cpu" runs
-        the whole machinery with host-to-host copies (tests and the embedded demo).
-    pin: page-lock the host arenas so copies are asynchronous DMA. Default: pin when
-        the device is CUDA. Pinning is meaningless (and refused) for device="cpu".
-    arena_bytes: target size of one host arena; a layer never straddles arenas, so an
-        arena grows to the largest layer when that is bigger.
-    vram_budget: GPU memory the run may use, in bytes, as text ("16GiB"), or "auto" (the
-        GPU's memory less what other processes hold, measured when the config is built).
-        The slots must fit it at stream time; at the first training step of each batch
-        shape the memory planner's predicted peak (plus its 1 GiB reserve) must too, and the layers the remaining room holds stay on the GPU for good (the
-        resident window: no copies for them). Default None: no budget, everything streams.
-    checksum: debug mode. Checksum each slot after its copy and again before each use,
-        against the layer's host bytes, and raise at the first mismatch naming the layer
-        and slot. Waits for the device on every copy and visit: slow, for debugging only.
-        Default: on when the environment variable LAYERSTREAM_CHECKSUM=1.
-    backward_slots: extra slots, one for each of the layers slots .. slots +
-        backward_slots - 1, that take memory at the start of backward (where each first
-        takes one of backward's first copies) and give it back once the next forward has
-        run their layer: they never coexist with the loss's logits, the step's memory
-        peak. Those layers stay on the GPU across each step boundary, one copy fewer per
-        step each, and backward starts copying without waiting for a ring slot. Default "auto": as many as the memory
-        planner finds room for below the loss (at most 4; none where a layer's working
-        set sets the peak), decided at the first training step of each batch shape, each
-        allocated only while memory in use stays below this process's peak so far; and
-        only on CUDA, with no vram_budget (the resident window spends a budget better: a
-        window layer saves two copies per step), and with the caching allocator's
-        expandable segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True): without
-        them the loss's memory, reused in blocks of another size, can fragment.
-        0: none; an integer: that many (at most the layers beyond twice ``slots``).
-    stream_embeddings: also keep the input embedding and the output head in (pinned) host
-        memory instead of on the GPU (2 x 2.1 GB of bf16 for a 70B model). The embedding
-        gathers its rows on the host and copies only those; the head's weight is copied to
-        the device for each forward and each backward and dropped after use (one head of
-        transient device memory). Both must be frozen. Default False.
-    """
-
-    slots: Union[int, str] = "auto"
-    prefetch: Union[int, str] = "auto"
-    device: Optional[Union[str, torch.device]] = None
-    pin: Optional[bool] = None
-    arena_bytes: int = DEFAULT_ARENA_BYTES
-    checksum: Optional[bool] = None
-    vram_budget: Optional[Union[int, str]] = None
-    stream_embeddings: bool = False
-    backward_slots: Union[int, str] = "auto"
+    slots: Union[int, str] = _setting("auto", COUNT, (
+        "GPU buffers that hold one layer each (>= 2). More slots let copies run further ahead. "
+        "auto: 3, or 2 when the GPU memory holds no more"))
+    prefetch: Union[int, str] = _setting("auto", COUNT, (
+        "layers copied ahead of the one computing (>= 1, < slots). auto: slots - 1"))
+    device: Optional[Union[str, torch.device]] = _setting(None, DEVICE, (
+        "where streamed layers compute: cuda, cuda:N or cpu (host-to-host copies, for tests). "
+        "Unset: the device the script trains on"))
+    pin: Optional[bool] = _setting(None, TRISTATE, (
+        "page-lock the host store so copies are asynchronous DMA. Unset: on CUDA"))
+    arena_bytes: int = _setting(DEFAULT_ARENA_BYTES, SIZE, (
+        "target size of one page-locked host arena, e.g. 1GiB"))
+    checksum: Optional[bool] = _setting(None, TRISTATE, (
+        "debug mode: checksum every slot after its copy and before each use (slow). "
+        "Unset: on when LAYERSTREAM_CHECKSUM=1"))
+    vram_budget: Optional[Union[int, str]] = _setting("auto", BUDGET, (
+        "GPU memory the run may use, e.g. 12GiB. The layers that fit beside what training "
+        "measurably needs stay on the GPU for good (the resident window). auto: the GPU memory "
+        "this process can reach (free memory, the per-process memory fraction); none: every "
+        "layer streams"))
+    stream_embeddings: bool = _setting(False, FLAG, (
+        "keep the input embedding and output head in host memory too"))
+    backward_slots: Union[int, str] = _setting("auto", COUNT, (
+        "extra slots used only outside the loss (>= 0). auto: as many as the loss's memory "
+        "holds, on CUDA with expandable segments and vram_budget none"))
 
     def __post_init__(self) -> None:
         if not isinstance(self.stream_embeddings, bool):
             raise StreamConfigError(
                 f"stream_embeddings must be True or False, got {self.stream_embeddings!r}")
-        if self.vram_budget is not None and self.vram_budget != "auto":
-            from .plan import parse_bytes
-
-            try:
-                self.vram_budget = parse_bytes(self.vram_budget)
-            except ValueError as exc:
-                raise StreamConfigError(f"vram_budget: {exc}") from None
-            if self.vram_budget <= 0:
-                raise StreamConfigError("vram_budget must be a positive size, e.g. '16GiB'")
+        self.vram_budget = _budget(self.vram_budget)
         if self.checksum is None:
             self.checksum = os.environ.get("LAYERSTREAM_CHECKSUM", "") == "1"
         auto = set()
@@ -182,15 +176,13 @@ class StreamConfig:
                 f"< slots (one slot is always the layer computing). Use prefetch <= "
                 f"{self.slots - 1} or raise slots to {self.prefetch + 1}."
             )
-        if not isinstance(self.arena_bytes, int) or self.arena_bytes < (1 << 20):
+        if isinstance(self.arena_bytes, bool) or not isinstance(self.arena_bytes, int) or self.arena_bytes < (1 << 20):
             raise StreamConfigError(
                 f"arena_bytes must be an integer >= 1 MiB, got {self.arena_bytes!r}"
             )
-        self.device = self._resolve_device(self.device)
-        if self.vram_budget == "auto":
-            if self.device.type != "cuda":
-                raise StreamConfigError("vram_budget='auto' means the GPU's memory; give a size on the host")
-            self.vram_budget = gpu_memory_for_run(self.device)
+        self.device = resolve_device(self.device)
+        if self.vram_budget == "auto" and self.device.type != "cuda":
+            self.vram_budget = None  # on the host there is no GPU memory to budget
         if self.pin is None:
             self.pin = self.device.type == "cuda"
         elif self.pin and self.device.type != "cuda":
@@ -199,32 +191,11 @@ class StreamConfig:
                 "speeds host-to-GPU copies. Leave pin unset or pass pin=False."
             )
 
-    @staticmethod
-    def _resolve_device(device) -> torch.device:
-        if device is None:
-            if not torch.cuda.is_available():
-                raise StreamConfigError(
-                    "no CUDA device is available and StreamConfig.device was not given. "
-                    "Pass device='cpu' to run the streaming machinery on the host "
-                    "(host-to-host copies), or run on a machine with a GPU."
-                )
-            return torch.device("cuda", torch.cuda.current_device())
-        try:
-            device = torch.device(device)
-        except (RuntimeError, TypeError) as exc:
-            raise StreamConfigError(f"device={device!r} is not a torch device: {exc}") from None
-        if device.type == "cuda":
-            if not torch.cuda.is_available():
-                raise StreamConfigError(
-                    f"device={device} but CUDA is not available; use device='cpu'."
-                )
-            if device.index is None:
-                device = torch.device("cuda", torch.cuda.current_device())
-        elif device.type != "cpu":
-            raise StreamConfigError(
-                f"device={device}: layerstream streams to CUDA devices or 'cpu' only."
-            )
-        return device
+    def budget_bytes(self) -> Optional[int]:
+        """The budget in bytes now: a size as given, "auto" measured now, None: none."""
+        if self.vram_budget == "auto":
+            return gpu_memory_for_run(self.device)
+        return self.vram_budget
 
     def replace(self, **overrides) -> "StreamConfig":
         """A copy with some fields changed, validated again; fields chosen automatically
@@ -239,3 +210,110 @@ class StreamConfig:
         values = {name: "auto" if name in self.automatic else getattr(self, name) for name in names}
         values.update(overrides)
         return StreamConfig(**values)
+
+
+def _budget(value):
+    if value is None or value == "auto":
+        return value
+    try:
+        value = parse_bytes(value)
+    except ValueError as exc:
+        raise StreamConfigError(f"vram_budget: {exc}") from None
+    if value <= 0:
+        raise StreamConfigError("vram_budget must be a positive size, e.g. '16GiB', 'auto' or None")
+    return value
+
+
+def resolve_device(device) -> torch.device:
+    """A StreamConfig device: None is the current CUDA device (an error without CUDA)."""
+    if device is None:
+        if not torch.cuda.is_available():
+            raise StreamConfigError(
+                "no CUDA device is available and StreamConfig.device was not given. "
+                "Pass device='cpu' to run the streaming machinery on the host "
+                "(host-to-host copies), or run on a machine with a GPU."
+            )
+        return torch.device("cuda", torch.cuda.current_device())
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise StreamConfigError(f"device={device!r} is not a torch device: {exc}") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise StreamConfigError(f"device={device} but CUDA is not available; use device='cpu'.")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    elif device.type != "cpu":
+        raise StreamConfigError(f"device={device}: layerstream streams to CUDA devices or 'cpu' only.")
+    return device
+
+
+# -- the surfaces derived from the fields --------------------------------------------------
+def settings() -> List[dataclasses.Field]:
+    """The StreamConfig fields every surface offers, in their order."""
+    return list(dataclasses.fields(StreamConfig))
+
+
+def setting_default_text(setting: dataclasses.Field) -> Optional[str]:
+    """A field's default as a surface writes it ('auto', '1GiB', None)."""
+    default = setting.default
+    if setting.metadata["kind"] in (FLAG, TRISTATE) or default is None:
+        return default
+    if setting.metadata["kind"] == SIZE:
+        return f"{default // GiB}GiB" if default % GiB == 0 else str(default)
+    return str(default)
+
+
+_TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
+
+
+def parse_setting(name: str, value: Any, spelled: Optional[str] = None) -> Any:
+    """A value given as text (a flag, an HfArgumentParser field) or as YAML read it, turned
+    into what StreamConfig takes; ``spelled`` names the setting as the user wrote it."""
+    spelled = spelled or name
+    kinds = {f.name: f.metadata["kind"] for f in settings()}
+    if name not in kinds:
+        raise StreamConfigError(f"unknown setting {spelled!r}; known: {', '.join(kinds)}")
+    kind = kinds[name]
+    text = value.strip().lower() if isinstance(value, str) else value
+    if kind == COUNT:
+        if text == "auto" or (isinstance(value, int) and not isinstance(value, bool)):
+            return text
+        try:
+            return int(text)
+        except (TypeError, ValueError):
+            raise StreamConfigError(f"{spelled} must be an integer or 'auto', got {value!r}") from None
+    if kind in (FLAG, TRISTATE):
+        if isinstance(value, bool) or (value is None and kind == TRISTATE):
+            return value
+        if text in _TRUE:
+            return True
+        if text in _FALSE:
+            return False
+        raise StreamConfigError(f"{spelled} must be true or false, got {value!r}")
+    if kind == BUDGET and (value is None or text in ("none", "null", "off")):
+        return None
+    if kind == BUDGET and text == "auto":
+        return "auto"
+    if kind == DEVICE:
+        return None if value is None or text in ("", "auto") else str(value)
+    try:
+        return parse_bytes(value)
+    except ValueError as exc:
+        raise StreamConfigError(f"{spelled}: {exc}") from None
+
+
+def config_from_settings(values: Dict[str, Any], spelling=lambda name: name, **fixed) -> StreamConfig:
+    """A StreamConfig from surface values (text or YAML), each parsed by ``parse_setting``;
+    ``fixed`` are values already parsed (a resolved device)."""
+    parsed = {name: parse_setting(name, value, spelling(name)) for name, value in values.items()}
+    parsed.update(fixed)
+    try:
+        return StreamConfig(**parsed)
+    except StreamConfigError as exc:
+        names = sorted(parsed, key=len, reverse=True)
+        message = str(exc)
+        for name in names:  # the user's spelling of the settings the message names
+            if message.startswith(f"{name}") and spelling(name) != name:
+                message = spelling(name) + message[len(name):]
+        raise StreamConfigError(message) from None

@@ -24,7 +24,7 @@ _NOT_READY = 600  # cudaErrorNotReady
 
 
 class CudaRuntimeError(RuntimeError):
-    pass
+    """A direct CUDA runtime call failed (the message names the call and the error code)."""
 
 
 def _find_library() -> Optional[ctypes.CDLL]:
@@ -123,3 +123,25 @@ def clear_error() -> None:
         torch.empty(1, device="cuda").fill_(0)
     except Exception:  # the launch check reported (and reset) the stale error
         pass
+
+
+def register_host(tensor: torch.Tensor) -> None:
+    """Page-lock a host tensor's memory in place (cudaHostRegister), so copies from it are
+    asynchronous DMA. Raises PinError when the driver refuses (and clears its error)."""
+    from .errors import PinError
+
+    code = int(torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.numel() * tensor.element_size(), 0))
+    if code != 0:
+        clear_error()
+        raise PinError(f"cudaHostRegister failed with CUDA error {code}")
+
+
+def unregister_host(tensor: torch.Tensor) -> None:
+    """Undo ``register_host`` (before the memory is freed: a later registration of the same
+    pages would fail)."""
+    import logging
+
+    code = int(torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr()))
+    if code != 0:
+        clear_error()
+        logging.getLogger(__name__).warning("layerstream: cudaHostUnregister failed with CUDA error %d", code)

@@ -14,14 +14,14 @@ from typing import Iterable, List, Tuple
 
 from torch import nn
 
+from .errors import NoDecoderStackError
+
 try:  # present in every transformers release we support; guarded for clarity of errors
     from transformers.modeling_layers import GradientCheckpointingLayer
 except ImportError:  # pragma: no cover
     GradientCheckpointingLayer = None
 
 
-class NoDecoderStackError(ValueError):
-    pass
 
 
 def unwrap_peft(model: nn.Module) -> nn.Module:

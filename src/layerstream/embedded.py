@@ -36,3 +36,20 @@ def tiny_config(tokenizer, layers: int = 6, hidden_size: int = 128, model_type: 
         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id, use_cache=False)
+
+
+def write_checkpoint(directory, layers: int = 4, hidden_size: int = 64, dtype: str = "float32", seed: int = 0,
+                     model_type: str = "llama") -> Path:
+    """Save the tiny model (random weights) and its tokenizer as a checkpoint directory, as
+    a hub download would leave one: what scripts under test load by path."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    directory = Path(directory)
+    tokenizer = byte_tokenizer()
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(tokenizer, layers, hidden_size, model_type),
+                                             dtype=getattr(torch, dtype))
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory

@@ -1,7 +1,7 @@
-"""The streamed decoder layer: one call binds slot views, runs the layer, unbinds.
+"""The streamed decoder layer, and the modules above the stack.
 
 A streamed layer keeps its class name, module tree, parameter names and Parameter
-objects. Its class is swapped for a subclass made here that changes three things:
+objects; ``StreamedLayer`` is mixed into its class (``swap``) and changes four things:
 
 - ``__call__`` asks the runtime for a slot, binds the slot's tensors into the layer's
   ``_parameters``/``_buffers`` tables for the duration of the call, and restores the
@@ -13,24 +13,39 @@ objects. Its class is swapped for a subclass made here that changes three things
   not checkpoint it a second time. Setting it is accepted and ignored.
 - ``_apply`` (behind ``.to()``, ``.cuda()``, ``.half()``) skips the streamed tensors, so
   moving a model moves only its resident part.
+- copying or pickling it is refused with an error that says what to do.
+
+``AboveStreamedLayers`` is mixed into every module on the path from the model down to
+the stack. Its ``_apply`` refuses a cast or move the streamed weights cannot follow
+*before* any child is touched (``Module._apply`` recurses into children first, so a
+refusal deep in the stack would come after the embedding was already cast), and it
+refuses deepcopy and pickling the same way.
 """
 
 from __future__ import annotations
 
-from typing import Dict, Type
-
 import torch
 from torch import nn
 
-from . import nf4
+from . import swap
+from .errors import StreamingError
 
-_SUBCLASSES: Dict[tuple, type] = {}
+_COPY = ("copy.deepcopy and pickling of a streamed model are not supported: its weights live in "
+         "layerstream's page-locked host store, which neither copies nor pickles. Call "
+         "layerstream.unstream_model(model) first (and stream the copy again), save with "
+         "save_pretrained / state_dict, or load a second model with layerstream.from_pretrained.")
 
 
-class StreamedLayerMixin:
+class _NotCopyable:
+    def __deepcopy__(self, memo):
+        raise StreamingError(_COPY)
+
+    def __reduce_ex__(self, protocol):
+        raise StreamingError(_COPY)
+
+
+class StreamedLayer(_NotCopyable):
     """Mixed in front of a decoder layer's own class while it streams."""
-
-    _layerstream_is_streamed = True
 
     @property
     def gradient_checkpointing(self) -> bool:  # the layer checkpoints itself
@@ -46,8 +61,24 @@ class StreamedLayerMixin:
     def _apply(self, fn, recurse=True):
         runtime = self._layerstream_runtime
         runtime.check_apply(fn)
-        with runtime.streamed_tensors_hidden(self._layerstream_index):
+        with runtime.hidden_from_apply(self._layerstream_index):
             return super()._apply(fn, recurse)
+
+
+class AboveStreamedLayers(_NotCopyable):
+    """Mixed in front of each module above a streamed stack (the model, its decoder, the
+    stack's ModuleList): casts and moves are checked whole before anything changes."""
+
+    def _apply(self, fn, recurse=True):
+        runtime = self.__dict__.get("_layerstream_runtime")
+        if runtime is not None:
+            runtime.check_apply(fn)
+        return super()._apply(fn, recurse)
+
+
+def call_unstreamed(layer: nn.Module, args, kwargs):
+    """Run the layer as plain ``nn.Module.__call__`` (hooks, then forward)."""
+    return nn.Module.__call__(layer, *args, **kwargs)
 
 
 def _streamed_call(layer, args, kwargs):
@@ -63,45 +94,40 @@ _streamed_call.__qualname__ = (
 torch._dynamo.forbid_in_graph(_streamed_call)
 
 
-class StreamedLinear4bitMixin:
-    """Mixed in front of a bitsandbytes Linear4bit whose weight streams: routes its
-    matmul around MatMul4Bit (see nf4.py)."""
-
-    def forward(self, x):
-        weight = self.weight
-        return nf4.streamed_nf4_forward(self, x, getattr(weight, "_layerstream_owner", None),
-                                        self._layerstream_runtime.nf4_counts)
-
-
-def streamed_class(cls: Type[nn.Module], mixin: type = StreamedLayerMixin) -> Type[nn.Module]:
-    """The streamed subclass of ``cls`` (same name), made once per class and reused."""
-    key = (cls, mixin)
-    sub = _SUBCLASSES.get(key)
-    if sub is None:
-        sub = type(cls.__name__, (mixin, cls), {"__module__": cls.__module__,
-                                                "__qualname__": cls.__qualname__,
-                                                "_layerstream_base": cls})
-        _SUBCLASSES[key] = sub
-    return sub
-
-
-def call_unstreamed(layer: nn.Module, args, kwargs):
-    """Run the layer as plain ``nn.Module.__call__`` (hooks, then forward)."""
-    return nn.Module.__call__(layer, *args, **kwargs)
-
-
 def make_streamed(layer: nn.Module, runtime, index: int) -> None:
-    layer.__class__ = streamed_class(type(layer))
+    swap.swap_in(layer, StreamedLayer)
     object.__setattr__(layer, "_layerstream_runtime", runtime)
     object.__setattr__(layer, "_layerstream_index", index)
 
 
-def make_streamed_linear4bit(module: nn.Module, runtime) -> None:
-    module.__class__ = streamed_class(type(module), StreamedLinear4bitMixin)
-    object.__setattr__(module, "_layerstream_runtime", runtime)
-
-
 def make_plain(layer: nn.Module) -> None:
-    layer.__class__ = type(layer)._layerstream_base
+    swap.swap_out(layer, StreamedLayer)
     for name in ("_layerstream_runtime", "_layerstream_index"):
         layer.__dict__.pop(name, None)
+
+
+def ancestors(model: nn.Module, layers: nn.ModuleList) -> list:
+    """The modules from ``model`` down to the stack (the stack included): each has the
+    next one, or the stack, among its descendants."""
+    path = [model]
+    while path[-1] is not layers:
+        for child in path[-1].children():
+            if child is layers or any(m is layers for m in child.modules()):
+                path.append(child)
+                break
+        else:  # pragma: no cover - find_decoder_layers found it under model
+            break
+    return path
+
+
+def guard_ancestors(modules, runtime) -> None:
+    for module in modules:
+        swap.swap_in(module, AboveStreamedLayers)
+        object.__setattr__(module, "_layerstream_runtime", runtime)
+
+
+def release_ancestors(modules, runtime) -> None:
+    for module in modules:
+        swap.swap_out(module, AboveStreamedLayers)
+        if module.__dict__.get("_layerstream_runtime") is runtime:
+            module.__dict__.pop("_layerstream_runtime", None)

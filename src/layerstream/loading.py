@@ -23,15 +23,20 @@ from typing import Dict, List, Optional, Union
 import torch
 from torch import nn
 
+from . import nf4
 from .config import StreamConfig
 from .discovery import find_decoder_layers, layer_name
+from .errors import LoadingError
 from .store import HostStore, check_host_memory
 
 logger = logging.getLogger(__name__)
 
 
-class LoadingError(ValueError):
-    pass
+def _transformers_can_load(error: LoadingError) -> LoadingError:
+    """Mark an error for a checkpoint transformers' own loader reads (the launcher then
+    loads it that way, on the host, and streams it)."""
+    error.transformers_can_load = True
+    return error
 
 
 def _resolve(model_id: Union[str, os.PathLike], revision: Optional[str], allow_pickle: bool = False) -> Path:
@@ -85,13 +90,13 @@ def _weight_files(directory: Path, allow_pickle: bool = False) -> Dict[str, Path
     if pickles and allow_pickle:
         return _pickle_files(directory, pickles)
     if pickles:
-        raise LoadingError(
+        raise _transformers_can_load(LoadingError(
             f"{directory} holds only pickle weights ({', '.join(pickles[:3])}). layerstream reads "
             "safetensors by default (pickle files can run code when loaded). Convert them once with "
             "transformers (from_pretrained + save_pretrained(safe_serialization=True)) in a "
             "process you trust, or pass allow_pickle=True to read them with "
             "torch.load(weights_only=True)."
-        )
+        ))
     raise LoadingError(f"no safetensors weights (model.safetensors or its index) in {directory}")
 
 
@@ -172,30 +177,6 @@ def _rebuild_computed_buffers(model: nn.Module) -> None:
                 module._buffers[name] = buffer
 
 
-def _quantise_layer(layer: nn.Module, device: torch.device, dtype: torch.dtype, quant_config) -> None:
-    """Quantise every Linear4bit weight of a host layer (on ``device``), back on the host,
-    with the settings transformers would use for ``quant_config``."""
-    import bitsandbytes as bnb
-
-    settings = dict(quant_type=quant_config.bnb_4bit_quant_type,
-                    compress_statistics=quant_config.bnb_4bit_use_double_quant,
-                    quant_storage=quant_config.bnb_4bit_quant_storage)
-    for module in layer.modules():
-        if isinstance(module, bnb.nn.Linear4bit) and not getattr(module.weight, "bnb_quantized", False):
-            quantised = bnb.nn.Params4bit(module.weight.data.to(dtype), requires_grad=False, **settings)
-            quantised = quantised.to(device)
-            if device.type != "cpu":
-                quantised.quant_state.to("cpu")
-                quantised = bnb.nn.Params4bit(quantised.data.cpu(), requires_grad=False,
-                                              quant_state=quantised.quant_state,
-                                              blocksize=quantised.blocksize,
-                                              compress_statistics=quantised.compress_statistics,
-                                              quant_type=quantised.quant_type,
-                                              quant_storage=quantised.quant_storage, bnb_quantized=True)
-            quantised.module = module
-            module.weight = quantised
-
-
 def _check_host_memory(config, quantization, dtype, stream: StreamConfig, double_quant: bool) -> None:
     """Before reading any weight: will the host hold the store, the resident part and one
     unquantised layer (the loader's peak), and may the store be page-locked?"""
@@ -213,18 +194,67 @@ def _check_host_memory(config, quantization, dtype, stream: StreamConfig, double
     check_host_memory(store + resident + unquantised, store + ends, bool(stream.pin), "loading this model")
 
 
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def resolve_dtype(dtype, config=None) -> torch.dtype:
+    """A ``dtype=`` as transformers takes it: a torch dtype, its name, or "auto" (the
+    checkpoint's own, from its config; float32 when the config names none)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        found = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        return resolve_dtype(found) if found is not None else torch.float32
+    if isinstance(dtype, str) and dtype.replace("torch.", "") in _DTYPES:
+        return _DTYPES[dtype.replace("torch.", "")]
+    raise LoadingError(f"dtype={dtype!r}: use a torch dtype, one of {sorted(_DTYPES)}, or 'auto'")
+
+
+def nf4_settings(quantization_config, dtype: torch.dtype):
+    """The BitsAndBytesConfig of a 4-bit NF4 load, from what a script passed; anything
+    layerstream does not stream (8-bit, FP4, other quantisers) is refused by name."""
+    from transformers import BitsAndBytesConfig
+
+    if isinstance(quantization_config, dict):
+        quantization_config = BitsAndBytesConfig.from_dict(dict(quantization_config))
+    method = str(getattr(quantization_config, "quant_method", "")).lower()
+    if not isinstance(quantization_config, BitsAndBytesConfig):
+        raise LoadingError(
+            f"quantization_config is a {type(quantization_config).__name__} ({method or 'unknown method'}); "
+            "layerstream streams unquantised weights and bitsandbytes 4-bit NF4 "
+            "(BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4')). Load without it, or in NF4.")
+    if quantization_config.load_in_8bit:
+        raise LoadingError("BitsAndBytesConfig(load_in_8bit=True): layerstream streams NF4 4-bit and unquantised "
+                           "weights, not 8-bit; use load_in_4bit=True with bnb_4bit_quant_type='nf4' "
+                           "(--load_in_4bit in TRL scripts), or no quantization_config.")
+    if not quantization_config.load_in_4bit:
+        return None
+    if quantization_config.bnb_4bit_quant_type != "nf4":
+        raise LoadingError(f"bnb_4bit_quant_type={quantization_config.bnb_4bit_quant_type!r}: layerstream streams "
+                           "4-bit weights in NF4 only; set bnb_4bit_quant_type='nf4'.")
+    if quantization_config.bnb_4bit_compute_dtype is None:
+        quantization_config.bnb_4bit_compute_dtype = dtype
+    return quantization_config
+
+
 def from_pretrained(model_id: Union[str, os.PathLike], *, quantization: Optional[str] = None,
-                    torch_dtype: torch.dtype = torch.bfloat16, stream: Optional[StreamConfig] = None,
+                    dtype=None, stream: Optional[StreamConfig] = None,
                     trust_remote_code: bool = False, bnb_4bit_use_double_quant: bool = True,
                     bnb_4bit_compute_dtype: Optional[torch.dtype] = None, revision: Optional[str] = None,
-                    quantize_on: Optional[Union[str, torch.device]] = None, allow_pickle: bool = False):
+                    quantize_on: Optional[Union[str, torch.device]] = None, allow_pickle: bool = False,
+                    quantization_config=None, attn_implementation: Optional[str] = None,
+                    torch_dtype=None, model_class=None):
     """Load ``model_id`` (a local directory or a hub id) as a streamed causal LM.
 
-    quantization: None (weights in ``torch_dtype``) or "nf4" (bitsandbytes 4-bit,
-        double quantisation unless ``bnb_4bit_use_double_quant=False``). The result is a
-        4-bit model as transformers would load it with BitsAndBytesConfig: PEFT wraps it
-        with ``lora.Linear4bit`` and the Trainer accepts it for adapter training.
+    quantization: None (weights in ``dtype``) or "nf4" (bitsandbytes 4-bit, double
+        quantisation unless ``bnb_4bit_use_double_quant=False``). The result is a 4-bit
+        model as transformers would load it with BitsAndBytesConfig: PEFT wraps it with
+        ``lora.Linear4bit`` and the Trainer accepts it for adapter training.
+    quantization_config: a transformers BitsAndBytesConfig instead (4-bit NF4 only).
+    dtype: a torch dtype, its name or "auto" (the checkpoint's); default bfloat16.
+        ``torch_dtype`` is the older spelling of the same argument.
     stream: the StreamConfig (default ``StreamConfig()``).
+    model_class: the transformers class to build (default: what AutoModelForCausalLM picks).
     quantize_on: where NF4 quantisation runs; default the stream device.
     allow_pickle: also read pickle checkpoints (``*.bin``), through
         ``torch.load(weights_only=True)``; refused by default.
@@ -233,29 +263,44 @@ def from_pretrained(model_id: Union[str, os.PathLike], *, quantization: Optional
 
     from .api import attach_runtime
 
+    if dtype is not None and torch_dtype is not None and dtype != torch_dtype:
+        raise LoadingError(f"dtype={dtype!r} and torch_dtype={torch_dtype!r} disagree; give one (dtype)")
+    dtype = dtype if dtype is not None else torch_dtype if torch_dtype is not None else torch.bfloat16
     if quantization not in (None, "none", "nf4"):
         raise LoadingError(f"quantization={quantization!r}: use None or 'nf4'")
+    if quantization == "nf4" and quantization_config is not None:
+        raise LoadingError("give quantization='nf4' or quantization_config, not both")
     config_stream = stream if stream is not None else StreamConfig()
     directory = _resolve(model_id, revision, allow_pickle)
     files = _weight_files(directory, allow_pickle)
     config = AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype, trust_remote_code=trust_remote_code)
-    quantizer = None
+    torch_dtype = resolve_dtype(dtype, config)
+    quant_config = None
     if quantization == "nf4":
-        from . import nf4
-
-        try:
-            nf4.require_bnb("quantization='nf4'")
-        except ImportError as exc:
-            raise LoadingError(str(exc)) from None
         from transformers import BitsAndBytesConfig
-        from transformers.quantizers import AutoHfQuantizer
 
         quant_config = BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4",
             bnb_4bit_use_double_quant=bnb_4bit_use_double_quant,
             bnb_4bit_compute_dtype=bnb_4bit_compute_dtype or torch_dtype)
+    elif quantization_config is not None:
+        quant_config = nf4_settings(quantization_config, torch_dtype)
+    quantization = "nf4" if quant_config is not None else None
+    extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    with torch.device("meta"):
+        if model_class is not None:
+            model = model_class._from_config(config, dtype=torch_dtype, **extra)
+        else:
+            model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype, trust_remote_code=trust_remote_code,
+                                                     **extra)
+    quantizer = None
+    if quant_config is not None:
+        try:
+            nf4.require_bnb("quantization='nf4'")
+        except ImportError as exc:
+            raise LoadingError(str(exc)) from None
+        from transformers.quantizers import AutoHfQuantizer
+
         quantizer = AutoHfQuantizer.from_config(quant_config, pre_quantized=False)
         quantizer.preprocess_model(model, device_map=None, dtype=torch_dtype)
         import bitsandbytes as bnb
@@ -263,6 +308,7 @@ def from_pretrained(model_id: Union[str, os.PathLike], *, quantization: Optional
         for module in model.modules():  # unquantised weights arrive in torch_dtype, not fp32
             if isinstance(module, bnb.nn.Linear4bit):
                 module.weight.data = torch.empty_like(module.weight.data, dtype=torch_dtype)
+    bnb_4bit_use_double_quant = quant_config.bnb_4bit_use_double_quant if quant_config is not None else True
     path, layers = find_decoder_layers(model)
     _check_host_memory(config, quantization, torch_dtype, config_stream, bnb_4bit_use_double_quant)
     reader = _Reader(files)
@@ -280,7 +326,7 @@ def from_pretrained(model_id: Union[str, os.PathLike], *, quantization: Optional
         model.tie_weights()
         missing = [m for m in missing if not m.endswith("lm_head.weight")]
     if config_stream.stream_embeddings:  # refused now rather than after every layer is read
-        from .ends import find_ends
+        from .embeddings import find_ends
 
         find_ends(model)
 
@@ -292,18 +338,18 @@ def from_pretrained(model_id: Union[str, os.PathLike], *, quantization: Optional
         prefix = f"{layer_name(path, index)}."
         missing += _load_module(layer, prefix, reader)
         if quantization == "nf4":
-            _quantise_layer(layer, quant_device, torch_dtype, quant_config)
+            nf4.quantise_layer(layer, quant_device, torch_dtype, quant_config)
         record = HostStore.plan_layer(index, layer_name(path, index), layer, lambda t: True)
         store.add(record, expected_bytes=record.nbytes * (len(layers) - index))
         _return_freed_memory()
     if missing:
         if any(".experts." in name for name in missing):
-            raise LoadingError(
+            raise _transformers_can_load(LoadingError(
                 f"{directory} stores mixture-of-experts weights in a layout layerstream's loader "
                 "does not convert yet (one tensor per expert; transformers fuses them while "
                 "loading). Load with AutoModelForCausalLM.from_pretrained(..., device_map='cpu') "
                 "and call layerstream.stream_model instead."
-            )
+            ))
         raise LoadingError(f"{len(missing)} tensors were not found in {directory}: {missing[:5]}")
     if quantizer is not None:
         quantizer.postprocess_model(model)

@@ -28,6 +28,9 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+from . import swap
 
 logger = logging.getLogger(__name__)
 
@@ -283,3 +286,65 @@ def streamed_nf4_forward(module, x: torch.Tensor, owner=None, counters: Optional
             counters["nf4_dequant_calls"] += 1
         out = dequantized_linear(x, weight.data.view(-1, 1), state, bias)
     return out.to(inp_dtype)
+
+
+# -- the streamed projection, and quantising on load -------------------------------------
+class StreamedLinear4bit:
+    """Mixed in front of a bitsandbytes Linear4bit whose weight streams: routes its
+    matmul around MatMul4Bit (above)."""
+
+    def forward(self, x):
+        weight = self.weight
+        return streamed_nf4_forward(self, x, getattr(weight, "_layerstream_owner", None),
+                                    self._layerstream_runtime.nf4_counts)
+
+
+def streamed_linear4bit_modules(records) -> list:
+    """The Linear4bit modules whose packed weight streams."""
+    modules = {id(e.module): e.module for r in records for e in r.entries if e.kind == "quant"}
+    return list(modules.values())
+
+
+def make_streamed(module: nn.Module, runtime) -> None:
+    swap.swap_in(module, StreamedLinear4bit)
+    object.__setattr__(module, "_layerstream_runtime", runtime)
+
+
+def make_plain(module: nn.Module) -> None:
+    swap.swap_out(module, StreamedLinear4bit)
+    module.__dict__.pop("_layerstream_runtime", None)
+
+
+def quantise_layer(layer: nn.Module, device: torch.device, dtype: torch.dtype, quant_config) -> None:
+    """Quantise every Linear4bit weight of a host layer (on ``device``), back on the host,
+    with the settings transformers would use for ``quant_config`` (a BitsAndBytesConfig)."""
+    import bitsandbytes as bnb
+
+    settings = dict(quant_type=quant_config.bnb_4bit_quant_type,
+                    compress_statistics=quant_config.bnb_4bit_use_double_quant,
+                    quant_storage=quant_config.bnb_4bit_quant_storage)
+    for module in layer.modules():
+        if isinstance(module, bnb.nn.Linear4bit) and not getattr(module.weight, "bnb_quantized", False):
+            quantised = bnb.nn.Params4bit(module.weight.data.to(dtype), requires_grad=False, **settings)
+            quantised = quantised.to(device)
+            if device.type != "cpu":
+                quantised.quant_state.to("cpu")
+                quantised = bnb.nn.Params4bit(quantised.data.cpu(), requires_grad=False,
+                                              quant_state=quantised.quant_state,
+                                              blocksize=quantised.blocksize,
+                                              compress_statistics=quantised.compress_statistics,
+                                              quant_type=quantised.quant_type,
+                                              quant_storage=quantised.quant_storage, bnb_quantized=True)
+            quantised.module = module
+            module.weight = quantised
+
+
+def device_weight(host_weight, device: torch.device):
+    """A copy of a streamed host Params4bit on ``device``, with a QuantState of its own
+    (what a resident 4-bit weight looks like, for code that needs one: PEFT's merges)."""
+    state = host_weight.quant_state
+    tensors = {path: tensor.to(device, copy=True) for path, tensor in quant_tensors(state)}
+    packed = host_weight.data.to(device, copy=True)
+    weight = slot_weight(host_weight, packed, clone_state(state, tensors))
+    weight.module = getattr(host_weight, "module", None)
+    return weight

@@ -39,15 +39,10 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from .config import DEFAULT_ARENA_BYTES
+from .config import DEFAULT_ARENA_BYTES, auto_slots
 from .schedule import usable_backward_slots
-
-GiB = 1 << 30
-
-# Bytes every tensor of a layer region is rounded up to (mirrors layerstream.store.ALIGN,
-# kept here so the planner imports nothing that touches CUDA). Slots use the same layout,
-# so the planned slot size is the engine's.
-ALIGN = 512
+from .window import margin_bytes
+from .units import ALIGN, GiB, aligned, arena_sizes, parse_bytes  # noqa: F401  (parse_bytes: re-exported)
 
 QUANTIZATIONS = ("none", "nf4")
 
@@ -72,7 +67,6 @@ ADAMW_STATES = 2
 # (docs/performance.md) to within 1%.
 LOSS_LOGIT_COPIES = 3
 
-SLOT_CHOICES = range(2, 9)  # auto slots: the largest of these that fits
 # backward slots (schedule.py) hold at most this many layers: each is memory the loss
 # phase needs and the rest of the step does not, but the planner's activation figures are
 # a few percent off at some shapes, so the borrowing stays modest
@@ -261,10 +255,6 @@ def parse_dtype(dtype) -> torch.dtype:
     return names[key]
 
 
-def _aligned(nbytes: int) -> int:
-    return (nbytes + ALIGN - 1) // ALIGN * ALIGN
-
-
 def nf4_weight_bytes(numel: int, double_quant: bool = True) -> List[int]:
     """The tensors bitsandbytes keeps for one NF4 weight of ``numel`` values, in bytes:
     packed codes (two per byte), absmax, and the quant state's code tables and offset."""
@@ -310,7 +300,7 @@ def layer_bytes(config, quantization: str = "none", dtype=torch.bfloat16,
     """
     _check_quantization(quantization)
     elem = dtype_bytes(dtype)
-    return [sum(_aligned(n) for n in _tensor_bytes(shape, quantization, elem, double_quant))
+    return [sum(aligned(n) for n in _tensor_bytes(shape, quantization, elem, double_quant))
             for shape in layer_shapes(config)]
 
 
@@ -498,8 +488,11 @@ class MemoryPlan:
     @property
     def window_layers(self) -> int:
         """Layers a ``vram_budget`` of this plan's budget keeps on the GPU for good (the
-        resident window), as the runtime decides them."""
-        return window_size(self.headroom_bytes, self.max_layer_bytes, self.num_layers) if self.fits else 0
+        resident window), as the runtime sizes it when its steps use what this plan
+        predicts: whole layers in the headroom less the window's margin."""
+        if not self.fits:
+            return 0
+        return window_size(self.headroom_bytes - margin_bytes(self.vram_bytes), self.max_layer_bytes, self.num_layers)
 
     def window_copies(self) -> Tuple[int, int]:
         """(layers, bytes) copied per step with that window; its layers are the ones
@@ -556,21 +549,8 @@ def backward_slot_count(loss_phase_bytes: int, working_bytes: int, lora_bytes: i
 
 
 def loader_arena_bytes(sizes: Sequence[int], arena_bytes: int) -> int:
-    """Host bytes of the arenas ``layerstream.from_pretrained`` allocates (HostStore.add).
-
-    It adds layers one at a time; when a layer does not fit in the last arena it starts
-    one holding a whole number of layers of that size (at most ``arena_bytes``, at least
-    one layer, never more than the bytes still to come). Equal layers leave no gap.
-    """
-    arenas, used = [], 0
-    for index, nbytes in enumerate(sizes):
-        expected = nbytes * (len(sizes) - index)
-        if not arenas or used + nbytes > arenas[-1]:
-            whole_layers = max(1, arena_bytes // max(nbytes, 1)) * nbytes
-            arenas.append(max(min(whole_layers, max(expected, nbytes)), nbytes, ALIGN))
-            used = 0
-        used += nbytes
-    return sum(arenas)
+    """Host bytes of the arenas ``layerstream.from_pretrained`` allocates (HostStore.add)."""
+    return sum(arena_sizes(list(sizes), arena_bytes))
 
 
 def _working_bytes(config, shape: LayerShape, adapted: LoraTargets, tokens: int,
@@ -660,7 +640,7 @@ def _build(config, seq: int, batch: int, vram_bytes: int, quantization: str, dty
     all_resident = resident_bytes(config, dtype)  # on the host until model.to(device), streamed or not
     head_copy = head_bytes(config, dtype) if stream_embeddings else 0
     # the ends' host store: each matrix at the store's alignment
-    ends_host = _embedding_matrices(config) * _aligned(head_bytes(config, dtype)) if stream_embeddings else 0
+    ends_host = _embedding_matrices(config) * aligned(head_bytes(config, dtype)) if stream_embeddings else 0
     ends_copies = 2 * head_copy + (tokens * hidden * elem if stream_embeddings else 0)
     lora_bytes = lora_grads = lora_params * LORA_BYTES  # gradients take the adapters' dtype
     optimizer = lora_params * 4 * ADAMW_STATES
@@ -675,10 +655,8 @@ def _build(config, seq: int, batch: int, vram_bytes: int, quantization: str, dty
 
     slots_auto = slots is None
     if slots_auto:
-        ceiling = max(SLOT_CHOICES[0], min(SLOT_CHOICES[-1], len(sizes)))
-        budget = vram_bytes - reserve_bytes - fixed
-        fitting = [n for n in range(SLOT_CHOICES[0], ceiling + 1) if n * max_layer <= budget]
-        slots = max(fitting) if fitting else SLOT_CHOICES[0]
+        # what StreamConfig(slots="auto") takes, with the room the budget leaves the slots
+        slots = auto_slots(vram_bytes - reserve_bytes - fixed, max_layer)
     peak = fixed + slots * max_layer
     if backward_slots is None:
         backward_slots = backward_slot_count(loss + head_copy, working, lora_bytes, max_layer, len(sizes), slots)
@@ -967,35 +945,6 @@ def format_plan(plan: MemoryPlan) -> str:
 
 
 # -- input parsing ------------------------------------------------------------------------
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
-_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
-
-
-def parse_bytes(text: Union[str, int]) -> int:
-    """"16GiB" (2**30), "24GB" (10**9), "1.5GiB", "512MiB", "16000000000" -> bytes."""
-    if isinstance(text, bool):
-        raise ValueError(f"not a size: {text!r}")
-    if isinstance(text, int):
-        if text < 0:
-            raise ValueError(f"a size cannot be negative: {text}")
-        return text
-    match = _SIZE.match(str(text))
-    if not match:
-        raise ValueError(f"not a size: {text!r}; write a number with a unit, e.g. 16GiB, 24GB, 1.5GiB")
-    number, unit = match.group(1), match.group(2).lower()
-    if unit in ("k", "m", "g", "t"):
-        raise ValueError(f"ambiguous unit in {text!r}: write {unit.upper()}iB (powers of 1024) "
-                         f"or {unit.upper()}B (powers of 1000)")
-    if unit not in _UNITS and unit:
-        raise ValueError(f"unknown unit {match.group(2)!r} in {text!r}; "
-                         "use B, KB, MB, GB, TB, KiB, MiB, GiB or TiB")
-    value = float(number) * _UNITS.get(unit, 1)
-    if not value.is_integer() and not unit:
-        raise ValueError(f"{text!r} is not a whole number of bytes")
-    return int(round(value))
-
-
 def load_config(model: Union[str, os.PathLike]):
     """A transformers config from a config.json file (any name), a local directory
     holding config.json, or a hub id (downloads config.json only)."""

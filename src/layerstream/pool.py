@@ -34,13 +34,10 @@ from typing import Deque, List, Optional, Tuple
 import torch
 
 from . import cudart
+from .errors import SlotOwnerError
 from .store import LayerRecord
 
 TIMED_COPY_EVERY = 16
-
-
-class SlotOwnerError(RuntimeError):
-    """A layer tried to read a slot that holds another layer."""
 
 
 def _materialised(event: "torch.cuda.Event", device: torch.device) -> "torch.cuda.Event":

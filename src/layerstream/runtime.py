@@ -1,42 +1,56 @@
-"""StreamRuntime: ties the store, the slot pool and the planner to a model's layers.
+"""StreamRuntime: ties the store, the slot pool and the prefetch schedule to a model's layers.
 
 One runtime per streamed model, reachable with ``layerstream.get_runtime(model)``.
-The per-visit path (``call_layer`` -> ``_run``) is the hot path: it plans, issues the
-copies, makes the compute stream wait, swaps dictionary entries, and calls the layer.
-It allocates nothing per visit beyond the planner's small lists, and never waits on
-the host.
+The per-visit path (``call_layer`` -> ``_run`` -> ``_enter``) is the hot path: it checks
+the layer's tensors are the ones its device copies were made from (``LayerRecord.fresh``),
+asks the schedule for the slot and the copies to issue, makes the compute stream wait,
+swaps dictionary entries, and calls the layer. It allocates nothing per visit beyond the
+schedule's small lists, and never waits on the host.
+
+The runtime also keeps the resident window (layers held on the GPU for good), sized from
+measured memory at training-step boundaries (``window``, ``meter``). Counters, the
+start-up summary and out-of-memory advice are in ``report``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
+import threading
 from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from . import changes, checksum, nf4, report, schedule, swap, timeline
 from . import layer as layer_mod
-from . import checksum, nf4, plan, schedule, timeline
 from .backward_slots import BackwardSlots
 from .config import StreamConfig
-from .pool import SlotOwnerError, SlotPool
+from .errors import SlotOwnerError, StreamingError
+from .meter import CudaMeter, PlannedMeter
+from .pool import SlotPool
 from .schedule import Phase, PrefetchPlanner
-from .store import HostStore, LayerRecord
+from .store import LAYOUT, SAME, HostStore, LayerRecord
+from .window import WindowSizer
 
 logger = logging.getLogger(__name__)
 
 # keyword arguments through which decoder layers receive or update a KV cache
 _CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
+WINDOW_RESETS = 3  # steps measured from a reset peak after the window is set or changes
+
+
+class _Pass:
+    """A forward pass under way (and, for training, its backward), and the thread it is for."""
+
+    __slots__ = ("thread", "kind", "backward")
+
+    def __init__(self, thread: int, kind: str):
+        self.thread, self.kind, self.backward = thread, kind, False
 
 
 def _always_owned(tensor: torch.Tensor) -> None:
     """The backward owner check of a resident-window layer: its buffer is never reused."""
-
-
-class StreamingError(RuntimeError):
-    """Streaming cannot go on as asked; the message says what to change."""
 
 
 class StreamRuntime:
@@ -52,33 +66,58 @@ class StreamRuntime:
         self.backward = BackwardSlots(config)
         self.pool = SlotPool(config.device, config.slots, store.largest_layer_bytes,
                              backward_slots=self.backward.capacity)
-        self.planner = self._new_planner(len(records))
+        self.prefetch = self._new_prefetch(len(records))
         # the resident window: layers kept on the device for good, and the dense numbering
-        # of the layers that still stream (the planner sees only those)
+        # of the layers that still stream (the prefetch schedule sees only those)
         self._window: Dict[int, list] = {}
-        self._window_buffers: List[torch.Tensor] = []
+        self._window_buffers: Dict[int, torch.Tensor] = {}
         self._dense: List[Optional[int]] = list(range(len(records)))
         self._layer_of: List[int] = list(range(len(records)))
-        self._window_decided = False
+        self.sizer = WindowSizer(len(records), store.largest_layer_bytes)
+        self.meter = self._new_meter()
+        self._measured_tokens: Optional[int] = None  # tokens of the step being measured
+        self._resets_left = WINDOW_RESETS
+        self.last_shape: Tuple[int, int] = (1, 1)
         self._last_slot: Optional[int] = None  # the slot of the previous streamed visit
         # (slot, layer) -> [(table, name, slot tensor)], built on first use, then reused
         self._bindings: Dict[Tuple[int, int], list] = {}
-        # every streamed layer's _apply checks these; collect them once, not per layer
         self._streamed_dtypes = {e.dtype for r in records for e in r.entries}
+        self._pass: Optional[_Pass] = None  # the pass under way, and whose
         self.visits = 0
         self.demand_loads = 0
         self.peak_resident_layers = 0
+        self.refreshed_layers = 0  # device copies dropped because the model's tensors changed
+        self.window_changes: List[Tuple[int, int]] = []  # (tokens, window) at each change
+        self.oom_retries = 0
         self._warned_cache = False
         self.nf4_counts = {"nf4_function_calls": 0, "nf4_dequant_calls": 0}
-        # test hook: replace the copied bytes of a load (negative controls)
-        self._load_source = None
         self._recording = None  # timeline.Recording while a step is recorded
-        self._budget_checked: set = set()  # (batch, seq) shapes checked against vram_budget
+        self._budget_checked: set = set()  # (batch, seq) shapes checked against an explicit vram_budget
         self._checker = checksum.SlotChecker(self.pool, records) if config.checksum else None
-        self.ends = None  # ends.StreamedEnds when the embedding and head stream too
+        self._by_module: Dict[int, Tuple[LayerRecord, List[int]]] = {}
+        for record in records:
+            changes.watch(record)
+            self._index_modules(record)
+        self.embeddings = None
+        if config.stream_embeddings:
+            from .embeddings import stream_embeddings
+
+            self.embeddings = stream_embeddings(model, self)
         if self._checker is not None:
             logger.warning("layerstream: debug checksums are on (StreamConfig.checksum or "
                            "LAYERSTREAM_CHECKSUM=1): every copy and visit waits for the device")
+
+    def _new_meter(self):
+        budget = self.config.vram_budget
+        if budget is None:
+            return None
+        if self.pool.cuda:
+            return CudaMeter(self.device, budget)
+        return PlannedMeter(self, budget)
+
+    def _new_prefetch(self, streamed_layers: int) -> PrefetchPlanner:
+        return PrefetchPlanner(max(streamed_layers, 1), self.config.slots, self.config.prefetch,
+                               backward_slots=self.backward.count)
 
     # -- binding -------------------------------------------------------------------
     def _binding(self, slot: int, index: int) -> list:
@@ -104,8 +143,7 @@ class StreamRuntime:
             if entry.kind == "_parameters":
                 host_state = getattr(host, "quant_state", None)
                 if host_state is not None and id(entry.module) in quant:
-                    state = nf4.clone_state(host_state, quant[id(entry.module)])
-                    view = nf4.slot_weight(host, view, state)
+                    view = nf4.slot_weight(host, view, nf4.clone_state(host_state, quant[id(entry.module)]))
                     view._layerstream_owner = owner_check
                 else:
                     view = nn.Parameter(view, requires_grad=False)
@@ -125,15 +163,9 @@ class StreamRuntime:
             slot = pool.slot_of_pointer(tensor.data_ptr())
             if slot is None or not pool.owns(slot, index):
                 holder = None if slot is None else pool.owner[slot]
-                raise SlotOwnerError(
-                    f"backward of {name} reads slot {slot}, which holds layer {holder}"
-                )
+                raise SlotOwnerError(f"backward of {name} reads slot {slot}, which holds layer {holder}")
 
         return check
-
-    def _new_planner(self, streamed_layers: int) -> PrefetchPlanner:
-        return PrefetchPlanner(max(streamed_layers, 1), self.config.slots, self.config.prefetch,
-                               backward_slots=self.backward.count)
 
     # -- the hot path --------------------------------------------------------------
     def _enter(self, index: int, phase: Phase) -> int:
@@ -142,33 +174,30 @@ class StreamRuntime:
         if self._last_slot is not None:
             # every kernel of the previous visit (its backward ones too) is queued by now
             pool.mark_released(self._last_slot, compute)
-        plan = self.planner.visit(self._dense[index], phase)
-        for slot in plan.drop:
+        visit = self.prefetch.visit(self._dense[index], phase)
+        for slot in visit.drop:
             self._free_backward_slot(slot)
-        source = self._load_source
-        loads = [(self._layer_of[dense], slot) for dense, slot in plan.loads]
+        loads = [(self._layer_of[dense], slot) for dense, slot in visit.loads]
         if self.backward.count:
             loads = [(layer, slot) for layer, slot in loads
                      if slot < pool.ring_slots or pool.allocated(slot)
-                     or self.backward.borrow(pool, self.planner, slot)]
+                     or self.backward.borrow(pool, self.prefetch, slot)]
         for layer, slot in loads:
-            pool.load(self.records[layer], slot, compute,
-                      None if source is None else source(layer, slot))
+            pool.load(self.records[layer], slot, compute)
         checker = self._checker
         if checker is not None:
             for layer, slot in loads:
                 checker.after_copy(layer, slot)
-        pool.acquire(plan.slot, index, compute)
+        pool.acquire(visit.slot, index, compute)
         if checker is not None:
-            checker.before_use(index, plan.slot)
-        self._last_slot = plan.slot
-        self.visits += 1
-        if plan.demand:
+            checker.before_use(index, visit.slot)
+        self._last_slot = visit.slot
+        if visit.demand:
             self.demand_loads += 1
-        resident = len(self.planner.slot_of)
+        resident = len(self.prefetch.slot_of)
         if resident > self.peak_resident_layers:
             self.peak_resident_layers = resident
-        return plan.slot
+        return visit.slot
 
     def _free_backward_slot(self, slot: int) -> None:
         for key in [key for key in self._bindings if key[0] == slot]:
@@ -176,14 +205,16 @@ class StreamRuntime:
         self.pool.free(slot)
 
     def _run(self, layer: nn.Module, index: int, phase: Phase, args, kwargs):
+        record = self.records[index]
+        if not record.fresh():
+            self._refresh(index, phase)
+        self.visits += 1
         binding = self._window.get(index)
         if binding is None:
             slot = self._enter(index, phase)
             binding = self._binding(slot, index)
         else:  # kept on the device for good (resident window): no copy, no slot
             slot = -1
-            self.visits += 1
-        record = self.records[index]
         for table, name, tensor in binding:
             table[name] = tensor
         recording = self._recording
@@ -192,7 +223,7 @@ class StreamRuntime:
         try:
             return layer_mod.call_unstreamed(layer, args, kwargs)
         except torch.OutOfMemoryError as exc:
-            raise self.explain_oom(exc, f"in streamed layer {record.name}") from exc
+            raise report.explain_oom(self, exc, f"in streamed layer {record.name}") from exc
         finally:
             for table, name, host in record.host_binding:
                 table[name] = host
@@ -201,95 +232,269 @@ class StreamRuntime:
 
     def call_layer(self, layer: nn.Module, args, kwargs):
         index = layer._layerstream_index
-        if index == 0:
-            self._check_capture()
         if args and isinstance(args[0], torch.Tensor) and args[0].device != self.device:
             raise StreamingError(
                 f"streamed layer {self.records[index].name} computes on {self.device} but its "
                 f"input is on {args[0].device}. Move the model's resident part with "
-                f"model.to('{self.device}') after stream_model (and after get_peft_model)."
-            )
-        if not torch.is_grad_enabled():
-            return self._run(layer, index, Phase.INFERENCE, args, kwargs)
-        if index == 0 and self.config.vram_budget is not None and args:
-            self._check_budget(args[0])
-        if index == 0 and self.backward.auto and args:
-            self._decide_backward_slots(args[0])
-        self._check_trainable(index)
-        kwargs = self._drop_cache(kwargs)
-        calls = [0]
+                f"model.to('{self.device}') after stream_model (and after get_peft_model).")
+        training = torch.is_grad_enabled()
+        self._claim(index, "train" if training else "inference")
+        try:
+            if index == 0:
+                self._start_pass(args[0] if args else None, training)
+            if not training:
+                return self._run(layer, index, Phase.INFERENCE, args, kwargs)
+            kwargs = self._drop_cache(kwargs)
+            calls = [0]
 
-        def checkpointed(*a, **k):
-            phase = Phase.TRAIN_FORWARD if calls[0] == 0 else Phase.BACKWARD
-            calls[0] += 1
-            return self._run(layer, index, phase, a, k)
+            def checkpointed(*a, **k):
+                phase = Phase.TRAIN_FORWARD if calls[0] == 0 else Phase.BACKWARD
+                calls[0] += 1
+                if phase is Phase.BACKWARD:
+                    self._in_backward()
+                return self._run(layer, index, phase, a, k)
 
-        return checkpoint(checkpointed, *args, use_reentrant=False, **kwargs)
+            return checkpoint(checkpointed, *args, use_reentrant=False, **kwargs)
+        except BaseException:
+            self._pass = None  # an abandoned pass holds nothing another thread must wait for
+            raise
+        finally:
+            if not training and index == len(self.records) - 1:
+                self._pass = None
 
-    # -- checks --------------------------------------------------------------------
-    def _check_capture(self) -> None:
+    # -- one user at a time ----------------------------------------------------------
+    def _claim(self, index: int, kind: str) -> None:
+        """Refuse a forward from a thread while another thread's pass is under way: the
+        layers' tables, slots and schedule are one model's, and interleaved passes would
+        compute with each other's weights or overwrite a slot a backward still reads."""
+        thread = threading.get_ident()
+        current = self._pass
+        if current is not None and current.thread != thread:
+            raise StreamingError(
+                f"this streamed model is in use by another thread (a {current.kind} pass is under "
+                "way) and one streamed model serves one pass at a time. Use it from one thread, "
+                "guard it with a lock (a training step holds it until its backward ends), or load "
+                "a second model for the other thread.")
+        if index == 0 or current is None:
+            self._pass = _Pass(thread, kind)
+
+    def _in_backward(self) -> None:
+        """At a backward recompute: the training pass ends when autograd's whole backward
+        has been queued (not when this layer's recompute returns: its backward follows)."""
+        current = self._pass
+        if current is None or current.kind != "train" or current.backward:
+            return
+        current.backward = True
+
+        def ended():
+            if self._pass is current:
+                self._pass = None
+
+        torch.autograd.Variable._execution_engine.queue_callback(ended)
+
+    # -- at the start of each pass -----------------------------------------------------
+    def _start_pass(self, hidden: Optional[torch.Tensor], training: bool) -> None:
         if torch.compiler.is_compiling():
             raise StreamingError(
                 "torch.compile cannot trace a streamed layer: its weights change place on "
                 "every call. Compile the model before stream_model is not supported either; "
-                "run streamed layers eagerly (compile submodules that do not stream)."
-            )
+                "run streamed layers eagerly (compile submodules that do not stream).")
         if self.pool.cuda and torch.cuda.is_current_stream_capturing():
             raise StreamingError(
                 "CUDA graph capture of a streamed model is not supported: a graph would "
-                "freeze one slot assignment and its copies. Capture only resident parts."
-            )
-
-    def _check_budget(self, hidden: torch.Tensor) -> None:
-        """Before the first training step of each batch shape: will it fit vram_budget?"""
-        if hidden.dim() < 2 or (hidden.shape[0], hidden.shape[1]) in self._budget_checked:
+                "freeze one slot assignment and its copies. Capture only resident parts.")
+        for record in self.records:  # changes made between passes, quant states included
+            if not record.fresh_deep():
+                self._refresh(record.index, Phase.TRAIN_FORWARD, pass_start=True)
+        if not training:
             return
-        batch, seq = int(hidden.shape[0]), int(hidden.shape[1])
+        self._check_trainable()
+        if hidden is None or hidden.dim() < 2:
+            return
+        self.last_shape = (int(hidden.shape[0]), int(hidden.shape[1]))
+        if isinstance(self.config.vram_budget, int):
+            self._check_budget(*self.last_shape)
+        if self.meter is not None:
+            self._size_window(self.last_shape[0] * self.last_shape[1])
+        elif self.backward.auto:
+            self._decide_backward_slots(hidden)
+
+    def _check_trainable(self) -> None:
+        for record in self.records:
+            for entry, host in zip(record.entries, record.host_values):
+                if host.requires_grad:
+                    raise StreamingError(
+                        f"{entry.qualified_name} requires grad, but streamed weights are frozen "
+                        "(gradients for them would have nowhere to live). Freeze the base model, "
+                        "e.g. with peft.get_peft_model(model, LoraConfig(...)), before training; "
+                        "trainable tensors created before stream_model stay resident.")
+
+    def _check_budget(self, batch: int, seq: int) -> None:
+        """Before the first training step of each batch shape, an explicit vram_budget the
+        memory planner says the step cannot fit (every layer streamed) is refused."""
+        if (batch, seq) in self._budget_checked:
+            return
         self._budget_checked.add((batch, seq))
         budget = self.config.vram_budget
         try:
-            memory = plan.plan_for_model(self.model, seq, batch, slots=self.config.slots, vram_bytes=budget,
-                                         stream_embeddings=self.ends is not None)
+            memory = self.memory_plan(batch, seq, vram_bytes=budget)
         except ValueError as exc:
             logger.warning("layerstream: vram_budget is not checked for this model: its memory cannot "
                            "be predicted (%s)", exc)
             return
-        if memory.fits:
-            self._fit_window(memory)
-            return
-        gib = 2**30
-        advice = "\n".join(f"  - {line}" for line in memory.advice[1:])
-        raise StreamingError(
-            f"a training step of batch {batch} x {seq} tokens does not fit vram_budget="
-            f"{budget / gib:.2f} GiB: the memory planner predicts a peak of "
-            f"{memory.peak_vram_bytes / gib:.2f} GiB plus {memory.reserve_bytes / gib:.1f} GiB reserve "
-            f"(resident part {memory.resident_bytes / gib:.2f} GiB, {memory.slots} slots "
-            f"{memory.slot_bytes / gib:.2f} GiB, activations {memory.activation_bytes / gib:.2f} GiB). "
-            f"Nothing has been computed yet. What would fit:\n{advice}")
+        if not memory.fits:
+            raise report.budget_refusal(memory, budget)
+
+    def memory_plan(self, batch: int, seq: int, vram_bytes: int = 1 << 50, backward_slots=0):
+        """The memory planner's plan of this model streamed as it is (one call site)."""
+        from .plan import plan_for_model
+
+        return plan_for_model(self.model, seq, batch, slots=self.config.slots, vram_bytes=vram_bytes,
+                              stream_embeddings=self.embeddings is not None, backward_slots=backward_slots)
 
     def _decide_backward_slots(self, hidden: torch.Tensor) -> None:
         streamed = len(self.records) - len(self._window)
-        if self.backward.decide(self.model, hidden, streamed, self.ends is not None,
-                                self.store.largest_layer_bytes) is not None:
+        if self.backward.decide(self, hidden, streamed) is not None:
             self._forget_slots()
-            self.planner = self._new_planner(len(self._layer_of))
+            self.prefetch = self._new_prefetch(len(self._layer_of))
+
+    # -- the model's tensors changed -------------------------------------------------------
+    def _refresh(self, index: int, phase: Phase, pass_start: bool = False) -> None:
+        """The layer's tensors changed since its device copies were made: take the change
+        into the host store and drop (or refresh) the copies; refused where it would mix
+        weights within one computation."""
+        record = self.records[index]
+        if phase is Phase.BACKWARD:
+            raise StreamingError(
+                f"a weight of {record.name} changed between its forward and its backward; its "
+                "backward would differ from the forward it differentiates (autograd refuses the "
+                "same for a resident weight it saved). Change weights between steps.")
+        outcome = self.store.sync(record)
+        if outcome == SAME:
+            return
+        if outcome == LAYOUT:
+            if not pass_start:
+                raise StreamingError(
+                    f"a weight of {record.name} changed shape or dtype during a forward pass; do it "
+                    "between passes, or unstream_model first.")
+            self.store.repack(record)
+            self._streamed_dtypes = {e.dtype for r in self.records for e in r.entries}
+            if record.nbytes > self.pool.slot_bytes:
+                self._rebuild_pool()
+        changes.watch(record)
+        self._index_modules(record)
+        self.refreshed_layers += 1
+        for key in [key for key in self._bindings if key[1] == index]:
+            del self._bindings[key]
+        if self._checker is not None:
+            self._checker.forget(index)
+        self._drop_device_copy(index)
+
+    def _index_modules(self, record: LayerRecord) -> None:
+        """Which entries each module of the layer owns (PEFT merges ask), and a way back from
+        the module to this runtime."""
+        for key in [k for k, (r, _) in self._by_module.items() if r is record]:
+            del self._by_module[key]
+        for position, entry in enumerate(record.entries):
+            self._by_module.setdefault(id(entry.module), (record, []))[1].append(position)
+            object.__setattr__(entry.module, "_layerstream_runtime", self)
+
+    def entries_of(self, module: nn.Module) -> Optional[Tuple[LayerRecord, List[int]]]:
+        """The record of the layer ``module`` belongs to and the positions of its entries."""
+        return self._by_module.get(id(module))
+
+    def refresh_after_write(self, index: int, device_copy_current: bool = False) -> None:
+        """layerstream itself wrote new values into a layer's host region (a PEFT merge):
+        the device copies follow (``device_copy_current``: the copy in use was written too)."""
+        record = self.records[index]
+        record.snapshot()
+        self.refreshed_layers += 1
+        if self._checker is not None:
+            self._checker.forget(index)
+        if not device_copy_current:
+            self._drop_device_copy(index)
+
+    def _drop_device_copy(self, index: int) -> None:
+        if index in self._window:
+            self._keep_on_device(index)
+        elif self._dense[index] is not None:
+            slot = self.prefetch.slot_of.get(self._dense[index])
+            if slot is not None:
+                self.prefetch.drop(self._dense[index])
+                self.pool.owner[slot] = None
+
+    def _rebuild_pool(self) -> None:
+        """New slots for a layer that grew (its tensors changed dtype): between passes."""
+        self.pool.release()
+        self._bindings.clear()
+        self._last_slot = None
+        self.pool = SlotPool(self.device, self.config.slots, self.store.largest_layer_bytes,
+                             backward_slots=self.backward.capacity)
+        if self._checker is not None:
+            self._checker = checksum.SlotChecker(self.pool, self.records)
+        self.prefetch = self._new_prefetch(len(self._layer_of))
+        self.sizer = WindowSizer(len(self.records), self.store.largest_layer_bytes)
+        if self.embeddings is not None:
+            self.embeddings.pool = self.pool
 
     # -- resident window -------------------------------------------------------------
-    def _fit_window(self, memory) -> None:
-        """Keep on the device as many layers as the budget leaves room for after the
-        planned peak (every layer streamed) and the reserve. Decided at the first training
-        step; a later batch shape may shrink the window, never grow it (no thrash)."""
-        count = plan.window_size(memory.headroom_bytes, self.store.largest_layer_bytes, len(self.records))
-        if self._window_decided and count >= len(self._window):
-            return
-        self._window_decided = True
-        if count == len(self._window):
-            return
-        self.set_window(schedule.spread_resident(len(self.records), count))
-        logger.warning(
-            "layerstream: vram_budget=%.2f GiB leaves room for %d of %d layers at batch %d x %d tokens: "
-            "they stay on the GPU for good, %d stream.", self.config.vram_budget / 2**30, count,
-            len(self.records), memory.batch, memory.seq, len(self.records) - count)
+    def _size_window(self, tokens: int) -> None:
+        """At the start of a training step: read what the last one used and size the window."""
+        meter = self.meter
+        if self._measured_tokens is not None:
+            self.sizer.record(meter.read(len(self._window), self._measured_tokens))
+        else:
+            meter.release_cache()
+        target = self.sizer.size(meter.limit(), tokens, len(self._window))
+        if target != len(self._window):
+            self.window_changes.append((tokens, target))
+            self._set_window_size(target, tokens)
+            self._resets_left = WINDOW_RESETS
+        self._measured_tokens = tokens
+        reset = self._resets_left > 0
+        self._resets_left -= 1
+        meter.begin(reset)
+
+    def _set_window_size(self, count: int, tokens: int) -> None:
+        before = len(self._window)
+        while True:
+            try:
+                self.set_window(schedule.spread_resident(len(self.records), count))
+                break
+            except torch.OutOfMemoryError:  # the buffers themselves did not fit: fewer
+                self.set_window([])
+                self.meter.release_cache()
+                count = max(0, count - 1)
+                self.sizer.max_window = min(self.sizer.max_window, count)
+        measured = (f"{report.gib(self.sizer.predicted_peak(tokens, count))} predicted for {tokens}-token steps, "
+                    if self.sizer.reference is not None else "")
+        logger.warning("layerstream: resident window %d -> %d of %d layers (%slimit %s): they stay on the GPU "
+                       "for good, %d stream.", before, count, len(self.records), measured,
+                       report.gib(self.meter.limit()), len(self.records) - count)
+
+    def window_is_new(self) -> bool:
+        """Whether the window changed within the last few measured steps (a step may still
+        find it too large)."""
+        return self._resets_left > 0
+
+    def recover_from_oom(self, wanted: int = 0) -> bool:
+        """After a training step ran out of memory asking for ``wanted`` bytes: shrink the
+        window so that the step can run again. False when there is no window to shrink."""
+        if self.meter is None or not self._window:
+            return False
+        limit = self.meter.limit()
+        wanted = wanted or self.store.largest_layer_bytes
+        count = self.sizer.shrink_after_oom(len(self._window), wanted, limit)
+        self.sizer.max_window = min(self.sizer.max_window, count)  # never back to what ran out
+        self.reset_slots()
+        self.set_window([])
+        self.meter.release_cache()
+        self._set_window_size(count, self._measured_tokens or 0)
+        self.window_changes.append((self._measured_tokens or 0, count))
+        self.oom_retries += 1
+        self._measured_tokens = None  # the failed step's peak is not a measurement
+        self._resets_left = WINDOW_RESETS
+        return True
 
     def set_window(self, layers) -> None:
         """Keep these layers on the device for good (one copy each, now); the rest stream.
@@ -301,43 +506,33 @@ class StreamRuntime:
         if keep and not 0 <= keep[0] <= keep[-1] < len(self.records):
             raise ValueError(f"layer indices must be in 0..{len(self.records) - 1}, got {keep}")
         self._window = {}
-        self._window_buffers = []
+        self._window_buffers = {}
         for index in keep:
-            record = self.records[index]
-            buffer = torch.empty(max(record.nbytes, 1), dtype=torch.uint8, device=self.device)
-            buffer[: record.nbytes].copy_(record.host_region)
-            self._window_buffers.append(buffer)
-            self._window[index] = self._make_binding(buffer, index, _always_owned)
+            self._keep_on_device(index)
         streamed = [i for i in range(len(self.records)) if i not in self._window]
         self._dense = [None] * len(self.records)
         for dense, index in enumerate(streamed):
             self._dense[index] = dense
         self._layer_of = streamed
         self._forget_slots()
-        self.planner = self._new_planner(len(streamed))
+        self.prefetch = self._new_prefetch(len(streamed))
+
+    def _keep_on_device(self, index: int) -> None:
+        """Copy a window layer to its own device buffer (again, when its values changed)."""
+        record = self.records[index]
+        buffer = self._window_buffers.get(index)
+        if buffer is None or buffer.numel() < record.nbytes:
+            buffer = self._window_buffers[index] = torch.empty(max(record.nbytes, 1), dtype=torch.uint8,
+                                                               device=self.device)
+        buffer[: record.nbytes].copy_(record.host_region, non_blocking=self.pool.cuda)
+        self._window[index] = self._make_binding(buffer, index, _always_owned)
 
     @property
     def window(self) -> List[int]:
         """The layers kept on the device for good (the resident window)."""
         return sorted(self._window)
 
-    def _check_trainable(self, index: int) -> None:
-        record = self.records[index]
-        for entry, host, ptr in zip(record.entries, record.host_values, record.host_data_ptrs):
-            if host.requires_grad:
-                raise StreamingError(
-                    f"{entry.qualified_name} requires grad, but streamed weights are frozen "
-                    "(gradients for them would have nowhere to live). Freeze the base model, "
-                    "e.g. with peft.get_peft_model(model, LoraConfig(...)), before training; "
-                    "trainable tensors created before stream_model stay resident."
-                )
-            if host.data_ptr() != ptr:
-                raise StreamingError(
-                    f"{entry.qualified_name} no longer points at layerstream's host store "
-                    "(its .data was replaced after stream_model, e.g. by a cast or a merge). "
-                    "Do such changes before stream_model, or unstream_model first."
-                )
-
+    # -- checks --------------------------------------------------------------------
     def _drop_cache(self, kwargs):
         """Checkpointed layers must not write a KV cache: the recompute would write twice."""
         names = [name for name in _CACHE_KWARGS if kwargs.get(name) is not None]
@@ -351,8 +546,7 @@ class StreamRuntime:
                     "a KV cache holding past tokens reached a streamed layer with autograd on. "
                     "Streamed layers are checkpointed under autograd and cannot read or extend "
                     "a cache there; run generation and cached inference under torch.no_grad() "
-                    "(model.generate does)."
-                )
+                    "(model.generate does).")
             kwargs[name] = None
         if "use_cache" in kwargs:
             kwargs["use_cache"] = False
@@ -361,94 +555,38 @@ class StreamRuntime:
             logger.warning(
                 "layerstream: streamed layers are checkpointed while autograd is on, so they do "
                 "not fill the KV cache passed to them (as with transformers' gradient "
-                "checkpointing). Set model.config.use_cache = False for training to silence this."
-            )
+                "checkpointing). Set model.config.use_cache = False for training to silence this.")
         return kwargs
 
     def check_apply(self, fn, dtypes=None) -> None:
         """Refuse a .to()/.half()/.cuda() that would change streamed weights' dtype or device.
-        ``dtypes``: the streamed dtypes to check (default: the decoder layers')."""
-        for dtype in self._streamed_dtypes if dtypes is None else dtypes:
+        ``dtypes``: the streamed dtypes to check (default: the decoder layers' and the
+        streamed embedding's)."""
+        if dtypes is None:
+            dtypes = self._streamed_dtypes | (self.embeddings.dtypes if self.embeddings is not None else set())
+        for dtype in dtypes:
             probe = fn(torch.empty(0, dtype=dtype))
             if probe.dtype != dtype:
                 raise StreamingError(
-                    f"this call would cast streamed weights from {dtype} to {probe.dtype}. "
-                    "Streamed weights keep the dtype they were streamed with: cast the model "
-                    "before stream_model, or unstream_model, cast, and stream again."
-                )
+                    f"this call would cast streamed weights from {dtype} to {probe.dtype}. Nothing "
+                    "was changed. Streamed weights keep the dtype they were streamed with: cast the "
+                    "model before stream_model, or unstream_model, cast, and stream again.")
             if probe.device.type == "cuda" and probe.device != self.device:
                 raise StreamingError(
                     f"the model streams to {self.device}; moving it to {probe.device} is not "
-                    "supported. Stream with StreamConfig(device=...) set to the device you want."
-                )
+                    "supported (nothing was changed). Stream with StreamConfig(device=...) set to "
+                    "the device you want.")
             if probe.device.type not in ("cpu", "cuda"):
-                raise StreamingError(
-                    f"a streamed model cannot move to {probe.device}; unstream_model first."
-                )
+                raise StreamingError(f"a streamed model cannot move to {probe.device} (nothing was "
+                                     "changed); unstream_model first.")
 
-    @contextlib.contextmanager
-    def streamed_tensors_hidden(self, index: int):
-        """Hide a layer's streamed tensors from ``nn.Module._apply`` while it runs.
-
-        The ``_parameters``/``_buffers`` dicts are edited in place and restored in their
-        original order: bindings hold these dict objects, and state_dict order must not
-        change.
-        """
-        names_by_table: Dict[int, Tuple[dict, set]] = {}
+    def hidden_from_apply(self, index: int):
+        """Hide a layer's streamed tensors from ``nn.Module._apply`` while it runs."""
+        tables: Dict[int, Tuple[dict, set]] = {}
         for entry in self.records[index].entries:
-            if not entry.bound:
-                continue
-            table = entry.table
-            names_by_table.setdefault(id(table), (table, set()))[1].add(entry.name)
-        saved = []
-        for table, names in names_by_table.values():
-            original = list(table.items())
-            saved.append((table, names, original))
-            for name in names:
-                del table[name]
-        try:
-            yield
-        finally:
-            for table, names, original in saved:
-                changed = dict(table)
-                table.clear()
-                table.update((k, v if k in names else changed[k]) for k, v in original)
-
-    def explain_oom(self, exc: BaseException, where: str) -> BaseException:
-        """The same out-of-memory error, with what streaming holds and which budget to change.
-
-        Same type, so code that reacts to out-of-memory (the Trainer's
-        auto_find_batch_size) still does; explained once, however often it is re-raised.
-        """
-        if getattr(exc, "_layerstream_explained", False):
-            return exc
-        gib = 2**30
-        slot_gib = self.pool.total_bytes / gib
-        one_slot = self.pool.slot_bytes / gib
-        lines = [
-            str(exc), "",
-            f"layerstream: the GPU ran out of memory {where}. Streaming holds {self.config.slots} slots x "
-            f"{one_slot:.2f} GiB = {slot_gib:.2f} GiB on {self.device}; the rest is the resident part "
-            "(embeddings, head, adapters, optimizer state) and activations. To fit:",
-            "  - shorten sequences or the batch (activations and logits grow with batch x seq length);",
-        ]
-        if self.config.slots > 2:
-            lines.append(f"  - use fewer slots: StreamConfig(slots=2) (--slots 2, stream.slots: 2) frees "
-                         f"{(self.config.slots - 2) * one_slot:.2f} GiB;")
-        if not any(e.kind == "quant" for r in self.records for e in r.entries):
-            lines.append("  - load the model in NF4 (quantization='nf4'): a quarter of the bytes per slot;")
-        if self.ends is None:
-            from .ends import host_bytes
-
-            ends_bytes = host_bytes(self.model)
-            if ends_bytes:
-                lines.append(f"  - keep the input embedding and head in host memory: StreamConfig(stream_embeddings=True) "
-                             f"(--stream-embeddings, stream.stream_embeddings: true) frees {ends_bytes / gib:.2f} GiB, less one head "
-                             "copied in for the loss;")
-        lines.append("  - `layerstream plan --model <model> --vram <GPU memory> --seq <tokens>` predicts what fits.")
-        explained = type(exc)("\n".join(lines))
-        explained._layerstream_explained = True
-        return explained
+            if entry.bound:
+                tables.setdefault(id(entry.table), (entry.table, set()))[1].add(entry.name)
+        return swap.tensors_hidden(tables.values())
 
     # -- timeline ------------------------------------------------------------------
     @property
@@ -471,108 +609,73 @@ class StreamRuntime:
         finally:
             self._recording = self.pool.recording = None
 
-    @contextlib.contextmanager
     def timeline(self, directory: Optional[str] = None):
         """Record the steps run inside the block; write the trace and plot to ``directory``.
-
-        Yields a list that holds the spans once the block ends.
-        """
-        spans: list = []
-        self.start_timeline()
-        try:
-            yield spans
-        finally:
-            spans.extend(self.finish_timeline())
-        if directory is not None:
-            timeline.write(spans, self.slot_rows, directory, self._timeline_title())
+        Yields a list that holds the spans once the block ends."""
+        return timeline.recorded(self, directory)
 
     @property
     def slot_rows(self) -> int:
         """Slots a timeline draws: the ring and the backward slots."""
-        return self.config.slots + self.planner.backward_slots
+        return self.config.slots + self.prefetch.backward_slots
 
-    def _timeline_title(self) -> str:
-        return (f"layerstream: {len(self.records)} layers, {self.config.slots} slots, prefetch "
-                f"{self.config.prefetch}, on {self.device}; layer number on each bar")
-
-    # -- stats ---------------------------------------------------------------------
+    # -- counters and text -----------------------------------------------------------
     def stats(self) -> dict:
         """Counters since streaming began. Reads outstanding CUDA timing events (waits)."""
-        self.pool.settle()
-        pool = self.pool
-        return {
-            "layers": len(self.records),
-            "slots": self.config.slots,
-            "prefetch": self.config.prefetch,
-            "visits": self.visits,
-            "layer_loads": pool.loads,
-            "demand_loads": self.demand_loads,
-            "h2d_bytes": pool.h2d_bytes,  # the layers, and the head and embedding rows when they stream
-            "h2d_seconds": pool.h2d_seconds,
-            "h2d_gbps": (pool.h2d_bytes / pool.h2d_seconds / 1e9) if pool.h2d_seconds else 0.0,
-            "stall_seconds": pool.stall_seconds,
-            "stalls": pool.stalls,
-            "peak_resident_layers": self.peak_resident_layers,
-            "slot_bytes": pool.ring_bytes,
-            "backward_slots": self.planner.active_backward_slots,
-            "backward_slot_peak_bytes": pool.borrowed_peak_bytes,
-            "host_bytes": self.store.host_bytes + (self.ends.host_bytes if self.ends is not None else 0),
-            "pinned": self.store.pinned,
-            "device": str(self.device),
-            "checksum_checks": self._checker.checks if self._checker is not None else 0,
-            "window_layers": len(self._window),
-            "stream_embeddings": self.ends is not None,
-            **(self.ends.stats() if self.ends is not None
-               else {"head_copies": 0, "head_h2d_bytes": 0, "embedding_h2d_bytes": 0}),
-            **self.nf4_counts,
-        }
+        return report.stats(self)
 
     def summary(self) -> str:
         """A one-screen description: what streams, slots, bytes, pinning."""
-        gib = 2**30
-        streamed = sum(len(r.entries) for r in self.records)
-        sizes = sorted({r.nbytes for r in self.records})
-        size_text = (f"{sizes[0] / 2**20:.1f} MiB" if len(sizes) == 1
-                     else f"{sizes[0] / 2**20:.1f}..{sizes[-1] / 2**20:.1f} MiB")
-        lines = [
-            "layerstream: streaming decoder layers",
-            f"  stack        {self.layers_path} ({len(self.records)} layers, {streamed} tensors)",
-            f"  layer size   {size_text} each",
-            f"  host store   {self.store.host_bytes / gib:.3f} GiB in {len(self.store.arenas)} arena(s), "
-            f"{'pinned' if self.store.pinned else 'pageable'}",
-            f"  device       {self.device}: {self.config.slots} slots{self._auto_note('slots')} x "
-            f"{self.pool.slot_bytes / 2**20:.1f} MiB = {self.pool.total_bytes / gib:.3f} GiB",
-            f"  prefetch     {self.config.prefetch} layer(s) ahead{self._auto_note('prefetch')}",
-            f"  backward     {self.backward.note(self.planner.backward_slots, self.pool.cuda)}",
-        ]
-        if self.ends is not None:
-            lines += [f"  ends         streamed: {self.ends.describe()}",
-                      "  resident     final norm, and every trainable tensor"]
-        else:
-            lines += ["  ends         resident (stream_embeddings=False)",
-                      "  resident     embeddings, final norm, head, and every trainable tensor"]
-        return "\n".join(lines)
+        return report.summary(self)
 
-    def _auto_note(self, name: str) -> str:
-        return " (auto)" if name in self.config.automatic else ""
+    def explain_oom(self, exc: BaseException, where: str) -> BaseException:
+        return report.explain_oom(self, exc, where)
+
+    # -- lifetime --------------------------------------------------------------------
+    def move_to(self, device) -> None:
+        """Stream to another device from now on (the Trainer trains elsewhere than the
+        model was loaded for): new slots there, the window dropped, the host store kept."""
+        from .config import resolve_device
+
+        device = resolve_device(device)
+        if device == self.device:
+            return
+        self.set_window([])
+        self.pool.release()
+        self._bindings.clear()
+        self.config = self.config.replace(device=device, pin=self.config.pin and device.type == "cuda")
+        self.device = device
+        self.backward = BackwardSlots(self.config)
+        self.pool = SlotPool(device, self.config.slots, self.store.largest_layer_bytes,
+                             backward_slots=self.backward.capacity)
+        if self._checker is not None:
+            self._checker = checksum.SlotChecker(self.pool, self.records)
+        self.prefetch = self._new_prefetch(len(self._layer_of))
+        self.sizer = WindowSizer(len(self.records), self.store.largest_layer_bytes)
+        self.meter = self._new_meter()
+        self._measured_tokens, self._last_slot = None, None
+        if self.embeddings is not None:
+            self.embeddings.pool, self.embeddings.device = self.pool, device
+
 
     def close(self) -> None:
         """Release slots and host arenas (after the model's tensors were copied out)."""
         self._bindings.clear()
         self._window = {}
-        self._window_buffers = []
+        self._window_buffers = {}
         self.pool.release()
         self.store.release()
-        if self.ends is not None:
-            self.ends.close()
+        if self.embeddings is not None:
+            self.embeddings.close()
 
     def reset_slots(self) -> None:
         """Forget what the slots hold (backward slots give their memory back); the next
         visits load on demand."""
         self._forget_slots()
-        self.planner.forget()
+        self.prefetch.forget()
 
     def _forget_slots(self) -> None:
         for key in [key for key in self._bindings if key[0] >= self.pool.ring_slots]:
             del self._bindings[key]  # views of backward slots' memory, which is given back
         self.pool.forget()
+        self._last_slot = None

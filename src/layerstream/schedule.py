@@ -73,7 +73,7 @@ def usable_backward_slots(wanted: int, num_layers: int, slots: int) -> int:
     return min(wanted, max(0, num_layers - 2 * slots))
 
 
-class PrefetchPlanner:
+class PrefetchSchedule:
     """Tracks slot owners and plans copies for a stack of ``num_layers`` layers."""
 
     def __init__(self, num_layers: int, slots: int, prefetch: int, backward_slots: int = 0):
@@ -264,6 +264,12 @@ class PrefetchPlanner:
         self._plans.clear()
         self._lookahead.clear()
 
+    def drop(self, layer: int) -> None:
+        """Forget that ``layer`` is in a slot (its copy is stale); its next visit loads it."""
+        slot = self.slot_of.pop(layer, None)
+        if slot is not None:
+            self.owner[slot] = None
+
     def forget(self) -> None:
         """Drop all ownership (after a fault, or when slots were released)."""
         self.owner = [None] * len(self.owner)
@@ -287,3 +293,6 @@ def spread_resident(num_layers: int, count: int) -> List[int]:
     streamed_count = num_layers - count
     streamed = {min(num_layers - 1, int((i + 0.5) * num_layers / streamed_count)) for i in range(streamed_count)}
     return [layer for layer in range(num_layers) if layer not in streamed]
+
+
+PrefetchPlanner = PrefetchSchedule  # the name benchmarks and older code use

@@ -4,11 +4,13 @@ A layer occupies one contiguous region of one arena, so one copy moves a whole l
 Inside the region each tensor starts at an aligned offset; a slot on the device uses
 the same offsets, so the device view of a tensor is the slot buffer at that offset.
 
-The model's own Parameter objects stay where they are (same names, same identity); only
-their data moves into the arena. Each host view gets its own storage object (made with
-``torch.frombuffer`` over the arena), so tools that group tensors by storage, such as
-safetensors and ``save_pretrained``, see separate tensors rather than one giant shared
-buffer they would try to de-duplicate.
+The store is the truth about a streamed layer's values: the model's own Parameter
+objects stay where they are (same names, same identity), their data is a view of the
+arena, and device copies follow the arena (``sync`` takes in whatever was written or
+assigned to the model's tensors since; see ``changes``). Each host view gets a storage
+of its own (``torch.frombuffer`` over the arena), so tools that group tensors by storage,
+such as safetensors and ``save_pretrained``, see separate tensors rather than one giant
+shared buffer they would try to de-duplicate.
 
 Arenas are allocated as ordinary host memory and page-locked with cudaHostRegister,
 not with ``pin_memory=True``: torch's pinned allocator rounds each allocation up to a
@@ -24,16 +26,20 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
+from torch._C import TensorBase
 
 from . import cudart, nf4
+from .errors import HostMemoryError, PinError, StreamingError
+from .units import ALIGN, GiB, aligned, next_arena
 
 logger = logging.getLogger(__name__)
 
-ALIGN = 512  # bytes; keeps every tensor aligned for vectorised kernels on host and device
+SAME, VALUES, LAYOUT = "same", "values", "layout"  # what sync found
 
 
-def _aligned(nbytes: int) -> int:
-    return (nbytes + ALIGN - 1) // ALIGN * ALIGN
+def set_data(tensor: torch.Tensor, value: torch.Tensor) -> None:
+    """``tensor.data = value`` without the write tracking of a streamed parameter."""
+    TensorBase.data.__set__(tensor, value)
 
 
 @dataclass
@@ -62,6 +68,14 @@ class TensorEntry:
     def quant_path(self) -> Tuple[str, ...]:
         return tuple(self.name.split("."))
 
+    def current(self) -> Optional[torch.Tensor]:
+        """The tensor the model holds for this entry now."""
+        if self.kind != "quant":
+            return self.table.get(self.name)
+        weight = self.module._parameters.get("weight")
+        state = getattr(weight, "quant_state", None)
+        return None if state is None else dict(nf4.quant_tensors(state)).get(self.quant_path)
+
 
 @dataclass
 class LayerRecord:
@@ -75,20 +89,53 @@ class LayerRecord:
     arena: int = -1
     arena_offset: int = 0
     host_region: Optional[torch.Tensor] = None
-    host_values: List[torch.Tensor] = field(default_factory=list)
-    host_data_ptrs: List[int] = field(default_factory=list)
+    arena_views: List[torch.Tensor] = field(default_factory=list)  # per entry, over the region
+    host_values: List[torch.Tensor] = field(default_factory=list)  # per entry, what the model holds
     host_binding: List[tuple] = field(default_factory=list)  # (table, name, host tensor)
+    # (table, name, tensor, version) of each bound tensor as the device copies last saw it:
+    # a different tensor or version there means the model's tensor changed since
+    watch: List[tuple] = field(default_factory=list)
+    # the same for the quant-state tensors riding on 4-bit weights, and the QuantState
+    # objects themselves (version None: identity only), checked once per pass
+    watch_deep: List[tuple] = field(default_factory=list)
+
+    def fresh(self) -> bool:
+        """Whether every bound tensor is the one, at the version, the device copies were made
+        from (the per-visit check: a dict lookup and a version read per tensor, no sync)."""
+        for table, name, tensor, version in self.watch:
+            if table.get(name) is not tensor or tensor._version != version:
+                return False
+        return True
+
+    def fresh_deep(self) -> bool:
+        """``fresh``, and the 4-bit weights' quant states too."""
+        if not self.fresh():
+            return False
+        for table, name, obj, version in self.watch_deep:
+            if table.get(name) is not obj or (version is not None and obj._version != version):
+                return False
+        return True
+
+    def snapshot(self) -> None:
+        """Remember the tensors and versions the device copies are made from from now on."""
+        self.watch = [(e.table, e.name, v, v._version) for e, v in zip(self.entries, self.host_values) if e.bound]
+        deep, states = [], {}
+        for entry, view in zip(self.entries, self.host_values):
+            if entry.kind != "quant":
+                continue
+            weight = entry.module._parameters["weight"]
+            state = weight.quant_state
+            if id(state) not in states:
+                states[id(state)] = state
+                deep.append((weight.__dict__, "quant_state", state, None))
+            deep.append((_quant_holder(state, entry.quant_path).__dict__, entry.quant_path[-1], view, view._version))
+        self.watch_deep = deep
 
 
-class PinError(RuntimeError):
-    pass
-
-
-class HostMemoryError(MemoryError):
-    """The host cannot hold (or page-lock) the layer store; raised before any copy."""
-
-
-GiB = 1 << 30
+def _quant_holder(state, path):
+    for part in path[:-1]:
+        state = getattr(state, part)
+    return state
 
 
 def host_memory() -> Optional[Tuple[int, int]]:
@@ -125,25 +172,6 @@ def check_host_memory(new_bytes: int, store_bytes: int, pin: bool, what: str) ->
             f"leaving less than {keep / GiB:.1f} GiB for everything else. Load in NF4 "
             "(quantization='nf4'), use a host with more RAM, or pass StreamConfig(pin=False) "
             "(pageable copies, about 8x slower).")
-
-
-def _register(tensor: torch.Tensor) -> None:
-    code = int(torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.numel() * tensor.element_size(), 0))
-    if code != 0:
-        cudart.clear_error()
-        raise PinError(f"cudaHostRegister failed with CUDA error {code}")
-
-
-def _unregister(tensor: torch.Tensor) -> None:
-    code = int(torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr()))
-    if code != 0:
-        cudart.clear_error()
-        logger.warning("layerstream: cudaHostUnregister failed with CUDA error %d", code)
-
-
-def _unregister_all(arenas: List[torch.Tensor]) -> None:
-    for arena in arenas:
-        _unregister(arena)
 
 
 def _host_view(arena_np, offset: int, nbytes: int, dtype: torch.dtype, shape) -> torch.Tensor:
@@ -186,7 +214,7 @@ class HostStore:
             nbytes = tensor.numel() * tensor.element_size()
             if id(tensor) not in placed:
                 placed[id(tensor)] = end
-                end += _aligned(nbytes)
+                end += aligned(nbytes)
             entries.append(TensorEntry(mod, kind, key, placed[id(tensor)], nbytes, tuple(tensor.shape),
                                        tensor.dtype, qualified))
 
@@ -206,12 +234,15 @@ class HostStore:
                 add(mod, "quant", dotted, tensor, f"{prefix}.weight.quant_state.{dotted}")
         return LayerRecord(index=index, name=name, module=module, entries=entries, nbytes=end)
 
-    def build(self, records: List[LayerRecord]) -> None:
-        """Allocate arenas, copy each layer in, and point the model's tensors at them."""
-        # each layer's own memory is freed once it is copied, so the fill needs about one
-        # layer more than the model already takes
-        check_host_memory(max((r.nbytes for r in records), default=0), sum(r.nbytes for r in records),
-                          self.requested_pin, "streaming this model")
+    def build(self, records: List[LayerRecord], new_bytes: Optional[int] = None) -> None:
+        """Allocate arenas, copy each layer in, and point the model's tensors at them.
+
+        ``new_bytes``: host memory the fill adds at its peak; by default one layer (each
+        layer's own host memory is freed once it is copied), the whole store when the
+        layers come from the GPU."""
+        total = sum(r.nbytes for r in records)
+        check_host_memory(max((r.nbytes for r in records), default=0) if new_bytes is None else new_bytes,
+                          total, self.requested_pin, "streaming this model")
         self.records = records
         layout: List[List[LayerRecord]] = [[]]
         used = 0
@@ -224,27 +255,29 @@ class HostStore:
             used += record.nbytes
             layout[-1].append(record)
         for group in layout:
-            size = sum(r.nbytes for r in group)
-            arena = torch.empty(max(size, ALIGN), dtype=torch.uint8)
-            self.arenas.append(arena)
-            self._arena_np.append(arena.numpy())
+            self._new_arena(max(sum(r.nbytes for r in group), ALIGN), pin=False)
         for record in records:
             self._fill(record)
         # pin after filling: registration locks every page at once, and before the fill
         # that would hold the whole store next to the model's own copy of the layers
-        self._pin_all()
-
-    def _pin_all(self) -> None:
         for arena in self.arenas:
             if not self._pin(arena):
-                return
+                break
+
+    def _new_arena(self, size: int, pin: bool) -> int:
+        arena = torch.empty(size, dtype=torch.uint8)
+        self.arenas.append(arena)
+        self._arena_np.append(arena.numpy())
+        if pin:
+            self._pin(arena)
+        return len(self.arenas) - 1
 
     def _pin(self, arena: torch.Tensor) -> bool:
         """Page-lock one arena; on refusal unpin all, warn once, and go on pageable."""
         if not self.requested_pin:
             return False
         try:
-            _register(arena)
+            cudart.register_host(arena)
         except PinError as exc:
             self._unpin_now()
             self.requested_pin = False
@@ -278,13 +311,7 @@ class HostStore:
         arena from being much larger than what is left to store.
         """
         if not self.arenas or self._used + record.nbytes > self.arenas[-1].numel():
-            # a whole number of layers of this size, so equal layers leave no gap at the end
-            whole_layers = max(1, self.arena_bytes // max(record.nbytes, 1)) * record.nbytes
-            size = max(min(whole_layers, max(expected_bytes, record.nbytes)), record.nbytes, ALIGN)
-            arena = torch.empty(size, dtype=torch.uint8)
-            self.arenas.append(arena)
-            self._arena_np.append(arena.numpy())
-            self._pin(arena)
+            self._new_arena(next_arena(record.nbytes, expected_bytes, self.arena_bytes), pin=True)
             self._used = 0
         record.arena = len(self.arenas) - 1
         record.arena_offset = self._used
@@ -293,41 +320,106 @@ class HostStore:
         self._fill(record)
 
     def _fill(self, record: LayerRecord) -> None:
-        arena = self.arenas[record.arena]
+        """Copy the layer's tensors into its region and point the model's tensors there."""
         arena_np = self._arena_np[record.arena]
         base = record.arena_offset
-        record.host_region = arena[base : base + record.nbytes]
+        record.host_region = self.arenas[record.arena][base : base + record.nbytes]
         views: Dict[int, torch.Tensor] = {}
+        record.arena_views, record.host_values = [], []
         for entry in record.entries:
-            if entry.kind == "quant":
-                state = entry.module.weight.quant_state
-                tensor = dict(nf4.quant_tensors(state))[entry.quant_path]
-                if entry.offset not in views:
-                    view = _host_view(arena_np, base + entry.offset, entry.nbytes, entry.dtype, entry.shape)
-                    view.copy_(tensor)
-                    views[entry.offset] = view
-                nf4.set_quant_tensor(state, entry.quant_path, views[entry.offset])
-                record.host_values.append(views[entry.offset])
-                continue
-            table = entry.table
-            tensor = table[entry.name]
+            tensor = entry.current()
             if entry.offset not in views:
-                view = _host_view(arena_np, base + entry.offset, entry.nbytes, entry.dtype, entry.shape)
+                views[entry.offset] = _host_view(arena_np, base + entry.offset, entry.nbytes, entry.dtype, entry.shape)
                 with torch.no_grad():
-                    view.copy_(tensor)
-                views[entry.offset] = view
+                    views[entry.offset].copy_(tensor.detach())
             view = views[entry.offset]
-            if isinstance(tensor, nn.Parameter):
-                tensor.data = view  # same Parameter object: names, identity, optimiser refs hold
+            record.arena_views.append(view)
+            record.host_values.append(self._point_at(entry, tensor, view))
+        self._bound(record)
+
+    @staticmethod
+    def _point_at(entry: TensorEntry, tensor: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
+        """Make the model hold ``view``'s memory for this entry; returns what it holds."""
+        if entry.kind == "quant":
+            nf4.set_quant_tensor(entry.module._parameters["weight"].quant_state, entry.quant_path, view)
+            return view
+        if isinstance(tensor, nn.Parameter):
+            set_data(tensor, view)  # same Parameter object: names, identity, optimiser refs hold
+            return tensor
+        entry.table[entry.name] = view
+        return view
+
+    @staticmethod
+    def _bound(record: LayerRecord) -> None:
+        record.host_binding = [(e.table, e.name, v) for e, v in zip(record.entries, record.host_values) if e.bound]
+        record.snapshot()
+
+    # -- the model's tensors changed -------------------------------------------------------
+    def sync(self, record: LayerRecord) -> str:
+        """Take in what the model holds for this layer now; returns SAME (nothing to do),
+        VALUES (the region's bytes changed: device copies are stale) or LAYOUT (a tensor's
+        shape or dtype changed: ``repack`` the layer).
+
+        Values written in place are in the region already. A tensor assigned in place of
+        the streamed one (``load_state_dict(assign=True)``, ``.data =``, a new Params4bit)
+        is copied into the region and the model's tensor pointed back at it, so the region
+        stays the layer's one copy."""
+        changed = False
+        for position, entry in enumerate(record.entries):
+            view = record.arena_views[position]
+            current = entry.current()
+            if current is None:
+                raise StreamingError(f"{entry.qualified_name} was removed from the model after stream_model; "
+                                     "unstream_model first to change what a layer holds.")
+            if tuple(current.shape) != entry.shape or current.dtype != entry.dtype:
+                return LAYOUT
+            if current.data_ptr() != view.data_ptr() or current.device.type != "cpu":
+                with torch.no_grad():
+                    view.copy_(current.detach())
+                record.host_values[position] = self._point_at(entry, current, view)
+                changed = True
+        if changed or not record.fresh_deep():
+            self._bound(record)
+            return VALUES
+        return SAME
+
+    def repack(self, record: LayerRecord) -> None:
+        """Give a layer whose tensors changed shape or dtype a new region (in an arena of
+        its own) laid out for what the model holds now; the old region is not reused."""
+        streamed = {id(e.current()) for e in record.entries if e.bound}
+        fresh = self.plan_layer(record.index, record.name, record.module, lambda t: id(t) in streamed)
+        self._new_arena(max(fresh.nbytes, ALIGN), pin=self.requested_pin and self.pinned)
+        fresh.arena, fresh.arena_offset = len(self.arenas) - 1, 0
+        record.entries, record.nbytes = fresh.entries, fresh.nbytes
+        record.arena, record.arena_offset = fresh.arena, 0
+        self._fill(record)
+
+    # -- the inverse -------------------------------------------------------------------------
+    def copies_out(self, record: LayerRecord, device: torch.device) -> List[torch.Tensor]:
+        """A copy of each entry's value on ``device``, memory of its own (shared entries once)."""
+        by_offset: Dict[int, torch.Tensor] = {}
+        return [by_offset.setdefault(e.offset, view.detach().to(device, copy=True))
+                for e, view in zip(record.entries, record.arena_views)]
+
+    @staticmethod
+    def restore(record: LayerRecord, copies: List[torch.Tensor]) -> None:
+        """Point the model's tensors at ``copies`` (from ``copies_out``): plain assignments
+        that cannot fail half way through for want of memory."""
+        for entry, host, copy in zip(record.entries, record.host_values, copies):
+            if entry.kind == "quant":
+                nf4.set_quant_tensor(entry.module._parameters["weight"].quant_state, entry.quant_path, copy)
+            elif isinstance(host, nn.Parameter):
+                set_data(host, copy)
             else:
-                table[entry.name] = view
-            record.host_values.append(table[entry.name])
-        record.host_data_ptrs = [v.data_ptr() for v in record.host_values]
-        record.host_binding = [(e.table, e.name, v) for e, v in zip(record.entries, record.host_values)
-                               if e.bound]
+                entry.table[entry.name] = copy
 
     def release(self) -> None:
         self._unpin_now()
         self.pinned = False
         self.arenas = []
         self._arena_np = []
+
+
+def _unregister_all(arenas: List[torch.Tensor]) -> None:
+    for arena in arenas:
+        cudart.unregister_host(arena)

@@ -11,6 +11,7 @@ recording is armed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -150,3 +151,19 @@ def write(spans: List[Span], slots: int, directory: str, title: str = "") -> Lis
     if plot(spans, slots, plot_path, title):
         written.append(plot_path)
     return written
+
+
+@contextlib.contextmanager
+def recorded(runtime, directory: Optional[str] = None):
+    """Record the steps run inside the block; write the trace and plot to ``directory``.
+    Yields a list that holds the spans once the block ends."""
+    from .report import timeline_title
+
+    spans: list = []
+    runtime.start_timeline()
+    try:
+        yield spans
+    finally:
+        spans.extend(runtime.finish_timeline())
+    if directory is not None:
+        write(spans, runtime.slot_rows, directory, timeline_title(runtime))

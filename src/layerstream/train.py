@@ -14,22 +14,23 @@ from typing import Any, Dict, List, Optional
 
 import yaml
 
-from .config import StreamConfig, StreamConfigError
+from .config import StreamConfig, config_from_settings, resolve_device, settings, setting_default_text
+from .errors import StreamConfigError, TrainConfigError
 
 SECTIONS: Dict[str, Dict[str, Any]] = {
     "model": {"name": "embedded-tiny", "layers": 6, "hidden_size": 128, "dtype": "float32",
               "quantization": "none", "trust_remote_code": False, "config": None},
     "lora": {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": "all-linear"},
     "data": {"path": "embedded", "eval_rows": 0},
-    "stream": {"slots": 2, "prefetch": 1, "device": "auto", "vram": "auto", "resident_window": False,
-               "stream_embeddings": False, "backward_slots": "auto"},
+    # every StreamConfig setting, under its own name (config.settings); device "auto": CUDA when there is one
+    "stream": {**{s.name: setting_default_text(s) for s in settings()}, "device": "auto"},
     "training": {},  # any TRL SFTConfig / transformers TrainingArguments field
 }
+# keys of earlier configs, and what they are now
+_RENAMED = {"vram": "stream.vram_budget (the resident window is on by default; 'none' streams every layer)",
+            "resident_window": "stream.vram_budget (the resident window is on whenever there is a budget; "
+                               "'none' streams every layer)"}
 DTYPES = ("float32", "bfloat16", "float16")
-
-
-class TrainConfigError(ValueError):
-    """The training config cannot run as written; the message says what to change."""
 
 
 def _training_fields() -> set:
@@ -73,6 +74,9 @@ def validate(raw: Dict[str, Any], where: str = "config") -> Dict[str, Dict[str, 
             raise TrainConfigError(f"{where}: section {section!r} must be a mapping")
         known = training_fields if section == "training" else set(defaults)
         bad = set(values) - known
+        renamed = sorted(key for key in bad if section == "stream" and key in _RENAMED)
+        if renamed:
+            raise TrainConfigError(f"{where}: stream.{renamed[0]} is now {_RENAMED[renamed[0]]}")
         if bad:
             hint = "any SFTConfig / TrainingArguments field" if section == "training" else sorted(known)
             raise TrainConfigError(f"{where}: unknown key(s) {sorted(bad)} in {section!r}; known: {hint}")
@@ -89,9 +93,6 @@ def validate(raw: Dict[str, Any], where: str = "config") -> Dict[str, Dict[str, 
             raise TrainConfigError(f"{where}: lora.{key}={lora[key]!r} must be an integer >= 1")
     if not 0.0 <= float(lora["dropout"]) < 1.0:
         raise TrainConfigError(f"{where}: lora.dropout={lora['dropout']!r} must be in [0, 1)")
-    if not isinstance(config["stream"]["resident_window"], bool):
-        raise TrainConfigError(f"{where}: stream.resident_window={config['stream']['resident_window']!r} "
-                               "must be true or false")
     try:
         stream_config(config, where)
     except StreamConfigError as exc:
@@ -111,22 +112,9 @@ def validate(raw: Dict[str, Any], where: str = "config") -> Dict[str, Dict[str, 
 
 
 def _vram_budget(config, where: str) -> Optional[int]:
-    """stream.vram in bytes: a size, or "auto" (the GPU memory free for this run; None on
-    the host)."""
-    from .plan import parse_bytes
-
-    vram = config["stream"]["vram"]
-    if vram == "auto":
-        device = _device(config)
-        if device.type != "cuda":
-            return None
-        from .config import gpu_memory_for_run
-
-        return gpu_memory_for_run(device)
-    try:
-        return parse_bytes(vram)
-    except ValueError as exc:
-        raise TrainConfigError(f"{where}: stream.vram: {exc}") from None
+    """stream.vram_budget in bytes now ("auto": what the GPU has for this run; None on the
+    host or with "none")."""
+    return stream_config(config, where).budget_bytes()
 
 
 def model_config(config, tokenizer=None):
@@ -156,10 +144,11 @@ def _config_names(advice: str) -> str:
 
 def check_fits(config, where: str = "config") -> None:
     """Refuse, before anything is loaded or written, a run the memory planner says will
-    not fit in stream.vram even when streamed; the message carries the planner's advice."""
+    not fit in stream.vram_budget even when streamed; the message carries the planner's advice."""
     from . import plan
 
-    budget = _vram_budget(config, where)
+    stream = stream_config(config, where)
+    budget = stream.budget_bytes()
     if budget is None:
         return
     training = training_arguments(config)
@@ -170,9 +159,9 @@ def check_fits(config, where: str = "config") -> None:
     try:
         memory = plan.make_plan(model_config(config), seq=seq, batch=batch, vram_bytes=budget,
                                 quantization=config["model"]["quantization"], dtype=config["model"]["dtype"],
-                                lora_rank=config["lora"]["r"], slots=config["stream"]["slots"],
-                                lora_targets=targets,
-                                stream_embeddings=config["stream"]["stream_embeddings"])
+                                lora_rank=config["lora"]["r"],
+                                slots=None if "slots" in stream.automatic else stream.slots,
+                                lora_targets=targets, stream_embeddings=stream.stream_embeddings)
     except (ValueError, OSError) as exc:
         raise TrainConfigError(
             f"{where}: cannot plan this run: {exc}. Point model.config at the model's config.json "
@@ -204,24 +193,14 @@ def _device(config):
     device = config["stream"]["device"]
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    return StreamConfig._resolve_device(device)
+    return resolve_device(device)
 
 
 def stream_config(config, where: str = "config") -> StreamConfig:
-    """The StreamConfig of a config; with stream.resident_window, stream.vram is the
-    vram_budget, so the layers that fit beside the planned peak stay on the GPU."""
-    stream = config["stream"]
-    budget = None
-    if stream.get("resident_window"):
-        budget = _vram_budget(config, where)
-        if budget is None:
-            raise TrainConfigError(
-                f"{where}: stream.resident_window keeps layers in the budget stream.vram, which is "
-                "'auto' (the GPU memory free for the run) on a run without a GPU: give stream.vram a size, or set "
-                "stream.resident_window: false")
-    return StreamConfig(slots=stream["slots"], prefetch=stream["prefetch"], device=_device(config),
-                        vram_budget=budget, stream_embeddings=stream["stream_embeddings"],
-                        backward_slots=stream["backward_slots"])
+    """The StreamConfig of a config's stream section, each key parsed as the other surfaces
+    parse their flags (``config.parse_setting``)."""
+    values = {k: v for k, v in config["stream"].items() if k != "device"}
+    return config_from_settings(values, lambda name: f"stream.{name}", device=_device(config))
 
 
 def read_rows(path: str) -> List[str]:

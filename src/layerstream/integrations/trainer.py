@@ -1,18 +1,22 @@
 """Hugging Face Trainer integration: stream the Trainer's model, stats in the user's logs.
 
-Three pieces, installed once into ``transformers.Trainer`` (and so into every subclass,
-TRL's trainers included) by :func:`install`:
+Installed once into ``transformers.Trainer`` (and so into every subclass, TRL's trainers
+included) by :func:`install`, which ``layerstream.stream_model`` triggers through the
+core's ``on_stream`` registry and the launcher calls directly:
 
-- before ``Trainer.__init__`` places the model, an *auto-stream* setting (from
-  ``layerstream run`` or ``StreamingArguments``) streams it, if it is not streamed yet;
+- before ``Trainer.__init__`` places the model, auto-streaming (``layerstream run``,
+  ``--layer_stream``) streams it if it is not streamed yet, on the Trainer's device; a
+  model the launcher streamed at load time follows the Trainer's device (``use_cpu``,
+  the rank's GPU) unless ``--device`` was given;
 - after ``__init__``, a streamed model gets :class:`StreamStatsCallback`, which prints the
-  one-screen summary at train start (with the planner's predicted peak VRAM), records
-  the residency timeline of one step, and writes it to ``output_dir`` at train end;
-- ``Trainer.training_step`` re-raises a CUDA out-of-memory error of a streamed model
-  with what streaming holds and which budget to change;
+  one-screen summary at train start, records the residency timeline of one step, and
+  writes it to ``output_dir`` at train end;
+- ``Trainer.training_step`` of a streamed model that runs out of memory with a resident
+  window shrinks the window and runs the step again, from the same gradients and random
+  state, so the result is the uninterrupted one; otherwise it re-raises the error with
+  what streaming holds and which budget to change;
 - ``Trainer.log`` adds streaming figures to ``logs`` before the original runs, so they
-  land in ``state.log_history`` and reach every ``report_to`` backend (a callback's
-  ``on_log`` would be too late: callbacks see ``logs`` after ``log_history`` was written).
+  land in ``state.log_history`` and reach every ``report_to`` backend.
 """
 
 from __future__ import annotations
@@ -21,33 +25,22 @@ import dataclasses
 import functools
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+from torch import nn
 
-from .. import plan, timeline
-from ..api import get_runtime, is_streamed, stream_model
-from ..config import StreamConfig, int_or_auto
-from ..runtime import StreamingError
+from .. import report, timeline
+from ..api import get_runtime, is_streamed, on_stream, stream_model
+from ..config import BUDGET, COUNT, DEVICE, FLAG, SIZE, TRISTATE, config_from_settings, settings, setting_default_text
+from ..errors import StreamingError
+from ..meter import wanted_bytes
+from . import launch
 
 logger = logging.getLogger(__name__)
 
 PREFIX = "layerstream/"
-_auto_stream: Optional[StreamConfig] = None
 _installed = False
-
-
-def enable_auto_stream(config: StreamConfig) -> None:
-    """Stream the model of every Trainer built from now on (``layerstream run``)."""
-    global _auto_stream
-    _auto_stream = config
-    install()
-
-
-def disable_auto_stream() -> None:
-    global _auto_stream
-    _auto_stream = None
 
 
 class _LogWindow:
@@ -69,9 +62,11 @@ class _LogWindow:
             PREFIX + "layer_loads": now["layer_loads"] - self.last["layer_loads"],
             PREFIX + "peak_resident_layers": now["peak_resident_layers"],
             PREFIX + "window_layers": now["window_layers"],
+            PREFIX + "oom_retries": now["oom_retries"],
         }
-        if self.runtime.pool.cuda:
-            out[PREFIX + "peak_vram_gib"] = round(torch.cuda.max_memory_allocated(self.runtime.device) / 2**30, 3)
+        peak = report.peak_vram_gib(self.runtime)
+        if peak is not None:
+            out[PREFIX + "peak_vram_gib"] = peak
         self.last, self.last_time = now, time.perf_counter()
         return out
 
@@ -88,16 +83,77 @@ def _streaming_figures(trainer) -> dict:
     return window.figures()
 
 
-def _on_the_trainers_device(config: StreamConfig, training_args) -> StreamConfig:
-    """Under ``accelerate launch``/torchrun each rank trains on its own GPU, which the
-    Trainer's arguments know (``args.device`` sets it up) and the launcher flags, parsed
-    before the ranks chose their devices, do not: stream to the Trainer's GPU."""
-    if config.device.type != "cuda" or training_args is None:
-        return config
-    device = getattr(training_args, "device", None)
-    if isinstance(device, torch.device) and device.type == "cuda" and device != config.device:
-        return dataclasses.replace(config, device=device)
-    return config
+def _trainer_device(training_args) -> Optional[torch.device]:
+    device = getattr(training_args, "device", None) if training_args is not None else None
+    return device if isinstance(device, torch.device) else None
+
+
+def _auto_stream(model, training_args) -> None:
+    """Auto-streaming at Trainer.__init__: stream the model, or move a model streamed at
+    load time to the Trainer's device (the launcher did not know it then)."""
+    if not launch.active() or not isinstance(model, nn.Module):
+        return
+    device = _trainer_device(training_args)
+    if not is_streamed(model):
+        stream_model(model, launch.config_for(device))
+        return
+    runtime = get_runtime(model)
+    if device is not None and not launch.explicit_device() and device != runtime.device:
+        if device.type == "cpu" or device.type == "cuda":
+            logger.warning("layerstream: the Trainer trains on %s; the model streamed to %s at load time "
+                           "moves there.", device, runtime.device)
+            runtime.move_to(device)
+            if device.type == "cpu":
+                model.to("cpu")
+
+
+class _StepState:
+    """What a training step started from, to run it again after an out-of-memory error:
+    the random state (dropout), and the gradients (none yet, or a host copy while the
+    window is new). Without gradients to go back to, the step cannot be rerun."""
+
+    def __init__(self, model: nn.Module, runtime):
+        self.cpu_rng = torch.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state(runtime.device) if runtime.pool.cuda else None
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        grads = [p.grad for p in self.params]
+        self.none = all(g is None for g in grads)
+        self.saved = None
+        if not self.none and runtime.window_is_new():
+            self.saved = [None if g is None else g.detach().to("cpu", copy=True) for g in grads]
+
+    @property
+    def restorable(self) -> bool:
+        return self.none or self.saved is not None
+
+    def restore(self, device) -> None:
+        torch.set_rng_state(self.cpu_rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state(self.cuda_rng, device)
+        for param, saved in zip(self.params, self.saved or [None] * len(self.params)):
+            param.grad = None if saved is None else saved.to(param.device)
+
+
+def _training_step_with_retry(original, trainer, model, args, kwargs):
+    runtime = get_runtime(trainer.model) if trainer.model is not None and is_streamed(trainer.model) else None
+    if runtime is None:
+        return original(trainer, model, *args, **kwargs)
+    state = _StepState(trainer.model, runtime) if runtime.window else None
+    while True:
+        wanted = None
+        try:
+            return original(trainer, model, *args, **kwargs)
+        except torch.OutOfMemoryError as exc:
+            if state is None or not state.restorable or not runtime.window:
+                raise runtime.explain_oom(exc, "in a training step") from exc
+            wanted = wanted_bytes(exc) or 0
+        # outside the except block: the failed step's frames and tensors are gone
+        if not runtime.recover_from_oom(wanted):
+            raise StreamingError("layerstream: a training step ran out of memory and the resident window "
+                                 "cannot shrink further; see the advice above")
+        logger.warning("layerstream: a training step ran out of memory; the resident window shrank to %d "
+                       "layers and the step runs again from where it started.", len(runtime.window))
+        state.restore(runtime.device)
 
 
 def install() -> None:
@@ -113,9 +169,7 @@ def install() -> None:
     @functools.wraps(original_init)
     def __init__(self, *args, **kwargs):
         model = kwargs.get("model", args[0] if args else None)
-        if _auto_stream is not None and model is not None and not is_streamed(model):
-            training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
-            stream_model(model, _on_the_trainers_device(_auto_stream, training_args))
+        _auto_stream(model, kwargs.get("args", args[1] if len(args) > 1 else None))
         original_init(self, *args, **kwargs)
         if self.model is not None and is_streamed(self.model) and self.args.n_gpu > 1:
             raise StreamingError(
@@ -136,19 +190,16 @@ def install() -> None:
         return original_log(self, logs, *args, **kwargs)
 
     @functools.wraps(original_training_step)
-    def training_step(self, *args, **kwargs):
-        try:
-            return original_training_step(self, *args, **kwargs)
-        except torch.OutOfMemoryError as exc:
-            if self.model is None or not is_streamed(self.model):
-                raise
-            raise get_runtime(self.model).explain_oom(exc, "in a training step") from exc
+    def training_step(self, model, *args, **kwargs):
+        return _training_step_with_retry(original_training_step, self, model, args, kwargs)
 
     Trainer.__init__ = __init__
     Trainer.log = log
     Trainer.training_step = training_step
     _installed = True
 
+
+on_stream(lambda model: install())
 
 try:
     from transformers import TrainerCallback as _CallbackBase
@@ -163,14 +214,11 @@ def predicted_vram(model, args) -> str:
     seq = getattr(args, "max_length", None) or getattr(args, "max_seq_length", None)
     try:
         if seq:
-            peak = plan.plan_for_model(model, int(seq), batch, slots=runtime.config.slots,
-                                       stream_embeddings=runtime.ends is not None).peak_vram_bytes
-            return f"  predicted    peak VRAM {peak / 2**30:.2f} GiB at batch {batch} x {seq} tokens"
-        short, long = (plan.plan_for_model(model, n, batch, slots=runtime.config.slots,
-                                           stream_embeddings=runtime.ends is not None).peak_vram_bytes
-                       for n in (512, 2048))
+            peak = runtime.memory_plan(batch, int(seq)).peak_vram_bytes
+            return f"  predicted    peak VRAM {peak / 2**30:.2f} GiB at batch {batch} x {seq} tokens, every layer streamed"
+        short, long = (runtime.memory_plan(batch, n).peak_vram_bytes for n in (512, 2048))
         return (f"  predicted    peak VRAM {short / 2**30:.2f} GiB at batch {batch} x 512 tokens, "
-                f"{long / 2**30:.2f} GiB at x 2048")
+                f"{long / 2**30:.2f} GiB at x 2048, every layer streamed")
     except ValueError as exc:
         return f"  predicted    peak VRAM not planned ({exc}); see `layerstream plan`"
 
@@ -180,7 +228,8 @@ class StreamStatsCallback(_CallbackBase):
     writes it (trace JSON, and a PNG plot with matplotlib) to ``output_dir`` at train end.
 
     The recorded step is the fifth optimizer step, or the last one of a shorter run: the
-    first steps also fill cold slots and pay one-time kernel and allocator warm-up.
+    first steps also fill cold slots, size the resident window and pay one-time kernel
+    and allocator warm-up.
     """
 
     RECORDED_STEP = 4  # zero-based
@@ -220,7 +269,7 @@ class StreamStatsCallback(_CallbackBase):
                 runtime.finish_timeline()
             return
         if state.is_world_process_zero and args.output_dir:
-            written = timeline.write(spans, runtime.slot_rows, args.output_dir, runtime._timeline_title())
+            written = timeline.write(spans, runtime.slot_rows, args.output_dir, report.timeline_title(runtime))
             logger.warning("layerstream: residency timeline of step %d written to %s",
                            self._recorded_step(state) + 1, ", ".join(written))
 
@@ -228,30 +277,46 @@ class StreamStatsCallback(_CallbackBase):
         return max(0, min(self.RECORDED_STEP, state.max_steps - 1))
 
 
-@dataclass
-class StreamingArguments:
-    """HfArgumentParser flags: ``--layer_stream`` streams the model of every Trainer the
-    script builds, with the given slots and prefetch (and, with
-    ``--layer_stream_embeddings``, its input embedding and head too)."""
+# -- StreamingArguments: HfArgumentParser fields derived from the StreamConfig fields ------
+def argument_name(setting_name: str) -> str:
+    """--layer_stream_<setting>; stream_embeddings reads --layer_stream_embeddings."""
+    return "layer_stream_" + (setting_name[len("stream_"):] if setting_name.startswith("stream_") else setting_name)
 
-    layer_stream: bool = field(default=False, metadata={"help": "stream decoder layers from host memory"})
-    layer_stream_slots: str = field(default="auto", metadata={"help": "GPU slots (one layer each), >= 2, or auto"})
-    layer_stream_prefetch: str = field(
-        default="auto", metadata={"help": "layers copied ahead, >= 1 and < slots, or auto (slots - 1)"})
-    layer_stream_device: Optional[str] = field(
-        default=None, metadata={"help": "cuda (default when available) or cpu"})
-    layer_stream_embeddings: bool = field(
-        default=False, metadata={"help": "keep the input embedding and head in host memory too"})
-    layer_stream_backward_slots: str = field(
-        default="auto", metadata={"help": "extra slots used only outside the loss, >= 0, or auto"})
+
+_ARGUMENT_TYPES = {COUNT: str, SIZE: str, BUDGET: str, DEVICE: Optional[str], FLAG: bool, TRISTATE: Optional[bool]}
+
+
+def _streaming_arguments_class():
+    fields = [("layer_stream", bool, dataclasses.field(default=False, metadata={
+        "help": "stream the decoder layers of every model the script loads or trains, from host memory"}))]
+    for setting in settings():
+        fields.append((argument_name(setting.name), _ARGUMENT_TYPES[setting.metadata["kind"]],
+                       dataclasses.field(default=setting_default_text(setting),
+                                         metadata={"help": setting.metadata["help"]})))
 
     def __post_init__(self):
         if self.layer_stream:
-            enable_auto_stream(self.to_config())
+            launch.enable(self.settings())
 
-    def to_config(self) -> StreamConfig:
-        return StreamConfig(slots=int_or_auto(self.layer_stream_slots, "layer_stream_slots"),
-                            prefetch=int_or_auto(self.layer_stream_prefetch, "layer_stream_prefetch"),
-                            device=self.layer_stream_device, stream_embeddings=self.layer_stream_embeddings,
-                            backward_slots=int_or_auto(self.layer_stream_backward_slots,
-                                                       "layer_stream_backward_slots"))
+    def settings_(self) -> dict:
+        """The launcher settings these flags give (StreamConfig field -> parsed value)."""
+        from ..config import parse_setting
+
+        return {s.name: parse_setting(s.name, getattr(self, argument_name(s.name)), "--" + argument_name(s.name))
+                for s in settings()}
+
+    def to_config(self):
+        values = self.settings()
+        if values.get("device") is None:
+            values["device"] = launch.default_device()
+        return config_from_settings({}, **values)
+
+    namespace = {"__post_init__": __post_init__, "settings": settings_, "to_config": to_config,
+                 "__doc__": "HfArgumentParser flags: ``--layer_stream`` streams every model the script loads "
+                            "or trains; ``--layer_stream_<setting>`` for each StreamConfig setting."}
+    cls = dataclasses.make_dataclass("StreamingArguments", fields, namespace=namespace)
+    cls.__module__ = "layerstream"
+    return cls
+
+
+StreamingArguments = _streaming_arguments_class()

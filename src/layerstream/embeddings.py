@@ -37,9 +37,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from . import swap
 from .discovery import unwrap_peft
-from .runtime import StreamingError
-from .store import HostStore, LayerRecord
+from .errors import StreamingError
+from .store import HostStore, LayerRecord, set_data
+from .units import GiB
 
 _FIX = ("freeze it (PEFT does, unless modules_to_save or target_modules name it), or stream "
         "without stream_embeddings to keep it trainable on the GPU")
@@ -84,12 +86,14 @@ class _WeightStaysOnHost:
 
     def _apply(self, fn, recurse=True):
         self._layerstream_ends.check_apply(fn)
-        with weight_hidden(self):
+        with swap.tensors_hidden([(self._parameters, {"weight"})]):
             return super()._apply(fn, recurse)
 
 
 class StreamedEmbedding(_WeightStaysOnHost, nn.Embedding):
     """What replaces ``nn.Embedding`` under the module's own class while it streams."""
+
+    replaces = nn.Embedding
 
     def forward(self, input):
         return self._layerstream_ends.embed(self, input)
@@ -98,34 +102,19 @@ class StreamedEmbedding(_WeightStaysOnHost, nn.Embedding):
 class StreamedHead(_WeightStaysOnHost, nn.Linear):
     """What replaces ``nn.Linear`` under the head's own class while it streams."""
 
+    replaces = nn.Linear
+
     def forward(self, input):
         return self._layerstream_ends.head(self, input)
 
 
-_SUBCLASSES: Dict[tuple, type] = {}
-
-
-def _streamed_class(cls: type, replacement: type) -> type:
-    """``cls`` with ``replacement`` between it and the torch base class it replaces (same
-    name). Method resolution: cls, ..., replacement, nn.Embedding/nn.Linear."""
-    key = (cls, replacement)
-    sub = _SUBCLASSES.get(key)
-    if sub is None:
-        base = replacement.__bases__[-1]  # the torch class it stands in for
-        bases = (replacement,) if cls is base else (cls, replacement)
-        sub = type(cls.__name__, bases, {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
-                                         "_layerstream_base": cls})
-        _SUBCLASSES[key] = sub
-    return sub
-
-
 def _swap(module: nn.Module, replacement: type, ends) -> None:
-    module.__class__ = _streamed_class(type(module), replacement)
+    swap.swap_in(module, replacement)
     object.__setattr__(module, "_layerstream_ends", ends)
 
 
-def _make_plain(module: nn.Module) -> None:
-    module.__class__ = type(module)._layerstream_base
+def _make_plain(module: nn.Module, replacement: type) -> None:
+    swap.swap_out(module, replacement)
     module.__dict__.pop("_layerstream_ends", None)
 
 
@@ -145,34 +134,10 @@ def _transformers_models(model: nn.Module) -> List[nn.Module]:
 
 
 def _swap_device(model: nn.Module, ends) -> List[nn.Module]:
-    swapped = []
-    for module in _transformers_models(model):
-        cls = type(module)
-        key = (cls, ComputeDevice)
-        sub = _SUBCLASSES.get(key)
-        if sub is None:
-            sub = _SUBCLASSES[key] = type(cls.__name__, (ComputeDevice, cls),
-                                          {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
-                                           "_layerstream_base": cls})
-        module.__class__ = sub
-        object.__setattr__(module, "_layerstream_ends", ends)
-        swapped.append(module)
+    swapped = _transformers_models(model)
+    for module in swapped:
+        _swap(module, ComputeDevice, ends)
     return swapped
-
-
-@contextlib.contextmanager
-def weight_hidden(module: nn.Module):
-    """Hide the module's streamed weight from ``nn.Module._apply``; the ``_parameters``
-    dict is edited in place and its order restored (state_dict order must not change)."""
-    table = module._parameters
-    original = list(table.items())
-    del table["weight"]
-    try:
-        yield
-    finally:
-        changed = dict(table)
-        table.clear()
-        table.update((k, v if k == "weight" else changed[k]) for k, v in original)
 
 
 # -- finding and checking -------------------------------------------------------------------
@@ -222,7 +187,7 @@ def _probe(module: nn.Module, replacement: type, dummy: torch.Tensor, name: str,
     except Exception as exc:  # noqa: BLE001 - reported below
         problem = f" (it raised {type(exc).__name__}: {exc})"
     finally:
-        _make_plain(module)
+        _make_plain(module, replacement)
     if not reached:
         raise StreamingError(
             f"{name} is a {type(module).__name__} whose forward does not call {base}.forward"
@@ -419,24 +384,25 @@ class StreamedEnds:
         else:
             what = "input embedding and head"
         copies = "" if head is None else "; the head is copied to the device for each forward and backward"
-        return f"{what}, {self.host_bytes / 2**30:.3f} GiB in host memory{copies}"
+        return f"{what}, {self.host_bytes / GiB:.3f} GiB in host memory{copies}"
 
     def restore(self, target: torch.device) -> None:
         """Give each weight memory of its own on ``target`` and restore the modules' classes."""
-        for _, weight in self.found.weights():
-            weight.data = weight.detach().to(target, copy=True)
-        _make_plain(self.found.embedding)
+        copies = [weight.detach().to(target, copy=True) for _, weight in self.found.weights()]
+        for (_, weight), copy in zip(self.found.weights(), copies):
+            set_data(weight, copy)
+        _make_plain(self.found.embedding, StreamedEmbedding)
         if self.found.head is not None:
-            _make_plain(self.found.head)
+            _make_plain(self.found.head, StreamedHead)
         for module in self.models:
-            _make_plain(module)
+            _make_plain(module, ComputeDevice)
         self.models = []
 
     def close(self) -> None:
         self.store.release()
 
 
-def stream_ends(model: nn.Module, runtime) -> StreamedEnds:
+def stream_embeddings(model: nn.Module, runtime) -> StreamedEnds:
     """Move ``model``'s embedding and head weights into a host store of their own (pinned
     as the runtime's config says) and swap the modules' classes."""
     found = find_ends(model)

@@ -1,0 +1,48 @@
+"""Every exception layerstream raises, in one place.
+
+Each says what went wrong and what to change; callers catch the base class they need
+(``ValueError`` for bad input, ``RuntimeError`` for a run that cannot go on, ``MemoryError``
+for a host that cannot hold the store) or ``LayerstreamError`` for any of them.
+"""
+
+from __future__ import annotations
+
+
+class LayerstreamError(Exception):
+    """Base of every layerstream error."""
+
+
+class StreamConfigError(LayerstreamError, ValueError):
+    """A StreamConfig value is out of range or inconsistent."""
+
+
+class StreamingError(LayerstreamError, RuntimeError):
+    """Streaming cannot go on as asked; the message says what to change."""
+
+
+class SlotOwnerError(LayerstreamError, RuntimeError):
+    """A layer tried to read a slot that holds another layer."""
+
+
+class SlotChecksumError(LayerstreamError, RuntimeError):
+    """A slot's bytes differ from its layer's host bytes (debug checksums)."""
+
+
+class NoDecoderStackError(LayerstreamError, ValueError):
+    """The model has no stack of decoder layers layerstream can stream."""
+
+
+class LoadingError(LayerstreamError, ValueError):
+    """A checkpoint cannot be loaded as asked; raised before any layer is loaded where possible."""
+
+
+class HostMemoryError(LayerstreamError, MemoryError):
+    """The host cannot hold (or page-lock) the layer store; raised before any copy."""
+
+
+class PinError(LayerstreamError, RuntimeError):
+    """Page-locking host memory failed (the store falls back to pageable memory)."""
+
+
+class TrainConfigError(LayerstreamError, ValueError):
+    """A `layerstream train` config cannot run as written; the message says what to change."""

@@ -1,0 +1,104 @@
+"""Auto-streaming: the settings a launcher (``layerstream run``, ``--layer_stream``) gives,
+and the device each model streams to.
+
+While auto-streaming is on, every causal-LM ``from_pretrained`` a script makes loads
+through layerstream's loader (``autoload``) and every Trainer streams the model it is
+given (``trainer``). The settings are kept as the user gave them and turned into a
+``StreamConfig`` only when a model is streamed, because the device is known only then:
+the one the launcher was told (``--device``), else the one the script asked for
+(``device_map``), else the rank's GPU under a distributed launcher, else the current GPU,
+else the host; a Trainer whose arguments say another device (``use_cpu``, the rank's
+GPU) moves the streamed model there unless ``--device`` was given.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, Optional
+
+import torch
+
+from ..config import StreamConfig, config_from_settings
+
+_settings: Optional[Dict[str, Any]] = None  # the launcher's values, as parse_setting returns them
+
+
+def enable(settings: Dict[str, Any]) -> None:
+    """Stream every model the script loads or trains from now on, with these settings
+    (StreamConfig field -> value); checked now, before the script runs."""
+    global _settings
+    check = dict(settings)
+    check["device"] = check.get("device") or "cpu"  # the device is chosen later; check the rest
+    StreamConfig(**check)
+    _settings = dict(settings)
+    from . import autoload, trainer
+
+    trainer.install()
+    autoload.install()
+
+
+def disable() -> None:
+    global _settings
+    _settings = None
+    from . import autoload
+
+    autoload.uninstall()
+
+
+def active() -> bool:
+    return _settings is not None
+
+
+def explicit_device() -> Optional[str]:
+    return None if _settings is None else _settings.get("device")
+
+
+def config_for(device: Optional[torch.device] = None) -> StreamConfig:
+    """The launcher's settings as a StreamConfig for a model on ``device`` (when the
+    launcher was not told one)."""
+    values = dict(_settings or {})
+    values["device"] = values.get("device") or device or default_device()
+    return config_from_settings({}, **values)
+
+
+def default_device() -> torch.device:
+    """Where a model streams when neither the launcher nor the script says: the device
+    Accelerate set up for this process (the rank's GPU; the CPU with ``use_cpu``), else
+    the GPU of ``LOCAL_RANK``, else the current GPU, else the host."""
+    try:
+        from accelerate.state import PartialState
+
+        if PartialState._shared_state:
+            return torch.device(PartialState().device)
+    except ImportError:  # pragma: no cover - accelerate is a dependency
+        pass
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    local_rank = os.environ.get("LOCAL_RANK")
+    if local_rank is not None and local_rank.isdigit() and int(local_rank) < torch.cuda.device_count():
+        return torch.device("cuda", int(local_rank))
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def device_of_map(device_map) -> Optional[torch.device]:
+    """The device a ``from_pretrained(device_map=...)`` asks for: None for no map (the
+    model stays on the host until the Trainer places it), the first GPU it names for
+    "auto", a dict or a device; the host for "cpu"."""
+    if device_map is None:
+        return None
+    if isinstance(device_map, str) and device_map in ("auto", "balanced", "balanced_low_0", "sequential"):
+        return default_device()
+    if isinstance(device_map, dict):
+        devices = [_as_device(d) for d in device_map.values() if d not in ("disk",)]
+        gpus = [d for d in devices if d.type == "cuda"]
+        return gpus[0] if gpus else (devices[0] if devices else None)
+    return _as_device(device_map)
+
+
+def _as_device(value) -> torch.device:
+    if isinstance(value, int):
+        return torch.device("cuda", value)
+    device = torch.device(value)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
+    return device

@@ -1,0 +1,164 @@
+"""PEFT merges on streamed weights: exact, and seen by the next forward.
+
+PEFT's ``merge``/``unmerge`` (behind ``merge_and_unload``, ``merge_adapter``,
+``unmerge_adapter``, and a forward with adapters disabled on a merged model) compute the
+adapters' delta where the adapters live and write it into the base layer's weight, in
+place or by replacing it (4-bit weights are dequantised, merged and quantised again). A
+streamed base weight lives in the host store: on a GPU the write would mix devices, and
+on the host it would change the store behind the layer's device copies.
+
+So while a streamed base layer merges, its weights are *materialised*: each becomes a
+device copy of the host value, exactly what a resident model holds, PEFT's own code runs
+on it unchanged (the same kernels as on a resident model, so the same bits), and the
+result is written back into the host store, whose device copies are then refreshed. If
+PEFT raises, the host store is left as it was. Wrapped once, on every PEFT tuner layer
+class, when the first model streams; layers whose base does not stream are untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+
+import torch
+from torch import nn
+
+from .. import nf4
+from ..api import on_stream
+from ..store import set_data
+
+logger = logging.getLogger(__name__)
+
+_installed = False
+
+
+def _tuner_classes():
+    try:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+    except ImportError:  # pragma: no cover - peft is a dependency
+        return []
+    seen, todo = [], [BaseTunerLayer]
+    while todo:
+        cls = todo.pop()
+        for sub in cls.__subclasses__():
+            if sub not in seen:
+                seen.append(sub)
+                todo.append(sub)
+    return seen
+
+
+def install() -> None:
+    global _installed
+    if _installed:
+        return
+    for cls in _tuner_classes():
+        for name in ("merge", "unmerge"):
+            method = cls.__dict__.get(name)
+            if method is not None and not getattr(method, "_layerstream", False):
+                setattr(cls, name, _materialising(method))
+    _installed = True
+
+
+def _materialising(method):
+    @functools.wraps(method)
+    def wrapped(self, *args, **kwargs):
+        base = self.get_base_layer() if hasattr(self, "get_base_layer") else None
+        runtime = getattr(base, "__dict__", {}).get("_layerstream_runtime") if base is not None else None
+        if runtime is None or getattr(base, "_layerstream_materialised", False):
+            return method(self, *args, **kwargs)
+        with materialised(runtime, base):
+            return method(self, *args, **kwargs)
+
+    wrapped._layerstream = True
+    return wrapped
+
+
+@contextlib.contextmanager
+def materialised(runtime, module: nn.Module):
+    """``module``'s streamed weights as device copies for the block; what the block left
+    in them is written into the host store afterwards (nothing, if it raised)."""
+    found = runtime.entries_of(module)
+    if not found:
+        yield
+        return
+    record, positions = found
+    device = runtime.device
+    bound = {}  # position -> the tensor the table held (a slot view while the layer runs)
+    for position in positions:
+        entry = record.entries[position]
+        if not entry.bound:
+            continue
+        current = entry.table.get(entry.name)
+        host = record.host_values[position]
+        bound[position] = current
+        if current is host:  # outside the layer's own call: give it a device copy
+            if getattr(host, "quant_state", None) is not None:
+                entry.table[entry.name] = nf4.device_weight(host, device)
+            else:
+                set_data(host, record.arena_views[position].to(device, copy=True))
+    object.__setattr__(module, "_layerstream_materialised", True)
+    try:
+        yield
+    except BaseException:
+        _put_back(record, positions, bound)
+        raise
+    else:
+        _write_back(runtime, record, positions, bound)
+    finally:
+        module.__dict__.pop("_layerstream_materialised", None)
+
+
+def _put_back(record, positions, bound) -> None:
+    for position in positions:
+        entry, host = record.entries[position], record.host_values[position]
+        if position in bound and bound[position] is host:
+            entry.table[entry.name] = host
+            set_data(host, record.arena_views[position])
+
+
+def _write_back(runtime, record, positions, bound) -> None:
+    """Copy what the merge left into the arena views (and, inside the layer's own call,
+    into the slot views the rest of the call reads), then refresh the layer's device copies."""
+    for position in positions:
+        entry = record.entries[position]
+        if not entry.bound:
+            continue
+        host = record.host_values[position]
+        now = entry.table.get(entry.name)
+        values = _values(entry, record, position, now)
+        for at, value in values:
+            target = record.arena_views[at]
+            if tuple(value.shape) != tuple(target.shape) or value.dtype != target.dtype:
+                _put_back(record, positions, bound)
+                raise RuntimeError(f"a merge changed the shape or dtype of {record.entries[at].qualified_name}; "
+                                   "layerstream cannot stream it so: unstream_model before merging")
+            with torch.no_grad():
+                target.copy_(value.detach())
+        if bound[position] is host:  # outside the layer's call: the host tensor goes back in
+            entry.table[entry.name] = host
+            set_data(host, record.arena_views[position])
+        elif now is not bound[position]:  # replaced inside the call: the slot view takes the values
+            slot = dict(_values(entry, record, position, bound[position]))
+            for at, value in values:
+                with torch.no_grad():
+                    slot[at].copy_(value.detach())
+            entry.table[entry.name] = bound[position]
+    inside = any(bound[p] is not record.host_values[p] for p in bound)
+    runtime.refresh_after_write(record.index, device_copy_current=inside)
+
+
+def _values(entry, record, position, weight):
+    """(position in the record, tensor) of a bound weight and of the quant-state tensors
+    riding on it, as ``weight`` holds them."""
+    out = [(position, weight.data)]
+    state = getattr(weight, "quant_state", None)
+    if state is not None:
+        tensors = dict(nf4.quant_tensors(state))
+        for other, candidate in enumerate(record.entries):
+            if candidate.kind == "quant" and candidate.module is entry.module:
+                out.append((other, tensors[candidate.quant_path]))
+    return out
+
+
+on_stream(lambda model: install())

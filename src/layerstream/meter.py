@@ -1,0 +1,95 @@
+"""Reading the GPU memory a training step used, for the resident window (``window``).
+
+``CudaMeter`` reads torch's caching allocator: the reserved peak of a step (what the
+allocator held at most, fragmentation included), the allocated bytes at its start and
+peak, and the allocator's retries (allocations that only succeeded after freeing cached
+memory: the step touched the limit). It resets torch's peak statistics at the start of
+the steps it measures while the window is being sized (the first steps, and after each
+change), so ``torch.cuda.max_memory_allocated()`` read by other code covers the steps
+since then; once the window holds still it stops resetting.
+
+``PlannedMeter`` stands in on the host (``device="cpu"`` with a ``vram_budget``, as in the
+tests): its "measured" peak is the memory planner's prediction, so the window machinery
+runs, deterministically, where there is no GPU to measure.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Optional
+
+import torch
+
+from .config import gpu_memory_for_run
+from .window import Reading
+
+logger = logging.getLogger(__name__)
+
+_TRIED = re.compile(r"Tried to allocate ([0-9.]+) (B|KiB|MiB|GiB|TiB)")
+_SCALE = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
+
+
+def wanted_bytes(error: BaseException) -> Optional[int]:
+    """The allocation an out-of-memory error was refused, from its message."""
+    match = _TRIED.search(str(error))
+    return int(float(match.group(1)) * _SCALE[match.group(2)]) if match else None
+
+
+class CudaMeter:
+    def __init__(self, device: torch.device, budget):
+        self.device = device
+        self.budget = budget  # bytes, or "auto"
+        self._start_allocated = 0
+        self._start_retries = 0
+
+    def limit(self) -> int:
+        """What the run may reserve now: the budget, this process's fraction of the GPU and
+        what the device has free (beside what this process already holds), whichever is least."""
+        reachable = gpu_memory_for_run(self.device)
+        return reachable if self.budget == "auto" else min(int(self.budget), reachable)
+
+    def begin(self, reset: bool) -> None:
+        """Start measuring a step; ``reset``: from here on, not since an earlier peak."""
+        if reset:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self._start_allocated = torch.cuda.memory_allocated(self.device)
+        self._start_retries = torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0)
+
+    def read(self, window: int, tokens: int) -> Reading:
+        stats = torch.cuda.memory_stats(self.device)
+        return Reading(window=window, tokens=tokens,
+                       peak_reserved=stats.get("reserved_bytes.all.peak", 0),
+                       start_allocated=self._start_allocated,
+                       peak_allocated=stats.get("allocated_bytes.all.peak", 0),
+                       retries=stats.get("num_alloc_retries", 0) - self._start_retries)
+
+    def release_cache(self) -> None:
+        """Give cached blocks nobody uses back to the driver (memory other work left in
+        this process's cache would otherwise count as needed)."""
+        torch.cuda.empty_cache()
+
+
+class PlannedMeter:
+    """The planner's prediction in place of a measurement (host runs with a budget)."""
+
+    def __init__(self, runtime, budget: int):
+        self.runtime = runtime
+        self.budget = budget
+        self._shape = (1, 1)
+
+    def limit(self) -> int:
+        return self.budget
+
+    def begin(self, reset: bool) -> None:
+        self._shape = self.runtime.last_shape  # the step about to run
+
+    def read(self, window: int, tokens: int) -> Reading:
+        batch, seq = self._shape
+        memory = self.runtime.memory_plan(batch, seq)
+        peak = memory.peak_vram_bytes + memory.reserve_bytes + window * self.runtime.store.largest_layer_bytes
+        return Reading(window=window, tokens=tokens, peak_reserved=peak, start_allocated=0,
+                       peak_allocated=memory.activation_bytes, retries=0)
+
+    def release_cache(self) -> None:
+        pass

@@ -1,0 +1,163 @@
+"""What a streamed model tells people: counters, the start-up summary, and what to change
+when memory runs out or a budget cannot hold a step."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .config import expandable_segments
+from .errors import StreamingError
+from .units import GiB, MiB, gib
+
+
+def stats(runtime) -> dict:
+    """Counters since streaming began. Reads outstanding CUDA timing events (waits)."""
+    pool = runtime.pool
+    pool.settle()
+    embeddings = runtime.embeddings
+    return {
+        "layers": len(runtime.records),
+        "slots": runtime.config.slots,
+        "prefetch": runtime.config.prefetch,
+        "visits": runtime.visits,
+        "layer_loads": pool.loads,
+        "demand_loads": runtime.demand_loads,
+        "h2d_bytes": pool.h2d_bytes,  # the layers, and the head and embedding rows when they stream
+        "h2d_seconds": pool.h2d_seconds,
+        "h2d_gbps": (pool.h2d_bytes / pool.h2d_seconds / 1e9) if pool.h2d_seconds else 0.0,
+        "stall_seconds": pool.stall_seconds,
+        "stalls": pool.stalls,
+        "peak_resident_layers": runtime.peak_resident_layers,
+        "slot_bytes": pool.ring_bytes,
+        "backward_slots": runtime.prefetch.active_backward_slots,
+        "backward_slot_peak_bytes": pool.borrowed_peak_bytes,
+        "host_bytes": runtime.store.host_bytes + (embeddings.host_bytes if embeddings is not None else 0),
+        "pinned": runtime.store.pinned,
+        "device": str(runtime.device),
+        "checksum_checks": runtime._checker.checks if runtime._checker is not None else 0,
+        "window_layers": len(runtime.window),
+        "window_changes": len(runtime.window_changes),
+        "oom_retries": runtime.oom_retries,
+        "refreshed_layers": runtime.refreshed_layers,
+        "stream_embeddings": embeddings is not None,
+        **(embeddings.stats() if embeddings is not None
+           else {"head_copies": 0, "head_h2d_bytes": 0, "embedding_h2d_bytes": 0}),
+        **runtime.nf4_counts,
+    }
+
+
+def _auto(runtime, name: str) -> str:
+    return " (auto)" if name in runtime.config.automatic else ""
+
+
+def _budget_line(runtime) -> str:
+    budget = runtime.config.vram_budget
+    if budget is None:
+        return "none: every layer streams (vram_budget=None)"
+    what = "auto (the GPU memory this process can reach)" if budget == "auto" else gib(budget)
+    return f"{what}; the resident window is sized from measured memory at the first training steps"
+
+
+def summary(runtime) -> str:
+    """A one-screen description: what streams, slots, bytes, pinning, the budget."""
+    records, pool, store = runtime.records, runtime.pool, runtime.store
+    streamed = sum(len(r.entries) for r in records)
+    sizes = sorted({r.nbytes for r in records})
+    size_text = (f"{sizes[0] / MiB:.1f} MiB" if len(sizes) == 1 else f"{sizes[0] / MiB:.1f}..{sizes[-1] / MiB:.1f} MiB")
+    lines = [
+        "layerstream: streaming decoder layers",
+        f"  stack        {runtime.layers_path} ({len(records)} layers, {streamed} tensors)",
+        f"  layer size   {size_text} each",
+        f"  host store   {store.host_bytes / GiB:.3f} GiB in {len(store.arenas)} arena(s), "
+        f"{'pinned' if store.pinned else 'pageable'}",
+        f"  device       {runtime.device}: {runtime.config.slots} slots{_auto(runtime, 'slots')} x "
+        f"{pool.slot_bytes / MiB:.1f} MiB = {pool.total_bytes / GiB:.3f} GiB",
+        f"  prefetch     {runtime.config.prefetch} layer(s) ahead{_auto(runtime, 'prefetch')}",
+        f"  vram budget  {_budget_line(runtime)}",
+        f"  window       {len(runtime.window)} layer(s) on the GPU for good",
+        f"  backward     {runtime.backward.note(runtime.prefetch.backward_slots, pool.cuda)}",
+    ]
+    if pool.cuda:
+        segments = "on" if expandable_segments() else "off"
+        lines.append(f"  allocator    expandable segments {segments}"
+                     + (" (set by layerstream run)" if _launcher_set_segments() else ""))
+    if runtime.embeddings is not None:
+        lines += [f"  embeddings   streamed: {runtime.embeddings.describe()}",
+                  "  resident     final norm, and every trainable tensor"]
+    else:
+        lines += ["  embeddings   resident (stream_embeddings=False)",
+                  "  resident     embeddings, final norm, head, and every trainable tensor"]
+    return "\n".join(lines)
+
+
+def _launcher_set_segments() -> bool:
+    import os
+
+    return os.environ.get("LAYERSTREAM_SET_ALLOC_CONF") == "1"
+
+
+def explain_oom(runtime, exc: BaseException, where: str) -> BaseException:
+    """The same out-of-memory error, with what streaming holds and which budget to change.
+
+    Same type, so code that reacts to out-of-memory (the Trainer's auto_find_batch_size,
+    layerstream's own retry with a smaller window) still does; explained once, however
+    often it is re-raised.
+    """
+    if getattr(exc, "_layerstream_explained", False):
+        return exc
+    config, pool = runtime.config, runtime.pool
+    one_slot = pool.slot_bytes / GiB
+    lines = [
+        str(exc), "",
+        f"layerstream: the GPU ran out of memory {where}. Streaming holds {config.slots} slots x "
+        f"{one_slot:.2f} GiB = {pool.total_bytes / GiB:.2f} GiB and {len(runtime.window)} window layer(s) on "
+        f"{runtime.device}; the rest is the resident part (embeddings, head, adapters, optimizer state) "
+        "and activations. To fit:",
+        "  - shorten sequences or the batch (activations and logits grow with batch x seq length);",
+    ]
+    if runtime.window:
+        lines.append("  - give vram_budget a smaller size (--vram-budget, stream.vram_budget): the window then "
+                     "keeps fewer layers on the GPU;")
+    if config.slots > 2:
+        lines.append(f"  - use fewer slots: StreamConfig(slots=2) (--slots 2, stream.slots: 2) frees "
+                     f"{(config.slots - 2) * one_slot:.2f} GiB;")
+    if not any(e.kind == "quant" for r in runtime.records for e in r.entries):
+        lines.append("  - load the model in NF4 (quantization='nf4'): a quarter of the bytes per slot;")
+    if runtime.embeddings is None:
+        from .embeddings import host_bytes
+
+        ends_bytes = host_bytes(runtime.model)
+        if ends_bytes:
+            lines.append(f"  - keep the input embedding and head in host memory: StreamConfig(stream_embeddings=True) "
+                         f"(--stream-embeddings, stream.stream_embeddings: true) frees {ends_bytes / GiB:.2f} GiB, "
+                         "less one head copied in for the loss;")
+    lines.append("  - `layerstream plan --model <model> --vram <GPU memory> --seq <tokens>` predicts what fits.")
+    explained = type(exc)("\n".join(lines))
+    explained._layerstream_explained = True
+    return explained
+
+
+def budget_refusal(memory, budget: int) -> StreamingError:
+    """A training step the planner says an explicit vram_budget cannot hold, even with
+    every layer streamed: said before anything is computed."""
+    advice = "\n".join(f"  - {line}" for line in memory.advice[1:])
+    return StreamingError(
+        f"a training step of batch {memory.batch} x {memory.seq} tokens does not fit vram_budget="
+        f"{budget / GiB:.2f} GiB: the memory planner predicts a peak of "
+        f"{memory.peak_vram_bytes / GiB:.2f} GiB plus {memory.reserve_bytes / GiB:.1f} GiB reserve "
+        f"(resident part {memory.resident_bytes / GiB:.2f} GiB, {memory.slots} slots "
+        f"{memory.slot_bytes / GiB:.2f} GiB, activations {memory.activation_bytes / GiB:.2f} GiB). "
+        f"Nothing has been computed yet. What would fit:\n{advice}")
+
+
+def timeline_title(runtime) -> str:
+    return (f"layerstream: {len(runtime.records)} layers, {runtime.config.slots} slots, prefetch "
+            f"{runtime.config.prefetch}, on {runtime.device}; layer number on each bar")
+
+
+def peak_vram_gib(runtime) -> Optional[float]:
+    if not runtime.pool.cuda:
+        return None
+    return round(torch.cuda.max_memory_allocated(runtime.device) / GiB, 3)

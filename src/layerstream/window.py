@@ -1,0 +1,101 @@
+"""The resident window's size, decided from memory the run actually used. Pure logic.
+
+Layers kept on the GPU for good (the resident window) save two copies per training step
+each, so spare GPU memory should hold as many as fit; but a window that takes memory a
+step needs runs the step out of memory. Predicting a step's peak is not enough (the
+allocator's fragmentation, a fused loss, whatever else the process did before), so the
+window is sized from measurements:
+
+- the first training step of a run runs with no window, and its peak *reserved* memory
+  (what the caching allocator holds, fragmentation included) is read afterwards;
+- the window then grows by the whole layers that fit between that peak and the limit (the
+  budget, the per-process memory fraction and what the device has free, whichever is
+  least), less a margin; each later step is measured the same way, and the window shrinks
+  when a step came closer to the limit than the margin or the allocator had to retry;
+- before a step with more tokens than any measured, the step's growth is predicted from
+  the measured one (activation memory grows linearly with tokens) and the window shrinks
+  first when it would not fit.
+
+A step that still runs out of memory is the Trainer integration's to retry with a smaller
+window (``integrations.trainer``); this module only says how many layers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+from .units import MiB
+
+MARGIN_BYTES = 384 * MiB  # at least this much stays free below the limit
+MARGIN_SHARE = 0.03  # ... or this share of the limit, whichever is more
+
+
+def margin_bytes(limit: int) -> int:
+    """Memory kept free below the limit: step-to-step variation (batch lengths, workspaces)."""
+    return max(MARGIN_BYTES, int(MARGIN_SHARE * limit))
+
+
+@dataclass(frozen=True)
+class Reading:
+    """What one training step used, measured after it."""
+
+    window: int  # window layers during the step
+    tokens: int  # batch x sequence of the step
+    peak_reserved: int  # the caching allocator's peak reserved bytes during the step
+    start_allocated: int  # bytes allocated when the step began
+    peak_allocated: int  # the allocated peak during the step
+    retries: int  # allocations that had to free cached memory and retry (the limit was hit)
+
+    @property
+    def transient(self) -> int:
+        """What the step allocated on top of what lived across it (activations, loss)."""
+        return max(0, self.peak_allocated - self.start_allocated)
+
+
+class WindowSizer:
+    """How many of ``num_layers`` layers of ``layer_bytes`` each the window holds."""
+
+    def __init__(self, num_layers: int, layer_bytes: int):
+        self.num_layers = num_layers
+        self.layer_bytes = max(layer_bytes, 1)
+        self.reference: Optional[Reading] = None  # the measured step with the most tokens
+        self.excess = 0  # how far a step with fewer tokens went past what the reference predicts
+        self.at_limit = False  # the last step made the allocator retry
+        self.max_window = num_layers  # lowered when a window ran a step out of memory
+
+    def predicted_peak(self, tokens: int, window: int) -> int:
+        """Peak reserved bytes of a step of ``tokens`` tokens with ``window`` layers, from
+        the reference step; activations grow linearly with the tokens of a step."""
+        reference = self.reference
+        peak = reference.peak_reserved + (window - reference.window) * self.layer_bytes + self.excess
+        if tokens > reference.tokens:
+            peak += math.ceil(reference.transient * (tokens / reference.tokens - 1))
+        return peak
+
+    def record(self, reading: Reading) -> None:
+        self.at_limit = reading.retries > 0
+        if self.reference is None or reading.tokens >= self.reference.tokens:
+            self.reference, self.excess = reading, 0
+            return
+        over = reading.peak_reserved - self.predicted_peak(reading.tokens, reading.window)
+        self.excess = max(self.excess, over)
+
+    def size(self, limit: int, tokens: int, window: int) -> int:
+        """The window for the next step of ``tokens`` tokens, under ``limit`` bytes, with
+        ``window`` layers held now; before any measurement, none."""
+        if self.reference is None:
+            return 0
+        room = limit - margin_bytes(limit) - self.predicted_peak(tokens, window)
+        if self.at_limit and room >= 0:
+            room = -1  # the allocator was at its limit: one layer less than measured
+        if room >= 0:
+            return min(self.max_window, window + room // self.layer_bytes)
+        return min(self.max_window, max(0, window - math.ceil(-room / self.layer_bytes)))
+
+    def shrink_after_oom(self, window: int, wanted_bytes: int, limit: int) -> int:
+        """The window to retry a step with after it ran out of memory asking for
+        ``wanted_bytes``: enough layers fewer to free that and the margin."""
+        need = wanted_bytes + margin_bytes(limit)
+        return max(0, window - max(1, math.ceil(need / self.layer_bytes)))

@@ -1,0 +1,291 @@
+"""Changes to streamed weights after streaming: whatever way they are made, the next
+forward computes with them exactly as the resident model does, or they are refused
+before anything is computed from stale device copies."""
+
+import pytest
+import torch
+
+import layerstream
+from tiny import assert_traces_equal, batch, peft_pair, stream, train_steps
+
+
+def _streamed(layers=5, slots=2, window=None, device="cpu", **pair):
+    streamed, resident = peft_pair("llama", layers=layers, **pair)
+    stream(streamed, device, slots=slots, prefetch=1)
+    resident.to(device)
+    if window is not None:
+        layerstream.get_runtime(streamed).set_window(window)
+    return streamed, resident
+
+
+def _weight(model, layer, name="self_attn.q_proj.base_layer.weight"):
+    return model.get_parameter(f"base_model.model.model.layers.{layer}.{name}")
+
+
+def _logits(model, device="cpu"):
+    ids = batch(96, device=device)
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+# where a changed layer's device copy can be when the change is made: still in a slot after
+# the step (layers 0 and 1 with 2 slots), in the resident window, streamed (not held), or
+# every layer held because there are no more layers than slots
+PLACES = [pytest.param(dict(), 0, id="in-a-slot"), pytest.param(dict(window=[2]), 2, id="in-the-window"),
+          pytest.param(dict(), 3, id="not-held"), pytest.param(dict(layers=3, slots=3), 1, id="layers-le-slots")]
+
+
+def _same_change(streamed, resident, change):
+    for model in (streamed, resident):
+        with torch.no_grad():
+            change(model)
+
+
+@pytest.mark.parametrize("setup,layer", PLACES)
+@pytest.mark.parametrize("how", ["in-place", "data-in-place", "load-state-dict", "assign", "data-assign"])
+def test_a_change_after_a_step_is_seen_by_the_next_forward(setup, layer, how, device):
+    streamed, resident = _streamed(device=device, **setup)
+    train_steps(streamed, 1, device), train_steps(resident, 1, device)
+    name = f"base_model.model.model.layers.{layer}.self_attn.q_proj.base_layer.weight"
+    new = _weight(resident, layer).detach().mul(1.5)
+
+    def change(model):
+        weight = model.get_parameter(name)
+        if how == "in-place":
+            weight.mul_(1.5)
+        elif how == "data-in-place":
+            weight.data.mul_(1.5)
+        elif how == "load-state-dict":
+            model.load_state_dict({name: new}, strict=False)
+        elif how == "assign":
+            model.load_state_dict({name: torch.nn.Parameter(new.clone(), requires_grad=False)}, strict=False,
+                                  assign=True)
+        else:
+            weight.data = new.clone()
+
+    _same_change(streamed, resident, change)
+    assert torch.equal(_logits(streamed, device), _logits(resident, device))
+    assert_traces_equal(train_steps(streamed, 2, device), train_steps(resident, 2, device))
+
+
+def test_the_comparison_catches_a_change_made_to_one_model_only():
+    """Negative control: the change above must show in the logits."""
+    streamed, resident = _streamed()
+    train_steps(streamed, 1), train_steps(resident, 1)
+    with torch.no_grad():
+        _weight(resident, 0).mul_(1.5)
+    assert not torch.equal(_logits(streamed), _logits(resident))
+
+
+def test_prepare_model_for_kbit_training_after_streaming_gives_the_resident_numbers(tmp_path):
+    """PEFT's prepare_model_for_kbit_training casts every weight that is not 4-bit to float32
+    with ``param.data = param.data.to(torch.float32)``, the streamed norms included: each
+    layer is laid out again in the new dtype (the slots grow if it does) and training matches."""
+    from peft import get_peft_model, prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from tiny import lora_config, portable_cpu_nf4, tiny_model
+
+    directory = tmp_path / "ckpt"
+    tiny_model("llama", 4, dtype=torch.bfloat16, hidden_size=64, intermediate_size=128,
+               head_dim=16).save_pretrained(directory)
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
+
+    def load():
+        return AutoModelForCausalLM.from_pretrained(directory, quantization_config=quant, dtype=torch.bfloat16,
+                                                    device_map="cpu")
+
+    streamed = layerstream.from_pretrained(directory, quantization_config=quant, dtype=torch.bfloat16,
+                                           stream=layerstream.StreamConfig(device="cpu", slots=2))
+    runtime = layerstream.get_runtime(streamed)
+    assert any("layernorm" in e.qualified_name for e in runtime.records[1].entries), "the loader streams norms"
+    streamed = get_peft_model(prepare_model_for_kbit_training(streamed), lora_config())
+    resident = get_peft_model(prepare_model_for_kbit_training(portable_cpu_nf4(load())), lora_config())
+    resident.load_state_dict({k: v for k, v in streamed.state_dict().items() if "lora_" in k}, strict=False)
+    assert_traces_equal(train_steps(streamed, 2), train_steps(resident, 2))
+    norm = streamed.get_parameter("base_model.model.model.layers.1.input_layernorm.weight")
+    assert norm.dtype == torch.float32 and runtime.stats()["refreshed_layers"] >= 4
+    assert {e.dtype for e in runtime.records[1].entries if "layernorm" in e.qualified_name} == {torch.float32}, \
+        "the layer streams its norms in the new dtype"
+
+
+def test_a_change_between_forward_and_backward_is_refused():
+    streamed, _ = _streamed()
+    ids = batch(96)
+    loss = streamed(input_ids=ids, labels=ids).loss
+    with torch.no_grad():
+        _weight(streamed, 3).mul_(2)
+    with pytest.raises(layerstream.StreamingError, match="changed between its forward and its backward"):
+        loss.backward()
+
+
+def test_a_streamed_weight_made_trainable_is_refused_before_a_training_step():
+    streamed, _ = _streamed()
+    _weight(streamed, 2).requires_grad_(True)
+    ids = batch(96)
+    with pytest.raises(layerstream.StreamingError, match="requires grad, but streamed weights are frozen"):
+        streamed(input_ids=ids, labels=ids)
+
+
+# -- PEFT merges ---------------------------------------------------------------------------
+@pytest.mark.parametrize("safe_merge", [False, True])
+def test_merge_and_unload_gives_the_resident_merged_model(safe_merge, device):
+    streamed, resident = _streamed(device=device)
+    train_steps(streamed, 1, device), train_steps(resident, 1, device)
+    merged_streamed = streamed.merge_and_unload(safe_merge=safe_merge)
+    merged_resident = resident.merge_and_unload(safe_merge=safe_merge)
+    assert layerstream.is_streamed(merged_streamed)
+    assert torch.equal(_logits(merged_streamed, device), _logits(merged_resident, device))
+    ids = batch(96, size=1, seq=5, device=device)
+    kwargs = dict(max_new_tokens=5, do_sample=False, attention_mask=torch.ones_like(ids), pad_token_id=0)
+    assert torch.equal(merged_streamed.generate(input_ids=ids, **kwargs), merged_resident.generate(input_ids=ids, **kwargs))
+
+
+def test_merge_adapter_and_unmerge_adapter_match_the_resident_model(device):
+    streamed, resident = _streamed(device=device)
+    train_steps(streamed, 1, device), train_steps(resident, 1, device)
+    for model in (streamed, resident):
+        model.merge_adapter()
+    assert torch.equal(_logits(streamed, device), _logits(resident, device))
+    for model in (streamed, resident):
+        model.unmerge_adapter()
+    assert torch.equal(_logits(streamed, device), _logits(resident, device))
+    assert_traces_equal(train_steps(streamed, 2, device), train_steps(resident, 2, device))
+
+
+def test_a_merge_that_raises_leaves_the_host_store_as_it_was(monkeypatch):
+    streamed, resident = _streamed()
+    from peft.tuners.lora import layer as lora_layer
+
+    def broken(self, adapter):
+        raise RuntimeError("no delta today")
+
+    monkeypatch.setattr(lora_layer.Linear, "get_delta_weight", broken)
+    with pytest.raises(RuntimeError, match="no delta today"):
+        streamed.merge_adapter()
+    monkeypatch.undo()
+    assert torch.equal(_logits(streamed), _logits(resident))
+
+
+def test_nf4_merge_and_unload_gives_the_resident_merged_model(tmp_path):
+    from tiny import nf4_pair, portable_cpu_nf4
+
+    streamed, resident = nf4_pair(tmp_path, layers=4)
+    stream(streamed, "cpu", slots=2, prefetch=1)
+    portable_cpu_nf4(resident)
+    with pytest.warns(UserWarning):
+        merged_streamed = streamed.merge_and_unload()
+    with pytest.warns(UserWarning):
+        merged_resident = portable_cpu_nf4(resident.merge_and_unload())
+    ids = batch(96)
+    with torch.no_grad():
+        assert torch.equal(merged_streamed(input_ids=ids).logits, merged_resident(input_ids=ids).logits)
+
+
+# -- model-level operations ----------------------------------------------------------------
+@pytest.mark.parametrize("call", [lambda m: m.half(), lambda m: m.to(torch.bfloat16), lambda m: m.double(),
+                                  lambda m: m.to("meta"), lambda m: m.float().half()],
+                         ids=["half", "to-bf16", "double", "meta", "float-then-half"])
+def test_a_refused_cast_or_move_changes_nothing(call):
+    streamed, resident = _streamed()
+    before = {name: (t.dtype, t.device, t.detach().clone()) for name, t in streamed.state_dict().items()}
+    with pytest.raises(layerstream.StreamingError, match="Nothing was changed|nothing was changed"):
+        call(streamed)
+    after = streamed.state_dict()
+    for name, (dtype, where, value) in before.items():
+        assert after[name].dtype == dtype and after[name].device == where and torch.equal(after[name], value), name
+    assert_traces_equal(train_steps(streamed, 2), train_steps(resident, 2))
+
+
+def test_a_refused_cast_of_an_inner_module_changes_nothing():
+    streamed, _ = _streamed()
+    inner = streamed.base_model.model.model
+    embedding = inner.embed_tokens.weight.detach().clone()
+    with pytest.raises(layerstream.StreamingError):
+        inner.half()
+    assert inner.embed_tokens.weight.dtype == torch.float32 and torch.equal(inner.embed_tokens.weight, embedding)
+
+
+def test_deepcopy_and_pickle_say_to_unstream_first(tmp_path):
+    import copy
+    import pickle
+
+    streamed, _ = _streamed()
+    for attempt in (lambda: copy.deepcopy(streamed), lambda: pickle.dumps(streamed),
+                    lambda: torch.save(streamed, tmp_path / "model.pt")):
+        with pytest.raises(layerstream.StreamingError, match="unstream_model"):
+            attempt()
+    layerstream.unstream_model(streamed)
+    copy.deepcopy(streamed)  # a plain model again
+
+
+def test_stream_model_of_something_that_is_not_a_module_says_so():
+    with pytest.raises(TypeError, match="takes a torch.nn.Module"):
+        layerstream.stream_model({"not": "a model"})
+
+
+# -- threads --------------------------------------------------------------------------------
+def test_a_second_thread_during_a_pass_is_refused_and_the_first_is_exact():
+    import threading
+
+    streamed, resident = _streamed()
+    inside, go_on = threading.Event(), threading.Event()
+    layer = streamed.base_model.model.model.layers[2]
+
+    def hold(module, args):
+        if threading.current_thread() is not threading.main_thread():
+            inside.set()
+            go_on.wait(10)
+
+    handle = layer.register_forward_pre_hook(hold)
+    results = {}
+
+    def first():
+        results["first"] = _logits(streamed)
+
+    worker = threading.Thread(target=first)
+    worker.start()
+    assert inside.wait(10)
+    with pytest.raises(layerstream.StreamingError, match="in use by another thread"):
+        _logits(streamed)
+    go_on.set()
+    worker.join(10)
+    handle.remove()
+    assert torch.equal(results["first"], _logits(resident))
+    assert torch.equal(_logits(streamed), _logits(resident)), "after the pass, another thread may use it"
+
+
+def test_a_thread_may_use_the_model_once_a_training_step_has_finished():
+    import threading
+
+    streamed, resident = _streamed()
+    train_steps(streamed, 1), train_steps(resident, 1)
+    out = {}
+    worker = threading.Thread(target=lambda: out.setdefault("logits", _logits(streamed)))
+    worker.start()
+    worker.join(10)
+    assert torch.equal(out["logits"], _logits(resident))
+
+
+# -- unstreaming -----------------------------------------------------------------------------
+def test_an_interrupted_unstream_leaves_a_working_streamed_model_and_can_be_finished(monkeypatch):
+    from layerstream.store import HostStore
+
+    streamed, resident = _streamed()
+    original, calls = HostStore.copies_out, []
+
+    def interrupted(self, record, device):
+        calls.append(record.index)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return original(self, record, device)
+
+    monkeypatch.setattr(HostStore, "copies_out", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        layerstream.unstream_model(streamed)
+    monkeypatch.undo()
+    assert layerstream.is_streamed(streamed)
+    assert_traces_equal(train_steps(streamed, 1), train_steps(resident, 1))
+    layerstream.unstream_model(streamed)
+    assert not layerstream.is_streamed(streamed)
+    assert_traces_equal(train_steps(streamed, 1), train_steps(resident, 1))
