@@ -126,3 +126,100 @@ def test_the_stream_section_has_every_streamconfig_setting_under_its_own_name():
     from layerstream.train import SECTIONS
 
     assert set(SECTIONS["stream"]) == {s.name for s in settings()}
+
+
+def _bad_value_files(tmp_path):
+    """What some bad values point at: a dataset of empty texts, one whose last two rows
+    are the only ones with text, a plain file and a directory without config.json."""
+    (tmp_path / "empty.jsonl").write_text('{"text": ""}\n{"text": "   "}\n{"text": "\\n"}\n')
+    (tmp_path / "tail.jsonl").write_text('{"text": ""}\n{"text": " "}\n{"text": "a"}\n{"text": "b"}\n')
+    (tmp_path / "a-file").write_text("not a directory\n")
+    (tmp_path / "no-config").mkdir()
+
+
+BAD_VALUES = [
+    (["lora.dropout=high"], r"lora\.dropout='high' must be a number in \[0, 1\)"),
+    (["lora.dropout=1.5"], r"lora\.dropout=1\.5 must be a number in \[0, 1\)"),
+    (["lora.dropout=true"], r"lora\.dropout=True must be a number"),
+    (["lora.alpha=0"], r"lora\.alpha=0 must be an integer >= 1"),
+    (["lora.r='8'"], r"lora\.r='8' must be an integer >= 1"),
+    (["lora.r=true"], r"lora\.r=True must be an integer >= 1"),
+    (["lora.target_modules=[q_projj]"], r"lora\.target_modules: 'q_projj' matches no module .*'q_proj'"),
+    (["lora.target_modules=[q_proj, v_projj]"], r"lora\.target_modules: 'v_projj' matches no module"),
+    (["lora.target_modules='q_proj, v_proj'"], r"lora\.target_modules: 'q_proj, v_proj' .*regular expression"),
+    (["lora.target_modules=[mlp]"], r"lora\.target_modules=\['mlp'\] matches model\.layers\.0\.mlp, a LlamaMLP"),
+    (["lora.target_modules=[]"], r"lora\.target_modules=\[\]: write all-linear"),
+    (["training.per_device_train_batch_size=0"], r"training\.per_device_train_batch_size=0 must be >= 1"),
+    (["training.per_device_eval_batch_size=0"], r"training\.per_device_eval_batch_size=0 must be >= 1"),
+    (["training.per_device_train_batch_size='16'"], r"training\.per_device_train_batch_size='16' must be an integer"),
+    (["training.learning_rate=fast"], r"training\.learning_rate='fast' must be a number"),
+    (["training.learning_rate=-1"], r"training\.learning_rate=-1(\.0)? must be a number >= 0"),
+    (["training.max_steps=-5"], r"training\.max_steps=-5 must be >= 1, or -1"),
+    (["training.max_steps=0"], r"training\.max_steps=0 must be >= 1, or -1"),
+    (["training.max_steps=-1", "training.num_train_epochs=0"], r"training\.num_train_epochs=0(\.0)? trains no step"),
+    (["training.gradient_accumulation_steps=0"], r"training\.gradient_accumulation_steps=0 must be >= 1"),
+    (["training.max_length=0"], r"training\.max_length=0 must be >= 1"),
+    (["training.packing='yes'"], r"training\.packing='yes' must be true or false"),
+    (["training.save_strategy=yes"], r"training\.save_strategy=true: YAML reads yes"),
+    (["training.eval_strategy=steps", "data.eval_rows=0"], r"training\.eval_strategy='steps' .*data\.eval_rows"),
+    (["training.output_dir={tmp}/a-file"], r"training\.output_dir='.*a-file' is an existing file"),
+    (["training.output_dir={tmp}/a-file/run"], r"training\.output_dir='.*a-file/run' cannot be created"),
+    (["model.name=./no-such-layerstream-model"], r"model\.name='\./no-such-layerstream-model': no such directory"),
+    (["model.name=/no/such/model"], r"model\.name='/no/such/model': no such directory"),
+    (["model.name=~/no-such-layerstream-model"], r"model\.name='~/no-such-layerstream-model': no such directory"),
+    (["model.name=owner/model/revision"], r"model\.name='owner/model/revision': no such directory"),
+    (["model.name={tmp}/no-config"], r"model\.name='.*no-config': the directory holds no config\.json"),
+    (["model.name={tmp}/no-config", "model.layers=4"], r"model\.layers shapes the embedded tiny model only"),
+    (["model.layers=0"], r"model\.layers=0 must be an integer >= 1"),
+    (["model.hidden_size='128'"], r"model\.hidden_size='128' must be an integer >= 1"),
+    (["model.hidden_size=130"], r"model\.hidden_size=130: .*not a multiple of the number of attention heads"),
+    (["model.hidden_size=12"], r"model\.hidden_size=12 gives each of the 4 attention heads an odd width"),
+    (["model.trust_remote_code=maybe"], r"model\.trust_remote_code='maybe' must be true or false"),
+    (["model.config=missing.json"], r"model\.config='.*missing\.json': no such file"),
+    (["data.path={tmp}"], r"dataset file .* is a directory \(data\.path\)"),
+    (["data.path=null"], r"data\.path=None must be 'embedded' or a JSON-lines file"),
+    (["data.path={tmp}/empty.jsonl", "data.eval_rows=0"], r"empty\.jsonl \(data\.path\): every text is empty"),
+    (["data.path={tmp}/tail.jsonl", "data.eval_rows=2"], r"data\.eval_rows=2 leaves only empty texts"),
+    (["data.path={tmp}/tail.jsonl", "data.eval_rows=4"], r"data\.eval_rows=4 must be in 0\.\.3"),
+    (["data.eval_rows=true"], r"data\.eval_rows=True must be in"),
+]
+
+
+@pytest.mark.parametrize("overrides,match", BAD_VALUES, ids=[" ".join(o) for o, _ in BAD_VALUES])
+def test_each_bad_value_is_refused_naming_its_key_before_any_output(tmp_path, overrides, match):
+    _bad_value_files(tmp_path)
+    out = tmp_path / "never"
+    path = _write(tmp_path, f"stream: {{device: cpu}}\ntraining: {{output_dir: {out}}}\n")
+    with pytest.raises(TrainConfigError, match=match):
+        load(str(path), [o.format(tmp=tmp_path) for o in overrides])
+    assert not out.exists()
+    assert (tmp_path / "a-file").is_file()
+
+
+@pytest.mark.parametrize("override", ["training.per_device_train_batch_size=0", "training.learning_rate=fast",
+                                      "training.learning_rate=-1", "training.gradient_accumulation_steps=0"])
+def test_the_command_exits_2_on_a_value_that_used_to_fail_after_making_the_output_dir(tmp_path, capsys, override):
+    out = tmp_path / "never"
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["train", str(DEFAULT), "--set", f"training.output_dir={out}", "--set", "stream.device=cpu",
+                  "--set", override])
+    assert exit_info.value.code == 2
+    assert override.split("=")[0] in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_good_values_in_the_same_keys_still_validate(tmp_path):
+    """The negative control: the spellings YAML makes easy (no for save_strategy, 1e-4 as a
+    string), names that exist, -1 steps with epochs and a dataset with some empty texts pass."""
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"text": ""}\n{"text": "Q: hi\\nA: hello"}\n{"text": "more"}\n')
+    out = tmp_path / "never"
+    config = load(str(DEFAULT), [f"training.output_dir={out}", "stream.device=cpu", "training.save_strategy=no",
+                                 "training.eval_strategy=no", "training.learning_rate=1e-4", "training.max_steps=-1",
+                                 "training.num_train_epochs=1", "lora.target_modules=[q_proj, v_proj]",
+                                 "lora.dropout=0.05", f"data.path={data}", "data.eval_rows=1"])
+    assert config["training"]["save_strategy"] == "no" and config["training"]["eval_strategy"] == "no"
+    assert config["training"]["learning_rate"] == 1e-4
+    assert len(config["rows"]) == 3
+    load(str(DEFAULT), [f"training.output_dir={out}", "stream.device=cpu", r"lora.target_modules='.*\.(q|v)_proj'"])
+    assert not out.exists()
