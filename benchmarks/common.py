@@ -140,7 +140,8 @@ def build_random_nf4(shape, layers: int | None = None, double_quant: bool = True
     from transformers.quantizers import AutoHfQuantizer
 
     from layerstream.discovery import find_decoder_layers
-    from layerstream.loading import _quantise_layer, _rebuild_computed_buffers
+    from layerstream.loading import _rebuild_computed_buffers
+    from layerstream.nf4 import quantise_layer
 
     values = _shape_values(shape)
     model_type = values.pop("model_type")
@@ -177,7 +178,7 @@ def build_random_nf4(shape, layers: int | None = None, double_quant: bool = True
             fill(module, recurse=False)
     _rebuild_computed_buffers(model)
     fill(stack[0], recurse=True)
-    _quantise_layer(stack[0], torch.device(fill_device), dtype, quant_config)
+    quantise_layer(stack[0], torch.device(fill_device), dtype, quant_config)
     source = dict(stack[0].named_modules())
     for layer in list(stack)[1:]:
         layer.to_empty(device="cpu")

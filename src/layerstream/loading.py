@@ -6,6 +6,10 @@ the host, filled from the safetensors files, quantised to NF4 if asked (on the G
 there is one), and packed into the host store, which frees its unquantised weights. So
 loading holds at most about one layer of unquantised weights beyond the packed store.
 
+Before any layer is read, the whole checkpoint is checked against the model
+(``checkpoint.validate_checkpoint``: every shard's header, every expected tensor's presence,
+shape and kind of dtype), so a bad checkpoint is refused before anything is loaded.
+
 Only safetensors are read. A hub id is resolved with huggingface_hub (config and
 safetensors files only); remote code runs only with ``trust_remote_code=True``.
 """
@@ -13,17 +17,26 @@ safetensors files only); remote code runs only with ``trust_remote_code=True``.
 from __future__ import annotations
 
 import ctypes
-import json
 import logging
 import os
 from collections import defaultdict
 from pathlib import Path
-from typing import Dict, List, Optional, Union
+from typing import Optional, Union
 
 import torch
 from torch import nn
 
 from . import nf4
+from .checkpoint import (
+    PICKLE_SUFFIXES,
+    LoadingError,
+    load_pickle,
+    missing_tensors_error,
+    read_header,
+    read_index,
+    refuse_prequantized,
+    validate_checkpoint,
+)
 from .config import StreamConfig
 from .discovery import find_decoder_layers, layer_name
 from .errors import LoadingError
@@ -39,12 +52,32 @@ def _transformers_can_load(error: LoadingError) -> LoadingError:
     return error
 
 
-def _resolve(model_id: Union[str, os.PathLike], revision: Optional[str], allow_pickle: bool = False) -> Path:
-    path = Path(model_id)
+__all__ = ["LoadingError", "from_pretrained"]
+
+
+def _looks_local(model_id: str | os.PathLike) -> bool:
+    """Whether ``model_id`` can only mean a local path: a hub id is ``name`` or ``org/name``.
+
+    A path object, an absolute path, one starting with ``./``, ``../`` or ``~``, one with a
+    backslash or more than one ``/``, or one whose first component is a local directory.
+    Such a path that does not exist is a typo, not something to look up on the hub.
+    """
+    if isinstance(model_id, os.PathLike):
+        return True
+    text = str(model_id)
+    return (Path(text).is_absolute() or text.startswith(("./", "../", "~")) or "\\" in text
+            or text.count("/") > 1 or Path(text.split("/", 1)[0]).is_dir())
+
+
+def _resolve(model_id: str | os.PathLike, revision: str | None, allow_pickle: bool = False) -> Path:
+    path = Path(model_id).expanduser()
     if path.is_dir():
         return path
     if path.exists():
         raise LoadingError(f"{model_id} is a file; pass the directory that holds config.json and the weights")
+    if _looks_local(model_id):
+        raise LoadingError(f"no such directory: {model_id}; pass a directory that holds config.json and the "
+                           "weights, or a hub id like org/name")
     try:
         from huggingface_hub import snapshot_download
     except ImportError as exc:  # pragma: no cover - a transformers dependency
@@ -53,39 +86,29 @@ def _resolve(model_id: Union[str, os.PathLike], revision: Optional[str], allow_p
     return Path(snapshot_download(str(model_id), revision=revision, allow_patterns=patterns))
 
 
-def _pickle_load(path: Path) -> Dict[str, torch.Tensor]:
-    """A pickle checkpoint through torch's restricted unpickler, memory-mapped (lazy)."""
-    return torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
-
-
-def _pickle_files(directory: Path, pickles: List[str]) -> Dict[str, Path]:
+def _pickle_files(directory: Path, pickles: list[str]) -> dict[str, Path]:
     logger.warning(
         "layerstream: reading pickle weights from %s (allow_pickle=True) with "
         "torch.load(weights_only=True), which refuses arbitrary objects; convert them to "
         "safetensors once to load faster and without pickle.", directory)
     index = directory / "pytorch_model.bin.index.json"
     if index.exists():
-        mapping = json.loads(index.read_text())["weight_map"]
-        return {name: directory / file for name, file in mapping.items()}
-    files: Dict[str, Path] = {}
+        return read_index(index)
+    files: dict[str, Path] = {}
     for name in pickles:
-        for key in _pickle_load(directory / name):
+        for key in load_pickle(directory / name):
             files[key] = directory / name
     return files
 
 
-def _weight_files(directory: Path, allow_pickle: bool = False) -> Dict[str, Path]:
+def _weight_files(directory: Path, allow_pickle: bool = False) -> dict[str, Path]:
     """tensor name -> weight file. Pickle checkpoints are refused unless ``allow_pickle``."""
     index = directory / "model.safetensors.index.json"
     if index.exists():
-        mapping = json.loads(index.read_text())["weight_map"]
-        return {name: directory / file for name, file in mapping.items()}
+        return read_index(index)
     single = directory / "model.safetensors"
     if single.exists():
-        from safetensors import safe_open
-
-        with safe_open(str(single), framework="pt") as handle:
-            return {name: single for name in handle.keys()}
+        return {name: single for name in read_header(single)}
     pickles = sorted(p.name for p in directory.glob("*.bin")) + sorted(p.name for p in directory.glob("*.pt"))
     if pickles and allow_pickle:
         return _pickle_files(directory, pickles)
@@ -104,14 +127,17 @@ class _Reader:
     """Reads named tensors from the safetensors files; each file is opened (mapped) only
     while the tensors of one module are read, so mapped pages do not pile up."""
 
-    def __init__(self, files: Dict[str, Path]):
+    def __init__(self, files: dict[str, Path]):
         self.files = files
 
-    def fill(self, targets: Dict[str, torch.Tensor]) -> List[str]:
-        """Copy each named tensor into its target, one at a time; returns names not found."""
-        from safetensors import safe_open
+    def fill(self, targets: dict[str, torch.Tensor]) -> list[str]:
+        """Copy each named tensor into its target, one at a time; returns names not found.
 
-        by_file: Dict[Path, List[str]] = defaultdict(list)
+        A file or tensor that fails to read (changed or damaged since it was checked)
+        raises LoadingError naming both."""
+        from safetensors import SafetensorError, safe_open
+
+        by_file: dict[Path, list[str]] = defaultdict(list)
         missing = []
         for name in targets:
             if name in self.files:
@@ -120,39 +146,74 @@ class _Reader:
                 missing.append(name)
         with torch.no_grad():
             for path, names in by_file.items():
-                if path.suffix in (".bin", ".pt"):  # allow_pickle=True
-                    tensors = _pickle_load(path)
+                if path.suffix in PICKLE_SUFFIXES:  # allow_pickle=True
+                    tensors = load_pickle(path)
                     for name in names:
-                        _copy_into(targets[name], tensors[name])
+                        _copy_into(targets[name], tensors[name], name, path)
                     del tensors
                     continue
-                with safe_open(str(path), framework="pt") as handle:
+                try:
+                    handle = safe_open(str(path), framework="pt")
+                except (SafetensorError, OSError, RuntimeError) as exc:
+                    raise _unreadable(names[0], path, exc) from exc
+                with handle:
                     for name in names:
-                        value = handle.get_tensor(name)
-                        _copy_into(targets[name], value)
+                        try:
+                            value = handle.get_tensor(name)
+                        except (SafetensorError, OSError, RuntimeError) as exc:
+                            raise _unreadable(name, path, exc) from exc
+                        _copy_into(targets[name], value, name, path)
                         del value
         return missing
 
 
-def _copy_into(target: torch.Tensor, value: torch.Tensor) -> None:
+def _unreadable(name: str, path: Path, exc: BaseException) -> LoadingError:
+    return LoadingError(f"{name} in {path} cannot be read ({exc}); the file was damaged or changed after "
+                        "it was checked: download or save the checkpoint again")
+
+
+def _copy_into(target: torch.Tensor, value: torch.Tensor, name: str = "a tensor",
+               path: Path | None = None) -> None:
+    """Floating-point values are cast to the target's dtype; any other shape than the
+    target's is refused, since copy_ would broadcast a [1, n] value into every row."""
+    if value.shape != target.shape:
+        where = f" in {path}" if path is not None else ""
+        raise LoadingError(f"{name}{where} has shape {list(value.shape)}, the model expects {list(target.shape)}")
     target.copy_(value.to(target.dtype) if value.is_floating_point() else value)
 
 
-def _load_module(module: nn.Module, prefix: str, reader: _Reader, recurse: bool = True) -> List[str]:
+def _module_tensors(module: nn.Module, prefix: str, recurse: bool = True) -> dict[str, torch.Tensor]:
+    """checkpoint name -> tensor, for each parameter and persistent buffer the loader fills."""
+    wanted = {f"{prefix}{name}": tensor for name, tensor in module.named_parameters(recurse=recurse)}
+    for mod_name, mod in (module.named_modules() if recurse else [("", module)]):
+        for buf_name, buffer in mod._buffers.items():
+            if buffer is not None and buf_name not in mod._non_persistent_buffers_set:
+                wanted[f"{prefix}{mod_name}.{buf_name}" if mod_name else f"{prefix}{buf_name}"] = buffer
+    return wanted
+
+
+def _resident_modules(model: nn.Module, layers: nn.ModuleList):
+    """(checkpoint prefix, module) for every module outside the decoder stack."""
+    stack_modules = {id(m) for layer in layers for m in layer.modules()}
+    for name, module in model.named_modules():
+        if id(module) not in stack_modules and module is not layers:
+            yield (f"{name}." if name else ""), module
+
+
+def _expected_tensors(model: nn.Module, path: str, layers: nn.ModuleList) -> dict[str, torch.Tensor]:
+    """Every tensor the loader will fill, by checkpoint name, read from the meta model."""
+    expected: dict[str, torch.Tensor] = {}
+    for prefix, module in _resident_modules(model, layers):
+        expected.update(_module_tensors(module, prefix, recurse=False))
+    for index, layer in enumerate(layers):
+        expected.update(_module_tensors(layer, f"{layer_name(path, index)}."))
+    return expected
+
+
+def _load_module(module: nn.Module, prefix: str, reader: _Reader, recurse: bool = True) -> list[str]:
     """Materialise a meta module on the host and fill it; returns names not found."""
     module.to_empty(device="cpu", recurse=recurse)
-    wanted = {}
-    for name, tensor in (module.named_parameters(recurse=recurse)):
-        wanted[f"{prefix}{name}"] = tensor
-    persistent = []
-    for mod_name, mod in (module.named_modules() if recurse else [("", module)]):
-        for buf_name in mod._buffers:
-            if buf_name not in mod._non_persistent_buffers_set:
-                full = f"{mod_name}.{buf_name}" if mod_name else buf_name
-                persistent.append(full)
-    for name in persistent:
-        wanted[f"{prefix}{name}"] = module.get_buffer(name)
-    return reader.fill(wanted)
+    return reader.fill(_module_tensors(module, prefix, recurse))
 
 
 def _return_freed_memory() -> None:
@@ -258,6 +319,10 @@ def from_pretrained(model_id: Union[str, os.PathLike], *, quantization: Optional
     quantize_on: where NF4 quantisation runs; default the stream device.
     allow_pickle: also read pickle checkpoints (``*.bin``), through
         ``torch.load(weights_only=True)``; refused by default.
+
+    Raises LoadingError, before any layer is read, for a path that does not exist, a
+    pre-quantised checkpoint, a missing or damaged shard or index, and tensors that are
+    missing or do not have exactly the model's shape (see ``layerstream.checkpoint``).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -273,6 +338,10 @@ def from_pretrained(model_id: Union[str, os.PathLike], *, quantization: Optional
     config_stream = stream if stream is not None else StreamConfig()
     directory = _resolve(model_id, revision, allow_pickle)
     files = _weight_files(directory, allow_pickle)
+    try:
+        refuse_prequantized(directory, files)
+    except LoadingError as exc:
+        raise _transformers_can_load(exc) from None
     config = AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
     torch_dtype = resolve_dtype(dtype, config)
     quant_config = None
@@ -310,19 +379,19 @@ def from_pretrained(model_id: Union[str, os.PathLike], *, quantization: Optional
                 module.weight.data = torch.empty_like(module.weight.data, dtype=torch_dtype)
     bnb_4bit_use_double_quant = quant_config.bnb_4bit_use_double_quant if quant_config is not None else True
     path, layers = find_decoder_layers(model)
+    tied_head = getattr(config, "tie_word_embeddings", False)
+    expected = _expected_tensors(model, path, layers)
+    validate_checkpoint(directory, files, expected,
+                        may_be_missing=[name for name in expected if tied_head and name.endswith("lm_head.weight")])
     _check_host_memory(config, quantization, torch_dtype, config_stream, bnb_4bit_use_double_quant)
     reader = _Reader(files)
-    stack_modules = {id(m) for layer in layers for m in layer.modules()}
 
     # the resident part: every module outside the stack
-    missing: List[str] = []
-    for name, module in model.named_modules():
-        if id(module) in stack_modules or module is layers:
-            continue
-        prefix = f"{name}." if name else ""
+    missing: list[str] = []
+    for prefix, module in _resident_modules(model, layers):
         missing += _load_module(module, prefix, reader, recurse=False)
     _rebuild_computed_buffers(model)
-    if getattr(config, "tie_word_embeddings", False):
+    if tied_head:
         model.tie_weights()
         missing = [m for m in missing if not m.endswith("lm_head.weight")]
     if config_stream.stream_embeddings:  # refused now rather than after every layer is read
@@ -342,15 +411,9 @@ def from_pretrained(model_id: Union[str, os.PathLike], *, quantization: Optional
         record = HostStore.plan_layer(index, layer_name(path, index), layer, lambda t: True)
         store.add(record, expected_bytes=record.nbytes * (len(layers) - index))
         _return_freed_memory()
-    if missing:
-        if any(".experts." in name for name in missing):
-            raise _transformers_can_load(LoadingError(
-                f"{directory} stores mixture-of-experts weights in a layout layerstream's loader "
-                "does not convert yet (one tensor per expert; transformers fuses them while "
-                "loading). Load with AutoModelForCausalLM.from_pretrained(..., device_map='cpu') "
-                "and call layerstream.stream_model instead."
-            ))
-        raise LoadingError(f"{len(missing)} tensors were not found in {directory}: {missing[:5]}")
+    if missing:  # validate_checkpoint refuses these up front; kept in case the two ever disagree
+        error = missing_tensors_error(directory, missing)
+        raise _transformers_can_load(error) if any(".experts." in name for name in missing) else error
     if quantizer is not None:
         quantizer.postprocess_model(model)
         model.hf_quantizer = quantizer

@@ -18,7 +18,6 @@ files, arguments it does not know) is loaded by transformers itself, on the host
 from __future__ import annotations
 
 import logging
-import os
 from typing import Optional
 
 import torch
@@ -87,15 +86,6 @@ def _quantization(kwargs):
     return config
 
 
-def _prequantized(path) -> bool:
-    config = os.path.join(os.fspath(path), "config.json")
-    try:
-        with open(config) as handle:
-            return '"quantization_config"' in handle.read()
-    except OSError:
-        return False
-
-
 def load(cls, path, **kwargs):
     """``cls.from_pretrained(path, **kwargs)`` as a streamed model."""
     from .. import loading
@@ -110,8 +100,6 @@ def load(cls, path, **kwargs):
     reason = None
     if extra:
         reason = f"arguments the layerstream loader does not take ({', '.join(sorted(extra))})"
-    elif _prequantized(path):
-        reason = "a pre-quantised checkpoint"
     model = None
     if reason is None:
         try:
