@@ -16,7 +16,7 @@ import argparse
 import torch
 
 from common import cuda_timer, median, write_result
-from layerstream.store import _register, _unregister  # page-locks as the engine's store does
+from layerstream.cudart import register_host, unregister_host  # page-locks as the engine's store does
 
 
 def timed(fn, repeats: int) -> float:
@@ -39,7 +39,7 @@ def main():
     total = layer * args.layers
     pinned = torch.empty(total, dtype=torch.uint8, pin_memory=True)
     host = torch.empty(total, dtype=torch.uint8)
-    _register(host)
+    register_host(host)
     device = torch.empty(total, dtype=torch.uint8, device="cuda")
     streams = [torch.cuda.Stream() for _ in range(4)]
     rows = {}
@@ -72,7 +72,7 @@ def main():
     print("| how | GB/s |\n| --- | --- |")
     for row in result["rows"]:
         print(f"| {row['how']} | {row['gbps']:.2f} |")
-    _unregister(host)
+    unregister_host(host)
     write_result("h2d-bandwidth", result)
 
 

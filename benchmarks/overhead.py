@@ -127,7 +127,8 @@ def main():
     for spec in args.configs.split(","):
         slots, prefetch, backward = parse_streamed_config(spec)
         model = copy.deepcopy(base)
-        layerstream.stream_model(model, slots=slots, prefetch=prefetch, backward_slots=backward)
+        layerstream.stream_model(model, slots=slots, prefetch=prefetch, backward_slots=backward,
+                                 vram_budget=None)
         model.cuda()
         runtime = layerstream.get_runtime(model)
         row = {"slots": slots, "prefetch": prefetch, "backward_slots_asked": backward}

@@ -145,7 +145,7 @@ def main():
     for spec in args.configs.split(","):
         slots, prefetch = (int(x) for x in spec.split(":"))
         streamed = copy.deepcopy(model)
-        layerstream.stream_model(streamed, slots=slots, prefetch=prefetch)
+        layerstream.stream_model(streamed, slots=slots, prefetch=prefetch, vram_budget=None)
         streamed.cuda()
         layers = streamed.model.layers
         runtime = layerstream.get_runtime(streamed)
@@ -162,7 +162,7 @@ def main():
         quantised.requires_grad_(False)
         for spec in args.configs.split(","):
             slots, prefetch = (int(x) for x in spec.split(":"))
-            layerstream.stream_model(quantised, slots=slots, prefetch=prefetch)
+            layerstream.stream_model(quantised, slots=slots, prefetch=prefetch, vram_budget=None)
             quantised.cuda()
             runtime = layerstream.get_runtime(quantised)
             record(f"layerstream NF4 {slots}:{prefetch}", stack(quantised.model.layers),

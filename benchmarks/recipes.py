@@ -45,7 +45,7 @@ def run_recipe(name: str, steps: int) -> dict:
     model = build_random_nf4(shape) if nf4 else build_random(shape)
     model = get_peft_model(model, LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
                                              target_modules=lora["target_modules"]))
-    layerstream.stream_model(model, slots=stream["slots"], prefetch=stream["prefetch"])
+    layerstream.stream_model(model, slots=stream["slots"], prefetch=stream["prefetch"], vram_budget=None)
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total))
     model.cuda()

@@ -47,7 +47,7 @@ def soak(args) -> dict:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model = get_peft_model(model, LoraConfig(r=16, target_modules="all-linear"))
-    layerstream.stream_model(model, slots=args.slots, prefetch=args.prefetch)
+    layerstream.stream_model(model, slots=args.slots, prefetch=args.prefetch, vram_budget=None)
     model.cuda()
     runtime = layerstream.get_runtime(model)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)

@@ -23,7 +23,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 import layerstream
-from layerstream.plan import parse_bytes
+from layerstream.units import parse_bytes
 from common import (build_random, build_random_nf4, cuda_timer, median, parse_streamed_config, pinned_bandwidth,
                     write_result)
 

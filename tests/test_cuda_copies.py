@@ -91,9 +91,9 @@ def test_streamed_host_store_is_pinned():
 
 
 def test_refused_pinning_falls_back_loudly_and_clears_the_cuda_error(monkeypatch, caplog):
-    from layerstream import store as store_mod
+    from layerstream import cudart
 
-    original = store_mod._register
+    original = cudart.register_host
 
     def refuse(tensor):
         # a real CUDA refusal: registering the same pages twice fails
@@ -101,9 +101,9 @@ def test_refused_pinning_falls_back_loudly_and_clears_the_cuda_error(monkeypatch
         try:
             original(tensor)
         finally:
-            store_mod._unregister(tensor)
+            cudart.unregister_host(tensor)
 
-    monkeypatch.setattr(store_mod, "_register", refuse)
+    monkeypatch.setattr(cudart, "register_host", refuse)
     streamed, resident = peft_pair("llama", layers=4, attn="eager")
     with caplog.at_level("WARNING", logger="layerstream"):
         stream(streamed, "cuda", slots=2, prefetch=1)

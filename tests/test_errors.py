@@ -54,10 +54,20 @@ def test_model_on_meta():
 
 
 @pytest.mark.gpu
-def test_model_already_on_the_gpu():
-    model = tiny_model(layers=3).cuda()
-    with pytest.raises(layerstream.StreamingError, match="already on cuda"):
-        layerstream.stream_model(model)
+def test_a_model_already_on_the_gpu_streams_from_there_and_frees_its_layers(caplog):
+    from tiny import assert_traces_equal, peft_pair, train_steps
+
+    streamed, resident = peft_pair("llama", layers=5)
+    streamed.cuda(), resident.cuda()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    with caplog.at_level("WARNING", logger="layerstream"):
+        layerstream.stream_model(streamed, slots=2, prefetch=1, vram_budget=None)
+    runtime = layerstream.get_runtime(streamed)
+    assert runtime.device.type == "cuda" and "moved into the host store" in caplog.text
+    assert all(v.device.type == "cpu" for r in runtime.records for v in r.host_values)
+    assert torch.cuda.memory_allocated() < before, "the layers' GPU memory was freed"
+    assert_traces_equal(train_steps(streamed, 3, "cuda"), train_steps(resident, 3, "cuda"))
 
 
 def test_model_without_a_decoder_stack():

@@ -165,3 +165,60 @@ def test_an_auto_budget_on_cuda_is_what_the_driver_reports_free_for_this_run():
     assert free + held.numel() <= budget <= total
     cap = int(per_process_fraction(torch.device("cuda", torch.cuda.current_device())) * total)
     assert budget == min(total, free + torch.cuda.memory_reserved(), cap)
+
+
+def _trainer_losses(model, out, steps=4, accumulation=1):
+    from datasets import Dataset
+    from transformers import Trainer, TrainingArguments
+
+    data = Dataset.from_list([{"input_ids": [3 + (i * 7 + j) % 90 for j in range(12)],
+                               "labels": [3 + (i * 7 + j) % 90 for j in range(12)]} for i in range(64)])
+    args = TrainingArguments(output_dir=str(out), use_cpu=True, report_to=[], max_steps=steps, logging_steps=1,
+                             per_device_train_batch_size=2, gradient_accumulation_steps=accumulation,
+                             save_strategy="no", learning_rate=1e-2, seed=0)
+    trainer = Trainer(model=model, args=args, train_dataset=data)
+    trainer.train()
+    return [e["loss"] for e in trainer.state.log_history if "loss" in e]
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_a_step_that_runs_out_of_memory_is_run_again_with_a_smaller_window_and_stays_exact(tmp_path, caplog,
+                                                                                          accumulation):
+    """The memory a measured step used is no promise for the next: when a step runs out of
+    memory with a window (here in the backward of the fourth micro-batch, after later layers'
+    gradients accumulated), the window shrinks and the step runs again from the same
+    gradients and random state; the losses are the uninterrupted run's (LoRA dropout on)."""
+    streamed, resident = peft_pair("llama", layers=6, lora={"lora_dropout": 0.1})
+    plain = _trainer_losses(resident, tmp_path / "plain", accumulation=accumulation)
+    stream(streamed, "cpu", slots=2, prefetch=1)
+    budget = _budget_for(streamed, extra_layers=4)
+    layerstream.unstream_model(streamed)
+    stream(streamed, "cpu", slots=2, prefetch=1, vram_budget=budget)
+    runtime = layerstream.get_runtime(streamed)
+    layer = streamed.base_model.model.model.layers[1]
+    calls = {"n": 0, "raised": False}
+
+    def out_of_memory_in_a_backward(module, args):
+        calls["n"] += 1
+        if runtime.window and not calls["raised"] and calls["n"] == 8:  # the recompute of micro-batch 4
+            calls["raised"] = True
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB")
+
+    layer.register_forward_pre_hook(out_of_memory_in_a_backward)
+    with caplog.at_level("WARNING", logger="layerstream"):
+        got = _trainer_losses(streamed, tmp_path / "streamed", accumulation=accumulation)
+    assert calls["raised"] and runtime.stats()["oom_retries"] == 1
+    assert "runs again from where it started" in caplog.text
+    assert got == plain
+
+
+def test_an_out_of_memory_error_without_a_window_is_explained_and_raised(tmp_path):
+    streamed, _ = peft_pair("llama", layers=4)
+    stream(streamed, "cpu", slots=2, prefetch=1, vram_budget=None)
+
+    def out_of_memory(module, args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB")
+
+    streamed.base_model.model.model.layers[2].register_forward_pre_hook(out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError, match="layerstream: the GPU ran out of memory"):
+        _trainer_losses(streamed, tmp_path / "streamed", steps=1)

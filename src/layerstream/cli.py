@@ -147,31 +147,34 @@ def _run_target(args, rest, parser) -> int:
     from .errors import StreamConfigError
     from .integrations import launch
 
+    target = args.module or args.target
+    if target is None:
+        parser.error("name a SCRIPT.py, -m MODULE or an installed command to run")
+    entry = None
+    if not args.module and not os.path.isfile(target):
+        found = [ep for ep in metadata.entry_points(group="console_scripts") if ep.name == target]
+        if not found:
+            parser.error(f"{target!r} is not a file, and no installed command has that name; give "
+                         "SCRIPT.py, -m MODULE, or a command such as trl")
+        entry = found[0]
     try:
         values = {s.name: parse_setting(s.name, getattr(args, s.name), flag_name(s.name)) for s in settings()}
         launch.enable(values)
     except StreamConfigError as exc:
         parser.error(str(exc))
-    target = args.module or args.target
-    if target is None:
-        parser.error("name a SCRIPT.py, -m MODULE or an installed command to run")
-    saved_argv, saved_path = sys.argv, list(sys.path)
+    saved_argv, saved_path, saved_env = sys.argv, list(sys.path), dict(os.environ)
+    _allocator_defaults()
+    _inherit(values)
     try:
+        sys.argv = [target] + list(rest)
         if args.module:
-            sys.argv = [args.module] + list(rest)
             sys.path.insert(0, os.getcwd())
             runpy.run_module(args.module, run_name="__main__", alter_sys=True)
-        elif os.path.isfile(target):
-            sys.argv = [target] + list(rest)
+        elif entry is None:
             sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
             runpy.run_path(target, run_name="__main__")
         else:
-            found = [ep for ep in metadata.entry_points(group="console_scripts") if ep.name == target]
-            if not found:
-                parser.error(f"{target!r} is not a file, and no installed command has that name; give "
-                             "SCRIPT.py, -m MODULE, or a command such as trl")
-            sys.argv = [target] + list(rest)
-            result = found[0].load()()
+            result = entry.load()()
             return int(result) if isinstance(result, int) else 0
     except SystemExit as exc:
         code = exc.code
@@ -179,7 +182,24 @@ def _run_target(args, rest, parser) -> int:
     finally:
         launch.disable()
         sys.argv, sys.path[:] = saved_argv, saved_path
+        os.environ.clear()
+        os.environ.update(saved_env)
     return 0
+
+
+def _inherit(values) -> None:
+    """Processes the target starts (``trl sft`` and ``accelerate launch`` start the training
+    script anew) stream too: the settings go in LAYERSTREAM_AUTOSTREAM, and the start-up
+    hook in layerstream/_site (first on PYTHONPATH) turns them on there."""
+    import json
+    import os
+
+    site = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_site")
+    os.environ["LAYERSTREAM_AUTOSTREAM"] = json.dumps({k: (str(v) if k == "device" and v is not None else v)
+                                                       for k, v in values.items()})
+    path = os.environ.get("PYTHONPATH", "")
+    if site not in path.split(os.pathsep):
+        os.environ["PYTHONPATH"] = site + (os.pathsep + path if path else "")
 
 
 def _add_train_parser(sub) -> argparse.ArgumentParser:
@@ -216,7 +236,6 @@ def main(argv=None) -> int:
         run_parser = sub.choices["run"]
         ours, rest = split_run_arguments(run_parser, argv[1:])
         args = run_parser.parse_args(ours)
-        _allocator_defaults()
         return _run_target(args, rest, run_parser)
     args, rest = parser.parse_known_args(argv)
     if args.command == "demo":

@@ -277,6 +277,12 @@ def nf4_settings(quantization_config, dtype: torch.dtype):
     from transformers import BitsAndBytesConfig
 
     if isinstance(quantization_config, dict):
+        method = str(quantization_config.get("quant_method", "bitsandbytes")).lower()
+        if method != "bitsandbytes":
+            raise LoadingError(
+                f"quantization_config names {method!r}; layerstream streams unquantised weights and "
+                "bitsandbytes 4-bit NF4 (BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4')). "
+                "Load without it, or in NF4.")
         quantization_config = BitsAndBytesConfig.from_dict(dict(quantization_config))
     method = str(getattr(quantization_config, "quant_method", "")).lower()
     if not isinstance(quantization_config, BitsAndBytesConfig):
@@ -304,7 +310,7 @@ def from_pretrained(model_id: Union[str, os.PathLike], *, quantization: Optional
                     bnb_4bit_compute_dtype: Optional[torch.dtype] = None, revision: Optional[str] = None,
                     quantize_on: Optional[Union[str, torch.device]] = None, allow_pickle: bool = False,
                     quantization_config=None, attn_implementation: Optional[str] = None,
-                    torch_dtype=None, model_class=None):
+                    torch_dtype=None, model_class=None, config=None):
     """Load ``model_id`` (a local directory or a hub id) as a streamed causal LM.
 
     quantization: None (weights in ``dtype``) or "nf4" (bitsandbytes 4-bit, double
@@ -316,6 +322,8 @@ def from_pretrained(model_id: Union[str, os.PathLike], *, quantization: Optional
         ``torch_dtype`` is the older spelling of the same argument.
     stream: the StreamConfig (default ``StreamConfig()``).
     model_class: the transformers class to build (default: what AutoModelForCausalLM picks).
+    config: the model's transformers config, when the caller has it (default: read from the
+        checkpoint, as transformers does).
     quantize_on: where NF4 quantisation runs; default the stream device.
     allow_pickle: also read pickle checkpoints (``*.bin``), through
         ``torch.load(weights_only=True)``; refused by default.
@@ -342,7 +350,8 @@ def from_pretrained(model_id: Union[str, os.PathLike], *, quantization: Optional
         refuse_prequantized(directory, files)
     except LoadingError as exc:
         raise _transformers_can_load(exc) from None
-    config = AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
+    if config is None:
+        config = AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
     torch_dtype = resolve_dtype(dtype, config)
     quant_config = None
     if quantization == "nf4":

@@ -31,7 +31,7 @@ _original = None  # PreTrainedModel.__dict__["from_pretrained"] before install
 # arguments the loader takes, and arguments that only say how transformers should fetch or
 # place the files, which the loader's own reading makes moot
 _TAKEN = {"dtype", "torch_dtype", "device_map", "quantization_config", "attn_implementation",
-          "trust_remote_code", "revision", "load_in_4bit", "load_in_8bit"}
+          "trust_remote_code", "revision", "load_in_4bit", "load_in_8bit", "config"}
 _MOOT = {"low_cpu_mem_usage", "use_safetensors", "_from_auto", "_from_pipeline", "local_files_only",
          "cache_dir", "token", "force_download", "proxies", "max_memory", "offload_folder",
          "offload_state_dict", "offload_buffers", "_commit_hash", "subfolder", "variant", "use_kernels"}
@@ -97,6 +97,9 @@ def load(cls, path, **kwargs):
     if quantization is not None:
         loading.nf4_settings(quantization, torch.bfloat16)  # 8-bit, FP4, other quantisers: refused by name
     extra = {k: v for k, v in kwargs.items() if k not in _TAKEN and k not in _MOOT}
+    if "_adapter_model_path" not in (kwargs.get("adapter_kwargs") or {}):
+        extra.pop("adapter_kwargs", None)  # no adapter to load with the model (the Auto classes always pass it)
+    config = _config(cls, path, kwargs, extra)
     reason = None
     if extra:
         reason = f"arguments the layerstream loader does not take ({', '.join(sorted(extra))})"
@@ -107,7 +110,7 @@ def load(cls, path, **kwargs):
                 path, dtype=kwargs.get("dtype", kwargs.get("torch_dtype", "auto")) or "auto",
                 quantization_config=quantization, stream=stream,
                 trust_remote_code=bool(kwargs.get("trust_remote_code")), revision=kwargs.get("revision"),
-                attn_implementation=kwargs.get("attn_implementation"), model_class=cls)
+                attn_implementation=kwargs.get("attn_implementation"), model_class=cls, config=config)
         except LoadingError as exc:
             if not getattr(exc, "transformers_can_load", False):
                 raise
@@ -123,6 +126,26 @@ def load(cls, path, **kwargs):
                    path, "NF4" if getattr(model, "is_loaded_in_4bit", False) else str(model.dtype),
                    target if target is not None else "the host until the Trainer places it")
     return model
+
+
+def _config(cls, path, kwargs, extra):
+    """The model's config, with the keyword arguments that set config attributes applied
+    (as transformers does); those leave ``extra``."""
+    import copy
+
+    config = kwargs.get("config")
+    if config is None:
+        from transformers import AutoConfig
+
+        try:
+            config = AutoConfig.from_pretrained(path, trust_remote_code=bool(kwargs.get("trust_remote_code")),
+                                                revision=kwargs.get("revision"))
+        except (OSError, ValueError):
+            return None  # the loader reports what is wrong with the checkpoint
+    config = copy.deepcopy(config)
+    for name in [k for k in extra if hasattr(config, k)]:
+        setattr(config, name, extra.pop(name))
+    return config
 
 
 def _place(model, target: Optional[torch.device]) -> None:

@@ -1,0 +1,104 @@
+"""Run a command line as ``layerstream``/``python -m`` would, on a GPU made smaller with
+``torch.cuda.set_per_process_memory_fraction``, optionally after this process used the
+GPU for something else first, and record each Trainer's step times. Harness only: the
+script it runs is unchanged.
+
+    python benchmarks/capped.py --cap 12GiB --used-first --times t.json -- layerstream run -m trl.scripts.sft ...
+    python benchmarks/capped.py --cap 12GiB --times t.json -- python -m trl.scripts.sft ...
+
+Before CUDA starts, the allocator gets what ``layerstream run`` gives it (expandable
+segments, unless configured), so the plain and streamed runs share an allocator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import runpy
+import sys
+import time
+
+
+def _use_the_gpu_first() -> None:
+    """What a process did before training: a resident model loaded, evaluated, used to
+    generate, and freed (its blocks stay in the caching allocator unless emptied)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("llama", vocab_size=32000, hidden_size=2048, intermediate_size=5632,
+                                  num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).cuda().eval()
+    ids = torch.randint(0, 32000, (2, 256), device="cuda")
+    with torch.no_grad():
+        model(input_ids=ids)
+        model.generate(input_ids=ids[:, :16], max_new_tokens=16, do_sample=False, pad_token_id=0)
+    del model, ids
+    print(f"capped: used the GPU first; {torch.cuda.memory_reserved() / 2**30:.2f} GiB stays reserved",
+          flush=True)
+
+
+def _time_trainer_steps(path: str) -> None:
+    from transformers import Trainer, TrainerCallback
+
+    import torch
+
+    class StepTimes(TrainerCallback):
+        def __init__(self):
+            self.times, self.start = [], None
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            torch.cuda.synchronize()
+            self.start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            torch.cuda.synchronize()
+            self.times.append(time.perf_counter() - self.start)
+            with open(path, "w") as handle:
+                json.dump({"step_s": self.times, "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
+                           "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30}, handle)
+
+    original = Trainer.__init__
+
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self.add_callback(StepTimes())
+
+    Trainer.__init__ = __init__
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cap", required=True, help="GPU memory this process may use, e.g. 12GiB")
+    parser.add_argument("--used-first", action="store_true", help="use and free the GPU before the command")
+    parser.add_argument("--times", default=None, help="write each Trainer step's time here (JSON)")
+    parser.add_argument("command", nargs=argparse.REMAINDER)
+    args = parser.parse_args()
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    from layerstream.cli import _allocator_defaults
+    from layerstream.units import parse_bytes
+
+    _allocator_defaults()
+    import torch
+
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, parse_bytes(args.cap) / total))
+    print(f"capped: {args.cap} of {total / 2**30:.1f} GiB; allocator {os.environ.get('PYTORCH_CUDA_ALLOC_CONF')}",
+          flush=True)
+    if args.used_first:
+        _use_the_gpu_first()
+    if args.times:
+        _time_trainer_steps(args.times)
+    if command[:1] == ["layerstream"]:
+        from layerstream.cli import main as layerstream_main
+
+        sys.exit(layerstream_main(command[1:]))
+    if command[:2] == ["python", "-m"]:
+        sys.argv = command[2:]
+        runpy.run_module(command[2], run_name="__main__", alter_sys=True)
+        return
+    raise SystemExit(f"capped: run `layerstream ...` or `python -m MODULE ...`, got {command}")
+
+
+if __name__ == "__main__":
+    main()

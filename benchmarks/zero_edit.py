@@ -1,0 +1,138 @@
+"""TRL's own scripts, unchanged, on checkpoints larger than the GPU they get.
+
+Writes random-weight checkpoints of a 3B and an 8B shape to disk (``checkpoints.py``) and a
+small SFT and preference dataset, then runs ``python -m trl.scripts.sft`` / ``trl.scripts.dpo``
+through ``layerstream run`` in fresh processes, each under a per-process memory cap smaller
+than the model's weights (``capped.py``): bf16 LoRA and ``--load_in_4bit`` QLoRA. Where the
+model also fits its cap resident, the plain script runs too, for the losses and the speed.
+Capped-only runs go several at a time (each has its own cap; their step times are not
+compared); plain-versus-streamed pairs run alone.
+
+    python benchmarks/zero_edit.py --work /tmp/zero-edit --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+# (script, shape, quantization, cap, also run the plain script under the same cap)
+CASES = [
+    ("sft", "llama3-8b", "bf16", "12GiB", False),
+    ("sft", "llama3-8b", "4bit", "4GiB", False),
+    ("sft", "llama3.2-3b", "bf16", "4GiB", False),
+    ("sft", "llama3.2-3b", "4bit", "2GiB", False),
+    ("dpo", "llama3-8b", "bf16", "12GiB", False),
+    ("dpo", "llama3-8b", "4bit", "4GiB", False),
+    ("dpo", "llama3.2-3b", "bf16", "4GiB", False),
+    ("dpo", "llama3.2-3b", "4bit", "2GiB", False),
+    ("sft", "llama3.2-3b", "bf16", "24GiB", True),
+    ("sft", "llama3-8b", "4bit", "16GiB", True),
+]
+
+
+def write_inputs(work: Path, shapes) -> dict:
+    sys.path.insert(0, str(HERE))
+    import checkpoints
+
+    from layerstream import embedded
+
+    paths = {}
+    for shape in shapes:
+        target = work / shape
+        if not (target / "model.safetensors.index.json").exists():
+            start = time.perf_counter()
+            checkpoints.write(shape, target)
+            print(f"wrote {shape} in {time.perf_counter() - start:.1f} s", flush=True)
+        paths[shape] = target
+    rows = [json.loads(line) for line in embedded.data_path().read_text().splitlines() if line.strip()]
+    for name, make in (("sft", lambda r: {"text": f"Q: {r['instruction']}\nA: {r['response']}"}),
+                       ("dpo", lambda r: {"prompt": f"Q: {r['instruction']}\nA:", "chosen": " " + r["response"],
+                                          "rejected": " I do not know."})):
+        folder = work / f"data-{name}"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "train.jsonl").write_text("".join(json.dumps(make(r)) + "\n" for r in rows))
+        paths[name] = folder
+    return paths
+
+
+def command(paths, script, shape, quantization, out: Path, steps: int, streamed: bool):
+    args = ["-m", f"trl.scripts.{script}", "--model_name_or_path", str(paths[shape]), "--dataset_name",
+            str(paths[script]), "--output_dir", str(out), "--max_steps", str(steps), "--logging_steps", "1",
+            "--save_strategy", "steps", "--save_steps", str(steps), "--report_to", "none", "--use_peft",
+            "--lora_r", "16", "--lora_target_modules", "all-linear", "--per_device_train_batch_size", "4",
+            "--max_length", "256", "--dtype", "bfloat16", "--bf16", "--seed", "0"]
+    if quantization == "4bit":
+        args.append("--load_in_4bit")
+    return ["layerstream", "run"] + args if streamed else ["python"] + args
+
+
+def run(paths, case, work: Path, steps: int, streamed: bool) -> dict:
+    script, shape, quantization, cap, _ = case
+    name = f"{script}-{shape}-{quantization}-{cap}-{'streamed' if streamed else 'plain'}"
+    out = work / "runs" / name
+    times = work / "runs" / f"{name}-times.json"
+    argv = [sys.executable, str(HERE / "capped.py"), "--cap", cap, "--used-first", "--times", str(times), "--"]
+    argv += command(paths, script, shape, quantization, out, steps, streamed)
+    start = time.perf_counter()
+    done = subprocess.run(argv, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    log = done.stdout + done.stderr
+    state = out / f"checkpoint-{steps}" / "trainer_state.json"
+    history = json.loads(state.read_text())["log_history"] if state.exists() else []
+    timing = json.loads(times.read_text()) if times.exists() else {}
+    step_s = timing.get("step_s", [])
+    row = {"name": name, "script": script, "shape": shape, "quantization": quantization, "cap": cap,
+           "streamed": streamed, "returncode": done.returncode, "wall_s": round(wall, 1),
+           "out_of_memory": "out of memory" in log.lower(),
+           "losses": [e["loss"] for e in history if "loss" in e],
+           "stats_in_log_history": all(any(k.startswith("layerstream/") for k in e) for e in history if "loss" in e)
+           if streamed and history else None,
+           "window_layers": [e.get("layerstream/window_layers") for e in history if "loss" in e],
+           "oom_retries": max([e.get("layerstream/oom_retries", 0) for e in history if "loss" in e], default=None),
+           "step_s": step_s, "median_step_s": statistics.median(step_s[2:]) if len(step_s) > 2 else None,
+           "peak_allocated_gib": timing.get("peak_allocated_gib"), "peak_reserved_gib": timing.get("peak_reserved_gib")}
+    (work / "runs" / f"{name}.log").write_text(log)
+    print(json.dumps({k: v for k, v in row.items() if k != "step_s"}), flush=True)
+    return row
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--work", default="/tmp/zero-edit")
+    parser.add_argument("--out", default=str(HERE / "results"))
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--parallel", type=int, default=4)
+    parser.add_argument("--only", default=None, help="comma list of case names to run (script-shape-quant-cap)")
+    args = parser.parse_args()
+    work = Path(args.work)
+    cases = [c for c in CASES if args.only is None or "-".join(c[:4]) in args.only.split(",")]
+    paths = write_inputs(work, sorted({c[1] for c in cases}))
+    capped_only = [c for c in cases if not c[4]]
+    with ThreadPoolExecutor(args.parallel) as pool:
+        rows = list(pool.map(lambda c: run(paths, c, work, args.steps, True), capped_only))
+    for case in (c for c in cases if c[4]):
+        rows.append(run(paths, case, work, args.steps, False))
+        rows.append(run(paths, case, work, args.steps, True))
+    pairs = []
+    for case in (c for c in cases if c[4]):
+        plain, streamed = [r for r in rows if r["name"].startswith("-".join(case[:4]) + "-")]
+        pairs.append({"case": "-".join(case[:4]), "losses_equal": plain["losses"] == streamed["losses"],
+                      "speed_vs_plain": (plain["median_step_s"] / streamed["median_step_s"])
+                      if plain["median_step_s"] and streamed["median_step_s"] else None})
+    result = {"steps": args.steps, "rows": rows, "pairs": pairs}
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "zero-edit.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(pairs), flush=True)
+
+
+if __name__ == "__main__":
+    main()

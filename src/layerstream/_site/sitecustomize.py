@@ -1,0 +1,39 @@
+"""Auto-streaming in processes a launched command starts (``layerstream run trl sft ...``,
+``layerstream run accelerate launch ...``): ``layerstream run`` puts this directory first on
+PYTHONPATH and its settings in LAYERSTREAM_AUTOSTREAM, and Python imports this module at
+start-up. Without that variable it does nothing. Another sitecustomize further along the
+path still runs."""
+
+import os
+import sys
+
+
+def _enable():
+    import json
+
+    from layerstream.integrations import launch
+
+    launch.enable(json.loads(os.environ["LAYERSTREAM_AUTOSTREAM"]))
+
+
+def _chain():
+    """Run the sitecustomize this one shadows, if there is one."""
+    import importlib.util
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    for entry in sys.path:
+        if os.path.abspath(entry or ".") == here:
+            continue
+        candidate = os.path.join(entry or ".", "sitecustomize.py")
+        if os.path.isfile(candidate):
+            spec = importlib.util.spec_from_file_location("_layerstream_chained_sitecustomize", candidate)
+            spec.loader.exec_module(importlib.util.module_from_spec(spec))
+            return
+
+
+if os.environ.get("LAYERSTREAM_AUTOSTREAM"):
+    try:
+        _enable()
+    except Exception as exc:  # noqa: BLE001 - a start-up hook must not stop the program; say why
+        print(f"layerstream: auto-streaming is off in this process: {exc}", file=sys.stderr)
+_chain()

@@ -1,0 +1,172 @@
+"""`layerstream run` with the launchers people use: a script path, ``-m MODULE`` (TRL's
+shipped scripts), an installed command (``trl sft``), and ``python -m layerstream``; each
+run streamed gives the plain run's losses, with the stats in log_history."""
+
+import json
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+
+import layerstream
+from layerstream import cli, embedded
+from layerstream.integrations import launch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _auto_streaming_off():
+    yield
+    launch.disable()
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """A tiny checkpoint with its tokenizer, an SFT and a preference dataset, on disk."""
+    root = tmp_path_factory.mktemp("files")
+    checkpoint = embedded.write_checkpoint(root / "model", layers=4, hidden_size=64)
+    rows = [json.loads(line) for line in embedded.data_path().read_text().splitlines() if line.strip()][:48]
+    sft = root / "sft"
+    sft.mkdir()
+    (sft / "train.jsonl").write_text("".join(
+        json.dumps({"text": f"Q: {r['instruction']}\nA: {r['response']}"}) + "\n" for r in rows))
+    dpo = root / "dpo"
+    dpo.mkdir()
+    (dpo / "train.jsonl").write_text("".join(
+        json.dumps({"prompt": f"Q: {r['instruction']}\nA:", "chosen": " " + r["response"], "rejected": " no."}) + "\n"
+        for r in rows))
+    return {"model": checkpoint, "sft": sft, "dpo": dpo}
+
+
+def _history(out):
+    """log_history from trainer_state.json (TRL's scripts write it with the last checkpoint)."""
+    state = Path(out) / "trainer_state.json"
+    if not state.exists():
+        state = Path(out) / "checkpoint-3" / "trainer_state.json"
+    return json.loads(state.read_text())["log_history"]
+
+
+def _losses(out):
+    return [e["loss"] for e in _history(out) if "loss" in e]
+
+
+def _common(files, out, data="sft"):
+    return ["--model_name_or_path", str(files["model"]), "--dataset_name", str(files[data]), "--output_dir",
+            str(out), "--max_steps", "3", "--logging_steps", "1", "--report_to", "none", "--use_cpu",
+            "--per_device_train_batch_size", "4", "--save_strategy", "steps", "--save_steps", "3", "--use_peft",
+            "--lora_r", "4",
+            "--lora_target_modules", "all-linear", "--max_length", "64", "--seed", "0"]
+
+
+def _plain_module(module, argv, monkeypatch):
+    monkeypatch.setattr(sys, "argv", [module] + argv)
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+@pytest.mark.parametrize("form", ["module", "command", "python-m-layerstream"])
+def test_trl_sft_unchanged_under_the_launcher_matches_the_plain_run(files, tmp_path, monkeypatch, form):
+    _plain_module("trl.scripts.sft", _common(files, tmp_path / "plain"), monkeypatch)
+    streamed = _common(files, tmp_path / "streamed")
+    if form == "module":
+        assert cli.main(["run", "--slots", "2", "-m", "trl.scripts.sft"] + streamed) == 0
+    elif form == "command":
+        assert cli.main(["run", "--slots", "2", "trl", "sft"] + streamed) == 0
+    else:
+        monkeypatch.setattr(sys, "argv", ["layerstream", "run", "--slots", "2", "-m", "trl.scripts.sft"] + streamed)
+        with pytest.raises(SystemExit) as exit_info:
+            runpy.run_module("layerstream", run_name="__main__")
+        assert exit_info.value.code == 0
+    plain, got = _losses(tmp_path / "plain"), _losses(tmp_path / "streamed")
+    assert len(plain) == 3 and got == plain
+    logged = [e for e in _history(tmp_path / "streamed") if "loss" in e]
+    assert all("layerstream/layer_loads" in e for e in logged)
+    assert (tmp_path / "streamed" / "adapter_model.safetensors").exists()
+
+
+def test_trl_sft_qlora_under_the_launcher_matches_the_plain_run(files, tmp_path, monkeypatch):
+    args = ["--load_in_4bit", "--dtype", "bfloat16"]
+    _plain_module("trl.scripts.sft", _common(files, tmp_path / "plain") + args, monkeypatch)
+    assert cli.main(["run", "--slots", "2", "-m", "trl.scripts.sft"] + _common(files, tmp_path / "streamed") + args) == 0
+    plain, got = _losses(tmp_path / "plain"), _losses(tmp_path / "streamed")
+    assert len(plain) == 3 and got == plain
+
+
+def test_trl_dpo_unchanged_under_the_launcher_matches_the_plain_run(files, tmp_path, monkeypatch):
+    def args(out):
+        return _common(files, out, data="dpo")
+
+    _plain_module("trl.scripts.dpo", args(tmp_path / "plain"), monkeypatch)
+    assert cli.main(["run", "--slots", "2", "-m", "trl.scripts.dpo"] + args(tmp_path / "streamed")) == 0
+    plain, got = _losses(tmp_path / "plain"), _losses(tmp_path / "streamed")
+    assert len(plain) == 3 and got == plain
+
+
+def test_a_plain_trainer_script_with_device_map_and_a_4bit_config_matches_the_plain_run(files, tmp_path,
+                                                                                          monkeypatch):
+    script = str(ROOT / "examples" / "train_qlora.py")
+
+    def args(out):
+        return ["--model_name_or_path", str(files["model"]), "--load_in_4bit", "--output_dir", str(out),
+                "--max_steps", "3", "--logging_steps", "1", "--report_to", "none", "--use_cpu",
+                "--per_device_train_batch_size", "4", "--save_strategy", "no"]
+
+    monkeypatch.setattr(sys, "argv", [script] + args(tmp_path / "plain"))
+    runpy.run_path(script, run_name="__main__")
+    assert cli.main(["run", "--slots", "2", script] + args(tmp_path / "streamed")) == 0
+    plain, got = _losses(tmp_path / "plain"), _losses(tmp_path / "streamed")
+    assert len(plain) == 3 and got == plain
+
+
+def test_layer_stream_flags_of_an_hfargumentparser_script_stream_what_it_loads(files):
+    from transformers import AutoModelForCausalLM, HfArgumentParser
+
+    (streaming,) = HfArgumentParser((layerstream.StreamingArguments,)).parse_args_into_dataclasses(
+        ["--layer_stream", "--layer_stream_slots", "2", "--layer_stream_vram_budget", "none"])
+    model = AutoModelForCausalLM.from_pretrained(files["model"], device_map="auto")
+    assert layerstream.is_streamed(model)
+    assert layerstream.get_runtime(model).config.vram_budget is None
+
+
+def test_the_settings_are_one_definition_on_every_surface():
+    """Every StreamConfig setting is a `layerstream run` flag, a StreamingArguments field
+    and a YAML stream key, with the same default."""
+    import dataclasses
+
+    from layerstream.config import settings, setting_default_text
+    from layerstream.integrations.trainer import argument_name
+    from layerstream.train import SECTIONS
+
+    parser = cli.argparse.ArgumentParser()
+    cli.add_setting_flags(parser)
+    flags = {action.dest: action for action in parser._actions}
+    fields = {f.name: f for f in dataclasses.fields(layerstream.StreamingArguments)}
+    for setting in settings():
+        default = setting_default_text(setting)
+        assert flags[setting.name].default == default, setting.name
+        assert flags[setting.name].help.startswith(setting.metadata["help"])
+        assert fields[argument_name(setting.name)].default == default, setting.name
+        if setting.name != "device":  # YAML spells the default device "auto": CUDA when there is one
+            assert SECTIONS["stream"][setting.name] == default, setting.name
+    assert layerstream.StreamConfig(device="cpu").vram_budget is None  # auto on the host: no budget
+    assert flags["vram_budget"].default == "auto"
+
+
+@pytest.mark.parametrize("argv,ours,theirs", [
+    (["--slots", "2", "train.py", "--slots", "9"], ["--slots", "2", "train.py"], ["--slots", "9"]),
+    (["--stream-embeddings", "-m", "trl.scripts.sft", "--x"], ["--stream-embeddings", "-m", "trl.scripts.sft"],
+     ["--x"]),
+    (["--vram-budget=8GiB", "trl", "sft", "--lr", "1"], ["--vram-budget=8GiB", "trl"], ["sft", "--lr", "1"]),
+    (["--no-pin", "--device", "cpu", "a.py"], ["--no-pin", "--device", "cpu", "a.py"], []),
+])
+def test_launcher_options_end_where_the_target_begins(argv, ours, theirs):
+    run_parser = cli.argparse.ArgumentParser()
+    cli.add_setting_flags(run_parser)
+    assert cli.split_run_arguments(run_parser, argv) == (ours, theirs)
+
+
+def test_an_unknown_target_is_refused_with_the_forms_the_launcher_takes(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["run", "--slots", "2", "no-such-command-anywhere"])
+    assert exit_info.value.code == 2 and "SCRIPT.py, -m MODULE, or a command" in capsys.readouterr().err
