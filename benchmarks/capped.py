@@ -48,15 +48,19 @@ def _time_trainer_steps(path: str) -> None:
             self.times, self.start = [], None
 
         def on_step_begin(self, args, state, control, **kwargs):
-            torch.cuda.synchronize()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
             self.start = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
-            torch.cuda.synchronize()
+            cuda = torch.cuda.is_available()
+            if cuda:
+                torch.cuda.synchronize()
             self.times.append(time.perf_counter() - self.start)
             with open(path, "w") as handle:
-                json.dump({"step_s": self.times, "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
-                           "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30}, handle)
+                json.dump({"step_s": self.times,
+                           "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+                           "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else None}, handle)
 
     original = Trainer.__init__
 
@@ -81,12 +85,15 @@ def main():
     _allocator_defaults()
     import torch
 
-    total = torch.cuda.get_device_properties(0).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, parse_bytes(args.cap) / total))
-    print(f"capped: {args.cap} of {total / 2**30:.1f} GiB; allocator {os.environ.get('PYTORCH_CUDA_ALLOC_CONF')}",
-          flush=True)
-    if args.used_first:
-        _use_the_gpu_first()
+    if torch.cuda.is_available():
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, parse_bytes(args.cap) / total))
+        print(f"capped: {args.cap} of {total / 2**30:.1f} GiB; allocator "
+              f"{os.environ.get('PYTORCH_CUDA_ALLOC_CONF')}", flush=True)
+        if args.used_first:
+            _use_the_gpu_first()
+    else:
+        print("capped: no GPU, no cap (a dry run of the harness)", flush=True)
     if args.times:
         _time_trainer_steps(args.times)
     if command[:1] == ["layerstream"]:

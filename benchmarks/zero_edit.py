@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+EXTRA: list = []  # arguments every run gets (the CPU dry run's --use_cpu)
 
 # (script, shape, quantization, cap, also run the plain script under the same cap)
 CASES = [
@@ -41,7 +42,7 @@ CASES = [
 
 def write_inputs(work: Path, shapes) -> dict:
     sys.path.insert(0, str(HERE))
-    import checkpoints
+    import checkpoints  # noqa: E402  (the harness runs as a script)
 
     from layerstream import embedded
 
@@ -69,9 +70,10 @@ def command(paths, script, shape, quantization, out: Path, steps: int, streamed:
             str(paths[script]), "--output_dir", str(out), "--max_steps", str(steps), "--logging_steps", "1",
             "--save_strategy", "steps", "--save_steps", str(steps), "--report_to", "none", "--use_peft",
             "--lora_r", "16", "--lora_target_modules", "all-linear", "--per_device_train_batch_size", "4",
-            "--max_length", "256", "--dtype", "bfloat16", "--bf16", "--seed", "0"]
+            "--max_length", "256", "--dtype", "bfloat16", "--bf16", "true", "--seed", "0"]
     if quantization == "4bit":
         args.append("--load_in_4bit")
+    args += EXTRA
     return ["layerstream", "run"] + args if streamed else ["python"] + args
 
 
@@ -79,6 +81,7 @@ def run(paths, case, work: Path, steps: int, streamed: bool) -> dict:
     script, shape, quantization, cap, _ = case
     name = f"{script}-{shape}-{quantization}-{cap}-{'streamed' if streamed else 'plain'}"
     out = work / "runs" / name
+    (work / "runs").mkdir(parents=True, exist_ok=True)
     times = work / "runs" / f"{name}-times.json"
     argv = [sys.executable, str(HERE / "capped.py"), "--cap", cap, "--used-first", "--times", str(times), "--"]
     argv += command(paths, script, shape, quantization, out, steps, streamed)
@@ -112,25 +115,43 @@ def main():
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--parallel", type=int, default=4)
     parser.add_argument("--only", default=None, help="comma list of case names to run (script-shape-quant-cap)")
+    parser.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU: checks the harness only")
     args = parser.parse_args()
     work = Path(args.work)
     cases = [c for c in CASES if args.only is None or "-".join(c[:4]) in args.only.split(",")]
+    if args.dry_run:
+        sys.path.insert(0, str(HERE))
+        import checkpoints
+
+        for shape in {c[1] for c in cases}:
+            checkpoints.SHAPES[shape] = dict(model_type="llama", vocab_size=512, hidden_size=64,
+                                             intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                                             num_key_value_heads=2, max_position_embeddings=512)
+        global EXTRA
+        EXTRA = ["--use_cpu"]
     paths = write_inputs(work, sorted({c[1] for c in cases}))
     capped_only = [c for c in cases if not c[4]]
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+
+    def save(rows, pairs=()):
+        (Path(args.out) / "zero-edit.json").write_text(json.dumps({"steps": args.steps, "rows": rows,
+                                                                   "pairs": list(pairs)}, indent=1))
+
     with ThreadPoolExecutor(args.parallel) as pool:
         rows = list(pool.map(lambda c: run(paths, c, work, args.steps, True), capped_only))
+    save(rows)
     for case in (c for c in cases if c[4]):
         rows.append(run(paths, case, work, args.steps, False))
         rows.append(run(paths, case, work, args.steps, True))
+        save(rows)
     pairs = []
     for case in (c for c in cases if c[4]):
         plain, streamed = [r for r in rows if r["name"].startswith("-".join(case[:4]) + "-")]
-        pairs.append({"case": "-".join(case[:4]), "losses_equal": plain["losses"] == streamed["losses"],
+        pairs.append({"case": "-".join(case[:4]),
+                      "losses_equal": bool(plain["losses"]) and plain["losses"] == streamed["losses"],
                       "speed_vs_plain": (plain["median_step_s"] / streamed["median_step_s"])
                       if plain["median_step_s"] and streamed["median_step_s"] else None})
-    result = {"steps": args.steps, "rows": rows, "pairs": pairs}
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "zero-edit.json").write_text(json.dumps(result, indent=1))
+    save(rows, pairs)
     print(json.dumps(pairs), flush=True)
 
 

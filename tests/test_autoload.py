@@ -155,3 +155,23 @@ def test_from_pretrained_takes_dtype_as_transformers_spells_it(checkpoint):
     assert by_dtype.dtype == by_alias.dtype == torch.float16 and auto.dtype == torch.float32
     with pytest.raises(layerstream.LoadingError, match="disagree"):
         layerstream.from_pretrained(checkpoint, dtype=torch.float16, torch_dtype=torch.bfloat16, stream=stream)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("device_map", ["auto", {"": 0}, "cuda:0"])
+@pytest.mark.parametrize("quantization", [None, NF4], ids=["bf16", "nf4"])
+def test_on_a_gpu_the_resident_part_lands_where_the_device_map_says(checkpoint, device_map, quantization):
+    launch.enable({"slots": 2})
+    try:
+        model = AutoModelForCausalLM.from_pretrained(checkpoint, device_map=device_map, dtype=torch.bfloat16,
+                                                     quantization_config=quantization)
+    finally:
+        launch.disable()
+    runtime = layerstream.get_runtime(model)
+    assert runtime.device == torch.device("cuda", 0) and model.hf_device_map == {"": 0}
+    assert model.get_input_embeddings().weight.device == torch.device("cuda", 0)
+    assert all(v.device.type == "cpu" for r in runtime.records for v in r.host_values)
+    reference = _plain(checkpoint, device_map={"": 0}, dtype=torch.bfloat16, quantization_config=quantization)
+    ids = batch(259, device="cuda")
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, reference(input_ids=ids).logits)

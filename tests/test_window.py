@@ -222,3 +222,21 @@ def test_an_out_of_memory_error_without_a_window_is_explained_and_raised(tmp_pat
     streamed.base_model.model.model.layers[2].register_forward_pre_hook(out_of_memory)
     with pytest.raises(torch.OutOfMemoryError, match="layerstream: the GPU ran out of memory"):
         _trainer_losses(streamed, tmp_path / "streamed", steps=1)
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_window_is_sized_from_measured_memory_and_stays_exact():
+    """vram_budget="auto" (the default): the first step streams every layer; what it used,
+    measured, leaves room for the whole tiny model, which then stays on the GPU."""
+    streamed, resident = peft_pair("llama", layers=6)
+    layerstream.stream_model(streamed, slots=2, prefetch=1)
+    streamed.cuda(), resident.cuda()
+    runtime = layerstream.get_runtime(streamed)
+    assert runtime.config.vram_budget == "auto"
+    assert_traces_equal(train_steps(streamed, 1, "cuda"), train_steps(resident, 1, "cuda"))
+    assert runtime.window == []
+    assert_traces_equal(train_steps(streamed, 3, "cuda"), train_steps(resident, 3, "cuda"))
+    assert runtime.window == list(range(6)) and runtime.sizer.reference.peak_reserved > 0
+    before = runtime.stats()["layer_loads"]
+    train_steps(streamed, 1, "cuda")
+    assert runtime.stats()["layer_loads"] == before, "window layers are not copied"

@@ -1,0 +1,144 @@
+"""The resident window under a GPU as large as its budget, in a process that used the GPU
+before: does the automatic window ever run out of memory, and how close is its step time
+to the best window found by hand?
+
+Each cell runs in a fresh process. It caps the process at the budget
+(``set_per_process_memory_fraction``), uses the GPU for something else first (a resident
+model loaded, evaluated, used to generate, freed), builds a real-shape random-weight model
+(LoRA r16 on every linear layer), streams it with ``vram_budget`` equal to the cap and
+trains (AdamW, one 2048-token sequence per step): the automatic window decides over the
+first steps and the median of the last steps is its time. Then the window is set by hand,
+from the automatic size up until a step runs out of memory, and each size is timed the same
+way; the best of those is the reference.
+
+    python benchmarks/window_matrix.py --cells llama3-8b:none:12GiB,llama3-8b:nf4:6GiB --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+CELLS = ("llama3-8b:none:12GiB,llama3-8b:none:16GiB,llama3-8b:none:24GiB,llama3-8b:nf4:6GiB,"
+         "llama3-8b:nf4:8GiB,llama3-70b:nf4:16GiB,llama3-70b:nf4:24GiB")
+
+
+def _steps(model, optimizer, ids, count):
+    import torch
+
+    times = []
+    for _ in range(count):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def cell(shape: str, quantization: str, budget_text: str, seq: int, auto_steps: int, timed: int) -> dict:
+    import statistics
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    sys.path.insert(0, str(HERE))
+    from capped import _use_the_gpu_first
+    from common import build_random, build_random_nf4
+
+    import layerstream
+    from layerstream.cli import _allocator_defaults
+    from layerstream.schedule import spread_resident
+    from layerstream.units import parse_bytes
+
+    _allocator_defaults()
+    budget = parse_bytes(budget_text)
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(budget / total)
+    _use_the_gpu_first()
+    model = build_random_nf4(shape) if quantization == "nf4" else build_random(shape)
+    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
+    layerstream.stream_model(model, vram_budget=budget)
+    model.cuda()
+    runtime = layerstream.get_runtime(model)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+    ids = torch.randint(0, model.config.vocab_size, (1, seq), device="cuda")
+    row = {"shape": shape, "quantization": quantization, "budget_gib": budget / 2**30, "seq": seq,
+           "layers": len(runtime.records)}
+    try:
+        times = _steps(model, optimizer, ids, auto_steps)
+        row.update(auto_out_of_memory=False, auto_window=len(runtime.window), auto_times=times,
+                   auto_step_s=statistics.median(times[-timed:]), window_changes=runtime.window_changes,
+                   auto_peak_reserved_gib=torch.cuda.max_memory_reserved() / 2**30)
+    except torch.OutOfMemoryError as exc:
+        row.update(auto_out_of_memory=True, auto_error=str(exc).splitlines()[0], auto_window=len(runtime.window))
+        return row
+    print(json.dumps({k: v for k, v in row.items() if k != "auto_times"}), flush=True)
+    runtime.meter = None  # the window is set by hand from here on
+    hand = []
+    size = max(0, row["auto_window"] - 1)
+    while size <= len(runtime.records):
+        optimizer.zero_grad(set_to_none=True)
+        gc.collect()
+        torch.cuda.empty_cache()
+        entry = {"window": size}
+        try:
+            runtime.set_window(spread_resident(len(runtime.records), size))
+            times = _steps(model, optimizer, ids, timed + 2)
+            entry.update(step_s=statistics.median(times[-timed:]), out_of_memory=False)
+        except torch.OutOfMemoryError:
+            entry.update(out_of_memory=True)
+        hand.append(entry)
+        print(json.dumps(entry), flush=True)
+        if entry["out_of_memory"]:
+            break
+        size += 1
+    row["hand"] = hand
+    fits = [h for h in hand if not h["out_of_memory"]]
+    if fits:
+        best = min(fits, key=lambda h: h["step_s"])
+        row.update(best_hand_window=best["window"], best_hand_step_s=best["step_s"],
+                   auto_vs_best=best["step_s"] / row["auto_step_s"])
+    return row
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cells", default=CELLS, help="shape:quantization:budget list")
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--auto-steps", type=int, default=8)
+    parser.add_argument("--timed", type=int, default=3)
+    parser.add_argument("--out", default=str(HERE / "results"))
+    parser.add_argument("--cell", default=None, help=argparse.SUPPRESS)  # one cell, in this process
+    args = parser.parse_args()
+    if args.cell:
+        shape, quantization, budget = args.cell.split(":")
+        print("RESULT " + json.dumps(cell(shape, quantization, budget, args.seq, args.auto_steps, args.timed)))
+        return
+    rows = []
+    for spec in args.cells.split(","):
+        start = time.perf_counter()
+        done = subprocess.run([sys.executable, __file__, "--cell", spec, "--seq", str(args.seq), "--auto-steps",
+                               str(args.auto_steps), "--timed", str(args.timed)], capture_output=True, text=True)
+        lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+        row = json.loads(lines[-1][7:]) if lines else {"cell": spec, "failed": True,
+                                                         "tail": (done.stdout + done.stderr)[-3000:]}
+        row["cell_wall_s"] = round(time.perf_counter() - start, 1)
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k not in ("auto_times", "hand", "tail")}), flush=True)
+        if row.get("failed"):
+            print(row["tail"], flush=True)
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "window-matrix.json").write_text(json.dumps({"rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
