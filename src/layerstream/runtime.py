@@ -316,7 +316,7 @@ class StreamRuntime:
             self._check_budget(*self.last_shape)
         if self.meter is not None:
             self._size_window(self.last_shape[0] * self.last_shape[1])
-        elif self.backward.auto:
+        if self.backward.auto:
             self._decide_backward_slots(hidden)
 
     def _check_trainable(self) -> None:
