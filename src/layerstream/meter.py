@@ -88,8 +88,9 @@ class PlannedMeter:
         batch, seq = self._shape
         memory = self.runtime.memory_plan(batch, seq)
         peak = memory.peak_vram_bytes + memory.reserve_bytes + window * self.runtime.store.largest_layer_bytes
-        return Reading(window=window, tokens=tokens, peak_reserved=peak, start_allocated=0,
-                       peak_allocated=memory.activation_bytes, retries=0)
+        # the planner's peak stands for what the step allocates (its reserve for the allocator)
+        return Reading(window=window, tokens=tokens, peak_reserved=peak, start_allocated=peak - memory.activation_bytes,
+                       peak_allocated=peak, retries=0)
 
     def release_cache(self) -> None:
         pass

@@ -447,8 +447,11 @@ class StreamRuntime:
             meter.release_cache()
         target = self.sizer.size(meter.limit(), tokens, len(self._window))
         if target != len(self._window):
+            shrinking = target < len(self._window)
             self.window_changes.append((tokens, target))
             self._set_window_size(target, tokens)
+            if shrinking:
+                meter.release_cache()  # the freed buffers go back, or the cap keeps them reserved
             self._resets_left = WINDOW_RESETS
         self._measured_tokens = tokens
         reset = self._resets_left > 0

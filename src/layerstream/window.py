@@ -6,12 +6,16 @@ step needs runs the step out of memory. Predicting a step's peak is not enough (
 allocator's fragmentation, a fused loss, whatever else the process did before), so the
 window is sized from measurements:
 
-- the first training step of a run runs with no window, and its peak *reserved* memory
-  (what the caching allocator holds, fragmentation included) is read afterwards;
-- the window then grows by the whole layers that fit between that peak and the limit (the
-  budget, the per-process memory fraction and what the device has free, whichever is
-  least), less a margin; each later step is measured the same way, and the window shrinks
-  when a step came closer to the limit than the margin or the allocator had to retry;
+- the first training step of a run runs with no window, on an emptied cache, and its peaks
+  are read afterwards: the allocated peak (what the step needed) and the reserved peak
+  (what the caching allocator held for it: the allocated peak plus the allocator's own
+  overhead, fragmentation included);
+- the window then grows by the whole layers that fit between that reserved peak and the
+  limit (the budget, the per-process memory fraction and what the device has free,
+  whichever is least), less a margin; each later step is measured again, its allocated
+  peak plus the overhead learnt at the first step standing for what it needs (its own
+  reserved peak does not: under a cap the allocator keeps reserving up to the cap and
+  recycles), and the window shrinks when a step came closer to the limit than the margin;
 - before a step with more tokens than any measured, the step's growth is predicted from
   the measured one (activation memory grows linearly with tokens) and the window shrinks
   first when it would not fit.
@@ -46,7 +50,7 @@ class Reading:
     peak_reserved: int  # the caching allocator's peak reserved bytes during the step
     start_allocated: int  # bytes allocated when the step began
     peak_allocated: int  # the allocated peak during the step
-    retries: int  # allocations that had to free cached memory and retry (the limit was hit)
+    retries: int  # allocations that had to free cached memory and retry (reported, not used)
 
     @property
     def transient(self) -> int:
@@ -61,25 +65,27 @@ class WindowSizer:
         self.num_layers = num_layers
         self.layer_bytes = max(layer_bytes, 1)
         self.reference: Optional[Reading] = None  # the measured step with the most tokens
+        self.overhead = 0  # reserved beyond allocated at the first step (the allocator's own)
         self.excess = 0  # how far a step with fewer tokens went past what the reference predicts
-        self.at_limit = False  # the last step made the allocator retry
         self.max_window = num_layers  # lowered when a window ran a step out of memory
 
     def predicted_peak(self, tokens: int, window: int) -> int:
         """Peak reserved bytes of a step of ``tokens`` tokens with ``window`` layers, from
         the reference step; activations grow linearly with the tokens of a step."""
         reference = self.reference
-        peak = reference.peak_reserved + (window - reference.window) * self.layer_bytes + self.excess
+        peak = (reference.peak_allocated + self.overhead + (window - reference.window) * self.layer_bytes
+                + self.excess)
         if tokens > reference.tokens:
             peak += math.ceil(reference.transient * (tokens / reference.tokens - 1))
         return peak
 
     def record(self, reading: Reading) -> None:
-        self.at_limit = reading.retries > 0
+        if self.reference is None:
+            self.overhead = max(0, reading.peak_reserved - reading.peak_allocated)
         if self.reference is None or reading.tokens >= self.reference.tokens:
             self.reference, self.excess = reading, 0
             return
-        over = reading.peak_reserved - self.predicted_peak(reading.tokens, reading.window)
+        over = reading.peak_allocated + self.overhead - self.predicted_peak(reading.tokens, reading.window)
         self.excess = max(self.excess, over)
 
     def size(self, limit: int, tokens: int, window: int) -> int:
@@ -88,8 +94,6 @@ class WindowSizer:
         if self.reference is None:
             return 0
         room = limit - margin_bytes(limit) - self.predicted_peak(tokens, window)
-        if self.at_limit and room >= 0:
-            room = -1  # the allocator was at its limit: one layer less than measured
         if room >= 0:
             return min(self.max_window, window + room // self.layer_bytes)
         return min(self.max_window, max(0, window - math.ceil(-room / self.layer_bytes)))

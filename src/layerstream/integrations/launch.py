@@ -69,7 +69,7 @@ def default_device() -> torch.device:
         from accelerate.state import PartialState
 
         if PartialState._shared_state:
-            return torch.device(PartialState().device)
+            return _as_device(PartialState().device)
     except ImportError:  # pragma: no cover - accelerate is a dependency
         pass
     if not torch.cuda.is_available():
@@ -96,6 +96,7 @@ def device_of_map(device_map) -> Optional[torch.device]:
 
 
 def _as_device(value) -> torch.device:
+    """A device with its index: code that reads ``hf_device_map`` (the Trainer) needs one."""
     if isinstance(value, int):
         return torch.device("cuda", value)
     device = torch.device(value)
