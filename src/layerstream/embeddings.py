@@ -27,10 +27,9 @@ per forward. ``StreamConfig(stream_embeddings=True)`` keeps both in (pinned) hos
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F

@@ -76,6 +76,39 @@ class AboveStreamedLayers(_NotCopyable):
         return super()._apply(fn, recurse)
 
 
+# keyword arguments through which decoder layers receive or update a KV cache
+CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
+
+
+def without_cache(kwargs: dict, warned: bool):
+    """A checkpointed layer must not write a KV cache (the recompute would write it twice):
+    an empty cache is dropped, as transformers does under gradient checkpointing (one
+    warning), and one holding past tokens is refused. Returns (kwargs, warned)."""
+    import logging
+
+    names = [name for name in CACHE_KWARGS if kwargs.get(name) is not None]
+    if not names:
+        return kwargs, warned
+    kwargs = dict(kwargs)
+    for name in names:
+        seq_length = getattr(kwargs[name], "get_seq_length", None)
+        if seq_length is not None and seq_length() > 0:
+            raise StreamingError(
+                "a KV cache holding past tokens reached a streamed layer with autograd on. "
+                "Streamed layers are checkpointed under autograd and cannot read or extend "
+                "a cache there; run generation and cached inference under torch.no_grad() "
+                "(model.generate does).")
+        kwargs[name] = None
+    if "use_cache" in kwargs:
+        kwargs["use_cache"] = False
+    if not warned:
+        logging.getLogger("layerstream.runtime").warning(
+            "layerstream: streamed layers are checkpointed while autograd is on, so they do "
+            "not fill the KV cache passed to them (as with transformers' gradient "
+            "checkpointing). Set model.config.use_cache = False for training to silence this.")
+    return kwargs, True
+
+
 def call_unstreamed(layer: nn.Module, args, kwargs):
     """Run the layer as plain ``nn.Module.__call__`` (hooks, then forward)."""
     return nn.Module.__call__(layer, *args, **kwargs)

@@ -39,7 +39,6 @@ from .checkpoint import (
 )
 from .config import StreamConfig
 from .discovery import find_decoder_layers, layer_name
-from .errors import LoadingError
 from .store import HostStore, check_host_memory
 
 logger = logging.getLogger(__name__)

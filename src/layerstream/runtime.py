@@ -15,18 +15,17 @@ start-up summary and out-of-memory advice are in ``report``.
 from __future__ import annotations
 
 import logging
-import threading
 from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from . import changes, checksum, nf4, report, schedule, swap, timeline
+from . import bindings, changes, checksum, passes, report, schedule, swap, timeline
 from . import layer as layer_mod
 from .backward_slots import BackwardSlots
 from .config import StreamConfig
-from .errors import SlotOwnerError, StreamingError
+from .errors import StreamingError
 from .meter import CudaMeter, PlannedMeter
 from .pool import SlotPool
 from .schedule import Phase, PrefetchPlanner
@@ -35,18 +34,7 @@ from .window import WindowSizer
 
 logger = logging.getLogger(__name__)
 
-# keyword arguments through which decoder layers receive or update a KV cache
-_CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
 WINDOW_RESETS = 3  # steps measured from a reset peak after the window is set or changes
-
-
-class _Pass:
-    """A forward pass under way (and, for training, its backward), and the thread it is for."""
-
-    __slots__ = ("thread", "kind", "backward")
-
-    def __init__(self, thread: int, kind: str):
-        self.thread, self.kind, self.backward = thread, kind, False
 
 
 def _always_owned(tensor: torch.Tensor) -> None:
@@ -82,7 +70,7 @@ class StreamRuntime:
         # (slot, layer) -> [(table, name, slot tensor)], built on first use, then reused
         self._bindings: Dict[Tuple[int, int], list] = {}
         self._streamed_dtypes = {e.dtype for r in records for e in r.entries}
-        self._pass: Optional[_Pass] = None  # the pass under way, and whose
+        self._pass = None  # passes.Pass: the pass under way, and whose
         self.visits = 0
         self.demand_loads = 0
         self.peak_resident_layers = 0
@@ -129,43 +117,10 @@ class StreamRuntime:
         return binding
 
     def _make_binding(self, buffer: torch.Tensor, index: int, owner_check) -> list:
-        """(table, name, device tensor) for each bound tensor of a layer held in ``buffer``."""
-        record = self.records[index]
-        views = [buffer[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape) for e in record.entries]
-        quant: Dict[int, dict] = {}
-        for entry, view in zip(record.entries, views):
-            if entry.kind == "quant":
-                quant.setdefault(id(entry.module), {})[entry.quant_path] = view
-        binding = []
-        for entry, view, host in zip(record.entries, views, record.host_values):
-            if not entry.bound:
-                continue
-            if entry.kind == "_parameters":
-                host_state = getattr(host, "quant_state", None)
-                if host_state is not None and id(entry.module) in quant:
-                    view = nf4.slot_weight(host, view, nf4.clone_state(host_state, quant[id(entry.module)]))
-                    view._layerstream_owner = owner_check
-                else:
-                    view = nn.Parameter(view, requires_grad=False)
-            binding.append((entry.table, entry.name, view))
-        return binding
+        return bindings.make(self.records[index], buffer, owner_check)
 
     def _owner_check(self, index: int):
-        """A check for backward: the slot a saved tensor lives in still holds this layer.
-
-        The slot is found from the tensor's address, not remembered: under checkpointing
-        the tensors backward reads come from the recompute, which may use another slot
-        than the forward did.
-        """
-        pool, name = self.pool, self.records[index].name
-
-        def check(tensor: torch.Tensor) -> None:
-            slot = pool.slot_of_pointer(tensor.data_ptr())
-            if slot is None or not pool.owns(slot, index):
-                holder = None if slot is None else pool.owner[slot]
-                raise SlotOwnerError(f"backward of {name} reads slot {slot}, which holds layer {holder}")
-
-        return check
+        return bindings.owner_check(self.pool, index, self.records[index].name)
 
     # -- the hot path --------------------------------------------------------------
     def _enter(self, index: int, phase: Phase) -> int:
@@ -262,35 +217,11 @@ class StreamRuntime:
             if not training and index == len(self.records) - 1:
                 self._pass = None
 
-    # -- one user at a time ----------------------------------------------------------
     def _claim(self, index: int, kind: str) -> None:
-        """Refuse a forward from a thread while another thread's pass is under way: the
-        layers' tables, slots and schedule are one model's, and interleaved passes would
-        compute with each other's weights or overwrite a slot a backward still reads."""
-        thread = threading.get_ident()
-        current = self._pass
-        if current is not None and current.thread != thread:
-            raise StreamingError(
-                f"this streamed model is in use by another thread (a {current.kind} pass is under "
-                "way) and one streamed model serves one pass at a time. Use it from one thread, "
-                "guard it with a lock (a training step holds it until its backward ends), or load "
-                "a second model for the other thread.")
-        if index == 0 or current is None:
-            self._pass = _Pass(thread, kind)
+        self._pass = passes.claim(self._pass, index, kind)
 
     def _in_backward(self) -> None:
-        """At a backward recompute: the training pass ends when autograd's whole backward
-        has been queued (not when this layer's recompute returns: its backward follows)."""
-        current = self._pass
-        if current is None or current.kind != "train" or current.backward:
-            return
-        current.backward = True
-
-        def ended():
-            if self._pass is current:
-                self._pass = None
-
-        torch.autograd.Variable._execution_engine.queue_callback(ended)
+        passes.in_backward(self)
 
     # -- at the start of each pass -----------------------------------------------------
     def _start_pass(self, hidden: Optional[torch.Tensor], training: bool) -> None:
@@ -537,28 +468,8 @@ class StreamRuntime:
 
     # -- checks --------------------------------------------------------------------
     def _drop_cache(self, kwargs):
-        """Checkpointed layers must not write a KV cache: the recompute would write twice."""
-        names = [name for name in _CACHE_KWARGS if kwargs.get(name) is not None]
-        if not names:
-            return kwargs
-        kwargs = dict(kwargs)
-        for name in names:
-            seq_length = getattr(kwargs[name], "get_seq_length", None)
-            if seq_length is not None and seq_length() > 0:
-                raise StreamingError(
-                    "a KV cache holding past tokens reached a streamed layer with autograd on. "
-                    "Streamed layers are checkpointed under autograd and cannot read or extend "
-                    "a cache there; run generation and cached inference under torch.no_grad() "
-                    "(model.generate does).")
-            kwargs[name] = None
-        if "use_cache" in kwargs:
-            kwargs["use_cache"] = False
-        if not self._warned_cache:
-            self._warned_cache = True
-            logger.warning(
-                "layerstream: streamed layers are checkpointed while autograd is on, so they do "
-                "not fill the KV cache passed to them (as with transformers' gradient "
-                "checkpointing). Set model.config.use_cache = False for training to silence this.")
+        kwargs, warned = layer_mod.without_cache(kwargs, self._warned_cache)
+        self._warned_cache = warned
         return kwargs
 
     def check_apply(self, fn, dtypes=None) -> None:

@@ -1,0 +1,36 @@
+"""Memory planner: will a streamed LoRA/QLoRA training run fit, and how fast can it copy?
+
+Answers from a model's transformers config alone, before anything is downloaded or
+allocated: how large each streamed layer is (the slot size and the host store), what
+stays on the GPU, what the activations of one training step cost, the predicted peak
+GPU memory, the host RAM needed, and how many bytes a step copies. Pure arithmetic:
+no weights are read and CUDA is never touched; torch is imported for dtype sizes only.
+
+The model of a step that the numbers follow (docs/plan.md derives each term):
+
+- Every decoder layer streams: its frozen weights live in host arenas and are copied
+  into ``slots`` GPU buffers of one largest layer each. Embeddings, the final norm, the
+  head and the LoRA adapters (with their gradients and AdamW state) stay resident.
+  With ``stream_embeddings`` the embedding and head live on the host too: the resident
+  part is the final norm, the loss phase also holds one transient copy of the head
+  weight, and a step copies the head twice (forward, backward) and the embedding rows.
+- Training runs every streamed layer under activation checkpointing, so autograd keeps
+  one hidden state per layer boundary, and backward recomputes one layer at a time.
+- The loss (logits in fp32, their log-softmax and its gradient) and the recompute of a
+  layer happen at different moments of the step, so the peak holds the larger of the two,
+  on top of everything that lives for the whole step.
+- A step copies every layer twice (forward, then the recompute in reverse) except the
+  ``slots`` layers still in slots at each forward/backward turnaround.
+
+Layer shapes follow the transformers modeling code of the families named in
+``KNOWN_FAMILIES``; any other ``model_type`` is planned as a Llama-style layer and the
+plan says so in its notes.
+"""
+
+
+from ..units import ALIGN, GiB, parse_bytes  # noqa: F401  (re-exported)
+from .lora import LoraTargets  # noqa: F401
+from .memory import *  # noqa: F401,F403
+from .memory import _build, _copies, _working_bytes  # noqa: F401
+from .report import format_plan, speed_hints  # noqa: F401
+from .shapes import *  # noqa: F401,F403

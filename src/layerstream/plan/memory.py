@@ -1,0 +1,453 @@
+"""The memory model of one streamed LoRA training step: the plan (``MemoryPlan``), built
+from the shapes (``shapes``) and the adapters (``lora``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from ..config import DEFAULT_ARENA_BYTES, auto_slots
+from ..schedule import usable_backward_slots
+from ..units import arena_sizes, aligned, GiB
+from ..window import margin_bytes
+from .lora import LoraTargets, _lora_targets
+from .shapes import (ADAMW_STATES, BACKWARD_SLOTS_MAX, DEFAULT_BANDWIDTH_GBPS, DEFAULT_RESERVE_BYTES, KNOWN_FAMILIES,
+                     LORA_BYTES, LOSS_LOGIT_COPIES, STREAM_EMBEDDINGS_ADVICE, STREAM_EMBEDDINGS_ADVICE_SHARE,
+                     _QK_NORM_FAMILIES, LayerShape, _attention_dims, _check_quantization, _embedding_matrices,
+                     _num_experts, _text_config, embedding_bytes, head_bytes, layer_bytes, layer_shapes, parse_dtype,
+                     resident_bytes)
+
+# -- the plan -----------------------------------------------------------------------------
+@dataclass
+class MemoryPlan:
+    """Predicted memory and copy cost of one streamed LoRA training step. Bytes are ints."""
+
+    model_type: str
+    num_layers: int
+    seq: int
+    batch: int
+    quantization: str
+    dtype: str
+    lora_rank: int
+    lora_targets: str
+    # streamed layers
+    layer_bytes: List[int]
+    max_layer_bytes: int
+    host_store_bytes: int
+    # resident on the GPU for the whole step
+    resident_bytes: int
+    lora_params: int
+    lora_bytes: int  # adapter weights (fp32)
+    lora_grad_bytes: int
+    optimizer_bytes: int
+    slots: int
+    slots_auto: bool
+    slot_bytes: int
+    backward_slots: int  # extra slots, late backward to early next forward (the loss's memory)
+    # activations
+    boundary_bytes: int  # one hidden state per layer boundary (checkpointing keeps these)
+    layer_working_bytes: int  # one layer's recompute + backward
+    loss_bytes: int  # logits in fp32 and their gradients
+    # totals
+    peak_vram_bytes: int
+    vram_bytes: int
+    reserve_bytes: int
+    host_ram_bytes: int  # peak: model loaded by transformers, then stream_model
+    host_steady_bytes: int  # the store alone, after model.to(device)
+    loader_store_bytes: int  # arenas as layerstream.from_pretrained allocates them
+    loader_ram_bytes: int  # peak: layerstream.from_pretrained, then LoRA
+    # copies
+    layers_copied_per_step: int
+    copy_bytes_per_step: int
+    bandwidth_gbps: float
+    copy_seconds_per_step: float
+    fits: bool
+    # stream_embeddings: embedding and head on the host, the head copied in for the loss
+    stream_embeddings: bool = False
+    head_copy_bytes: int = 0  # the transient device copy of the head weight (loss phase)
+    ends_host_bytes: int = 0  # the embedding and head weights in host memory
+    ends_copy_bytes_per_step: int = 0  # two head copies and the embedding rows (in copy_bytes_per_step)
+    advice: List[str] = field(default_factory=list)
+    notes: List[str] = field(default_factory=list)
+
+    @property
+    def static_bytes(self) -> int:
+        """What lives on the GPU for the whole step."""
+        return (self.resident_bytes + self.slot_bytes + self.lora_bytes + self.lora_grad_bytes
+                + self.optimizer_bytes + self.boundary_bytes)
+
+    @property
+    def loss_phase_bytes(self) -> int:
+        """The loss, and the head weight copied in for it when the head streams."""
+        return self.loss_bytes + self.head_copy_bytes
+
+    @property
+    def activation_bytes(self) -> int:
+        """What grows with batch x seq: boundary states plus the larger transient phase."""
+        return self.boundary_bytes + max(self.loss_bytes, self.layer_working_bytes)
+
+    @property
+    def needed_bytes(self) -> int:
+        return self.peak_vram_bytes + self.reserve_bytes
+
+    @property
+    def headroom_bytes(self) -> int:
+        """Budget left after the peak and the reserve (negative: the shortfall)."""
+        return self.vram_bytes - self.needed_bytes
+
+    @property
+    def window_layers(self) -> int:
+        """Layers a ``vram_budget`` of this plan's budget keeps on the GPU for good (the
+        resident window), as the runtime sizes it when its steps use what this plan
+        predicts: whole layers in the headroom less the window's margin."""
+        if not self.fits:
+            return 0
+        return window_size(self.headroom_bytes - margin_bytes(self.vram_bytes), self.max_layer_bytes, self.num_layers)
+
+    def window_copies(self) -> Tuple[int, int]:
+        """(layers, bytes) copied per step with that window; its layers are the ones
+        ``schedule.spread_resident`` picks."""
+        from ..schedule import spread_resident
+
+        kept = set(spread_resident(self.num_layers, self.window_layers))
+        streamed = [size for index, size in enumerate(self.layer_bytes) if index not in kept]
+        return _copies(streamed, self.slots, usable_backward_slots(self.backward_slots, len(streamed), self.slots))
+
+    @property
+    def largest_tokens(self) -> int:
+        """The most batch x seq tokens whose activations fit beside everything else
+        (activations grow linearly with tokens); 0 when there is no room."""
+        per_token = self.activation_bytes / (self.batch * self.seq)
+        room = self.vram_bytes - self.reserve_bytes - (self.peak_vram_bytes - self.activation_bytes)
+        return int(room // per_token) if room > 0 else 0
+
+    @property
+    def largest_batch(self) -> int:
+        """The largest batch at this seq that fits; 0 when not even one sequence does."""
+        return self.largest_tokens // self.seq
+
+
+def window_size(headroom_bytes: int, largest_layer_bytes: int, num_layers: int) -> int:
+    """How many layers the resident window holds: whole largest layers in the headroom a
+    VRAM budget leaves after the planned peak and the reserve (StreamRuntime uses it too)."""
+    return int(min(num_layers, max(0, headroom_bytes // max(largest_layer_bytes, 1))))
+
+
+def _copies(sizes: Sequence[int], slots: int, backward_slots: int = 0) -> Tuple[int, int]:
+    """Layers and bytes copied per steady-state training step. Forward starts with the
+    first ``slots + backward_slots`` layers left in slots by the previous backward;
+    backward starts with the ``slots`` last layers left by forward (backward slots are
+    empty at the loss). Every other visit copies its layer."""
+    layers = len(sizes)
+    kept_forward = min(layers, slots + backward_slots)
+    kept_backward = min(layers, slots)
+    return ((layers - kept_forward) + (layers - kept_backward),
+            sum(sizes[kept_forward:]) + sum(sizes[: layers - kept_backward]))
+
+
+def backward_slot_count(loss_phase_bytes: int, working_bytes: int, lora_bytes: int,
+                        slot_bytes: int, streamed_layers: int, slots: int) -> int:
+    """How many backward slots fit in memory the loss phase needs and the rest of the
+    step does not: the loss phase less one layer's recompute and backward, the adapters'
+    gradients and the optimizer's temporaries (two more adapter-sized tensors) that come
+    while backward slots hold layers. None when a layer's working set, not the loss, sets
+    the peak (the memory would raise it); never more than ``usable_backward_slots``."""
+    room = loss_phase_bytes - working_bytes - 3 * lora_bytes
+    if room <= 0 or slot_bytes <= 0:
+        return 0
+    return usable_backward_slots(int(min(BACKWARD_SLOTS_MAX, room // slot_bytes)), streamed_layers, slots)
+
+
+def loader_arena_bytes(sizes: Sequence[int], arena_bytes: int) -> int:
+    """Host bytes of the arenas ``layerstream.from_pretrained`` allocates (HostStore.add)."""
+    return sum(arena_sizes(list(sizes), arena_bytes))
+
+
+def _working_bytes(config, shape: LayerShape, adapted: LoraTargets, tokens: int,
+                   elem: int, dequantised: bool = False) -> int:
+    """Activation memory of one layer while backward recomputes and differentiates it.
+
+    Per token, what autograd keeps for a transformers decoder layer (sdpa or flash
+    attention):
+    - the input of each of the two RMSNorms in float32 (they upcast), and q/k in float32
+      under Qwen3's per-head norms;
+    - q, k, v and the attention output in the compute dtype;
+    - the MLP's gate, up and gated product in the compute dtype; in an MoE layer routed
+      experts count top_k times, plus the gathered input and the output of every routed
+      copy, plus the router's float32 logits and probabilities;
+    - for each LoRA-adapted nn.Linear, PEFT's float32 copy of its input (the adapter is
+      float32, the activations are not).
+    Per layer: a LoRA-adapted Parameter (expert stack, router) is merged as W + B@A by
+    PEFT's ParamWrapper on every call, and autograd keeps the merged weight. With
+    ``dequantised`` (NF4 layers in training), every nn.Linear's weight in the compute
+    dtype: a streamed NF4 projection at training sizes is dequantize_4bit + F.linear as
+    ordinary autograd ops (nf4.dequantized_linear), and autograd keeps the dequantised
+    weight for the input gradient.
+
+    Checked against allocation traces of streamed training steps on CPU (dense and MoE
+    layers, bf16 and fp32): within 5% (docs/plan.md).
+    """
+    config = _text_config(config)
+    hidden, heads, kv_heads, head_dim = _attention_dims(config)
+    q_dim, kv_dim = heads * head_dim, kv_heads * head_dim
+    per_token = 2 * 4 * hidden
+    if getattr(config, "model_type", "") in _QK_NORM_FAMILIES:
+        per_token += 4 * (q_dim + kv_dim)
+    per_token += (2 * q_dim + 2 * kv_dim) * elem
+    per_token += 3 * shape.mlp_width * elem
+    if shape.sparse:
+        per_token += 2 * shape.top_k * hidden * elem + 2 * 4 * _num_experts(config)
+    per_token += LORA_BYTES * sum(lin.in_features for lin in adapted.linears)
+    merged = sum(param.numel for param, _ in adapted.params) * elem
+    if dequantised:
+        merged += sum(lin.in_features * lin.out_features for lin in shape.linears) * elem
+    return tokens * per_token + merged
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def _check_arguments(seq, batch, vram_bytes, lora_rank, bandwidth_gbps, reserve_bytes, slots, backward_slots,
+                     stream_embeddings) -> None:
+    """Refuse arguments no plan can be made of, naming them."""
+    _positive_int("seq", seq), _positive_int("batch", batch), _positive_int("vram_bytes", vram_bytes)
+    if isinstance(lora_rank, bool) or not isinstance(lora_rank, int) or lora_rank < 0:
+        raise ValueError(f"lora_rank must be an integer >= 0 (0: no adapters), got {lora_rank!r}")
+    if not bandwidth_gbps > 0:
+        raise ValueError(f"bandwidth_gbps must be > 0, got {bandwidth_gbps!r}")
+    if reserve_bytes < 0:
+        raise ValueError(f"reserve_bytes must be >= 0, got {reserve_bytes!r}")
+    if slots is not None:
+        _positive_int("slots", slots)
+        if slots < 2:
+            raise ValueError(f"slots={slots}: streaming needs at least 2 slots")
+    if backward_slots is not None and (isinstance(backward_slots, bool) or not isinstance(backward_slots, int)
+                                       or backward_slots < 0):
+        raise ValueError(f"backward_slots must be an integer >= 0 or None (auto), got {backward_slots!r}")
+    if not isinstance(stream_embeddings, bool):
+        raise ValueError(f"stream_embeddings must be True or False, got {stream_embeddings!r}")
+
+
+def _notes(model_type, shapes, adapted, lora_rank, lora_targets, quantization) -> List[str]:
+    """What a reader of the plan should know about how it was made."""
+    notes: List[str] = []
+    if model_type not in KNOWN_FAMILIES:
+        notes.append(f"model_type {model_type!r} is not one the planner spells out "
+                     f"({', '.join(KNOWN_FAMILIES)}): its layers were sized as Llama-style "
+                     "layers (q/k/v/o, gated MLP, two RMSNorms)")
+    expert_lora = sum(layer.params_count(lora_rank) - LoraTargets(layer.linears).params_count(lora_rank)
+                      for layer in adapted)
+    if expert_lora:
+        notes.append(f"PEFT adapts the fused experts and routers under lora_targets={lora_targets!r} "
+                     f"({expert_lora / 1e6:.1f}M of the LoRA parameters), and each recomputed layer "
+                     "holds its merged expert weights; name attention modules only (e.g. "
+                     "'q_proj,k_proj,v_proj,o_proj') to leave the experts frozen")
+    if quantization == "nf4" and any(shape.sparse for shape in shapes):
+        notes.append("MoE expert weights and routers stay in the compute dtype under NF4: "
+                     "bitsandbytes quantises nn.Linear modules only")
+    if quantization == "nf4":
+        notes.append("NF4 host RAM assumes layers are quantised as they load: "
+                     "layerstream.from_pretrained(quantization='nf4'), or transformers with "
+                     "BitsAndBytesConfig and device_map='cpu'")
+    return notes
+
+
+def _build(config, seq: int, batch: int, vram_bytes: int, quantization: str, dtype,
+           lora_rank: int, slots: Optional[int], bandwidth_gbps: float, lora_targets: str,
+           reserve_bytes: int, double_quant: bool, arena_bytes: int,
+           stream_embeddings: bool = False, backward_slots: Optional[int] = 0) -> MemoryPlan:
+    """A plan without advice (advice itself is computed from alternative plans)."""
+    config = _text_config(config)
+    _check_arguments(seq, batch, vram_bytes, lora_rank, bandwidth_gbps, reserve_bytes, slots, backward_slots,
+                     stream_embeddings)
+    _check_quantization(quantization)
+    dtype = parse_dtype(dtype)
+    elem = dtype.itemsize
+    model_type = getattr(config, "model_type", "") or "unknown"
+
+    shapes = layer_shapes(config)
+    sizes = layer_bytes(config, quantization, dtype, double_quant)
+    adapted = (_lora_targets(config, shapes, lora_targets) if lora_rank
+               else [LoraTargets() for _ in shapes])
+    lora_params = sum(layer.params_count(lora_rank) for layer in adapted)
+    tokens = batch * seq
+    hidden, vocab = int(config.hidden_size), int(config.vocab_size)
+
+    resident = resident_bytes(config, dtype, stream_embeddings)
+    all_resident = resident_bytes(config, dtype)  # on the host until model.to(device), streamed or not
+    head_copy = head_bytes(config, dtype) if stream_embeddings else 0
+    # the ends' host store: each matrix at the store's alignment
+    ends_host = _embedding_matrices(config) * aligned(head_bytes(config, dtype)) if stream_embeddings else 0
+    ends_copies = 2 * head_copy + (tokens * hidden * elem if stream_embeddings else 0)
+    lora_bytes = lora_grads = lora_params * LORA_BYTES  # gradients take the adapters' dtype
+    optimizer = lora_params * 4 * ADAMW_STATES
+    boundary = len(shapes) * tokens * hidden * elem
+    working = max(_working_bytes(config, shape, layer, tokens, elem, dequantised=quantization == "nf4")
+                  for shape, layer in zip(shapes, adapted))
+    loss = LOSS_LOGIT_COPIES * tokens * vocab * 4
+    max_layer = max(sizes)
+    # everything but the slots; gradients are counted for the whole step (they outlive
+    # backward when gradients accumulate over micro-batches)
+    fixed = resident + lora_bytes + lora_grads + optimizer + boundary + max(loss + head_copy, working)
+
+    slots_auto = slots is None
+    if slots_auto:
+        # what StreamConfig(slots="auto") takes, with the room the budget leaves the slots
+        slots = auto_slots(vram_bytes - reserve_bytes - fixed, max_layer)
+    peak = fixed + slots * max_layer
+    if backward_slots is None:
+        backward_slots = backward_slot_count(loss + head_copy, working, lora_bytes, max_layer, len(sizes), slots)
+    else:
+        backward_slots = usable_backward_slots(backward_slots, len(sizes), slots)
+    copied_layers, copied_bytes = _copies(sizes, slots, backward_slots)
+    copied_bytes += ends_copies
+    store = sum(sizes)
+    loader_store = loader_arena_bytes(sizes, arena_bytes)
+    unquantised = max(layer_bytes(config, "none", dtype)) if quantization != "none" else max_layer
+
+    notes = _notes(model_type, shapes, adapted, lora_rank, lora_targets, quantization)
+
+    return MemoryPlan(
+        model_type=model_type, num_layers=len(sizes), seq=seq, batch=batch,
+        quantization=quantization, dtype=str(dtype).removeprefix("torch."),
+        lora_rank=lora_rank, lora_targets=lora_targets,
+        layer_bytes=sizes, max_layer_bytes=max_layer, host_store_bytes=store,
+        resident_bytes=resident, lora_params=lora_params, lora_bytes=lora_bytes,
+        lora_grad_bytes=lora_grads, optimizer_bytes=optimizer,
+        slots=slots, slots_auto=slots_auto, slot_bytes=slots * max_layer, backward_slots=backward_slots,
+        boundary_bytes=boundary, layer_working_bytes=working, loss_bytes=loss,
+        peak_vram_bytes=peak, vram_bytes=vram_bytes, reserve_bytes=reserve_bytes,
+        # stream_model copies the loaded layers into its arenas one at a time (each
+        # layer's own memory is freed once it is copied) and page-locks afterwards, so
+        # at the peak the store and one loaded layer (or one embedding matrix, copied into
+        # the ends' store the same way) coexist; embeddings, head and adapters are on the
+        # host too until model.to(device)
+        host_ram_bytes=store + max(max_layer, head_copy) + all_resident + lora_bytes,
+        host_steady_bytes=store + ends_host,
+        # from_pretrained loads the resident part, then one layer at a time (unquantised,
+        # then packed); PEFT's adapters come after loading, on the host until .to(device)
+        loader_store_bytes=loader_store,
+        loader_ram_bytes=loader_store + all_resident + max(unquantised, lora_bytes, head_copy),
+        layers_copied_per_step=copied_layers, copy_bytes_per_step=copied_bytes,
+        bandwidth_gbps=float(bandwidth_gbps),
+        copy_seconds_per_step=copied_bytes / (bandwidth_gbps * 1e9),
+        fits=peak + reserve_bytes <= vram_bytes, notes=notes,
+        stream_embeddings=stream_embeddings, head_copy_bytes=head_copy, ends_host_bytes=ends_host,
+        ends_copy_bytes_per_step=ends_copies,
+    )
+
+
+def make_plan(config, seq: int, batch: int, vram_bytes: int, quantization: str = "none",
+              dtype=torch.bfloat16, lora_rank: int = 16, slots: Optional[int] = None,
+              bandwidth_gbps: float = DEFAULT_BANDWIDTH_GBPS, lora_targets: str = "all-linear",
+              reserve_bytes: int = DEFAULT_RESERVE_BYTES, double_quant: bool = True,
+              arena_bytes: int = DEFAULT_ARENA_BYTES, stream_embeddings: bool = False,
+              backward_slots: Optional[int] = 0) -> MemoryPlan:
+    """Plan a streamed LoRA training step of ``batch`` x ``seq`` tokens on a GPU of
+    ``vram_bytes``.
+
+    slots: None picks the largest count in 2..8 (at most the number of layers) that fits;
+        when none fits, 2, and the plan does not fit.
+    reserve_bytes: kept free for what torch's allocator statistics do not count (CUDA
+        context, library workspaces, fragmentation). The plan fits when
+        ``peak_vram_bytes + reserve_bytes <= vram_bytes``.
+    bandwidth_gbps: pinned host->device GB/s (1e9 bytes/s). The default is the team's
+        measurement on an H200; measure your own machine and pass it.
+    double_quant: NF4 with double quantisation (bnb_4bit_use_double_quant).
+    arena_bytes: StreamConfig.arena_bytes (host RAM of layerstream.from_pretrained).
+    stream_embeddings: StreamConfig.stream_embeddings: the input embedding and head stay
+        in host memory; the loss phase holds one transient copy of the head weight.
+    backward_slots: StreamConfig.backward_slots (default 0); None: as many as the loss
+        phase's memory holds (``backward_slot_count``), what the runtime's "auto" takes
+        when the caching allocator uses expandable segments.
+
+    A plan that does not fit carries ``advice``: what to change, and by how much.
+    """
+    args = dict(config=config, seq=seq, batch=batch, vram_bytes=vram_bytes,
+                quantization=quantization, dtype=dtype, lora_rank=lora_rank, slots=slots,
+                bandwidth_gbps=bandwidth_gbps, lora_targets=lora_targets,
+                reserve_bytes=reserve_bytes, double_quant=double_quant, arena_bytes=arena_bytes,
+                stream_embeddings=stream_embeddings, backward_slots=backward_slots)
+    plan = _build(**args)
+    if not plan.fits:
+        plan.advice = _advice(plan, args)
+    return plan
+
+
+def plan_for_model(model, seq: int, batch: int, slots: Optional[int] = None,
+                   vram_bytes: int = 1 << 50, stream_embeddings: bool = False,
+                   backward_slots: Optional[int] = 0) -> MemoryPlan:
+    """The plan of a live (possibly PEFT-wrapped) model: its config, 4-bit state, compute
+    dtype, and LoRA rank and targets; ``stream_embeddings`` as the model streams (or would).
+    Reads attributes only; raises ValueError when the adapters cannot be described to the
+    planner (regex targets, several adapters)."""
+    config = getattr(model, "config", None)
+    if config is None:
+        raise ValueError("the model has no transformers config")
+    quantization = "nf4" if getattr(model, "is_loaded_in_4bit", False) else "none"
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    dtype = embeddings.weight.dtype if embeddings is not None else torch.bfloat16
+    rank, targets = 0, "all-linear"
+    peft_configs = getattr(model, "peft_config", None) or {}
+    if len(peft_configs) > 1:
+        raise ValueError("several adapters: plan each with `layerstream plan`")
+    for peft_config in peft_configs.values():
+        rank = int(getattr(peft_config, "r", 0))
+        modules = getattr(peft_config, "target_modules", None)
+        if isinstance(modules, str) and modules.lower() != "all-linear":
+            raise ValueError(f"LoRA target_modules is a pattern ({modules!r})")
+        if modules and not isinstance(modules, str):
+            targets = ",".join(sorted(modules))
+    return make_plan(config, seq=seq, batch=batch, vram_bytes=vram_bytes, quantization=quantization,
+                     dtype=dtype, lora_rank=rank, slots=slots, lora_targets=targets,
+                     stream_embeddings=stream_embeddings, backward_slots=backward_slots)
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / GiB:.2f} GiB"
+
+
+def _advice(plan: MemoryPlan, args: dict) -> List[str]:
+    """What would make ``plan`` fit, each with what it saves and whether it is enough."""
+    short = -plan.headroom_bytes
+    out = [f"short by {_gib(short)}: predicted peak {_gib(plan.peak_vram_bytes)} + reserve "
+           f"{_gib(plan.reserve_bytes)} > budget {_gib(plan.vram_bytes)}"]
+
+    def verdict(saved: int) -> str:
+        return "enough on its own" if saved >= short else f"not enough alone, still {_gib(short - saved)} short"
+
+    if plan.quantization == "none":
+        nf4 = _build(**dict(args, quantization="nf4", slots=plan.slots))
+        saved = plan.peak_vram_bytes - nf4.peak_vram_bytes
+        out.append(f"use --quantization nf4: layers shrink from {_gib(plan.max_layer_bytes)} to "
+                   f"{_gib(nf4.max_layer_bytes)}, saving {_gib(saved)} over {plan.slots} slots "
+                   f"({verdict(saved)})")
+    if plan.slots > 2:
+        saved = (plan.slots - 2) * plan.max_layer_bytes
+        out.append(f"use fewer slots: --slots 2 saves {_gib(saved)} ({verdict(saved)})")
+    ends = embedding_bytes(args["config"], args["dtype"])
+    if not plan.stream_embeddings and ends >= STREAM_EMBEDDINGS_ADVICE_SHARE * plan.static_bytes:
+        streamed = _build(**dict(args, stream_embeddings=True, slots=plan.slots))
+        saved = plan.peak_vram_bytes - streamed.peak_vram_bytes
+        if saved > 0:
+            out.append(f"{STREAM_EMBEDDINGS_ADVICE}: the input embedding and head ({_gib(ends)}) stay in "
+                       f"host memory, saving {_gib(saved)} ({verdict(saved)}); the head "
+                       f"({_gib(streamed.head_copy_bytes)}) is then copied to the GPU twice per step")
+    # activations grow linearly with batch x seq; find the largest that fits
+    max_tokens = plan.largest_tokens
+    if max_tokens // plan.batch >= 1:
+        out.append(f"reduce --seq to {max_tokens // plan.batch} or less: activations and logits take "
+                   f"{_gib(plan.activation_bytes)} at seq {plan.seq} x batch {plan.batch}")
+    if plan.batch > 1 and plan.largest_batch >= 1:
+        out.append(f"reduce --batch to {plan.largest_batch} or less at seq {plan.seq}")
+    if max_tokens < plan.batch:
+        out.append(f"everything but the activations already takes "
+                   f"{_gib(plan.peak_vram_bytes - plan.activation_bytes + plan.reserve_bytes)} "
+                   "with the reserve: no seq or batch fits without other changes")
+    out.append(f"or use a GPU with at least {_gib(plan.needed_bytes)} for this plan as it is")
+    return out
