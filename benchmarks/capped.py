@@ -26,22 +26,27 @@ def _use_the_gpu_first() -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model("llama", vocab_size=32000, hidden_size=2048, intermediate_size=5632,
-                                  num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4)
+    config = AutoConfig.for_model(
+        "llama",
+        vocab_size=32000,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+    )
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).cuda().eval()
     ids = torch.randint(0, 32000, (2, 256), device="cuda")
     with torch.no_grad():
         model(input_ids=ids)
         model.generate(input_ids=ids[:, :16], max_new_tokens=16, do_sample=False, pad_token_id=0)
     del model, ids
-    print(f"capped: used the GPU first; {torch.cuda.memory_reserved() / 2**30:.2f} GiB stays reserved",
-          flush=True)
+    print(f"capped: used the GPU first; {torch.cuda.memory_reserved() / 2**30:.2f} GiB stays reserved", flush=True)
 
 
 def _time_trainer_steps(path: str) -> None:
-    from transformers import Trainer, TrainerCallback
-
     import torch
+    from transformers import Trainer, TrainerCallback
 
     class StepTimes(TrainerCallback):
         def __init__(self):
@@ -58,9 +63,14 @@ def _time_trainer_steps(path: str) -> None:
                 torch.cuda.synchronize()
             self.times.append(time.perf_counter() - self.start)
             with open(path, "w") as handle:
-                json.dump({"step_s": self.times,
-                           "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
-                           "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else None}, handle)
+                json.dump(
+                    {
+                        "step_s": self.times,
+                        "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+                        "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else None,
+                    },
+                    handle,
+                )
 
     original = Trainer.__init__
 
@@ -88,8 +98,10 @@ def main():
     if torch.cuda.is_available():
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, parse_bytes(args.cap) / total))
-        print(f"capped: {args.cap} of {total / 2**30:.1f} GiB; allocator "
-              f"{os.environ.get('PYTORCH_CUDA_ALLOC_CONF')}", flush=True)
+        print(
+            f"capped: {args.cap} of {total / 2**30:.1f} GiB; allocator {os.environ.get('PYTORCH_CUDA_ALLOC_CONF')}",
+            flush=True,
+        )
         if args.used_first:
             _use_the_gpu_first()
     else:

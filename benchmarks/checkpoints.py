@@ -22,10 +22,22 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from common import SHAPES, _shape_values
 
-SHAPES.setdefault("llama3.2-3b", dict(
-    model_type="llama", vocab_size=128256, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
-    num_attention_heads=24, num_key_value_heads=8, head_dim=128, max_position_embeddings=8192,
-    rope_theta=500000.0, tie_word_embeddings=True))
+SHAPES.setdefault(
+    "llama3.2-3b",
+    dict(
+        model_type="llama",
+        vocab_size=128256,
+        hidden_size=3072,
+        intermediate_size=8192,
+        num_hidden_layers=28,
+        num_attention_heads=24,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+        tie_word_embeddings=True,
+    ),
+)
 
 SHARD_BYTES = 2 << 30
 
@@ -64,7 +76,7 @@ def write(shape: str, out: Path, dtype=torch.bfloat16, layers: int | None = None
             value = torch.ones(param.shape, dtype=dtype)
         else:
             std = 1.0 / math.sqrt(param.shape[-1]) if param.dim() > 1 else 0.02
-            value = (torch.randn(param.shape, generator=generator, device=device, dtype=torch.float32) * std)
+            value = torch.randn(param.shape, generator=generator, device=device, dtype=torch.float32) * std
             value = value.to(dtype).cpu()
         shard[name] = value
         shard_bytes += value.numel() * value.element_size()
@@ -72,8 +84,9 @@ def write(shape: str, out: Path, dtype=torch.bfloat16, layers: int | None = None
             flush()
     flush()
     total = sum((out / s).stat().st_size for s in shards)
-    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
-                                                                  "weight_map": index}))
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": index})
+    )
     config.architectures = [type(model).__name__]
     config.save_pretrained(out)
     byte_tokenizer().save_pretrained(out)

@@ -13,27 +13,70 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 SHAPES = {
     # Llama-3-8B: 32 layers, 4096 hidden, 14336 MLP, GQA 32/8
-    "llama3-8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                      num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                      max_position_embeddings=8192, rope_theta=500000.0),
+    "llama3-8b": dict(
+        model_type="llama",
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+    ),
     # Llama-3-70B: 80 layers, 8192 hidden, 28672 MLP, GQA 64/8
-    "llama3-70b": dict(model_type="llama", vocab_size=128256, hidden_size=8192, intermediate_size=28672,
-                       num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
-                       max_position_embeddings=8192, rope_theta=500000.0),
+    "llama3-70b": dict(
+        model_type="llama",
+        vocab_size=128256,
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+    ),
     # Mistral-7B-v0.3: Llama-3-8B's layer shape with a 32768-token vocabulary, so the loss
     # is small and a layer's recompute + backward, not the loss, sets the training peak
-    "mistral-7b": dict(model_type="mistral", vocab_size=32768, hidden_size=4096, intermediate_size=14336,
-                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                       max_position_embeddings=32768, rope_theta=1000000.0),
+    "mistral-7b": dict(
+        model_type="mistral",
+        vocab_size=32768,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=32768,
+        rope_theta=1000000.0,
+    ),
     # Qwen2.5-32B: 64 layers, 5120 hidden, 27648 MLP, GQA 40/8, q/k/v bias
-    "qwen2.5-32b": dict(model_type="qwen2", vocab_size=152064, hidden_size=5120, intermediate_size=27648,
-                        num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8,
-                        max_position_embeddings=32768, rope_theta=1000000.0),
+    "qwen2.5-32b": dict(
+        model_type="qwen2",
+        vocab_size=152064,
+        hidden_size=5120,
+        intermediate_size=27648,
+        num_hidden_layers=64,
+        num_attention_heads=40,
+        num_key_value_heads=8,
+        max_position_embeddings=32768,
+        rope_theta=1000000.0,
+    ),
     # Qwen3-30B-A3B: 48 MoE layers, 128 experts of width 768, 8 routed per token
-    "qwen3-30b-a3b": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
-                          moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
-                          num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-                          max_position_embeddings=40960, rope_theta=1000000.0),
+    "qwen3-30b-a3b": dict(
+        model_type="qwen3_moe",
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_experts=128,
+        num_experts_per_tok=8,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        max_position_embeddings=40960,
+        rope_theta=1000000.0,
+    ),
 }
 
 
@@ -42,8 +85,7 @@ def _shape_values(shape) -> dict:
     return dict(SHAPES[shape]) if isinstance(shape, str) else dict(shape)
 
 
-def build_random(shape, dtype=torch.bfloat16, layers: int | None = None, attn: str = "sdpa",
-                 **overrides):
+def build_random(shape, dtype=torch.bfloat16, layers: int | None = None, attn: str = "sdpa", **overrides):
     """A model of a real shape with random weights, built on meta then filled on CPU."""
     values = _shape_values(shape)
     model_type = values.pop("model_type")
@@ -125,8 +167,9 @@ def write_result(name: str, payload: dict) -> str:
     return path
 
 
-def build_random_nf4(shape, layers: int | None = None, double_quant: bool = True,
-                     dtype=torch.bfloat16, attn: str = "sdpa"):
+def build_random_nf4(
+    shape, layers: int | None = None, double_quant: bool = True, dtype=torch.bfloat16, attn: str = "sdpa"
+):
     """A real-shape NF4 model (as transformers loads one with BitsAndBytesConfig) on the host.
 
     Quantising fresh random weights costs seconds per large layer, so layer 0 is
@@ -151,8 +194,12 @@ def build_random_nf4(shape, layers: int | None = None, double_quant: bool = True
     config.use_cache = False
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
-    quant_config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                      bnb_4bit_use_double_quant=double_quant, bnb_4bit_compute_dtype=dtype)
+    quant_config = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=double_quant,
+        bnb_4bit_compute_dtype=dtype,
+    )
     quantizer = AutoHfQuantizer.from_config(quant_config, pre_quantized=False)
     quantizer.preprocess_model(model, device_map=None, dtype=dtype)
     for module in model.modules():
@@ -190,10 +237,16 @@ def build_random_nf4(shape, layers: int | None = None, double_quant: bool = True
                 src = original._parameters[pname]
                 if isinstance(src, bnb.nn.Params4bit):
                     module._parameters[pname] = bnb.nn.Params4bit(
-                        src.data.clone(), requires_grad=False, quant_state=copy.deepcopy(src.quant_state),
-                        blocksize=src.blocksize, compress_statistics=src.compress_statistics,
-                        quant_type=src.quant_type, quant_storage=src.quant_storage, bnb_quantized=True,
-                        module=module)
+                        src.data.clone(),
+                        requires_grad=False,
+                        quant_state=copy.deepcopy(src.quant_state),
+                        blocksize=src.blocksize,
+                        compress_statistics=src.compress_statistics,
+                        quant_type=src.quant_type,
+                        quant_storage=src.quant_storage,
+                        bnb_quantized=True,
+                        module=module,
+                    )
                 else:
                     with torch.no_grad():
                         param.copy_(src)

@@ -15,8 +15,9 @@ import argparse
 
 import torch
 
-from common import cuda_timer, median, write_result
 from layerstream.cudart import register_host, unregister_host  # page-locks as the engine's store does
+
+from common import cuda_timer, median, write_result
 
 
 def timed(fn, repeats: int) -> float:
@@ -61,14 +62,19 @@ def main():
                         device[lo:hi].copy_(source[lo:hi], non_blocking=True)
             for stream in streams[:ways]:
                 torch.cuda.current_stream().wait_stream(stream)
+
         return run
 
     rows["pin_memory, one copy of all layers"] = timed(one_copy(pinned), args.repeats)
     rows["cudaHostRegister, one copy of all layers"] = timed(one_copy(host), args.repeats)
     for ways in (1, 2, 4):
         rows[f"cudaHostRegister, per layer, {ways} stream(s)"] = timed(per_layer(host, ways), args.repeats)
-    result = {"layer_bytes": layer, "layers": args.layers, "repeats": args.repeats,
-              "rows": [{"how": how, "seconds": s, "gbps": total / s / 1e9} for how, s in rows.items()]}
+    result = {
+        "layer_bytes": layer,
+        "layers": args.layers,
+        "repeats": args.repeats,
+        "rows": [{"how": how, "seconds": s, "gbps": total / s / 1e9} for how, s in rows.items()],
+    }
     print("| how | GB/s |\n| --- | --- |")
     for row in result["rows"]:
         print(f"| {row['how']} | {row['gbps']:.2f} |")

@@ -24,9 +24,16 @@ from common import write_result
 
 
 def saved_bytes(seq: int, hidden: int, intermediate: int, heads: int, kv_heads: int) -> dict:
-    config = AutoConfig.for_model("llama", hidden_size=hidden, intermediate_size=intermediate,
-                                  num_attention_heads=heads, num_key_value_heads=kv_heads, num_hidden_layers=1,
-                                  vocab_size=256, max_position_embeddings=max(seq, 4096))
+    config = AutoConfig.for_model(
+        "llama",
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        num_hidden_layers=1,
+        vocab_size=256,
+        max_position_embeddings=max(seq, 4096),
+    )
     config._attn_implementation = "sdpa"
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
@@ -43,11 +50,18 @@ def saved_bytes(seq: int, hidden: int, intermediate: int, heads: int, kv_heads: 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         inner.layers[0](x, position_embeddings=inner.rotary_emb(x, positions), position_ids=positions)
     # the attention kernel's own tensors come as (batch, heads, ...) or (heads, ...)
-    kept = [t for t in saved.values()
-            if seq in t.shape and t.dim() <= 3 and not (t.dim() == 3 and t.shape[0] in (heads, kv_heads))]
-    return {"seq": seq, "saved_tensors": len(saved), "counted_tensors": len(kept),
-            "activation_bytes": sum(t.numel() * t.element_size() for t in kept),
-            "float32_bytes": sum(t.numel() * t.element_size() for t in kept if t.dtype == torch.float32)}
+    kept = [
+        t
+        for t in saved.values()
+        if seq in t.shape and t.dim() <= 3 and not (t.dim() == 3 and t.shape[0] in (heads, kv_heads))
+    ]
+    return {
+        "seq": seq,
+        "saved_tensors": len(saved),
+        "counted_tensors": len(kept),
+        "activation_bytes": sum(t.numel() * t.element_size() for t in kept),
+        "float32_bytes": sum(t.numel() * t.element_size() for t in kept if t.dtype == torch.float32),
+    }
 
 
 def main():
@@ -57,10 +71,12 @@ def main():
     result = saved_bytes(args.seq, hidden=4096, intermediate=14336, heads=32, kv_heads=8)
     weights = 436_224_000  # the same layer's bf16 weights, what a slot holds
     result["layer_weight_bytes"] = weights
-    print(f"Llama-3-8B layer, seq {args.seq}: {result['counted_tensors']} of {result['saved_tensors']} saved "
-          f"tensors counted, at least {result['activation_bytes'] / 2**20:.0f} MiB of activations "
-          f"({result['float32_bytes'] / 2**20:.0f} MiB of it float32: LoRA's inputs, cast for its float32 "
-          f"adapters); the layer's bf16 weights {weights / 2**20:.0f} MiB")
+    print(
+        f"Llama-3-8B layer, seq {args.seq}: {result['counted_tensors']} of {result['saved_tensors']} saved "
+        f"tensors counted, at least {result['activation_bytes'] / 2**20:.0f} MiB of activations "
+        f"({result['float32_bytes'] / 2**20:.0f} MiB of it float32: LoRA's inputs, cast for its float32 "
+        f"adapters); the layer's bf16 weights {weights / 2**20:.0f} MiB"
+    )
     write_result(f"layer-activations-llama3-8b-seq{args.seq}", result)
 
 

@@ -27,13 +27,21 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import layerstream
 from layerstream import layer as layer_mod
+
 from common import cuda_timer, median, parse_streamed_config, write_result
 
 
 def tiny_deep_model(layers: int):
-    config = AutoConfig.for_model("llama", vocab_size=256, hidden_size=64, intermediate_size=128,
-                                  num_hidden_layers=layers, num_attention_heads=4,
-                                  num_key_value_heads=2, use_cache=False)
+    config = AutoConfig.for_model(
+        "llama",
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        use_cache=False,
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     return get_peft_model(model, LoraConfig(r=16, target_modules="all-linear"))
@@ -97,9 +105,11 @@ def ab(resident_step, streamed_step, iters, warmup):
     diffs, res_times = [], []
     for i in range(warmup + iters):
         if i % 2:
-            a = resident_step(); b = streamed_step()
+            a = resident_step()
+            b = streamed_step()
         else:
-            b = streamed_step(); a = resident_step()
+            b = streamed_step()
+            a = resident_step()
         if i >= warmup:
             diffs.append(b - a)
             res_times.append(a)
@@ -112,9 +122,12 @@ def main():
     parser.add_argument("--seq", type=int, default=16)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--configs", default="2:1,3:1,4:2",
-                        help="slots:prefetch[:backward_slots] list (backward slots default to auto, "
-                             "which takes none at this shape: its loss is tiny)")
+    parser.add_argument(
+        "--configs",
+        default="2:1,3:1,4:2",
+        help="slots:prefetch[:backward_slots] list (backward slots default to auto, "
+        "which takes none at this shape: its loss is tiny)",
+    )
     args = parser.parse_args()
     ids = torch.randint(0, 256, (1, args.seq), device="cuda")
     base = tiny_deep_model(args.layers)
@@ -127,8 +140,7 @@ def main():
     for spec in args.configs.split(","):
         slots, prefetch, backward = parse_streamed_config(spec)
         model = copy.deepcopy(base)
-        layerstream.stream_model(model, slots=slots, prefetch=prefetch, backward_slots=backward,
-                                 vram_budget=None)
+        layerstream.stream_model(model, slots=slots, prefetch=prefetch, backward_slots=backward, vram_budget=None)
         model.cuda()
         runtime = layerstream.get_runtime(model)
         row = {"slots": slots, "prefetch": prefetch, "backward_slots_asked": backward}
@@ -161,14 +173,18 @@ def main():
         del model
         torch.cuda.empty_cache()
     gc.enable()
-    print("| slots:prefetch | engine us/visit (infer) | engine us/visit (train) | A/B us/visit infer | "
-          "A/B us/visit train (vs ckpt) | A/B train (vs no ckpt) | resident us/layer infer |")
+    print(
+        "| slots:prefetch | engine us/visit (infer) | engine us/visit (train) | A/B us/visit infer | "
+        "A/B us/visit train (vs ckpt) | A/B train (vs no ckpt) | resident us/layer infer |"
+    )
     print("|---|---|---|---|---|---|---|")
     for r in results["rows"]:
-        print(f"| {r['slots']}:{r['prefetch']}+{r['backward_slots']} | {r['engine_infer_us_per_visit']:.1f} | "
-              f"{r['engine_train_us_per_visit']:.1f} | {r['infer_ab_us_per_visit']:.1f} | "
-              f"{r['train_ab_us_per_visit']:.1f} | {r['train_ab_vs_no_ckpt_us_per_visit']:.1f} | "
-              f"{r['resident_infer_us_per_layer']:.0f} |")
+        print(
+            f"| {r['slots']}:{r['prefetch']}+{r['backward_slots']} | {r['engine_infer_us_per_visit']:.1f} | "
+            f"{r['engine_train_us_per_visit']:.1f} | {r['infer_ab_us_per_visit']:.1f} | "
+            f"{r['train_ab_us_per_visit']:.1f} | {r['train_ab_vs_no_ckpt_us_per_visit']:.1f} | "
+            f"{r['resident_infer_us_per_layer']:.0f} |"
+        )
     write_result("overhead", results)
 
 

@@ -21,6 +21,7 @@ import gc
 import torch
 
 import layerstream
+
 from common import build_random, cuda_timer, median, pinned_bandwidth, write_result
 
 
@@ -81,12 +82,18 @@ def main():
     parser.add_argument("--iters", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--configs", default="2:1,3:2")
-    parser.add_argument("--nf4", action="store_true",
-                        help="add layerstream rows streaming the same shape in NF4 (a quarter of the bytes; "
-                             "the peers stream bf16 only)")
-    parser.add_argument("--backward", action="store_true",
-                        help="time forward + backward to the input through the frozen stack (training), "
-                             "the resident rows with non-reentrant checkpointing")
+    parser.add_argument(
+        "--nf4",
+        action="store_true",
+        help="add layerstream rows streaming the same shape in NF4 (a quarter of the bytes; "
+        "the peers stream bf16 only)",
+    )
+    parser.add_argument(
+        "--backward",
+        action="store_true",
+        help="time forward + backward to the input through the frozen stack (training), "
+        "the resident rows with non-reentrant checkpointing",
+    )
     args = parser.parse_args()
 
     bandwidth = pinned_bandwidth()
@@ -98,9 +105,17 @@ def main():
     # less whatever a streamer keeps across the turnaround
     copy_bound = (2 if args.backward else 1) * layer_bytes / (bandwidth * 1e9)
     hidden, rope = layer_inputs(model, args.seq, args.batch)
-    result = {"shape": args.shape, "layers": args.layers, "seq": args.seq, "batch": args.batch,
-              "iters": args.iters, "pinned_gbps": bandwidth, "stack_bytes": layer_bytes,
-              "copy_bound_s": copy_bound, "rows": []}
+    result = {
+        "shape": args.shape,
+        "layers": args.layers,
+        "seq": args.seq,
+        "batch": args.batch,
+        "iters": args.iters,
+        "pinned_gbps": bandwidth,
+        "stack_bytes": layer_bytes,
+        "copy_bound_s": copy_bound,
+        "rows": [],
+    }
 
     def stack(layers):
         if args.backward:
@@ -124,8 +139,10 @@ def main():
             row["own_copy_bound_s"] = row["bytes_per_pass"] / (bandwidth * 1e9)
             row["over_own_copy_bound"] = step / row["own_copy_bound_s"] if row["bytes_per_pass"] else None
             if row["bytes_per_pass"]:
-                line += (f", copies {row['bytes_per_pass'] / 2**30:.2f} GiB per pass: "
-                         f"{row['over_own_copy_bound']:.2f}x its own copy bound")
+                line += (
+                    f", copies {row['bytes_per_pass'] / 2**30:.2f} GiB per pass: "
+                    f"{row['over_own_copy_bound']:.2f}x its own copy bound"
+                )
         result["rows"].append(row)
         print(name, f"{step:.4f} s", line, flush=True)
 
@@ -135,8 +152,10 @@ def main():
 
     # resident
     resident = copy.deepcopy(model.model.layers).cuda()
-    record("resident" + (" (checkpointed)" if args.backward else ""),
-           stack(checkpointed(resident) if args.backward else resident))
+    record(
+        "resident" + (" (checkpointed)" if args.backward else ""),
+        stack(checkpointed(resident) if args.backward else resident),
+    )
     del resident
     gc.collect()
     torch.cuda.empty_cache()
@@ -165,8 +184,11 @@ def main():
             layerstream.stream_model(quantised, slots=slots, prefetch=prefetch, vram_budget=None)
             quantised.cuda()
             runtime = layerstream.get_runtime(quantised)
-            record(f"layerstream NF4 {slots}:{prefetch}", stack(quantised.model.layers),
-                   copied=lambda: runtime.stats()["h2d_bytes"])
+            record(
+                f"layerstream NF4 {slots}:{prefetch}",
+                stack(quantised.model.layers),
+                copied=lambda: runtime.stats()["h2d_bytes"],
+            )
             layerstream.unstream_model(quantised, device="cpu")
             gc.collect()
             torch.cuda.empty_cache()
@@ -184,9 +206,11 @@ def main():
         blocks.train(args.backward)
         run_blocks = functools.partial(blocks, position_embeddings=rope, attention_mask=None)
         try:
-            record("block-streamer 0.2.0 (prefetch_ahead 1)",
-                   with_backward(run_blocks, hidden) if args.backward else functools.partial(run_blocks, hidden),
-                   copied=lambda streamer=blocks: streamer.stats()["transfer_bytes"])
+            record(
+                "block-streamer 0.2.0 (prefetch_ahead 1)",
+                with_backward(run_blocks, hidden) if args.backward else functools.partial(run_blocks, hidden),
+                copied=lambda streamer=blocks: streamer.stats()["transfer_bytes"],
+            )
         except RuntimeError as exc:  # reported, never dropped
             skipped("block-streamer 0.2.0", f"raised {type(exc).__name__}: {str(exc)[:200]}")
         blocks.close()
@@ -220,8 +244,10 @@ def main():
             print(f"| {row['name']} | skipped: {row['skipped']} | | | |")
             continue
         own = row.get("over_own_copy_bound")
-        print(f"| {row['name']} | {row['forward_s']:.4f} | {row['over_copy_bound']:.2f} | "
-              f"{'' if own is None else f'{own:.2f}'} | {resident_s / row['forward_s']:.2f} |")
+        print(
+            f"| {row['name']} | {row['forward_s']:.4f} | {row['over_copy_bound']:.2f} | "
+            f"{'' if own is None else f'{own:.2f}'} | {resident_s / row['forward_s']:.2f} |"
+        )
     result["backward"] = args.backward
     write_result(f"peers-{args.shape}-{args.layers}x-seq{args.seq}" + ("-backward" if args.backward else ""), result)
 

@@ -22,13 +22,19 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 import layerstream
-from common import build_random, build_random_nf4, cuda_timer, median, write_result
 from layerstream import plan as planner
 from layerstream.train import load
 
+from common import build_random, build_random_nf4, cuda_timer, median, write_result
+
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-RECIPES = ["llama-3.1-8b-qlora-8gb", "mistral-7b-lora-8gb", "qwen3-14b-qlora-12gb",
-           "qwen2.5-32b-lora-24gb", "llama-3.1-70b-qlora-24gb"]
+RECIPES = [
+    "llama-3.1-8b-qlora-8gb",
+    "mistral-7b-lora-8gb",
+    "qwen3-14b-qlora-12gb",
+    "qwen2.5-32b-lora-24gb",
+    "llama-3.1-70b-qlora-24gb",
+]
 
 
 def run_recipe(name: str, steps: int) -> dict:
@@ -38,13 +44,24 @@ def run_recipe(name: str, steps: int) -> dict:
     seq, batch = int(training["max_length"]), int(training["per_device_train_batch_size"])
     budget = planner.parse_bytes(stream["vram"])
     shape = json.loads(Path(model_section["config"]).read_text())
-    predicted = planner.make_plan(planner.load_config(model_section["config"]), seq=seq, batch=batch,
-                                  vram_bytes=budget, quantization=model_section["quantization"],
-                                  dtype=model_section["dtype"], lora_rank=lora["r"], slots=stream["slots"])
+    predicted = planner.make_plan(
+        planner.load_config(model_section["config"]),
+        seq=seq,
+        batch=batch,
+        vram_bytes=budget,
+        quantization=model_section["quantization"],
+        dtype=model_section["dtype"],
+        lora_rank=lora["r"],
+        slots=stream["slots"],
+    )
     nf4 = model_section["quantization"] == "nf4"
     model = build_random_nf4(shape) if nf4 else build_random(shape)
-    model = get_peft_model(model, LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
-                                             target_modules=lora["target_modules"]))
+    model = get_peft_model(
+        model,
+        LoraConfig(
+            r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"], target_modules=lora["target_modules"]
+        ),
+    )
     layerstream.stream_model(model, slots=stream["slots"], prefetch=stream["prefetch"], vram_budget=None)
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total))
@@ -61,17 +78,24 @@ def run_recipe(name: str, steps: int) -> dict:
         times.append(cuda_timer() - start)
     stats = layerstream.get_runtime(model).stats()
     row = {
-        "recipe": name, "model": model_section["name"], "quantization": model_section["quantization"],
-        "seq": seq, "batch": batch, "slots": stream["slots"], "prefetch": stream["prefetch"],
+        "recipe": name,
+        "model": model_section["name"],
+        "quantization": model_section["quantization"],
+        "seq": seq,
+        "batch": batch,
+        "slots": stream["slots"],
+        "prefetch": stream["prefetch"],
         "vram_budget_gib": budget / 2**30,
-        "step_s": median(times[1:]), "times": times,
+        "step_s": median(times[1:]),
+        "times": times,
         "tokens_per_s": batch * seq / median(times[1:]),
         "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
         "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
         "planned_peak_gib": predicted.peak_vram_bytes / 2**30,
         "planned_copy_s": predicted.copy_seconds_per_step,
         "host_store_gib": stats["host_bytes"] / 2**30,
-        "h2d_gbps": stats["h2d_gbps"], "pinned": stats["pinned"],
+        "h2d_gbps": stats["h2d_gbps"],
+        "pinned": stats["pinned"],
     }
     del optimizer, model
     gc.collect()
@@ -94,8 +118,10 @@ def main():
     print("| recipe | budget GiB | peak allocated GiB | planned peak GiB | step s | tokens/s |")
     print("|---|---|---|---|---|---|")
     for r in result["rows"]:
-        print(f"| {r['recipe']} | {r['vram_budget_gib']:.0f} | {r['peak_allocated_gib']:.2f} | "
-              f"{r['planned_peak_gib']:.2f} | {r['step_s']:.3f} | {r['tokens_per_s']:.0f} |")
+        print(
+            f"| {r['recipe']} | {r['vram_budget_gib']:.0f} | {r['peak_allocated_gib']:.2f} | "
+            f"{r['planned_peak_gib']:.2f} | {r['step_s']:.3f} | {r['tokens_per_s']:.0f} |"
+        )
 
 
 if __name__ == "__main__":

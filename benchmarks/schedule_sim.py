@@ -53,9 +53,20 @@ def _per_unit(value, count: int) -> list:
     return list(value) if isinstance(value, (list, tuple)) else [value] * count
 
 
-def simulate(layers: int, slots: int, prefetch: int, backward_slots: int, forward_ms,
-             backward_ms, ends_forward_ms: float, ends_backward_ms: float, optimizer_ms: float,
-             copy_ms, steps: int = 8, planner_class: type = PrefetchPlanner) -> dict:
+def simulate(
+    layers: int,
+    slots: int,
+    prefetch: int,
+    backward_slots: int,
+    forward_ms,
+    backward_ms,
+    ends_forward_ms: float,
+    ends_backward_ms: float,
+    optimizer_ms: float,
+    copy_ms,
+    steps: int = 8,
+    planner_class: type = PrefetchPlanner,
+) -> dict:
     """The last of ``steps`` steady training steps: its time, its copies (and their time)
     and its demand loads. ``forward_ms``, ``backward_ms`` and ``copy_ms`` are one number
     for every streamed unit or one per unit (a unit whose recompute is skipped: its
@@ -66,8 +77,7 @@ def simulate(layers: int, slots: int, prefetch: int, backward_slots: int, forwar
     ready, released = [0.0] * total, [0.0] * total
     allocated = [False] * total
     copy_free = compute_free = 0.0
-    order = [(i, Phase.TRAIN_FORWARD) for i in range(layers)] + \
-            [(i, Phase.BACKWARD) for i in reversed(range(layers))]
+    order = [(i, Phase.TRAIN_FORWARD) for i in range(layers)] + [(i, Phase.BACKWARD) for i in reversed(range(layers))]
     step_ms, copies, demand, copying = 0.0, 0, 0, 0.0
     for _ in range(steps):
         start, copies, demand, copying = compute_free, 0, 0, 0.0
@@ -92,8 +102,14 @@ def simulate(layers: int, slots: int, prefetch: int, backward_slots: int, forwar
             if phase is Phase.BACKWARD and layer == 0:
                 compute_free += optimizer_ms
         step_ms = compute_free - start
-    return {"backward_slots": planner.backward_slots, "step_ms": step_ms, "copies": copies,
-            "demand_loads": demand, "copy_ms": copying, "fraction_of_copy_bound": copying / step_ms}
+    return {
+        "backward_slots": planner.backward_slots,
+        "step_ms": step_ms,
+        "copies": copies,
+        "demand_loads": demand,
+        "copy_ms": copying,
+        "fraction_of_copy_bound": copying / step_ms,
+    }
 
 
 def without_recompute(forward_ms, backward_ms, units: int, skipped) -> list:
@@ -103,8 +119,14 @@ def without_recompute(forward_ms, backward_ms, units: int, skipped) -> list:
     return [b - f if unit in skipped else b for unit, (f, b) in enumerate(zip(forward, backward))]
 
 
-def attention_mlp_units(layers: int, forward_ms: float, backward_ms: float, copy_ms: float,
-                        attention_share: float, attention_fraction_of_bytes: float):
+def attention_mlp_units(
+    layers: int,
+    forward_ms: float,
+    backward_ms: float,
+    copy_ms: float,
+    attention_share: float,
+    attention_fraction_of_bytes: float,
+):
     """Per-unit times if each decoder layer streamed and checkpointed as two units, its
     attention (``attention_share`` of the layer's compute, ``attention_fraction_of_bytes``
     of its bytes) then its MLP: forward, backward and copy times of 2 x ``layers`` units."""
@@ -124,11 +146,17 @@ def backward_in_step_ms(phases: dict, pieces: dict, layers: int) -> float:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pieces", default=str(RESULTS / "turnaround-llama3-8b-seq2048.json"),
-                        help="a turnaround.py result: the layer and ends times")
-    parser.add_argument("--phases", default=str(RESULTS / "throughput-llama3-8b-phases-seq2048.json"),
-                        help="a throughput.py result with phase times, for a layer's recompute and backward "
-                             "within a step ('' for the pieces' layer timed alone)")
+    parser.add_argument(
+        "--pieces",
+        default=str(RESULTS / "turnaround-llama3-8b-seq2048.json"),
+        help="a turnaround.py result: the layer and ends times",
+    )
+    parser.add_argument(
+        "--phases",
+        default=str(RESULTS / "throughput-llama3-8b-phases-seq2048.json"),
+        help="a throughput.py result with phase times, for a layer's recompute and backward "
+        "within a step ('' for the pieces' layer timed alone)",
+    )
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--slots", type=int, default=3)
     parser.add_argument("--prefetch", type=int, default=2)
@@ -136,49 +164,85 @@ def main():
     parser.add_argument("--layer-bytes", type=int, default=436_224_000, help="one layer (Llama-3-8B bf16)")
     parser.add_argument("--bandwidth-gbps", type=float, default=55.3, help="pinned host->device GB/s")
     parser.add_argument("--optimizer-ms", type=float, default=1.5, help="measured: throughput.py phases")
-    parser.add_argument("--skip-last-recompute", action="store_true",
-                        help="what if the last layer kept its activations: its backward without its forward")
-    parser.add_argument("--skip-first-recompute", action="store_true",
-                        help="what if the first layer kept its activations through the step: its backward "
-                             "without its forward")
-    parser.add_argument("--kept-only-backward-slots", action="store_true",
-                        help="the earlier rule: backward slots take only the layers they keep "
-                             "(KeptOnlyBackwardSlotsPlanner)")
-    parser.add_argument("--attention-mlp-units", type=float, default=None, metavar="SHARE",
-                        help="what if each layer streamed as two units, attention (this share of the "
-                             "layer's compute) and MLP; slots then hold the larger unit, the MLP")
-    parser.add_argument("--attention-bytes", type=int, default=83_886_080,
-                        help="one layer's attention projections (Llama-3-8B bf16: q, k, v, o)")
-    parser.add_argument("--ends-scale", type=float, default=1.0,
-                        help="what if the ends (head and loss) took this fraction of their measured time")
+    parser.add_argument(
+        "--skip-last-recompute",
+        action="store_true",
+        help="what if the last layer kept its activations: its backward without its forward",
+    )
+    parser.add_argument(
+        "--skip-first-recompute",
+        action="store_true",
+        help="what if the first layer kept its activations through the step: its backward without its forward",
+    )
+    parser.add_argument(
+        "--kept-only-backward-slots",
+        action="store_true",
+        help="the earlier rule: backward slots take only the layers they keep (KeptOnlyBackwardSlotsPlanner)",
+    )
+    parser.add_argument(
+        "--attention-mlp-units",
+        type=float,
+        default=None,
+        metavar="SHARE",
+        help="what if each layer streamed as two units, attention (this share of the "
+        "layer's compute) and MLP; slots then hold the larger unit, the MLP",
+    )
+    parser.add_argument(
+        "--attention-bytes",
+        type=int,
+        default=83_886_080,
+        help="one layer's attention projections (Llama-3-8B bf16: q, k, v, o)",
+    )
+    parser.add_argument(
+        "--ends-scale",
+        type=float,
+        default=1.0,
+        help="what if the ends (head and loss) took this fraction of their measured time",
+    )
     args = parser.parse_args()
     pieces = json.loads(Path(args.pieces).read_text())
     copy_ms = args.layer_bytes / (args.bandwidth_gbps * 1e9) * 1e3
     forward, backward = pieces["layer_forward_ms"], pieces["layer_recompute_backward_ms"]
     if args.phases:
         backward = backward_in_step_ms(json.loads(Path(args.phases).read_text()), pieces, args.layers)
-    print(f"pieces from {args.pieces}; a layer's recompute and backward {backward:.2f} ms"
-          f"{' (from ' + args.phases + ')' if args.phases else ''}; one copy {copy_ms:.2f} ms")
+    print(
+        f"pieces from {args.pieces}; a layer's recompute and backward {backward:.2f} ms"
+        f"{' (from ' + args.phases + ')' if args.phases else ''}; one copy {copy_ms:.2f} ms"
+    )
     units, unit_forward, unit_backward, unit_copy = args.layers, forward, backward, copy_ms
     if args.attention_mlp_units is not None:
         units = 2 * args.layers
         unit_forward, unit_backward, unit_copy = attention_mlp_units(
-            args.layers, forward, backward, copy_ms, args.attention_mlp_units, args.attention_bytes / args.layer_bytes)
-        print(f"attention and MLP as units: {args.slots} slots of "
-              f"{(args.layer_bytes - args.attention_bytes) / 2**20:.0f} MiB (the MLP)")
+            args.layers, forward, backward, copy_ms, args.attention_mlp_units, args.attention_bytes / args.layer_bytes
+        )
+        print(
+            f"attention and MLP as units: {args.slots} slots of "
+            f"{(args.layer_bytes - args.attention_bytes) / 2**20:.0f} MiB (the MLP)"
+        )
     # as units, the first unit is an attention and the last an MLP
     skipped = {unit for unit, skip in ((0, args.skip_first_recompute), (units - 1, args.skip_last_recompute)) if skip}
     unit_backward = without_recompute(unit_forward, unit_backward, units, skipped)
     print("| backward slots | step ms | copies | demand loads | copy ms | x copy bound |")
     print("|---|---|---|---|---|---|")
     for count in (int(x) for x in args.backward_slots.split(",")):
-        row = simulate(units, args.slots, args.prefetch, count, unit_forward, unit_backward,
-                       args.ends_scale * pieces["ends_forward_ms"], args.ends_scale * pieces["ends_backward_ms"],
-                       args.optimizer_ms, unit_copy,
-                       planner_class=KeptOnlyBackwardSlotsPlanner if args.kept_only_backward_slots else PrefetchPlanner)
-        print(f"| {row['backward_slots']} | {row['step_ms']:.1f} | {row['copies']} | {row['demand_loads']} | "
-              f"{row['copy_ms']:.1f} | "
-              f"{row['fraction_of_copy_bound']:.3f} |")
+        row = simulate(
+            units,
+            args.slots,
+            args.prefetch,
+            count,
+            unit_forward,
+            unit_backward,
+            args.ends_scale * pieces["ends_forward_ms"],
+            args.ends_scale * pieces["ends_backward_ms"],
+            args.optimizer_ms,
+            unit_copy,
+            planner_class=KeptOnlyBackwardSlotsPlanner if args.kept_only_backward_slots else PrefetchPlanner,
+        )
+        print(
+            f"| {row['backward_slots']} | {row['step_ms']:.1f} | {row['copies']} | {row['demand_loads']} | "
+            f"{row['copy_ms']:.1f} | "
+            f"{row['fraction_of_copy_bound']:.3f} |"
+        )
 
 
 if __name__ == "__main__":

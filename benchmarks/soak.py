@@ -41,9 +41,16 @@ def soak(args) -> dict:
 
     import layerstream
 
-    config = AutoConfig.for_model("llama", vocab_size=32000, hidden_size=1024, intermediate_size=2816,
-                                  num_hidden_layers=args.layers, num_attention_heads=16, num_key_value_heads=8,
-                                  use_cache=False)
+    config = AutoConfig.for_model(
+        "llama",
+        vocab_size=32000,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=args.layers,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        use_cache=False,
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model = get_peft_model(model, LoraConfig(r=16, target_modules="all-linear"))
@@ -64,17 +71,30 @@ def soak(args) -> dict:
             model.eval()
             with torch.no_grad():
                 model(input_ids=ids)
-            model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8,
-                           do_sample=False, pad_token_id=0)
+            model.generate(
+                input_ids=prompt,
+                attention_mask=torch.ones_like(prompt),
+                max_new_tokens=8,
+                do_sample=False,
+                pad_token_id=0,
+            )
             model.train()
         if step % args.every == 0:
             torch.cuda.synchronize()
             now = time.perf_counter()
             stats = runtime.stats()
-            rows.append({"step": step, "step_s": (now - last) / args.every,
-                         "allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved(),
-                         "rss": rss_bytes(), "pinned_store": stats["host_bytes"] if stats["pinned"] else 0,
-                         "torch_pinned_host": host_allocator_bytes(), "layer_loads": stats["layer_loads"]})
+            rows.append(
+                {
+                    "step": step,
+                    "step_s": (now - last) / args.every,
+                    "allocated": torch.cuda.memory_allocated(),
+                    "reserved": torch.cuda.memory_reserved(),
+                    "rss": rss_bytes(),
+                    "pinned_store": stats["host_bytes"] if stats["pinned"] else 0,
+                    "torch_pinned_host": host_allocator_bytes(),
+                    "layer_loads": stats["layer_loads"],
+                }
+            )
             if len(rows) % 50 == 0:  # a run cut short keeps what it recorded
                 _write(args, rows)
             last = time.perf_counter()
@@ -85,15 +105,30 @@ def _write(args, rows) -> dict:
     from common import median, write_result
 
     tenth = max(1, len(rows) // 10)
-    early, late = rows[1:1 + tenth], rows[-tenth:]  # the first record includes warm-up
+    early, late = rows[1 : 1 + tenth], rows[-tenth:]  # the first record includes warm-up
     summary = {}
     for key in ("step_s", "allocated", "reserved", "rss", "pinned_store", "torch_pinned_host"):
         a, b = median([r[key] for r in early]), median([r[key] for r in late])
-        summary[key] = {"early": a, "late": b, "late_over_early": (b / a) if a else None,
-                        "max": max(r[key] for r in rows[1:]), "min": min(r[key] for r in rows[1:])}
-    result = {"steps": rows[-1]["step"], "steps_asked": args.steps, "layers": args.layers, "slots": args.slots, "prefetch": args.prefetch,
-              "seq": args.seq, "batch": args.batch, "every": args.every, "interleave": args.interleave,
-              "summary": summary, "rows": rows}
+        summary[key] = {
+            "early": a,
+            "late": b,
+            "late_over_early": (b / a) if a else None,
+            "max": max(r[key] for r in rows[1:]),
+            "min": min(r[key] for r in rows[1:]),
+        }
+    result = {
+        "steps": rows[-1]["step"],
+        "steps_asked": args.steps,
+        "layers": args.layers,
+        "slots": args.slots,
+        "prefetch": args.prefetch,
+        "seq": args.seq,
+        "batch": args.batch,
+        "every": args.every,
+        "interleave": args.interleave,
+        "summary": summary,
+        "rows": rows,
+    }
     write_result("soak", result)
     for key, value in summary.items():
         print(key, {k: (round(v, 4) if isinstance(v, float) else v) for k, v in value.items()})
@@ -124,8 +159,11 @@ def plot(source: str, target: str) -> None:
     axes[2].set_ylabel("ms per step")
     axes[2].set_xlabel("training step")
     axes[2].legend(loc="upper right")
-    axes[0].set_title(f"layerstream soak: {result['steps']} streamed LoRA steps, {result['layers']} layers, "
-                      f"{result['slots']} slots; eval + generation every {result['interleave']} steps", fontsize=10)
+    axes[0].set_title(
+        f"layerstream soak: {result['steps']} streamed LoRA steps, {result['layers']} layers, "
+        f"{result['slots']} slots; eval + generation every {result['interleave']} steps",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(target, dpi=110)
 

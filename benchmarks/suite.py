@@ -20,8 +20,13 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 PRESETS = {
     # the targets of the performance issue that one session's device time can cover
-    "core": ["llama3-8b:none:2048:1", "llama3-8b:nf4:2048:1", "llama3-70b:nf4:2048:1",
-             "llama3-8b:none:2048:1:12GiB", "llama3-70b:nf4:2048:1:16GiB"],
+    "core": [
+        "llama3-8b:none:2048:1",
+        "llama3-8b:nf4:2048:1",
+        "llama3-70b:nf4:2048:1",
+        "llama3-8b:none:2048:1:12GiB",
+        "llama3-70b:nf4:2048:1:16GiB",
+    ],
     "seq": [f"llama3-8b:{q}:{s}:1" for q in ("none", "nf4") for s in (512, 2048, 8192)],
     "batch": [f"llama3-8b:{q}:2048:4" for q in ("none", "nf4")],
     "shapes": ["qwen2.5-32b:none:2048:1:24GiB", "qwen3-30b-a3b:none:2048:1"],
@@ -35,8 +40,13 @@ def parse_cell(cell: str) -> dict:
     shape, quantization, seq, batch = parts[:4]
     if quantization not in ("none", "nf4"):
         raise ValueError(f"cell {cell!r}: quantization is none or nf4")
-    return {"shape": shape, "quantization": quantization, "seq": int(seq), "batch": int(batch),
-            "budget": parts[4] if len(parts) == 5 else None}
+    return {
+        "shape": shape,
+        "quantization": quantization,
+        "seq": int(seq),
+        "batch": int(batch),
+        "budget": parts[4] if len(parts) == 5 else None,
+    }
 
 
 def cell_name(cell: str) -> str:
@@ -45,16 +55,32 @@ def cell_name(cell: str) -> str:
 
 def run_cell(cell: str, out_dir: Path, configs: str, steps: int, timeout: int, trace: str | None = None) -> str:
     spec = parse_cell(cell)
-    command = [sys.executable, str(HERE / "throughput.py"), "--shape", spec["shape"],
-               "--quantization", spec["quantization"], "--seq", str(spec["seq"]), "--batch", str(spec["batch"]),
-               "--configs", configs, "--steps", str(steps), "--name", cell_name(cell)]
+    command = [
+        sys.executable,
+        str(HERE / "throughput.py"),
+        "--shape",
+        spec["shape"],
+        "--quantization",
+        spec["quantization"],
+        "--seq",
+        str(spec["seq"]),
+        "--batch",
+        str(spec["batch"]),
+        "--configs",
+        configs,
+        "--steps",
+        str(steps),
+        "--name",
+        cell_name(cell),
+    ]
     if spec["budget"]:
         command += ["--budget", spec["budget"]]
     if trace:
         command += ["--trace", trace]
     try:
-        done = subprocess.run(command, env=dict(os.environ, OUT=str(out_dir)), timeout=timeout,
-                              capture_output=True, text=True, cwd=HERE)
+        done = subprocess.run(
+            command, env=dict(os.environ, OUT=str(out_dir)), timeout=timeout, capture_output=True, text=True, cwd=HERE
+        )
     except subprocess.TimeoutExpired:
         if (out_dir / f"{cell_name(cell)}.json").exists():
             # freeing tens of GB of page-locked memory can outlast the limit
@@ -73,16 +99,25 @@ def merge(out_dir: Path, cells) -> dict:
         result = json.loads(path.read_text())
         resident = result.get("resident")
         for row in result["rows"]:
-            rows.append({
-                "cell": cell, **parse_cell(cell), "config": f"{row['slots']}:{row['prefetch']}",
-                "step_s": row["step_s"], "tokens_per_s": row["tokens_per_s"], "peak_gib": row["peak_gib"],
-                "copy_bound_s": row["copy_bound_s"], "h2d_gbps": row["h2d_gbps"],
-                "stall_s_per_step": row["stall_s_per_step"], "window_layers": row.get("window_layers", 0),
-                "resident_step_s": resident["step_s"] if resident else None,
-                "fraction_of_resident": row.get("fraction_of_resident"),
-                "fraction_of_bound": row.get("fraction_of_bound"),
-                "machine": result.get("machine"), "when": result.get("when"),
-            })
+            rows.append(
+                {
+                    "cell": cell,
+                    **parse_cell(cell),
+                    "config": f"{row['slots']}:{row['prefetch']}",
+                    "step_s": row["step_s"],
+                    "tokens_per_s": row["tokens_per_s"],
+                    "peak_gib": row["peak_gib"],
+                    "copy_bound_s": row["copy_bound_s"],
+                    "h2d_gbps": row["h2d_gbps"],
+                    "stall_s_per_step": row["stall_s_per_step"],
+                    "window_layers": row.get("window_layers", 0),
+                    "resident_step_s": resident["step_s"] if resident else None,
+                    "fraction_of_resident": row.get("fraction_of_resident"),
+                    "fraction_of_bound": row.get("fraction_of_bound"),
+                    "machine": result.get("machine"),
+                    "when": result.get("when"),
+                }
+            )
     return {"rows": rows, "missing": missing}
 
 
@@ -91,15 +126,19 @@ def _fmt(value, digits=2):
 
 
 def table(merged: dict) -> str:
-    lines = ["| cell | config | step s | tokens/s | peak GiB | window layers | H2D GB/s | stall % of step | "
-             "copy bound s | resident s | x resident | x bound |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| cell | config | step s | tokens/s | peak GiB | window layers | H2D GB/s | stall % of step | "
+        "copy bound s | resident s | x resident | x bound |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in merged["rows"]:
         stall = 100 * r["stall_s_per_step"] / r["step_s"]
-        lines.append(f"| {r['cell']} | {r['config']} | {r['step_s']:.3f} | {r['tokens_per_s']:.0f} | "
-                     f"{r['peak_gib']:.1f} | {r['window_layers']} | {r['h2d_gbps']:.1f} | {stall:.0f} | "
-                     f"{r['copy_bound_s']:.3f} | {_fmt(r['resident_step_s'], 3)} | "
-                     f"{_fmt(r['fraction_of_resident'])} | {_fmt(r['fraction_of_bound'])} |")
+        lines.append(
+            f"| {r['cell']} | {r['config']} | {r['step_s']:.3f} | {r['tokens_per_s']:.0f} | "
+            f"{r['peak_gib']:.1f} | {r['window_layers']} | {r['h2d_gbps']:.1f} | {stall:.0f} | "
+            f"{r['copy_bound_s']:.3f} | {_fmt(r['resident_step_s'], 3)} | "
+            f"{_fmt(r['fraction_of_resident'])} | {_fmt(r['fraction_of_bound'])} |"
+        )
     for cell in merged["missing"]:
         lines.append(f"| {cell} | not measured | | | | | | | | | | |")
     return "\n".join(lines)

@@ -24,9 +24,16 @@ from peft import LoraConfig, get_peft_model
 
 import layerstream
 from layerstream.units import parse_bytes
-from common import (build_random, build_random_nf4, cuda_timer, median, parse_streamed_config, pinned_bandwidth,
-                    write_result)
 
+from common import (
+    build_random,
+    build_random_nf4,
+    cuda_timer,
+    median,
+    parse_streamed_config,
+    pinned_bandwidth,
+    write_result,
+)
 
 ALLOCATOR_COUNTERS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")
 
@@ -84,10 +91,16 @@ def run_steps(model, ids, steps: int, warmup: int, trace: str | None = None, cop
         elapsed, enqueued, split, forward_bytes, host_forward = step()
         if i >= warmup:
             after = allocator_counters()
-            per_step.append({"step_s": elapsed, "host_s": enqueued, "host_forward_s": host_forward,
-                             **dict(zip(("forward_s", "backward_s", "optimizer_s"), split)),
-                             **{k: after[k] - counters[k] for k in after},
-                             "gc": [g["collections"] - b for g, b in zip(gc.get_stats(), gc_before)]})
+            per_step.append(
+                {
+                    "step_s": elapsed,
+                    "host_s": enqueued,
+                    "host_forward_s": host_forward,
+                    **dict(zip(("forward_s", "backward_s", "optimizer_s"), split)),
+                    **{k: after[k] - counters[k] for k in after},
+                    "gc": [g["collections"] - b for g, b in zip(gc.get_stats(), gc_before)],
+                }
+            )
             times.append(elapsed)
             host.append(enqueued)
             for key, value in zip(("forward_s", "backward_s", "optimizer_s"), split):
@@ -127,8 +140,11 @@ def add_bounds(row: dict, resident: dict, bandwidth_gbps: float) -> None:
     if "forward_bytes" in row and "forward_s" in resident:
         forward_copies = row["forward_bytes"] / (bandwidth_gbps * 1e9)
         backward_copies = (row["bytes_per_step"] - row["forward_bytes"]) / (bandwidth_gbps * 1e9)
-        phase = (max(resident["forward_s"], forward_copies) + max(resident["backward_s"], backward_copies)
-                 + resident["optimizer_s"])
+        phase = (
+            max(resident["forward_s"], forward_copies)
+            + max(resident["backward_s"], backward_copies)
+            + resident["optimizer_s"]
+        )
         row["phase_bound_s"] = phase
         row["fraction_of_phase_bound"] = phase / row["step_s"]
 
@@ -141,19 +157,30 @@ def main():
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--configs", default="3:1,4:2",
-                        help="slots:prefetch[:backward_slots] list; backward slots default to auto")
+    parser.add_argument(
+        "--configs", default="3:1,4:2", help="slots:prefetch[:backward_slots] list; backward slots default to auto"
+    )
     parser.add_argument("--no-resident", action="store_true")
     parser.add_argument("--name", default=None)
     parser.add_argument("--trace", default=None, help="slots:prefetch config to profile one step of")
-    parser.add_argument("--budget", default=None,
-                        help="VRAM budget for streamed rows, e.g. 12GiB: StreamConfig(vram_budget=...) "
-                             "(resident window) and enforced with set_per_process_memory_fraction")
-    parser.add_argument("--quantization", choices=["none", "nf4"], default="none",
-                        help="nf4: bitsandbytes NF4 with double quantisation, bf16 compute")
-    parser.add_argument("--stream-embeddings", action="store_true",
-                        help="streamed rows keep the input embedding and head in host memory too "
-                             "(StreamConfig(stream_embeddings=True)); their copies count in bytes_per_step")
+    parser.add_argument(
+        "--budget",
+        default=None,
+        help="VRAM budget for streamed rows, e.g. 12GiB: StreamConfig(vram_budget=...) "
+        "(resident window) and enforced with set_per_process_memory_fraction",
+    )
+    parser.add_argument(
+        "--quantization",
+        choices=["none", "nf4"],
+        default="none",
+        help="nf4: bitsandbytes NF4 with double quantisation, bf16 compute",
+    )
+    parser.add_argument(
+        "--stream-embeddings",
+        action="store_true",
+        help="streamed rows keep the input embedding and head in host memory too "
+        "(StreamConfig(stream_embeddings=True)); their copies count in bytes_per_step",
+    )
     args = parser.parse_args()
 
     bandwidth = pinned_bandwidth()
@@ -164,18 +191,32 @@ def main():
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (args.batch, args.seq), device="cuda")
     tokens = args.batch * args.seq
-    result = {"shape": args.shape, "quantization": args.quantization,
-              "layers": model.config.num_hidden_layers, "seq": args.seq,
-              "batch": args.batch, "steps": args.steps, "warmup": args.warmup,
-              "pinned_gbps": bandwidth, "stream_embeddings": args.stream_embeddings, "rows": []}
+    result = {
+        "shape": args.shape,
+        "quantization": args.quantization,
+        "layers": model.config.num_hidden_layers,
+        "seq": args.seq,
+        "batch": args.batch,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "pinned_gbps": bandwidth,
+        "stream_embeddings": args.stream_embeddings,
+        "rows": [],
+    }
 
     def run_resident():
         model.cuda()
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         times, host, peak, phases = run_steps(model, ids, args.steps, args.warmup)
         step = median(times)
-        result["resident"] = {"step_s": step, "tokens_per_s": tokens / step, "peak_gib": peak / 2**30,
-                              "host_s": median(host), "times": times, **phases}
+        result["resident"] = {
+            "step_s": step,
+            "tokens_per_s": tokens / step,
+            "peak_gib": peak / 2**30,
+            "host_s": median(host),
+            "times": times,
+            **phases,
+        }
         print("resident", {k: v for k, v in result["resident"].items() if k not in ("times", "per_step")}, flush=True)
         model.gradient_checkpointing_disable()
 
@@ -191,8 +232,14 @@ def main():
     for spec in args.configs.split(","):
         slots, prefetch, backward = parse_streamed_config(spec)
         budget = parse_bytes(args.budget) if args.budget else None
-        layerstream.stream_model(model, slots=slots, prefetch=prefetch, vram_budget=budget,
-                                 stream_embeddings=args.stream_embeddings, backward_slots=backward)
+        layerstream.stream_model(
+            model,
+            slots=slots,
+            prefetch=prefetch,
+            vram_budget=budget,
+            stream_embeddings=args.stream_embeddings,
+            backward_slots=backward,
+        )
         if budget:
             total = torch.cuda.get_device_properties(0).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total))
@@ -200,10 +247,14 @@ def main():
         runtime = layerstream.get_runtime(model)
         before = runtime.stats()
         out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
-        trace = (os.path.join(out_dir, f"trace-{args.shape}-{args.quantization}-{slots}x{prefetch}")
-                 if spec == args.trace else None)
-        times, host, peak, phases = run_steps(model, ids, args.steps, args.warmup,
-                                              copied=lambda: runtime.pool.h2d_bytes)
+        trace = (
+            os.path.join(out_dir, f"trace-{args.shape}-{args.quantization}-{slots}x{prefetch}")
+            if spec == args.trace
+            else None
+        )
+        times, host, peak, phases = run_steps(
+            model, ids, args.steps, args.warmup, copied=lambda: runtime.pool.h2d_bytes
+        )
         after = runtime.stats()
         if trace:
             run_steps(model, ids, 0, 1, trace=trace)
@@ -211,21 +262,30 @@ def main():
         measured = args.steps + args.warmup
         bytes_per_step = (after["h2d_bytes"] - before["h2d_bytes"]) / measured
         copy_bound = bytes_per_step / (bandwidth * 1e9)
-        row = {"slots": slots, "prefetch": prefetch, "backward_slots": after["backward_slots"],
-               "backward_slots_asked": backward,
-               "backward_slot_peak_gib": after["backward_slot_peak_bytes"] / 2**30,
-               "step_s": step, "tokens_per_s": tokens / step,
-               "peak_gib": peak / 2**30, "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
-               "host_s": median(host), "times": times,
-               "loads_per_step": (after["layer_loads"] - before["layer_loads"]) / measured,
-               "bytes_per_step": bytes_per_step, "copy_bound_s": copy_bound,
-               "h2d_gbps": after["h2d_gbps"],
-               "stall_s_per_step": (after["stall_seconds"] - before["stall_seconds"]) / measured,
-               "pinned": after["pinned"], "window_layers": after.get("window_layers", 0),
-               "vram_budget_gib": (budget / 2**30) if budget else None,
-               "stream_embeddings": after["stream_embeddings"],
-               "head_bytes_per_step": (after["head_h2d_bytes"] - before["head_h2d_bytes"]) / measured,
-               **phases}
+        row = {
+            "slots": slots,
+            "prefetch": prefetch,
+            "backward_slots": after["backward_slots"],
+            "backward_slots_asked": backward,
+            "backward_slot_peak_gib": after["backward_slot_peak_bytes"] / 2**30,
+            "step_s": step,
+            "tokens_per_s": tokens / step,
+            "peak_gib": peak / 2**30,
+            "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
+            "host_s": median(host),
+            "times": times,
+            "loads_per_step": (after["layer_loads"] - before["layer_loads"]) / measured,
+            "bytes_per_step": bytes_per_step,
+            "copy_bound_s": copy_bound,
+            "h2d_gbps": after["h2d_gbps"],
+            "stall_s_per_step": (after["stall_seconds"] - before["stall_seconds"]) / measured,
+            "pinned": after["pinned"],
+            "window_layers": after.get("window_layers", 0),
+            "vram_budget_gib": (budget / 2**30) if budget else None,
+            "stream_embeddings": after["stream_embeddings"],
+            "head_bytes_per_step": (after["head_h2d_bytes"] - before["head_h2d_bytes"]) / measured,
+            **phases,
+        }
         if "resident" in result:
             add_bounds(row, result["resident"], bandwidth)
         result["rows"].append(row)
@@ -240,18 +300,27 @@ def main():
         for row in result["rows"]:
             add_bounds(row, result["resident"], bandwidth)
 
-    print("| config | step s | host s | tokens/s | peak GiB | loads/step | stall s/step | copy bound s | x resident | x bound | x phase bound |")
+    print(
+        "| config | step s | host s | tokens/s | peak GiB | loads/step | stall s/step | copy bound s | x resident | x bound | x phase bound |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     if "resident" in result:
         r = result["resident"]
-        print(f"| resident | {r['step_s']:.3f} | {r['host_s']:.3f} | {r['tokens_per_s']:.0f} | {r['peak_gib']:.1f} | - | - | - | 1.00 | - | - |")
+        print(
+            f"| resident | {r['step_s']:.3f} | {r['host_s']:.3f} | {r['tokens_per_s']:.0f} | {r['peak_gib']:.1f} | - | - | - | 1.00 | - | - |"
+        )
     for row in result["rows"]:
-        print(f"| streamed {row['slots']}:{row['prefetch']}+{row['backward_slots']}{' +emb' if row['stream_embeddings'] else ''} | {row['step_s']:.3f} | {row['host_s']:.3f} | {row['tokens_per_s']:.0f} | "
-              f"{row['peak_gib']:.1f} | {row['loads_per_step']:.1f} | {row['stall_s_per_step']:.3f} | {row['copy_bound_s']:.3f} | "
-              f"{row.get('fraction_of_resident', float('nan')):.2f} | {row.get('fraction_of_bound', float('nan')):.2f} | "
-              f"{row.get('fraction_of_phase_bound', float('nan')):.2f} |")
-    suffix = (("-nf4" if nf4 else "") + (f"-budget{args.budget}" if args.budget else "")
-              + ("-stream-embeddings" if args.stream_embeddings else ""))
+        print(
+            f"| streamed {row['slots']}:{row['prefetch']}+{row['backward_slots']}{' +emb' if row['stream_embeddings'] else ''} | {row['step_s']:.3f} | {row['host_s']:.3f} | {row['tokens_per_s']:.0f} | "
+            f"{row['peak_gib']:.1f} | {row['loads_per_step']:.1f} | {row['stall_s_per_step']:.3f} | {row['copy_bound_s']:.3f} | "
+            f"{row.get('fraction_of_resident', float('nan')):.2f} | {row.get('fraction_of_bound', float('nan')):.2f} | "
+            f"{row.get('fraction_of_phase_bound', float('nan')):.2f} |"
+        )
+    suffix = (
+        ("-nf4" if nf4 else "")
+        + (f"-budget{args.budget}" if args.budget else "")
+        + ("-stream-embeddings" if args.stream_embeddings else "")
+    )
     write_result(args.name or f"throughput-{args.shape}{suffix}-seq{args.seq}", result)
 
 

@@ -46,8 +46,13 @@ def _overlap(a, b) -> float:
 
 def summarise(events: list, min_us: float = 1000.0) -> dict:
     spans = [e for e in events if e.get("ph") == "X"]
-    copies = sorted(((e["ts"], e["ts"] + e["dur"]) for e in spans if e.get("cat") == "gpu_memcpy"
-                     and "HtoD" in e.get("name", "") and e["dur"] >= min_us))
+    copies = sorted(
+        (
+            (e["ts"], e["ts"] + e["dur"])
+            for e in spans
+            if e.get("cat") == "gpu_memcpy" and "HtoD" in e.get("name", "") and e["dur"] >= min_us
+        )
+    )
     kernels = _union((e["ts"], e["ts"] + e["dur"]) for e in spans if e.get("cat") == "kernel")
     gpu = [(e["ts"], e["ts"] + e["dur"]) for e in spans if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     copy_us = sum(end - start for start, end in copies)

@@ -63,8 +63,9 @@ def main():
     inner = model.base_model.model
     layer = inner.model.layers[0]
     ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq), device="cuda")
-    hidden = torch.randn(args.batch, args.seq, model.config.hidden_size, dtype=torch.bfloat16,
-                         device="cuda", requires_grad=True)
+    hidden = torch.randn(
+        args.batch, args.seq, model.config.hidden_size, dtype=torch.bfloat16, device="cuda", requires_grad=True
+    )
     positions = torch.arange(args.seq, device="cuda").unsqueeze(0).expand(args.batch, -1)
     rope = inner.model.rotary_emb(hidden, positions)
 

@@ -25,8 +25,10 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-CELLS = ("llama3-8b:none:12GiB,llama3-8b:none:16GiB,llama3-8b:none:24GiB,llama3-8b:nf4:6GiB,"
-         "llama3-8b:nf4:8GiB,llama3-70b:nf4:16GiB,llama3-70b:nf4:24GiB")
+CELLS = (
+    "llama3-8b:none:12GiB,llama3-8b:none:16GiB,llama3-8b:none:24GiB,llama3-8b:nf4:6GiB,"
+    "llama3-8b:nf4:8GiB,llama3-70b:nf4:16GiB,llama3-70b:nf4:24GiB"
+)
 
 
 def _steps(model, optimizer, ids, count):
@@ -51,13 +53,13 @@ def cell(shape: str, quantization: str, budget_text: str, seq: int, auto_steps: 
     from peft import LoraConfig, get_peft_model
 
     sys.path.insert(0, str(HERE))
-    from capped import _use_the_gpu_first
-    from common import build_random, build_random_nf4
-
     import layerstream
     from layerstream.cli import _allocator_defaults
     from layerstream.schedule import spread_resident
     from layerstream.units import parse_bytes
+
+    from capped import _use_the_gpu_first
+    from common import build_random, build_random_nf4
 
     _allocator_defaults()
     budget = parse_bytes(budget_text)
@@ -71,13 +73,23 @@ def cell(shape: str, quantization: str, budget_text: str, seq: int, auto_steps: 
     runtime = layerstream.get_runtime(model)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     ids = torch.randint(0, model.config.vocab_size, (1, seq), device="cuda")
-    row = {"shape": shape, "quantization": quantization, "budget_gib": budget / 2**30, "seq": seq,
-           "layers": len(runtime.records)}
+    row = {
+        "shape": shape,
+        "quantization": quantization,
+        "budget_gib": budget / 2**30,
+        "seq": seq,
+        "layers": len(runtime.records),
+    }
     try:
         times = _steps(model, optimizer, ids, auto_steps)
-        row.update(auto_out_of_memory=False, auto_window=len(runtime.window), auto_times=times,
-                   auto_step_s=statistics.median(times[-timed:]), window_changes=runtime.window_changes,
-                   auto_peak_reserved_gib=torch.cuda.max_memory_reserved() / 2**30)
+        row.update(
+            auto_out_of_memory=False,
+            auto_window=len(runtime.window),
+            auto_times=times,
+            auto_step_s=statistics.median(times[-timed:]),
+            window_changes=runtime.window_changes,
+            auto_peak_reserved_gib=torch.cuda.max_memory_reserved() / 2**30,
+        )
     except torch.OutOfMemoryError as exc:
         row.update(auto_out_of_memory=True, auto_error=str(exc).splitlines()[0], auto_window=len(runtime.window))
         return row
@@ -105,8 +117,11 @@ def cell(shape: str, quantization: str, budget_text: str, seq: int, auto_steps: 
     fits = [h for h in hand if not h["out_of_memory"]]
     if fits:
         best = min(fits, key=lambda h: h["step_s"])
-        row.update(best_hand_window=best["window"], best_hand_step_s=best["step_s"],
-                   auto_vs_best=best["step_s"] / row["auto_step_s"])
+        row.update(
+            best_hand_window=best["window"],
+            best_hand_step_s=best["step_s"],
+            auto_vs_best=best["step_s"] / row["auto_step_s"],
+        )
     return row
 
 
@@ -126,11 +141,28 @@ def main():
     rows = []
     for spec in args.cells.split(","):
         start = time.perf_counter()
-        done = subprocess.run([sys.executable, __file__, "--cell", spec, "--seq", str(args.seq), "--auto-steps",
-                               str(args.auto_steps), "--timed", str(args.timed)], capture_output=True, text=True)
+        done = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--cell",
+                spec,
+                "--seq",
+                str(args.seq),
+                "--auto-steps",
+                str(args.auto_steps),
+                "--timed",
+                str(args.timed),
+            ],
+            capture_output=True,
+            text=True,
+        )
         lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-        row = json.loads(lines[-1][7:]) if lines else {"cell": spec, "failed": True,
-                                                         "tail": (done.stdout + done.stderr)[-3000:]}
+        row = (
+            json.loads(lines[-1][7:])
+            if lines
+            else {"cell": spec, "failed": True, "tail": (done.stdout + done.stderr)[-3000:]}
+        )
         row["cell_wall_s"] = round(time.perf_counter() - start, 1)
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k not in ("auto_times", "hand", "tail")}), flush=True)

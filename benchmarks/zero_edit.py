@@ -42,9 +42,9 @@ CASES = [
 
 def write_inputs(work: Path, shapes) -> dict:
     sys.path.insert(0, str(HERE))
-    import checkpoints  # noqa: E402  (the harness runs as a script)
-
     from layerstream import embedded
+
+    import checkpoints  # noqa: E402  (the harness runs as a script)
 
     paths = {}
     for shape in shapes:
@@ -55,9 +55,17 @@ def write_inputs(work: Path, shapes) -> dict:
             print(f"wrote {shape} in {time.perf_counter() - start:.1f} s", flush=True)
         paths[shape] = target
     rows = [json.loads(line) for line in embedded.data_path().read_text().splitlines() if line.strip()]
-    for name, make in (("sft", lambda r: {"text": f"Q: {r['instruction']}\nA: {r['response']}"}),
-                       ("dpo", lambda r: {"prompt": f"Q: {r['instruction']}\nA:", "chosen": " " + r["response"],
-                                          "rejected": " I do not know."})):
+    for name, make in (
+        ("sft", lambda r: {"text": f"Q: {r['instruction']}\nA: {r['response']}"}),
+        (
+            "dpo",
+            lambda r: {
+                "prompt": f"Q: {r['instruction']}\nA:",
+                "chosen": " " + r["response"],
+                "rejected": " I do not know.",
+            },
+        ),
+    ):
         folder = work / f"data-{name}"
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "train.jsonl").write_text("".join(json.dumps(make(r)) + "\n" for r in rows))
@@ -66,11 +74,41 @@ def write_inputs(work: Path, shapes) -> dict:
 
 
 def command(paths, script, shape, quantization, out: Path, steps: int, streamed: bool):
-    args = ["-m", f"trl.scripts.{script}", "--model_name_or_path", str(paths[shape]), "--dataset_name",
-            str(paths[script]), "--output_dir", str(out), "--max_steps", str(steps), "--logging_steps", "1",
-            "--save_strategy", "steps", "--save_steps", str(steps), "--report_to", "none", "--use_peft",
-            "--lora_r", "16", "--lora_target_modules", "all-linear", "--per_device_train_batch_size", "4",
-            "--max_length", "256", "--dtype", "bfloat16", "--bf16", "true", "--seed", "0"]
+    args = [
+        "-m",
+        f"trl.scripts.{script}",
+        "--model_name_or_path",
+        str(paths[shape]),
+        "--dataset_name",
+        str(paths[script]),
+        "--output_dir",
+        str(out),
+        "--max_steps",
+        str(steps),
+        "--logging_steps",
+        "1",
+        "--save_strategy",
+        "steps",
+        "--save_steps",
+        str(steps),
+        "--report_to",
+        "none",
+        "--use_peft",
+        "--lora_r",
+        "16",
+        "--lora_target_modules",
+        "all-linear",
+        "--per_device_train_batch_size",
+        "4",
+        "--max_length",
+        "256",
+        "--dtype",
+        "bfloat16",
+        "--bf16",
+        "true",
+        "--seed",
+        "0",
+    ]
     if quantization == "4bit":
         args.append("--load_in_4bit")
     args += EXTRA
@@ -93,16 +131,27 @@ def run(paths, case, work: Path, steps: int, streamed: bool) -> dict:
     history = json.loads(state.read_text())["log_history"] if state.exists() else []
     timing = json.loads(times.read_text()) if times.exists() else {}
     step_s = timing.get("step_s", [])
-    row = {"name": name, "script": script, "shape": shape, "quantization": quantization, "cap": cap,
-           "streamed": streamed, "returncode": done.returncode, "wall_s": round(wall, 1),
-           "out_of_memory": "out of memory" in log.lower(),
-           "losses": [e["loss"] for e in history if "loss" in e],
-           "stats_in_log_history": all(any(k.startswith("layerstream/") for k in e) for e in history if "loss" in e)
-           if streamed and history else None,
-           "window_layers": [e.get("layerstream/window_layers") for e in history if "loss" in e],
-           "oom_retries": max([e.get("layerstream/oom_retries", 0) for e in history if "loss" in e], default=None),
-           "step_s": step_s, "median_step_s": statistics.median(step_s[2:]) if len(step_s) > 2 else None,
-           "peak_allocated_gib": timing.get("peak_allocated_gib"), "peak_reserved_gib": timing.get("peak_reserved_gib")}
+    row = {
+        "name": name,
+        "script": script,
+        "shape": shape,
+        "quantization": quantization,
+        "cap": cap,
+        "streamed": streamed,
+        "returncode": done.returncode,
+        "wall_s": round(wall, 1),
+        "out_of_memory": "out of memory" in log.lower(),
+        "losses": [e["loss"] for e in history if "loss" in e],
+        "stats_in_log_history": all(any(k.startswith("layerstream/") for k in e) for e in history if "loss" in e)
+        if streamed and history
+        else None,
+        "window_layers": [e.get("layerstream/window_layers") for e in history if "loss" in e],
+        "oom_retries": max([e.get("layerstream/oom_retries", 0) for e in history if "loss" in e], default=None),
+        "step_s": step_s,
+        "median_step_s": statistics.median(step_s[2:]) if len(step_s) > 2 else None,
+        "peak_allocated_gib": timing.get("peak_allocated_gib"),
+        "peak_reserved_gib": timing.get("peak_reserved_gib"),
+    }
     (work / "runs" / f"{name}.log").write_text(log)
     print(json.dumps({k: v for k, v in row.items() if k != "step_s"}), flush=True)
     return row
@@ -124,9 +173,16 @@ def main():
         import checkpoints
 
         for shape in {c[1] for c in cases}:
-            checkpoints.SHAPES[shape] = dict(model_type="llama", vocab_size=512, hidden_size=64,
-                                             intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-                                             num_key_value_heads=2, max_position_embeddings=512)
+            checkpoints.SHAPES[shape] = dict(
+                model_type="llama",
+                vocab_size=512,
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=3,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                max_position_embeddings=512,
+            )
         global EXTRA
         EXTRA = ["--use_cpu"]
     paths = write_inputs(work, sorted({c[1] for c in cases}))
@@ -134,8 +190,9 @@ def main():
     Path(args.out).mkdir(parents=True, exist_ok=True)
 
     def save(rows, pairs=()):
-        (Path(args.out) / "zero-edit.json").write_text(json.dumps({"steps": args.steps, "rows": rows,
-                                                                   "pairs": list(pairs)}, indent=1))
+        (Path(args.out) / "zero-edit.json").write_text(
+            json.dumps({"steps": args.steps, "rows": rows, "pairs": list(pairs)}, indent=1)
+        )
 
     with ThreadPoolExecutor(args.parallel) as pool:
         rows = list(pool.map(lambda c: run(paths, c, work, args.steps, True), capped_only))
@@ -147,10 +204,15 @@ def main():
     pairs = []
     for case in (c for c in cases if c[4]):
         plain, streamed = [r for r in rows if r["name"].startswith("-".join(case[:4]) + "-")]
-        pairs.append({"case": "-".join(case[:4]),
-                      "losses_equal": bool(plain["losses"]) and plain["losses"] == streamed["losses"],
-                      "speed_vs_plain": (plain["median_step_s"] / streamed["median_step_s"])
-                      if plain["median_step_s"] and streamed["median_step_s"] else None})
+        pairs.append(
+            {
+                "case": "-".join(case[:4]),
+                "losses_equal": bool(plain["losses"]) and plain["losses"] == streamed["losses"],
+                "speed_vs_plain": (plain["median_step_s"] / streamed["median_step_s"])
+                if plain["median_step_s"] and streamed["median_step_s"]
+                else None,
+            }
+        )
     save(rows, pairs)
     print(json.dumps(pairs), flush=True)
 

@@ -22,8 +22,10 @@ PAD, BOS, EOS, BYTE0 = 0, 1, 2, 3
 
 def batches(rows, size):
     for start in range(0, len(rows) - size + 1, size):
-        seqs = [[BOS] + [BYTE0 + b for b in f"Q: {r['instruction']}\nA: {r['response']}".encode()] + [EOS]
-                for r in rows[start:start + size]]
+        seqs = [
+            [BOS] + [BYTE0 + b for b in f"Q: {r['instruction']}\nA: {r['response']}".encode()] + [EOS]
+            for r in rows[start : start + size]
+        ]
         width = max(len(s) for s in seqs)
         ids = torch.full((size, width), PAD)
         labels = torch.full((size, width), -100)
@@ -41,12 +43,23 @@ def main(argv=None):
     parser.add_argument("--cpu", action="store_true")
     args = parser.parse_args(argv)
     accelerator = Accelerator(cpu=args.cpu)
-    config = AutoConfig.for_model("llama", vocab_size=BYTE0 + 256, hidden_size=64, intermediate_size=128,
-                                  num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                                  pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS, use_cache=False)
+    config = AutoConfig.for_model(
+        "llama",
+        vocab_size=BYTE0 + 256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=PAD,
+        bos_token_id=BOS,
+        eos_token_id=EOS,
+        use_cache=False,
+    )
     torch.manual_seed(0)
-    model = get_peft_model(AutoModelForCausalLM.from_config(config),
-                           LoraConfig(r=8, target_modules="all-linear", init_lora_weights=False))
+    model = get_peft_model(
+        AutoModelForCausalLM.from_config(config), LoraConfig(r=8, target_modules="all-linear", init_lora_weights=False)
+    )
     if args.stream:
         import layerstream
 

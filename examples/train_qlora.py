@@ -17,8 +17,15 @@ from pathlib import Path
 import torch
 from datasets import Dataset
 from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
-from transformers import (AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, DataCollatorForLanguageModeling,
-                          HfArgumentParser, Trainer, TrainingArguments)
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    BitsAndBytesConfig,
+    DataCollatorForLanguageModeling,
+    HfArgumentParser,
+    Trainer,
+    TrainingArguments,
+)
 
 DATA = Path(__file__).resolve().parents[1] / "src" / "layerstream" / "data" / "tiny_instructions.jsonl"
 
@@ -33,23 +40,37 @@ class ModelArguments:
 
 def main():
     model_args, args = HfArgumentParser((ModelArguments, TrainingArguments)).parse_args_into_dataclasses()
-    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                                      bnb_4bit_compute_dtype=torch.bfloat16) if model_args.load_in_4bit else None
-    model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, device_map="auto",
-                                                 quantization_config=quantization,
-                                                 dtype=torch.bfloat16 if quantization else torch.float32)
+    quantization = (
+        BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.bfloat16,
+        )
+        if model_args.load_in_4bit
+        else None
+    )
+    model = AutoModelForCausalLM.from_pretrained(
+        model_args.model_name_or_path,
+        device_map="auto",
+        quantization_config=quantization,
+        dtype=torch.bfloat16 if quantization else torch.float32,
+    )
     tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path)
     if quantization is not None:
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     torch.manual_seed(args.seed)
-    model = get_peft_model(model, LoraConfig(r=model_args.lora_rank, target_modules="all-linear",
-                                             init_lora_weights=False))
+    model = get_peft_model(
+        model, LoraConfig(r=model_args.lora_rank, target_modules="all-linear", init_lora_weights=False)
+    )
     rows = [json.loads(line) for line in DATA.read_text().splitlines() if line.strip()]
     data = Dataset.from_list([{"text": f"Q: {r['instruction']}\nA: {r['response']}"} for r in rows])
-    data = data.map(lambda row: tokenizer(row["text"], truncation=True, max_length=model_args.max_length),
-                    remove_columns=["text"])
-    trainer = Trainer(model=model, args=args, train_dataset=data,
-                      data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False))
+    data = data.map(
+        lambda row: tokenizer(row["text"], truncation=True, max_length=model_args.max_length), remove_columns=["text"]
+    )
+    trainer = Trainer(
+        model=model, args=args, train_dataset=data, data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False)
+    )
     trainer.train()
     trainer.save_state()  # trainer_state.json (log_history) in output_dir
 

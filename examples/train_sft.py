@@ -26,23 +26,36 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<s>",
-                                   eos_token="</s>")
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
 
 
 def main():
     (args,) = HfArgumentParser((SFTConfig,)).parse_args_into_dataclasses()
     tokenizer = byte_tokenizer()
-    config = AutoConfig.for_model("llama", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
-                                  num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                                  pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-                                  eos_token_id=tokenizer.eos_token_id, use_cache=False)
+    config = AutoConfig.for_model(
+        "llama",
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        use_cache=False,
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
     rows = [json.loads(line) for line in DATA.read_text().splitlines() if line.strip()]
     data = Dataset.from_list([{"text": f"Q: {r['instruction']}\nA: {r['response']}"} for r in rows])
-    trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer,
-                         peft_config=LoraConfig(r=8, target_modules="all-linear", init_lora_weights=False))
+    trainer = SFTTrainer(
+        model=model,
+        args=args,
+        train_dataset=data,
+        processing_class=tokenizer,
+        peft_config=LoraConfig(r=8, target_modules="all-linear", init_lora_weights=False),
+    )
     trainer.train()
     trainer.save_state()
 

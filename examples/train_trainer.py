@@ -45,20 +45,34 @@ def collate(rows):
 
 def main():
     model_args, args = HfArgumentParser((ModelArguments, TrainingArguments)).parse_args_into_dataclasses()
-    config = AutoConfig.for_model("llama", vocab_size=BYTE0 + 256, hidden_size=model_args.hidden_size,
-                                  intermediate_size=2 * model_args.hidden_size,
-                                  num_hidden_layers=model_args.layers, num_attention_heads=4,
-                                  num_key_value_heads=2, pad_token_id=PAD, bos_token_id=BOS,
-                                  eos_token_id=EOS, use_cache=False)
+    config = AutoConfig.for_model(
+        "llama",
+        vocab_size=BYTE0 + 256,
+        hidden_size=model_args.hidden_size,
+        intermediate_size=2 * model_args.hidden_size,
+        num_hidden_layers=model_args.layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=PAD,
+        bos_token_id=BOS,
+        eos_token_id=EOS,
+        use_cache=False,
+    )
     torch.manual_seed(0)
-    model = get_peft_model(AutoModelForCausalLM.from_config(config),
-                           LoraConfig(r=model_args.lora_rank, target_modules="all-linear",
-                                      init_lora_weights=False))
+    model = get_peft_model(
+        AutoModelForCausalLM.from_config(config),
+        LoraConfig(r=model_args.lora_rank, target_modules="all-linear", init_lora_weights=False),
+    )
     rows = [json.loads(line) for line in DATA.read_text().splitlines() if line.strip()]
     data = Dataset.from_list(rows).map(encode, remove_columns=["instruction", "response"])
     train, held_out = data.select(range(len(data) - 40)), data.select(range(len(data) - 40, len(data)))
-    trainer = Trainer(model=model, args=args, train_dataset=train, data_collator=collate,
-                      eval_dataset=held_out if args.eval_strategy != "no" else None)
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=train,
+        data_collator=collate,
+        eval_dataset=held_out if args.eval_strategy != "no" else None,
+    )
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     trainer.save_state()  # trainer_state.json (log_history) in output_dir
 

@@ -9,8 +9,10 @@ import json
 import random
 from pathlib import Path
 
-WORDS = ("stream layer slot cache copy host device model token train adapter weight pinned "
-         "prefetch kernel tensor matrix vector batch epoch").split()
+WORDS = (
+    "stream layer slot cache copy host device model token train adapter weight pinned "
+    "prefetch kernel tensor matrix vector batch epoch"
+).split()
 
 
 def rows(count: int, seed: int = 0):

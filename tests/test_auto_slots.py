@@ -4,6 +4,7 @@ and that the choice is shown and survives replace()."""
 import layerstream
 from layerstream import StreamConfig
 from layerstream.config import AUTO_SLOTS
+
 from tiny import peft_pair
 
 
@@ -23,8 +24,9 @@ def test_explicit_values_are_kept_and_auto_prefetch_follows_slots():
 
 def test_a_budget_that_holds_only_two_layers_gets_two_slots():
     streamed, _ = peft_pair("llama", layers=5)
-    layer_bytes = sum(p.numel() * p.element_size() for n, p in streamed.named_parameters()
-                      if ".layers.0." in n and "lora" not in n)
+    layer_bytes = sum(
+        p.numel() * p.element_size() for n, p in streamed.named_parameters() if ".layers.0." in n and "lora" not in n
+    )
     layerstream.stream_model(streamed, device="cpu", vram_budget=int(2.5 * layer_bytes))
     runtime = layerstream.get_runtime(streamed)
     assert (runtime.config.slots, runtime.config.prefetch) == (2, 1)

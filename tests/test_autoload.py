@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaForCausa
 import layerstream
 from layerstream import embedded
 from layerstream.integrations import autoload, launch
+
 from tiny import assert_traces_equal, batch, lora_config, portable_cpu_nf4, train_steps
 
 NF4 = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
@@ -30,6 +31,7 @@ def streaming():
 @pytest.fixture
 def transformers_never_loads(monkeypatch):
     """Fails the test if transformers' own loader materialises the model."""
+
     def refuse(*args, **kwargs):
         raise AssertionError("transformers' own from_pretrained loaded the whole model")
 
@@ -52,7 +54,7 @@ def _logits(model):
 
 @pytest.mark.parametrize("device_map", [None, "cpu", "auto", {"": "cpu"}])
 def test_a_device_map_load_becomes_a_streamed_model(checkpoint, streaming, transformers_never_loads, device_map):
-    plain_reference = _plain( checkpoint, dtype=torch.float32)
+    plain_reference = _plain(checkpoint, dtype=torch.float32)
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, device_map=device_map)
     assert layerstream.is_streamed(model) and type(model).__name__ == "LlamaForCausalLM"
     if device_map is None:
@@ -69,17 +71,17 @@ def test_the_architecture_class_of_the_config_is_what_loads(checkpoint, streamin
     assert layerstream.is_streamed(model) and model.dtype == torch.float32
 
 
-def test_a_4bit_bitsandbytes_config_loads_nf4_per_layer_like_transformers(checkpoint, streaming,
-                                                                          transformers_never_loads):
+def test_a_4bit_bitsandbytes_config_loads_nf4_per_layer_like_transformers(
+    checkpoint, streaming, transformers_never_loads
+):
     from peft import get_peft_model
     from peft.tuners.lora.bnb import Linear4bit as LoraLinear4bit
 
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, quantization_config=NF4, dtype=torch.bfloat16,
-                                                 device_map={"": "cpu"})
+    model = AutoModelForCausalLM.from_pretrained(
+        checkpoint, quantization_config=NF4, dtype=torch.bfloat16, device_map={"": "cpu"}
+    )
     assert layerstream.is_streamed(model) and model.is_loaded_in_4bit
-    reference = portable_cpu_nf4(_plain( checkpoint,
-                                                              quantization_config=NF4, dtype=torch.bfloat16,
-                                                              device_map="cpu"))
+    reference = portable_cpu_nf4(_plain(checkpoint, quantization_config=NF4, dtype=torch.bfloat16, device_map="cpu"))
     streamed_state, reference_state = model.state_dict(), reference.state_dict()
     assert streamed_state.keys() == reference_state.keys()
     for name, value in reference_state.items():
@@ -91,11 +93,14 @@ def test_a_4bit_bitsandbytes_config_loads_nf4_per_layer_like_transformers(checkp
     assert_traces_equal(train_steps(peft_model, 2), train_steps(resident, 2))
 
 
-@pytest.mark.parametrize("quantization,match", [
-    (BitsAndBytesConfig(load_in_8bit=True), "not 8-bit"),
-    (BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="fp4"), "NF4 only"),
-    ({"quant_method": "gptq", "bits": 4}, "GPTQ|gptq|streams unquantised weights"),
-])
+@pytest.mark.parametrize(
+    "quantization,match",
+    [
+        (BitsAndBytesConfig(load_in_8bit=True), "not 8-bit"),
+        (BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="fp4"), "NF4 only"),
+        ({"quant_method": "gptq", "bits": 4}, "GPTQ|gptq|streams unquantised weights"),
+    ],
+)
 def test_quantisers_other_than_nf4_are_refused_by_name(checkpoint, streaming, quantization, match):
     with pytest.raises((layerstream.LoadingError, ValueError), match=match):
         AutoModelForCausalLM.from_pretrained(checkpoint, quantization_config=quantization)
@@ -105,7 +110,7 @@ def test_a_saved_adapter_loads_on_the_streamed_base(checkpoint, tmp_path, stream
     from peft import AutoPeftModelForCausalLM, get_peft_model
 
     adapter_dir = tmp_path / "adapter"
-    plain = _plain( checkpoint, dtype=torch.float32)
+    plain = _plain(checkpoint, dtype=torch.float32)
     get_peft_model(plain, lora_config()).save_pretrained(adapter_dir)
     streamed = AutoPeftModelForCausalLM.from_pretrained(adapter_dir, dtype=torch.float32)
     assert layerstream.is_streamed(streamed)
@@ -163,8 +168,9 @@ def test_from_pretrained_takes_dtype_as_transformers_spells_it(checkpoint):
 def test_on_a_gpu_the_resident_part_lands_where_the_device_map_says(checkpoint, device_map, quantization):
     launch.enable({"slots": 2})
     try:
-        model = AutoModelForCausalLM.from_pretrained(checkpoint, device_map=device_map, dtype=torch.bfloat16,
-                                                     quantization_config=quantization)
+        model = AutoModelForCausalLM.from_pretrained(
+            checkpoint, device_map=device_map, dtype=torch.bfloat16, quantization_config=quantization
+        )
     finally:
         launch.disable()
     runtime = layerstream.get_runtime(model)
@@ -175,3 +181,12 @@ def test_on_a_gpu_the_resident_part_lands_where_the_device_map_says(checkpoint, 
     ids = batch(259, device="cuda")
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, reference(input_ids=ids).logits)
+
+
+def test_the_device_a_map_asks_for_carries_its_index():
+    """The Trainer reads hf_device_map and calls torch.device on it: a device without an
+    index (Accelerate's own ``cuda``) must come back with one."""
+    assert launch.device_of_map({"": 0}) == torch.device("cuda", 0)
+    assert launch.device_of_map("cuda:1") == torch.device("cuda", 1)
+    assert launch._as_device(torch.device("cuda")).index is not None
+    assert launch.device_of_map(None) is None and launch.device_of_map("cpu") == torch.device("cpu")

@@ -5,8 +5,9 @@ import pytest
 import torch
 
 import layerstream
-from layerstream import config as config_mod
 from layerstream import backward_slots as backward_mod
+from layerstream import config as config_mod
+
 from tiny import assert_traces_equal, peft_pair, stream, train_steps
 
 # a loss-dominated shape: tiny layers, a vocabulary whose fp32 logits dwarf them
@@ -40,8 +41,9 @@ def test_expandable_segments_are_read_from_the_allocator_settings_or_the_environ
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
     assert not config_mod.expandable_segments()
-    monkeypatch.setattr(torch._C, "_accelerator_getAllocatorSettings", lambda: "expandable_segments:True",
-                        raising=False)
+    monkeypatch.setattr(
+        torch._C, "_accelerator_getAllocatorSettings", lambda: "expandable_segments:True", raising=False
+    )
     assert config_mod.expandable_segments()
 
 
@@ -151,12 +153,17 @@ def test_the_summary_says_why_auto_takes_no_backward_slots(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(backward_mod, "expandable_segments", lambda: False)
     assert "needs PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in BackwardSlots(
-        StreamConfig(device="cuda:0", vram_budget=None)).note(0, cuda=True)
+        StreamConfig(device="cuda:0", vram_budget=None)
+    ).note(0, cuda=True)
     monkeypatch.setattr(backward_mod, "expandable_segments", lambda: True)
-    assert "decided at the first training step" in BackwardSlots(
-        StreamConfig(device="cuda:0", vram_budget=None)).note(0, cuda=True)
+    assert "decided at the first training step" in BackwardSlots(StreamConfig(device="cuda:0", vram_budget=None)).note(
+        0, cuda=True
+    )
     assert "resident window" in BackwardSlots(StreamConfig(device="cuda:0", vram_budget="8GiB")).note(0, cuda=True)
-    assert "resident window" in BackwardSlots(StreamConfig(device="cuda:0")).note(0, cuda=True), \
+    assert "resident window" in BackwardSlots(StreamConfig(device="cuda:0")).note(0, cuda=True), (
         "the default budget, auto, leaves the memory to the window"
-    assert BackwardSlots(StreamConfig(device="cuda:0", backward_slots=2)).note(2, cuda=True) == \
-        "2 backward slot(s), allocated outside the loss"
+    )
+    assert (
+        BackwardSlots(StreamConfig(device="cuda:0", backward_slots=2)).note(2, cuda=True)
+        == "2 backward slot(s), allocated outside the loss"
+    )

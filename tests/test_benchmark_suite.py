@@ -16,7 +16,12 @@ import suite  # noqa: E402
 
 def test_cells_parse_and_bad_cells_say_how_to_write_them():
     assert suite.parse_cell("llama3-70b:nf4:2048:1:16GiB") == {
-        "shape": "llama3-70b", "quantization": "nf4", "seq": 2048, "batch": 1, "budget": "16GiB"}
+        "shape": "llama3-70b",
+        "quantization": "nf4",
+        "seq": 2048,
+        "batch": 1,
+        "budget": "16GiB",
+    }
     with pytest.raises(ValueError, match="shape:quantization:seq:batch"):
         suite.parse_cell("llama3-8b:2048")
     with pytest.raises(ValueError, match="none or nf4"):
@@ -25,8 +30,10 @@ def test_cells_parse_and_bad_cells_say_how_to_write_them():
 
 def test_measured_cells_merge_and_missing_ones_are_listed(tmp_path):
     measured = "llama3-8b:nf4:2048:1"
-    shutil.copy(ROOT / "benchmarks/results/throughput-llama3-8b-nf4-seq2048.json",
-                tmp_path / f"{suite.cell_name(measured)}.json")
+    shutil.copy(
+        ROOT / "benchmarks/results/throughput-llama3-8b-nf4-seq2048.json",
+        tmp_path / f"{suite.cell_name(measured)}.json",
+    )
     merged = suite.merge(tmp_path, [measured, "llama3-70b:nf4:2048:1:16GiB"])
     source = json.loads((ROOT / "benchmarks/results/throughput-llama3-8b-nf4-seq2048.json").read_text())
     assert [r["config"] for r in merged["rows"]] == [f"{r['slots']}:{r['prefetch']}" for r in source["rows"]]
@@ -44,9 +51,9 @@ def test_trace_overlap_counts_only_copy_time_that_runs_beside_kernels():
         return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
 
     events = [
-        span("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 0, 4000),      # half beside a kernel
+        span("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 0, 4000),  # half beside a kernel
         span("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 10000, 2000),  # alone
-        span("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 20000, 10),    # too short: not a layer
+        span("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 20000, 10),  # too short: not a layer
         span("kernel", "gemm", 2000, 3000),
         span("kernel", "gemm", 4000, 1000),  # overlaps the one before: counted once
     ]
@@ -104,9 +111,21 @@ def test_the_schedule_simulator_matches_the_measured_step_and_each_backward_slot
     measured = json.loads((ROOT / "benchmarks/results/suite/cell-llama3-8b-none-2048-1.json").read_text())
     row = next(r for r in measured["rows"] if (r["slots"], r["prefetch"]) == (3, 2))
     copy_ms = 436_224_000 / 55.3e9 * 1e3
-    runs = [schedule_sim.simulate(32, 3, 2, count, pieces["layer_forward_ms"], pieces["layer_recompute_backward_ms"],
-                                  pieces["ends_forward_ms"], pieces["ends_backward_ms"], 1.5, copy_ms)
-            for count in range(5)]
+    runs = [
+        schedule_sim.simulate(
+            32,
+            3,
+            2,
+            count,
+            pieces["layer_forward_ms"],
+            pieces["layer_recompute_backward_ms"],
+            pieces["ends_forward_ms"],
+            pieces["ends_backward_ms"],
+            1.5,
+            copy_ms,
+        )
+        for count in range(5)
+    ]
     assert abs(runs[0]["step_ms"] / 1e3 - row["step_s"]) / row["step_s"] < 0.02
     assert [r["copies"] for r in runs] == [58, 57, 56, 55, 54]
     for fewer, run in enumerate(runs):
@@ -116,15 +135,33 @@ def test_the_schedule_simulator_matches_the_measured_step_and_each_backward_slot
     phases = json.loads((ROOT / "benchmarks/results/throughput-llama3-8b-phases-seq2048.json").read_text())
     in_step = schedule_sim.backward_in_step_ms(phases, pieces, 32)
     assert in_step < pieces["layer_recompute_backward_ms"]
-    calibrated = schedule_sim.simulate(32, 3, 2, 0, pieces["layer_forward_ms"], in_step, pieces["ends_forward_ms"],
-                                       pieces["ends_backward_ms"], 1.5, copy_ms)
+    calibrated = schedule_sim.simulate(
+        32,
+        3,
+        2,
+        0,
+        pieces["layer_forward_ms"],
+        in_step,
+        pieces["ends_forward_ms"],
+        pieces["ends_backward_ms"],
+        1.5,
+        copy_ms,
+    )
     assert abs(calibrated["step_ms"] / 1e3 - row["step_s"]) / row["step_s"] < 0.01
     assert abs(calibrated["fraction_of_copy_bound"] - row["fraction_of_bound"]) < 0.01
     # the last layer without its recompute: at most its forward shorter, the copies the same
-    skip = schedule_sim.simulate(32, 3, 2, 0, pieces["layer_forward_ms"],
-                                 schedule_sim.without_recompute(pieces["layer_forward_ms"],
-                                                                pieces["layer_recompute_backward_ms"], 32, {31}),
-                                 pieces["ends_forward_ms"], pieces["ends_backward_ms"], 1.5, copy_ms)
+    skip = schedule_sim.simulate(
+        32,
+        3,
+        2,
+        0,
+        pieces["layer_forward_ms"],
+        schedule_sim.without_recompute(pieces["layer_forward_ms"], pieces["layer_recompute_backward_ms"], 32, {31}),
+        pieces["ends_forward_ms"],
+        pieces["ends_backward_ms"],
+        1.5,
+        copy_ms,
+    )
     assert skip["copies"] == 58 and 0 < runs[0]["step_ms"] - skip["step_ms"] <= pieces["layer_forward_ms"] + 1e-9
 
 
@@ -140,8 +177,18 @@ def test_skipping_the_first_and_last_recompute_would_still_stay_under_the_target
     skipped = schedule_sim.without_recompute(forward, backward, 32, {0, 31})
 
     def play(backward_ms, ends_scale=1.0):
-        return schedule_sim.simulate(32, 3, 2, 0, forward, backward_ms, ends_scale * pieces["ends_forward_ms"],
-                                     ends_scale * pieces["ends_backward_ms"], 1.5, copy_ms)
+        return schedule_sim.simulate(
+            32,
+            3,
+            2,
+            0,
+            forward,
+            backward_ms,
+            ends_scale * pieces["ends_forward_ms"],
+            ends_scale * pieces["ends_backward_ms"],
+            1.5,
+            copy_ms,
+        )
 
     whole, both = play(backward), play(skipped)
     assert both["copies"] == whole["copies"] == 58
@@ -160,10 +207,22 @@ def test_backward_slots_taking_the_backwards_first_copies_shorten_the_step_at_th
     backward = schedule_sim.backward_in_step_ms(phases, pieces, 32)
     copy_ms = 436_224_000 / 55.3e9 * 1e3
     for count in (1, 2, 3, 4):
-        kept, early = [schedule_sim.simulate(32, 3, 2, count, pieces["layer_forward_ms"], backward,
-                                             pieces["ends_forward_ms"], pieces["ends_backward_ms"], 1.5, copy_ms,
-                                             planner_class=planner)
-                       for planner in (schedule_sim.KeptOnlyBackwardSlotsPlanner, schedule_sim.PrefetchPlanner)]
+        kept, early = [
+            schedule_sim.simulate(
+                32,
+                3,
+                2,
+                count,
+                pieces["layer_forward_ms"],
+                backward,
+                pieces["ends_forward_ms"],
+                pieces["ends_backward_ms"],
+                1.5,
+                copy_ms,
+                planner_class=planner,
+            )
+            for planner in (schedule_sim.KeptOnlyBackwardSlotsPlanner, schedule_sim.PrefetchPlanner)
+        ]
         assert early["copies"] == kept["copies"] and early["demand_loads"] == kept["demand_loads"] == 0
         assert 0.4 * backward < kept["step_ms"] - early["step_ms"] <= backward + 1e-9
 
@@ -183,7 +242,8 @@ def test_attention_and_mlp_units_would_stay_under_the_target_and_lengthen_the_st
     assert 4 * (layer_bytes - attention_bytes) >= 3 * layer_bytes
     for share in (0.2, 0.3):
         unit_forward, unit_backward, unit_copy = schedule_sim.attention_mlp_units(
-            32, forward, backward, copy_ms, share, attention_bytes / layer_bytes)
+            32, forward, backward, copy_ms, share, attention_bytes / layer_bytes
+        )
         units = schedule_sim.simulate(64, 4, 2, 0, unit_forward, unit_backward, *ends, unit_copy)
         assert units["copies"] == 2 * (64 - 4) and units["demand_loads"] == 0
         assert layers["fraction_of_copy_bound"] < units["fraction_of_copy_bound"] < 0.95

@@ -11,11 +11,12 @@ import pytest
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
-from tiny import tiny_model
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
 import layerstream
 from layerstream import checkpoint, loading
+
+from tiny import tiny_model
 
 CPU = layerstream.StreamConfig(device="cpu", slots=2)
 LAST_LAYER_TENSOR = "model.layers.3.mlp.down_proj.weight"
@@ -24,8 +25,9 @@ LAST_LAYER_TENSOR = "model.layers.3.mlp.down_proj.weight"
 @pytest.fixture
 def sharded(tmp_path):
     directory = tmp_path / "ckpt"
-    tiny_model("llama", layers=4, dtype=torch.bfloat16, hidden_size=64, intermediate_size=128,
-               head_dim=16).save_pretrained(directory, max_shard_size="100KB")
+    tiny_model(
+        "llama", layers=4, dtype=torch.bfloat16, hidden_size=64, intermediate_size=128, head_dim=16
+    ).save_pretrained(directory, max_shard_size="100KB")
     assert len(list(directory.glob("*.safetensors"))) > 2, "the test needs several shards"
     return directory
 
@@ -57,7 +59,7 @@ def _shard_of(directory, name):
 def _split(path):
     raw = path.read_bytes()
     length = struct.unpack("<Q", raw[:8])[0]
-    return json.loads(raw[8:8 + length]), raw[8 + length:]
+    return json.loads(raw[8 : 8 + length]), raw[8 + length :]
 
 
 def _join(path, header, data):
@@ -112,8 +114,12 @@ def test_data_offsets_that_disagree_with_dtype_and_shape_are_refused_naming_the_
     header, data = _split(shard)
     header[LAST_LAYER_TENSOR]["shape"] = [64, 64]  # stored [64, 128] bf16: half the bytes the offsets span
     _join(shard, header, data)
-    _refused(sharded, loads, rf"{shard.name}: tensor {LAST_LAYER_TENSOR} has data_offsets .* BF16 x \[64, 64\] "
-                             r"needs 8192 bytes")
+    _refused(
+        sharded,
+        loads,
+        rf"{shard.name}: tensor {LAST_LAYER_TENSOR} has data_offsets .* BF16 x \[64, 64\] "
+        r"needs 8192 bytes",
+    )
 
 
 def test_a_shard_with_bytes_after_its_last_tensor_is_refused_as_safetensors_would(sharded, loads):
@@ -132,31 +138,42 @@ def test_an_index_that_puts_a_tensor_in_the_wrong_shard_is_refused(sharded, load
     _refused(sharded, loads, rf"the index puts {LAST_LAYER_TENSOR} in .*{wrong}, which does not hold it")
 
 
-@pytest.mark.parametrize("content, problem", [("{not json", "is not valid JSON"),
-                                              ('{"metadata": {}}', "has no weight_map")],
-                         ids=["not-json", "no-weight-map"])
+@pytest.mark.parametrize(
+    "content, problem",
+    [("{not json", "is not valid JSON"), ('{"metadata": {}}', "has no weight_map")],
+    ids=["not-json", "no-weight-map"],
+)
 def test_a_broken_index_is_refused_naming_the_index(sharded, loads, content, problem):
     (sharded / "model.safetensors.index.json").write_text(content)
     _refused(sharded, loads, rf"model.safetensors.index.json {problem}.*download or save the checkpoint again")
 
 
 @pytest.mark.parametrize("quantization", [None, "nf4"])
-@pytest.mark.parametrize("name, stored", [("model.layers.3.self_attn.q_proj.weight", [1, 64]),
-                                          ("model.layers.3.input_layernorm.weight", [1])],
-                         ids=["projection-1x64", "norm-1"])
+@pytest.mark.parametrize(
+    "name, stored",
+    [("model.layers.3.self_attn.q_proj.weight", [1, 64]), ("model.layers.3.input_layernorm.weight", [1])],
+    ids=["projection-1x64", "norm-1"],
+)
 def test_a_broadcastable_wrong_shape_is_refused_before_any_layer_loads(sharded, loads, name, stored, quantization):
     """copy_ would broadcast these into every row; transformers refuses the same files.
     With NF4 the meta model's Linear4bit weights keep the unquantised [out, in] shape."""
     expected = list(load_file(_shard_of(sharded, name))[name].shape)
     shard = _replace_tensor(sharded, name, torch.ones(stored, dtype=torch.bfloat16))
-    _refused(sharded, loads, re.escape(f"{name} in {shard.name} has shape {stored}, the model expects {expected}")
-             + ".*config.json", quantization=quantization)
+    _refused(
+        sharded,
+        loads,
+        re.escape(f"{name} in {shard.name} has shape {stored}, the model expects {expected}") + ".*config.json",
+        quantization=quantization,
+    )
 
 
 def test_copy_into_refuses_a_shape_it_would_broadcast():
     target = torch.zeros(4, 4)
-    with pytest.raises(layerstream.LoadingError, match=r"q.weight in shard.safetensors has shape \[1, 4\], "
-                                                       r"the model expects \[4, 4\]"):
+    with pytest.raises(
+        layerstream.LoadingError,
+        match=r"q.weight in shard.safetensors has shape \[1, 4\], "
+        r"the model expects \[4, 4\]",
+    ):
         loading._copy_into(target, torch.ones(1, 4), "q.weight", "shard.safetensors")
     assert not target.any(), "nothing may have been copied"
 
@@ -173,16 +190,23 @@ def test_floating_tensors_stored_in_another_floating_dtype_are_cast_as_transform
 def test_an_integer_tensor_for_a_floating_parameter_is_refused_naming_both_dtypes(sharded, loads):
     name = "model.layers.3.post_attention_layernorm.weight"
     shard = _replace_tensor(sharded, name, torch.ones(64, dtype=torch.int64))
-    _refused(sharded, loads, rf"{name} in {shard.name} is stored as I64, the model expects a floating-point "
-                             r"tensor \(bfloat16\)")
+    _refused(
+        sharded,
+        loads,
+        rf"{name} in {shard.name} is stored as I64, the model expects a floating-point "
+        r"tensor \(bfloat16\)",
+    )
 
 
 def test_a_floating_tensor_for_an_integer_buffer_is_refused(tmp_path):
     shard = tmp_path / "model.safetensors"
     save_file({"step": torch.zeros(3)}, shard)
     expected = {"step": torch.empty(3, dtype=torch.int64, device="meta")}
-    with pytest.raises(layerstream.LoadingError, match=r"step in model.safetensors is stored as F32, the model "
-                                                       r"expects a non-floating tensor \(int64\)"):
+    with pytest.raises(
+        layerstream.LoadingError,
+        match=r"step in model.safetensors is stored as F32, the model "
+        r"expects a non-floating tensor \(int64\)",
+    ):
         checkpoint.validate_checkpoint(tmp_path, {"step": shard}, expected)
 
 
@@ -213,20 +237,26 @@ def test_per_expert_moe_checkpoints_are_refused_before_any_layer_loads(tmp_path,
 @pytest.fixture
 def prequantized(tmp_path):
     base, quantised = tmp_path / "base", tmp_path / "nf4"
-    tiny_model("llama", layers=2, dtype=torch.bfloat16, hidden_size=64, intermediate_size=128,
-               head_dim=16).save_pretrained(base)
+    tiny_model(
+        "llama", layers=2, dtype=torch.bfloat16, hidden_size=64, intermediate_size=128, head_dim=16
+    ).save_pretrained(base)
     quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
-    AutoModelForCausalLM.from_pretrained(base, quantization_config=quant, dtype=torch.bfloat16,
-                                         device_map="cpu").save_pretrained(quantised)
+    AutoModelForCausalLM.from_pretrained(
+        base, quantization_config=quant, dtype=torch.bfloat16, device_map="cpu"
+    ).save_pretrained(quantised)
     return quantised
 
 
 @pytest.mark.parametrize("quantization", [None, "nf4"])
 def test_a_prequantised_checkpoint_is_refused_with_what_to_load_instead(prequantized, loads, quantization):
-    _refused(prequantized, loads, r"pre-quantised checkpoint \(config.json has a quantization_config "
-                                  r"\(bitsandbytes\)\); pre-quantised checkpoints are not read by layerstream's "
-                                  r"loader: load the unquantised checkpoint with quantization='nf4'",
-             quantization=quantization)
+    _refused(
+        prequantized,
+        loads,
+        r"pre-quantised checkpoint \(config.json has a quantization_config "
+        r"\(bitsandbytes\)\); pre-quantised checkpoints are not read by layerstream's "
+        r"loader: load the unquantised checkpoint with quantization='nf4'",
+        quantization=quantization,
+    )
 
 
 def test_quant_state_tensors_mark_a_checkpoint_prequantised_without_a_quantization_config(prequantized, loads):
@@ -250,13 +280,26 @@ def hub(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("model_id", ["/no/such/model", "./no-such-model", "../no-such-model", "~/no-such-model",
-                                      "models\\llama", "org/name/extra", "models/no-such-model"])
+@pytest.mark.parametrize(
+    "model_id",
+    [
+        "/no/such/model",
+        "./no-such-model",
+        "../no-such-model",
+        "~/no-such-model",
+        "models\\llama",
+        "org/name/extra",
+        "models/no-such-model",
+    ],
+)
 def test_a_local_looking_path_that_does_not_exist_is_not_sent_to_the_hub(tmp_path, monkeypatch, hub, model_id):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "models").mkdir()  # a local directory: models/<name> is a path, not a hub id
-    with pytest.raises(layerstream.LoadingError, match=r"no such directory: .*; pass a directory that holds "
-                                                       r"config.json and the weights, or a hub id like org/name"):
+    with pytest.raises(
+        layerstream.LoadingError,
+        match=r"no such directory: .*; pass a directory that holds "
+        r"config.json and the weights, or a hub id like org/name",
+    ):
         layerstream.from_pretrained(model_id, stream=CPU)
     assert hub == []
 
@@ -273,8 +316,9 @@ def test_a_hub_id_is_still_resolved_on_the_hub(tmp_path, monkeypatch, hub):
     tiny_model("llama", layers=2, dtype=torch.bfloat16).save_pretrained(directory)
     import huggingface_hub
 
-    monkeypatch.setattr(huggingface_hub, "snapshot_download",
-                        lambda repo_id, **kwargs: hub.append(repo_id) or str(directory))
+    monkeypatch.setattr(
+        huggingface_hub, "snapshot_download", lambda repo_id, **kwargs: hub.append(repo_id) or str(directory)
+    )
     assert layerstream.is_streamed(layerstream.from_pretrained("org/name", stream=CPU))
     assert hub == ["org/name"]
 
@@ -302,8 +346,11 @@ def test_a_tensor_that_fails_to_read_during_the_load_is_named_with_its_file(shar
 
     monkeypatch.setattr(safetensors, "safe_open", FailingHandle)
     shard = _shard_of(sharded, LAST_LAYER_TENSOR)
-    with pytest.raises(layerstream.LoadingError, match=rf"{LAST_LAYER_TENSOR} in .*{shard.name} cannot be read "
-                                                       r"\(simulated read failure\)"):
+    with pytest.raises(
+        layerstream.LoadingError,
+        match=rf"{LAST_LAYER_TENSOR} in .*{shard.name} cannot be read "
+        r"\(simulated read failure\)",
+    ):
         layerstream.from_pretrained(sharded, stream=CPU)
     assert "model.layers.3." in loads, "the failure came while loading the last layer"
 
@@ -339,5 +386,9 @@ def test_a_wrong_shape_in_a_pickle_checkpoint_is_refused_before_any_layer_loads(
     name = "model.layers.2.self_attn.k_proj.weight"
     state[name] = torch.ones(1, state[name].shape[1], dtype=torch.bfloat16)
     torch.save(state, tmp_path / "pytorch_model.bin")
-    _refused(tmp_path, loads, rf"{name} in pytorch_model.bin has shape \[1, 32\], the model expects \[16, 32\]",
-             allow_pickle=True)
+    _refused(
+        tmp_path,
+        loads,
+        rf"{name} in pytorch_model.bin has shape \[1, 32\], the model expects \[16, 32\]",
+        allow_pickle=True,
+    )

@@ -4,7 +4,8 @@ copy, or bytes changed between the copy and the use, stops at once with layer an
 import pytest
 
 import layerstream
-from tiny import corrupt_copies, assert_traces_equal, batch, peft_pair, stream, train_steps
+
+from tiny import assert_traces_equal, batch, corrupt_copies, peft_pair, stream, train_steps
 
 
 def _checked_pair(device, layers=5):
@@ -26,7 +27,9 @@ def test_wrong_bytes_after_a_copy_name_the_layer_and_slot(device):
     other = runtime.records[0].host_region
     corrupt_copies(runtime, lambda layer, slot: other if layer == 3 else None)
     ids = batch(96, device=device)
-    with pytest.raises(layerstream.SlotChecksumError, match=r"slot \d does not hold .*layers\.3 \(layer 3\) after its copy"):
+    with pytest.raises(
+        layerstream.SlotChecksumError, match=r"slot \d does not hold .*layers\.3 \(layer 3\) after its copy"
+    ):
         streamed(input_ids=ids, labels=ids).loss.backward()
 
 

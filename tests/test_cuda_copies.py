@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import layerstream
+
 from tiny import assert_traces_equal, batch, peft_pair, stream, train_steps
 
 pytestmark = pytest.mark.gpu
@@ -30,8 +31,9 @@ def _delay_copies(runtime, monkeypatch):
 
 
 def _race_pair(dtype, monkeypatch, layers=8, route="direct"):
-    streamed, resident = peft_pair("llama", layers=layers, dtype=dtype, attn="eager",
-                                   hidden_size=256, intermediate_size=1024, head_dim=64)
+    streamed, resident = peft_pair(
+        "llama", layers=layers, dtype=dtype, attn="eager", hidden_size=256, intermediate_size=1024, head_dim=64
+    )
     stream(streamed, "cuda", slots=2, prefetch=1)
     resident.to("cuda")
     runtime = layerstream.get_runtime(streamed)
@@ -44,8 +46,9 @@ def _race_pair(dtype, monkeypatch, layers=8, route="direct"):
 def test_copies_call_the_cuda_runtime_directly():
     streamed, _ = peft_pair("llama", layers=3)
     stream(streamed, "cuda", slots=2, prefetch=1)
-    assert layerstream.get_runtime(streamed).pool._direct(), \
+    assert layerstream.get_runtime(streamed).pool._direct(), (
         "no shared libcudart found: copies fall back to the slower torch calls"
+    )
 
 
 @pytest.mark.parametrize("route", ["direct", "torch"])
@@ -77,8 +80,9 @@ def test_skipping_the_ready_wait_is_caught(monkeypatch):
     monkeypatch.setattr(pool, "acquire", acquire_without_wait)
     ids = batch(96, seq=4, device="cuda")
     with torch.no_grad():
-        mismatches = sum(not torch.equal(streamed(input_ids=ids).logits, resident(input_ids=ids).logits)
-                         for _ in range(5))
+        mismatches = sum(
+            not torch.equal(streamed(input_ids=ids).logits, resident(input_ids=ids).logits) for _ in range(5)
+        )
     assert mismatches > 0
 
 
@@ -126,8 +130,11 @@ def test_timeline_on_cuda_places_every_compute_inside_its_layers_residency(tmp_p
     assert len(copies) == 2 * (6 - 2) and all(s.end_ms > s.start_ms for s in copies)
     assert len(computes) == 12
     for span in computes:
-        holding = [h for h in spans if h.kind == "hold" and h.slot == span.slot
-                   and h.start_ms <= span.start_ms and span.end_ms <= h.end_ms]
+        holding = [
+            h
+            for h in spans
+            if h.kind == "hold" and h.slot == span.slot and h.start_ms <= span.start_ms and span.end_ms <= h.end_ms
+        ]
         assert [h.layer for h in holding] == [span.layer], span
     assert (tmp_path / "layerstream-trace.json").exists()
 
@@ -156,8 +163,9 @@ def _delay_compute(monkeypatch, backward_too=False):
 
 
 def _slow_compute_pair(monkeypatch, backward_too=False):
-    streamed, resident = peft_pair("llama", layers=8, dtype=torch.bfloat16, attn="eager",
-                                   hidden_size=256, intermediate_size=1024, head_dim=64)
+    streamed, resident = peft_pair(
+        "llama", layers=8, dtype=torch.bfloat16, attn="eager", hidden_size=256, intermediate_size=1024, head_dim=64
+    )
     stream(streamed, "cuda", slots=2, prefetch=1)
     resident.to("cuda")
     _delay_compute(monkeypatch, backward_too)
@@ -175,8 +183,9 @@ def test_skipping_the_released_wait_is_caught(monkeypatch):
     monkeypatch.setattr(pool, "mark_released", lambda slot, compute=None: None)
     ids = batch(96, seq=4, device="cuda")
     with torch.no_grad():
-        mismatches = sum(not torch.equal(streamed(input_ids=ids).logits, resident(input_ids=ids).logits)
-                         for _ in range(5))
+        mismatches = sum(
+            not torch.equal(streamed(input_ids=ids).logits, resident(input_ids=ids).logits) for _ in range(5)
+        )
     assert mismatches > 0
 
 

@@ -7,13 +7,13 @@ import time
 from datetime import timedelta
 
 import pytest
-
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
 import layerstream
+
 from tiny import batch, peft_pair, stream
 
 STEPS, GLOBAL_BATCH = 4, 4
@@ -32,7 +32,7 @@ def _train(model, rank=0, world=1, device="cpu"):
     for step in range(STEPS):
         ids = batch(96, size=GLOBAL_BATCH, seq=10, seed=step).to(device)
         share = GLOBAL_BATCH // world
-        mine = ids[rank * share:(rank + 1) * share]
+        mine = ids[rank * share : (rank + 1) * share]
         loss = model(input_ids=mine, labels=mine).loss
         loss.backward()
         opt.step()
@@ -51,8 +51,13 @@ def _worker(rank, world, rendezvous, out, device_type):
         torch.cuda.set_device(rank)
         device = f"cuda:{rank}"
     # a file rendezvous: no port to pick, so no race with other processes for one
-    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", init_method=f"file://{rendezvous}",
-                            rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "nccl" if device_type == "cuda" else "gloo",
+        init_method=f"file://{rendezvous}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=60),
+    )
     try:
         model = _model(device)
         ddp = DistributedDataParallel(model, device_ids=[rank] if device_type == "cuda" else None)
@@ -71,7 +76,10 @@ def _worker(rank, world, rendezvous, out, device_type):
     os._exit(0)
 
 
-DEVICE_TYPES = [pytest.param("cpu", id="gloo-cpu"), pytest.param("cuda", id="nccl-2gpu", marks=[pytest.mark.gpu, pytest.mark.multigpu])]
+DEVICE_TYPES = [
+    pytest.param("cpu", id="gloo-cpu"),
+    pytest.param("cuda", id="nccl-2gpu", marks=[pytest.mark.gpu, pytest.mark.multigpu]),
+]
 
 
 @pytest.mark.parametrize("device_type", DEVICE_TYPES)
@@ -81,8 +89,7 @@ def test_two_processes_train_like_one_at_the_same_global_batch(tmp_path, device_
     device = "cuda:0" if device_type == "cuda" else "cpu"
     single = _train(_model(device), device=device)
     out = tmp_path / "losses.pt"
-    context = mp.spawn(_worker, args=(2, str(tmp_path / "rendezvous"), str(out), device_type), nprocs=2,
-                       join=False)
+    context = mp.spawn(_worker, args=(2, str(tmp_path / "rendezvous"), str(out), device_type), nprocs=2, join=False)
     deadline = time.monotonic() + 180
     while not context.join(timeout=5):
         if time.monotonic() > deadline:

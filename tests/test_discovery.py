@@ -6,6 +6,7 @@ from torch import nn
 from transformers import AutoConfig, LlavaConfig, LlavaForConditionalGeneration
 
 from layerstream.discovery import find_decoder_layers
+
 from tiny import FAMILIES, lora_config, tiny_model
 
 
@@ -24,13 +25,25 @@ def test_found_under_a_peft_wrapper():
 
 
 def test_language_stack_preferred_over_a_longer_vision_tower():
-    text = AutoConfig.for_model("llama", vocab_size=96, hidden_size=32, intermediate_size=64,
-                                num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2)
-    vision = AutoConfig.for_model("clip_vision_model", hidden_size=32, intermediate_size=64,
-                                  num_hidden_layers=8, num_attention_heads=4, image_size=32,
-                                  patch_size=8)
-    model = LlavaForConditionalGeneration(LlavaConfig(text_config=text, vision_config=vision,
-                                                      image_token_id=95))
+    text = AutoConfig.for_model(
+        "llama",
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    vision = AutoConfig.for_model(
+        "clip_vision_model",
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        image_size=32,
+        patch_size=8,
+    )
+    model = LlavaForConditionalGeneration(LlavaConfig(text_config=text, vision_config=vision, image_token_id=95))
     path, layers = find_decoder_layers(model)
     assert len(layers) == 3 and "language_model" in path
 

@@ -6,22 +6,26 @@ from torch import nn
 
 import layerstream
 from layerstream import StreamConfig, StreamConfigError
+
 from tiny import assert_traces_equal, batch, peft_pair, stream, tiny_model, train_steps
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(slots=1), "slots=1 is too few"),
-    (dict(slots=3, prefetch=3), "prefetch must be >= 1 and < slots"),
-    (dict(slots=3, prefetch=0), "prefetch must be >= 1"),
-    (dict(slots="3"), "slots must be an integer"),
-    (dict(slots="many"), "slots must be an integer >= 2 or 'auto'"),
-    (dict(prefetch="ahead"), "prefetch must be an integer >= 1 or 'auto'"),
-    (dict(device="tpu"), "not a torch device|streams to CUDA devices"),
-    (dict(device="cpu", pin=True), "pin=True needs a CUDA device"),
-    (dict(arena_bytes=10), "arena_bytes"),
-    (dict(vram_budget="12 gigs"), "vram_budget: unknown unit"),
-    (dict(vram_budget=0), "vram_budget must be a positive size"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(slots=1), "slots=1 is too few"),
+        (dict(slots=3, prefetch=3), "prefetch must be >= 1 and < slots"),
+        (dict(slots=3, prefetch=0), "prefetch must be >= 1"),
+        (dict(slots="3"), "slots must be an integer"),
+        (dict(slots="many"), "slots must be an integer >= 2 or 'auto'"),
+        (dict(prefetch="ahead"), "prefetch must be an integer >= 1 or 'auto'"),
+        (dict(device="tpu"), "not a torch device|streams to CUDA devices"),
+        (dict(device="cpu", pin=True), "pin=True needs a CUDA device"),
+        (dict(arena_bytes=10), "arena_bytes"),
+        (dict(vram_budget="12 gigs"), "vram_budget: unknown unit"),
+        (dict(vram_budget=0), "vram_budget must be a positive size"),
+    ],
+)
 def test_config_values_out_of_range(kwargs, match):
     kwargs.setdefault("device", "cpu")
     with pytest.raises(StreamConfigError, match=match):
@@ -142,7 +146,9 @@ def test_kv_cache_with_past_tokens_under_autograd():
 
 def test_slots_larger_than_the_vram_budget_are_refused_before_any_copy():
     streamed, _ = peft_pair("llama", layers=4)
-    with pytest.raises(layerstream.StreamConfigError, match=r"3 slots of the largest layer .* more than vram_budget=0.00 GiB"):
+    with pytest.raises(
+        layerstream.StreamConfigError, match=r"3 slots of the largest layer .* more than vram_budget=0.00 GiB"
+    ):
         layerstream.stream_model(streamed, device="cpu", slots=3, vram_budget="100KiB")
     assert not layerstream.is_streamed(streamed)
 
@@ -151,7 +157,10 @@ def test_a_step_that_cannot_fit_the_vram_budget_is_refused_before_it_computes():
     streamed, _ = peft_pair("llama", layers=4)
     stream(streamed, "cpu", slots=2, vram_budget="1GiB")  # the planner keeps a 1 GiB reserve
     ids = batch(96, size=2, seq=16)
-    with pytest.raises(layerstream.StreamingError, match=r"batch 2 x 16 tokens does not fit vram_budget=1.00 GiB.*Nothing has been computed"):
+    with pytest.raises(
+        layerstream.StreamingError,
+        match=r"batch 2 x 16 tokens does not fit vram_budget=1.00 GiB.*Nothing has been computed",
+    ):
         streamed(input_ids=ids, labels=ids)
     assert layerstream.get_runtime(streamed).visits == 0
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import layerstream
+
 from tiny import assert_traces_equal, batch, peft_pair, stream, train_steps
 
 
@@ -31,12 +32,16 @@ def _in_backward():
     return torch._C._current_graph_task_id() >= 0
 
 
-@pytest.mark.parametrize("exc,when", [
-    (Injected("forward"), lambda: not _in_backward()),
-    (Injected("recompute"), _in_backward),
-    (KeyboardInterrupt(), lambda: not _in_backward()),
-    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), lambda: not _in_backward()),
-], ids=["forward", "backward-recompute", "interrupt", "out-of-memory"])
+@pytest.mark.parametrize(
+    "exc,when",
+    [
+        (Injected("forward"), lambda: not _in_backward()),
+        (Injected("recompute"), _in_backward),
+        (KeyboardInterrupt(), lambda: not _in_backward()),
+        (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), lambda: not _in_backward()),
+    ],
+    ids=["forward", "backward-recompute", "interrupt", "out-of-memory"],
+)
 def test_a_failed_step_leaves_the_next_steps_exact(monkeypatch, exc, when):
     streamed, resident = peft_pair("llama", layers=5)
     stream(streamed, "cpu", slots=2, prefetch=1)
@@ -76,8 +81,14 @@ def test_out_of_memory_in_a_streamed_step_outside_the_layers_names_the_budgets(t
 
     monkeypatch.setattr(head, "forward", forward)
     data = Dataset.from_list([{"input_ids": [3, 4, 5, 6], "labels": [3, 4, 5, 6]}] * 4)
-    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=1,
-                             per_device_train_batch_size=2, save_strategy="no")
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        report_to=[],
+        max_steps=1,
+        per_device_train_batch_size=2,
+        save_strategy="no",
+    )
     with pytest.raises(torch.OutOfMemoryError) as raised:
         Trainer(model=model, args=args, train_dataset=data).train()
     message = str(raised.value)
@@ -99,8 +110,15 @@ def test_an_exception_in_a_trainer_callback_leaves_the_next_steps_exact(tmp_path
     streamed, resident = peft_pair("llama", layers=5)
     stream(streamed, "cpu", slots=2, prefetch=1)
     data = Dataset.from_list([{"input_ids": [3, 4, 5, 6, 7], "labels": [3, 4, 5, 6, 7]}] * 8)
-    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=4,
-                             per_device_train_batch_size=2, save_strategy="no", learning_rate=1e-2)
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        report_to=[],
+        max_steps=4,
+        per_device_train_batch_size=2,
+        save_strategy="no",
+        learning_rate=1e-2,
+    )
     with pytest.raises(Injected):
         Trainer(model=streamed, args=args, train_dataset=data, callbacks=[Failing()]).train()
     runtime = layerstream.get_runtime(streamed)

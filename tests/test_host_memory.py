@@ -7,6 +7,7 @@ import torch
 import layerstream
 from layerstream import store as store_mod
 from layerstream.store import HostMemoryError, check_host_memory
+
 from tiny import peft_pair, tiny_model
 
 GiB = 1 << 30
@@ -47,6 +48,7 @@ def test_loading_checks_host_memory_before_reading_weights(tmp_path, monkeypatch
     monkeypatch.setattr(loading._Reader, "__init__", lambda self, files: read.append(files))
     _host(monkeypatch, available=1024, total=64 * GiB)
     with pytest.raises(HostMemoryError, match="loading this model needs"):
-        layerstream.from_pretrained(directory, torch_dtype=torch.bfloat16,
-                                    stream=layerstream.StreamConfig(device="cpu", slots=2))
+        layerstream.from_pretrained(
+            directory, torch_dtype=torch.bfloat16, stream=layerstream.StreamConfig(device="cpu", slots=2)
+        )
     assert not read, "no weight file may be opened before the check"

@@ -35,9 +35,27 @@ RUNNER = textwrap.dedent(f"""
 
 
 def _command(out, *extra):
-    return [sys.executable, "-c", RUNNER, "--output_dir", str(out), "--max_steps", "8", "--logging_steps", "1",
-            "--save_steps", "2", "--report_to", "none", "--use_cpu", "--per_device_train_batch_size", "4",
-            "--seed", "0", *extra]
+    return [
+        sys.executable,
+        "-c",
+        RUNNER,
+        "--output_dir",
+        str(out),
+        "--max_steps",
+        "8",
+        "--logging_steps",
+        "1",
+        "--save_steps",
+        "2",
+        "--report_to",
+        "none",
+        "--use_cpu",
+        "--per_device_train_batch_size",
+        "4",
+        "--seed",
+        "0",
+        *extra,
+    ]
 
 
 def _env(sleep):
@@ -61,8 +79,7 @@ def test_a_run_killed_with_sigkill_resumes_with_the_uninterrupted_losses(tmp_pat
     assert sorted(expected) == list(range(1, 9))
 
     killed = tmp_path / "killed"
-    process = subprocess.Popen(_command(killed), env=_env(0.5), stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(_command(killed), env=_env(0.5), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 240
     try:
         while not any(int(p.name.split("-")[1]) >= 4 for p in _complete_checkpoints(killed)):
@@ -78,8 +95,13 @@ def test_a_run_killed_with_sigkill_resumes_with_the_uninterrupted_losses(tmp_pat
     resumed_from = int(last.name.split("-")[1])
     assert resumed_from < 8
 
-    subprocess.run(_command(killed, "--resume_from_checkpoint", str(last)), env=_env(0), check=True,
-                   capture_output=True, timeout=300)
+    subprocess.run(
+        _command(killed, "--resume_from_checkpoint", str(last)),
+        env=_env(0),
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     resumed = _losses(killed)
     after = [step for step in expected if step > resumed_from]
     assert after and all(resumed[step] == expected[step] for step in after), (resumed, expected)

@@ -30,13 +30,18 @@ def files(tmp_path_factory):
     rows = [json.loads(line) for line in embedded.data_path().read_text().splitlines() if line.strip()][:48]
     sft = root / "sft"
     sft.mkdir()
-    (sft / "train.jsonl").write_text("".join(
-        json.dumps({"text": f"Q: {r['instruction']}\nA: {r['response']}"}) + "\n" for r in rows))
+    (sft / "train.jsonl").write_text(
+        "".join(json.dumps({"text": f"Q: {r['instruction']}\nA: {r['response']}"}) + "\n" for r in rows)
+    )
     dpo = root / "dpo"
     dpo.mkdir()
-    (dpo / "train.jsonl").write_text("".join(
-        json.dumps({"prompt": f"Q: {r['instruction']}\nA:", "chosen": " " + r["response"], "rejected": " no."}) + "\n"
-        for r in rows))
+    (dpo / "train.jsonl").write_text(
+        "".join(
+            json.dumps({"prompt": f"Q: {r['instruction']}\nA:", "chosen": " " + r["response"], "rejected": " no."})
+            + "\n"
+            for r in rows
+        )
+    )
     return {"model": checkpoint, "sft": sft, "dpo": dpo}
 
 
@@ -53,11 +58,36 @@ def _losses(out):
 
 
 def _common(files, out, data="sft"):
-    return ["--model_name_or_path", str(files["model"]), "--dataset_name", str(files[data]), "--output_dir",
-            str(out), "--max_steps", "3", "--logging_steps", "1", "--report_to", "none", "--use_cpu",
-            "--per_device_train_batch_size", "4", "--save_strategy", "steps", "--save_steps", "3", "--use_peft",
-            "--lora_r", "4",
-            "--lora_target_modules", "all-linear", "--max_length", "64", "--seed", "0"]
+    return [
+        "--model_name_or_path",
+        str(files["model"]),
+        "--dataset_name",
+        str(files[data]),
+        "--output_dir",
+        str(out),
+        "--max_steps",
+        "3",
+        "--logging_steps",
+        "1",
+        "--report_to",
+        "none",
+        "--use_cpu",
+        "--per_device_train_batch_size",
+        "4",
+        "--save_strategy",
+        "steps",
+        "--save_steps",
+        "3",
+        "--use_peft",
+        "--lora_r",
+        "4",
+        "--lora_target_modules",
+        "all-linear",
+        "--max_length",
+        "64",
+        "--seed",
+        "0",
+    ]
 
 
 def _plain_module(module, argv, monkeypatch):
@@ -88,7 +118,9 @@ def test_trl_sft_unchanged_under_the_launcher_matches_the_plain_run(files, tmp_p
 def test_trl_sft_qlora_under_the_launcher_matches_the_plain_run(files, tmp_path, monkeypatch):
     args = ["--load_in_4bit", "--dtype", "bfloat16"]
     _plain_module("trl.scripts.sft", _common(files, tmp_path / "plain") + args, monkeypatch)
-    assert cli.main(["run", "--slots", "2", "-m", "trl.scripts.sft"] + _common(files, tmp_path / "streamed") + args) == 0
+    assert (
+        cli.main(["run", "--slots", "2", "-m", "trl.scripts.sft"] + _common(files, tmp_path / "streamed") + args) == 0
+    )
     plain, got = _losses(tmp_path / "plain"), _losses(tmp_path / "streamed")
     assert len(plain) == 3 and got == plain
 
@@ -103,14 +135,28 @@ def test_trl_dpo_unchanged_under_the_launcher_matches_the_plain_run(files, tmp_p
     assert len(plain) == 3 and got == plain
 
 
-def test_a_plain_trainer_script_with_device_map_and_a_4bit_config_matches_the_plain_run(files, tmp_path,
-                                                                                          monkeypatch):
+def test_a_plain_trainer_script_with_device_map_and_a_4bit_config_matches_the_plain_run(files, tmp_path, monkeypatch):
     script = str(ROOT / "examples" / "train_qlora.py")
 
     def args(out):
-        return ["--model_name_or_path", str(files["model"]), "--load_in_4bit", "--output_dir", str(out),
-                "--max_steps", "3", "--logging_steps", "1", "--report_to", "none", "--use_cpu",
-                "--per_device_train_batch_size", "4", "--save_strategy", "no"]
+        return [
+            "--model_name_or_path",
+            str(files["model"]),
+            "--load_in_4bit",
+            "--output_dir",
+            str(out),
+            "--max_steps",
+            "3",
+            "--logging_steps",
+            "1",
+            "--report_to",
+            "none",
+            "--use_cpu",
+            "--per_device_train_batch_size",
+            "4",
+            "--save_strategy",
+            "no",
+        ]
 
     monkeypatch.setattr(sys, "argv", [script] + args(tmp_path / "plain"))
     runpy.run_path(script, run_name="__main__")
@@ -123,7 +169,8 @@ def test_layer_stream_flags_of_an_hfargumentparser_script_stream_what_it_loads(f
     from transformers import AutoModelForCausalLM, HfArgumentParser
 
     (streaming,) = HfArgumentParser((layerstream.StreamingArguments,)).parse_args_into_dataclasses(
-        ["--layer_stream", "--layer_stream_slots", "2", "--layer_stream_vram_budget", "none"])
+        ["--layer_stream", "--layer_stream_slots", "2", "--layer_stream_vram_budget", "none"]
+    )
     model = AutoModelForCausalLM.from_pretrained(files["model"], device_map="auto")
     assert layerstream.is_streamed(model)
     assert layerstream.get_runtime(model).config.vram_budget is None
@@ -134,7 +181,7 @@ def test_the_settings_are_one_definition_on_every_surface():
     and a YAML stream key, with the same default."""
     import dataclasses
 
-    from layerstream.config import settings, setting_default_text
+    from layerstream.config import setting_default_text, settings
     from layerstream.integrations.trainer import argument_name
     from layerstream.train import SECTIONS
 
@@ -153,13 +200,19 @@ def test_the_settings_are_one_definition_on_every_surface():
     assert flags["vram_budget"].default == "auto"
 
 
-@pytest.mark.parametrize("argv,ours,theirs", [
-    (["--slots", "2", "train.py", "--slots", "9"], ["--slots", "2", "train.py"], ["--slots", "9"]),
-    (["--stream-embeddings", "-m", "trl.scripts.sft", "--x"], ["--stream-embeddings", "-m", "trl.scripts.sft"],
-     ["--x"]),
-    (["--vram-budget=8GiB", "trl", "sft", "--lr", "1"], ["--vram-budget=8GiB", "trl"], ["sft", "--lr", "1"]),
-    (["--no-pin", "--device", "cpu", "a.py"], ["--no-pin", "--device", "cpu", "a.py"], []),
-])
+@pytest.mark.parametrize(
+    "argv,ours,theirs",
+    [
+        (["--slots", "2", "train.py", "--slots", "9"], ["--slots", "2", "train.py"], ["--slots", "9"]),
+        (
+            ["--stream-embeddings", "-m", "trl.scripts.sft", "--x"],
+            ["--stream-embeddings", "-m", "trl.scripts.sft"],
+            ["--x"],
+        ),
+        (["--vram-budget=8GiB", "trl", "sft", "--lr", "1"], ["--vram-budget=8GiB", "trl"], ["sft", "--lr", "1"]),
+        (["--no-pin", "--device", "cpu", "a.py"], ["--no-pin", "--device", "cpu", "a.py"], []),
+    ],
+)
 def test_launcher_options_end_where_the_target_begins(argv, ours, theirs):
     run_parser = cli.argparse.ArgumentParser()
     cli.add_setting_flags(run_parser)

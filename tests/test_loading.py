@@ -13,6 +13,7 @@ from peft import get_peft_model
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
 import layerstream
+
 from tiny import assert_traces_equal, lora_config, portable_cpu_nf4, tiny_model, train_steps
 
 CPU = layerstream.StreamConfig(device="cpu", slots=2)
@@ -21,17 +22,25 @@ CPU = layerstream.StreamConfig(device="cpu", slots=2)
 @pytest.fixture
 def checkpoint(tmp_path):
     directory = tmp_path / "ckpt"
-    tiny_model("llama", layers=4, dtype=torch.bfloat16, hidden_size=64, intermediate_size=128,
-               head_dim=16).save_pretrained(directory, max_shard_size="100KB")
+    tiny_model(
+        "llama", layers=4, dtype=torch.bfloat16, hidden_size=64, intermediate_size=128, head_dim=16
+    ).save_pretrained(directory, max_shard_size="100KB")
     assert len(list(directory.glob("*.safetensors"))) > 2, "the test needs several shards"
     return directory
 
 
 def _reference_nf4(directory, nested):
-    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=nested,
-                               bnb_4bit_compute_dtype=torch.bfloat16)
-    return portable_cpu_nf4(AutoModelForCausalLM.from_pretrained(
-        directory, quantization_config=quant, dtype=torch.bfloat16, device_map="cpu"))
+    quant = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=nested,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+    )
+    return portable_cpu_nf4(
+        AutoModelForCausalLM.from_pretrained(
+            directory, quantization_config=quant, dtype=torch.bfloat16, device_map="cpu"
+        )
+    )
 
 
 def _same_state(a, b):
@@ -43,8 +52,7 @@ def _same_state(a, b):
 
 @pytest.mark.parametrize("nested", [True, False], ids=["double-quant", "single-quant"])
 def test_nf4_load_equals_transformers_4bit_load(checkpoint, nested):
-    streamed = layerstream.from_pretrained(checkpoint, quantization="nf4", stream=CPU,
-                                           bnb_4bit_use_double_quant=nested)
+    streamed = layerstream.from_pretrained(checkpoint, quantization="nf4", stream=CPU, bnb_4bit_use_double_quant=nested)
     reference = _reference_nf4(checkpoint, nested)
     assert layerstream.is_streamed(streamed) and streamed.is_loaded_in_4bit
     _same_state(streamed, reference)
@@ -54,8 +62,7 @@ def test_nf4_load_equals_transformers_4bit_load(checkpoint, nested):
 
 
 def test_qlora_on_a_loaded_model_matches_resident(checkpoint):
-    streamed = get_peft_model(layerstream.from_pretrained(checkpoint, quantization="nf4", stream=CPU),
-                              lora_config())
+    streamed = get_peft_model(layerstream.from_pretrained(checkpoint, quantization="nf4", stream=CPU), lora_config())
     resident = get_peft_model(_reference_nf4(checkpoint, True), lora_config())
     streamed.load_state_dict({k: v for k, v in resident.state_dict().items() if "lora_" in k}, strict=False)
     assert any(type(m).__name__ == "Linear4bit" and hasattr(m, "lora_A") for m in streamed.modules())
@@ -92,8 +99,10 @@ def test_pickle_checkpoints_load_when_the_user_opts_in(tmp_path, caplog):
 def test_remote_code_needs_trust(tmp_path, checkpoint):
     config = json.loads((checkpoint / "config.json").read_text())
     config["model_type"] = "layerstream_test_custom"  # unknown to transformers: only remote code has it
-    config["auto_map"] = {"AutoConfig": "configuration_custom.CustomConfig",
-                          "AutoModelForCausalLM": "modeling_custom.CustomModel"}
+    config["auto_map"] = {
+        "AutoConfig": "configuration_custom.CustomConfig",
+        "AutoModelForCausalLM": "modeling_custom.CustomModel",
+    }
     (checkpoint / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="trust_remote_code"):
         layerstream.from_pretrained(checkpoint, stream=CPU)
@@ -138,16 +147,30 @@ def test_loading_holds_about_one_unquantised_layer(tmp_path):
     layer, far below the whole unquantised model (measured in a fresh process)."""
     directory = tmp_path / "big"
     layers, hidden, intermediate = 24, 1024, 2816
-    tiny_model("llama", layers=layers, dtype=torch.bfloat16, hidden_size=hidden, intermediate_size=intermediate,
-               head_dim=64, num_attention_heads=16, num_key_value_heads=16).save_pretrained(directory)
+    tiny_model(
+        "llama",
+        layers=layers,
+        dtype=torch.bfloat16,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        head_dim=64,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+    ).save_pretrained(directory)
     layer_mib = (4 * hidden * hidden + 3 * hidden * intermediate) * 2 / 2**20
     whole_mib = layers * layer_mib
     warm = tmp_path / "warm"
-    tiny_model("llama", layers=2, dtype=torch.bfloat16, hidden_size=64, intermediate_size=128,
-               head_dim=16).save_pretrained(warm)
+    tiny_model(
+        "llama", layers=2, dtype=torch.bfloat16, hidden_size=64, intermediate_size=128, head_dim=16
+    ).save_pretrained(warm)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    out = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, str(directory), str(warm)], capture_output=True,
-                         text=True, env=env, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", PEAK_SCRIPT, str(directory), str(warm)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     before, peak, store = (float(x) for x in out.stdout.split()[-3:])
     grown = peak - before
@@ -165,8 +188,15 @@ def test_trainer_accepts_a_loaded_4bit_model_with_adapters(checkpoint, tmp_path)
 
     model = get_peft_model(layerstream.from_pretrained(checkpoint, quantization="nf4", stream=CPU), lora_config())
     rows = [{"input_ids": list(range(3, 13)), "labels": list(range(3, 13))} for _ in range(4)]
-    args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, max_steps=2,
-                             report_to=[], use_cpu=True, save_strategy="no", logging_steps=1)
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=2,
+        max_steps=2,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        logging_steps=1,
+    )
     trainer = Trainer(model=model, args=args, train_dataset=Dataset.from_list(rows))
     trainer.train()
     assert [e["loss"] for e in trainer.state.log_history if "loss" in e]
@@ -180,8 +210,11 @@ def test_per_expert_moe_checkpoints_get_a_clear_error(tmp_path):
 
 
 def test_equal_layers_fill_their_arenas_without_gaps(checkpoint):
-    store = layerstream.get_runtime(layerstream.from_pretrained(
-        checkpoint, stream=layerstream.StreamConfig(device="cpu", slots=2, arena_bytes=1 << 20))).store
+    store = layerstream.get_runtime(
+        layerstream.from_pretrained(
+            checkpoint, stream=layerstream.StreamConfig(device="cpu", slots=2, arena_bytes=1 << 20)
+        )
+    ).store
     assert store.host_bytes == sum(r.nbytes for r in store.records)
 
 
@@ -192,21 +225,39 @@ def test_nf4_load_on_the_gpu_equals_transformers_4bit_load(tmp_path, nested):
     what transformers loads onto the GPU, and the device never holds the whole model."""
     directory = tmp_path / "gpu-ckpt"
     layers, hidden, intermediate = 8, 512, 1408
-    tiny_model("llama", layers=layers, dtype=torch.bfloat16, hidden_size=hidden, intermediate_size=intermediate,
-               head_dim=64, num_attention_heads=8, num_key_value_heads=8).save_pretrained(directory)
+    tiny_model(
+        "llama",
+        layers=layers,
+        dtype=torch.bfloat16,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        head_dim=64,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+    ).save_pretrained(directory)
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    streamed = layerstream.from_pretrained(directory, quantization="nf4", bnb_4bit_use_double_quant=nested,
-                                           stream=layerstream.StreamConfig(device="cuda", slots=2))
+    streamed = layerstream.from_pretrained(
+        directory,
+        quantization="nf4",
+        bnb_4bit_use_double_quant=nested,
+        stream=layerstream.StreamConfig(device="cuda", slots=2),
+    )
     peak = torch.cuda.max_memory_allocated() - base
     layer_bytes = (4 * hidden * hidden + 3 * hidden * intermediate) * 2
     # one bf16 layer being quantised, its packed result, and the slots
-    assert peak < 3 * layer_bytes < layers * layer_bytes / 2, \
+    assert peak < 3 * layer_bytes < layers * layer_bytes / 2, (
         f"loading peaked at {peak / 2**20:.1f} MiB on the GPU; one bf16 layer is {layer_bytes / 2**20:.1f} MiB"
-    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=nested,
-                               bnb_4bit_compute_dtype=torch.bfloat16)
-    reference = AutoModelForCausalLM.from_pretrained(directory, quantization_config=quant, dtype=torch.bfloat16,
-                                                     device_map="cuda:0")
+    )
+    quant = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=nested,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+    )
+    reference = AutoModelForCausalLM.from_pretrained(
+        directory, quantization_config=quant, dtype=torch.bfloat16, device_map="cuda:0"
+    )
     sa, sb = streamed.state_dict(), reference.state_dict()
     assert list(sa) == list(sb)
     for key in sa:

@@ -1,16 +1,15 @@
 """Streamed NF4 (bitsandbytes 4-bit) layers agree bit for bit with an unpatched resident
 bitsandbytes model, and never reach MatMul4Bit."""
 
+import bitsandbytes as bnb
 import pytest
 import torch
-
-import bitsandbytes as bnb
 
 import layerstream
 from layerstream import nf4
 from layerstream.schedule import PrefetchPlanner
-from tiny import (assert_traces_equal, nearest_valid_victim, nf4_pair, portable_cpu_nf4, stream, tiny_model,
-                  train_steps)
+
+from tiny import assert_traces_equal, nearest_valid_victim, nf4_pair, portable_cpu_nf4, stream, tiny_model, train_steps
 
 STEPS = 10
 
@@ -37,12 +36,20 @@ def test_nf4_packed_weights_and_quant_state_stream(tmp_path):
     stream(streamed, "cpu", slots=2)
     runtime = layerstream.get_runtime(streamed)
     record = runtime.records[0]
-    names = {e.qualified_name.split("self_attn.q_proj.")[-1] for e in record.entries
-             if "self_attn.q_proj." in e.qualified_name}
-    assert {"base_layer.weight", "base_layer.bias", "base_layer.weight.quant_state.absmax",
-            "base_layer.weight.quant_state.code", "base_layer.weight.quant_state.offset",
-            "base_layer.weight.quant_state.state2.absmax",
-            "base_layer.weight.quant_state.state2.code"} <= names
+    names = {
+        e.qualified_name.split("self_attn.q_proj.")[-1]
+        for e in record.entries
+        if "self_attn.q_proj." in e.qualified_name
+    }
+    assert {
+        "base_layer.weight",
+        "base_layer.bias",
+        "base_layer.weight.quant_state.absmax",
+        "base_layer.weight.quant_state.code",
+        "base_layer.weight.quant_state.offset",
+        "base_layer.weight.quant_state.state2.absmax",
+        "base_layer.weight.quant_state.state2.code",
+    } <= names
     weight = streamed.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight
     assert weight.dtype == torch.uint8 and weight.quant_state.absmax.dtype == torch.uint8
 
@@ -155,8 +162,7 @@ def test_slot_weights_are_built_once_per_slot_and_layer(tmp_path):
     train_steps(streamed, 2)
     assert {key: [id(t) for _, _, t in binding] for key, binding in runtime._bindings.items()} == first
     assert len(first) <= 2 * 4
-    weights = [t for binding in runtime._bindings.values() for _, _, t in binding
-               if isinstance(t, bnb.nn.Params4bit)]
+    weights = [t for binding in runtime._bindings.values() for _, _, t in binding if isinstance(t, bnb.nn.Params4bit)]
     assert weights and all(w.quant_state.absmax.data_ptr() != 0 for w in weights)
 
 
@@ -173,14 +179,17 @@ def test_a_too_old_bitsandbytes_is_named_with_the_upgrade_command(tmp_path, monk
 
     streamed, _ = nf4_pair(tmp_path, layers=3)
     monkeypatch.setattr(bitsandbytes, "__version__", "0.45.5")
-    with pytest.raises(layerstream.StreamingError, match=r"needs bitsandbytes >= 0.50.2 .* found 0.45.5: pip install -U"):
+    with pytest.raises(
+        layerstream.StreamingError, match=r"needs bitsandbytes >= 0.50.2 .* found 0.45.5: pip install -U"
+    ):
         layerstream.stream_model(streamed, device="cpu", slots=2)
     assert not layerstream.is_streamed(streamed)
     checkpoint = tmp_path / "plain"
     tiny_model("llama", layers=2, dtype=torch.bfloat16).save_pretrained(checkpoint)
     with pytest.raises(layerstream.LoadingError, match=r"found 0.45.5"):
-        layerstream.from_pretrained(checkpoint, quantization="nf4",
-                                    stream=layerstream.StreamConfig(device="cpu", slots=2))
+        layerstream.from_pretrained(
+            checkpoint, quantization="nf4", stream=layerstream.StreamConfig(device="cpu", slots=2)
+        )
 
 
 def test_missing_bitsandbytes_is_named_with_the_install_command(tmp_path, monkeypatch):
@@ -188,5 +197,6 @@ def test_missing_bitsandbytes_is_named_with_the_install_command(tmp_path, monkey
     checkpoint = tmp_path / "plain"
     tiny_model("llama", layers=2, dtype=torch.bfloat16).save_pretrained(checkpoint)
     with pytest.raises(layerstream.LoadingError, match=r"needs bitsandbytes: pip install"):
-        layerstream.from_pretrained(checkpoint, quantization="nf4",
-                                    stream=layerstream.StreamConfig(device="cpu", slots=2))
+        layerstream.from_pretrained(
+            checkpoint, quantization="nf4", stream=layerstream.StreamConfig(device="cpu", slots=2)
+        )

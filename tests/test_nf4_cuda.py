@@ -2,19 +2,19 @@
 picks its fused gemm_4bit kernel) and at a training M (it falls back to dequantise +
 linear), and each way of getting the routing wrong turns a check red."""
 
+import bitsandbytes as bnb
 import pytest
 import torch
-
-import bitsandbytes as bnb
 
 import layerstream
 from layerstream import nf4
 from layerstream.schedule import PrefetchPlanner
+
 from tiny import assert_traces_equal, batch, nearest_valid_victim, nf4_pair, stream, train_steps
 
 pytestmark = pytest.mark.gpu
 
-FUSED_SEQ = 4        # batch 1 x 4 tokens: M = 4, at or below bitsandbytes' floor -> fused
+FUSED_SEQ = 4  # batch 1 x 4 tokens: M = 4, at or below bitsandbytes' floor -> fused
 TRAINING_SEQ = 1600  # batch 2 x 1600 tokens: M = 3200 > 1536 -> dequantise + linear
 LONG = dict(max_position_embeddings=4096)
 
@@ -24,8 +24,9 @@ def _train(model, seq, steps=10, batch_size=1):
 
 
 def _pair(tmp_path, dtype=torch.bfloat16, nested=True, slots=2):
-    streamed, resident = nf4_pair(tmp_path, "llama", layers=5, dtype=dtype, nested=nested, device="cuda",
-                                  attn="eager", **LONG)
+    streamed, resident = nf4_pair(
+        tmp_path, "llama", layers=5, dtype=dtype, nested=nested, device="cuda", attn="eager", **LONG
+    )
     stream(streamed, "cuda", slots=slots, prefetch=1)
     return streamed, resident
 
@@ -42,8 +43,9 @@ def test_parity_at_a_fused_m(tmp_path, dtype, nested):
 @pytest.mark.parametrize("nested", [True, False], ids=["double-quant", "single-quant"])
 def test_parity_at_a_training_m(tmp_path, dtype, nested):
     streamed, resident = _pair(tmp_path, dtype, nested)
-    assert_traces_equal(_train(streamed, TRAINING_SEQ, steps=3, batch_size=2),
-                        _train(resident, TRAINING_SEQ, steps=3, batch_size=2))
+    assert_traces_equal(
+        _train(streamed, TRAINING_SEQ, steps=3, batch_size=2), _train(resident, TRAINING_SEQ, steps=3, batch_size=2)
+    )
     stats = layerstream.get_runtime(streamed).stats()
     assert stats["nf4_dequant_calls"] > 0
 
@@ -57,6 +59,7 @@ def test_generation_matches_resident(tmp_path):
 
 
 # -- mutations: each must turn a check red ------------------------------------------------
+
 
 def test_gate_always_off_is_caught(tmp_path, monkeypatch):
     monkeypatch.setattr(nf4, "fused_kernel_would_run", lambda *a, **k: False)
@@ -83,6 +86,7 @@ def test_fused_arm_through_matmul4bit_is_caught(tmp_path, monkeypatch):
 def test_recompute_through_dequantise_at_a_fused_m_is_caught(tmp_path, monkeypatch):
     """Forward takes the fused kernel, the backward recompute the dequantise path: the
     recomputed tensors no longer match (checkpointing raises) or gradients differ."""
+
     def forward_only_fused(x, shape, blocksize, ops=None):
         return torch.is_grad_enabled() and not torch._C._current_graph_task_id() >= 0
 

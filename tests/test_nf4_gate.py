@@ -11,10 +11,9 @@ import itertools
 from pathlib import Path
 from types import SimpleNamespace
 
+import bitsandbytes as bnb
 import pytest
 import torch
-
-import bitsandbytes as bnb
 
 from layerstream import nf4
 
@@ -29,8 +28,8 @@ def _dispatch_function():
     """bitsandbytes' registered CUDA gemm_4bit, compiled against fakes."""
     for node in _tree().body:
         if isinstance(node, ast.FunctionDef) and any(
-                "bitsandbytes::gemm_4bit" in ast.unparse(d) and "cuda" in ast.unparse(d)
-                for d in node.decorator_list):
+            "bitsandbytes::gemm_4bit" in ast.unparse(d) and "cuda" in ast.unparse(d) for d in node.decorator_list
+        ):
             node.decorator_list = []
             module = ast.Module(body=[node], type_ignores=[])
             return node.name, compile(module, str(CUDA_OPS), "exec")
@@ -38,8 +37,13 @@ def _dispatch_function():
 
 
 def test_bitsandbytes_still_exposes_the_names_the_gate_reads():
-    assigned = {t.id for node in ast.walk(_tree()) if isinstance(node, ast.Assign)
-                for t in node.targets if isinstance(t, ast.Name)}
+    assigned = {
+        t.id
+        for node in ast.walk(_tree())
+        if isinstance(node, ast.Assign)
+        for t in node.targets
+        if isinstance(t, ast.Name)
+    }
     missing = [name for name in nf4.GATE_NAMES if name not in assigned]
     assert not missing, f"bitsandbytes moved {missing}: update layerstream.nf4.fused_kernel_would_run"
     _dispatch_function()
@@ -48,8 +52,10 @@ def test_bitsandbytes_still_exposes_the_names_the_gate_reads():
 def _bnb_dispatch(ops):
     name, code = _dispatch_function()
     namespace = {
-        "torch": torch, "Optional": __import__("typing").Optional,
-        "Sequence": __import__("typing").Sequence, "warn": lambda *a, **k: None,
+        "torch": torch,
+        "Optional": __import__("typing").Optional,
+        "Sequence": __import__("typing").Sequence,
+        "warn": lambda *a, **k: None,
         "_gemm_4bit_custom_max_m": ops._gemm_4bit_custom_max_m,
         "_gemm_4bit_use_custom_fn": ops._gemm_4bit_use_custom_fn,
         "_dequant_linear_fallback": lambda *a, **k: "fallback",
@@ -68,14 +74,16 @@ def _fake_ops(max_m):
     return SimpleNamespace(_gemm_4bit_custom_max_m=max_m, _gemm_4bit_use_custom_fn=use_custom)
 
 
-GRID = list(itertools.product(
-    [1, 3, 4, 16, 64, 65, 1536, 1537],       # M
-    [64, 96],                                # N
-    [64, 100, 128],                          # K (100: not a multiple of the blocksize)
-    [torch.bfloat16, torch.float16, torch.float32],
-    [64, 128],                               # blocksize
-    [2, 3],                                  # input rank
-))
+GRID = list(
+    itertools.product(
+        [1, 3, 4, 16, 64, 65, 1536, 1537],  # M
+        [64, 96],  # N
+        [64, 100, 128],  # K (100: not a multiple of the blocksize)
+        [torch.bfloat16, torch.float16, torch.float32],
+        [64, 128],  # blocksize
+        [2, 3],  # input rank
+    )
+)
 
 
 @pytest.mark.parametrize("max_m", [1536, 256])

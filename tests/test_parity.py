@@ -9,7 +9,17 @@ import torch
 
 import layerstream
 from layerstream.schedule import PrefetchPlanner
-from tiny import corrupt_copies, FAMILIES, assert_traces_equal, batch, nearest_valid_victim, peft_pair, stream, train_steps
+
+from tiny import (
+    FAMILIES,
+    assert_traces_equal,
+    batch,
+    corrupt_copies,
+    nearest_valid_victim,
+    peft_pair,
+    stream,
+    train_steps,
+)
 
 STEPS = 10
 
@@ -68,8 +78,9 @@ def test_gradient_accumulation_matches_resident(device):
     streamed, resident = peft_pair("llama", layers=5, attn=_attn(device))
     stream(streamed, device, slots=2, prefetch=1)
     resident.to(device)
-    assert_traces_equal(train_steps(streamed, STEPS, device, accumulation=3),
-                        train_steps(resident, STEPS, device, accumulation=3))
+    assert_traces_equal(
+        train_steps(streamed, STEPS, device, accumulation=3), train_steps(resident, STEPS, device, accumulation=3)
+    )
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -129,16 +140,19 @@ def test_backward_slots_hold_no_memory_while_the_loss_is_computed(device):
     pool = layerstream.get_runtime(streamed).pool
     at_loss, seen = [], []
     streamed.base_model.model.lm_head.register_forward_hook(
-        lambda *_: at_loss.append(pool.total_bytes - pool.ring_bytes))
+        lambda *_: at_loss.append(pool.total_bytes - pool.ring_bytes)
+    )
     for layer in streamed.base_model.model.model.layers:
         layer.register_forward_hook(lambda *_: seen.append(pool.total_bytes - pool.ring_bytes))
-    assert_traces_equal(train_steps(streamed, 3, device, accumulation=2),
-                        train_steps(resident, 3, device, accumulation=2))
+    assert_traces_equal(
+        train_steps(streamed, 3, device, accumulation=2), train_steps(resident, 3, device, accumulation=2)
+    )
     assert at_loss and set(at_loss) == {0}, "backward slots must be freed before the head and loss run"
     assert max(seen) == 2 * pool.slot_bytes, "backward slots were used"
 
 
 # -- negative controls: the comparisons above can fail -------------------------------
+
 
 def test_wrong_backward_slot_contents_are_caught_by_parity(device):
     """Layers copied into backward slots are the ones computed with: wrong bytes there
@@ -148,8 +162,12 @@ def test_wrong_backward_slot_contents_are_caught_by_parity(device):
     resident.to(device)
     runtime = layerstream.get_runtime(streamed)
     records = runtime.records
-    corrupt_copies(runtime, lambda layer, slot: records[(layer + 1) % len(records)].host_region
-                            if slot >= runtime.pool.ring_slots else None)
+    corrupt_copies(
+        runtime,
+        lambda layer, slot: (
+            records[(layer + 1) % len(records)].host_region if slot >= runtime.pool.ring_slots else None
+        ),
+    )
     with pytest.raises(AssertionError):
         assert_traces_equal(train_steps(streamed, 3, device), train_steps(resident, 3, device))
 

@@ -5,6 +5,7 @@ from datasets import Dataset
 from transformers import Trainer, TrainingArguments
 
 import layerstream
+
 from tiny import assert_traces_equal, batch, peft_pair, stream, train_steps
 
 
@@ -20,11 +21,20 @@ def test_accelerator_prepare_keeps_the_model_streamed():
 def _trainer_losses(model, tmp_path, name):
     rows = [{"input_ids": batch(96, size=1, seq=10, seed=s)[0].tolist()} for s in range(16)]
     data = Dataset.from_list(rows).map(lambda r: {"labels": r["input_ids"]})
-    args = TrainingArguments(output_dir=str(tmp_path / name), per_device_train_batch_size=2,
-                             max_steps=6, learning_rate=1e-2, logging_steps=1, report_to=[],
-                             use_cpu=True, save_strategy="no", seed=0, data_seed=0,
-                             gradient_checkpointing=True,
-                             gradient_checkpointing_kwargs={"use_reentrant": False})
+    args = TrainingArguments(
+        output_dir=str(tmp_path / name),
+        per_device_train_batch_size=2,
+        max_steps=6,
+        learning_rate=1e-2,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        seed=0,
+        data_seed=0,
+        gradient_checkpointing=True,
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+    )
     trainer = Trainer(model=model, args=args, train_dataset=data)
     trainer.train()
     return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]

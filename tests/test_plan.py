@@ -14,25 +14,62 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from layerstream import cli
-from layerstream.plan import (BACKWARD_SLOTS_MAX, GiB, backward_slot_count, format_plan, layer_bytes,
-                              load_config, make_plan, nf4_weight_bytes, parse_bytes, resident_bytes,
-                              speed_hints)
+from layerstream.plan import (
+    BACKWARD_SLOTS_MAX,
+    GiB,
+    backward_slot_count,
+    format_plan,
+    layer_bytes,
+    load_config,
+    make_plan,
+    nf4_weight_bytes,
+    parse_bytes,
+    resident_bytes,
+    speed_hints,
+)
 from layerstream.schedule import Phase, PrefetchPlanner
 from layerstream.store import HostStore
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 
-LLAMA3_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                 num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                 max_position_embeddings=8192, rope_theta=500000.0)
-MIXTRAL_8X7B = dict(model_type="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
-                    num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                    num_local_experts=8, num_experts_per_tok=2)
+LLAMA3_8B = dict(
+    model_type="llama",
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    max_position_embeddings=8192,
+    rope_theta=500000.0,
+)
+MIXTRAL_8X7B = dict(
+    model_type="mixtral",
+    vocab_size=32000,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+)
 # a small Qwen3-MoE: layer 0 dense (mlp_only_layers), then sparse every 2nd layer
-QWEN3_MOE_SMALL = dict(model_type="qwen3_moe", vocab_size=96, hidden_size=64, intermediate_size=96,
-                       num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                       num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
-                       mlp_only_layers=[0], decoder_sparse_step=2)
+QWEN3_MOE_SMALL = dict(
+    model_type="qwen3_moe",
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=48,
+    mlp_only_layers=[0],
+    decoder_sparse_step=2,
+)
 
 # Llama-3-8B, one layer, by hand:
 #   q 4096*4096 = 16,777,216   k = v = 4096*1024 = 4,194,304   o = 16,777,216
@@ -92,8 +129,15 @@ def test_qwen2_biases_and_alignment():
     # h=64, 4 heads, 2 kv heads (head_dim 16), MLP 96; q/k/v have biases, o has none.
     # q 4096 params -> 8192 B, its bias 64 -> 128 B -> 512 aligned; k, v 2048 -> 4096 B,
     # bias 32 -> 64 B -> 512; o 8192 B; norms 2 x (128 B -> 512); MLP 3 x 12,288 B
-    values = dict(model_type="qwen2", vocab_size=96, hidden_size=64, intermediate_size=96,
-                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    values = dict(
+        model_type="qwen2",
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     expected = (8192 + 512) + 2 * (4096 + 512) + 8192 + 2 * 512 + 3 * 12_288
     assert expected == 64_000
     assert layer_bytes(config_of(values)) == [64_000, 64_000]
@@ -124,15 +168,27 @@ FAMILIES = {
     "qwen2": dict(model_type="qwen2"),
     "qwen3": dict(model_type="qwen3", head_dim=24),
     "mixtral": dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2),
-    "qwen2_moe": dict(model_type="qwen2_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
-                      shared_expert_intermediate_size=80, mlp_only_layers=[1]),
+    "qwen2_moe": dict(
+        model_type="qwen2_moe",
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=48,
+        shared_expert_intermediate_size=80,
+        mlp_only_layers=[1],
+    ),
     "qwen3_moe": dict(QWEN3_MOE_SMALL),
 }
 
 
 def tiny(family: str, **overrides):
-    values = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-                  num_attention_heads=4, num_key_value_heads=2)
+    values = dict(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     values.update(FAMILIES[family])
     values.update(overrides)
     return config_of(values)
@@ -145,18 +201,20 @@ def test_layer_bytes_equal_the_host_store_layout(family, dtype):
     config = tiny(family)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    engine = [HostStore.plan_layer(i, f"layers.{i}", layer, lambda t: True).nbytes
-              for i, layer in enumerate(model.model.layers)]
+    engine = [
+        HostStore.plan_layer(i, f"layers.{i}", layer, lambda t: True).nbytes
+        for i, layer in enumerate(model.model.layers)
+    ]
     assert layer_bytes(config, "none", dtype) == engine
 
 
 def test_nf4_weight_bytes_match_bitsandbytes():
     import bitsandbytes.functional as functional
+
     for shape in [(100, 100), (96, 64), (1000, 4096)]:
         weight = torch.randn(shape, dtype=torch.bfloat16)
         for nested in (True, False):
-            packed, state = functional.quantize_4bit(weight, blocksize=64, compress_statistics=nested,
-                                                     quant_type="nf4")
+            packed, state = functional.quantize_4bit(weight, blocksize=64, compress_statistics=nested, quant_type="nf4")
             tensors = [packed, state.absmax, state.code]
             if nested:
                 tensors += [state.state2.absmax, state.offset.reshape(1), state.state2.code]
@@ -179,8 +237,7 @@ def test_llama3_8b_lora_memory():
     assert plan.lora_bytes == plan.lora_grad_bytes == LLAMA3_8B_LORA_PARAMS * 4  # fp32 adapters
     assert plan.optimizer_bytes == LLAMA3_8B_LORA_PARAMS * 8  # AdamW: two fp32 states
     # attention only: 16*((4096+4096)*2 + (4096+1024)*2) = 425,984 per layer
-    attention = make_plan(config_of(LLAMA3_8B), 2048, 1, 80 * GiB, slots=2,
-                          lora_targets="q_proj,k_proj,v_proj,o_proj")
+    attention = make_plan(config_of(LLAMA3_8B), 2048, 1, 80 * GiB, slots=2, lora_targets="q_proj,k_proj,v_proj,o_proj")
     assert attention.lora_params == 425_984 * 32
     assert make_plan(config_of(LLAMA3_8B), 2048, 1, 80 * GiB, lora_rank=0).lora_params == 0
 
@@ -235,8 +292,7 @@ def test_llama3_8b_plan_terms():
     assert plan.host_store_bytes == 32 * LLAMA3_8B_LAYER_BF16
     # stream_model fills its arenas layer by layer (freeing each loaded layer) and pins
     # afterwards: store + one loaded layer + resident part + the fp32 adapters
-    assert plan.host_ram_bytes == (33 * LLAMA3_8B_LAYER_BF16 + LLAMA3_8B_RESIDENT
-                                   + LLAMA3_8B_LORA_PARAMS * 4)
+    assert plan.host_ram_bytes == (33 * LLAMA3_8B_LAYER_BF16 + LLAMA3_8B_RESIDENT + LLAMA3_8B_LORA_PARAMS * 4)
     assert plan.host_steady_bytes == 32 * LLAMA3_8B_LAYER_BF16
     # layerstream.from_pretrained: arenas of two whole 436,224,000 B layers (1 GiB holds
     # two), so no gap: 32 x 436,224,000 = 13,959,168,000. Peak: + resident + one layer
@@ -251,14 +307,17 @@ def test_nf4_working_set_counts_the_dequantised_weights_autograd_keeps():
 
     # what a streamed NF4 projection keeps for backward at training sizes: the
     # dequantised weight, in the compute dtype
-    weight = bnb.nn.Params4bit(torch.randn(512, 256, dtype=torch.bfloat16), requires_grad=False,
-                               quant_type="nf4", compress_statistics=True).to("cpu")
+    weight = bnb.nn.Params4bit(
+        torch.randn(512, 256, dtype=torch.bfloat16), requires_grad=False, quant_type="nf4", compress_statistics=True
+    ).to("cpu")
     x = torch.randn(64, 256, dtype=torch.bfloat16, requires_grad=True)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         nf4.dequantized_linear(x, weight.data.view(-1, 1), weight.quant_state, None)
-    assert sum(t.numel() * t.element_size() for t in saved if t.dtype == torch.bfloat16
-               and sorted(t.shape) == [256, 512]) == 512 * 256 * 2
+    assert (
+        sum(t.numel() * t.element_size() for t in saved if t.dtype == torch.bfloat16 and sorted(t.shape) == [256, 512])
+        == 512 * 256 * 2
+    )
     # and the plan counts one layer's linear weights in bf16 for it
     bf16 = make_plan(config_of(LLAMA3_8B), 2048, 1, 80 * GiB, slots=2)
     quantised = make_plan(config_of(LLAMA3_8B), 2048, 1, 80 * GiB, slots=2, quantization="nf4")
@@ -271,16 +330,28 @@ def test_layers_and_arenas_match_from_pretrained(tmp_path, quantization, double_
     layerstream.from_pretrained really lays them out (1 MiB arenas: three full, one not)."""
     import layerstream
 
-    config = config_of(dict(model_type="llama", vocab_size=96, hidden_size=128, intermediate_size=352,
-                            num_hidden_layers=7, num_attention_heads=4, num_key_value_heads=2))
+    config = config_of(
+        dict(
+            model_type="llama",
+            vocab_size=96,
+            hidden_size=128,
+            intermediate_size=352,
+            num_hidden_layers=7,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(tmp_path)
-    model = layerstream.from_pretrained(tmp_path, quantization=None if quantization == "none" else "nf4",
-                                        torch_dtype=torch.bfloat16, bnb_4bit_use_double_quant=double_quant,
-                                        stream=layerstream.StreamConfig(device="cpu", arena_bytes=1 << 20))
+    model = layerstream.from_pretrained(
+        tmp_path,
+        quantization=None if quantization == "none" else "nf4",
+        torch_dtype=torch.bfloat16,
+        bnb_4bit_use_double_quant=double_quant,
+        stream=layerstream.StreamConfig(device="cpu", arena_bytes=1 << 20),
+    )
     runtime = layerstream.get_runtime(model)
-    plan = make_plan(config, 16, 1, GiB, quantization=quantization, double_quant=double_quant,
-                     arena_bytes=1 << 20)
+    plan = make_plan(config, 16, 1, GiB, quantization=quantization, double_quant=double_quant, arena_bytes=1 << 20)
     assert [record.nbytes for record in runtime.records] == plan.layer_bytes
     assert runtime.store.host_bytes == plan.loader_store_bytes
 
@@ -294,12 +365,19 @@ def test_nf4_layers_match_the_host_store_layout(tmp_path, family):
     config = tiny(family)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(tmp_path)
-    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                               bnb_4bit_compute_dtype=torch.bfloat16)
-    model = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=quant, dtype=torch.bfloat16,
-                                                 device_map="cpu")
-    engine = [HostStore.plan_layer(i, f"layers.{i}", layer, lambda t: True).nbytes
-              for i, layer in enumerate(model.model.layers)]
+    quant = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+    )
+    model = AutoModelForCausalLM.from_pretrained(
+        tmp_path, quantization_config=quant, dtype=torch.bfloat16, device_map="cpu"
+    )
+    engine = [
+        HostStore.plan_layer(i, f"layers.{i}", layer, lambda t: True).nbytes
+        for i, layer in enumerate(model.model.layers)
+    ]
     assert layer_bytes(config, "nf4", torch.bfloat16) == engine
 
 
@@ -319,9 +397,17 @@ def test_plan_matches_the_measured_h200_peak():
     assert checked == {2, 3, 4}
 
 
-MISTRAL_7B = dict(model_type="mistral", vocab_size=32768, hidden_size=4096, intermediate_size=14336,
-                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                  max_position_embeddings=32768, rope_theta=1000000.0)
+MISTRAL_7B = dict(
+    model_type="mistral",
+    vocab_size=32768,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    max_position_embeddings=32768,
+    rope_theta=1000000.0,
+)
 
 
 @pytest.mark.parametrize("seq", [512, 2048])
@@ -341,8 +427,9 @@ def test_copies_per_step_and_time():
     assert plan.layers_copied_per_step == 58  # 2 x (32 - 3)
     assert plan.copy_bytes_per_step == 58 * 436_224_000 == 25_300_992_000
     assert plan.copy_seconds_per_step == pytest.approx(25_300_992_000 / 55e9)
-    assert make_plan(config_of(LLAMA3_8B), 2048, 1, 80 * GiB, slots=3, bandwidth_gbps=7.0,
-                     backward_slots=0).copy_seconds_per_step == pytest.approx(25_300_992_000 / 7e9)
+    assert make_plan(
+        config_of(LLAMA3_8B), 2048, 1, 80 * GiB, slots=3, bandwidth_gbps=7.0, backward_slots=0
+    ).copy_seconds_per_step == pytest.approx(25_300_992_000 / 7e9)
 
 
 def test_backward_slots_fill_the_loss_memory_outside_the_loss():
@@ -354,20 +441,28 @@ def test_backward_slots_fill_the_loss_memory_outside_the_loss():
     room = plan.loss_bytes - plan.layer_working_bytes - 3 * plan.lora_bytes
     assert room // LLAMA3_8B_LAYER_BF16 >= BACKWARD_SLOTS_MAX == plan.backward_slots == 4
     assert plan.layers_copied_per_step == (32 - 3 - 4) + (32 - 3) == 54
-    assert plan.peak_vram_bytes == make_plan(config_of(LLAMA3_8B), 2048, 1, 80 * GiB, slots=3,
-                                             backward_slots=0).peak_vram_bytes
+    assert (
+        plan.peak_vram_bytes
+        == make_plan(config_of(LLAMA3_8B), 2048, 1, 80 * GiB, slots=3, backward_slots=0).peak_vram_bytes
+    )
     assert make_plan(config_of(LLAMA3_8B), 512, 1, 80 * GiB, slots=3, backward_slots=None).backward_slots == 0
     mistral = make_plan(config_of(MISTRAL_7B), 2048, 1, 80 * GiB, slots=3, quantization="nf4", backward_slots=None)
     assert mistral.layer_working_bytes > mistral.loss_bytes and mistral.backward_slots == 0
     # at most the layers beyond twice the ring (the ring keeps the last ones)
-    assert make_plan(config_of(dict(LLAMA3_8B, num_hidden_layers=7)), 2048, 1, 80 * GiB,
-                     slots=3, backward_slots=None).backward_slots == 1
+    assert (
+        make_plan(
+            config_of(dict(LLAMA3_8B, num_hidden_layers=7)), 2048, 1, 80 * GiB, slots=3, backward_slots=None
+        ).backward_slots
+        == 1
+    )
     # the default plan has none (the runtime takes them only with expandable segments),
     # and its speed hints say what they would save
     default = make_plan(config_of(LLAMA3_8B), 2048, 1, 80 * GiB, slots=3)
     assert default.backward_slots == 0 and default.layers_copied_per_step == 58
-    assert any("expandable_segments:True, 4 backward slots" in hint and "4 layer copies fewer" in hint
-               for hint in speed_hints(default))
+    assert any(
+        "expandable_segments:True, 4 backward slots" in hint and "4 layer copies fewer" in hint
+        for hint in speed_hints(default)
+    )
     assert backward_slot_count(10 * GiB, GiB, 0, GiB, streamed_layers=32, slots=3) == BACKWARD_SLOTS_MAX
     assert backward_slot_count(GiB, 2 * GiB, 0, GiB, streamed_layers=32, slots=3) == 0
 
@@ -383,14 +478,14 @@ def test_copies_follow_the_prefetch_planner(slots, backward):
     for _ in range(3):
         loaded = []
         for layer in range(len(sizes)):
-            loaded += [l for l, _ in planner.visit(layer, Phase.TRAIN_FORWARD).loads]
+            loaded += [copied for copied, _ in planner.visit(layer, Phase.TRAIN_FORWARD).loads]
         for layer in reversed(range(len(sizes))):
-            loaded += [l for l, _ in planner.visit(layer, Phase.BACKWARD).loads]
+            loaded += [copied for copied, _ in planner.visit(layer, Phase.BACKWARD).loads]
     plan = make_plan(config, 16, 1, GiB, slots=slots, backward_slots=backward)
     # backward slots keep layers beyond twice the ring only: none of 4 layers with 2 slots
     kept = min(backward, max(0, len(sizes) - 2 * slots))
     assert plan.layers_copied_per_step == len(loaded) == 2 * (len(sizes) - slots) - kept
-    assert plan.copy_bytes_per_step == sum(sizes[l] for l in loaded)
+    assert plan.copy_bytes_per_step == sum(sizes[copied] for copied in loaded)
 
 
 def test_slots_auto_selection():
@@ -454,22 +549,26 @@ def test_nf4_shrinks_slots_and_store_but_not_the_resident_part():
 
 
 def test_unknown_family_is_planned_with_a_note():
-    config = AutoConfig.for_model("gpt_neox", vocab_size=96, hidden_size=64, intermediate_size=96,
-                                  num_hidden_layers=2, num_attention_heads=4)
+    config = AutoConfig.for_model(
+        "gpt_neox", vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4
+    )
     plan = make_plan(config, 16, 1, GiB)
     assert any("gpt_neox" in note for note in plan.notes)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(slots=1), "at least 2 slots"),
-    (dict(stream_embeddings="yes"), "stream_embeddings must be True or False"),
-    (dict(seq=0), "seq"),
-    (dict(batch=-1), "batch"),
-    (dict(quantization="int8"), "quantization"),
-    (dict(dtype="int8"), "dtype"),
-    (dict(vram_bytes=0), "vram"),
-    (dict(bandwidth_gbps=0), "bandwidth"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(slots=1), "at least 2 slots"),
+        (dict(stream_embeddings="yes"), "stream_embeddings must be True or False"),
+        (dict(seq=0), "seq"),
+        (dict(batch=-1), "batch"),
+        (dict(quantization="int8"), "quantization"),
+        (dict(dtype="int8"), "dtype"),
+        (dict(vram_bytes=0), "vram"),
+        (dict(bandwidth_gbps=0), "bandwidth"),
+    ],
+)
 def test_bad_arguments_are_refused(kwargs, match):
     args = dict(config=config_of(LLAMA3_8B), seq=2048, batch=1, vram_bytes=16 * GiB)
     args.update(kwargs)
@@ -547,8 +646,10 @@ def test_advice_suggests_streaming_the_embedding_and_head():
     # 1,050,673,152 B = 0.98 GiB, leaving 1,243,652,096 B = 1.16 GiB
     plan = make_plan(config_of(LLAMA3_8B), 8192, 1, 16 * GiB)
     text = " ".join(plan.advice)
-    assert ("use --stream-embeddings (StreamConfig(stream_embeddings=True)): the input embedding and head "
-            "(1.96 GiB) stay in host memory, saving 0.98 GiB (not enough alone, still 1.16 GiB short)") in text
+    assert (
+        "use --stream-embeddings (StreamConfig(stream_embeddings=True)): the input embedding and head "
+        "(1.96 GiB) stay in host memory, saving 0.98 GiB (not enough alone, still 1.16 GiB short)"
+    ) in text
     streamed = make_plan(config_of(LLAMA3_8B), 8192, 1, 16 * GiB, stream_embeddings=True)
     assert not streamed.fits and "stream-embeddings" not in " ".join(streamed.advice)
     # tied: nothing saved at the peak, nothing suggested
@@ -574,30 +675,81 @@ def test_cli_plan_stream_embeddings(tmp_path, capsys):
 
 def test_cli_plan_backward_slots(tmp_path, capsys):
     write_config(tmp_path, LLAMA3_8B)
-    assert cli.main(["plan", "--model", str(tmp_path), "--vram", "16GiB", "--seq", "2048", "--slots", "3",
-                     "--backward-slots", "auto"]) == 0
+    assert (
+        cli.main(
+            [
+                "plan",
+                "--model",
+                str(tmp_path),
+                "--vram",
+                "16GiB",
+                "--seq",
+                "2048",
+                "--slots",
+                "3",
+                "--backward-slots",
+                "auto",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "backward slots: 4 x 0.41 GiB (not at the peak)" in out and "54 layer copies" in out
-    assert cli.main(["plan", "--model", str(tmp_path), "--vram", "16GiB", "--seq", "2048", "--slots", "3",
-                     "--backward-slots", "2"]) == 0
+    assert (
+        cli.main(
+            [
+                "plan",
+                "--model",
+                str(tmp_path),
+                "--vram",
+                "16GiB",
+                "--seq",
+                "2048",
+                "--slots",
+                "3",
+                "--backward-slots",
+                "2",
+            ]
+        )
+        == 0
+    )
     assert "56 layer copies (32 - 5 + 32 - 3)" in capsys.readouterr().out
 
 
 # -- parsing ------------------------------------------------------------------------------
-@pytest.mark.parametrize("text, expected", [
-    ("16GiB", 16 * 2**30), ("24GB", 24 * 10**9), ("1.5GiB", 3 * 2**29), ("16000000000", 16 * 10**9),
-    ("512 MiB", 512 * 2**20), ("2tib", 2 * 2**40), ("80gb", 80 * 10**9), (".5GiB", 2**29),
-    ("100B", 100), (4096, 4096),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("16GiB", 16 * 2**30),
+        ("24GB", 24 * 10**9),
+        ("1.5GiB", 3 * 2**29),
+        ("16000000000", 16 * 10**9),
+        ("512 MiB", 512 * 2**20),
+        ("2tib", 2 * 2**40),
+        ("80gb", 80 * 10**9),
+        (".5GiB", 2**29),
+        ("100B", 100),
+        (4096, 4096),
+    ],
+)
 def test_parse_bytes(text, expected):
     assert parse_bytes(text) == expected
 
 
-@pytest.mark.parametrize("text, match", [
-    ("", "not a size"), ("abc", "not a size"), ("GiB", "not a size"), ("-1GiB", "not a size"),
-    ("16G", "ambiguous"), ("16 furlongs", "unknown unit"), ("1.5", "whole number"), (-5, "negative"),
-    ("1,5GiB", "not a size"),
-])
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("", "not a size"),
+        ("abc", "not a size"),
+        ("GiB", "not a size"),
+        ("-1GiB", "not a size"),
+        ("16G", "ambiguous"),
+        ("16 furlongs", "unknown unit"),
+        ("1.5", "whole number"),
+        (-5, "negative"),
+        ("1,5GiB", "not a size"),
+    ],
+)
 def test_parse_bytes_errors(text, match):
     with pytest.raises(ValueError, match=match):
         parse_bytes(text)
@@ -633,8 +785,9 @@ def test_cli_plan_fits(tmp_path, capsys):
 
 def test_cli_plan_does_not_fit(tmp_path, capsys):
     write_config(tmp_path, LLAMA3_8B)
-    code = cli.main(["plan", "--model", str(tmp_path), "--vram", "16GiB", "--seq", "8192",
-                     "--slots", "2", "--bandwidth", "7"])
+    code = cli.main(
+        ["plan", "--model", str(tmp_path), "--vram", "16GiB", "--seq", "8192", "--slots", "2", "--bandwidth", "7"]
+    )
     out = capsys.readouterr().out
     assert code == 1
     assert "DOES NOT FIT, short by 2.14 GiB" in out
@@ -644,9 +797,31 @@ def test_cli_plan_does_not_fit(tmp_path, capsys):
 
 def test_cli_plan_options_reach_the_plan(tmp_path, capsys):
     write_config(tmp_path, LLAMA3_8B)
-    code = cli.main(["plan", "--model", str(tmp_path), "--vram", "80GB", "--seq", "1024", "--batch", "2",
-                     "--quantization", "nf4", "--dtype", "float16", "--lora-rank", "8",
-                     "--lora-targets", "q_proj,v_proj", "--slots", "4", "--reserve", "2GiB"])
+    code = cli.main(
+        [
+            "plan",
+            "--model",
+            str(tmp_path),
+            "--vram",
+            "80GB",
+            "--seq",
+            "1024",
+            "--batch",
+            "2",
+            "--quantization",
+            "nf4",
+            "--dtype",
+            "float16",
+            "--lora-rank",
+            "8",
+            "--lora-targets",
+            "q_proj,v_proj",
+            "--slots",
+            "4",
+            "--reserve",
+            "2GiB",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0
     assert "seq 1024 x batch 2, float16, NF4, r=8 on q_proj,v_proj" in out
@@ -654,11 +829,14 @@ def test_cli_plan_options_reach_the_plan(tmp_path, capsys):
     assert "2.00 GiB" in out  # the reserve
 
 
-@pytest.mark.parametrize("argv", [
-    ["--vram", "16G", "--seq", "2048"],
-    ["--vram", "16GiB", "--seq", "2048", "--slots", "1"],
-    ["--vram", "16GiB", "--seq", "2048", "--unknown"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--vram", "16G", "--seq", "2048"],
+        ["--vram", "16GiB", "--seq", "2048", "--slots", "1"],
+        ["--vram", "16GiB", "--seq", "2048", "--unknown"],
+    ],
+)
 def test_cli_plan_bad_input_exits_2(tmp_path, capsys, argv):
     write_config(tmp_path, LLAMA3_8B)
     with pytest.raises(SystemExit) as exit_info:
@@ -682,11 +860,11 @@ def test_the_planned_window_is_the_one_the_runtime_keeps():
     size of the plan's keeps exactly that many layers, and the copies the plan predicts
     are the ones made."""
     import layerstream
+
     from tiny import peft_pair, train_steps
 
     streamed, _ = peft_pair("llama", layers=8)
     from layerstream.plan import plan_for_model
-
     from layerstream.window import margin_bytes
 
     probe = plan_for_model(streamed, 12, 2, slots=2)  # no budget: the peak alone
@@ -713,7 +891,9 @@ def test_speed_hints_name_the_window_and_a_larger_batch_when_they_help():
     assert make_plan(config_of(LLAMA3_8B), 2048, roomy.largest_batch, 16 * GiB, slots=3).fits
     assert not make_plan(config_of(LLAMA3_8B), 2048, roomy.largest_batch + 1, 16 * GiB, slots=3).fits
     # everything fits: nothing streams
-    assert "nothing is copied per step" in "\n".join(speed_hints(make_plan(config_of(LLAMA3_8B), 2048, 1, 40 * GiB, slots=3)))
+    assert "nothing is copied per step" in "\n".join(
+        speed_hints(make_plan(config_of(LLAMA3_8B), 2048, 1, 40 * GiB, slots=3))
+    )
     # a plan that does not fit gets advice, not speed hints
     assert speed_hints(make_plan(config_of(LLAMA3_8B), 8192, 1, 16 * GiB)) == []
     assert "speed: " in format_plan(roomy)

@@ -28,10 +28,16 @@ def test_recipe_validates_and_states_planned_and_measured_figures(path, tmp_path
     model, stream, training = config["model"], config["stream"], config["training"]
     assert model["name"] != "embedded-tiny" and Path(model["config"]).is_file()
     budget = plan.parse_bytes(stream["vram_budget"])
-    predicted = plan.make_plan(plan.load_config(model["config"]), seq=training["max_length"],
-                               batch=training["per_device_train_batch_size"], vram_bytes=budget,
-                               quantization=model["quantization"], dtype=model["dtype"],
-                               lora_rank=config["lora"]["r"], slots=stream["slots"])
+    predicted = plan.make_plan(
+        plan.load_config(model["config"]),
+        seq=training["max_length"],
+        batch=training["per_device_train_batch_size"],
+        vram_bytes=budget,
+        quantization=model["quantization"],
+        dtype=model["dtype"],
+        lora_rank=config["lora"]["r"],
+        slots=stream["slots"],
+    )
     assert predicted.fits
     text = path.read_text()
     stated = re.search(r"peak VRAM ([\d.]+) GiB, host store ([\d.]+) GiB", text)
@@ -46,8 +52,12 @@ def test_recipe_validates_and_states_planned_and_measured_figures(path, tmp_path
     assert float(line.group(1)) == round(measured["peak_allocated_gib"], 2)
     assert float(line.group(2)) == round(measured["step_s"], 3)
     assert (int(line.group(3)), int(line.group(4))) == (measured["batch"], measured["seq"])
-    assert (measured["slots"], measured["seq"], measured["quantization"]) == \
-        (stream["slots"], training["max_length"], model["quantization"]), "measured with the recipe's settings"
+    assert (measured["slots"], measured["seq"], measured["quantization"]) == (
+        stream["slots"],
+        training["max_length"],
+        model["quantization"],
+    ), "measured with the recipe's settings"
     assert measured["peak_allocated_gib"] < budget / 2**30
-    assert abs(measured["peak_allocated_gib"] - predicted.peak_vram_bytes / 2**30) < 0.05 * budget / 2**30, \
+    assert abs(measured["peak_allocated_gib"] - predicted.peak_vram_bytes / 2**30) < 0.05 * budget / 2**30, (
         "the plan and the GPU disagree by more than 5% of the budget"
+    )

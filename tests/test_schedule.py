@@ -6,13 +6,11 @@ import pytest
 
 from layerstream.schedule import Phase, PrefetchPlanner
 
-GRID = [(layers, slots, prefetch) for layers in (1, 2, 3, 5, 8) for slots in (2, 3, 4)
-        for prefetch in range(1, slots)]
+GRID = [(layers, slots, prefetch) for layers in (1, 2, 3, 5, 8) for slots in (2, 3, 4) for prefetch in range(1, slots)]
 
 
 def training_step(layers):
-    return [(i, Phase.TRAIN_FORWARD) for i in range(layers)] + \
-           [(i, Phase.BACKWARD) for i in reversed(range(layers))]
+    return [(i, Phase.TRAIN_FORWARD) for i in range(layers)] + [(i, Phase.BACKWARD) for i in reversed(range(layers))]
 
 
 def run(planner, visits):
@@ -155,8 +153,14 @@ def test_resident_layers_are_spread_so_streamed_ones_are_evenly_spaced(layers):
 
 # -- backward slots ------------------------------------------------------------------------
 
-BACKWARD_GRID = [(layers, slots, prefetch, extra) for layers in (4, 6, 9) for slots in (2, 3)
-                 for prefetch in range(1, slots) for extra in (1, 2, 3) if 2 * slots + extra <= layers]
+BACKWARD_GRID = [
+    (layers, slots, prefetch, extra)
+    for layers in (4, 6, 9)
+    for slots in (2, 3)
+    for prefetch in range(1, slots)
+    for extra in (1, 2, 3)
+    if 2 * slots + extra <= layers
+]
 
 
 def _step_checking_backward_slots(planner, layers):
@@ -170,8 +174,9 @@ def _step_checking_backward_slots(planner, layers):
         for target, slot in plan.loads:
             if slot >= ring:
                 assert phase is Phase.BACKWARD, "only backward fills a backward slot"
-                assert ring <= target < ring + extra or target >= ring + 2 * extra + planner.prefetch, \
+                assert ring <= target < ring + extra or target >= ring + 2 * extra + planner.prefetch, (
                     "a backward slot holds one of its layers, or one done before those are fetched"
+                )
         if phase is Phase.TRAIN_FORWARD and layer == layers - 1:
             assert all(owner is None for owner in planner.owner[ring:]), "a backward slot is held at the loss"
 
@@ -279,7 +284,7 @@ def test_a_disabled_backward_slot_is_never_planned_again():
         for layer, phase in training_step(layers):
             plan = planner.visit(layer, phase)
             assert all(slot != 3 for _, slot in plan.loads) and plan.slot != 3
-    loads = sum(len(planner.visit(l, p).loads) for l, p in training_step(layers))
+    loads = sum(len(planner.visit(visited, p).loads) for visited, p in training_step(layers))
     assert loads == (layers - 3 - 1) + (layers - 3)
     with pytest.raises(ValueError, match="ring slot"):
         planner.disable_backward_slot(1)

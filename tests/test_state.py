@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM
 
 import layerstream
 from layerstream.pool import TIMED_COPY_EVERY
+
 from tiny import assert_traces_equal, lora_config, peft_pair, stream, tiny_model, train_steps
 
 
@@ -59,8 +60,9 @@ def test_save_pretrained_writes_the_plain_model(tmp_path):
     reference.save_pretrained(tmp_path / "plain")
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "streamed")
     _state_equal(loaded, reference)
-    assert sorted(p.name for p in (tmp_path / "streamed").iterdir()) == \
-        sorted(p.name for p in (tmp_path / "plain").iterdir())
+    assert sorted(p.name for p in (tmp_path / "streamed").iterdir()) == sorted(
+        p.name for p in (tmp_path / "plain").iterdir()
+    )
 
 
 def test_adapters_save_and_load_like_the_plain_model(tmp_path):
@@ -123,8 +125,16 @@ def test_stats_report_the_required_counters(device):
     stream(streamed, device, slots=3, prefetch=2)
     train_steps(streamed, 2, device)
     stats = layerstream.get_runtime(streamed).stats()
-    for key in ("layer_loads", "h2d_bytes", "h2d_seconds", "stall_seconds", "peak_resident_layers",
-                "slot_bytes", "host_bytes", "pinned"):
+    for key in (
+        "layer_loads",
+        "h2d_bytes",
+        "h2d_seconds",
+        "stall_seconds",
+        "peak_resident_layers",
+        "slot_bytes",
+        "host_bytes",
+        "pinned",
+    ):
         assert key in stats, key
     runtime = layerstream.get_runtime(streamed)
     assert stats["visits"] == 2 * 2 * 5

@@ -17,8 +17,8 @@ import layerstream
 from layerstream import embeddings as ends_mod
 from layerstream.embeddings import HeadLinear
 from layerstream.integrations import launch
-from layerstream.integrations import trainer as integration
 from layerstream.train import TrainConfigError, load, stream_config
+
 from tiny import assert_traces_equal, batch, lora_config, peft_pair, stream, tiny_model, train_steps
 
 STEPS = 6
@@ -35,16 +35,17 @@ def _ends(model):
 
 
 def _pair(device, family="llama", tied=False, layers=5, **overrides):
-    streamed, resident = peft_pair(family, layers=layers, attn=_attn(device), tie_word_embeddings=tied,
-                                   **overrides)
+    streamed, resident = peft_pair(family, layers=layers, attn=_attn(device), tie_word_embeddings=tied, **overrides)
     stream(streamed, device, slots=2, prefetch=1, stream_embeddings=True)
     resident.to(device)
     return streamed, resident
 
 
-@pytest.mark.parametrize("family,tied", [("llama", False), ("llama", True), ("qwen3", False),
-                                         ("gemma", True), ("gemma3_text", True)],
-                         ids=["llama-untied", "llama-tied", "qwen3-untied", "gemma-tied", "gemma3-scaled"])
+@pytest.mark.parametrize(
+    "family,tied",
+    [("llama", False), ("llama", True), ("qwen3", False), ("gemma", True), ("gemma3_text", True)],
+    ids=["llama-untied", "llama-tied", "qwen3-untied", "gemma-tied", "gemma3-scaled"],
+)
 def test_training_with_streamed_embedding_and_head_matches_resident(family, tied, device):
     streamed, resident = _pair(device, family, tied)
     embedding, head = _ends(streamed)
@@ -161,6 +162,7 @@ def test_backward_copies_the_head_weight_again():
     """Negative control for the above: a head weight changed between forward and backward
     (behind autograd's version counter) changes the gradient, so backward read the host
     weight again rather than a copy kept from the forward."""
+
     def input_grad(change):
         streamed, _ = _pair("cpu")
         _, head = _ends(streamed)
@@ -282,13 +284,16 @@ def test_summary_says_the_embedding_and_head_stream():
 
 # -- refusals -------------------------------------------------------------------------------
 
+
 def test_a_trained_head_is_refused_at_stream_time():
     model = tiny_model("llama", layers=3)
     for name, param in model.named_parameters():
         param.requires_grad = name.startswith("lm_head")
-    with pytest.raises(layerstream.StreamingError,
-                       match=r"lm_head.weight requires grad, but stream_embeddings=True keeps it in host memory.*"
-                             r"freeze it .*or stream without stream_embeddings"):
+    with pytest.raises(
+        layerstream.StreamingError,
+        match=r"lm_head.weight requires grad, but stream_embeddings=True keeps it in host memory.*"
+        r"freeze it .*or stream without stream_embeddings",
+    ):
         layerstream.stream_model(model, device="cpu", stream_embeddings=True)
     assert not layerstream.is_streamed(model)
     assert model.lm_head.weight.untyped_storage().data_ptr() != 0
@@ -347,19 +352,24 @@ def test_stream_embeddings_must_be_a_bool():
 
 # -- configuration paths --------------------------------------------------------------------
 
+
 def test_yaml_launcher_and_trainer_flags_accept_stream_embeddings(tmp_path, monkeypatch):
     import runpy
 
-    from layerstream import cli
     from test_train_config import DEFAULT
 
-    config = load(str(DEFAULT), ["stream.stream_embeddings=true", "stream.device=cpu",
-                                 f"training.output_dir={tmp_path / 'never'}"])
+    from layerstream import cli
+
+    config = load(
+        str(DEFAULT),
+        ["stream.stream_embeddings=true", "stream.device=cpu", f"training.output_dir={tmp_path / 'never'}"],
+    )
     assert stream_config(config).stream_embeddings is True
     with pytest.raises(TrainConfigError, match="stream.stream_embeddings must be true or false"):
         load(str(DEFAULT), ["stream.stream_embeddings=maybe", "stream.device=cpu"])
     (streaming,) = HfArgumentParser((layerstream.StreamingArguments,)).parse_args_into_dataclasses(
-        ["--layer_stream_embeddings", "--layer_stream_device", "cpu", "--layer_stream_slots", "2"])
+        ["--layer_stream_embeddings", "--layer_stream_device", "cpu", "--layer_stream_slots", "2"]
+    )
     assert streaming.to_config().stream_embeddings is True
     seen = []
     (tmp_path / "train.py").write_text("")
@@ -374,8 +384,16 @@ def test_a_trainer_run_with_streamed_ends_matches_the_plain_run(tmp_path, caplog
     data = Dataset.from_list([{"input_ids": [3, 4, 5, 6, 7, 8], "labels": [3, 4, 5, 6, 7, 8]}] * 16)
 
     def run(model, out):
-        args = TrainingArguments(output_dir=str(out), use_cpu=True, report_to=[], max_steps=3, logging_steps=1,
-                                 per_device_train_batch_size=4, save_strategy="no", learning_rate=1e-2)
+        args = TrainingArguments(
+            output_dir=str(out),
+            use_cpu=True,
+            report_to=[],
+            max_steps=3,
+            logging_steps=1,
+            per_device_train_batch_size=4,
+            save_strategy="no",
+            learning_rate=1e-2,
+        )
         trainer = Trainer(model=model, args=args, train_dataset=data)
         trainer.train()
         return [e["loss"] for e in trainer.state.log_history if "loss" in e]
@@ -400,15 +418,25 @@ def test_a_qlora_model_loaded_by_from_pretrained_streams_its_ends_and_matches_re
 
     from tiny import portable_cpu_nf4
 
-    tiny_model("llama", layers=4, dtype=torch.bfloat16, hidden_size=64, intermediate_size=128,
-               head_dim=16).save_pretrained(tmp_path)
+    tiny_model(
+        "llama", layers=4, dtype=torch.bfloat16, hidden_size=64, intermediate_size=128, head_dim=16
+    ).save_pretrained(tmp_path)
     config = layerstream.StreamConfig(device="cpu", slots=2, stream_embeddings=True)
-    streamed = get_peft_model(layerstream.from_pretrained(tmp_path, quantization="nf4", stream=config),
-                              lora_config())
-    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                               bnb_4bit_compute_dtype=torch.bfloat16)
-    resident = get_peft_model(portable_cpu_nf4(AutoModelForCausalLM.from_pretrained(
-        tmp_path, quantization_config=quant, dtype=torch.bfloat16, device_map="cpu")), lora_config())
+    streamed = get_peft_model(layerstream.from_pretrained(tmp_path, quantization="nf4", stream=config), lora_config())
+    quant = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+    )
+    resident = get_peft_model(
+        portable_cpu_nf4(
+            AutoModelForCausalLM.from_pretrained(
+                tmp_path, quantization_config=quant, dtype=torch.bfloat16, device_map="cpu"
+            )
+        ),
+        lora_config(),
+    )
     streamed.load_state_dict({k: v for k, v in resident.state_dict().items() if "lora_" in k}, strict=False)
     assert layerstream.get_runtime(streamed).stats()["stream_embeddings"]
     assert_traces_equal(train_steps(streamed, 4), train_steps(resident, 4))
@@ -422,12 +450,14 @@ def test_host_bytes_of_the_ends_count_a_tied_matrix_once():
 
 # -- CUDA -----------------------------------------------------------------------------------
 
+
 @pytest.mark.gpu
 def test_on_cuda_the_ends_stay_pinned_on_the_host_and_only_a_transient_head_reaches_the_gpu():
     """A 4096 x 256 fp32 head (4 MiB) is larger than everything else a step allocates on
     top of what stays (logits 2 x 12 x 4096 fp32, a few copies of them, small layers)."""
-    streamed, resident = peft_pair("llama", layers=4, attn="eager", vocab_size=4096, hidden_size=256,
-                                   head_dim=64, intermediate_size=512)
+    streamed, resident = peft_pair(
+        "llama", layers=4, attn="eager", vocab_size=4096, hidden_size=256, head_dim=64, intermediate_size=512
+    )
     # no backward slots: they hold memory across the step boundary that this step's forward
     # gives back, which would hide the head's copy in the comparison with `before`
     stream(streamed, "cuda", slots=2, prefetch=1, stream_embeddings=True, backward_slots=0)

@@ -14,9 +14,20 @@ DEFAULT = Path(__file__).resolve().parents[1] / "configs" / "default.yaml"
 
 def test_the_embedded_default_trains_and_its_loss_falls(tmp_path):
     out = tmp_path / "out"
-    code = cli.main(["train", str(DEFAULT), "--set", f"training.output_dir={out}",
-                     "--set", "training.max_steps=30", "--set", "training.logging_steps=5",
-                     "--set", "stream.device=cpu"])
+    code = cli.main(
+        [
+            "train",
+            str(DEFAULT),
+            "--set",
+            f"training.output_dir={out}",
+            "--set",
+            "training.max_steps=30",
+            "--set",
+            "training.logging_steps=5",
+            "--set",
+            "stream.device=cpu",
+        ]
+    )
     assert code == 0
     history = json.loads((out / "trainer_state.json").read_text())["log_history"]
     losses = [e["loss"] for e in history if "loss" in e]
@@ -31,22 +42,28 @@ def _write(tmp_path, text):
     return path
 
 
-@pytest.mark.parametrize("text,match", [
-    ("modle: {}\n", r"unknown section\(s\) \['modle'\]"),
-    ("lora: {rank: 8}\n", r"unknown key\(s\) \['rank'\] in 'lora'"),
-    ("training: {max_stepz: 3}\n", r"unknown key\(s\) \['max_stepz'\] in 'training'"),
-    ("stream: {slots: 1, device: cpu}\n", r"stream: stream.slots=1 is too few"),
-    ("stream: {slots: 2, prefetch: 2, device: cpu}\n", r"prefetch must be >= 1 and < slots"),
-    ("lora: {r: 0}\n", r"lora.r=0 must be an integer >= 1"),
-    ("model: {dtype: float8}\n", r"model.dtype"),
-    ("data: {path: /nonexistent/data.jsonl}\n", r"dataset file /nonexistent/data.jsonl does not exist"),
-    ("training: {eval_strategy: sometimes}\nstream: {device: cpu}\n", r"training: .*sometimes"),
-    ("stream: {device: cpu, vram_budget: 16 gigs}\n", r"stream.vram_budget: unknown unit .gigs."),
-    ("stream: {device: cpu, vram_budget: 900MiB}\n", r"does not fit in 0.9 GiB .* even when streamed"),
-    ("stream: {device: cpu, backward_slots: -1}\n", r"stream: stream.backward_slots must be an integer >= 0 or 'auto'"),
-    ("stream: {device: cpu, vram: 8GiB}\n", r"stream.vram is now stream.vram_budget"),
-    ("stream: {device: cpu, resident_window: true}\n", r"stream.resident_window is now stream.vram_budget"),
-])
+@pytest.mark.parametrize(
+    "text,match",
+    [
+        ("modle: {}\n", r"unknown section\(s\) \['modle'\]"),
+        ("lora: {rank: 8}\n", r"unknown key\(s\) \['rank'\] in 'lora'"),
+        ("training: {max_stepz: 3}\n", r"unknown key\(s\) \['max_stepz'\] in 'training'"),
+        ("stream: {slots: 1, device: cpu}\n", r"stream: stream.slots=1 is too few"),
+        ("stream: {slots: 2, prefetch: 2, device: cpu}\n", r"prefetch must be >= 1 and < slots"),
+        ("lora: {r: 0}\n", r"lora.r=0 must be an integer >= 1"),
+        ("model: {dtype: float8}\n", r"model.dtype"),
+        ("data: {path: /nonexistent/data.jsonl}\n", r"dataset file /nonexistent/data.jsonl does not exist"),
+        ("training: {eval_strategy: sometimes}\nstream: {device: cpu}\n", r"training: .*sometimes"),
+        ("stream: {device: cpu, vram_budget: 16 gigs}\n", r"stream.vram_budget: unknown unit .gigs."),
+        ("stream: {device: cpu, vram_budget: 900MiB}\n", r"does not fit in 0.9 GiB .* even when streamed"),
+        (
+            "stream: {device: cpu, backward_slots: -1}\n",
+            r"stream: stream.backward_slots must be an integer >= 0 or 'auto'",
+        ),
+        ("stream: {device: cpu, vram: 8GiB}\n", r"stream.vram is now stream.vram_budget"),
+        ("stream: {device: cpu, resident_window: true}\n", r"stream.resident_window is now stream.vram_budget"),
+    ],
+)
 def test_bad_configs_stop_before_any_work(tmp_path, text, match):
     out = tmp_path / "never"
     path = _write(tmp_path, text)
@@ -86,12 +103,25 @@ def test_a_run_that_does_not_fit_says_what_to_change_in_config_terms(tmp_path):
     back naming the YAML keys to change."""
     model = tmp_path / "model"
     model.mkdir()
-    (model / "config.json").write_text(json.dumps({
-        "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
-        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8}))
-    path = _write(tmp_path, f"model: {{name: {model}, dtype: bfloat16}}\n"
-                            "stream: {device: cpu, vram_budget: 6GiB, slots: 3}\n"
-                            "training: {max_length: 4096, per_device_train_batch_size: 4}\n")
+    (model / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "vocab_size": 128256,
+                "hidden_size": 4096,
+                "intermediate_size": 14336,
+                "num_hidden_layers": 32,
+                "num_attention_heads": 32,
+                "num_key_value_heads": 8,
+            }
+        )
+    )
+    path = _write(
+        tmp_path,
+        f"model: {{name: {model}, dtype: bfloat16}}\n"
+        "stream: {device: cpu, vram_budget: 6GiB, slots: 3}\n"
+        "training: {max_length: 4096, per_device_train_batch_size: 4}\n",
+    )
     with pytest.raises(TrainConfigError) as error:
         load(str(path), [f"training.output_dir={tmp_path / 'never'}"])
     message = str(error.value)
@@ -109,9 +139,22 @@ def test_a_vram_budget_keeps_the_layers_that_fit(tmp_path):
     """stream.vram_budget: the embedded model fits whole in 2 GiB, so after the first step
     (measured with no window) its layers stay put and nothing is copied."""
     out = tmp_path / "out"
-    code = cli.main(["train", str(DEFAULT), "--set", f"training.output_dir={out}",
-                     "--set", "training.max_steps=4", "--set", "training.logging_steps=2",
-                     "--set", "stream.device=cpu", "--set", "stream.vram_budget=2GiB"])
+    code = cli.main(
+        [
+            "train",
+            str(DEFAULT),
+            "--set",
+            f"training.output_dir={out}",
+            "--set",
+            "training.max_steps=4",
+            "--set",
+            "training.logging_steps=2",
+            "--set",
+            "stream.device=cpu",
+            "--set",
+            "stream.vram_budget=2GiB",
+        ]
+    )
     assert code == 0
     logged = [e for e in json.loads((out / "trainer_state.json").read_text())["log_history"] if "loss" in e]
     from layerstream.train import model_config
@@ -196,13 +239,30 @@ def test_each_bad_value_is_refused_naming_its_key_before_any_output(tmp_path, ov
     assert (tmp_path / "a-file").is_file()
 
 
-@pytest.mark.parametrize("override", ["training.per_device_train_batch_size=0", "training.learning_rate=fast",
-                                      "training.learning_rate=-1", "training.gradient_accumulation_steps=0"])
+@pytest.mark.parametrize(
+    "override",
+    [
+        "training.per_device_train_batch_size=0",
+        "training.learning_rate=fast",
+        "training.learning_rate=-1",
+        "training.gradient_accumulation_steps=0",
+    ],
+)
 def test_the_command_exits_2_on_a_value_that_used_to_fail_after_making_the_output_dir(tmp_path, capsys, override):
     out = tmp_path / "never"
     with pytest.raises(SystemExit) as exit_info:
-        cli.main(["train", str(DEFAULT), "--set", f"training.output_dir={out}", "--set", "stream.device=cpu",
-                  "--set", override])
+        cli.main(
+            [
+                "train",
+                str(DEFAULT),
+                "--set",
+                f"training.output_dir={out}",
+                "--set",
+                "stream.device=cpu",
+                "--set",
+                override,
+            ]
+        )
     assert exit_info.value.code == 2
     assert override.split("=")[0] in capsys.readouterr().err
     assert not out.exists()
@@ -214,10 +274,22 @@ def test_good_values_in_the_same_keys_still_validate(tmp_path):
     data = tmp_path / "data.jsonl"
     data.write_text('{"text": ""}\n{"text": "Q: hi\\nA: hello"}\n{"text": "more"}\n')
     out = tmp_path / "never"
-    config = load(str(DEFAULT), [f"training.output_dir={out}", "stream.device=cpu", "training.save_strategy=no",
-                                 "training.eval_strategy=no", "training.learning_rate=1e-4", "training.max_steps=-1",
-                                 "training.num_train_epochs=1", "lora.target_modules=[q_proj, v_proj]",
-                                 "lora.dropout=0.05", f"data.path={data}", "data.eval_rows=1"])
+    config = load(
+        str(DEFAULT),
+        [
+            f"training.output_dir={out}",
+            "stream.device=cpu",
+            "training.save_strategy=no",
+            "training.eval_strategy=no",
+            "training.learning_rate=1e-4",
+            "training.max_steps=-1",
+            "training.num_train_epochs=1",
+            "lora.target_modules=[q_proj, v_proj]",
+            "lora.dropout=0.05",
+            f"data.path={data}",
+            "data.eval_rows=1",
+        ],
+    )
     assert config["training"]["save_strategy"] == "no" and config["training"]["eval_strategy"] == "no"
     assert config["training"]["learning_rate"] == 1e-4
     assert len(config["rows"]) == 3

@@ -12,17 +12,34 @@ from transformers import HfArgumentParser, Trainer, TrainingArguments
 import layerstream
 from layerstream import cli
 from layerstream.integrations import launch
-from layerstream.integrations import trainer as integration
+
 from tiny import peft_pair
 
 SCRIPT = str(Path(__file__).resolve().parents[1] / "examples" / "train_trainer.py")
-STAT_KEYS = {"layerstream/h2d_gbps", "layerstream/stall_fraction", "layerstream/layer_loads",
-             "layerstream/peak_resident_layers"}
+STAT_KEYS = {
+    "layerstream/h2d_gbps",
+    "layerstream/stall_fraction",
+    "layerstream/layer_loads",
+    "layerstream/peak_resident_layers",
+}
 
 
 def _script_args(out):
-    return ["--output_dir", str(out), "--max_steps", "6", "--logging_steps", "2", "--report_to", "none",
-            "--use_cpu", "--save_strategy", "no", "--per_device_train_batch_size", "4"]
+    return [
+        "--output_dir",
+        str(out),
+        "--max_steps",
+        "6",
+        "--logging_steps",
+        "2",
+        "--report_to",
+        "none",
+        "--use_cpu",
+        "--save_strategy",
+        "no",
+        "--per_device_train_batch_size",
+        "4",
+    ]
 
 
 def _history(out):
@@ -54,19 +71,22 @@ def test_unchanged_script_under_the_launcher_matches_the_plain_run(tmp_path, mon
 def test_streaming_arguments_carry_backward_slots_and_refuse_bad_ones():
     parser = HfArgumentParser((layerstream.StreamingArguments,))
     (streaming,) = parser.parse_args_into_dataclasses(
-        ["--layer_stream_backward_slots", "1", "--layer_stream_device", "cpu"])
+        ["--layer_stream_backward_slots", "1", "--layer_stream_device", "cpu"]
+    )
     assert streaming.to_config().backward_slots == 1
     (streaming,) = parser.parse_args_into_dataclasses(["--layer_stream_device", "cpu"])
     assert streaming.to_config().backward_slots == "auto"
     (streaming,) = parser.parse_args_into_dataclasses(
-        ["--layer_stream_backward_slots", "some", "--layer_stream_device", "cpu"])
+        ["--layer_stream_backward_slots", "some", "--layer_stream_device", "cpu"]
+    )
     with pytest.raises(layerstream.StreamConfigError, match="layer_stream_backward_slots"):
         streaming.to_config()
 
 
 def test_streaming_arguments_flags_stream_the_trainers_model(tmp_path):
     (streaming,) = HfArgumentParser((layerstream.StreamingArguments,)).parse_args_into_dataclasses(
-        ["--layer_stream", "--layer_stream_slots", "2", "--layer_stream_device", "cpu"])
+        ["--layer_stream", "--layer_stream_slots", "2", "--layer_stream_device", "cpu"]
+    )
     assert streaming.layer_stream
     model, _ = peft_pair("llama", layers=3)
     args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=1)
@@ -92,8 +112,22 @@ def test_launcher_flags_are_validated_before_the_script_runs(tmp_path, capsys):
 
 def test_resuming_a_streamed_run_gives_the_uninterrupted_losses(tmp_path):
     def run(out, *extra):
-        args = ["--output_dir", str(out), "--max_steps", "6", "--logging_steps", "1", "--report_to", "none",
-                "--use_cpu", "--per_device_train_batch_size", "4", "--save_steps", "3", *extra]
+        args = [
+            "--output_dir",
+            str(out),
+            "--max_steps",
+            "6",
+            "--logging_steps",
+            "1",
+            "--report_to",
+            "none",
+            "--use_cpu",
+            "--per_device_train_batch_size",
+            "4",
+            "--save_steps",
+            "3",
+            *extra,
+        ]
         assert cli.main(["run", "--slots", "2", "--device", "cpu", SCRIPT] + args) == 0
 
     run(tmp_path / "whole")
@@ -111,8 +145,21 @@ SFT_SCRIPT = str(Path(__file__).resolve().parents[1] / "examples" / "train_sft.p
 def test_unchanged_trl_sft_script_under_the_launcher_matches_the_plain_run(tmp_path, monkeypatch):
 
     def args(out):
-        return ["--output_dir", str(out), "--max_steps", "4", "--logging_steps", "1", "--report_to", "none",
-                "--use_cpu", "--per_device_train_batch_size", "4", "--save_strategy", "no"]
+        return [
+            "--output_dir",
+            str(out),
+            "--max_steps",
+            "4",
+            "--logging_steps",
+            "1",
+            "--report_to",
+            "none",
+            "--use_cpu",
+            "--per_device_train_batch_size",
+            "4",
+            "--save_strategy",
+            "no",
+        ]
 
     monkeypatch.setattr(sys, "argv", [SFT_SCRIPT] + args(tmp_path / "plain"))
     runpy.run_path(SFT_SCRIPT, run_name="__main__")
@@ -131,10 +178,29 @@ def test_custom_accelerate_loop_streamed_matches_plain():
 
 def test_evaluation_during_training_and_accumulation_match_the_plain_run(tmp_path, monkeypatch):
     def args(out):
-        return ["--output_dir", str(out), "--max_steps", "4", "--logging_steps", "2", "--report_to", "none",
-                "--use_cpu", "--save_strategy", "no", "--per_device_train_batch_size", "2",
-                "--gradient_accumulation_steps", "2", "--eval_strategy", "steps", "--eval_steps", "2",
-                "--per_device_eval_batch_size", "8"]
+        return [
+            "--output_dir",
+            str(out),
+            "--max_steps",
+            "4",
+            "--logging_steps",
+            "2",
+            "--report_to",
+            "none",
+            "--use_cpu",
+            "--save_strategy",
+            "no",
+            "--per_device_train_batch_size",
+            "2",
+            "--gradient_accumulation_steps",
+            "2",
+            "--eval_strategy",
+            "steps",
+            "--eval_steps",
+            "2",
+            "--per_device_eval_batch_size",
+            "8",
+        ]
 
     monkeypatch.setattr(sys, "argv", [SCRIPT] + args(tmp_path / "plain"))
     runpy.run_path(SCRIPT, run_name="__main__")
@@ -155,25 +221,36 @@ def test_training_writes_the_residency_timeline_of_one_step(tmp_path, caplog):
     model, _ = peft_pair("llama", layers=5)
     layerstream.stream_model(model, device="cpu", slots=2)
     data = Dataset.from_list([{"input_ids": [3, 4, 5, 6, 7, 8], "labels": [3, 4, 5, 6, 7, 8]}] * 16)
-    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=3,
-                             per_device_train_batch_size=4, save_strategy="no")
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        report_to=[],
+        max_steps=3,
+        per_device_train_batch_size=4,
+        save_strategy="no",
+    )
     with caplog.at_level("WARNING", logger="layerstream"):
         Trainer(model=model, args=args, train_dataset=data).train()
     assert "predicted    peak VRAM" in caplog.text and "GiB at batch 4 x 512 tokens" in caplog.text
     trace = json.loads((tmp_path / "layerstream-trace.json").read_text())
     spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     computes = [(e["cat"], e["args"]["layer"]) for e in spans if e["cat"] in ("forward", "backward")]
-    assert computes == [("forward", i) for i in range(5)] + [("backward", i) for i in reversed(range(5))], \
+    assert computes == [("forward", i) for i in range(5)] + [("backward", i) for i in reversed(range(5))], (
         "exactly one step: every layer forward, then recomputed in reverse"
+    )
     copies = [e for e in spans if e["cat"] == "copy"]
     assert len(copies) == 2 * (5 - 2), "a steady-state step copies all but the turnaround layers, twice"
     holds = [e for e in spans if e["cat"] == "hold"]
     assert {e["args"]["slot"] for e in holds} == {0, 1}
     for compute in (e for e in spans if e["cat"] in ("forward", "backward")):
-        slot_holds = [h for h in holds if h["args"]["slot"] == compute["args"]["slot"]
-                      and h["ts"] <= compute["ts"] <= h["ts"] + h["dur"]]
-        assert slot_holds and all(h["args"]["layer"] == compute["args"]["layer"] for h in slot_holds), \
+        slot_holds = [
+            h
+            for h in holds
+            if h["args"]["slot"] == compute["args"]["slot"] and h["ts"] <= compute["ts"] <= h["ts"] + h["dur"]
+        ]
+        assert slot_holds and all(h["args"]["layer"] == compute["args"]["layer"] for h in slot_holds), (
             "a layer computes only while its slot holds it"
+        )
     png = (tmp_path / "layerstream-timeline.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     assert not layerstream.get_runtime(model).timeline_active
@@ -204,9 +281,16 @@ def test_full_model_checkpoints_of_a_streamed_model_hold_every_weight(tmp_path):
     before = model.lm_head.weight.detach().clone()
     layerstream.stream_model(model, device="cpu", slots=2)
     data = Dataset.from_list([{"input_ids": [3, 4, 5, 6, 7, 8], "labels": [3, 4, 5, 6, 7, 8]}] * 8)
-    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=2,
-                             per_device_train_batch_size=4, save_strategy="steps", save_steps=2,
-                             learning_rate=1e-2)
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        report_to=[],
+        max_steps=2,
+        per_device_train_batch_size=4,
+        save_strategy="steps",
+        save_steps=2,
+        learning_rate=1e-2,
+    )
     Trainer(model=model, args=args, train_dataset=data).train()
     assert not torch.equal(model.lm_head.weight, before), "the head must have trained"
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint-2")
@@ -219,10 +303,25 @@ def test_full_model_checkpoints_of_a_streamed_model_hold_every_weight(tmp_path):
 @pytest.mark.parametrize("precision", ["--bf16", "--fp16"])
 def test_mixed_precision_training_matches_the_plain_run(tmp_path, monkeypatch, precision, device):
     """Autocast (bf16, or fp16 with loss scaling) through the Trainer: streamed equals plain."""
+
     def args(out):
         extra = ["--use_cpu"] if device == "cpu" else []
-        return ["--output_dir", str(out), "--max_steps", "4", "--logging_steps", "1", "--report_to", "none",
-                "--save_strategy", "no", "--per_device_train_batch_size", "4", precision, *extra]
+        return [
+            "--output_dir",
+            str(out),
+            "--max_steps",
+            "4",
+            "--logging_steps",
+            "1",
+            "--report_to",
+            "none",
+            "--save_strategy",
+            "no",
+            "--per_device_train_batch_size",
+            "4",
+            precision,
+            *extra,
+        ]
 
     monkeypatch.setattr(sys, "argv", [SCRIPT] + args(tmp_path / "plain"))
     runpy.run_path(SCRIPT, run_name="__main__")

@@ -7,6 +7,7 @@ import torch
 import layerstream
 from layerstream import plan
 from layerstream.schedule import spread_resident
+
 from tiny import assert_traces_equal, batch, nf4_pair, peft_pair, stream, train_steps
 
 
@@ -171,19 +172,36 @@ def _trainer_losses(model, out, steps=4, accumulation=1):
     from datasets import Dataset
     from transformers import Trainer, TrainingArguments
 
-    data = Dataset.from_list([{"input_ids": [3 + (i * 7 + j) % 90 for j in range(12)],
-                               "labels": [3 + (i * 7 + j) % 90 for j in range(12)]} for i in range(64)])
-    args = TrainingArguments(output_dir=str(out), use_cpu=True, report_to=[], max_steps=steps, logging_steps=1,
-                             per_device_train_batch_size=2, gradient_accumulation_steps=accumulation,
-                             save_strategy="no", learning_rate=1e-2, seed=0)
+    data = Dataset.from_list(
+        [
+            {
+                "input_ids": [3 + (i * 7 + j) % 90 for j in range(12)],
+                "labels": [3 + (i * 7 + j) % 90 for j in range(12)],
+            }
+            for i in range(64)
+        ]
+    )
+    args = TrainingArguments(
+        output_dir=str(out),
+        use_cpu=True,
+        report_to=[],
+        max_steps=steps,
+        logging_steps=1,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=accumulation,
+        save_strategy="no",
+        learning_rate=1e-2,
+        seed=0,
+    )
     trainer = Trainer(model=model, args=args, train_dataset=data)
     trainer.train()
     return [e["loss"] for e in trainer.state.log_history if "loss" in e]
 
 
 @pytest.mark.parametrize("accumulation", [1, 2])
-def test_a_step_that_runs_out_of_memory_is_run_again_with_a_smaller_window_and_stays_exact(tmp_path, caplog,
-                                                                                          accumulation):
+def test_a_step_that_runs_out_of_memory_is_run_again_with_a_smaller_window_and_stays_exact(
+    tmp_path, caplog, accumulation
+):
     """The memory a measured step used is no promise for the next: when a step runs out of
     memory with a window (here in the backward of the fourth micro-batch, after later layers'
     gradients accumulated), the window shrinks and the step runs again from the same

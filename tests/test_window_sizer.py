@@ -7,8 +7,14 @@ LAYER = GiB // 2
 
 
 def _reading(window=0, tokens=2048, allocated=5 * GiB, reserved=None, start=4 * GiB):
-    return Reading(window=window, tokens=tokens, peak_reserved=reserved if reserved is not None else allocated + GiB // 4,
-                   start_allocated=start, peak_allocated=allocated, retries=0)
+    return Reading(
+        window=window,
+        tokens=tokens,
+        peak_reserved=reserved if reserved is not None else allocated + GiB // 4,
+        start_allocated=start,
+        peak_allocated=allocated,
+        retries=0,
+    )
 
 
 def test_no_window_before_a_step_was_measured():

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import layerstream
+
 from tiny import assert_traces_equal, batch, peft_pair, stream, train_steps
 
 
@@ -31,8 +32,12 @@ def _logits(model, device="cpu"):
 # where a changed layer's device copy can be when the change is made: still in a slot after
 # the step (layers 0 and 1 with 2 slots), in the resident window, streamed (not held), or
 # every layer held because there are no more layers than slots
-PLACES = [pytest.param(dict(), 0, id="in-a-slot"), pytest.param(dict(window=[2]), 2, id="in-the-window"),
-          pytest.param(dict(), 3, id="not-held"), pytest.param(dict(layers=3, slots=3), 1, id="layers-le-slots")]
+PLACES = [
+    pytest.param(dict(), 0, id="in-a-slot"),
+    pytest.param(dict(window=[2]), 2, id="in-the-window"),
+    pytest.param(dict(), 3, id="not-held"),
+    pytest.param(dict(layers=3, slots=3), 1, id="layers-le-slots"),
+]
 
 
 def _same_change(streamed, resident, change):
@@ -58,8 +63,9 @@ def test_a_change_after_a_step_is_seen_by_the_next_forward(setup, layer, how, de
         elif how == "load-state-dict":
             model.load_state_dict({name: new}, strict=False)
         elif how == "assign":
-            model.load_state_dict({name: torch.nn.Parameter(new.clone(), requires_grad=False)}, strict=False,
-                                  assign=True)
+            model.load_state_dict(
+                {name: torch.nn.Parameter(new.clone(), requires_grad=False)}, strict=False, assign=True
+            )
         else:
             weight.data = new.clone()
 
@@ -87,16 +93,22 @@ def test_prepare_model_for_kbit_training_after_streaming_gives_the_resident_numb
     from tiny import lora_config, portable_cpu_nf4, tiny_model
 
     directory = tmp_path / "ckpt"
-    tiny_model("llama", 4, dtype=torch.bfloat16, hidden_size=64, intermediate_size=128,
-               head_dim=16).save_pretrained(directory)
+    tiny_model("llama", 4, dtype=torch.bfloat16, hidden_size=64, intermediate_size=128, head_dim=16).save_pretrained(
+        directory
+    )
     quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
 
     def load():
-        return AutoModelForCausalLM.from_pretrained(directory, quantization_config=quant, dtype=torch.bfloat16,
-                                                    device_map="cpu")
+        return AutoModelForCausalLM.from_pretrained(
+            directory, quantization_config=quant, dtype=torch.bfloat16, device_map="cpu"
+        )
 
-    streamed = layerstream.from_pretrained(directory, quantization_config=quant, dtype=torch.bfloat16,
-                                           stream=layerstream.StreamConfig(device="cpu", slots=2))
+    streamed = layerstream.from_pretrained(
+        directory,
+        quantization_config=quant,
+        dtype=torch.bfloat16,
+        stream=layerstream.StreamConfig(device="cpu", slots=2),
+    )
     runtime = layerstream.get_runtime(streamed)
     assert any("layernorm" in e.qualified_name for e in runtime.records[1].entries), "the loader streams norms"
     streamed = get_peft_model(prepare_model_for_kbit_training(streamed), lora_config())
@@ -105,8 +117,9 @@ def test_prepare_model_for_kbit_training_after_streaming_gives_the_resident_numb
     assert_traces_equal(train_steps(streamed, 2), train_steps(resident, 2))
     norm = streamed.get_parameter("base_model.model.model.layers.1.input_layernorm.weight")
     assert norm.dtype == torch.float32 and runtime.stats()["refreshed_layers"] >= 4
-    assert {e.dtype for e in runtime.records[1].entries if "layernorm" in e.qualified_name} == {torch.float32}, \
+    assert {e.dtype for e in runtime.records[1].entries if "layernorm" in e.qualified_name} == {torch.float32}, (
         "the layer streams its norms in the new dtype"
+    )
 
 
 def test_a_change_between_forward_and_backward_is_refused():
@@ -138,7 +151,9 @@ def test_merge_and_unload_gives_the_resident_merged_model(safe_merge, device):
     assert torch.equal(_logits(merged_streamed, device), _logits(merged_resident, device))
     ids = batch(96, size=1, seq=5, device=device)
     kwargs = dict(max_new_tokens=5, do_sample=False, attention_mask=torch.ones_like(ids), pad_token_id=0)
-    assert torch.equal(merged_streamed.generate(input_ids=ids, **kwargs), merged_resident.generate(input_ids=ids, **kwargs))
+    assert torch.equal(
+        merged_streamed.generate(input_ids=ids, **kwargs), merged_resident.generate(input_ids=ids, **kwargs)
+    )
 
 
 def test_merge_adapter_and_unmerge_adapter_match_the_resident_model(device):
@@ -183,9 +198,17 @@ def test_nf4_merge_and_unload_gives_the_resident_merged_model(tmp_path):
 
 
 # -- model-level operations ----------------------------------------------------------------
-@pytest.mark.parametrize("call", [lambda m: m.half(), lambda m: m.to(torch.bfloat16), lambda m: m.double(),
-                                  lambda m: m.to("meta"), lambda m: m.float().half()],
-                         ids=["half", "to-bf16", "double", "meta", "float-then-half"])
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda m: m.half(),
+        lambda m: m.to(torch.bfloat16),
+        lambda m: m.double(),
+        lambda m: m.to("meta"),
+        lambda m: m.float().half(),
+    ],
+    ids=["half", "to-bf16", "double", "meta", "float-then-half"],
+)
 def test_a_refused_cast_or_move_changes_nothing(call):
     streamed, resident = _streamed()
     before = {name: (t.dtype, t.device, t.detach().clone()) for name, t in streamed.state_dict().items()}
@@ -211,8 +234,11 @@ def test_deepcopy_and_pickle_say_to_unstream_first(tmp_path):
     import pickle
 
     streamed, _ = _streamed()
-    for attempt in (lambda: copy.deepcopy(streamed), lambda: pickle.dumps(streamed),
-                    lambda: torch.save(streamed, tmp_path / "model.pt")):
+    for attempt in (
+        lambda: copy.deepcopy(streamed),
+        lambda: pickle.dumps(streamed),
+        lambda: torch.save(streamed, tmp_path / "model.pt"),
+    ):
         with pytest.raises(layerstream.StreamingError, match="unstream_model"):
             attempt()
     layerstream.unstream_model(streamed)

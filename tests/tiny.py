@@ -13,12 +13,20 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import layerstream
 
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3",
-            "qwen3_moe", "mixtral"]
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "qwen3_moe", "mixtral"]
 
-_COMMON = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-               num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
-               pad_token_id=0, bos_token_id=1, eos_token_id=2)
+_COMMON = dict(
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=64,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 _EXTRA = {
     "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1),
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
@@ -34,8 +42,9 @@ def tiny_config(family: str = "llama", layers: int = 5, **overrides):
     return AutoConfig.for_model(family, **values)
 
 
-def tiny_model(family: str = "llama", layers: int = 5, seed: int = 0, dtype=torch.float32,
-               attn: Optional[str] = None, **overrides):
+def tiny_model(
+    family: str = "llama", layers: int = 5, seed: int = 0, dtype=torch.float32, attn: Optional[str] = None, **overrides
+):
     torch.manual_seed(seed)
     config = tiny_config(family, layers, **overrides)
     kwargs = {"attn_implementation": attn} if attn else {}
@@ -63,8 +72,16 @@ class Trace:
     grads: List[Dict[str, torch.Tensor]] = field(default_factory=list)
 
 
-def train_steps(model, steps: int, device="cpu", seq: int = 12, accumulation: int = 1,
-                lr: float = 1e-2, batch_size: int = 2, autocast: Optional[torch.dtype] = None) -> Trace:
+def train_steps(
+    model,
+    steps: int,
+    device="cpu",
+    seq: int = 12,
+    accumulation: int = 1,
+    lr: float = 1e-2,
+    batch_size: int = 2,
+    autocast: Optional[torch.dtype] = None,
+) -> Trace:
     """AdamW on the trainable tensors; records loss, logits and every gradient per step.
 
     ``autocast`` wraps each forward (not backward or the optimizer step), as the Trainer
@@ -78,14 +95,14 @@ def train_steps(model, steps: int, device="cpu", seq: int = 12, accumulation: in
     for step in range(steps):
         for micro in range(accumulation):
             ids = batch(vocab, size=batch_size, seq=seq, seed=100 * step + micro, device=device)
-            with torch.autocast(torch.device(device).type, dtype=autocast or torch.bfloat16,
-                                enabled=autocast is not None):
+            with torch.autocast(
+                torch.device(device).type, dtype=autocast or torch.bfloat16, enabled=autocast is not None
+            ):
                 out = model(input_ids=ids, labels=ids)
             (out.loss / accumulation).backward()
         trace.losses.append(out.loss.detach().cpu())
         trace.logits.append(out.logits.detach().cpu())
-        trace.grads.append({n: p.grad.detach().cpu().clone() for n, p in model.named_parameters()
-                            if p.requires_grad})
+        trace.grads.append({n: p.grad.detach().cpu().clone() for n, p in model.named_parameters() if p.requires_grad})
         opt.step()
         opt.zero_grad(set_to_none=True)
     return trace
@@ -98,8 +115,7 @@ def assert_traces_equal(a: Trace, b: Trace) -> None:
         assert torch.equal(a.logits[step], b.logits[step]), f"logits differ at step {step}"
         assert a.grads[step].keys() == b.grads[step].keys()
         for name in a.grads[step]:
-            assert torch.equal(a.grads[step][name], b.grads[step][name]), \
-                f"gradient of {name} differs at step {step}"
+            assert torch.equal(a.grads[step][name], b.grads[step][name]), f"gradient of {name} differs at step {step}"
 
 
 def peft_pair(family="llama", layers=5, dtype=torch.float32, attn=None, lora=None, **model_overrides):
@@ -122,8 +138,7 @@ def stream(model, device="cpu", **config):
     return model.to(device)
 
 
-def nf4_pair(tmp_path, family="llama", layers=5, dtype=torch.bfloat16, nested=True, device="cpu",
-             **model_overrides):
+def nf4_pair(tmp_path, family="llama", layers=5, dtype=torch.bfloat16, nested=True, device="cpu", **model_overrides):
     """A streamed and a resident QLoRA model loaded from the same files by transformers
     with BitsAndBytesConfig (NF4), each wrapped by PEFT (lora.Linear4bit), same adapters.
 
@@ -133,14 +148,15 @@ def nf4_pair(tmp_path, family="llama", layers=5, dtype=torch.bfloat16, nested=Tr
 
     directory = tmp_path / f"{family}-{layers}-{str(dtype)[6:]}-{nested}"
     if not directory.exists():
-        tiny_model(family, layers, dtype=dtype, hidden_size=64, intermediate_size=128, head_dim=16,
-                   **model_overrides).save_pretrained(directory)
-    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                               bnb_4bit_use_double_quant=nested, bnb_4bit_compute_dtype=dtype)
+        tiny_model(
+            family, layers, dtype=dtype, hidden_size=64, intermediate_size=128, head_dim=16, **model_overrides
+        ).save_pretrained(directory)
+    quant = BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=nested, bnb_4bit_compute_dtype=dtype
+    )
 
     def load():
-        return AutoModelForCausalLM.from_pretrained(directory, quantization_config=quant, dtype=dtype,
-                                                    device_map="cpu")
+        return AutoModelForCausalLM.from_pretrained(directory, quantization_config=quant, dtype=dtype, device_map="cpu")
 
     resident = get_peft_model(load(), lora_config())
     streamed = get_peft_model(load(), lora_config())

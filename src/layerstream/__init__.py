@@ -6,8 +6,17 @@ pinned host memory and are copied into a few GPU slots just before each layer ru
 
 from .api import get_runtime, is_streamed, stream_model, unstream_model
 from .config import StreamConfig
-from .errors import (HostMemoryError, LayerstreamError, LoadingError, NoDecoderStackError, SlotChecksumError,
-                     SlotOwnerError, StreamConfigError, StreamingError, TrainConfigError)
+from .errors import (
+    HostMemoryError,
+    LayerstreamError,
+    LoadingError,
+    NoDecoderStackError,
+    SlotChecksumError,
+    SlotOwnerError,
+    StreamConfigError,
+    StreamingError,
+    TrainConfigError,
+)
 from .integrations import peft as _peft_integration  # noqa: F401  (registers the PEFT merge integration)
 from .integrations.trainer import StreamingArguments, StreamStatsCallback
 from .loading import from_pretrained

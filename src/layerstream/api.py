@@ -42,8 +42,7 @@ def get_runtime(model: nn.Module) -> StreamRuntime:
     """The StreamRuntime of a streamed model (stats, slots, store)."""
     runtime = getattr(_holder(model), _ATTR, None) or getattr(model, _ATTR, None)
     if runtime is None:
-        raise StreamingError(
-            f"{type(model).__name__} is not streamed; call layerstream.stream_model(model) first.")
+        raise StreamingError(f"{type(model).__name__} is not streamed; call layerstream.stream_model(model) first.")
     return runtime
 
 
@@ -58,7 +57,8 @@ def _layer_devices(layers: nn.ModuleList, path: str, streamed) -> set:
                 raise StreamingError(
                     f"{layer_name(path, index)}.{name} is on the meta device (no weights loaded). "
                     "Load real weights first (from_pretrained without device_map='meta', or "
-                    "materialise with to_empty and load a state dict) before stream_model.")
+                    "materialise with to_empty and load a state dict) before stream_model."
+                )
             devices.add(tensor.device)
     return devices
 
@@ -106,14 +106,17 @@ def stream_model(model: nn.Module, config: Optional[StreamConfig] = None, **over
     resident part that is still on the host.
     """
     if not isinstance(model, nn.Module):
-        raise TypeError(f"stream_model takes a torch.nn.Module (a transformers model, maybe wrapped by PEFT), "
-                        f"got {type(model).__name__}")
+        raise TypeError(
+            f"stream_model takes a torch.nn.Module (a transformers model, maybe wrapped by PEFT), "
+            f"got {type(model).__name__}"
+        )
     if config is not None and not isinstance(config, StreamConfig):
         raise TypeError(f"config must be a layerstream.StreamConfig, got {type(config).__name__}")
     if is_streamed(model):
         raise StreamingError(
             "this model is already streamed; call layerstream.unstream_model(model) before "
-            "streaming it again with other settings.")
+            "streaming it again with other settings."
+        )
     path, layers = find_decoder_layers(model)
     streamed = _streamed_predicate(model, layers)
     devices = _layer_devices(layers, path, streamed)
@@ -128,7 +131,8 @@ def stream_model(model: nn.Module, config: Optional[StreamConfig] = None, **over
     if all(not r.entries for r in records):
         raise StreamingError(
             "no tensor of the decoder layers can stream: every one is trainable or shared "
-            "with the resident part. Freeze the base weights (e.g. apply PEFT) first.")
+            "with the resident part. Freeze the base weights (e.g. apply PEFT) first."
+        )
     largest = max(r.nbytes for r in records)
     config = _automatic_slots(config, largest)
     _check_slots_fit_budget(config, largest)
@@ -138,8 +142,12 @@ def stream_model(model: nn.Module, config: Optional[StreamConfig] = None, **over
         from .embeddings import find_ends
 
         ends_bytes = [w.numel() * w.element_size() for _, w in find_ends(model).weights()]
-        check_host_memory(max(largest, *ends_bytes), store_bytes + sum(ends_bytes), bool(config.pin),
-                          "streaming this model with its embedding and head")
+        check_host_memory(
+            max(largest, *ends_bytes),
+            store_bytes + sum(ends_bytes),
+            bool(config.pin),
+            "streaming this model with its embedding and head",
+        )
     if any(e.kind == "quant" for r in records for e in r.entries):
         try:
             nf4.require_bnb("streaming a 4-bit model")
@@ -150,9 +158,13 @@ def stream_model(model: nn.Module, config: Optional[StreamConfig] = None, **over
     if gpus:
         if config.device.type == "cuda":
             torch.cuda.empty_cache()  # the layers' GPU memory goes back to the driver
-        logger.warning("layerstream: the decoder layers were on %s; their frozen weights (%.2f GiB) moved into "
-                       "the host store and their GPU memory was freed. Load the model on the CPU (or let "
-                       "`layerstream run` load it) to skip that copy.", ", ".join(map(str, gpus)), store_bytes / GiB)
+        logger.warning(
+            "layerstream: the decoder layers were on %s; their frozen weights (%.2f GiB) moved into "
+            "the host store and their GPU memory was freed. Load the model on the CPU (or let "
+            "`layerstream run` load it) to skip that copy.",
+            ", ".join(map(str, gpus)),
+            store_bytes / GiB,
+        )
     return attach_runtime(model, path, layers, config, records, store)
 
 
@@ -173,16 +185,19 @@ def _check_slots_fit_budget(config: StreamConfig, largest_layer: int) -> None:
     if budget is None or config.slots * largest_layer <= budget:
         return
     fitting = budget // max(largest_layer, 1)
-    advice = (f"use slots={fitting}" if fitting >= 2 else
-              "load the model in NF4 (quantization='nf4'), or raise the budget")
+    advice = (
+        f"use slots={fitting}" if fitting >= 2 else "load the model in NF4 (quantization='nf4'), or raise the budget"
+    )
     raise StreamConfigError(
         f"{config.slots} slots of the largest layer ({largest_layer / GiB:.2f} GiB each) need "
         f"{config.slots * largest_layer / GiB:.2f} GiB, more than vram_budget={budget / GiB:.2f} GiB "
-        f"before anything else is on the GPU: {advice}.")
+        f"before anything else is on the GPU: {advice}."
+    )
 
 
-def attach_runtime(model: nn.Module, path: str, layers: nn.ModuleList, config: StreamConfig,
-                   records, store: HostStore) -> nn.Module:
+def attach_runtime(
+    model: nn.Module, path: str, layers: nn.ModuleList, config: StreamConfig, records, store: HostStore
+) -> nn.Module:
     """Turn a model whose layers are packed in ``store`` into a streamed model."""
     runtime = StreamRuntime(model, layers, path, config, records, store)
     holder = _holder(model)
@@ -220,7 +235,7 @@ def _hide_from_ddp(model: nn.Module, records) -> None:
         for entry in record.entries:
             if entry.bound:
                 qualified = entry.qualified_name
-                relative = qualified[len(prefix):] if qualified.startswith(prefix) else qualified
+                relative = qualified[len(prefix) :] if qualified.startswith(prefix) else qualified
                 names.update((relative, _PEFT_PREFIX + relative))
     object.__setattr__(holder, _DDP_IGNORE, sorted(names))
 

@@ -58,9 +58,14 @@ class BackwardSlots:
             except ValueError as exc:
                 logger.info("layerstream: no backward slots: the model's memory cannot be predicted (%s)", exc)
             else:
-                count = plan.backward_slot_count(memory.loss_phase_bytes, memory.layer_working_bytes,
-                                                 memory.lora_bytes, slot_bytes, streamed_layers,
-                                                 self.config.slots)
+                count = plan.backward_slot_count(
+                    memory.loss_phase_bytes,
+                    memory.layer_working_bytes,
+                    memory.lora_bytes,
+                    slot_bytes,
+                    streamed_layers,
+                    self.config.slots,
+                )
                 self._margin = memory.layer_working_bytes + 3 * memory.lora_bytes
         if not first:
             count = min(count, self.count)
@@ -68,22 +73,27 @@ class BackwardSlots:
         if count == self.count:
             return None
         self.count = count
-        logger.info("layerstream: %d backward slot(s) of %.2f GiB at batch %d x %d tokens", count,
-                    slot_bytes / GiB, batch, seq)
+        logger.info(
+            "layerstream: %d backward slot(s) of %.2f GiB at batch %d x %d tokens", count, slot_bytes / GiB, batch, seq
+        )
         return count
 
     def _auto_off(self) -> Optional[Tuple[str, str]]:
         """Why auto takes none whatever the memory: (summary note, log line), or None."""
         if self.config.vram_budget is not None:
-            return ("auto leaves a vram_budget to the resident window (vram_budget=None to use them)",
-                    "under vram_budget the resident window spends the budget, and each window "
-                    "layer saves two copies per step to a backward slot's one")
+            return (
+                "auto leaves a vram_budget to the resident window (vram_budget=None to use them)",
+                "under vram_budget the resident window spends the budget, and each window "
+                "layer saves two copies per step to a backward slot's one",
+            )
         if not expandable_segments():
-            return ("auto needs PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
-                    "backward_slots='auto' needs the caching allocator's expandable segments "
-                    "(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, set before CUDA starts); with "
-                    "them, where the loss sets the memory peak, a few more layers stay on the GPU "
-                    "across each step boundary")
+            return (
+                "auto needs PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
+                "backward_slots='auto' needs the caching allocator's expandable segments "
+                "(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, set before CUDA starts); with "
+                "them, where the loss sets the memory peak, a few more layers stay on the GPU "
+                "across each step boundary",
+            )
         return None
 
     def borrow(self, pool, planner, slot: int) -> bool:
@@ -94,11 +104,15 @@ class BackwardSlots:
             in_use, peak = torch.cuda.memory_allocated(device), torch.cuda.max_memory_allocated(device)
             if in_use + pool.slot_bytes + self._margin > peak:
                 gib = GiB
-                self._refuse(planner, slot, pool.ring_slots,
-                             f"{in_use / gib:.2f} GiB in use + {pool.slot_bytes / gib:.2f} GiB for the slot + "
-                             f"{self._margin / gib:.2f} GiB for the rest of backward would pass this run's "
-                             f"peak of {peak / gib:.2f} GiB (the loss may not hold fp32 logits, e.g. a fused "
-                             "loss)")
+                self._refuse(
+                    planner,
+                    slot,
+                    pool.ring_slots,
+                    f"{in_use / gib:.2f} GiB in use + {pool.slot_bytes / gib:.2f} GiB for the slot + "
+                    f"{self._margin / gib:.2f} GiB for the rest of backward would pass this run's "
+                    f"peak of {peak / gib:.2f} GiB (the loss may not hold fp32 logits, e.g. a fused "
+                    "loss)",
+                )
                 return False
         try:
             pool.allocate(slot)
@@ -111,9 +125,13 @@ class BackwardSlots:
         planner.disable_backward_slot(slot)
         if not self._warned:
             self._warned = True
-            logger.warning("layerstream: backward slot %d not used: %s. Training goes on with fewer "
-                           "backward slots, a few copies more per step; StreamConfig(backward_slots=0) "
-                           "silences this.", slot - ring, why)
+            logger.warning(
+                "layerstream: backward slot %d not used: %s. Training goes on with fewer "
+                "backward slots, a few copies more per step; StreamConfig(backward_slots=0) "
+                "silences this.",
+                slot - ring,
+                why,
+            )
 
     def note(self, planner_count: int, cuda: bool) -> str:
         """The start-up summary's line."""

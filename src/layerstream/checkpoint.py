@@ -25,18 +25,34 @@ import torch
 
 from .errors import LoadingError
 
-
 # safetensors refuses headers larger than this; a larger length means the file is not one
 MAX_HEADER_BYTES = 100 * 2**20
 FETCH_AGAIN = "download or save the checkpoint again"
-MISMATCH_ADVICE = ("the weights do not match config.json: use the config.json saved with these weights, "
-                   "or save the model again")
+MISMATCH_ADVICE = (
+    "the weights do not match config.json: use the config.json saved with these weights, or save the model again"
+)
 # safetensors dtype -> (bits per element, floating point)
 SAFETENSORS_DTYPES = {
-    "BOOL": (8, False), "U8": (8, False), "I8": (8, False), "U16": (16, False), "I16": (16, False),
-    "U32": (32, False), "I32": (32, False), "U64": (64, False), "I64": (64, False), "C64": (64, False),
-    "F4": (4, True), "F6_E2M3": (6, True), "F6_E3M2": (6, True), "F8_E4M3": (8, True), "F8_E5M2": (8, True),
-    "F8_E8M0": (8, True), "F16": (16, True), "BF16": (16, True), "F32": (32, True), "F64": (64, True),
+    "BOOL": (8, False),
+    "U8": (8, False),
+    "I8": (8, False),
+    "U16": (16, False),
+    "I16": (16, False),
+    "U32": (32, False),
+    "I32": (32, False),
+    "U64": (64, False),
+    "I64": (64, False),
+    "C64": (64, False),
+    "F4": (4, True),
+    "F6_E2M3": (6, True),
+    "F6_E3M2": (6, True),
+    "F8_E4M3": (8, True),
+    "F8_E5M2": (8, True),
+    "F8_E8M0": (8, True),
+    "F16": (16, True),
+    "BF16": (16, True),
+    "F32": (32, True),
+    "F64": (64, True),
 }
 PICKLE_SUFFIXES = (".bin", ".pt")  # read only with allow_pickle=True
 PREQUANTIZED_MARKERS = (".weight.absmax", ".weight.quant_map", ".weight.quant_state.")
@@ -44,6 +60,7 @@ PREQUANTIZED_MARKERS = (".weight.absmax", ".weight.quant_map", ".weight.quant_st
 
 class StoredTensor(NamedTuple):
     """What a checkpoint says about one tensor, read without its data."""
+
     file: Path
     dtype: str
     shape: tuple[int, ...]
@@ -76,8 +93,10 @@ def read_header(path: Path) -> dict[str, StoredTensor]:
             handle.seek(0)
             length = struct.unpack("<Q", handle.read(8))[0] if size >= 8 else None
             if length is None or length > MAX_HEADER_BYTES or 8 + length > size:
-                raise LoadingError(f"{path} is truncated or not a safetensors file ({size} bytes, too short "
-                                   f"for its header); {FETCH_AGAIN}")
+                raise LoadingError(
+                    f"{path} is truncated or not a safetensors file ({size} bytes, too short "
+                    f"for its header); {FETCH_AGAIN}"
+                )
             raw = handle.read(length)
     except OSError as exc:
         raise LoadingError(f"{path} cannot be read ({exc}); {FETCH_AGAIN}") from None
@@ -96,13 +115,13 @@ def read_header(path: Path) -> dict[str, StoredTensor]:
     data_bytes = size - 8 - length
     needed = max((end for (_, end), _ in spans), default=0)
     if needed > data_bytes:
-        raise LoadingError(f"{path} is truncated: {size} bytes, its header needs {8 + length + needed}; "
-                           f"{FETCH_AGAIN}")
+        raise LoadingError(f"{path} is truncated: {size} bytes, its header needs {8 + length + needed}; {FETCH_AGAIN}")
     covered = 0
     for (begin, end), name in sorted(spans):
         if begin != covered:
-            raise LoadingError(f"{path}: tensor {name}'s data_offsets overlap another tensor or leave a gap; "
-                               f"{FETCH_AGAIN}")
+            raise LoadingError(
+                f"{path}: tensor {name}'s data_offsets overlap another tensor or leave a gap; {FETCH_AGAIN}"
+            )
         covered = end
     if covered != data_bytes:
         raise LoadingError(f"{path} has {data_bytes - covered} bytes after its last tensor; {FETCH_AGAIN}")
@@ -111,6 +130,7 @@ def read_header(path: Path) -> dict[str, StoredTensor]:
 
 def _entry(path: Path, name: str, entry) -> tuple[StoredTensor, tuple[int, int]]:
     """One header entry, checked: a known dtype, a shape, and data_offsets of dtype x shape bytes."""
+
     def refuse(problem: str) -> LoadingError:
         return LoadingError(f"{path}: tensor {name} {problem}; {FETCH_AGAIN}")
 
@@ -121,16 +141,22 @@ def _entry(path: Path, name: str, entry) -> tuple[StoredTensor, tuple[int, int]]
         raise refuse(f"has dtype {dtype!r}, which safetensors does not define")
     if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
         raise refuse(f"has shape {shape!r}, not a list of sizes")
-    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(o, int) for o in offsets)
-            or not 0 <= offsets[0] <= offsets[1]):
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(isinstance(o, int) for o in offsets)
+        or not 0 <= offsets[0] <= offsets[1]
+    ):
         raise refuse(f"has data_offsets {offsets!r}, not [begin, end]")
     bits, floating = SAFETENSORS_DTYPES[dtype]
     numel = 1
     for dim in shape:
         numel *= dim
     if numel * bits != 8 * (offsets[1] - offsets[0]):
-        raise refuse(f"has data_offsets {offsets} ({offsets[1] - offsets[0]} bytes), but {dtype} x {shape} "
-                     f"needs {numel * bits / 8:g} bytes")
+        raise refuse(
+            f"has data_offsets {offsets} ({offsets[1] - offsets[0]} bytes), but {dtype} x {shape} "
+            f"needs {numel * bits / 8:g} bytes"
+        )
     return StoredTensor(path, dtype, tuple(shape), floating), (offsets[0], offsets[1])
 
 
@@ -139,14 +165,18 @@ def load_pickle(path: Path) -> dict[str, torch.Tensor]:
     try:
         return torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
     except (OSError, RuntimeError, EOFError, ValueError) as exc:
-        raise LoadingError(f"{path} cannot be read with torch.load(weights_only=True, mmap=True) ({exc}); "
-                           f"{FETCH_AGAIN}, or convert it to safetensors") from None
+        raise LoadingError(
+            f"{path} cannot be read with torch.load(weights_only=True, mmap=True) ({exc}); "
+            f"{FETCH_AGAIN}, or convert it to safetensors"
+        ) from None
 
 
 def _read_pickle_entries(path: Path) -> dict[str, StoredTensor]:
-    return {name: StoredTensor(path, str(value.dtype).replace("torch.", ""), tuple(value.shape),
-                               value.is_floating_point())
-            for name, value in load_pickle(path).items() if isinstance(value, torch.Tensor)}
+    return {
+        name: StoredTensor(path, str(value.dtype).replace("torch.", ""), tuple(value.shape), value.is_floating_point())
+        for name, value in load_pickle(path).items()
+        if isinstance(value, torch.Tensor)
+    }
 
 
 def is_prequantized(directory: Path, files: dict[str, Path]) -> bool:
@@ -176,9 +206,11 @@ def refuse_prequantized(directory: Path, files: dict[str, Path]) -> None:
     """Refuse an already quantised checkpoint: its tensors are not the weights the model expects."""
     evidence = prequantized_evidence(directory, files)
     if evidence is not None:
-        raise LoadingError(f"{directory} is a pre-quantised checkpoint ({evidence}); pre-quantised checkpoints "
-                           "are not read by layerstream's loader: load the unquantised checkpoint with "
-                           "quantization='nf4'")
+        raise LoadingError(
+            f"{directory} is a pre-quantised checkpoint ({evidence}); pre-quantised checkpoints "
+            "are not read by layerstream's loader: load the unquantised checkpoint with "
+            "quantization='nf4'"
+        )
 
 
 def missing_tensors_error(directory: Path, missing: list[str]) -> LoadingError:
@@ -191,12 +223,14 @@ def missing_tensors_error(directory: Path, missing: list[str]) -> LoadingError:
             "and call layerstream.stream_model instead."
         )
     more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-    return LoadingError(f"{len(missing)} tensors were not found in {directory}: {', '.join(missing[:5])}{more}; "
-                        f"{MISMATCH_ADVICE}")
+    return LoadingError(
+        f"{len(missing)} tensors were not found in {directory}: {', '.join(missing[:5])}{more}; {MISMATCH_ADVICE}"
+    )
 
 
-def validate_checkpoint(directory: Path, files: dict[str, Path], expected: dict[str, torch.Tensor],
-                        may_be_missing: Collection[str] = ()) -> None:
+def validate_checkpoint(
+    directory: Path, files: dict[str, Path], expected: dict[str, torch.Tensor], may_be_missing: Collection[str] = ()
+) -> None:
     """Refuse the checkpoint unless every expected tensor can be loaded as it is.
 
     files: tensor name -> file, as the loader will read them. expected: tensor name -> the
@@ -210,8 +244,10 @@ def validate_checkpoint(directory: Path, files: dict[str, Path], expected: dict[
     stored: dict[Path, dict[str, StoredTensor]] = {}
     for path, names in sorted(by_file.items()):
         if not path.is_file():
-            raise LoadingError(f"{path.name} holds {len(names)} tensors (such as {names[0]}) but is not in "
-                               f"{directory}: download the missing shard again")
+            raise LoadingError(
+                f"{path.name} holds {len(names)} tensors (such as {names[0]}) but is not in "
+                f"{directory}: download the missing shard again"
+            )
         stored[path] = _read_pickle_entries(path) if path.suffix in PICKLE_SUFFIXES else read_header(path)
     missing = [name for name in expected if name not in files and name not in may_be_missing]
     if missing:
@@ -222,16 +258,20 @@ def validate_checkpoint(directory: Path, files: dict[str, Path], expected: dict[
             continue
         found = stored[files[name]].get(name)
         if found is None:
-            raise LoadingError(f"the index puts {name} in {files[name]}, which does not hold it (the index and "
-                               f"the shards come from different saves); {FETCH_AGAIN}")
+            raise LoadingError(
+                f"the index puts {name} in {files[name]}, which does not hold it (the index and "
+                f"the shards come from different saves); {FETCH_AGAIN}"
+            )
         if found.shape != tuple(target.shape):
-            problems.append(f"{name} in {found.file.name} has shape {list(found.shape)}, the model expects "
-                            f"{list(target.shape)}")
+            problems.append(
+                f"{name} in {found.file.name} has shape {list(found.shape)}, the model expects {list(target.shape)}"
+            )
         elif found.floating != target.is_floating_point():
             kind = "a floating-point" if target.is_floating_point() else "a non-floating"
-            problems.append(f"{name} in {found.file.name} is stored as {found.dtype}, the model expects "
-                            f"{kind} tensor ({str(target.dtype).replace('torch.', '')})")
+            problems.append(
+                f"{name} in {found.file.name} is stored as {found.dtype}, the model expects "
+                f"{kind} tensor ({str(target.dtype).replace('torch.', '')})"
+            )
     if problems:
         more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
-        raise LoadingError(f"{directory} does not fit the model: {'; '.join(problems[:5])}{more}; "
-                           f"{MISMATCH_ADVICE}")
+        raise LoadingError(f"{directory} does not fit the model: {'; '.join(problems[:5])}{more}; {MISMATCH_ADVICE}")

@@ -16,35 +16,63 @@ def _add_plan_parser(sub) -> argparse.ArgumentParser:
     from .plan import DEFAULT_BANDWIDTH_GBPS, QUANTIZATIONS
 
     plan = sub.add_parser(
-        "plan", help="predict GPU memory, host RAM and copy time of streamed LoRA training",
+        "plan",
+        help="predict GPU memory, host RAM and copy time of streamed LoRA training",
         description="Predict whether streamed LoRA training of a model fits a GPU, from its "
-                    "config alone (no weights, no GPU). Exits 0 when it fits, 1 when it does not.")
-    plan.add_argument("--model", required=True,
-                      help="hub id, local model directory, or path to a config.json file")
+        "config alone (no weights, no GPU). Exits 0 when it fits, 1 when it does not.",
+    )
+    plan.add_argument("--model", required=True, help="hub id, local model directory, or path to a config.json file")
     plan.add_argument("--vram", required=True, help="GPU memory budget, e.g. 16GiB, 24GB, 80GiB")
     plan.add_argument("--seq", type=int, required=True, help="tokens per sequence")
     plan.add_argument("--batch", type=int, default=1, help="sequences per step (default 1)")
-    plan.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
-                      help="frozen weights as stored: none (--dtype) or nf4 (bitsandbytes)")
-    plan.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
-                      help="weight and compute dtype (default bfloat16)")
+    plan.add_argument(
+        "--quantization",
+        choices=QUANTIZATIONS,
+        default="none",
+        help="frozen weights as stored: none (--dtype) or nf4 (bitsandbytes)",
+    )
+    plan.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float16", "float32"],
+        help="weight and compute dtype (default bfloat16)",
+    )
     plan.add_argument("--lora-rank", type=int, default=16, help="LoRA rank r (default 16; 0: none)")
-    plan.add_argument("--lora-targets", default="all-linear",
-                      help="PEFT target_modules: all-linear (default) or names, e.g. q_proj,v_proj")
-    plan.add_argument("--slots", type=int, default=None,
-                      help="GPU slots (default: auto, as StreamConfig takes them: 3, or 2 when the budget holds fewer)")
-    plan.add_argument("--bandwidth", type=float, default=DEFAULT_BANDWIDTH_GBPS,
-                      help=f"pinned host->device GB/s (default {DEFAULT_BANDWIDTH_GBPS:g}, measured "
-                           "on the team's H200; pass your own)")
-    plan.add_argument("--reserve", default="1GiB",
-                      help="GPU memory kept free for the CUDA context and allocator (default 1GiB)")
-    plan.add_argument("--stream-embeddings", action="store_true",
-                      help="keep the input embedding and head in host memory "
-                           "(StreamConfig(stream_embeddings=True)); the head is copied in for the loss")
-    plan.add_argument("--backward-slots", type=_count_or_auto, default=0,
-                      help="extra slots used only outside the loss (default 0; auto: as many as the "
-                           "loss's memory holds, as StreamConfig(backward_slots='auto') takes with "
-                           "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)")
+    plan.add_argument(
+        "--lora-targets",
+        default="all-linear",
+        help="PEFT target_modules: all-linear (default) or names, e.g. q_proj,v_proj",
+    )
+    plan.add_argument(
+        "--slots",
+        type=int,
+        default=None,
+        help="GPU slots (default: auto, as StreamConfig takes them: 3, or 2 when the budget holds fewer)",
+    )
+    plan.add_argument(
+        "--bandwidth",
+        type=float,
+        default=DEFAULT_BANDWIDTH_GBPS,
+        help=f"pinned host->device GB/s (default {DEFAULT_BANDWIDTH_GBPS:g}, measured "
+        "on the team's H200; pass your own)",
+    )
+    plan.add_argument(
+        "--reserve", default="1GiB", help="GPU memory kept free for the CUDA context and allocator (default 1GiB)"
+    )
+    plan.add_argument(
+        "--stream-embeddings",
+        action="store_true",
+        help="keep the input embedding and head in host memory "
+        "(StreamConfig(stream_embeddings=True)); the head is copied in for the loss",
+    )
+    plan.add_argument(
+        "--backward-slots",
+        type=_count_or_auto,
+        default=0,
+        help="extra slots used only outside the loss (default 0; auto: as many as the "
+        "loss's memory holds, as StreamConfig(backward_slots='auto') takes with "
+        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)",
+    )
     return plan
 
 
@@ -56,12 +84,21 @@ def _run_plan(args, parser: argparse.ArgumentParser) -> int:
         vram = parse_bytes(args.vram)
         reserve = parse_bytes(args.reserve)
         config = load_config(args.model)
-        plan = make_plan(config, seq=args.seq, batch=args.batch, vram_bytes=vram,
-                         quantization=args.quantization, dtype=args.dtype,
-                         lora_rank=args.lora_rank, slots=args.slots,
-                         bandwidth_gbps=args.bandwidth, lora_targets=args.lora_targets,
-                         reserve_bytes=reserve, stream_embeddings=args.stream_embeddings,
-                         backward_slots=None if args.backward_slots == "auto" else args.backward_slots)
+        plan = make_plan(
+            config,
+            seq=args.seq,
+            batch=args.batch,
+            vram_bytes=vram,
+            quantization=args.quantization,
+            dtype=args.dtype,
+            lora_rank=args.lora_rank,
+            slots=args.slots,
+            bandwidth_gbps=args.bandwidth,
+            lora_targets=args.lora_targets,
+            reserve_bytes=reserve,
+            stream_embeddings=args.stream_embeddings,
+            backward_slots=None if args.backward_slots == "auto" else args.backward_slots,
+        )
     except (ValueError, OSError) as exc:
         parser.error(str(exc))  # exits with status 2
     print(format_plan(plan))
@@ -82,23 +119,31 @@ def add_setting_flags(parser: argparse.ArgumentParser) -> None:
         if kind == FLAG:
             parser.add_argument(name, dest=setting.name, action="store_true", help=help_text)
         elif kind == TRISTATE:
-            parser.add_argument(name, dest=setting.name, action=argparse.BooleanOptionalAction, default=None,
-                                help=help_text)
+            parser.add_argument(
+                name, dest=setting.name, action=argparse.BooleanOptionalAction, default=None, help=help_text
+            )
         else:
             default = setting_default_text(setting)
-            parser.add_argument(name, dest=setting.name, default=default, metavar=kind.split(",")[0].upper(),
-                                help=f"{help_text} (default: {default or 'unset'})")
+            parser.add_argument(
+                name,
+                dest=setting.name,
+                default=default,
+                metavar=kind.split(",")[0].upper(),
+                help=f"{help_text} (default: {default or 'unset'})",
+            )
 
 
 def _add_run_parser(sub) -> argparse.ArgumentParser:
     run = sub.add_parser(
-        "run", help="run an unchanged training script with every model it loads or trains streamed",
+        "run",
+        help="run an unchanged training script with every model it loads or trains streamed",
         usage="layerstream run [options] (SCRIPT.py | -m MODULE | COMMAND) [its arguments]",
         description="Run a script (as `python SCRIPT.py`), a module (as `python -m MODULE`) or an installed "
-                    "command (as `trl sft`) with every causal-LM from_pretrained loading layer by layer "
-                    "into layerstream's host store and every transformers.Trainer (and subclass) "
-                    "streaming its model. Options before the target are layerstream's; the rest are "
-                    "the target's own.")
+        "command (as `trl sft`) with every causal-LM from_pretrained loading layer by layer "
+        "into layerstream's host store and every transformers.Trainer (and subclass) "
+        "streaming its model. Options before the target are layerstream's; the rest are "
+        "the target's own.",
+    )
     add_setting_flags(run)
     run.add_argument("-m", dest="module", metavar="MODULE", help="run a module, as python -m does")
     run.add_argument("target", nargs="?", help="SCRIPT.py or an installed command")
@@ -114,12 +159,12 @@ def split_run_arguments(parser: argparse.ArgumentParser, argv):
     while index < len(argv):
         item = argv[index]
         if item == "-m":
-            return argv[: index + 2], argv[index + 2:]
+            return argv[: index + 2], argv[index + 2 :]
         if item.startswith("-") and item != "-":
             option = item.split("=", 1)[0]
             index += 2 if takes_value.get(option) and "=" not in item else 1
             continue
-        return argv[: index + 1], argv[index + 1:]
+        return argv[: index + 1], argv[index + 1 :]
     return argv, []
 
 
@@ -154,8 +199,10 @@ def _run_target(args, rest, parser) -> int:
     if not args.module and not os.path.isfile(target):
         found = [ep for ep in metadata.entry_points(group="console_scripts") if ep.name == target]
         if not found:
-            parser.error(f"{target!r} is not a file, and no installed command has that name; give "
-                         "SCRIPT.py, -m MODULE, or a command such as trl")
+            parser.error(
+                f"{target!r} is not a file, and no installed command has that name; give "
+                "SCRIPT.py, -m MODULE, or a command such as trl"
+            )
         entry = found[0]
     try:
         values = {s.name: parse_setting(s.name, getattr(args, s.name), flag_name(s.name)) for s in settings()}
@@ -195,20 +242,28 @@ def _inherit(values) -> None:
     import os
 
     site = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_site")
-    os.environ["LAYERSTREAM_AUTOSTREAM"] = json.dumps({k: (str(v) if k == "device" and v is not None else v)
-                                                       for k, v in values.items()})
+    os.environ["LAYERSTREAM_AUTOSTREAM"] = json.dumps(
+        {k: (str(v) if k == "device" and v is not None else v) for k, v in values.items()}
+    )
     path = os.environ.get("PYTHONPATH", "")
     if site not in path.split(os.pathsep):
         os.environ["PYTHONPATH"] = site + (os.pathsep + path if path else "")
 
 
 def _add_train_parser(sub) -> argparse.ArgumentParser:
-    train = sub.add_parser("train", help="LoRA/QLoRA SFT from a YAML config (TRL SFTTrainer), streamed",
-                           description="Train as CONFIG says. The config is checked whole before "
-                                       "anything is built or written.")
+    train = sub.add_parser(
+        "train",
+        help="LoRA/QLoRA SFT from a YAML config (TRL SFTTrainer), streamed",
+        description="Train as CONFIG says. The config is checked whole before anything is built or written.",
+    )
     train.add_argument("config", help="a YAML file, e.g. configs/default.yaml")
-    train.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                       help="override one config value (repeatable), e.g. --set training.max_steps=10")
+    train.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one config value (repeatable), e.g. --set training.max_steps=10",
+    )
     return train
 
 
@@ -226,8 +281,7 @@ def _run_train(args, parser) -> int:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="layerstream", description="Stream decoder layers from host memory.")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("demo", help="LoRA-train a tiny streamed model on the embedded data (no download)",
-                   add_help=False)
+    sub.add_parser("demo", help="LoRA-train a tiny streamed model on the embedded data (no download)", add_help=False)
     plan_parser = _add_plan_parser(sub)
     _add_run_parser(sub)
     train_parser = _add_train_parser(sub)

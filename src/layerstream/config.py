@@ -70,7 +70,11 @@ def gpu_memory_for_run(device: torch.device) -> int:
         logger.warning(
             "layerstream: vram_budget='auto' is %.2f GiB, not the GPU's %.2f GiB: %.2f GiB is held "
             "outside this run (other processes, the CUDA context). Close them for a larger "
-            "resident window, or give vram_budget a size.", usable / GiB, total / GiB, foreign / GiB)
+            "resident window, or give vram_budget a size.",
+            usable / GiB,
+            total / GiB,
+            foreign / GiB,
+        )
     return usable
 
 
@@ -113,36 +117,60 @@ class StreamConfig:
     """How a model's decoder layers stream. Each field's help is in its metadata
     (``settings()``); docs/usage.md has the same table."""
 
-    slots: Union[int, str] = _setting("auto", COUNT, (
-        "GPU buffers that hold one layer each (>= 2). More slots let copies run further ahead. "
-        "auto: 3, or 2 when the GPU memory holds no more"))
-    prefetch: Union[int, str] = _setting("auto", COUNT, (
-        "layers copied ahead of the one computing (>= 1, < slots). auto: slots - 1"))
-    device: Optional[Union[str, torch.device]] = _setting(None, DEVICE, (
-        "where streamed layers compute: cuda, cuda:N or cpu (host-to-host copies, for tests). "
-        "Unset: the device the script trains on"))
-    pin: Optional[bool] = _setting(None, TRISTATE, (
-        "page-lock the host store so copies are asynchronous DMA. Unset: on CUDA"))
-    arena_bytes: int = _setting(DEFAULT_ARENA_BYTES, SIZE, (
-        "target size of one page-locked host arena, e.g. 1GiB"))
-    checksum: Optional[bool] = _setting(None, TRISTATE, (
-        "debug mode: checksum every slot after its copy and before each use (slow). "
-        "Unset: on when LAYERSTREAM_CHECKSUM=1"))
-    vram_budget: Optional[Union[int, str]] = _setting("auto", BUDGET, (
-        "GPU memory the run may use, e.g. 12GiB. The layers that fit beside what training "
-        "measurably needs stay on the GPU for good (the resident window). auto: the GPU memory "
-        "this process can reach (free memory, the per-process memory fraction); none: every "
-        "layer streams"))
-    stream_embeddings: bool = _setting(False, FLAG, (
-        "keep the input embedding and output head in host memory too"))
-    backward_slots: Union[int, str] = _setting("auto", COUNT, (
-        "extra slots used only outside the loss (>= 0). auto: as many as the loss's memory "
-        "holds, on CUDA with expandable segments and vram_budget none"))
+    slots: Union[int, str] = _setting(
+        "auto",
+        COUNT,
+        (
+            "GPU buffers that hold one layer each (>= 2). More slots let copies run further ahead. "
+            "auto: 3, or 2 when the GPU memory holds no more"
+        ),
+    )
+    prefetch: Union[int, str] = _setting(
+        "auto", COUNT, ("layers copied ahead of the one computing (>= 1, < slots). auto: slots - 1")
+    )
+    device: Optional[Union[str, torch.device]] = _setting(
+        None,
+        DEVICE,
+        (
+            "where streamed layers compute: cuda, cuda:N or cpu (host-to-host copies, for tests). "
+            "Unset: the device the script trains on"
+        ),
+    )
+    pin: Optional[bool] = _setting(
+        None, TRISTATE, ("page-lock the host store so copies are asynchronous DMA. Unset: on CUDA")
+    )
+    arena_bytes: int = _setting(DEFAULT_ARENA_BYTES, SIZE, ("target size of one page-locked host arena, e.g. 1GiB"))
+    checksum: Optional[bool] = _setting(
+        None,
+        TRISTATE,
+        (
+            "debug mode: checksum every slot after its copy and before each use (slow). "
+            "Unset: on when LAYERSTREAM_CHECKSUM=1"
+        ),
+    )
+    vram_budget: Optional[Union[int, str]] = _setting(
+        "auto",
+        BUDGET,
+        (
+            "GPU memory the run may use, e.g. 12GiB. The layers that fit beside what training "
+            "measurably needs stay on the GPU for good (the resident window). auto: the GPU memory "
+            "this process can reach (free memory, the per-process memory fraction); none: every "
+            "layer streams"
+        ),
+    )
+    stream_embeddings: bool = _setting(False, FLAG, ("keep the input embedding and output head in host memory too"))
+    backward_slots: Union[int, str] = _setting(
+        "auto",
+        COUNT,
+        (
+            "extra slots used only outside the loss (>= 0). auto: as many as the loss's memory "
+            "holds, on CUDA with expandable segments and vram_budget none"
+        ),
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.stream_embeddings, bool):
-            raise StreamConfigError(
-                f"stream_embeddings must be True or False, got {self.stream_embeddings!r}")
+            raise StreamConfigError(f"stream_embeddings must be True or False, got {self.stream_embeddings!r}")
         self.vram_budget = _budget(self.vram_budget)
         if self.checksum is None:
             self.checksum = os.environ.get("LAYERSTREAM_CHECKSUM", "") == "1"
@@ -162,10 +190,10 @@ class StreamConfig:
             auto.add("prefetch")
         if self.backward_slots == "auto":
             auto.add("backward_slots")
-        elif isinstance(self.backward_slots, bool) or not isinstance(self.backward_slots, int) \
-                or self.backward_slots < 0:
-            raise StreamConfigError(
-                f"backward_slots must be an integer >= 0 or 'auto', got {self.backward_slots!r}")
+        elif (
+            isinstance(self.backward_slots, bool) or not isinstance(self.backward_slots, int) or self.backward_slots < 0
+        ):
+            raise StreamConfigError(f"backward_slots must be an integer >= 0 or 'auto', got {self.backward_slots!r}")
         # which fields were chosen here, so replace() can choose them again
         self.automatic = frozenset(auto)
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int):
@@ -177,9 +205,7 @@ class StreamConfig:
                 f"{self.slots - 1} or raise slots to {self.prefetch + 1}."
             )
         if isinstance(self.arena_bytes, bool) or not isinstance(self.arena_bytes, int) or self.arena_bytes < (1 << 20):
-            raise StreamConfigError(
-                f"arena_bytes must be an integer >= 1 MiB, got {self.arena_bytes!r}"
-            )
+            raise StreamConfigError(f"arena_bytes must be an integer >= 1 MiB, got {self.arena_bytes!r}")
         self.device = resolve_device(self.device)
         if self.vram_budget == "auto" and self.device.type != "cuda":
             self.vram_budget = None  # on the host there is no GPU memory to budget
@@ -204,9 +230,7 @@ class StreamConfig:
         unknown = set(overrides) - set(names)
         if unknown:
             known = ", ".join(names)
-            raise StreamConfigError(
-                f"unknown StreamConfig field(s) {sorted(unknown)}; known fields: {known}"
-            )
+            raise StreamConfigError(f"unknown StreamConfig field(s) {sorted(unknown)}; known fields: {known}")
         values = {name: "auto" if name in self.automatic else getattr(self, name) for name in names}
         values.update(overrides)
         return StreamConfig(**values)
@@ -315,5 +339,5 @@ def config_from_settings(values: Dict[str, Any], spelling=lambda name: name, **f
         message = str(exc)
         for name in names:  # the user's spelling of the settings the message names
             if message.startswith(f"{name}") and spelling(name) != name:
-                message = spelling(name) + message[len(name):]
+                message = spelling(name) + message[len(name) :]
         raise StreamConfigError(message) from None

@@ -46,8 +46,10 @@ def batches(examples, batch_size: int, seed: int = 0):
     while True:
         order = torch.randperm(len(examples), generator=gen).tolist()
         for start in range(0, len(order) - batch_size + 1, batch_size):
-            rows = [[BOS] + encode(prompt_of(examples[i]) + examples[i]["response"]) + [EOS]
-                    for i in order[start:start + batch_size]]
+            rows = [
+                [BOS] + encode(prompt_of(examples[i]) + examples[i]["response"]) + [EOS]
+                for i in order[start : start + batch_size]
+            ]
             width = max(len(r) for r in rows)
             ids = torch.full((len(rows), width), PAD)
             labels = torch.full((len(rows), width), -100)
@@ -63,10 +65,19 @@ def build_model(layers: int = 6):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model(
-        "llama", vocab_size=VOCAB, hidden_size=128, intermediate_size=256,
-        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=256, pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS,
-        use_cache=False)
+        "llama",
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        pad_token_id=PAD,
+        bos_token_id=BOS,
+        eos_token_id=EOS,
+        use_cache=False,
+    )
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config)
 
@@ -87,14 +98,16 @@ def main(argv=None) -> dict:
     for noisy in ("transformers", "bitsandbytes", "peft"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
 
-    import layerstream
     from peft import LoraConfig, get_peft_model
+
+    import layerstream
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     examples = load_examples()
-    model = get_peft_model(build_model(args.layers),
-                           LoraConfig(r=8, lora_alpha=16, target_modules="all-linear",
-                                      modules_to_save=["lm_head"]))
+    model = get_peft_model(
+        build_model(args.layers),
+        LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", modules_to_save=["lm_head"]),
+    )
     layerstream.stream_model(model, slots=args.slots, prefetch=args.prefetch, device=device)
     model.to(device)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr)
@@ -116,15 +129,23 @@ def main(argv=None) -> dict:
     first = sum(losses[:5]) / min(5, len(losses))
     last = sum(losses[-5:]) / min(5, len(losses))
     print(f"\nloss {first:.3f} -> {last:.3f} over {args.steps} steps in {elapsed:.1f} s on {device}")
-    print(f"layer loads {stats['layer_loads']}, {stats['h2d_bytes'] / 2**20:.1f} MiB copied, "
-          f"{stats['demand_loads']} demand loads, peak {stats['peak_resident_layers']} layers resident")
+    print(
+        f"layer loads {stats['layer_loads']}, {stats['h2d_bytes'] / 2**20:.1f} MiB copied, "
+        f"{stats['demand_loads']} demand loads, peak {stats['peak_resident_layers']} layers resident"
+    )
     model.eval()
     example = examples[0]
     prompt = torch.tensor([[BOS] + encode(prompt_of(example))], device=device)
     with torch.no_grad():
-        out = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8,
-                             do_sample=False, pad_token_id=PAD, eos_token_id=EOS)
-    print(f"sample: {prompt_of(example)!r} -> {decode(out[0, prompt.shape[1]:].tolist())!r}")
+        out = model.generate(
+            input_ids=prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=8,
+            do_sample=False,
+            pad_token_id=PAD,
+            eos_token_id=EOS,
+        )
+    print(f"sample: {prompt_of(example)!r} -> {decode(out[0, prompt.shape[1] :].tolist())!r}")
     return {"first_loss": first, "last_loss": last, "stats": stats, "seconds": elapsed}
 
 

@@ -22,8 +22,6 @@ except ImportError:  # pragma: no cover
     GradientCheckpointingLayer = None
 
 
-
-
 def unwrap_peft(model: nn.Module) -> nn.Module:
     """The transformers model inside a PEFT wrapper (or the model itself)."""
     get_base = getattr(model, "get_base_model", None)

@@ -42,8 +42,10 @@ from .errors import StreamingError
 from .store import HostStore, LayerRecord, set_data
 from .units import GiB
 
-_FIX = ("freeze it (PEFT does, unless modules_to_save or target_modules name it), or stream "
-        "without stream_embeddings to keep it trainable on the GPU")
+_FIX = (
+    "freeze it (PEFT does, unless modules_to_save or target_modules name it), or stream "
+    "without stream_embeddings to keep it trainable on the GPU"
+)
 
 
 @dataclass
@@ -142,8 +144,10 @@ def _swap_device(model: nn.Module, ends) -> List[nn.Module]:
 # -- finding and checking -------------------------------------------------------------------
 def _wrapper_hint(module: nn.Module) -> str:
     if hasattr(module, "base_layer") or hasattr(module, "modules_to_save"):
-        return (" PEFT wraps it (its target_modules or modules_to_save name it), so it would be "
-                "trained; leave it out of the PEFT config, or stream without stream_embeddings.")
+        return (
+            " PEFT wraps it (its target_modules or modules_to_save name it), so it would be "
+            "trained; leave it out of the PEFT config, or stream without stream_embeddings."
+        )
     return " Stream without stream_embeddings."
 
 
@@ -152,25 +156,31 @@ def trainables_chosen(model: nn.Module) -> bool:
     PEFT or by hand). Fresh from from_pretrained none is (bitsandbytes' 4-bit weights,
     frozen as loaded, cannot train), and PEFT freezes the embedding and head later; once
     it is chosen, an embedding or head that still requires grad is meant to train."""
-    return any(not p.requires_grad for p in model.parameters()
-               if p.dtype.is_floating_point and not hasattr(p, "quant_state"))
+    return any(
+        not p.requires_grad for p in model.parameters() if p.dtype.is_floating_point and not hasattr(p, "quant_state")
+    )
 
 
 def _check_weight(name: str, weight: torch.Tensor, chosen: bool) -> None:
     if weight.device.type == "meta":
-        raise StreamingError(f"{name} is on the meta device (no weights loaded). Load real weights "
-                             "before stream_model.")
+        raise StreamingError(
+            f"{name} is on the meta device (no weights loaded). Load real weights before stream_model."
+        )
     if weight.device.type != "cpu":
         raise StreamingError(
             f"{name} is already on {weight.device}. stream_model takes a model in host memory: load "
-            "it on CPU, stream it, then call model.to('cuda') to place the resident part.")
+            "it on CPU, stream it, then call model.to('cuda') to place the resident part."
+        )
     if not weight.dtype.is_floating_point or hasattr(weight, "quant_state"):
-        raise StreamingError(f"{name} is quantised ({type(weight).__name__}, {weight.dtype}); "
-                             "stream_embeddings streams unquantised weights only. Stream without it.")
+        raise StreamingError(
+            f"{name} is quantised ({type(weight).__name__}, {weight.dtype}); "
+            "stream_embeddings streams unquantised weights only. Stream without it."
+        )
     if weight.requires_grad and chosen:
         raise StreamingError(
             f"{name} requires grad, but stream_embeddings=True keeps it in host memory, frozen "
-            f"(its gradient would have nowhere to live): {_FIX}.")
+            f"(its gradient would have nowhere to live): {_FIX}."
+        )
 
 
 def _probe(module: nn.Module, replacement: type, dummy: torch.Tensor, name: str, base: str) -> None:
@@ -191,7 +201,8 @@ def _probe(module: nn.Module, replacement: type, dummy: torch.Tensor, name: str,
         raise StreamingError(
             f"{name} is a {type(module).__name__} whose forward does not call {base}.forward"
             f"{problem}, so layerstream cannot move its weight to the host. Stream without "
-            "stream_embeddings.")
+            "stream_embeddings."
+        )
 
 
 def find_ends(model: nn.Module) -> Ends:
@@ -204,17 +215,22 @@ def find_ends(model: nn.Module) -> Ends:
     names = {id(m): n for n, m in model.named_modules()}
     embedding = inner.get_input_embeddings()
     if embedding is None:
-        raise StreamingError("stream_embeddings=True: the model has no input embedding "
-                             "(get_input_embeddings() is None). Stream without stream_embeddings.")
+        raise StreamingError(
+            "stream_embeddings=True: the model has no input embedding "
+            "(get_input_embeddings() is None). Stream without stream_embeddings."
+        )
     emb_name = names.get(id(embedding), "input embedding")
     if not isinstance(embedding, nn.Embedding):
-        raise StreamingError(f"stream_embeddings=True streams an nn.Embedding, but {emb_name} is a "
-                             f"{type(embedding).__name__}.{_wrapper_hint(embedding)}")
+        raise StreamingError(
+            f"stream_embeddings=True streams an nn.Embedding, but {emb_name} is a "
+            f"{type(embedding).__name__}.{_wrapper_hint(embedding)}"
+        )
     if embedding.max_norm is not None:
         raise StreamingError(
             f"{emb_name} has max_norm={embedding.max_norm}: the lookup would renormalise rows of the "
             "weight in place, on the host instead of the GPU, which is not bit for bit the same. Set "
-            "max_norm=None or stream without stream_embeddings.")
+            "max_norm=None or stream without stream_embeddings."
+        )
     _check_weight(f"{emb_name}.weight", embedding.weight, chosen)
     try:
         head = inner.get_output_embeddings()
@@ -223,16 +239,20 @@ def find_ends(model: nn.Module) -> Ends:
     head_name = names.get(id(head), "output head") if head is not None else None
     if head is not None and head.weight is not embedding.weight:
         if not isinstance(head, nn.Linear):
-            raise StreamingError(f"stream_embeddings=True streams an nn.Linear head, but {head_name} is a "
-                                 f"{type(head).__name__}.{_wrapper_hint(head)}")
+            raise StreamingError(
+                f"stream_embeddings=True streams an nn.Linear head, but {head_name} is a "
+                f"{type(head).__name__}.{_wrapper_hint(head)}"
+            )
         if head.weight.data_ptr() == embedding.weight.data_ptr():
             raise StreamingError(
                 f"{head_name}.weight shares memory with {emb_name}.weight without being the same "
-                "Parameter; tie them (model.tie_weights()) or untie them before stream_model.")
+                "Parameter; tie them (model.tie_weights()) or untie them before stream_model."
+            )
         _check_weight(f"{head_name}.weight", head.weight, chosen)
         if head.bias is not None and head.bias.requires_grad and chosen:
-            raise StreamingError(f"{head_name}.bias requires grad; the streamed head computes no "
-                                 f"gradient for its bias: {_FIX}.")
+            raise StreamingError(
+                f"{head_name}.bias requires grad; the streamed head computes no gradient for its bias: {_FIX}."
+            )
     found = Ends(embedding, emb_name, head, head_name)
     _probe(embedding, StreamedEmbedding, torch.zeros(1, 1, dtype=torch.long), emb_name, "nn.Embedding")
     if head is not None:
@@ -333,19 +353,30 @@ class StreamedEnds:
             raise StreamingError(
                 f"the {what} weight is no longer the one layerstream keeps in host memory (the module "
                 "was copied or its weight replaced after stream_model). Make such changes before "
-                "stream_model, or unstream_model first.")
+                "stream_model, or unstream_model first."
+            )
         if weight.requires_grad and torch.is_grad_enabled():
-            raise StreamingError(f"{known[0]} requires grad, but stream_embeddings=True keeps it in host "
-                                 f"memory, frozen (its gradient would have nowhere to live): {_FIX}.")
+            raise StreamingError(
+                f"{known[0]} requires grad, but stream_embeddings=True keeps it in host "
+                f"memory, frozen (its gradient would have nowhere to live): {_FIX}."
+            )
 
     def embed(self, module: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
         weight = module.weight
         self._check(weight, "input embedding")
         if module.max_norm is not None:
-            raise StreamingError("max_norm was set on the streamed input embedding after stream_model; "
-                                 "unstream_model first.")
-        rows = F.embedding(ids.to("cpu"), weight.detach(), module.padding_idx, None, module.norm_type,
-                           module.scale_grad_by_freq, module.sparse)
+            raise StreamingError(
+                "max_norm was set on the streamed input embedding after stream_model; unstream_model first."
+            )
+        rows = F.embedding(
+            ids.to("cpu"),
+            weight.detach(),
+            module.padding_idx,
+            None,
+            module.norm_type,
+            module.scale_grad_by_freq,
+            module.sparse,
+        )
         self.embedding_h2d_bytes += rows.numel() * rows.element_size()
         return self.pool.fetch(rows)
 
@@ -353,12 +384,14 @@ class StreamedEnds:
         weight, bias = module.weight, module.bias
         self._check(weight, "head")
         if bias is not None and bias.requires_grad and torch.is_grad_enabled():
-            raise StreamingError(f"the streamed head's bias requires grad; the streamed head computes "
-                                 f"no gradient for its bias: {_FIX}.")
+            raise StreamingError(
+                f"the streamed head's bias requires grad; the streamed head computes no gradient for its bias: {_FIX}."
+            )
         if x.device != self.device:
             raise StreamingError(
                 f"the streamed head computes on {self.device} but its input is on {x.device}. Move the "
-                f"model's resident part with model.to('{self.device}') after stream_model.")
+                f"model's resident part with model.to('{self.device}') after stream_model."
+            )
         return HeadLinear.apply(x, weight, bias, self._fetch_head)
 
     def _fetch_head(self, host_weight: torch.Tensor) -> torch.Tensor:
@@ -370,8 +403,11 @@ class StreamedEnds:
         self.runtime.check_apply(fn, self.dtypes)
 
     def stats(self) -> dict:
-        return {"head_copies": self.head_copies, "head_h2d_bytes": self.head_h2d_bytes,
-                "embedding_h2d_bytes": self.embedding_h2d_bytes}
+        return {
+            "head_copies": self.head_copies,
+            "head_h2d_bytes": self.head_h2d_bytes,
+            "embedding_h2d_bytes": self.embedding_h2d_bytes,
+        }
 
     def describe(self) -> str:
         """One summary line: what streams and what it costs."""
@@ -408,8 +444,7 @@ def stream_embeddings(model: nn.Module, runtime) -> StreamedEnds:
     records = []
     for index, (name, weight) in enumerate(found.weights()):
         module = found.embedding if index == 0 else found.head
-        records.append(HostStore.plan_layer(index, name.rsplit(".", 1)[0], module,
-                                            lambda t, w=weight: t is w))
+        records.append(HostStore.plan_layer(index, name.rsplit(".", 1)[0], module, lambda t, w=weight: t is w))
     config = runtime.config
     store = HostStore(config.arena_bytes, pin=bool(config.pin))
     store.build(records)

@@ -30,10 +30,12 @@ from torch import nn
 from . import swap
 from .errors import StreamingError
 
-_COPY = ("copy.deepcopy and pickling of a streamed model are not supported: its weights live in "
-         "layerstream's page-locked host store, which neither copies nor pickles. Call "
-         "layerstream.unstream_model(model) first (and stream the copy again), save with "
-         "save_pretrained / state_dict, or load a second model with layerstream.from_pretrained.")
+_COPY = (
+    "copy.deepcopy and pickling of a streamed model are not supported: its weights live in "
+    "layerstream's page-locked host store, which neither copies nor pickles. Call "
+    "layerstream.unstream_model(model) first (and stream the copy again), save with "
+    "save_pretrained / state_dict, or load a second model with layerstream.from_pretrained."
+)
 
 
 class _NotCopyable:
@@ -97,7 +99,8 @@ def without_cache(kwargs: dict, warned: bool):
                 "a KV cache holding past tokens reached a streamed layer with autograd on. "
                 "Streamed layers are checkpointed under autograd and cannot read or extend "
                 "a cache there; run generation and cached inference under torch.no_grad() "
-                "(model.generate does).")
+                "(model.generate does)."
+            )
         kwargs[name] = None
     if "use_cache" in kwargs:
         kwargs["use_cache"] = False
@@ -105,7 +108,8 @@ def without_cache(kwargs: dict, warned: bool):
         logging.getLogger("layerstream.runtime").warning(
             "layerstream: streamed layers are checkpointed while autograd is on, so they do "
             "not fill the KV cache passed to them (as with transformers' gradient "
-            "checkpointing). Set model.config.use_cache = False for training to silence this.")
+            "checkpointing). Set model.config.use_cache = False for training to silence this."
+        )
     return kwargs, True
 
 

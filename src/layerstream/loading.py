@@ -64,8 +64,13 @@ def _looks_local(model_id: str | os.PathLike) -> bool:
     if isinstance(model_id, os.PathLike):
         return True
     text = str(model_id)
-    return (Path(text).is_absolute() or text.startswith(("./", "../", "~")) or "\\" in text
-            or text.count("/") > 1 or Path(text.split("/", 1)[0]).is_dir())
+    return (
+        Path(text).is_absolute()
+        or text.startswith(("./", "../", "~"))
+        or "\\" in text
+        or text.count("/") > 1
+        or Path(text.split("/", 1)[0]).is_dir()
+    )
 
 
 def _resolve(model_id: str | os.PathLike, revision: str | None, allow_pickle: bool = False) -> Path:
@@ -75,8 +80,10 @@ def _resolve(model_id: str | os.PathLike, revision: str | None, allow_pickle: bo
     if path.exists():
         raise LoadingError(f"{model_id} is a file; pass the directory that holds config.json and the weights")
     if _looks_local(model_id):
-        raise LoadingError(f"no such directory: {model_id}; pass a directory that holds config.json and the "
-                           "weights, or a hub id like org/name")
+        raise LoadingError(
+            f"no such directory: {model_id}; pass a directory that holds config.json and the "
+            "weights, or a hub id like org/name"
+        )
     try:
         from huggingface_hub import snapshot_download
     except ImportError as exc:  # pragma: no cover - a transformers dependency
@@ -89,7 +96,9 @@ def _pickle_files(directory: Path, pickles: list[str]) -> dict[str, Path]:
     logger.warning(
         "layerstream: reading pickle weights from %s (allow_pickle=True) with "
         "torch.load(weights_only=True), which refuses arbitrary objects; convert them to "
-        "safetensors once to load faster and without pickle.", directory)
+        "safetensors once to load faster and without pickle.",
+        directory,
+    )
     index = directory / "pytorch_model.bin.index.json"
     if index.exists():
         return read_index(index)
@@ -112,13 +121,15 @@ def _weight_files(directory: Path, allow_pickle: bool = False) -> dict[str, Path
     if pickles and allow_pickle:
         return _pickle_files(directory, pickles)
     if pickles:
-        raise _transformers_can_load(LoadingError(
-            f"{directory} holds only pickle weights ({', '.join(pickles[:3])}). layerstream reads "
-            "safetensors by default (pickle files can run code when loaded). Convert them once with "
-            "transformers (from_pretrained + save_pretrained(safe_serialization=True)) in a "
-            "process you trust, or pass allow_pickle=True to read them with "
-            "torch.load(weights_only=True)."
-        ))
+        raise _transformers_can_load(
+            LoadingError(
+                f"{directory} holds only pickle weights ({', '.join(pickles[:3])}). layerstream reads "
+                "safetensors by default (pickle files can run code when loaded). Convert them once with "
+                "transformers (from_pretrained + save_pretrained(safe_serialization=True)) in a "
+                "process you trust, or pass allow_pickle=True to read them with "
+                "torch.load(weights_only=True)."
+            )
+        )
     raise LoadingError(f"no safetensors weights (model.safetensors or its index) in {directory}")
 
 
@@ -167,12 +178,13 @@ class _Reader:
 
 
 def _unreadable(name: str, path: Path, exc: BaseException) -> LoadingError:
-    return LoadingError(f"{name} in {path} cannot be read ({exc}); the file was damaged or changed after "
-                        "it was checked: download or save the checkpoint again")
+    return LoadingError(
+        f"{name} in {path} cannot be read ({exc}); the file was damaged or changed after "
+        "it was checked: download or save the checkpoint again"
+    )
 
 
-def _copy_into(target: torch.Tensor, value: torch.Tensor, name: str = "a tensor",
-               path: Path | None = None) -> None:
+def _copy_into(target: torch.Tensor, value: torch.Tensor, name: str = "a tensor", path: Path | None = None) -> None:
     """Floating-point values are cast to the target's dtype; any other shape than the
     target's is refused, since copy_ would broadcast a [1, n] value into every row."""
     if value.shape != target.shape:
@@ -184,7 +196,7 @@ def _copy_into(target: torch.Tensor, value: torch.Tensor, name: str = "a tensor"
 def _module_tensors(module: nn.Module, prefix: str, recurse: bool = True) -> dict[str, torch.Tensor]:
     """checkpoint name -> tensor, for each parameter and persistent buffer the loader fills."""
     wanted = {f"{prefix}{name}": tensor for name, tensor in module.named_parameters(recurse=recurse)}
-    for mod_name, mod in (module.named_modules() if recurse else [("", module)]):
+    for mod_name, mod in module.named_modules() if recurse else [("", module)]:
         for buf_name, buffer in mod._buffers.items():
             if buffer is not None and buf_name not in mod._non_persistent_buffers_set:
                 wanted[f"{prefix}{mod_name}.{buf_name}" if mod_name else f"{prefix}{buf_name}"] = buffer
@@ -281,35 +293,52 @@ def nf4_settings(quantization_config, dtype: torch.dtype):
             raise LoadingError(
                 f"quantization_config names {method!r}; layerstream streams unquantised weights and "
                 "bitsandbytes 4-bit NF4 (BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4')). "
-                "Load without it, or in NF4.")
+                "Load without it, or in NF4."
+            )
         quantization_config = BitsAndBytesConfig.from_dict(dict(quantization_config))
     method = str(getattr(quantization_config, "quant_method", "")).lower()
     if not isinstance(quantization_config, BitsAndBytesConfig):
         raise LoadingError(
             f"quantization_config is a {type(quantization_config).__name__} ({method or 'unknown method'}); "
             "layerstream streams unquantised weights and bitsandbytes 4-bit NF4 "
-            "(BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4')). Load without it, or in NF4.")
+            "(BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4')). Load without it, or in NF4."
+        )
     if quantization_config.load_in_8bit:
-        raise LoadingError("BitsAndBytesConfig(load_in_8bit=True): layerstream streams NF4 4-bit and unquantised "
-                           "weights, not 8-bit; use load_in_4bit=True with bnb_4bit_quant_type='nf4' "
-                           "(--load_in_4bit in TRL scripts), or no quantization_config.")
+        raise LoadingError(
+            "BitsAndBytesConfig(load_in_8bit=True): layerstream streams NF4 4-bit and unquantised "
+            "weights, not 8-bit; use load_in_4bit=True with bnb_4bit_quant_type='nf4' "
+            "(--load_in_4bit in TRL scripts), or no quantization_config."
+        )
     if not quantization_config.load_in_4bit:
         return None
     if quantization_config.bnb_4bit_quant_type != "nf4":
-        raise LoadingError(f"bnb_4bit_quant_type={quantization_config.bnb_4bit_quant_type!r}: layerstream streams "
-                           "4-bit weights in NF4 only; set bnb_4bit_quant_type='nf4'.")
+        raise LoadingError(
+            f"bnb_4bit_quant_type={quantization_config.bnb_4bit_quant_type!r}: layerstream streams "
+            "4-bit weights in NF4 only; set bnb_4bit_quant_type='nf4'."
+        )
     if quantization_config.bnb_4bit_compute_dtype is None:
         quantization_config.bnb_4bit_compute_dtype = dtype
     return quantization_config
 
 
-def from_pretrained(model_id: Union[str, os.PathLike], *, quantization: Optional[str] = None,
-                    dtype=None, stream: Optional[StreamConfig] = None,
-                    trust_remote_code: bool = False, bnb_4bit_use_double_quant: bool = True,
-                    bnb_4bit_compute_dtype: Optional[torch.dtype] = None, revision: Optional[str] = None,
-                    quantize_on: Optional[Union[str, torch.device]] = None, allow_pickle: bool = False,
-                    quantization_config=None, attn_implementation: Optional[str] = None,
-                    torch_dtype=None, model_class=None, config=None):
+def from_pretrained(
+    model_id: Union[str, os.PathLike],
+    *,
+    quantization: Optional[str] = None,
+    dtype=None,
+    stream: Optional[StreamConfig] = None,
+    trust_remote_code: bool = False,
+    bnb_4bit_use_double_quant: bool = True,
+    bnb_4bit_compute_dtype: Optional[torch.dtype] = None,
+    revision: Optional[str] = None,
+    quantize_on: Optional[Union[str, torch.device]] = None,
+    allow_pickle: bool = False,
+    quantization_config=None,
+    attn_implementation: Optional[str] = None,
+    torch_dtype=None,
+    model_class=None,
+    config=None,
+):
     """Load ``model_id`` (a local directory or a hub id) as a streamed causal LM.
 
     quantization: None (weights in ``dtype``) or "nf4" (bitsandbytes 4-bit, double
@@ -357,9 +386,11 @@ def from_pretrained(model_id: Union[str, os.PathLike], *, quantization: Optional
         from transformers import BitsAndBytesConfig
 
         quant_config = BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4",
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
             bnb_4bit_use_double_quant=bnb_4bit_use_double_quant,
-            bnb_4bit_compute_dtype=bnb_4bit_compute_dtype or torch_dtype)
+            bnb_4bit_compute_dtype=bnb_4bit_compute_dtype or torch_dtype,
+        )
     elif quantization_config is not None:
         quant_config = nf4_settings(quantization_config, torch_dtype)
     quantization = "nf4" if quant_config is not None else None
@@ -368,8 +399,9 @@ def from_pretrained(model_id: Union[str, os.PathLike], *, quantization: Optional
         if model_class is not None:
             model = model_class._from_config(config, dtype=torch_dtype, **extra)
         else:
-            model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype, trust_remote_code=trust_remote_code,
-                                                     **extra)
+            model = AutoModelForCausalLM.from_config(
+                config, dtype=torch_dtype, trust_remote_code=trust_remote_code, **extra
+            )
     quantizer = None
     if quant_config is not None:
         try:
@@ -389,8 +421,12 @@ def from_pretrained(model_id: Union[str, os.PathLike], *, quantization: Optional
     path, layers = find_decoder_layers(model)
     tied_head = getattr(config, "tie_word_embeddings", False)
     expected = _expected_tensors(model, path, layers)
-    validate_checkpoint(directory, files, expected,
-                        may_be_missing=[name for name in expected if tied_head and name.endswith("lm_head.weight")])
+    validate_checkpoint(
+        directory,
+        files,
+        expected,
+        may_be_missing=[name for name in expected if tied_head and name.endswith("lm_head.weight")],
+    )
     _check_host_memory(config, quantization, torch_dtype, config_stream, bnb_4bit_use_double_quant)
     reader = _Reader(files)
 

@@ -58,11 +58,14 @@ class CudaMeter:
 
     def read(self, window: int, tokens: int) -> Reading:
         stats = torch.cuda.memory_stats(self.device)
-        return Reading(window=window, tokens=tokens,
-                       peak_reserved=stats.get("reserved_bytes.all.peak", 0),
-                       start_allocated=self._start_allocated,
-                       peak_allocated=stats.get("allocated_bytes.all.peak", 0),
-                       retries=stats.get("num_alloc_retries", 0) - self._start_retries)
+        return Reading(
+            window=window,
+            tokens=tokens,
+            peak_reserved=stats.get("reserved_bytes.all.peak", 0),
+            start_allocated=self._start_allocated,
+            peak_allocated=stats.get("allocated_bytes.all.peak", 0),
+            retries=stats.get("num_alloc_retries", 0) - self._start_retries,
+        )
 
     def release_cache(self) -> None:
         """Give cached blocks nobody uses back to the driver (memory other work left in
@@ -89,8 +92,14 @@ class PlannedMeter:
         memory = self.runtime.memory_plan(batch, seq)
         peak = memory.peak_vram_bytes + memory.reserve_bytes + window * self.runtime.store.largest_layer_bytes
         # the planner's peak stands for what the step allocates (its reserve for the allocator)
-        return Reading(window=window, tokens=tokens, peak_reserved=peak, start_allocated=peak - memory.activation_bytes,
-                       peak_allocated=peak, retries=0)
+        return Reading(
+            window=window,
+            tokens=tokens,
+            peak_reserved=peak,
+            start_allocated=peak - memory.activation_bytes,
+            peak_allocated=peak,
+            retries=0,
+        )
 
     def release_cache(self) -> None:
         pass

@@ -36,7 +36,11 @@ logger = logging.getLogger(__name__)
 
 # quant-state tensors, as attribute paths on a QuantState
 QUANT_PATHS: Tuple[Tuple[str, ...], ...] = (
-    ("absmax",), ("code",), ("offset",), ("state2", "absmax"), ("state2", "code"),
+    ("absmax",),
+    ("code",),
+    ("offset",),
+    ("state2", "absmax"),
+    ("state2", "code"),
 )
 
 # names bitsandbytes' CUDA gemm_4bit dispatch uses to pick its fused kernel
@@ -68,7 +72,8 @@ def require_bnb(what: str) -> None:
     if Version(found) < Version(MIN_BNB):
         raise ImportError(
             f"{what} needs bitsandbytes >= {MIN_BNB} (its 4-bit dispatch and QuantState layout are "
-            f"what layerstream reads), found {found}: pip install -U 'bitsandbytes>={MIN_BNB},<0.51'")
+            f"what layerstream reads), found {found}: pip install -U 'bitsandbytes>={MIN_BNB},<0.51'"
+        )
 
 
 def is_linear4bit(module) -> bool:
@@ -105,21 +110,39 @@ def clone_state(state, tensors: dict):
     state2 = None
     if state.nested:
         s2 = state.state2
-        state2 = QuantState(absmax=tensors[("state2", "absmax")], code=tensors[("state2", "code")],
-                            blocksize=s2.blocksize, quant_type=s2.quant_type, dtype=s2.dtype)
-    return QuantState(absmax=tensors[("absmax",)], shape=state.shape, code=tensors.get(("code",)),
-                      blocksize=state.blocksize, quant_type=state.quant_type, dtype=state.dtype,
-                      offset=tensors.get(("offset",)), state2=state2)
+        state2 = QuantState(
+            absmax=tensors[("state2", "absmax")],
+            code=tensors[("state2", "code")],
+            blocksize=s2.blocksize,
+            quant_type=s2.quant_type,
+            dtype=s2.dtype,
+        )
+    return QuantState(
+        absmax=tensors[("absmax",)],
+        shape=state.shape,
+        code=tensors.get(("code",)),
+        blocksize=state.blocksize,
+        quant_type=state.quant_type,
+        dtype=state.dtype,
+        offset=tensors.get(("offset",)),
+        state2=state2,
+    )
 
 
 def slot_weight(host_weight, data: torch.Tensor, state):
     """A Params4bit over slot memory, mirroring the host weight's settings."""
     from bitsandbytes.nn import Params4bit
 
-    return Params4bit(data, requires_grad=False, quant_state=state, blocksize=host_weight.blocksize,
-                      compress_statistics=host_weight.compress_statistics,
-                      quant_type=host_weight.quant_type, quant_storage=host_weight.quant_storage,
-                      bnb_quantized=True)
+    return Params4bit(
+        data,
+        requires_grad=False,
+        quant_state=state,
+        blocksize=host_weight.blocksize,
+        compress_statistics=host_weight.compress_statistics,
+        quant_type=host_weight.quant_type,
+        quant_storage=host_weight.quant_storage,
+        bnb_quantized=True,
+    )
 
 
 # -- the gate ----------------------------------------------------------------------------
@@ -139,7 +162,8 @@ def _warn_gate_once(reason: str) -> None:
             "layerstream: cannot read bitsandbytes' gemm_4bit dispatch (%s); every streamed NF4 "
             "projection on CUDA now goes through layerstream's checkpoint-visible Function. "
             "Results stay exact; training-sized calls may be slower. Pin bitsandbytes to a "
-            "tested version (0.50.x) to restore the usual routing.", reason,
+            "tested version (0.50.x) to restore the usual routing.",
+            reason,
         )
 
 
@@ -179,22 +203,37 @@ def _gemm_4bit(x, packed, state, bias):
     """bitsandbytes' gemm_4bit op, called exactly as MatMul4Bit.forward calls it."""
     if not state.nested:
         return torch.ops.bitsandbytes.gemm_4bit.default(
-            x, packed, state.shape, state.absmax, state.blocksize, state.quant_type, bias=bias)
+            x, packed, state.shape, state.absmax, state.blocksize, state.quant_type, bias=bias
+        )
     if state.state2.blocksize != 256:
         raise NotImplementedError("nested quantization with state2.blocksize != 256 is not supported")
     return torch.ops.bitsandbytes.gemm_4bit.default(
-        x, packed, state.shape, state.state2.absmax, state.blocksize, state.quant_type, bias=bias,
-        absmax_8bit=state.absmax, absmax_code=state.state2.code, absmax_offset=state.offset)
+        x,
+        packed,
+        state.shape,
+        state.state2.absmax,
+        state.blocksize,
+        state.quant_type,
+        bias=bias,
+        absmax_8bit=state.absmax,
+        absmax_code=state.state2.code,
+        absmax_offset=state.offset,
+    )
 
 
 def dequantized_linear(x, packed, state, bias):
     """dequantize_4bit + F.linear, as bitsandbytes' unfused gemm_4bit fallback computes it."""
     absmax = state.absmax
     if state.nested:
-        absmax = torch.ops.bitsandbytes.dequantize_blockwise.default(
-            state.absmax, state.state2.absmax, state.state2.code, 256, torch.float32) + state.offset
+        absmax = (
+            torch.ops.bitsandbytes.dequantize_blockwise.default(
+                state.absmax, state.state2.absmax, state.state2.code, 256, torch.float32
+            )
+            + state.offset
+        )
     weight = torch.ops.bitsandbytes.dequantize_4bit.default(
-        packed, absmax, state.blocksize, state.quant_type, state.shape, x.dtype)
+        packed, absmax, state.blocksize, state.quant_type, state.shape, x.dtype
+    )
     return F.linear(x, weight, bias)
 
 
@@ -240,7 +279,11 @@ class _StateTemplate:
 
     def __init__(self, state):
         self.shape, self.blocksize, self.quant_type, self.dtype = (
-            state.shape, state.blocksize, state.quant_type, state.dtype)
+            state.shape,
+            state.blocksize,
+            state.quant_type,
+            state.dtype,
+        )
         self.nested = state.nested
         s2 = state.state2 if state.nested else None
         self.state2 = None if s2 is None else (s2.blocksize, s2.quant_type, s2.dtype)
@@ -251,10 +294,17 @@ class _StateTemplate:
         state2 = None
         if self.nested:
             blocksize, quant_type, dtype = self.state2
-            state2 = QuantState(absmax=absmax2, code=code2, blocksize=blocksize,
-                                quant_type=quant_type, dtype=dtype)
-        return QuantState(absmax=absmax, shape=self.shape, code=code, blocksize=self.blocksize,
-                          quant_type=self.quant_type, dtype=self.dtype, offset=offset, state2=state2)
+            state2 = QuantState(absmax=absmax2, code=code2, blocksize=blocksize, quant_type=quant_type, dtype=dtype)
+        return QuantState(
+            absmax=absmax,
+            shape=self.shape,
+            code=code,
+            blocksize=self.blocksize,
+            quant_type=self.quant_type,
+            dtype=self.dtype,
+            offset=offset,
+            state2=state2,
+        )
 
 
 def streamed_nf4_forward(module, x: torch.Tensor, owner=None, counters: Optional[dict] = None):
@@ -278,9 +328,18 @@ def streamed_nf4_forward(module, x: torch.Tensor, owner=None, counters: Optional
         if counters is not None:
             counters["nf4_function_calls"] += 1
         nested = state.nested
-        out = NF4Matmul.apply(x, weight.data, state.absmax, state.code, state.offset if nested else None,
-                              state.state2.absmax if nested else None, state.state2.code if nested else None,
-                              bias, state, owner)
+        out = NF4Matmul.apply(
+            x,
+            weight.data,
+            state.absmax,
+            state.code,
+            state.offset if nested else None,
+            state.state2.absmax if nested else None,
+            state.state2.code if nested else None,
+            bias,
+            state,
+            owner,
+        )
     else:
         if counters is not None:
             counters["nf4_dequant_calls"] += 1
@@ -295,8 +354,9 @@ class StreamedLinear4bit:
 
     def forward(self, x):
         weight = self.weight
-        return streamed_nf4_forward(self, x, getattr(weight, "_layerstream_owner", None),
-                                    self._layerstream_runtime.nf4_counts)
+        return streamed_nf4_forward(
+            self, x, getattr(weight, "_layerstream_owner", None), self._layerstream_runtime.nf4_counts
+        )
 
 
 def streamed_linear4bit_modules(records) -> list:
@@ -320,21 +380,27 @@ def quantise_layer(layer: nn.Module, device: torch.device, dtype: torch.dtype, q
     with the settings transformers would use for ``quant_config`` (a BitsAndBytesConfig)."""
     import bitsandbytes as bnb
 
-    settings = dict(quant_type=quant_config.bnb_4bit_quant_type,
-                    compress_statistics=quant_config.bnb_4bit_use_double_quant,
-                    quant_storage=quant_config.bnb_4bit_quant_storage)
+    settings = dict(
+        quant_type=quant_config.bnb_4bit_quant_type,
+        compress_statistics=quant_config.bnb_4bit_use_double_quant,
+        quant_storage=quant_config.bnb_4bit_quant_storage,
+    )
     for module in layer.modules():
         if isinstance(module, bnb.nn.Linear4bit) and not getattr(module.weight, "bnb_quantized", False):
             quantised = bnb.nn.Params4bit(module.weight.data.to(dtype), requires_grad=False, **settings)
             quantised = quantised.to(device)
             if device.type != "cpu":
                 quantised.quant_state.to("cpu")
-                quantised = bnb.nn.Params4bit(quantised.data.cpu(), requires_grad=False,
-                                              quant_state=quantised.quant_state,
-                                              blocksize=quantised.blocksize,
-                                              compress_statistics=quantised.compress_statistics,
-                                              quant_type=quantised.quant_type,
-                                              quant_storage=quantised.quant_storage, bnb_quantized=True)
+                quantised = bnb.nn.Params4bit(
+                    quantised.data.cpu(),
+                    requires_grad=False,
+                    quant_state=quantised.quant_state,
+                    blocksize=quantised.blocksize,
+                    compress_statistics=quantised.compress_statistics,
+                    quant_type=quantised.quant_type,
+                    quant_storage=quantised.quant_storage,
+                    bnb_quantized=True,
+                )
             quantised.module = module
             module.weight = quantised
 

@@ -38,7 +38,8 @@ def claim(current: Optional[Pass], index: int, kind: str) -> Optional[Pass]:
             f"this streamed model is in use by another thread (a {current.kind} pass is under "
             "way) and one streamed model serves one pass at a time. Use it from one thread, "
             "guard it with a lock (a training step holds it until its backward ends), or load "
-            "a second model for the other thread.")
+            "a second model for the other thread."
+        )
     if index == 0 or current is None:
         return Pass(thread, kind)
     return current

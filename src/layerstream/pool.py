@@ -72,7 +72,8 @@ class SlotPool:
         slots += backward_slots
         self.buffers: List[Optional[torch.Tensor]] = [
             torch.empty(max(slot_bytes, 1), dtype=torch.uint8, device=device) if slot < self.ring_slots else None
-            for slot in range(slots)]
+            for slot in range(slots)
+        ]
         self.owner: List[Optional[int]] = [None] * slots
         self.borrowed_peak_bytes = 0  # the most backward-slot memory held at once
         self._destinations: dict = {}  # (slot, nbytes) -> view of the slot buffer
@@ -173,8 +174,9 @@ class SlotPool:
         """Whether the runtime can be called directly (it needs our device to be current)."""
         return self._rt is not None and torch._C._cuda_getDevice() == self._device_index
 
-    def load(self, record: LayerRecord, slot: int, compute: Optional[int] = None,
-             source: Optional[torch.Tensor] = None) -> None:
+    def load(
+        self, record: LayerRecord, slot: int, compute: Optional[int] = None, source: Optional[torch.Tensor] = None
+    ) -> None:
         """Copy a layer's region into a slot. ``source`` overrides the region (tests)."""
         src = record.host_region if source is None else source
         nbytes = record.nbytes

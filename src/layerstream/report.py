@@ -42,8 +42,11 @@ def stats(runtime) -> dict:
         "oom_retries": runtime.oom_retries,
         "refreshed_layers": runtime.refreshed_layers,
         "stream_embeddings": embeddings is not None,
-        **(embeddings.stats() if embeddings is not None
-           else {"head_copies": 0, "head_h2d_bytes": 0, "embedding_h2d_bytes": 0}),
+        **(
+            embeddings.stats()
+            if embeddings is not None
+            else {"head_copies": 0, "head_h2d_bytes": 0, "embedding_h2d_bytes": 0}
+        ),
         **runtime.nf4_counts,
     }
 
@@ -65,7 +68,7 @@ def summary(runtime) -> str:
     records, pool, store = runtime.records, runtime.pool, runtime.store
     streamed = sum(len(r.entries) for r in records)
     sizes = sorted({r.nbytes for r in records})
-    size_text = (f"{sizes[0] / MiB:.1f} MiB" if len(sizes) == 1 else f"{sizes[0] / MiB:.1f}..{sizes[-1] / MiB:.1f} MiB")
+    size_text = f"{sizes[0] / MiB:.1f} MiB" if len(sizes) == 1 else f"{sizes[0] / MiB:.1f}..{sizes[-1] / MiB:.1f} MiB"
     lines = [
         "layerstream: streaming decoder layers",
         f"  stack        {runtime.layers_path} ({len(records)} layers, {streamed} tensors)",
@@ -81,14 +84,20 @@ def summary(runtime) -> str:
     ]
     if pool.cuda:
         segments = "on" if expandable_segments() else "off"
-        lines.append(f"  allocator    expandable segments {segments}"
-                     + (" (set by layerstream run)" if _launcher_set_segments() else ""))
+        lines.append(
+            f"  allocator    expandable segments {segments}"
+            + (" (set by layerstream run)" if _launcher_set_segments() else "")
+        )
     if runtime.embeddings is not None:
-        lines += [f"  embeddings   streamed: {runtime.embeddings.describe()}",
-                  "  resident     final norm, and every trainable tensor"]
+        lines += [
+            f"  embeddings   streamed: {runtime.embeddings.describe()}",
+            "  resident     final norm, and every trainable tensor",
+        ]
     else:
-        lines += ["  embeddings   resident (stream_embeddings=False)",
-                  "  resident     embeddings, final norm, head, and every trainable tensor"]
+        lines += [
+            "  embeddings   resident (stream_embeddings=False)",
+            "  resident     embeddings, final norm, head, and every trainable tensor",
+        ]
     return "\n".join(lines)
 
 
@@ -110,7 +119,8 @@ def explain_oom(runtime, exc: BaseException, where: str) -> BaseException:
     config, pool = runtime.config, runtime.pool
     one_slot = pool.slot_bytes / GiB
     lines = [
-        str(exc), "",
+        str(exc),
+        "",
         f"layerstream: the GPU ran out of memory {where}. Streaming holds {config.slots} slots x "
         f"{one_slot:.2f} GiB = {pool.total_bytes / GiB:.2f} GiB and {len(runtime.window)} window layer(s) on "
         f"{runtime.device}; the rest is the resident part (embeddings, head, adapters, optimizer state) "
@@ -118,11 +128,15 @@ def explain_oom(runtime, exc: BaseException, where: str) -> BaseException:
         "  - shorten sequences or the batch (activations and logits grow with batch x seq length);",
     ]
     if runtime.window:
-        lines.append("  - give vram_budget a smaller size (--vram-budget, stream.vram_budget): the window then "
-                     "keeps fewer layers on the GPU;")
+        lines.append(
+            "  - give vram_budget a smaller size (--vram-budget, stream.vram_budget): the window then "
+            "keeps fewer layers on the GPU;"
+        )
     if config.slots > 2:
-        lines.append(f"  - use fewer slots: StreamConfig(slots=2) (--slots 2, stream.slots: 2) frees "
-                     f"{(config.slots - 2) * one_slot:.2f} GiB;")
+        lines.append(
+            f"  - use fewer slots: StreamConfig(slots=2) (--slots 2, stream.slots: 2) frees "
+            f"{(config.slots - 2) * one_slot:.2f} GiB;"
+        )
     if not any(e.kind == "quant" for r in runtime.records for e in r.entries):
         lines.append("  - load the model in NF4 (quantization='nf4'): a quarter of the bytes per slot;")
     if runtime.embeddings is None:
@@ -130,9 +144,11 @@ def explain_oom(runtime, exc: BaseException, where: str) -> BaseException:
 
         ends_bytes = host_bytes(runtime.model)
         if ends_bytes:
-            lines.append(f"  - keep the input embedding and head in host memory: StreamConfig(stream_embeddings=True) "
-                         f"(--stream-embeddings, stream.stream_embeddings: true) frees {ends_bytes / GiB:.2f} GiB, "
-                         "less one head copied in for the loss;")
+            lines.append(
+                f"  - keep the input embedding and head in host memory: StreamConfig(stream_embeddings=True) "
+                f"(--stream-embeddings, stream.stream_embeddings: true) frees {ends_bytes / GiB:.2f} GiB, "
+                "less one head copied in for the loss;"
+            )
     lines.append("  - `layerstream plan --model <model> --vram <GPU memory> --seq <tokens>` predicts what fits.")
     explained = type(exc)("\n".join(lines))
     explained._layerstream_explained = True
@@ -149,12 +165,8 @@ def budget_refusal(memory, budget: int) -> StreamingError:
         f"{memory.peak_vram_bytes / GiB:.2f} GiB plus {memory.reserve_bytes / GiB:.1f} GiB reserve "
         f"(resident part {memory.resident_bytes / GiB:.2f} GiB, {memory.slots} slots "
         f"{memory.slot_bytes / GiB:.2f} GiB, activations {memory.activation_bytes / GiB:.2f} GiB). "
-        f"Nothing has been computed yet. What would fit:\n{advice}")
-
-
-def timeline_title(runtime) -> str:
-    return (f"layerstream: {len(runtime.records)} layers, {runtime.config.slots} slots, prefetch "
-            f"{runtime.config.prefetch}, on {runtime.device}; layer number on each bar")
+        f"Nothing has been computed yet. What would fit:\n{advice}"
+    )
 
 
 def peak_vram_gib(runtime) -> Optional[float]:

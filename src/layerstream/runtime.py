@@ -42,8 +42,15 @@ def _always_owned(tensor: torch.Tensor) -> None:
 
 
 class StreamRuntime:
-    def __init__(self, model: nn.Module, layers: nn.ModuleList, layers_path: str,
-                 config: StreamConfig, records: List[LayerRecord], store: HostStore):
+    def __init__(
+        self,
+        model: nn.Module,
+        layers: nn.ModuleList,
+        layers_path: str,
+        config: StreamConfig,
+        records: List[LayerRecord],
+        store: HostStore,
+    ):
         self.model = model
         self.layers = layers
         self.layers_path = layers_path
@@ -52,8 +59,9 @@ class StreamRuntime:
         self.records = records
         self.store = store
         self.backward = BackwardSlots(config)
-        self.pool = SlotPool(config.device, config.slots, store.largest_layer_bytes,
-                             backward_slots=self.backward.capacity)
+        self.pool = SlotPool(
+            config.device, config.slots, store.largest_layer_bytes, backward_slots=self.backward.capacity
+        )
         self.prefetch = self._new_prefetch(len(records))
         # the resident window: layers kept on the device for good, and the dense numbering
         # of the layers that still stream (the prefetch schedule sees only those)
@@ -92,8 +100,10 @@ class StreamRuntime:
 
             self.embeddings = stream_embeddings(model, self)
         if self._checker is not None:
-            logger.warning("layerstream: debug checksums are on (StreamConfig.checksum or "
-                           "LAYERSTREAM_CHECKSUM=1): every copy and visit waits for the device")
+            logger.warning(
+                "layerstream: debug checksums are on (StreamConfig.checksum or "
+                "LAYERSTREAM_CHECKSUM=1): every copy and visit waits for the device"
+            )
 
     def _new_meter(self):
         budget = self.config.vram_budget
@@ -104,16 +114,16 @@ class StreamRuntime:
         return PlannedMeter(self, budget)
 
     def _new_prefetch(self, streamed_layers: int) -> PrefetchPlanner:
-        return PrefetchPlanner(max(streamed_layers, 1), self.config.slots, self.config.prefetch,
-                               backward_slots=self.backward.count)
+        return PrefetchPlanner(
+            max(streamed_layers, 1), self.config.slots, self.config.prefetch, backward_slots=self.backward.count
+        )
 
     # -- binding -------------------------------------------------------------------
     def _binding(self, slot: int, index: int) -> list:
         key = (slot, index)
         binding = self._bindings.get(key)
         if binding is None:
-            binding = self._bindings[key] = self._make_binding(self.pool.buffers[slot], index,
-                                                               self._owner_check(index))
+            binding = self._bindings[key] = self._make_binding(self.pool.buffers[slot], index, self._owner_check(index))
         return binding
 
     def _make_binding(self, buffer: torch.Tensor, index: int, owner_check) -> list:
@@ -134,9 +144,11 @@ class StreamRuntime:
             self._free_backward_slot(slot)
         loads = [(self._layer_of[dense], slot) for dense, slot in visit.loads]
         if self.backward.count:
-            loads = [(layer, slot) for layer, slot in loads
-                     if slot < pool.ring_slots or pool.allocated(slot)
-                     or self.backward.borrow(pool, self.prefetch, slot)]
+            loads = [
+                (layer, slot)
+                for layer, slot in loads
+                if slot < pool.ring_slots or pool.allocated(slot) or self.backward.borrow(pool, self.prefetch, slot)
+            ]
         for layer, slot in loads:
             pool.load(self.records[layer], slot, compute)
         checker = self._checker
@@ -191,7 +203,8 @@ class StreamRuntime:
             raise StreamingError(
                 f"streamed layer {self.records[index].name} computes on {self.device} but its "
                 f"input is on {args[0].device}. Move the model's resident part with "
-                f"model.to('{self.device}') after stream_model (and after get_peft_model).")
+                f"model.to('{self.device}') after stream_model (and after get_peft_model)."
+            )
         training = torch.is_grad_enabled()
         self._claim(index, "train" if training else "inference")
         try:
@@ -229,11 +242,13 @@ class StreamRuntime:
             raise StreamingError(
                 "torch.compile cannot trace a streamed layer: its weights change place on "
                 "every call. Compile the model before stream_model is not supported either; "
-                "run streamed layers eagerly (compile submodules that do not stream).")
+                "run streamed layers eagerly (compile submodules that do not stream)."
+            )
         if self.pool.cuda and torch.cuda.is_current_stream_capturing():
             raise StreamingError(
                 "CUDA graph capture of a streamed model is not supported: a graph would "
-                "freeze one slot assignment and its copies. Capture only resident parts.")
+                "freeze one slot assignment and its copies. Capture only resident parts."
+            )
         for record in self.records:  # changes made between passes, quant states included
             if not record.fresh_deep():
                 self._refresh(record.index, Phase.TRAIN_FORWARD, pass_start=True)
@@ -258,7 +273,8 @@ class StreamRuntime:
                         f"{entry.qualified_name} requires grad, but streamed weights are frozen "
                         "(gradients for them would have nowhere to live). Freeze the base model, "
                         "e.g. with peft.get_peft_model(model, LoraConfig(...)), before training; "
-                        "trainable tensors created before stream_model stay resident.")
+                        "trainable tensors created before stream_model stay resident."
+                    )
 
     def _check_budget(self, batch: int, seq: int) -> None:
         """Before the first training step of each batch shape, an explicit vram_budget the
@@ -270,8 +286,9 @@ class StreamRuntime:
         try:
             memory = self.memory_plan(batch, seq, vram_bytes=budget)
         except ValueError as exc:
-            logger.warning("layerstream: vram_budget is not checked for this model: its memory cannot "
-                           "be predicted (%s)", exc)
+            logger.warning(
+                "layerstream: vram_budget is not checked for this model: its memory cannot be predicted (%s)", exc
+            )
             return
         if not memory.fits:
             raise report.budget_refusal(memory, budget)
@@ -280,8 +297,15 @@ class StreamRuntime:
         """The memory planner's plan of this model streamed as it is (one call site)."""
         from .plan import plan_for_model
 
-        return plan_for_model(self.model, seq, batch, slots=self.config.slots, vram_bytes=vram_bytes,
-                              stream_embeddings=self.embeddings is not None, backward_slots=backward_slots)
+        return plan_for_model(
+            self.model,
+            seq,
+            batch,
+            slots=self.config.slots,
+            vram_bytes=vram_bytes,
+            stream_embeddings=self.embeddings is not None,
+            backward_slots=backward_slots,
+        )
 
     def _decide_backward_slots(self, hidden: torch.Tensor) -> None:
         streamed = len(self.records) - len(self._window)
@@ -299,7 +323,8 @@ class StreamRuntime:
             raise StreamingError(
                 f"a weight of {record.name} changed between its forward and its backward; its "
                 "backward would differ from the forward it differentiates (autograd refuses the "
-                "same for a resident weight it saved). Change weights between steps.")
+                "same for a resident weight it saved). Change weights between steps."
+            )
         outcome = self.store.sync(record)
         if outcome == SAME:
             return
@@ -307,7 +332,8 @@ class StreamRuntime:
             if not pass_start:
                 raise StreamingError(
                     f"a weight of {record.name} changed shape or dtype during a forward pass; do it "
-                    "between passes, or unstream_model first.")
+                    "between passes, or unstream_model first."
+                )
             self.store.repack(record)
             self._streamed_dtypes = {e.dtype for r in self.records for e in r.entries}
             if record.nbytes > self.pool.slot_bytes:
@@ -359,8 +385,9 @@ class StreamRuntime:
         self.pool.release()
         self._bindings.clear()
         self._last_slot = None
-        self.pool = SlotPool(self.device, self.config.slots, self.store.largest_layer_bytes,
-                             backward_slots=self.backward.capacity)
+        self.pool = SlotPool(
+            self.device, self.config.slots, self.store.largest_layer_bytes, backward_slots=self.backward.capacity
+        )
         if self._checker is not None:
             self._checker = checksum.SlotChecker(self.pool, self.records)
         self.prefetch = self._new_prefetch(len(self._layer_of))
@@ -400,11 +427,21 @@ class StreamRuntime:
                 self.meter.release_cache()
                 count = max(0, count - 1)
                 self.sizer.max_window = min(self.sizer.max_window, count)
-        measured = (f"{report.gib(self.sizer.predicted_peak(tokens, count))} predicted for {tokens}-token steps, "
-                    if self.sizer.reference is not None else "")
-        logger.warning("layerstream: resident window %d -> %d of %d layers (%slimit %s): they stay on the GPU "
-                       "for good, %d stream.", before, count, len(self.records), measured,
-                       report.gib(self.meter.limit()), len(self.records) - count)
+        measured = (
+            f"{report.gib(self.sizer.predicted_peak(tokens, count))} predicted for {tokens}-token steps, "
+            if self.sizer.reference is not None
+            else ""
+        )
+        logger.warning(
+            "layerstream: resident window %d -> %d of %d layers (%slimit %s): they stay on the GPU "
+            "for good, %d stream.",
+            before,
+            count,
+            len(self.records),
+            measured,
+            report.gib(self.meter.limit()),
+            len(self.records) - count,
+        )
 
     def window_is_new(self) -> bool:
         """Whether the window changed within the last few measured steps (a step may still
@@ -456,8 +493,9 @@ class StreamRuntime:
         record = self.records[index]
         buffer = self._window_buffers.get(index)
         if buffer is None or buffer.numel() < record.nbytes:
-            buffer = self._window_buffers[index] = torch.empty(max(record.nbytes, 1), dtype=torch.uint8,
-                                                               device=self.device)
+            buffer = self._window_buffers[index] = torch.empty(
+                max(record.nbytes, 1), dtype=torch.uint8, device=self.device
+            )
         buffer[: record.nbytes].copy_(record.host_region, non_blocking=self.pool.cuda)
         self._window[index] = self._make_binding(buffer, index, _always_owned)
 
@@ -484,15 +522,18 @@ class StreamRuntime:
                 raise StreamingError(
                     f"this call would cast streamed weights from {dtype} to {probe.dtype}. Nothing "
                     "was changed. Streamed weights keep the dtype they were streamed with: cast the "
-                    "model before stream_model, or unstream_model, cast, and stream again.")
+                    "model before stream_model, or unstream_model, cast, and stream again."
+                )
             if probe.device.type == "cuda" and probe.device != self.device:
                 raise StreamingError(
                     f"the model streams to {self.device}; moving it to {probe.device} is not "
                     "supported (nothing was changed). Stream with StreamConfig(device=...) set to "
-                    "the device you want.")
+                    "the device you want."
+                )
             if probe.device.type not in ("cpu", "cuda"):
-                raise StreamingError(f"a streamed model cannot move to {probe.device} (nothing was "
-                                     "changed); unstream_model first.")
+                raise StreamingError(
+                    f"a streamed model cannot move to {probe.device} (nothing was changed); unstream_model first."
+                )
 
     def hidden_from_apply(self, index: int):
         """Hide a layer's streamed tensors from ``nn.Module._apply`` while it runs."""
@@ -560,8 +601,9 @@ class StreamRuntime:
         self.config = self.config.replace(device=device, pin=self.config.pin and device.type == "cuda")
         self.device = device
         self.backward = BackwardSlots(self.config)
-        self.pool = SlotPool(device, self.config.slots, self.store.largest_layer_bytes,
-                             backward_slots=self.backward.capacity)
+        self.pool = SlotPool(
+            device, self.config.slots, self.store.largest_layer_bytes, backward_slots=self.backward.capacity
+        )
         if self._checker is not None:
             self._checker = checksum.SlotChecker(self.pool, self.records)
         self.prefetch = self._new_prefetch(len(self._layer_of))
@@ -570,7 +612,6 @@ class StreamRuntime:
         self._measured_tokens, self._last_slot = None, None
         if self.embeddings is not None:
             self.embeddings.pool, self.embeddings.device = self.pool, device
-
 
     def close(self) -> None:
         """Release slots and host arenas (after the model's tensors were copied out)."""

@@ -164,8 +164,9 @@ class PrefetchSchedule:
         first of them (``slots + active - 1``)."""
         return active > 0 and target >= self.slots + 2 * active + self.prefetch
 
-    def _victim(self, needed_at: int, position: int, phase: Phase, keep: set,
-                target: Optional[int] = None) -> Optional[int]:
+    def _victim(
+        self, needed_at: int, position: int, phase: Phase, keep: set, target: Optional[int] = None
+    ) -> Optional[int]:
         """A slot to overwrite for ``target``, needed ``needed_at`` visits from now."""
         best_slot, best_distance = None, -1
         for slot in self._candidates(phase, target):
@@ -215,8 +216,11 @@ class PrefetchSchedule:
     def _spent_backward_slots(self, layer: int, phase: Phase) -> Tuple[int, ...]:
         """Backward slots to give back at this forward visit: those whose layer this pass
         has already run (its kernels are queued)."""
-        return tuple(slot for slot in range(self.slots, len(self.owner))
-                     if self.owner[slot] is not None and self.owner[slot] < layer)
+        return tuple(
+            slot
+            for slot in range(self.slots, len(self.owner))
+            if self.owner[slot] is not None and self.owner[slot] < layer
+        )
 
     def _plan(self, layer: int, phase: Phase) -> VisitPlan:
         """Plan one visit from scratch and apply its assignments."""
@@ -236,8 +240,7 @@ class PrefetchSchedule:
         lookahead = self._lookahead.get((layer, phase))
         if lookahead is None:
             ahead = self.prefetch + (self.active_backward_slots if phase is Phase.BACKWARD else 0)
-            lookahead = tuple((t, self._distance(t, position, phase))
-                              for t in self.upcoming(layer, phase, ahead))
+            lookahead = tuple((t, self._distance(t, position, phase)) for t in self.upcoming(layer, phase, ahead))
             self._lookahead[(layer, phase)] = lookahead
         keep = {layer}
         for target, needed_at in lookahead:

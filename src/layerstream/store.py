@@ -120,8 +120,9 @@ class LayerRecord:
 
     def snapshot(self) -> None:
         """Remember the tensors and versions the device copies are made from from now on."""
-        self.watch = [(e.table, e.name, v, _alias(v), v._version)
-                      for e, v in zip(self.entries, self.host_values) if e.bound]
+        self.watch = [
+            (e.table, e.name, v, _alias(v), v._version) for e, v in zip(self.entries, self.host_values) if e.bound
+        ]
         deep, states = [], {}
         for entry, view in zip(self.entries, self.host_values):
             if entry.kind != "quant":
@@ -173,19 +174,25 @@ def check_host_memory(new_bytes: int, store_bytes: int, pin: bool, what: str) ->
             f"{what} needs {new_bytes / GiB:.1f} GiB more host RAM at its peak (the layer store is "
             f"{store_bytes / GiB:.1f} GiB) but only {available / GiB:.1f} GiB is available. Free host "
             "memory, or load in NF4 (quantization='nf4': about a quarter of the bytes); "
-            "`layerstream plan` shows the host RAM a run needs before it starts.")
+            "`layerstream plan` shows the host RAM a run needs before it starts."
+        )
     keep = max(4 * GiB, total // 10)
     if pin and store_bytes > total - keep:
         raise HostMemoryError(
             f"{what} would page-lock {store_bytes / GiB:.1f} GiB of this host's {total / GiB:.1f} GiB, "
             f"leaving less than {keep / GiB:.1f} GiB for everything else. Load in NF4 "
             "(quantization='nf4'), use a host with more RAM, or pass StreamConfig(pin=False) "
-            "(pageable copies, about 8x slower).")
+            "(pageable copies, about 8x slower)."
+        )
 
 
 def _host_view(arena_np, offset: int, nbytes: int, dtype: torch.dtype, shape) -> torch.Tensor:
     """A tensor over arena bytes [offset, offset+nbytes) with a storage of its own."""
-    raw = torch.frombuffer(arena_np[offset : offset + nbytes], dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
+    raw = (
+        torch.frombuffer(arena_np[offset : offset + nbytes], dtype=torch.uint8)
+        if nbytes
+        else torch.empty(0, dtype=torch.uint8)
+    )
     return raw.view(dtype).view(shape)
 
 
@@ -224,8 +231,9 @@ class HostStore:
             if id(tensor) not in placed:
                 placed[id(tensor)] = end
                 end += aligned(nbytes)
-            entries.append(TensorEntry(mod, kind, key, placed[id(tensor)], nbytes, tuple(tensor.shape),
-                                       tensor.dtype, qualified))
+            entries.append(
+                TensorEntry(mod, kind, key, placed[id(tensor)], nbytes, tuple(tensor.shape), tensor.dtype, qualified)
+            )
 
         for mod_name, mod in module.named_modules(remove_duplicate=False):
             prefix = f"{name}.{mod_name}" if mod_name else name
@@ -250,8 +258,12 @@ class HostStore:
         layer's own host memory is freed once it is copied), the whole store when the
         layers come from the GPU."""
         total = sum(r.nbytes for r in records)
-        check_host_memory(max((r.nbytes for r in records), default=0) if new_bytes is None else new_bytes,
-                          total, self.requested_pin, "streaming this model")
+        check_host_memory(
+            max((r.nbytes for r in records), default=0) if new_bytes is None else new_bytes,
+            total,
+            self.requested_pin,
+            "streaming this model",
+        )
         self.records = records
         layout: List[List[LayerRecord]] = [[]]
         used = 0
@@ -295,7 +307,8 @@ class HostStore:
                 "layerstream: could not page-lock host memory for the layer store (%s). Falling "
                 "back to pageable memory: host-to-device copies will run about 8x slower (~7 GB/s "
                 "instead of ~55 GB/s) and will not overlap compute. Raise the locked-memory limit "
-                "(ulimit -l) or free host RAM to get pinned copies back.", exc,
+                "(ulimit -l) or free host RAM to get pinned copies back.",
+                exc,
             )
             return False
         self._registered.append(arena)
@@ -378,8 +391,10 @@ class HostStore:
             view = record.arena_views[position]
             current = entry.current()
             if current is None:
-                raise StreamingError(f"{entry.qualified_name} was removed from the model after stream_model; "
-                                     "unstream_model first to change what a layer holds.")
+                raise StreamingError(
+                    f"{entry.qualified_name} was removed from the model after stream_model; "
+                    "unstream_model first to change what a layer holds."
+                )
             if tuple(current.shape) != entry.shape or current.dtype != entry.dtype:
                 return LAYOUT
             if current.data_ptr() != view.data_ptr() or current.device.type != "cpu":
@@ -407,8 +422,10 @@ class HostStore:
     def copies_out(self, record: LayerRecord, device: torch.device) -> List[torch.Tensor]:
         """A copy of each entry's value on ``device``, memory of its own (shared entries once)."""
         by_offset: Dict[int, torch.Tensor] = {}
-        return [by_offset.setdefault(e.offset, view.detach().to(device, copy=True))
-                for e, view in zip(record.entries, record.arena_views)]
+        return [
+            by_offset.setdefault(e.offset, view.detach().to(device, copy=True))
+            for e, view in zip(record.entries, record.arena_views)
+        ]
 
     @staticmethod
     def restore(record: LayerRecord, copies: List[torch.Tensor]) -> None:

@@ -77,8 +77,9 @@ class Recording:
         for slot, (held, since) in holds.items():
             spans.append(Span(f"slot {slot}", "hold", held, slot, since, step_end))
         for layer, slot, phase, start, stop in self.computes:
-            spans.append(Span("compute", phase.value.replace("train_", ""), layer, slot,
-                              self._ms(start), self._ms(stop)))
+            spans.append(
+                Span("compute", phase.value.replace("train_", ""), layer, slot, self._ms(start), self._ms(stop))
+            )
         return sorted(spans, key=lambda s: (s.start_ms, s.row))
 
 
@@ -88,19 +89,30 @@ def chrome_trace(spans: List[Span], slots: int) -> dict:
     tid = {row: i for i, row in enumerate(rows)}
     events = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "layerstream"}}]
     events += [{"ph": "M", "name": "thread_name", "pid": 1, "tid": tid[row], "args": {"name": row}} for row in rows]
-    events += [{"ph": "M", "name": "thread_sort_index", "pid": 1, "tid": tid[row], "args": {"sort_index": tid[row]}}
-               for row in rows]
+    events += [
+        {"ph": "M", "name": "thread_sort_index", "pid": 1, "tid": tid[row], "args": {"sort_index": tid[row]}}
+        for row in rows
+    ]
     for span in spans:
-        name = {"copy": f"copy layer {span.layer} -> slot {span.slot}",
-                "hold": f"layer {span.layer}"}.get(span.kind, f"{span.kind} layer {span.layer}")
-        events.append({"ph": "X", "pid": 1, "tid": tid[span.row], "name": name, "cat": span.kind,
-                       "ts": span.start_ms * 1000.0, "dur": max(span.end_ms - span.start_ms, 0.0) * 1000.0,
-                       "args": {"layer": span.layer, "slot": span.slot}})
+        name = {"copy": f"copy layer {span.layer} -> slot {span.slot}", "hold": f"layer {span.layer}"}.get(
+            span.kind, f"{span.kind} layer {span.layer}"
+        )
+        events.append(
+            {
+                "ph": "X",
+                "pid": 1,
+                "tid": tid[span.row],
+                "name": name,
+                "cat": span.kind,
+                "ts": span.start_ms * 1000.0,
+                "dur": max(span.end_ms - span.start_ms, 0.0) * 1000.0,
+                "args": {"layer": span.layer, "slot": span.slot},
+            }
+        )
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
-_COLOURS = {"forward": "#3a7bd5", "backward": "#d5563a", "inference": "#3a9d5d",
-            "copy": "#8e6bbf", "hold": "#d9d9d9"}
+_COLOURS = {"forward": "#3a7bd5", "backward": "#d5563a", "inference": "#3a9d5d", "copy": "#8e6bbf", "hold": "#d9d9d9"}
 
 
 def plot(spans: List[Span], slots: int, path: str, title: str = "") -> bool:
@@ -111,8 +123,9 @@ def plot(spans: List[Span], slots: int, path: str, title: str = "") -> bool:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        logger.warning("layerstream: the residency plot needs matplotlib (pip install 'layerstream[plot]'); "
-                       "wrote the trace only")
+        logger.warning(
+            "layerstream: the residency plot needs matplotlib (pip install 'layerstream[plot]'); wrote the trace only"
+        )
         return False
     rows = ["compute", "copy"] + [f"slot {s}" for s in range(slots)]
     y = {row: len(rows) - 1 - i for i, row in enumerate(rows)}
@@ -120,18 +133,36 @@ def plot(spans: List[Span], slots: int, path: str, title: str = "") -> bool:
     fig, ax = plt.subplots(figsize=(14, 1.2 + 0.55 * len(rows)))
     for span in spans:
         width = max(span.end_ms - span.start_ms, end * 1e-4)
-        ax.broken_barh([(span.start_ms, width)], (y[span.row] - 0.4, 0.8),
-                       facecolors=_COLOURS.get(span.kind, "#999999"),
-                       edgecolors="white" if span.kind == "hold" else "none", linewidth=0.5)
+        ax.broken_barh(
+            [(span.start_ms, width)],
+            (y[span.row] - 0.4, 0.8),
+            facecolors=_COLOURS.get(span.kind, "#999999"),
+            edgecolors="white" if span.kind == "hold" else "none",
+            linewidth=0.5,
+        )
         if width > end / 80:
-            ax.text(span.start_ms + width / 2, y[span.row], str(span.layer), ha="center", va="center",
-                    fontsize=6, color="black" if span.kind == "hold" else "white")
+            ax.text(
+                span.start_ms + width / 2,
+                y[span.row],
+                str(span.layer),
+                ha="center",
+                va="center",
+                fontsize=6,
+                color="black" if span.kind == "hold" else "white",
+            )
     ax.set_yticks([y[r] for r in rows], rows)
     ax.set_xlim(0, end)
     ax.set_xlabel("ms since the step began")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in _COLOURS.values()]
-    ax.legend(handles, ["forward", "backward (recompute)", "inference", "copy", "slot holds layer"],
-              loc="upper center", bbox_to_anchor=(0.5, -0.25 - 0.02 * len(rows)), ncol=5, fontsize=8, frameon=False)
+    ax.legend(
+        handles,
+        ["forward", "backward (recompute)", "inference", "copy", "slot holds layer"],
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.25 - 0.02 * len(rows)),
+        ncol=5,
+        fontsize=8,
+        frameon=False,
+    )
     ax.set_title(title or "layerstream: one step, layer number on each bar", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -157,8 +188,6 @@ def write(spans: List[Span], slots: int, directory: str, title: str = "") -> Lis
 def recorded(runtime, directory: Optional[str] = None):
     """Record the steps run inside the block; write the trace and plot to ``directory``.
     Yields a list that holds the spans once the block ends."""
-    from .report import timeline_title
-
     spans: list = []
     runtime.start_timeline()
     try:
@@ -166,4 +195,12 @@ def recorded(runtime, directory: Optional[str] = None):
     finally:
         spans.extend(runtime.finish_timeline())
     if directory is not None:
-        write(spans, runtime.slot_rows, directory, timeline_title(runtime))
+        write(spans, runtime.slot_rows, directory, title(runtime))
+
+
+def title(runtime) -> str:
+    """The plot's title for a streamed model."""
+    return (
+        f"layerstream: {len(runtime.records)} layers, {runtime.config.slots} slots, prefetch "
+        f"{runtime.config.prefetch}, on {runtime.device}; layer number on each bar"
+    )

@@ -19,12 +19,19 @@ from typing import Any, Dict, List, Optional
 
 import yaml
 
-from .config import StreamConfig, config_from_settings, resolve_device, settings, setting_default_text
+from .config import StreamConfig, config_from_settings, resolve_device, setting_default_text, settings
 from .errors import StreamConfigError, TrainConfigError
 
 SECTIONS: Dict[str, Dict[str, Any]] = {
-    "model": {"name": "embedded-tiny", "layers": 6, "hidden_size": 128, "dtype": "float32",
-              "quantization": "none", "trust_remote_code": False, "config": None},
+    "model": {
+        "name": "embedded-tiny",
+        "layers": 6,
+        "hidden_size": 128,
+        "dtype": "float32",
+        "quantization": "none",
+        "trust_remote_code": False,
+        "config": None,
+    },
     "lora": {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": "all-linear"},
     "data": {"path": "embedded", "eval_rows": 0},
     # every StreamConfig setting, under its own name (config.settings); device "auto": CUDA when there is one
@@ -32,9 +39,11 @@ SECTIONS: Dict[str, Dict[str, Any]] = {
     "training": {},  # any TRL SFTConfig / transformers TrainingArguments field
 }
 # keys of earlier configs, and what they are now
-_RENAMED = {"vram": "stream.vram_budget (the resident window is on by default; 'none' streams every layer)",
-            "resident_window": "stream.vram_budget (the resident window is on whenever there is a budget; "
-                               "'none' streams every layer)"}
+_RENAMED = {
+    "vram": "stream.vram_budget (the resident window is on by default; 'none' streams every layer)",
+    "resident_window": "stream.vram_budget (the resident window is on whenever there is a budget; "
+    "'none' streams every layer)",
+}
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -124,8 +133,10 @@ def validate(raw: Dict[str, Any], where: str = "config") -> Dict[str, Dict[str, 
     if not any(text.strip() for text in config["rows"][: len(config["rows"]) - data["eval_rows"]]):
         raise TrainConfigError(f"{where}: data.eval_rows={data['eval_rows']} leaves only empty texts to train on")
     if arguments.eval_strategy != "no" and not data["eval_rows"]:
-        raise TrainConfigError(f"{where}: training.eval_strategy={training.get('eval_strategy')!r} evaluates on "
-                               "data.eval_rows, which is 0: hold out some rows, or set training.eval_strategy: no")
+        raise TrainConfigError(
+            f"{where}: training.eval_strategy={training.get('eval_strategy')!r} evaluates on "
+            "data.eval_rows, which is 0: hold out some rows, or set training.eval_strategy: no"
+        )
     _check_target_modules(config, where)
     check_fits(config, where)
     return config
@@ -166,17 +177,19 @@ def _check_model(config, given: dict[str, Any], where: str) -> None:
     if not isinstance(name, str) or not name:
         raise TrainConfigError(f"{where}: model.name={name!r} must be embedded-tiny, a local directory or a hub id")
     if not isinstance(model["trust_remote_code"], bool):
-        raise TrainConfigError(f"{where}: model.trust_remote_code={model['trust_remote_code']!r} "
-                               "must be true or false")
+        raise TrainConfigError(f"{where}: model.trust_remote_code={model['trust_remote_code']!r} must be true or false")
     shape = model["config"]
     if shape is not None and (not isinstance(shape, str) or not Path(shape).exists()):
-        raise TrainConfigError(f"{where}: model.config={shape!r}: no such file (the model's config.json, "
-                               "relative to the YAML file)")
+        raise TrainConfigError(
+            f"{where}: model.config={shape!r}: no such file (the model's config.json, relative to the YAML file)"
+        )
     if name != "embedded-tiny":
         ignored = sorted({"layers", "hidden_size"} & set(given))
         if ignored:
-            raise TrainConfigError(f"{where}: model.{ignored[0]} shapes the embedded tiny model only; "
-                                   f"{name}'s own config sets its shape: remove it")
+            raise TrainConfigError(
+                f"{where}: model.{ignored[0]} shapes the embedded tiny model only; "
+                f"{name}'s own config sets its shape: remove it"
+            )
         if name.startswith(("/", "./", "../", "~")) or name in (".", "..") or name.count("/") > 1:
             local = Path(name).expanduser()  # a path, never a hub id: do not ask the hub for it
             if not local.is_dir():
@@ -195,9 +208,11 @@ def _check_model(config, given: dict[str, Any], where: str) -> None:
         raise TrainConfigError(f"{where}: model.hidden_size={model['hidden_size']}: {reason}") from None
     heads = shape.num_attention_heads
     if (model["hidden_size"] // heads) % 2:
-        raise TrainConfigError(f"{where}: model.hidden_size={model['hidden_size']} gives each of the {heads} "
-                               "attention heads an odd width, which the rotary embedding cannot split: "
-                               f"use a multiple of {2 * heads}")
+        raise TrainConfigError(
+            f"{where}: model.hidden_size={model['hidden_size']} gives each of the {heads} "
+            "attention heads an odd width, which the rotary embedding cannot split: "
+            f"use a multiple of {2 * heads}"
+        )
 
 
 def _scalar_type(annotation):
@@ -220,8 +235,9 @@ def _check_training_types(training: dict[str, Any], where: str) -> None:
         if training.get(key) is False:  # YAML 1.1 reads an unquoted `no` as false
             training[key] = "no"
         elif training.get(key) is True:
-            raise TrainConfigError(f"{where}: training.{key}=true: YAML reads yes, on and true as a boolean; "
-                                   "write steps, epoch or no")
+            raise TrainConfigError(
+                f"{where}: training.{key}=true: YAML reads yes, on and true as a boolean; write steps, epoch or no"
+            )
     fields = {f.name: f.type for f in dataclasses.fields(SFTConfig)}
     for key, value in training.items():
         scalar = _scalar_type(fields[key])
@@ -249,11 +265,15 @@ def _check_training_values(arguments, training: dict[str, Any], where: str) -> N
     if not arguments.learning_rate >= 0 or math.isinf(arguments.learning_rate):
         raise TrainConfigError(f"{where}: training.learning_rate={arguments.learning_rate!r} must be a number >= 0")
     if arguments.max_steps != -1 and arguments.max_steps < 1:
-        raise TrainConfigError(f"{where}: training.max_steps={arguments.max_steps!r} must be >= 1, "
-                               "or -1 to train for training.num_train_epochs")
+        raise TrainConfigError(
+            f"{where}: training.max_steps={arguments.max_steps!r} must be >= 1, "
+            "or -1 to train for training.num_train_epochs"
+        )
     if arguments.max_steps == -1 and not arguments.num_train_epochs > 0:
-        raise TrainConfigError(f"{where}: training.num_train_epochs={arguments.num_train_epochs!r} trains no step "
-                               "(training.max_steps is -1): make it > 0, or set training.max_steps")
+        raise TrainConfigError(
+            f"{where}: training.num_train_epochs={arguments.num_train_epochs!r} trains no step "
+            "(training.max_steps is -1): make it > 0, or set training.max_steps"
+        )
     out = training.get("output_dir")
     if out is None:
         return
@@ -278,9 +298,12 @@ def _check_target_modules(config, where: str) -> None:
     if targets == "all-linear":
         return
     if not (isinstance(targets, str) and targets) and not (
-            isinstance(targets, list) and targets and all(isinstance(t, str) and t for t in targets)):
-        raise TrainConfigError(f"{where}: lora.target_modules={targets!r}: write all-linear, a list of module "
-                               "names, e.g. [q_proj, v_proj], or one regular expression")
+        isinstance(targets, list) and targets and all(isinstance(t, str) and t for t in targets)
+    ):
+        raise TrainConfigError(
+            f"{where}: lora.target_modules={targets!r}: write all-linear, a list of module "
+            "names, e.g. [q_proj, v_proj], or one regular expression"
+        )
     import torch
     from peft import LoraConfig, inject_adapter_in_model
     from peft.tuners.tuners_utils import check_target_module_exists
@@ -291,20 +314,33 @@ def _check_target_modules(config, where: str) -> None:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(shape, trust_remote_code=config["model"]["trust_remote_code"])
     except (*_config_errors(), KeyError, ImportError) as exc:  # the run could not build it either
-        raise TrainConfigError(f"{where}: cannot check lora.target_modules against the model ({exc}); point "
-                               "model.config at the model's config.json") from None
+        raise TrainConfigError(
+            f"{where}: cannot check lora.target_modules against the model ({exc}); point "
+            "model.config at the model's config.json"
+        ) from None
     modules = dict(model.named_modules())
     linear = sorted({key.rsplit(".", 1)[-1] for key, module in modules.items() if isinstance(module, torch.nn.Linear)})
     regex = isinstance(targets, str)  # PEFT matches a string as one regular expression
-    each = {targets: LoraConfig(target_modules=targets)} if regex else \
-        {name: LoraConfig(target_modules=[name]) for name in targets}
+    each = (
+        {targets: LoraConfig(target_modules=targets)}
+        if regex
+        else {name: LoraConfig(target_modules=[name]) for name in targets}
+    )
     missing = [name for name, one in each.items() if not any(check_target_module_exists(one, key) for key in modules)]
     if missing:
         example = next(key for key, module in modules.items() if isinstance(module, torch.nn.Linear))
-        hint = (f" (one string is one regular expression over whole names such as {example}; for names, "
-                "write a list: [q_proj, v_proj])") if regex else ""
-        raise TrainConfigError(f"{where}: lora.target_modules: {', '.join(map(repr, missing))} matches no module "
-                               f"of the model{hint}; its linear layers are {linear}")
+        hint = (
+            (
+                f" (one string is one regular expression over whole names such as {example}; for names, "
+                "write a list: [q_proj, v_proj])"
+            )
+            if regex
+            else ""
+        )
+        raise TrainConfigError(
+            f"{where}: lora.target_modules: {', '.join(map(repr, missing))} matches no module "
+            f"of the model{hint}; its linear layers are {linear}"
+        )
     lora = LoraConfig(target_modules=targets)
     matched = {}
     for key, module in modules.items():
@@ -314,8 +350,10 @@ def _check_target_modules(config, where: str) -> None:
         try:
             inject_adapter_in_model(LoraConfig(target_modules=[key]), model, low_cpu_mem_usage=True)
         except ValueError:
-            raise TrainConfigError(f"{where}: lora.target_modules={targets!r} matches {key or 'the whole model'}, "
-                                   f"a {kind}, which LoRA cannot adapt: name single layers, e.g. {linear}") from None
+            raise TrainConfigError(
+                f"{where}: lora.target_modules={targets!r} matches {key or 'the whole model'}, "
+                f"a {kind}, which LoRA cannot adapt: name single layers, e.g. {linear}"
+            ) from None
 
 
 def _vram_budget(config, where: str) -> Optional[int]:
@@ -337,9 +375,13 @@ def model_config(config, tokenizer=None):
     return load_config(model["config"] or model["name"])
 
 
-_FLAG_TO_KEY = (("--quantization ", "model.quantization: "), ("--slots ", "stream.slots: "),
-                ("--stream-embeddings (StreamConfig(stream_embeddings=True))", "stream.stream_embeddings: true"),
-                ("--seq to ", "training.max_length to "), ("--batch to ", "training.per_device_train_batch_size to "))
+_FLAG_TO_KEY = (
+    ("--quantization ", "model.quantization: "),
+    ("--slots ", "stream.slots: "),
+    ("--stream-embeddings (StreamConfig(stream_embeddings=True))", "stream.stream_embeddings: true"),
+    ("--seq to ", "training.max_length to "),
+    ("--batch to ", "training.per_device_train_batch_size to "),
+)
 
 
 def _config_names(advice: str) -> str:
@@ -364,22 +406,31 @@ def check_fits(config, where: str = "config") -> None:
     targets = config["lora"]["target_modules"]
     targets = targets if isinstance(targets, str) else ",".join(targets)
     try:
-        memory = plan.make_plan(model_config(config), seq=seq, batch=batch, vram_bytes=budget,
-                                quantization=config["model"]["quantization"], dtype=config["model"]["dtype"],
-                                lora_rank=config["lora"]["r"],
-                                slots=None if "slots" in stream.automatic else stream.slots,
-                                lora_targets=targets, stream_embeddings=stream.stream_embeddings)
+        memory = plan.make_plan(
+            model_config(config),
+            seq=seq,
+            batch=batch,
+            vram_bytes=budget,
+            quantization=config["model"]["quantization"],
+            dtype=config["model"]["dtype"],
+            lora_rank=config["lora"]["r"],
+            slots=None if "slots" in stream.automatic else stream.slots,
+            lora_targets=targets,
+            stream_embeddings=stream.stream_embeddings,
+        )
     except (ValueError, OSError) as exc:
         raise TrainConfigError(
             f"{where}: cannot plan this run: {exc}. Point model.config at the model's config.json "
-            "to plan without the hub") from None
+            "to plan without the hub"
+        ) from None
     if not memory.fits:
         advice = "\n".join(f"  - {_config_names(line)}" for line in memory.advice)
         raise TrainConfigError(
             f"{where}: this run does not fit in {budget / 2**30:.1f} GiB of GPU memory even when streamed: "
             f"the planner predicts a peak of {memory.peak_vram_bytes / 2**30:.2f} GiB plus "
             f"{memory.reserve_bytes / 2**30:.1f} GiB reserve at batch {batch} x {seq} tokens "
-            f"with {memory.slots} slots. What would make it fit:\n{advice}")
+            f"with {memory.slots} slots. What would make it fit:\n{advice}"
+        )
 
 
 def training_arguments(config) -> Dict[str, Any]:
@@ -433,12 +484,14 @@ def read_rows(path: str) -> list[str]:
             texts.append(f"Q: {row['instruction']}\nA: {row['response']}")
         else:
             raise TrainConfigError(
-                f"{source}:{number}: each row needs a 'text' string, or 'instruction' and 'response' strings")
+                f"{source}:{number}: each row needs a 'text' string, or 'instruction' and 'response' strings"
+            )
     if not texts:
         raise TrainConfigError(f"dataset file {source} has no rows")
     if not any(text.strip() for text in texts):  # SFT would train to loss 0.0 and save an adapter
-        raise TrainConfigError(f"dataset file {source} (data.path): every text is empty or whitespace, "
-                               "so there is nothing to predict")
+        raise TrainConfigError(
+            f"dataset file {source} (data.path): every text is empty or whitespace, so there is nothing to predict"
+        )
     return texts
 
 
@@ -464,24 +517,35 @@ def run(config: Dict[str, Dict[str, Any]]):
     else:
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(model_section["name"],
-                                                  trust_remote_code=model_section["trust_remote_code"])
+        tokenizer = AutoTokenizer.from_pretrained(
+            model_section["name"], trust_remote_code=model_section["trust_remote_code"]
+        )
         quantization = None if model_section["quantization"] == "none" else model_section["quantization"]
-        model = from_pretrained(model_section["name"], quantization=quantization, torch_dtype=dtype,
-                                stream=stream, trust_remote_code=model_section["trust_remote_code"])
+        model = from_pretrained(
+            model_section["name"],
+            quantization=quantization,
+            torch_dtype=dtype,
+            stream=stream,
+            trust_remote_code=model_section["trust_remote_code"],
+        )
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = get_peft_model(model, LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
-                                             target_modules=lora["target_modules"]))
+    model = get_peft_model(
+        model,
+        LoraConfig(
+            r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"], target_modules=lora["target_modules"]
+        ),
+    )
     if not api.is_streamed(model):
         api.stream_model(model, stream)
     rows = config["rows"]
     held = config["data"]["eval_rows"]
     train = Dataset.from_list([{"text": t} for t in rows[: len(rows) - held]])
-    evaluation = Dataset.from_list([{"text": t} for t in rows[len(rows) - held:]]) if held else None
+    evaluation = Dataset.from_list([{"text": t} for t in rows[len(rows) - held :]]) if held else None
     args = SFTConfig(**training_arguments(config))
-    trainer = SFTTrainer(model=model, args=args, train_dataset=train, eval_dataset=evaluation,
-                         processing_class=tokenizer)
+    trainer = SFTTrainer(
+        model=model, args=args, train_dataset=train, eval_dataset=evaluation, processing_class=tokenizer
+    )
     trainer.train()
     trainer.save_model()
     trainer.save_state()

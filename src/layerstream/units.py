@@ -47,13 +47,22 @@ def gib(nbytes: float) -> str:
     return f"{nbytes / GiB:.2f} GiB"
 
 
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": KiB, "mib": MiB, "gib": GiB, "tib": 1 << 40}
+_UNITS = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": KiB,
+    "mib": MiB,
+    "gib": GiB,
+    "tib": 1 << 40,
+}
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 
 def parse_bytes(text: Union[str, int]) -> int:
-    """"16GiB" (2**30), "24GB" (10**9), "1.5GiB", "512MiB", "16000000000" -> bytes."""
+    """ "16GiB" (2**30), "24GB" (10**9), "1.5GiB", "512MiB", "16000000000" -> bytes."""
     if isinstance(text, bool):
         raise ValueError(f"not a size: {text!r}")
     if isinstance(text, int):
@@ -65,11 +74,11 @@ def parse_bytes(text: Union[str, int]) -> int:
         raise ValueError(f"not a size: {text!r}; write a number with a unit, e.g. 16GiB, 24GB, 1.5GiB")
     number, unit = match.group(1), match.group(2).lower()
     if unit in ("k", "m", "g", "t"):
-        raise ValueError(f"ambiguous unit in {text!r}: write {unit.upper()}iB (powers of 1024) "
-                         f"or {unit.upper()}B (powers of 1000)")
+        raise ValueError(
+            f"ambiguous unit in {text!r}: write {unit.upper()}iB (powers of 1024) or {unit.upper()}B (powers of 1000)"
+        )
     if unit not in _UNITS and unit:
-        raise ValueError(f"unknown unit {match.group(2)!r} in {text!r}; "
-                         "use B, KB, MB, GB, TB, KiB, MiB, GiB or TiB")
+        raise ValueError(f"unknown unit {match.group(2)!r} in {text!r}; use B, KB, MB, GB, TB, KiB, MiB, GiB or TiB")
     value = float(number) * _UNITS.get(unit, 1)
     if not value.is_integer() and not unit:
         raise ValueError(f"{text!r} is not a whole number of bytes")

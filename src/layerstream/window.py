@@ -73,8 +73,7 @@ class WindowSizer:
         """Peak reserved bytes of a step of ``tokens`` tokens with ``window`` layers, from
         the reference step; activations grow linearly with the tokens of a step."""
         reference = self.reference
-        peak = (reference.peak_allocated + self.overhead + (window - reference.window) * self.layer_bytes
-                + self.excess)
+        peak = reference.peak_allocated + self.overhead + (window - reference.window) * self.layer_bytes + self.excess
         if tokens > reference.tokens:
             peak += math.ceil(reference.transient * (tokens / reference.tokens - 1))
         return peak

@@ -30,11 +30,37 @@ logger = logging.getLogger(__name__)
 _original = None  # PreTrainedModel.__dict__["from_pretrained"] before install
 # arguments the loader takes, and arguments that only say how transformers should fetch or
 # place the files, which the loader's own reading makes moot
-_TAKEN = {"dtype", "torch_dtype", "device_map", "quantization_config", "attn_implementation",
-          "trust_remote_code", "revision", "load_in_4bit", "load_in_8bit", "config"}
-_MOOT = {"low_cpu_mem_usage", "use_safetensors", "_from_auto", "_from_pipeline", "local_files_only",
-         "cache_dir", "token", "force_download", "proxies", "max_memory", "offload_folder",
-         "offload_state_dict", "offload_buffers", "_commit_hash", "subfolder", "variant", "use_kernels"}
+_TAKEN = {
+    "dtype",
+    "torch_dtype",
+    "device_map",
+    "quantization_config",
+    "attn_implementation",
+    "trust_remote_code",
+    "revision",
+    "load_in_4bit",
+    "load_in_8bit",
+    "config",
+}
+_MOOT = {
+    "low_cpu_mem_usage",
+    "use_safetensors",
+    "_from_auto",
+    "_from_pipeline",
+    "local_files_only",
+    "cache_dir",
+    "token",
+    "force_download",
+    "proxies",
+    "max_memory",
+    "offload_folder",
+    "offload_state_dict",
+    "offload_buffers",
+    "_commit_hash",
+    "subfolder",
+    "variant",
+    "use_kernels",
+}
 
 
 def install() -> None:
@@ -70,8 +96,14 @@ def is_causal_lm(cls) -> bool:
 
 
 def _from_pretrained(cls, pretrained_model_name_or_path=None, *model_args, **kwargs):
-    if (not launch.active() or model_args or pretrained_model_name_or_path is None or not is_causal_lm(cls)
-            or kwargs.get("state_dict") is not None or kwargs.get("gguf_file") is not None):
+    if (
+        not launch.active()
+        or model_args
+        or pretrained_model_name_or_path is None
+        or not is_causal_lm(cls)
+        or kwargs.get("state_dict") is not None
+        or kwargs.get("gguf_file") is not None
+    ):
         return _plain(cls, pretrained_model_name_or_path, *model_args, **kwargs)
     return load(cls, pretrained_model_name_or_path, **kwargs)
 
@@ -81,8 +113,9 @@ def _quantization(kwargs):
 
     config = kwargs.get("quantization_config")
     if config is None and (kwargs.get("load_in_4bit") or kwargs.get("load_in_8bit")):
-        config = BitsAndBytesConfig(load_in_4bit=bool(kwargs.get("load_in_4bit")),
-                                    load_in_8bit=bool(kwargs.get("load_in_8bit")))
+        config = BitsAndBytesConfig(
+            load_in_4bit=bool(kwargs.get("load_in_4bit")), load_in_8bit=bool(kwargs.get("load_in_8bit"))
+        )
     return config
 
 
@@ -107,24 +140,37 @@ def load(cls, path, **kwargs):
     if reason is None:
         try:
             model = loading.from_pretrained(
-                path, dtype=kwargs.get("dtype", kwargs.get("torch_dtype", "auto")) or "auto",
-                quantization_config=quantization, stream=stream,
-                trust_remote_code=bool(kwargs.get("trust_remote_code")), revision=kwargs.get("revision"),
-                attn_implementation=kwargs.get("attn_implementation"), model_class=cls, config=config)
+                path,
+                dtype=kwargs.get("dtype", kwargs.get("torch_dtype", "auto")) or "auto",
+                quantization_config=quantization,
+                stream=stream,
+                trust_remote_code=bool(kwargs.get("trust_remote_code")),
+                revision=kwargs.get("revision"),
+                attn_implementation=kwargs.get("attn_implementation"),
+                model_class=cls,
+                config=config,
+            )
         except LoadingError as exc:
             if not getattr(exc, "transformers_can_load", False):
                 raise
             reason = str(exc).split(".")[0]
     if model is None:
-        logger.warning("layerstream: %s is %s; transformers loads it into host memory (device_map='cpu'), "
-                       "then its layers stream. That needs the whole model in host RAM once.", path, reason)
+        logger.warning(
+            "layerstream: %s is %s; transformers loads it into host memory (device_map='cpu'), "
+            "then its layers stream. That needs the whole model in host RAM once.",
+            path,
+            reason,
+        )
         plain = dict(kwargs, device_map="cpu")
         model = _plain(cls, path, **plain)
         model = stream_model(model, stream)
     _place(model, target)
-    logger.warning("layerstream: %s loaded streamed: decoder layers in host memory (%s), the rest on %s",
-                   path, "NF4" if getattr(model, "is_loaded_in_4bit", False) else str(model.dtype),
-                   target if target is not None else "the host until the Trainer places it")
+    logger.warning(
+        "layerstream: %s loaded streamed: decoder layers in host memory (%s), the rest on %s",
+        path,
+        "NF4" if getattr(model, "is_loaded_in_4bit", False) else str(model.dtype),
+        target if target is not None else "the host until the Trainer places it",
+    )
     return model
 
 
@@ -138,8 +184,9 @@ def _config(cls, path, kwargs, extra):
         from transformers import AutoConfig
 
         try:
-            config = AutoConfig.from_pretrained(path, trust_remote_code=bool(kwargs.get("trust_remote_code")),
-                                                revision=kwargs.get("revision"))
+            config = AutoConfig.from_pretrained(
+                path, trust_remote_code=bool(kwargs.get("trust_remote_code")), revision=kwargs.get("revision")
+            )
         except (OSError, ValueError):
             return None  # the loader reports what is wrong with the checkpoint
     config = copy.deepcopy(config)

@@ -131,8 +131,10 @@ def _write_back(runtime, record, positions, bound) -> None:
             target = record.arena_views[at]
             if tuple(value.shape) != tuple(target.shape) or value.dtype != target.dtype:
                 _put_back(record, positions, bound)
-                raise RuntimeError(f"a merge changed the shape or dtype of {record.entries[at].qualified_name}; "
-                                   "layerstream cannot stream it so: unstream_model before merging")
+                raise RuntimeError(
+                    f"a merge changed the shape or dtype of {record.entries[at].qualified_name}; "
+                    "layerstream cannot stream it so: unstream_model before merging"
+                )
             with torch.no_grad():
                 target.copy_(value.detach())
         if bound[position] is host:  # outside the layer's call: the host tensor goes back in

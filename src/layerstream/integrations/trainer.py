@@ -32,7 +32,7 @@ from torch import nn
 
 from .. import report, timeline
 from ..api import get_runtime, is_streamed, on_stream, stream_model
-from ..config import BUDGET, COUNT, DEVICE, FLAG, SIZE, TRISTATE, config_from_settings, settings, setting_default_text
+from ..config import BUDGET, COUNT, DEVICE, FLAG, SIZE, TRISTATE, config_from_settings, setting_default_text, settings
 from ..errors import StreamingError
 from ..meter import wanted_bytes
 from . import launch
@@ -100,8 +100,11 @@ def _auto_stream(model, training_args) -> None:
     runtime = get_runtime(model)
     if device is not None and not launch.explicit_device() and device != runtime.device:
         if device.type == "cpu" or device.type == "cuda":
-            logger.warning("layerstream: the Trainer trains on %s; the model streamed to %s at load time "
-                           "moves there.", device, runtime.device)
+            logger.warning(
+                "layerstream: the Trainer trains on %s; the model streamed to %s at load time moves there.",
+                device,
+                runtime.device,
+            )
             runtime.move_to(device)
             if device.type == "cpu":
                 model.to("cpu")
@@ -149,10 +152,15 @@ def _training_step_with_retry(original, trainer, model, args, kwargs):
             wanted = wanted_bytes(exc) or 0
         # outside the except block: the failed step's frames and tensors are gone
         if not runtime.recover_from_oom(wanted):
-            raise StreamingError("layerstream: a training step ran out of memory and the resident window "
-                                 "cannot shrink further; see the advice above")
-        logger.warning("layerstream: a training step ran out of memory; the resident window shrank to %d "
-                       "layers and the step runs again from where it started.", len(runtime.window))
+            raise StreamingError(
+                "layerstream: a training step ran out of memory and the resident window "
+                "cannot shrink further; see the advice above"
+            )
+        logger.warning(
+            "layerstream: a training step ran out of memory; the resident window shrank to %d "
+            "layers and the step runs again from where it started.",
+            len(runtime.window),
+        )
         state.restore(runtime.device)
 
 
@@ -177,7 +185,8 @@ def install() -> None:
                 "in nn.DataParallel, which copies it to every GPU on each step; streamed layers stay "
                 f"on {get_runtime(self.model).device}. Launch one process per GPU "
                 "(accelerate launch --num_processes N, or torchrun), or make one GPU visible "
-                "with CUDA_VISIBLE_DEVICES.")
+                "with CUDA_VISIBLE_DEVICES."
+            )
         if self.model is not None and is_streamed(self.model):
             self._layerstream_window = _LogWindow(get_runtime(self.model))  # counts from here
             if not any(isinstance(cb, StreamStatsCallback) for cb in self.callback_handler.callbacks):
@@ -215,10 +224,14 @@ def predicted_vram(model, args) -> str:
     try:
         if seq:
             peak = runtime.memory_plan(batch, int(seq)).peak_vram_bytes
-            return f"  predicted    peak VRAM {peak / 2**30:.2f} GiB at batch {batch} x {seq} tokens, every layer streamed"
+            return (
+                f"  predicted    peak VRAM {peak / 2**30:.2f} GiB at batch {batch} x {seq} tokens, every layer streamed"
+            )
         short, long = (runtime.memory_plan(batch, n).peak_vram_bytes for n in (512, 2048))
-        return (f"  predicted    peak VRAM {short / 2**30:.2f} GiB at batch {batch} x 512 tokens, "
-                f"{long / 2**30:.2f} GiB at x 2048, every layer streamed")
+        return (
+            f"  predicted    peak VRAM {short / 2**30:.2f} GiB at batch {batch} x 512 tokens, "
+            f"{long / 2**30:.2f} GiB at x 2048, every layer streamed"
+        )
     except ValueError as exc:
         return f"  predicted    peak VRAM not planned ({exc}); see `layerstream plan`"
 
@@ -269,9 +282,12 @@ class StreamStatsCallback(_CallbackBase):
                 runtime.finish_timeline()
             return
         if state.is_world_process_zero and args.output_dir:
-            written = timeline.write(spans, runtime.slot_rows, args.output_dir, report.timeline_title(runtime))
-            logger.warning("layerstream: residency timeline of step %d written to %s",
-                           self._recorded_step(state) + 1, ", ".join(written))
+            written = timeline.write(spans, runtime.slot_rows, args.output_dir, timeline.title(runtime))
+            logger.warning(
+                "layerstream: residency timeline of step %d written to %s",
+                self._recorded_step(state) + 1,
+                ", ".join(written),
+            )
 
     def _recorded_step(self, state) -> int:
         return max(0, min(self.RECORDED_STEP, state.max_steps - 1))
@@ -280,19 +296,33 @@ class StreamStatsCallback(_CallbackBase):
 # -- StreamingArguments: HfArgumentParser fields derived from the StreamConfig fields ------
 def argument_name(setting_name: str) -> str:
     """--layer_stream_<setting>; stream_embeddings reads --layer_stream_embeddings."""
-    return "layer_stream_" + (setting_name[len("stream_"):] if setting_name.startswith("stream_") else setting_name)
+    return "layer_stream_" + (setting_name[len("stream_") :] if setting_name.startswith("stream_") else setting_name)
 
 
 _ARGUMENT_TYPES = {COUNT: str, SIZE: str, BUDGET: str, DEVICE: Optional[str], FLAG: bool, TRISTATE: Optional[bool]}
 
 
 def _streaming_arguments_class():
-    fields = [("layer_stream", bool, dataclasses.field(default=False, metadata={
-        "help": "stream the decoder layers of every model the script loads or trains, from host memory"}))]
+    fields = [
+        (
+            "layer_stream",
+            bool,
+            dataclasses.field(
+                default=False,
+                metadata={
+                    "help": "stream the decoder layers of every model the script loads or trains, from host memory"
+                },
+            ),
+        )
+    ]
     for setting in settings():
-        fields.append((argument_name(setting.name), _ARGUMENT_TYPES[setting.metadata["kind"]],
-                       dataclasses.field(default=setting_default_text(setting),
-                                         metadata={"help": setting.metadata["help"]})))
+        fields.append(
+            (
+                argument_name(setting.name),
+                _ARGUMENT_TYPES[setting.metadata["kind"]],
+                dataclasses.field(default=setting_default_text(setting), metadata={"help": setting.metadata["help"]}),
+            )
+        )
 
     def __post_init__(self):
         if self.layer_stream:
@@ -302,8 +332,10 @@ def _streaming_arguments_class():
         """The launcher settings these flags give (StreamConfig field -> parsed value)."""
         from ..config import parse_setting
 
-        return {s.name: parse_setting(s.name, getattr(self, argument_name(s.name)), "--" + argument_name(s.name))
-                for s in settings()}
+        return {
+            s.name: parse_setting(s.name, getattr(self, argument_name(s.name)), "--" + argument_name(s.name))
+            for s in settings()
+        }
 
     def to_config(self):
         values = self.settings()
@@ -311,9 +343,13 @@ def _streaming_arguments_class():
             values["device"] = launch.default_device()
         return config_from_settings({}, **values)
 
-    namespace = {"__post_init__": __post_init__, "settings": settings_, "to_config": to_config,
-                 "__doc__": "HfArgumentParser flags: ``--layer_stream`` streams every model the script loads "
-                            "or trains; ``--layer_stream_<setting>`` for each StreamConfig setting."}
+    namespace = {
+        "__post_init__": __post_init__,
+        "settings": settings_,
+        "to_config": to_config,
+        "__doc__": "HfArgumentParser flags: ``--layer_stream`` streams every model the script loads "
+        "or trains; ``--layer_stream_<setting>`` for each StreamConfig setting.",
+    }
     cls = dataclasses.make_dataclass("StreamingArguments", fields, namespace=namespace)
     cls.__module__ = "layerstream"
     return cls

@@ -27,7 +27,6 @@ Layer shapes follow the transformers modeling code of the families named in
 plan says so in its notes.
 """
 
-
 from ..units import ALIGN, GiB, parse_bytes  # noqa: F401  (re-exported)
 from .lora import LoraTargets  # noqa: F401
 from .memory import *  # noqa: F401,F403

@@ -7,9 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Sequence, Tuple
 
-
-from .shapes import LinearShape, ParamShape, LayerShape, _get, _text_config  # noqa: F401
-
+from .shapes import LayerShape, LinearShape, ParamShape, _get, _text_config  # noqa: F401
 
 
 @dataclass
@@ -24,8 +22,7 @@ class LoraTargets:
         """LoRA parameters: r*(in+out) per linear; for a Parameter of ``experts``
         stacked (out, in) matrices, lora_A is (r*experts, in) and lora_B (out, r*experts)."""
         count = sum(rank * (lin.in_features + lin.out_features) for lin in self.linears)
-        return count + sum(rank * mult * p.experts * (p.in_features + p.out_features)
-                           for p, mult in self.params)
+        return count + sum(rank * mult * p.experts * (p.in_features + p.out_features) for p, mult in self.params)
 
 
 # PEFT 0.21 rewrites LoRA targets of MoE models whose experts transformers 5 fused into
@@ -33,11 +30,24 @@ class LoraTargets:
 # module names become target_parameters, "all-linear" included. Keyed by model_type:
 # old name -> fused Parameter, and the names fused into one stack.
 _PEFT_MOE_TARGETS: Dict[str, Tuple[Dict[str, str], Tuple[str, ...]]] = {
-    "mixtral": ({"gate": "mlp.gate.weight", "w1": "mlp.experts.gate_up_proj",
-                 "w3": "mlp.experts.gate_up_proj", "w2": "mlp.experts.down_proj"}, ("w1", "w3")),
-    "qwen3_moe": ({"gate": "mlp.gate.weight", "gate_proj": "mlp.experts.gate_up_proj",
-                   "up_proj": "mlp.experts.gate_up_proj", "down_proj": "mlp.experts.down_proj"},
-                  ("gate_proj", "up_proj")),
+    "mixtral": (
+        {
+            "gate": "mlp.gate.weight",
+            "w1": "mlp.experts.gate_up_proj",
+            "w3": "mlp.experts.gate_up_proj",
+            "w2": "mlp.experts.down_proj",
+        },
+        ("w1", "w3"),
+    ),
+    "qwen3_moe": (
+        {
+            "gate": "mlp.gate.weight",
+            "gate_proj": "mlp.experts.gate_up_proj",
+            "up_proj": "mlp.experts.gate_up_proj",
+            "down_proj": "mlp.experts.down_proj",
+        },
+        ("gate_proj", "up_proj"),
+    ),
     # qwen2_moe itself is absent from PEFT 0.21's table: its experts are not adapted
 }
 
@@ -65,8 +75,10 @@ def _lora_targets(config, shapes: Sequence[LayerShape], targets: str) -> List[Lo
     param_names = {mapping[n] for n in names if n in mapping}
     present = [n for n in fused if n in names]
     if 0 < len(present) < len(fused):
-        raise ValueError(f"LoRA target(s) {', '.join(present)} need {', '.join(sorted(set(fused) - set(present)))} "
-                         f"too: {model_type} fuses them into one expert Parameter (PEFT refuses this)")
+        raise ValueError(
+            f"LoRA target(s) {', '.join(present)} need {', '.join(sorted(set(fused) - set(present)))} "
+            f"too: {model_type} fuses them into one expert Parameter (PEFT refuses this)"
+        )
     module_names = [n for n in names if n not in mapping]
 
     def matches(path: str, candidates) -> bool:
@@ -85,8 +97,8 @@ def _lora_targets(config, shapes: Sequence[LayerShape], targets: str) -> List[Lo
             hit = name in mapping and any(layer.params for layer in chosen)
             hit = hit or any(matches(lin.name, [name]) for layer in chosen for lin in layer.linears)
             if not hit:
-                raise ValueError(f"LoRA target {name!r} matches nothing in this model's decoder layers; "
-                                 f"their linear layers are: {', '.join(every)}")
+                raise ValueError(
+                    f"LoRA target {name!r} matches nothing in this model's decoder layers; "
+                    f"their linear layers are: {', '.join(every)}"
+                )
     return chosen
-
-

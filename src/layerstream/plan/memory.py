@@ -10,14 +10,34 @@ import torch
 
 from ..config import DEFAULT_ARENA_BYTES, auto_slots
 from ..schedule import usable_backward_slots
-from ..units import arena_sizes, aligned, GiB
+from ..units import GiB, aligned, arena_sizes
 from ..window import margin_bytes
 from .lora import LoraTargets, _lora_targets
-from .shapes import (ADAMW_STATES, BACKWARD_SLOTS_MAX, DEFAULT_BANDWIDTH_GBPS, DEFAULT_RESERVE_BYTES, KNOWN_FAMILIES,
-                     LORA_BYTES, LOSS_LOGIT_COPIES, STREAM_EMBEDDINGS_ADVICE, STREAM_EMBEDDINGS_ADVICE_SHARE,
-                     _QK_NORM_FAMILIES, LayerShape, _attention_dims, _check_quantization, _embedding_matrices,
-                     _num_experts, _text_config, embedding_bytes, head_bytes, layer_bytes, layer_shapes, parse_dtype,
-                     resident_bytes)
+from .shapes import (
+    _QK_NORM_FAMILIES,
+    ADAMW_STATES,
+    BACKWARD_SLOTS_MAX,
+    DEFAULT_BANDWIDTH_GBPS,
+    DEFAULT_RESERVE_BYTES,
+    KNOWN_FAMILIES,
+    LORA_BYTES,
+    LOSS_LOGIT_COPIES,
+    STREAM_EMBEDDINGS_ADVICE,
+    STREAM_EMBEDDINGS_ADVICE_SHARE,
+    LayerShape,
+    _attention_dims,
+    _check_quantization,
+    _embedding_matrices,
+    _num_experts,
+    _text_config,
+    embedding_bytes,
+    head_bytes,
+    layer_bytes,
+    layer_shapes,
+    parse_dtype,
+    resident_bytes,
+)
+
 
 # -- the plan -----------------------------------------------------------------------------
 @dataclass
@@ -75,8 +95,14 @@ class MemoryPlan:
     @property
     def static_bytes(self) -> int:
         """What lives on the GPU for the whole step."""
-        return (self.resident_bytes + self.slot_bytes + self.lora_bytes + self.lora_grad_bytes
-                + self.optimizer_bytes + self.boundary_bytes)
+        return (
+            self.resident_bytes
+            + self.slot_bytes
+            + self.lora_bytes
+            + self.lora_grad_bytes
+            + self.optimizer_bytes
+            + self.boundary_bytes
+        )
 
     @property
     def loss_phase_bytes(self) -> int:
@@ -143,12 +169,15 @@ def _copies(sizes: Sequence[int], slots: int, backward_slots: int = 0) -> Tuple[
     layers = len(sizes)
     kept_forward = min(layers, slots + backward_slots)
     kept_backward = min(layers, slots)
-    return ((layers - kept_forward) + (layers - kept_backward),
-            sum(sizes[kept_forward:]) + sum(sizes[: layers - kept_backward]))
+    return (
+        (layers - kept_forward) + (layers - kept_backward),
+        sum(sizes[kept_forward:]) + sum(sizes[: layers - kept_backward]),
+    )
 
 
-def backward_slot_count(loss_phase_bytes: int, working_bytes: int, lora_bytes: int,
-                        slot_bytes: int, streamed_layers: int, slots: int) -> int:
+def backward_slot_count(
+    loss_phase_bytes: int, working_bytes: int, lora_bytes: int, slot_bytes: int, streamed_layers: int, slots: int
+) -> int:
     """How many backward slots fit in memory the loss phase needs and the rest of the
     step does not: the loss phase less one layer's recompute and backward, the adapters'
     gradients and the optimizer's temporaries (two more adapter-sized tensors) that come
@@ -165,8 +194,9 @@ def loader_arena_bytes(sizes: Sequence[int], arena_bytes: int) -> int:
     return sum(arena_sizes(list(sizes), arena_bytes))
 
 
-def _working_bytes(config, shape: LayerShape, adapted: LoraTargets, tokens: int,
-                   elem: int, dequantised: bool = False) -> int:
+def _working_bytes(
+    config, shape: LayerShape, adapted: LoraTargets, tokens: int, elem: int, dequantised: bool = False
+) -> int:
     """Activation memory of one layer while backward recomputes and differentiates it.
 
     Per token, what autograd keeps for a transformers decoder layer (sdpa or flash
@@ -212,8 +242,9 @@ def _positive_int(name: str, value) -> int:
     return value
 
 
-def _check_arguments(seq, batch, vram_bytes, lora_rank, bandwidth_gbps, reserve_bytes, slots, backward_slots,
-                     stream_embeddings) -> None:
+def _check_arguments(
+    seq, batch, vram_bytes, lora_rank, bandwidth_gbps, reserve_bytes, slots, backward_slots, stream_embeddings
+) -> None:
     """Refuse arguments no plan can be made of, naming them."""
     _positive_int("seq", seq), _positive_int("batch", batch), _positive_int("vram_bytes", vram_bytes)
     if isinstance(lora_rank, bool) or not isinstance(lora_rank, int) or lora_rank < 0:
@@ -226,8 +257,9 @@ def _check_arguments(seq, batch, vram_bytes, lora_rank, bandwidth_gbps, reserve_
         _positive_int("slots", slots)
         if slots < 2:
             raise ValueError(f"slots={slots}: streaming needs at least 2 slots")
-    if backward_slots is not None and (isinstance(backward_slots, bool) or not isinstance(backward_slots, int)
-                                       or backward_slots < 0):
+    if backward_slots is not None and (
+        isinstance(backward_slots, bool) or not isinstance(backward_slots, int) or backward_slots < 0
+    ):
         raise ValueError(f"backward_slots must be an integer >= 0 or None (auto), got {backward_slots!r}")
     if not isinstance(stream_embeddings, bool):
         raise ValueError(f"stream_embeddings must be True or False, got {stream_embeddings!r}")
@@ -237,34 +269,57 @@ def _notes(model_type, shapes, adapted, lora_rank, lora_targets, quantization) -
     """What a reader of the plan should know about how it was made."""
     notes: List[str] = []
     if model_type not in KNOWN_FAMILIES:
-        notes.append(f"model_type {model_type!r} is not one the planner spells out "
-                     f"({', '.join(KNOWN_FAMILIES)}): its layers were sized as Llama-style "
-                     "layers (q/k/v/o, gated MLP, two RMSNorms)")
-    expert_lora = sum(layer.params_count(lora_rank) - LoraTargets(layer.linears).params_count(lora_rank)
-                      for layer in adapted)
+        notes.append(
+            f"model_type {model_type!r} is not one the planner spells out "
+            f"({', '.join(KNOWN_FAMILIES)}): its layers were sized as Llama-style "
+            "layers (q/k/v/o, gated MLP, two RMSNorms)"
+        )
+    expert_lora = sum(
+        layer.params_count(lora_rank) - LoraTargets(layer.linears).params_count(lora_rank) for layer in adapted
+    )
     if expert_lora:
-        notes.append(f"PEFT adapts the fused experts and routers under lora_targets={lora_targets!r} "
-                     f"({expert_lora / 1e6:.1f}M of the LoRA parameters), and each recomputed layer "
-                     "holds its merged expert weights; name attention modules only (e.g. "
-                     "'q_proj,k_proj,v_proj,o_proj') to leave the experts frozen")
+        notes.append(
+            f"PEFT adapts the fused experts and routers under lora_targets={lora_targets!r} "
+            f"({expert_lora / 1e6:.1f}M of the LoRA parameters), and each recomputed layer "
+            "holds its merged expert weights; name attention modules only (e.g. "
+            "'q_proj,k_proj,v_proj,o_proj') to leave the experts frozen"
+        )
     if quantization == "nf4" and any(shape.sparse for shape in shapes):
-        notes.append("MoE expert weights and routers stay in the compute dtype under NF4: "
-                     "bitsandbytes quantises nn.Linear modules only")
+        notes.append(
+            "MoE expert weights and routers stay in the compute dtype under NF4: "
+            "bitsandbytes quantises nn.Linear modules only"
+        )
     if quantization == "nf4":
-        notes.append("NF4 host RAM assumes layers are quantised as they load: "
-                     "layerstream.from_pretrained(quantization='nf4'), or transformers with "
-                     "BitsAndBytesConfig and device_map='cpu'")
+        notes.append(
+            "NF4 host RAM assumes layers are quantised as they load: "
+            "layerstream.from_pretrained(quantization='nf4'), or transformers with "
+            "BitsAndBytesConfig and device_map='cpu'"
+        )
     return notes
 
 
-def _build(config, seq: int, batch: int, vram_bytes: int, quantization: str, dtype,
-           lora_rank: int, slots: Optional[int], bandwidth_gbps: float, lora_targets: str,
-           reserve_bytes: int, double_quant: bool, arena_bytes: int,
-           stream_embeddings: bool = False, backward_slots: Optional[int] = 0) -> MemoryPlan:
+def _build(
+    config,
+    seq: int,
+    batch: int,
+    vram_bytes: int,
+    quantization: str,
+    dtype,
+    lora_rank: int,
+    slots: Optional[int],
+    bandwidth_gbps: float,
+    lora_targets: str,
+    reserve_bytes: int,
+    double_quant: bool,
+    arena_bytes: int,
+    stream_embeddings: bool = False,
+    backward_slots: Optional[int] = 0,
+) -> MemoryPlan:
     """A plan without advice (advice itself is computed from alternative plans)."""
     config = _text_config(config)
-    _check_arguments(seq, batch, vram_bytes, lora_rank, bandwidth_gbps, reserve_bytes, slots, backward_slots,
-                     stream_embeddings)
+    _check_arguments(
+        seq, batch, vram_bytes, lora_rank, bandwidth_gbps, reserve_bytes, slots, backward_slots, stream_embeddings
+    )
     _check_quantization(quantization)
     dtype = parse_dtype(dtype)
     elem = dtype.itemsize
@@ -272,8 +327,7 @@ def _build(config, seq: int, batch: int, vram_bytes: int, quantization: str, dty
 
     shapes = layer_shapes(config)
     sizes = layer_bytes(config, quantization, dtype, double_quant)
-    adapted = (_lora_targets(config, shapes, lora_targets) if lora_rank
-               else [LoraTargets() for _ in shapes])
+    adapted = _lora_targets(config, shapes, lora_targets) if lora_rank else [LoraTargets() for _ in shapes]
     lora_params = sum(layer.params_count(lora_rank) for layer in adapted)
     tokens = batch * seq
     hidden, vocab = int(config.hidden_size), int(config.vocab_size)
@@ -287,8 +341,10 @@ def _build(config, seq: int, batch: int, vram_bytes: int, quantization: str, dty
     lora_bytes = lora_grads = lora_params * LORA_BYTES  # gradients take the adapters' dtype
     optimizer = lora_params * 4 * ADAMW_STATES
     boundary = len(shapes) * tokens * hidden * elem
-    working = max(_working_bytes(config, shape, layer, tokens, elem, dequantised=quantization == "nf4")
-                  for shape, layer in zip(shapes, adapted))
+    working = max(
+        _working_bytes(config, shape, layer, tokens, elem, dequantised=quantization == "nf4")
+        for shape, layer in zip(shapes, adapted)
+    )
     loss = LOSS_LOGIT_COPIES * tokens * vocab * 4
     max_layer = max(sizes)
     # everything but the slots; gradients are counted for the whole step (they outlive
@@ -313,15 +369,32 @@ def _build(config, seq: int, batch: int, vram_bytes: int, quantization: str, dty
     notes = _notes(model_type, shapes, adapted, lora_rank, lora_targets, quantization)
 
     return MemoryPlan(
-        model_type=model_type, num_layers=len(sizes), seq=seq, batch=batch,
-        quantization=quantization, dtype=str(dtype).removeprefix("torch."),
-        lora_rank=lora_rank, lora_targets=lora_targets,
-        layer_bytes=sizes, max_layer_bytes=max_layer, host_store_bytes=store,
-        resident_bytes=resident, lora_params=lora_params, lora_bytes=lora_bytes,
-        lora_grad_bytes=lora_grads, optimizer_bytes=optimizer,
-        slots=slots, slots_auto=slots_auto, slot_bytes=slots * max_layer, backward_slots=backward_slots,
-        boundary_bytes=boundary, layer_working_bytes=working, loss_bytes=loss,
-        peak_vram_bytes=peak, vram_bytes=vram_bytes, reserve_bytes=reserve_bytes,
+        model_type=model_type,
+        num_layers=len(sizes),
+        seq=seq,
+        batch=batch,
+        quantization=quantization,
+        dtype=str(dtype).removeprefix("torch."),
+        lora_rank=lora_rank,
+        lora_targets=lora_targets,
+        layer_bytes=sizes,
+        max_layer_bytes=max_layer,
+        host_store_bytes=store,
+        resident_bytes=resident,
+        lora_params=lora_params,
+        lora_bytes=lora_bytes,
+        lora_grad_bytes=lora_grads,
+        optimizer_bytes=optimizer,
+        slots=slots,
+        slots_auto=slots_auto,
+        slot_bytes=slots * max_layer,
+        backward_slots=backward_slots,
+        boundary_bytes=boundary,
+        layer_working_bytes=working,
+        loss_bytes=loss,
+        peak_vram_bytes=peak,
+        vram_bytes=vram_bytes,
+        reserve_bytes=reserve_bytes,
         # stream_model copies the loaded layers into its arenas one at a time (each
         # layer's own memory is freed once it is copied) and page-locks afterwards, so
         # at the peak the store and one loaded layer (or one embedding matrix, copied into
@@ -333,21 +406,36 @@ def _build(config, seq: int, batch: int, vram_bytes: int, quantization: str, dty
         # then packed); PEFT's adapters come after loading, on the host until .to(device)
         loader_store_bytes=loader_store,
         loader_ram_bytes=loader_store + all_resident + max(unquantised, lora_bytes, head_copy),
-        layers_copied_per_step=copied_layers, copy_bytes_per_step=copied_bytes,
+        layers_copied_per_step=copied_layers,
+        copy_bytes_per_step=copied_bytes,
         bandwidth_gbps=float(bandwidth_gbps),
         copy_seconds_per_step=copied_bytes / (bandwidth_gbps * 1e9),
-        fits=peak + reserve_bytes <= vram_bytes, notes=notes,
-        stream_embeddings=stream_embeddings, head_copy_bytes=head_copy, ends_host_bytes=ends_host,
+        fits=peak + reserve_bytes <= vram_bytes,
+        notes=notes,
+        stream_embeddings=stream_embeddings,
+        head_copy_bytes=head_copy,
+        ends_host_bytes=ends_host,
         ends_copy_bytes_per_step=ends_copies,
     )
 
 
-def make_plan(config, seq: int, batch: int, vram_bytes: int, quantization: str = "none",
-              dtype=torch.bfloat16, lora_rank: int = 16, slots: Optional[int] = None,
-              bandwidth_gbps: float = DEFAULT_BANDWIDTH_GBPS, lora_targets: str = "all-linear",
-              reserve_bytes: int = DEFAULT_RESERVE_BYTES, double_quant: bool = True,
-              arena_bytes: int = DEFAULT_ARENA_BYTES, stream_embeddings: bool = False,
-              backward_slots: Optional[int] = 0) -> MemoryPlan:
+def make_plan(
+    config,
+    seq: int,
+    batch: int,
+    vram_bytes: int,
+    quantization: str = "none",
+    dtype=torch.bfloat16,
+    lora_rank: int = 16,
+    slots: Optional[int] = None,
+    bandwidth_gbps: float = DEFAULT_BANDWIDTH_GBPS,
+    lora_targets: str = "all-linear",
+    reserve_bytes: int = DEFAULT_RESERVE_BYTES,
+    double_quant: bool = True,
+    arena_bytes: int = DEFAULT_ARENA_BYTES,
+    stream_embeddings: bool = False,
+    backward_slots: Optional[int] = 0,
+) -> MemoryPlan:
     """Plan a streamed LoRA training step of ``batch`` x ``seq`` tokens on a GPU of
     ``vram_bytes``.
 
@@ -368,20 +456,38 @@ def make_plan(config, seq: int, batch: int, vram_bytes: int, quantization: str =
 
     A plan that does not fit carries ``advice``: what to change, and by how much.
     """
-    args = dict(config=config, seq=seq, batch=batch, vram_bytes=vram_bytes,
-                quantization=quantization, dtype=dtype, lora_rank=lora_rank, slots=slots,
-                bandwidth_gbps=bandwidth_gbps, lora_targets=lora_targets,
-                reserve_bytes=reserve_bytes, double_quant=double_quant, arena_bytes=arena_bytes,
-                stream_embeddings=stream_embeddings, backward_slots=backward_slots)
+    args = dict(
+        config=config,
+        seq=seq,
+        batch=batch,
+        vram_bytes=vram_bytes,
+        quantization=quantization,
+        dtype=dtype,
+        lora_rank=lora_rank,
+        slots=slots,
+        bandwidth_gbps=bandwidth_gbps,
+        lora_targets=lora_targets,
+        reserve_bytes=reserve_bytes,
+        double_quant=double_quant,
+        arena_bytes=arena_bytes,
+        stream_embeddings=stream_embeddings,
+        backward_slots=backward_slots,
+    )
     plan = _build(**args)
     if not plan.fits:
         plan.advice = _advice(plan, args)
     return plan
 
 
-def plan_for_model(model, seq: int, batch: int, slots: Optional[int] = None,
-                   vram_bytes: int = 1 << 50, stream_embeddings: bool = False,
-                   backward_slots: Optional[int] = 0) -> MemoryPlan:
+def plan_for_model(
+    model,
+    seq: int,
+    batch: int,
+    slots: Optional[int] = None,
+    vram_bytes: int = 1 << 50,
+    stream_embeddings: bool = False,
+    backward_slots: Optional[int] = 0,
+) -> MemoryPlan:
     """The plan of a live (possibly PEFT-wrapped) model: its config, 4-bit state, compute
     dtype, and LoRA rank and targets; ``stream_embeddings`` as the model streams (or would).
     Reads attributes only; raises ValueError when the adapters cannot be described to the
@@ -403,9 +509,19 @@ def plan_for_model(model, seq: int, batch: int, slots: Optional[int] = None,
             raise ValueError(f"LoRA target_modules is a pattern ({modules!r})")
         if modules and not isinstance(modules, str):
             targets = ",".join(sorted(modules))
-    return make_plan(config, seq=seq, batch=batch, vram_bytes=vram_bytes, quantization=quantization,
-                     dtype=dtype, lora_rank=rank, slots=slots, lora_targets=targets,
-                     stream_embeddings=stream_embeddings, backward_slots=backward_slots)
+    return make_plan(
+        config,
+        seq=seq,
+        batch=batch,
+        vram_bytes=vram_bytes,
+        quantization=quantization,
+        dtype=dtype,
+        lora_rank=rank,
+        slots=slots,
+        lora_targets=targets,
+        stream_embeddings=stream_embeddings,
+        backward_slots=backward_slots,
+    )
 
 
 def _gib(nbytes: float) -> str:
@@ -415,8 +531,10 @@ def _gib(nbytes: float) -> str:
 def _advice(plan: MemoryPlan, args: dict) -> List[str]:
     """What would make ``plan`` fit, each with what it saves and whether it is enough."""
     short = -plan.headroom_bytes
-    out = [f"short by {_gib(short)}: predicted peak {_gib(plan.peak_vram_bytes)} + reserve "
-           f"{_gib(plan.reserve_bytes)} > budget {_gib(plan.vram_bytes)}"]
+    out = [
+        f"short by {_gib(short)}: predicted peak {_gib(plan.peak_vram_bytes)} + reserve "
+        f"{_gib(plan.reserve_bytes)} > budget {_gib(plan.vram_bytes)}"
+    ]
 
     def verdict(saved: int) -> str:
         return "enough on its own" if saved >= short else f"not enough alone, still {_gib(short - saved)} short"
@@ -424,9 +542,11 @@ def _advice(plan: MemoryPlan, args: dict) -> List[str]:
     if plan.quantization == "none":
         nf4 = _build(**dict(args, quantization="nf4", slots=plan.slots))
         saved = plan.peak_vram_bytes - nf4.peak_vram_bytes
-        out.append(f"use --quantization nf4: layers shrink from {_gib(plan.max_layer_bytes)} to "
-                   f"{_gib(nf4.max_layer_bytes)}, saving {_gib(saved)} over {plan.slots} slots "
-                   f"({verdict(saved)})")
+        out.append(
+            f"use --quantization nf4: layers shrink from {_gib(plan.max_layer_bytes)} to "
+            f"{_gib(nf4.max_layer_bytes)}, saving {_gib(saved)} over {plan.slots} slots "
+            f"({verdict(saved)})"
+        )
     if plan.slots > 2:
         saved = (plan.slots - 2) * plan.max_layer_bytes
         out.append(f"use fewer slots: --slots 2 saves {_gib(saved)} ({verdict(saved)})")
@@ -435,19 +555,25 @@ def _advice(plan: MemoryPlan, args: dict) -> List[str]:
         streamed = _build(**dict(args, stream_embeddings=True, slots=plan.slots))
         saved = plan.peak_vram_bytes - streamed.peak_vram_bytes
         if saved > 0:
-            out.append(f"{STREAM_EMBEDDINGS_ADVICE}: the input embedding and head ({_gib(ends)}) stay in "
-                       f"host memory, saving {_gib(saved)} ({verdict(saved)}); the head "
-                       f"({_gib(streamed.head_copy_bytes)}) is then copied to the GPU twice per step")
+            out.append(
+                f"{STREAM_EMBEDDINGS_ADVICE}: the input embedding and head ({_gib(ends)}) stay in "
+                f"host memory, saving {_gib(saved)} ({verdict(saved)}); the head "
+                f"({_gib(streamed.head_copy_bytes)}) is then copied to the GPU twice per step"
+            )
     # activations grow linearly with batch x seq; find the largest that fits
     max_tokens = plan.largest_tokens
     if max_tokens // plan.batch >= 1:
-        out.append(f"reduce --seq to {max_tokens // plan.batch} or less: activations and logits take "
-                   f"{_gib(plan.activation_bytes)} at seq {plan.seq} x batch {plan.batch}")
+        out.append(
+            f"reduce --seq to {max_tokens // plan.batch} or less: activations and logits take "
+            f"{_gib(plan.activation_bytes)} at seq {plan.seq} x batch {plan.batch}"
+        )
     if plan.batch > 1 and plan.largest_batch >= 1:
         out.append(f"reduce --batch to {plan.largest_batch} or less at seq {plan.seq}")
     if max_tokens < plan.batch:
-        out.append(f"everything but the activations already takes "
-                   f"{_gib(plan.peak_vram_bytes - plan.activation_bytes + plan.reserve_bytes)} "
-                   "with the reserve: no seq or batch fits without other changes")
+        out.append(
+            f"everything but the activations already takes "
+            f"{_gib(plan.peak_vram_bytes - plan.activation_bytes + plan.reserve_bytes)} "
+            "with the reserve: no seq or batch fits without other changes"
+        )
     out.append(f"or use a GPU with at least {_gib(plan.needed_bytes)} for this plan as it is")
     return out

@@ -6,10 +6,10 @@ from __future__ import annotations
 import textwrap
 from typing import List, Optional
 
-
 from ..units import GiB
 from .memory import MemoryPlan, _gib, backward_slot_count
 from .shapes import LOSS_LOGIT_COPIES
+
 
 def speed_hints(plan: MemoryPlan) -> List[str]:
     """Ways a plan that fits could copy less per token. The copies of a micro-batch are
@@ -21,29 +21,41 @@ def speed_hints(plan: MemoryPlan) -> List[str]:
     hints = []
     window = plan.window_layers
     if window >= plan.num_layers:
-        hints.append(f"every layer fits in {_gib(plan.vram_bytes)} beside the rest: with "
-                     f"vram_budget={_gib(plan.vram_bytes)} (StreamConfig(vram_budget=...), stream.vram_budget) "
-                     "the resident window keeps them all and nothing is copied per step")
+        hints.append(
+            f"every layer fits in {_gib(plan.vram_bytes)} beside the rest: with "
+            f"vram_budget={_gib(plan.vram_bytes)} (StreamConfig(vram_budget=...), stream.vram_budget) "
+            "the resident window keeps them all and nothing is copied per step"
+        )
     elif window:
         layers, nbytes = plan.window_copies()
         hints.append(
             f"with vram_budget={_gib(plan.vram_bytes)} (StreamConfig(vram_budget=...), stream.vram_budget) "
             f"the resident window keeps {window} of {plan.num_layers} layers on the GPU: {layers} layer "
             f"copies per step instead of {plan.layers_copied_per_step}, "
-            f"{nbytes / (plan.bandwidth_gbps * 1e9):.3f} s at {plan.bandwidth_gbps:g} GB/s")
-    backward = backward_slot_count(plan.loss_phase_bytes, plan.layer_working_bytes, plan.lora_bytes,
-                                   plan.max_layer_bytes, plan.num_layers, plan.slots)
+            f"{nbytes / (plan.bandwidth_gbps * 1e9):.3f} s at {plan.bandwidth_gbps:g} GB/s"
+        )
+    backward = backward_slot_count(
+        plan.loss_phase_bytes,
+        plan.layer_working_bytes,
+        plan.lora_bytes,
+        plan.max_layer_bytes,
+        plan.num_layers,
+        plan.slots,
+    )
     if backward > plan.backward_slots:
-        hints.append(f"with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, {backward} backward slots "
-                     f"(StreamConfig(backward_slots='auto'), the default) reuse the loss's memory outside "
-                     f"the loss: {backward} layer copies fewer per step, the peak unchanged")
+        hints.append(
+            f"with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, {backward} backward slots "
+            f"(StreamConfig(backward_slots='auto') with vram_budget=None) reuse the loss's memory outside "
+            f"the loss: {backward} layer copies fewer per step, the peak unchanged"
+        )
     largest = plan.largest_batch
     if largest > plan.batch:
         hints.append(
             f"every micro-batch copies the streamed layers again (forward, then backward's "
             f"recompute): batch {largest} fits at seq {plan.seq} and carries {largest / plan.batch:.0f}x "
             f"the tokens for the same copies, so raise per_device_train_batch_size before "
-            f"gradient_accumulation_steps")
+            f"gradient_accumulation_steps"
+        )
     return hints
 
 
@@ -58,12 +70,13 @@ def format_plan(plan: MemoryPlan) -> str:
         lines.append(f"  {label:<{width}}{value}{('  ' + extra) if extra else ''}")
 
     sizes = sorted(set(plan.layer_bytes))
-    per_layer = (f"{_gib(sizes[0])}" if len(sizes) == 1
-                 else f"{_gib(sizes[0])} to {_gib(sizes[-1])}")
-    lora = (f"r={plan.lora_rank} on {plan.lora_targets}" if plan.lora_rank else "no LoRA")
-    lines.append(f"layerstream plan: {plan.model_type}, {plan.num_layers} layers, "
-                 f"seq {plan.seq} x batch {plan.batch}, {plan.dtype}"
-                 f"{', NF4' if plan.quantization == 'nf4' else ''}, {lora}")
+    per_layer = f"{_gib(sizes[0])}" if len(sizes) == 1 else f"{_gib(sizes[0])} to {_gib(sizes[-1])}"
+    lora = f"r={plan.lora_rank} on {plan.lora_targets}" if plan.lora_rank else "no LoRA"
+    lines.append(
+        f"layerstream plan: {plan.model_type}, {plan.num_layers} layers, "
+        f"seq {plan.seq} x batch {plan.batch}, {plan.dtype}"
+        f"{', NF4' if plan.quantization == 'nf4' else ''}, {lora}"
+    )
     lines.append("")
     lines.append("GPU memory")
     if plan.stream_embeddings:
@@ -73,44 +86,62 @@ def format_plan(plan: MemoryPlan) -> str:
     slots_how = "auto" if plan.slots_auto else "--slots"
     row(f"slots: {plan.slots} x {_gib(plan.max_layer_bytes)} ({slots_how})", plan.slot_bytes)
     if plan.backward_slots:
-        row(f"backward slots: {plan.backward_slots} x {_gib(plan.max_layer_bytes)} (not at the peak)",
-            plan.backward_slots * plan.max_layer_bytes, "outside the loss")
-    row(f"LoRA: {plan.lora_params / 1e6:.1f}M fp32 params, grads, AdamW",
-        plan.lora_bytes + plan.lora_grad_bytes + plan.optimizer_bytes)
+        row(
+            f"backward slots: {plan.backward_slots} x {_gib(plan.max_layer_bytes)} (not at the peak)",
+            plan.backward_slots * plan.max_layer_bytes,
+            "outside the loss",
+        )
+    row(
+        f"LoRA: {plan.lora_params / 1e6:.1f}M fp32 params, grads, AdamW",
+        plan.lora_bytes + plan.lora_grad_bytes + plan.optimizer_bytes,
+    )
     row(f"hidden states at {plan.num_layers} layer boundaries", plan.boundary_bytes)
     # the loss and a layer's recompute happen at different moments: only the larger counts
     loss_peak = plan.loss_phase_bytes >= plan.layer_working_bytes
-    row(f"loss: fp32 logits x{LOSS_LOGIT_COPIES}" + ("" if loss_peak else " (not at the peak)"),
-        plan.loss_bytes)
+    row(f"loss: fp32 logits x{LOSS_LOGIT_COPIES}" + ("" if loss_peak else " (not at the peak)"), plan.loss_bytes)
     if plan.head_copy_bytes:
-        row("head weight copied in for the loss" + ("" if loss_peak else " (not at the peak)"),
-            plan.head_copy_bytes)
-    row("one layer's recompute + backward" + (" (not at the peak)" if loss_peak else ""),
-        plan.layer_working_bytes)
+        row("head weight copied in for the loss" + ("" if loss_peak else " (not at the peak)"), plan.head_copy_bytes)
+    row("one layer's recompute + backward" + (" (not at the peak)" if loss_peak else ""), plan.layer_working_bytes)
     row("predicted peak VRAM", plan.peak_vram_bytes)
     row("reserve: CUDA context, workspaces, fragmentation", plan.reserve_bytes)
-    verdict = (f"fits, {_gib(plan.headroom_bytes)} to spare" if plan.fits
-               else f"DOES NOT FIT, short by {_gib(-plan.headroom_bytes)}")
+    verdict = (
+        f"fits, {_gib(plan.headroom_bytes)} to spare"
+        if plan.fits
+        else f"DOES NOT FIT, short by {_gib(-plan.headroom_bytes)}"
+    )
     row("budget (--vram)", plan.vram_bytes, verdict)
     lines.append("")
     lines.append("Host memory")
     row(f"host store: {plan.num_layers} layers of {per_layer}", plan.host_store_bytes)
     if plan.stream_embeddings:
         row("embeddings and head (--stream-embeddings)", plan.ends_host_bytes)
-    row("host RAM needed: transformers load + stream_model", plan.host_ram_bytes,
-        f"after .to(device): {_gib(plan.host_steady_bytes)}")
-    row("host RAM needed: layerstream.from_pretrained", plan.loader_ram_bytes,
-        f"after .to(device): {_gib(plan.loader_store_bytes + plan.ends_host_bytes)}")
+    row(
+        "host RAM needed: transformers load + stream_model",
+        plan.host_ram_bytes,
+        f"after .to(device): {_gib(plan.host_steady_bytes)}",
+    )
+    row(
+        "host RAM needed: layerstream.from_pretrained",
+        plan.loader_ram_bytes,
+        f"after .to(device): {_gib(plan.loader_store_bytes + plan.ends_host_bytes)}",
+    )
     lines.append("")
     lines.append("Copies per training step")
     timing = f"{plan.copy_seconds_per_step:.3f} s at {plan.bandwidth_gbps:g} GB/s"
     ends = plan.ends_copy_bytes_per_step
     kept_forward = plan.slots + plan.backward_slots
-    how = (f"2 x ({plan.num_layers} - {plan.slots} slots)" if not plan.backward_slots
-           else f"{plan.num_layers} - {kept_forward} + {plan.num_layers} - {plan.slots}")
-    row(f"{plan.layers_copied_per_step} layer copies ({how})"
-        if plan.num_layers > plan.slots else "0 layer copies (every layer stays in a slot)",
-        plan.copy_bytes_per_step - ends, "" if ends else timing)
+    how = (
+        f"2 x ({plan.num_layers} - {plan.slots} slots)"
+        if not plan.backward_slots
+        else f"{plan.num_layers} - {kept_forward} + {plan.num_layers} - {plan.slots}"
+    )
+    row(
+        f"{plan.layers_copied_per_step} layer copies ({how})"
+        if plan.num_layers > plan.slots
+        else "0 layer copies (every layer stays in a slot)",
+        plan.copy_bytes_per_step - ends,
+        "" if ends else timing,
+    )
     if ends:
         row("2 head copies (forward, backward), embedding rows", ends)
         row("all copies", plan.copy_bytes_per_step, timing)
@@ -124,5 +155,3 @@ def format_plan(plan: MemoryPlan) -> str:
         for item in plan.advice:
             lines.extend(textwrap.wrap(f"- {item}", width=88, initial_indent="  ", subsequent_indent="    "))
     return "\n".join(lines)
-
-

@@ -55,7 +55,6 @@ _QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")
 _QKV_BIAS_FAMILIES = ("qwen2", "qwen2_moe")
 
 
-
 # -- layer shapes -------------------------------------------------------------------------
 @dataclass(frozen=True)
 class LinearShape:
@@ -216,9 +215,16 @@ def parse_dtype(dtype) -> torch.dtype:
         if not dtype.is_floating_point:
             raise ValueError(f"dtype {dtype} is not a floating-point dtype")
         return dtype
-    names = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
-             "fp16": torch.float16, "half": torch.float16, "float32": torch.float32,
-             "fp32": torch.float32, "float": torch.float32}
+    names = {
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+        "half": torch.float16,
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "float": torch.float32,
+    }
     key = str(dtype).lower().removeprefix("torch.")
     if key not in names:
         raise ValueError(f"unknown dtype {dtype!r}; use bfloat16, float16 or float32")
@@ -259,8 +265,7 @@ def _check_quantization(quantization: str) -> str:
     return quantization
 
 
-def layer_bytes(config, quantization: str = "none", dtype=torch.bfloat16,
-                double_quant: bool = True) -> List[int]:
+def layer_bytes(config, quantization: str = "none", dtype=torch.bfloat16, double_quant: bool = True) -> List[int]:
     """Bytes of each decoder layer's frozen weights as the host store and a slot hold them.
 
     One entry per layer (MoE models with ``mlp_only_layers`` or ``decoder_sparse_step``
@@ -270,8 +275,10 @@ def layer_bytes(config, quantization: str = "none", dtype=torch.bfloat16,
     """
     _check_quantization(quantization)
     elem = dtype_bytes(dtype)
-    return [sum(aligned(n) for n in _tensor_bytes(shape, quantization, elem, double_quant))
-            for shape in layer_shapes(config)]
+    return [
+        sum(aligned(n) for n in _tensor_bytes(shape, quantization, elem, double_quant))
+        for shape in layer_shapes(config)
+    ]
 
 
 def embedding_bytes(config, dtype=torch.bfloat16) -> int:
@@ -297,6 +304,7 @@ def resident_bytes(config, dtype=torch.bfloat16, stream_embeddings: bool = False
     stream."""
     norm = int(_text_config(config).hidden_size) * dtype_bytes(dtype)
     return norm if stream_embeddings else embedding_bytes(config, dtype) + norm
+
 
 # -- input parsing ------------------------------------------------------------------------
 def load_config(model: Union[str, os.PathLike]):
