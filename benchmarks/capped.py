@@ -89,10 +89,10 @@ def main():
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    from layerstream.cli import _allocator_defaults
+    from layerstream.cli import allocator_defaults
     from layerstream.units import parse_bytes
 
-    _allocator_defaults()
+    allocator_defaults()
     import torch
 
     if torch.cuda.is_available():

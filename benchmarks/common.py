@@ -183,7 +183,7 @@ def build_random_nf4(
     from transformers.quantizers import AutoHfQuantizer
 
     from layerstream.discovery import find_decoder_layers
-    from layerstream.loading import _rebuild_computed_buffers
+    from layerstream.loading import rebuild_computed_buffers
     from layerstream.nf4 import quantise_layer
 
     values = _shape_values(shape)
@@ -223,7 +223,7 @@ def build_random_nf4(
     for module in model.modules():
         if id(module) not in in_stack and module is not stack:
             fill(module, recurse=False)
-    _rebuild_computed_buffers(model)
+    rebuild_computed_buffers(model)
     fill(stack[0], recurse=True)
     quantise_layer(stack[0], torch.device(fill_device), dtype, quant_config)
     source = dict(stack[0].named_modules())

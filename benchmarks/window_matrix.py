@@ -54,14 +54,14 @@ def cell(shape: str, quantization: str, budget_text: str, seq: int, auto_steps: 
 
     sys.path.insert(0, str(HERE))
     import layerstream
-    from layerstream.cli import _allocator_defaults
+    from layerstream.cli import allocator_defaults
     from layerstream.schedule import spread_resident
     from layerstream.units import parse_bytes
 
     from capped import _use_the_gpu_first
     from common import build_random, build_random_nf4
 
-    _allocator_defaults()
+    allocator_defaults()
     budget = parse_bytes(budget_text)
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.set_per_process_memory_fraction(budget / total)

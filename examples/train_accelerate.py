@@ -9,25 +9,26 @@ on the instruction data shipped in this repository. Runs plain, or streamed with
 
 import argparse
 import json
-from pathlib import Path
 
 import torch
 from accelerate import Accelerator
 from peft import LoraConfig, get_peft_model
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
-DATA = Path(__file__).resolve().parents[1] / "src" / "layerstream" / "data" / "tiny_instructions.jsonl"
-PAD, BOS, EOS, BYTE0 = 0, 1, 2, 3
+from layerstream.embedded import byte_tokenizer, data_path, tiny_config
+
+TOKENIZER = byte_tokenizer()
 
 
 def batches(rows, size):
     for start in range(0, len(rows) - size + 1, size):
+        texts = [f"Q: {r['instruction']}\nA: {r['response']}" for r in rows[start : start + size]]
         seqs = [
-            [BOS] + [BYTE0 + b for b in f"Q: {r['instruction']}\nA: {r['response']}".encode()] + [EOS]
-            for r in rows[start : start + size]
+            [TOKENIZER.bos_token_id] + TOKENIZER(t, add_special_tokens=False).input_ids + [TOKENIZER.eos_token_id]
+            for t in texts
         ]
         width = max(len(s) for s in seqs)
-        ids = torch.full((size, width), PAD)
+        ids = torch.full((size, width), TOKENIZER.pad_token_id)
         labels = torch.full((size, width), -100)
         for i, s in enumerate(seqs):
             ids[i, : len(s)], labels[i, : len(s)] = torch.tensor(s), torch.tensor(s)
@@ -43,19 +44,7 @@ def main(argv=None):
     parser.add_argument("--cpu", action="store_true")
     args = parser.parse_args(argv)
     accelerator = Accelerator(cpu=args.cpu)
-    config = AutoConfig.for_model(
-        "llama",
-        vocab_size=BYTE0 + 256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        pad_token_id=PAD,
-        bos_token_id=BOS,
-        eos_token_id=EOS,
-        use_cache=False,
-    )
+    config = tiny_config(TOKENIZER, layers=4, hidden_size=64)
     torch.manual_seed(0)
     model = get_peft_model(
         AutoModelForCausalLM.from_config(config), LoraConfig(r=8, target_modules="all-linear", init_lora_weights=False)
@@ -66,7 +55,7 @@ def main(argv=None):
         layerstream.stream_model(model, slots=args.slots, device=accelerator.device)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
     model, optimizer = accelerator.prepare(model, optimizer)
-    rows = [json.loads(line) for line in DATA.read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in data_path().read_text().splitlines() if line.strip()]
     losses = []
     model.train()
     for step, (ids, labels) in zip(range(args.steps), batches(rows, args.batch_size)):

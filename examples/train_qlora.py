@@ -12,7 +12,6 @@ DIR is a checkpoint directory (config.json, safetensors, tokenizer), e.g. one wr
 
 import json
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from datasets import Dataset
@@ -27,7 +26,7 @@ from transformers import (
     TrainingArguments,
 )
 
-DATA = Path(__file__).resolve().parents[1] / "src" / "layerstream" / "data" / "tiny_instructions.jsonl"
+from layerstream.embedded import data_path  # the instruction data shipped with layerstream
 
 
 @dataclass
@@ -63,7 +62,7 @@ def main():
     model = get_peft_model(
         model, LoraConfig(r=model_args.lora_rank, target_modules="all-linear", init_lora_weights=False)
     )
-    rows = [json.loads(line) for line in DATA.read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in data_path().read_text().splitlines() if line.strip()]
     data = Dataset.from_list([{"text": f"Q: {r['instruction']}\nA: {r['response']}"} for r in rows])
     data = data.map(
         lambda row: tokenizer(row["text"], truncation=True, max_length=model_args.max_length), remove_columns=["text"]

@@ -8,15 +8,16 @@ of layerstream; to stream it, run it unchanged under the launcher:
 
 import json
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from datasets import Dataset
 from peft import LoraConfig, get_peft_model
-from transformers import AutoConfig, AutoModelForCausalLM, HfArgumentParser, Trainer, TrainingArguments
+from transformers import AutoModelForCausalLM, HfArgumentParser, Trainer, TrainingArguments
 
-DATA = Path(__file__).resolve().parents[1] / "src" / "layerstream" / "data" / "tiny_instructions.jsonl"
-PAD, BOS, EOS, BYTE0 = 0, 1, 2, 3  # byte-level ids: no tokenizer download
+from layerstream.embedded import byte_tokenizer, data_path, tiny_config
+
+TOKENIZER = byte_tokenizer()  # byte-level, made in code: no download
+PAD, BOS, EOS = TOKENIZER.pad_token_id, TOKENIZER.bos_token_id, TOKENIZER.eos_token_id
 
 
 @dataclass
@@ -28,7 +29,7 @@ class ModelArguments:
 
 def encode(example):
     text = f"Q: {example['instruction']}\nA: {example['response']}"
-    ids = [BOS] + [BYTE0 + b for b in text.encode()] + [EOS]
+    ids = [BOS] + TOKENIZER(text, add_special_tokens=False).input_ids + [EOS]
     return {"input_ids": ids, "labels": ids}
 
 
@@ -45,25 +46,13 @@ def collate(rows):
 
 def main():
     model_args, args = HfArgumentParser((ModelArguments, TrainingArguments)).parse_args_into_dataclasses()
-    config = AutoConfig.for_model(
-        "llama",
-        vocab_size=BYTE0 + 256,
-        hidden_size=model_args.hidden_size,
-        intermediate_size=2 * model_args.hidden_size,
-        num_hidden_layers=model_args.layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        pad_token_id=PAD,
-        bos_token_id=BOS,
-        eos_token_id=EOS,
-        use_cache=False,
-    )
+    config = tiny_config(TOKENIZER, model_args.layers, model_args.hidden_size)
     torch.manual_seed(0)
     model = get_peft_model(
         AutoModelForCausalLM.from_config(config),
         LoraConfig(r=model_args.lora_rank, target_modules="all-linear", init_lora_weights=False),
     )
-    rows = [json.loads(line) for line in DATA.read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in data_path().read_text().splitlines() if line.strip()]
     data = Dataset.from_list(rows).map(encode, remove_columns=["instruction", "response"])
     train, held_out = data.select(range(len(data) - 40)), data.select(range(len(data) - 40, len(data)))
     trainer = Trainer(

@@ -168,7 +168,7 @@ def split_run_arguments(parser: argparse.ArgumentParser, argv):
     return argv, []
 
 
-def _allocator_defaults() -> None:
+def allocator_defaults() -> None:
     """Expandable segments unless the user configured torch's allocator: freed memory of one
     block shape then serves another (the resident window and the loss share memory without
     fragmenting it). Must happen before CUDA starts; the start-up summary says so."""
@@ -210,7 +210,7 @@ def _run_target(args, rest, parser) -> int:
     except StreamConfigError as exc:
         parser.error(str(exc))
     saved_argv, saved_path, saved_env = sys.argv, list(sys.path), dict(os.environ)
-    _allocator_defaults()
+    allocator_defaults()
     _inherit(values)
     try:
         sys.argv = [target] + list(rest)

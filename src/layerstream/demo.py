@@ -1,7 +1,8 @@
 """The embedded demo: LoRA-train a tiny streamed model on the shipped instruction data.
 
-Needs no download: the model is built from a config with random weights, the text is
-byte-level (ids are UTF-8 bytes), and the data ships inside the package. On a machine
+Needs no download: the model is the embedded tiny one (``embedded``: built from a config
+with random weights, a byte-level tokenizer made in code), and the data ships inside the
+package. On a machine
 without CUDA it streams with host-to-host copies (device "cpu"), which runs the same
 machinery, and finishes in well under two minutes.
 
@@ -15,26 +16,26 @@ import json
 import logging
 import time
 import warnings
-from importlib import resources
 from typing import List
 
 import torch
 
-PAD, BOS, EOS, BYTE0 = 0, 1, 2, 3
-VOCAB = BYTE0 + 256
+from . import embedded
+
+TOKENIZER = embedded.byte_tokenizer()
+PAD, BOS, EOS = TOKENIZER.pad_token_id, TOKENIZER.bos_token_id, TOKENIZER.eos_token_id
 
 
 def load_examples() -> List[dict]:
-    text = resources.files("layerstream").joinpath("data/tiny_instructions.jsonl").read_text()
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
+    return [json.loads(line) for line in embedded.data_path().read_text().splitlines() if line.strip()]
 
 
 def encode(text: str) -> List[int]:
-    return [BYTE0 + b for b in text.encode("utf-8")]
+    return TOKENIZER(text, add_special_tokens=False).input_ids
 
 
 def decode(ids) -> str:
-    return bytes(i - BYTE0 for i in ids if i >= BYTE0).decode("utf-8", errors="replace")
+    return TOKENIZER.decode(ids, skip_special_tokens=True)
 
 
 def prompt_of(example: dict) -> str:
@@ -62,24 +63,10 @@ def batches(examples, batch_size: int, seed: int = 0):
 
 
 def build_model(layers: int = 6):
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    config = AutoConfig.for_model(
-        "llama",
-        vocab_size=VOCAB,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        pad_token_id=PAD,
-        bos_token_id=BOS,
-        eos_token_id=EOS,
-        use_cache=False,
-    )
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config)
+    return AutoModelForCausalLM.from_config(embedded.tiny_config(TOKENIZER, layers, 128))
 
 
 def main(argv=None) -> dict:

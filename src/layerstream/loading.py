@@ -240,7 +240,7 @@ def _return_freed_memory() -> None:
         pass
 
 
-def _rebuild_computed_buffers(model: nn.Module) -> None:
+def rebuild_computed_buffers(model: nn.Module) -> None:
     """Buffers that checkpoints do not hold (rotary frequencies) are computed again."""
     for module in model.modules():
         if "inv_freq" in module._buffers and hasattr(module, "config"):
@@ -434,7 +434,7 @@ def from_pretrained(
     missing: list[str] = []
     for prefix, module in _resident_modules(model, layers):
         missing += _load_module(module, prefix, reader, recurse=False)
-    _rebuild_computed_buffers(model)
+    rebuild_computed_buffers(model)
     if tied_head:
         model.tie_weights()
         missing = [m for m in missing if not m.endswith("lm_head.weight")]
