@@ -223,3 +223,50 @@ def test_an_unknown_target_is_refused_with_the_forms_the_launcher_takes(capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["run", "--slots", "2", "no-such-command-anywhere"])
     assert exit_info.value.code == 2 and "SCRIPT.py, -m MODULE, or a command" in capsys.readouterr().err
+
+
+def test_accelerate_launch_of_the_launcher_streams_in_the_process_it_starts(files, tmp_path):
+    """``accelerate launch -m layerstream run SCRIPT``: accelerate starts a new Python process
+    for the launcher, which streams the script's Trainer there."""
+    import subprocess
+
+    script = str(ROOT / "examples" / "train_trainer.py")
+    args = [
+        "--output_dir",
+        str(tmp_path / "{}"),
+        "--max_steps",
+        "3",
+        "--logging_steps",
+        "1",
+        "--report_to",
+        "none",
+        "--use_cpu",
+        "--per_device_train_batch_size",
+        "4",
+        "--save_strategy",
+        "no",
+    ]
+
+    def run(prefix, out):
+        argv = [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--cpu",
+            "--num_processes",
+            "1",
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+        ] + prefix
+        argv += [script] + [a.format(out) for a in args]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+
+    run([], "plain")
+    run(["-m", "layerstream", "run", "--slots", "2"], "streamed")
+    assert _losses(tmp_path / "streamed") == _losses(tmp_path / "plain") and len(_losses(tmp_path / "plain")) == 3
+    assert all("layerstream/layer_loads" in e for e in _history(tmp_path / "streamed") if "loss" in e)
