@@ -11,7 +11,7 @@ LAYERS = [
     {"errors", "units", "swap", "embedded"},
     {"config", "schedule", "window", "checksum", "cudart", "discovery", "timeline"},
     {"store", "pool", "nf4", "meter", "changes", "bindings", "passes", "plan"},
-    {"embeddings", "layer", "backward_slots", "report", "checkpoint"},
+    {"embeddings", "layer", "backward_slots", "report", "checkpoint", "residency"},
     {"runtime"},
     {"api", "loading"},
     {"integrations", "train", "cli", "demo", "__main__", "_site"},
