@@ -21,3 +21,16 @@ def _ruff():
 def test_ruff_passes(command):
     done = subprocess.run([_ruff(), *command], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+MAX_MODULE_LINES = 600
+
+
+def test_every_module_reads_in_one_sitting():
+    """No source module grows past the line limit the contributors' guide sets."""
+    long = {
+        str(path.relative_to(ROOT)): count
+        for path in (ROOT / "src" / "layerstream").rglob("*.py")
+        if (count := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    }
+    assert not long, f"split these modules (over {MAX_MODULE_LINES} lines): {long}"
