@@ -1,8 +1,8 @@
 """TRL's own scripts, unchanged, on checkpoints larger than the GPU they get.
 
 Writes random-weight checkpoints of a 3B and an 8B shape to disk (``checkpoints.py``) and a
-small SFT and preference dataset, then runs ``python -m trl.scripts.sft`` / ``trl.scripts.dpo``
-through ``layerstream run`` in fresh processes, each under a per-process memory cap smaller
+small SFT and preference dataset, then runs ``python -m trl.scripts.sft`` and TRL's
+``dpo.py`` (by its path) through ``layerstream run`` in fresh processes, each under a per-process memory cap smaller
 than the model's weights (``capped.py``): bf16 LoRA and ``--load_in_4bit`` QLoRA. Where the
 model also fits its cap resident, the plain script runs too, for the losses and the speed.
 Capped-only runs go several at a time (each has its own cap; their step times are not
@@ -24,6 +24,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 EXTRA: list = []  # arguments every run gets (the CPU dry run's --use_cpu)
+LOG_TAILS: list = []  # where each run's last lines go as it ends (the --out folder)
 
 # (script, shape, quantization, cap, also run the plain script under the same cap)
 CASES = [
@@ -73,10 +74,17 @@ def write_inputs(work: Path, shapes) -> dict:
     return paths
 
 
+def _script_path(script: str) -> str:
+    import importlib.util
+
+    return importlib.util.find_spec(f"trl.scripts.{script}").origin
+
+
 def command(paths, script, shape, quantization, out: Path, steps: int, streamed: bool):
+    # SFT through ``-m``, DPO through the script's own path: both launcher forms
+    launch = ["-m", f"trl.scripts.{script}"] if script == "sft" else [_script_path(script)]
     args = [
-        "-m",
-        f"trl.scripts.{script}",
+        *launch,
         "--model_name_or_path",
         str(paths[shape]),
         "--dataset_name",
@@ -112,7 +120,7 @@ def command(paths, script, shape, quantization, out: Path, steps: int, streamed:
     if quantization == "4bit":
         args.append("--load_in_4bit")
     args += EXTRA
-    return ["layerstream", "run"] + args if streamed else ["python"] + args
+    return ["layerstream", "run"] + args if streamed else [sys.executable] + args
 
 
 def run(paths, case, work: Path, steps: int, streamed: bool) -> dict:
@@ -153,6 +161,8 @@ def run(paths, case, work: Path, steps: int, streamed: bool) -> dict:
         "peak_reserved_gib": timing.get("peak_reserved_gib"),
     }
     (work / "runs" / f"{name}.log").write_text(log)
+    for folder in LOG_TAILS:
+        (folder / f"{name}.log").write_text(log[-6000:])
     print(json.dumps({k: v for k, v in row.items() if k != "step_s"}), flush=True)
     return row
 
@@ -188,6 +198,8 @@ def main():
     paths = write_inputs(work, sorted({c[1] for c in cases}))
     capped_only = [c for c in cases if not c[4]]
     Path(args.out).mkdir(parents=True, exist_ok=True)
+    LOG_TAILS.append(Path(args.out) / "logs")
+    LOG_TAILS[0].mkdir(exist_ok=True)
 
     def save(rows, pairs=()):
         (Path(args.out) / "zero-edit.json").write_text(
