@@ -112,11 +112,15 @@ def main():
         from layerstream.cli import main as layerstream_main
 
         sys.exit(layerstream_main(command[1:]))
-    if command[:2] == ["python", "-m"]:
+    if command[:1] in (["python"], [sys.executable]) and command[1:2] == ["-m"]:
         sys.argv = command[2:]
         runpy.run_module(command[2], run_name="__main__", alter_sys=True)
         return
-    raise SystemExit(f"capped: run `layerstream ...` or `python -m MODULE ...`, got {command}")
+    if command[:1] in (["python"], [sys.executable]) and command[1:2] and command[1].endswith(".py"):
+        sys.argv = command[1:]
+        runpy.run_path(command[1], run_name="__main__")
+        return
+    raise SystemExit(f"capped: run `layerstream ...`, `python -m MODULE ...` or `python SCRIPT.py ...`, got {command}")
 
 
 if __name__ == "__main__":

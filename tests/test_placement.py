@@ -1,5 +1,6 @@
 """Accelerate and Trainer place a streamed model like any other, moving only its resident part."""
 
+import pytest
 from accelerate import Accelerator
 from datasets import Dataset
 from transformers import Trainer, TrainingArguments
@@ -47,3 +48,43 @@ def test_trainer_trains_a_streamed_model_like_the_resident_one(tmp_path):
     expected = _trainer_losses(resident, tmp_path, "resident")
     assert len(got) == 6 and got == expected
     assert layerstream.get_runtime(streamed).stats()["layer_loads"] > 0
+
+
+def _adapters_added_after_streaming(device):
+    """A streamed model, then PEFT on top (its adapters start on the host, beside the
+    streamed weights' host copies), never moved again; and the same model resident."""
+    import copy
+
+    from peft import get_peft_model
+
+    from tiny import lora_config, tiny_model
+
+    base = tiny_model("llama", layers=4)
+    resident = get_peft_model(copy.deepcopy(base).to(device), lora_config())
+    stream(base, device, slots=2)
+    streamed = get_peft_model(base, lora_config())
+    streamed.load_state_dict(resident.state_dict())
+    return streamed, resident
+
+
+def test_adapters_of_streamed_layers_follow_the_layers_device():
+    """The selection: adapters move, the streamed weights stay in the host store."""
+    import torch
+
+    from layerstream.layer import tensors_off_device
+
+    streamed, _ = _adapters_added_after_streaming("cpu")
+    records = layerstream.get_runtime(streamed).records
+    assert list(tensors_off_device(records, torch.device("cpu"))) == []
+    off = {id(t) for *_, t in tensors_off_device(records, torch.device("meta"))}
+    lora = {id(p) for n, p in streamed.named_parameters() if "lora_" in n and ".layers." in n}
+    assert off == lora and lora  # the adapters, and nothing the store holds
+
+
+@pytest.mark.gpu
+def test_adapters_added_after_streaming_train_on_the_gpu_without_a_move():
+    """A 4-bit model is never moved by the Trainer: adapters PEFT left on the host must
+    still train on the GPU, exactly as the resident model does."""
+    streamed, resident = _adapters_added_after_streaming("cuda")
+    assert any(p.device.type == "cpu" for n, p in streamed.named_parameters() if "lora_" in n)
+    assert_traces_equal(train_steps(streamed, 4, device="cuda"), train_steps(resident, 4, device="cuda"))

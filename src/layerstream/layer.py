@@ -168,3 +168,52 @@ def release_ancestors(modules, runtime) -> None:
         swap.swap_out(module, AboveStreamedLayers)
         if module.__dict__.get("_layerstream_runtime") is runtime:
             module.__dict__.pop("_layerstream_runtime", None)
+
+
+_REGISTRATIONS = [0]  # parameters, buffers and modules registered anywhere, since installed
+
+
+def _count_registration(*_args):
+    _REGISTRATIONS[0] += 1
+
+
+def registrations() -> int:
+    """A counter that moves whenever any module registers a parameter, buffer or child:
+    a cheap sign that adapters may have been added since it was last read."""
+    if not _REGISTRATIONS[0]:
+        _REGISTRATIONS[0] = 1
+        nn.modules.module.register_module_parameter_registration_hook(_count_registration)
+        nn.modules.module.register_module_buffer_registration_hook(_count_registration)
+        nn.modules.module.register_module_module_registration_hook(_count_registration)
+    return _REGISTRATIONS[0]
+
+
+def tensors_off_device(records, device: torch.device):
+    """(module, table kind, key, tensor) of each tensor of a streamed layer that does not
+    stream (LoRA adapters, added buffers) and is not on ``device``."""
+    for record in records:
+        streamed = {(id(e.module), e.name) for e in record.entries if e.bound}
+        for module in record.module.modules():
+            for kind in ("_parameters", "_buffers"):
+                for key, tensor in getattr(module, kind).items():
+                    if tensor is not None and tensor.device != device and (id(module), key) not in streamed:
+                        yield module, kind, key, tensor
+
+
+def place_resident_tensors(records, device: torch.device) -> int:
+    """Move the tensors of streamed layers that do not stream to the device the layers
+    run on; returns how many moved.
+
+    PEFT puts an adapter on its base layer's device, and a streamed base weight lives in
+    host memory, so adapters added after streaming start on the host; the Trainer does not
+    move a 4-bit model, and a user's own loop may not move it either. Parameters keep their
+    identity (``.data`` is replaced), so an optimizer made before still holds them.
+    """
+    misplaced = list(tensors_off_device(records, device))
+    with torch.no_grad():
+        for module, kind, key, tensor in misplaced:
+            if kind == "_parameters":
+                tensor.data = tensor.data.to(device)
+            else:
+                module._buffers[key] = tensor.to(device)
+    return len(misplaced)

@@ -81,6 +81,8 @@ class StreamRuntime(ResidentWindow):
         self.window_changes: List[Tuple[int, int]] = []  # (tokens, window) at each change
         self.oom_retries = 0
         self._warned_cache = False
+        self._warned_placed = False
+        self._placed_at = 0  # layer.registrations() when tensors were last placed
         self.nf4_counts = {"nf4_function_calls": 0, "nf4_dequant_calls": 0}
         self._recording = None  # timeline.Recording while a step is recorded
         self._budget_checked: set = set()  # (batch, seq) shapes checked against an explicit vram_budget
@@ -247,6 +249,8 @@ class StreamRuntime(ResidentWindow):
         for record in self.records:  # changes made between passes, quant states included
             if not record.fresh_deep():
                 self._refresh(record.index, Phase.TRAIN_FORWARD, pass_start=True)
+        if self._placed_at != layer_mod.registrations():  # adapters may have come since
+            self._place_resident_tensors()
         if not training:
             return
         self._check_trainable()
@@ -259,6 +263,18 @@ class StreamRuntime(ResidentWindow):
             self._size_window(self.last_shape[0] * self.last_shape[1])
         if self.backward.auto:
             self._decide_backward_slots(hidden)
+
+    def _place_resident_tensors(self) -> None:
+        self._placed_at = layer_mod.registrations()
+        moved = layer_mod.place_resident_tensors(self.records, self.device)
+        if moved and not self._warned_placed:
+            self._warned_placed = True
+            logger.warning(
+                "layerstream: moved %d tensors of streamed layers (adapters added after streaming) "
+                "from the host to %s, where the layers run",
+                moved,
+                self.device,
+            )
 
     def _check_trainable(self) -> None:
         for record in self.records:
@@ -496,6 +512,7 @@ class StreamRuntime(ResidentWindow):
         self.sizer = WindowSizer(len(self.records), self.store.largest_layer_bytes)
         self.meter = self._new_meter()
         self._measured_tokens, self._last_slot = None, None
+        self._placed_at = 0  # adapters follow at the next pass
         if self.embeddings is not None:
             self.embeddings.pool, self.embeddings.device = self.pool, device
 
