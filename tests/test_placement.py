@@ -1,6 +1,7 @@
 """Accelerate and Trainer place a streamed model like any other, moving only its resident part."""
 
 import pytest
+import torch
 from accelerate import Accelerator
 from datasets import Dataset
 from transformers import Trainer, TrainingArguments
@@ -88,3 +89,28 @@ def test_adapters_added_after_streaming_train_on_the_gpu_without_a_move():
     streamed, resident = _adapters_added_after_streaming("cuda")
     assert any(p.device.type == "cpu" for n, p in streamed.named_parameters() if "lora_" in n)
     assert_traces_equal(train_steps(streamed, 4, device="cuda"), train_steps(resident, 4, device="cuda"))
+
+
+def test_placement_is_checked_again_only_after_tensors_were_registered(monkeypatch):
+    """The model's own forward (Llama slices its ModuleList on every call) must not make
+    each pass walk every module; registering an adapter must."""
+    from peft import get_peft_model
+
+    from layerstream import layer
+
+    from tiny import lora_config, tiny_model
+
+    walks = []
+    real = layer.place_resident_tensors
+    monkeypatch.setattr(layer, "place_resident_tensors", lambda *a: walks.append(1) or real(*a))
+    model = tiny_model("llama", layers=4)
+    stream(model, "cpu")
+    ids = batch(96, size=2, seq=8)
+    with torch.no_grad():
+        for _ in range(3):
+            model(input_ids=ids)
+    assert len(walks) == 1  # the first pass only
+    model = get_peft_model(model, lora_config())
+    model(input_ids=ids, labels=ids).loss.backward()
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert len(walks) == 2  # once more, after PEFT registered its adapters

@@ -170,7 +170,7 @@ def release_ancestors(modules, runtime) -> None:
             module.__dict__.pop("_layerstream_runtime", None)
 
 
-_REGISTRATIONS = [0]  # parameters, buffers and modules registered anywhere, since installed
+_REGISTRATIONS = [0]  # parameters and buffers registered anywhere, since installed
 
 
 def _count_registration(*_args):
@@ -178,13 +178,13 @@ def _count_registration(*_args):
 
 
 def registrations() -> int:
-    """A counter that moves whenever any module registers a parameter, buffer or child:
-    a cheap sign that adapters may have been added since it was last read."""
+    """A counter that moves whenever any module registers a parameter or buffer: a cheap
+    sign that adapters may have been added since it was last read. (Not children: a
+    model's forward that slices its ``ModuleList`` registers modules on every call.)"""
     if not _REGISTRATIONS[0]:
         _REGISTRATIONS[0] = 1
         nn.modules.module.register_module_parameter_registration_hook(_count_registration)
         nn.modules.module.register_module_buffer_registration_hook(_count_registration)
-        nn.modules.module.register_module_module_registration_hook(_count_registration)
     return _REGISTRATIONS[0]
 
 
