@@ -229,6 +229,30 @@ def test_liger_fused_loss_is_used_instead_and_said_once(monkeypatch, caplog):
     assert calls == [True]
 
 
+def test_the_trainers_use_liger_kernel_leaves_liger_in_charge_and_says_so(tmp_path, monkeypatch, caplog):
+    """use_liger_kernel=True binds Liger's fused forward to the model instance, in front of
+    the chunked forward: the Trainer integration says once that Liger computes the loss."""
+    import transformers.trainer
+
+    def fake_liger(model, config):
+        inner = layerstream.api.unwrap_peft(model)
+        own = type(inner).forward
+
+        def fused(self, *args, **kwargs):
+            return own(self, *args, **kwargs)
+
+        fused.__module__ = "liger_kernel.transformers.model.llama"
+        inner.forward = MethodType(fused, inner)
+
+    monkeypatch.setattr(transformers.trainer, "apply_liger_kernel", fake_liger)
+    chunked_loss._warned.discard("liger")
+    streamed, _ = _long_pair()
+    args = TrainingArguments(output_dir=str(tmp_path), use_liger_kernel=True, use_cpu=True, report_to="none")
+    with caplog.at_level(logging.WARNING, logger="layerstream"):
+        Trainer(model=streamed, args=args, train_dataset=_dataset())
+    assert sum("Liger" in r.message for r in caplog.records) == 1
+
+
 def test_what_cannot_be_chunked_or_tiled_is_refused_clearly():
     with pytest.raises(StreamingError, match="softcap|transforms the logits"):
         chunked_loss.apply(tiny_model("gemma2", final_logit_softcapping=30.0), CHUNK)

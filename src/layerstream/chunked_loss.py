@@ -51,6 +51,18 @@ def _warn_once(key: str, message: str, *args) -> None:
         logger.warning(message, *args)
 
 
+def warn_liger() -> None:
+    _warn_once(
+        "liger",
+        "layerstream: Liger-Kernel's fused linear cross-entropy computes this model's loss; "
+        "loss_chunk_tokens is not applied on top of it.",
+    )
+
+
+def applied(model: nn.Module) -> bool:
+    return unwrap_peft(model).__dict__.get(_TOKENS) is not None
+
+
 def refuse_dropout(module: nn.Module, what: str, setting: str) -> None:
     """Recomputing in backward would draw other dropout masks than the forward did."""
     for name, sub in module.named_modules():
@@ -240,11 +252,7 @@ _MIXINS: dict = {}
 def _chunked_forward(self, mixin, signature, varkw, args, kwargs):
     inner = super(mixin, self).forward
     if _from_liger(getattr(inner, "__func__", inner)):
-        _warn_once(
-            "liger",
-            "layerstream: Liger-Kernel's fused linear cross-entropy computes this model's loss; "
-            "loss_chunk_tokens is not applied on top of it.",
-        )
+        warn_liger()
         return inner(*args, **kwargs)
     bound = signature.bind(self, *args, **kwargs)
     values = bound.arguments
@@ -299,11 +307,7 @@ def apply(model: nn.Module, tokens: int) -> nn.Module:
     inner = unwrap_peft(model)
     cls = swap.original_class(inner)
     if inner.__dict__.get("forward") is not None and _from_liger(getattr(inner.forward, "__func__", None)):
-        _warn_once(
-            "liger",
-            "layerstream: Liger-Kernel's fused linear cross-entropy computes this model's loss; "
-            "loss_chunk_tokens is not applied on top of it.",
-        )
+        warn_liger()
     elif not _from_liger(cls.forward):
         _check_forward(cls)
     if getattr(inner, "get_output_embeddings", lambda: None)() is None:

@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .. import report, timeline
+from .. import chunked_loss, report, timeline
 from ..api import get_runtime, is_streamed, on_stream, stream_model
 from ..config import (
     BUDGET,
@@ -190,6 +190,8 @@ def install() -> None:
         model = kwargs.get("model", args[0] if args else None)
         _auto_stream(model, kwargs.get("args", args[1] if len(args) > 1 else None))
         original_init(self, *args, **kwargs)
+        if self.model is not None and self.args.use_liger_kernel and chunked_loss.applied(self.model):
+            chunked_loss.warn_liger()  # Liger bound its fused forward to the model: it computes the loss
         if self.model is not None and is_streamed(self.model) and self.args.n_gpu > 1:
             raise StreamingError(
                 f"this process sees {self.args.n_gpu} GPUs, so the Trainer would wrap the streamed model "
