@@ -248,3 +248,34 @@ def test_attention_and_mlp_units_would_stay_under_the_target_and_lengthen_the_st
         assert units["copies"] == 2 * (64 - 4) and units["demand_loads"] == 0
         assert layers["fraction_of_copy_bound"] < units["fraction_of_copy_bound"] < 0.95
         assert units["step_ms"] > layers["step_ms"]
+
+
+def test_long_context_benchmark_runs_its_whole_harness_on_the_cpu(tmp_path, monkeypatch):
+    """--dry-run: binary search (a length limit stands in for out of memory), one
+    subprocess per probe, timing, the baseline and the result rows, on a tiny model."""
+    import long_context
+
+    with pytest.raises(SystemExit) as exited:
+        long_context.main(["--help"])
+    assert exited.value.code == 0
+    monkeypatch.setenv("OUT", str(tmp_path))
+    assert long_context.main(["--dry-run"]) == 0
+    (row,) = json.loads((tmp_path / "long-context.json").read_text())
+    keys = {"model", "quantization", "vram_gib", "max_tokens", "step_s", "tokens_per_s", "baseline_step_s"}
+    assert keys <= set(row)
+    assert row["max_tokens"] == 384, "the longest length under the dry run's limit, to 64 tokens"
+    assert row["step_s"] > 0 and row["baseline_step_s"] > 0
+    assert row["tokens_per_s"] == pytest.approx(row["max_tokens"] / row["step_s"])
+
+
+def test_long_context_benchmark_refuses_a_bad_stream_option_before_any_probe():
+    import long_context
+
+    from layerstream.errors import StreamConfigError
+
+    with pytest.raises(StreamConfigError, match="unknown setting"):
+        long_context.stream_options(["offload_everything=true"])
+    with pytest.raises(StreamConfigError, match="loss_chunk_tokens must be an integer"):
+        long_context.stream_options(["loss_chunk_tokens=lots"])
+    with pytest.raises(ValueError, match="shape:quantization:vram_gib"):
+        long_context.parse_cell("llama3-8b:24")

@@ -9,7 +9,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "layerstream"
 # lowest first; a module may import from its own layer and the ones before it
 LAYERS = [
     {"errors", "units", "swap", "embedded"},
-    {"config", "schedule", "window", "checksum", "cudart", "discovery", "timeline"},
+    {"config", "schedule", "window", "checksum", "cudart", "discovery", "timeline", "chunked_loss", "tiled_mlp"},
     {"store", "pool", "nf4", "meter", "changes", "bindings", "passes", "plan"},
     {"embeddings", "layer", "backward_slots", "report", "checkpoint", "residency"},
     {"runtime"},

@@ -41,6 +41,7 @@ BUDGET = "size, auto or none"
 DEVICE = "device"
 FLAG = "flag"
 TRISTATE = "true, false or unset"
+TOKENS = "integer or none"
 
 
 def auto_slots(room_bytes: Optional[int], largest_layer_bytes: int) -> int:
@@ -167,11 +168,30 @@ class StreamConfig:
             "holds, on CUDA with expandable segments and vram_budget none"
         ),
     )
+    loss_chunk_tokens: Optional[int] = _setting(
+        None,
+        TOKENS,
+        (
+            "compute the head and cross-entropy this many tokens at a time, so the full fp32 logits "
+            "never exist (long sequences; e.g. 4096). none: off. Liger-Kernel's fused loss, when "
+            "applied, is used instead"
+        ),
+    )
+    mlp_tile_tokens: Optional[int] = _setting(
+        None,
+        TOKENS,
+        (
+            "run each decoder layer's MLP this many tokens at a time, forward and backward, so one "
+            "layer's tokens x intermediate working set stays bounded (long sequences; e.g. 8192). none: off"
+        ),
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.stream_embeddings, bool):
             raise StreamConfigError(f"stream_embeddings must be True or False, got {self.stream_embeddings!r}")
         self.vram_budget = _budget(self.vram_budget)
+        check_tokens("loss_chunk_tokens", self.loss_chunk_tokens)
+        check_tokens("mlp_tile_tokens", self.mlp_tile_tokens)
         if self.checksum is None:
             self.checksum = os.environ.get("LAYERSTREAM_CHECKSUM", "") == "1"
         auto = set()
@@ -234,6 +254,13 @@ class StreamConfig:
         values = {name: "auto" if name in self.automatic else getattr(self, name) for name in names}
         values.update(overrides)
         return StreamConfig(**values)
+
+
+def check_tokens(name: str, value) -> Optional[int]:
+    """A setting in tokens: None (off) or an integer >= 1."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise StreamConfigError(f"{name} must be an integer >= 1 (tokens at a time) or None (off), got {value!r}")
+    return value
 
 
 def _budget(value):
@@ -315,6 +342,15 @@ def parse_setting(name: str, value: Any, spelled: Optional[str] = None) -> Any:
         if text in _FALSE:
             return False
         raise StreamConfigError(f"{spelled} must be true or false, got {value!r}")
+    if kind == TOKENS:
+        if value is None or text in ("", "none", "null", "off"):
+            return None
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        try:
+            return int(text)
+        except (TypeError, ValueError):
+            raise StreamConfigError(f"{spelled} must be an integer (tokens) or none, got {value!r}") from None
     if kind == BUDGET and (value is None or text in ("none", "null", "off")):
         return None
     if kind == BUDGET and text == "auto":

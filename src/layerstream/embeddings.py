@@ -394,6 +394,12 @@ class StreamedEnds:
             )
         return HeadLinear.apply(x, weight, bias, self._fetch_head)
 
+    def head_weight(self, module: nn.Linear) -> torch.Tensor:
+        """A device copy of the head's weight for a caller that runs the head's ``F.linear``
+        itself (the chunked loss: one copy for all its chunks), checked as ``head`` checks."""
+        self._check(module.weight, "head")
+        return self._fetch_head(module.weight)
+
     def _fetch_head(self, host_weight: torch.Tensor) -> torch.Tensor:
         self.head_copies += 1
         self.head_h2d_bytes += host_weight.numel() * host_weight.element_size()

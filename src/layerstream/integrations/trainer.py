@@ -30,9 +30,20 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .. import report, timeline
+from .. import chunked_loss, report, timeline
 from ..api import get_runtime, is_streamed, on_stream, stream_model
-from ..config import BUDGET, COUNT, DEVICE, FLAG, SIZE, TRISTATE, config_from_settings, setting_default_text, settings
+from ..config import (
+    BUDGET,
+    COUNT,
+    DEVICE,
+    FLAG,
+    SIZE,
+    TOKENS,
+    TRISTATE,
+    config_from_settings,
+    setting_default_text,
+    settings,
+)
 from ..errors import StreamingError
 from ..meter import wanted_bytes
 from . import launch
@@ -179,6 +190,8 @@ def install() -> None:
         model = kwargs.get("model", args[0] if args else None)
         _auto_stream(model, kwargs.get("args", args[1] if len(args) > 1 else None))
         original_init(self, *args, **kwargs)
+        if self.model is not None and self.args.use_liger_kernel and chunked_loss.applied(self.model):
+            chunked_loss.warn_liger()  # Liger bound its fused forward to the model: it computes the loss
         if self.model is not None and is_streamed(self.model) and self.args.n_gpu > 1:
             raise StreamingError(
                 f"this process sees {self.args.n_gpu} GPUs, so the Trainer would wrap the streamed model "
@@ -299,7 +312,15 @@ def argument_name(setting_name: str) -> str:
     return "layer_stream_" + (setting_name[len("stream_") :] if setting_name.startswith("stream_") else setting_name)
 
 
-_ARGUMENT_TYPES = {COUNT: str, SIZE: str, BUDGET: str, DEVICE: Optional[str], FLAG: bool, TRISTATE: Optional[bool]}
+_ARGUMENT_TYPES = {
+    COUNT: str,
+    SIZE: str,
+    BUDGET: str,
+    DEVICE: Optional[str],
+    FLAG: bool,
+    TRISTATE: Optional[bool],
+    TOKENS: Optional[str],
+}
 
 
 def _streaming_arguments_class():

@@ -1,0 +1,295 @@
+"""The longest trainable sequence per GPU memory cap, and its speed (GPU).
+
+For each cell (shape:quantization:vram_gib), a QLoRA model of a real shape with random
+weights (LoRA r=32 on every linear layer, batch 1) is trained under
+``torch.cuda.set_per_process_memory_fraction`` at that cap, streamed with the long-context
+settings (``--stream-option``; by default loss_chunk_tokens, mlp_tile_tokens and, where
+this version has it, offload_activations). A binary search over the sequence length finds
+the longest that trains; every probe runs in a fresh subprocess, so one out-of-memory
+leaves nothing behind. Then a few steps at that length are timed (median), and so is the
+baseline: the best configuration without those settings at the same length in the GPU's
+full memory (resident with checkpointing, else streamed with the resident window).
+
+The search's bounds are kept in ``--state`` after every probe, so a search cut short by a
+time limit continues where it stopped when run again. Rows go to
+benchmarks/results/long-context.json (one per cell, replaced when measured again).
+
+    python benchmarks/long_context.py --cells llama3-8b:nf4:24 --budget-s 540
+    python benchmarks/long_context.py --dry-run        # the whole harness on the CPU, tiny model
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results", "long-context.json")
+STATE = os.path.join(HERE, "results", "long-context-search.json")
+DEFAULT_CELLS = [f"llama3-8b:nf4:{v}" for v in (12, 16, 24, 80)] + [f"llama3-70b:nf4:{v}" for v in (24, 80)]
+NAMES = {"llama3-8b": "Llama-3.1-8B", "llama3-70b": "Llama-3-70B", "tiny": "tiny-llama"}
+DEFAULT_OPTIONS = {"loss_chunk_tokens": "4096", "mlp_tile_tokens": "8192"}
+GiB = 1 << 30
+
+
+def parse_cell(text: str) -> dict:
+    fields = text.split(":")
+    if len(fields) != 3 or fields[1] not in ("nf4", "none"):
+        raise ValueError(f"cell {text!r}: write shape:quantization:vram_gib, e.g. llama3-8b:nf4:24")
+    return {"shape": fields[0], "quantization": fields[1], "vram_gib": float(fields[2])}
+
+
+def stream_options(pairs) -> dict:
+    """The long-context settings: the defaults, offload_activations where StreamConfig has
+    it, then each --stream-option key=value (checked against StreamConfig before any probe)."""
+    from layerstream.config import config_from_settings, settings
+
+    options = dict(DEFAULT_OPTIONS)
+    if "offload_activations" in {s.name for s in settings()}:
+        options["offload_activations"] = "true"
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"--stream-option {pair!r}: write key=value, e.g. loss_chunk_tokens=4096")
+        options[key.strip()] = value.strip()
+    config_from_settings(options, lambda name: f"--stream-option {name}", device="cpu")  # raises on a bad one
+    return options
+
+
+# -- one probe, in its own process ------------------------------------------------------------
+def _build(shape: str, quantization: str, layers):
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from common import build_random, build_random_nf4
+
+    if shape == "tiny":
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        torch.manual_seed(0)
+        config = AutoConfig.for_model(
+            "llama",
+            vocab_size=96,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=4096,
+        )
+        model = AutoModelForCausalLM.from_config(config)
+    elif quantization == "nf4":
+        model = build_random_nf4(shape, layers=layers)  # layer by layer on the host
+    else:
+        model = build_random(shape, layers=layers)
+    model.config.use_cache = False
+    lora = LoraConfig(r=32, lora_alpha=64, lora_dropout=0.0, target_modules="all-linear")
+    return get_peft_model(model, lora)
+
+
+def probe(args) -> dict:
+    """Train ``args.steps`` steps at ``args.seq`` tokens; the step times, or the failure."""
+    import torch
+
+    cell = parse_cell(args.probe)
+    device = "cuda" if torch.cuda.is_available() and not args.dry_run else "cpu"
+    if device == "cuda" and args.cap:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cell["vram_gib"] * GiB / total))
+    if args.dry_run and args.seq > args.dry_run_limit:
+        return {"ok": False, "why": f"dry run: {args.seq} > {args.dry_run_limit} tokens stands in for out of memory"}
+    import layerstream
+
+    model = _build(cell["shape"], cell["quantization"], args.layers)
+    options = json.loads(args.options)
+    what = "streamed"
+    try:
+        if args.mode == "resident":
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.enable_input_require_grads()
+            model.to(device)
+            what = "resident"
+        else:
+            budget = None if device == "cpu" else (f"{cell['vram_gib']}GiB" if args.cap else "auto")
+            layerstream.stream_model(model, device=device, vram_budget=budget, **_parsed(options))
+            model.to(device)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+        ids = torch.randint(3, model.config.vocab_size, (1, args.seq), device=device)
+        times = []
+        for _ in range(args.steps):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+    except torch.OutOfMemoryError as exc:
+        return {"ok": False, "why": f"out of memory: {str(exc).splitlines()[0][:200]}"}
+    peak = torch.cuda.max_memory_allocated() / GiB if device == "cuda" else None
+    return {"ok": True, "step_s": times, "peak_allocated_gib": peak, "config": what}
+
+
+def _parsed(options: dict) -> dict:
+    from layerstream.config import parse_setting
+
+    return {k: parse_setting(k, v, f"--stream-option {k}") for k, v in options.items()}
+
+
+def run_probe(cell: str, seq: int, mode: str, options: dict, args, steps: int, cap: bool) -> dict:
+    command = [sys.executable, os.path.abspath(__file__), "--probe", cell, "--seq", str(seq), "--mode", mode]
+    command += ["--options", json.dumps(options), "--steps", str(steps)] + (["--cap"] if cap else [])
+    if args.layers:
+        command += ["--layers", str(args.layers)]
+    if args.dry_run:
+        command += ["--dry-run", "--dry-run-limit", str(args.dry_run_limit)]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=args.probe_timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "why": f"probe ran past {args.probe_timeout_s} s"}
+    lines = [line for line in done.stdout.splitlines() if line.startswith("PROBE ")]
+    if not lines:  # killed (host memory), or crashed: reported, counted as not fitting
+        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+        return {"ok": False, "why": f"exit {done.returncode}: {' | '.join(tail)}"}
+    return json.loads(lines[-1][len("PROBE ") :])
+
+
+# -- the search and the table -----------------------------------------------------------------
+@dataclasses.dataclass
+class Bounds:
+    fits: int  # the longest length known to train (0: none yet)
+    fails: int  # the shortest length known not to
+
+
+def search(cell: str, bounds: Bounds, options: dict, args, deadline: float, state: dict) -> Bounds:
+    step = args.granularity
+    while bounds.fails - bounds.fits > step and time.time() < deadline:
+        seq = max(step, (bounds.fits + bounds.fails) // 2 // step * step)
+        result = run_probe(cell, seq, "streamed", options, args, steps=1, cap=True)
+        print(f"{cell}: {seq} tokens -> {'fits' if result['ok'] else result['why']}", flush=True)
+        if result["ok"]:
+            bounds.fits = seq
+        else:
+            bounds.fails = seq
+        state[cell] = dataclasses.asdict(bounds)
+        _write(args.state, state)
+    return bounds
+
+
+def _write(path: str, payload) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as handle:
+        json.dump(payload, handle, indent=2)
+
+
+def measure(cell: str, seq: int, options: dict, args) -> dict:
+    parsed = parse_cell(cell)
+    timed = run_probe(cell, seq, "streamed", options, args, steps=args.warmup + args.steps, cap=True)
+    row = {
+        "model": NAMES.get(parsed["shape"], parsed["shape"]) + " shape, random weights",
+        "quantization": parsed["quantization"],
+        "vram_gib": parsed["vram_gib"],
+        "max_tokens": seq,
+        "step_s": None,
+        "tokens_per_s": None,
+        "baseline_step_s": None,
+        "options": options,
+        "lora": "r=32 all-linear",
+        "batch": 1,
+    }
+    if timed["ok"]:
+        step = statistics.median(timed["step_s"][args.warmup :])
+        row.update(step_s=step, tokens_per_s=seq / step, peak_allocated_gib=timed["peak_allocated_gib"])
+    for mode in ("resident", "streamed"):  # the best without the long-context settings, full memory
+        base = run_probe(cell, seq, mode, {}, args, steps=args.warmup + args.steps, cap=False)
+        if base["ok"]:
+            row.update(baseline_step_s=statistics.median(base["step_s"][args.warmup :]), baseline_config=base["config"])
+            break
+        row["baseline_note"] = f"{mode}: {base['why']}"
+    return row
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument(
+        "--cells", nargs="+", default=None, help=f"shape:quantization:vram_gib (default: {' '.join(DEFAULT_CELLS)})"
+    )
+    parser.add_argument("--budget-s", type=float, default=540.0, help="stop starting probes after this many seconds")
+    parser.add_argument(
+        "--stream-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a StreamConfig setting for the capped runs (repeatable)",
+    )
+    parser.add_argument("--lo", type=int, default=0, help="a length known to fit (default: none)")
+    parser.add_argument("--hi", type=int, default=524288, help="a length known not to fit")
+    parser.add_argument("--granularity", type=int, default=1024, help="search to this many tokens")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps (median)")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's)")
+    parser.add_argument("--probe-timeout-s", type=int, default=480)
+    parser.add_argument("--state", default=STATE, help="search bounds kept between runs")
+    parser.add_argument("--out", default=RESULTS)
+    parser.add_argument("--dry-run", action="store_true", help="run the whole harness on the CPU with a tiny model")
+    parser.add_argument("--dry-run-limit", type=int, default=384, help=argparse.SUPPRESS)
+    for hidden in ("--probe", "--seq", "--mode", "--options"):
+        parser.add_argument(hidden, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--cap", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    sys.path.insert(0, HERE)
+    if args.probe:
+        args.seq = int(args.seq)
+        print("PROBE " + json.dumps(probe(args)), flush=True)
+        return 0
+    if args.dry_run:
+        out_dir = os.environ.get("OUT") or os.path.join(HERE, "results", "dry-run")
+        args.cells = args.cells or ["tiny:none:1"]
+        args.granularity, args.hi, args.steps, args.warmup = 64, 512, 2, 0
+        args.state, args.out = (
+            os.path.join(out_dir, "long-context-search.json"),
+            os.path.join(out_dir, "long-context.json"),
+        )
+    options = stream_options(args.stream_option)
+    cells = args.cells or DEFAULT_CELLS
+    for cell in cells:
+        parse_cell(cell)
+    state = json.load(open(args.state)) if os.path.exists(args.state) else {}
+    rows = json.load(open(args.out)) if os.path.exists(args.out) else []
+    deadline = time.time() + args.budget_s
+    for cell in cells:
+        bounds = Bounds(**state.get(cell, {"fits": args.lo, "fails": args.hi}))
+        bounds = search(cell, bounds, options, args, deadline, state)
+        if bounds.fails - bounds.fits > args.granularity:
+            print(f"{cell}: out of time between {bounds.fits} and {bounds.fails} tokens; run again to go on")
+            continue
+        if bounds.fits == 0:
+            print(f"{cell}: not even {args.granularity} tokens fit")
+            continue
+        if time.time() > deadline:
+            print(f"{cell}: searched ({bounds.fits} tokens); out of time before timing it; run again")
+            continue
+        row = measure(cell, bounds.fits, options, args)
+        rows = [
+            r
+            for r in rows
+            if (r["model"], r["quantization"], r["vram_gib"]) != (row["model"], row["quantization"], row["vram_gib"])
+        ]
+        rows.append(row)
+        _write(args.out, rows)
+        print(json.dumps(row), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

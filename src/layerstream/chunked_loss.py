@@ -1,0 +1,331 @@
+"""A causal LM's head and cross-entropy in chunks of tokens (``loss_chunk_tokens``).
+
+Why: at long sequences the fp32 logits (tokens x vocab x 4 bytes) and their gradient are
+the largest tensors of a step: 64k tokens of Llama-3's 128k vocabulary are 32 GiB each.
+Here the head runs on ``chunk`` tokens at a time: forward sums each chunk's cross-entropy
+without keeping its logits; backward computes each chunk's logits again, takes their
+gradient and drops them. Only one chunk's logits exist at any time.
+
+How it hooks in: the model's class gets a forward in front of its own. With labels and
+autograd on, it calls the model's own forward without labels while the head, instead of
+computing logits, hands back its input (the final hidden states); the loss is computed
+here with the semantics of transformers' ``ForCausalLMLoss``: labels shifted left (or
+``shift_labels`` as given), ``ignore_index``, a sum divided by ``num_items_in_batch`` when
+the Trainer gives it (gradient accumulation), otherwise the mean over counted tokens.
+The output carries the loss and no logits. Without labels, or with autograd off
+(evaluation, generation), the model's own forward runs unchanged.
+
+The chunks run the same kernels on the same operands whether the model is streamed or
+resident, so the two agree bit for bit; against the unchunked loss the sum runs in
+another order (close, not equal). A streamed head (``stream_embeddings``) is copied to
+the device once for the forward and once for the backward, not once per chunk.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import inspect
+import logging
+from typing import List, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import swap
+from .config import check_tokens
+from .discovery import unwrap_peft
+from .errors import StreamingError
+
+logger = logging.getLogger(__name__)
+
+_TOKENS = "_layerstream_loss_chunk_tokens"
+_capturing: contextvars.ContextVar = contextvars.ContextVar("layerstream_head_capture", default=None)
+_warned: set = set()
+
+
+def _warn_once(key: str, message: str, *args) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        logger.warning(message, *args)
+
+
+def warn_liger() -> None:
+    _warn_once(
+        "liger",
+        "layerstream: Liger-Kernel's fused linear cross-entropy computes this model's loss; "
+        "loss_chunk_tokens is not applied on top of it.",
+    )
+
+
+def applied(model: nn.Module) -> bool:
+    return unwrap_peft(model).__dict__.get(_TOKENS) is not None
+
+
+def refuse_dropout(module: nn.Module, what: str, setting: str) -> None:
+    """Recomputing in backward would draw other dropout masks than the forward did."""
+    for name, sub in module.named_modules():
+        if isinstance(sub, nn.Dropout) and sub.p > 0 and sub.training:
+            raise StreamingError(
+                f"{setting} recomputes {what} in backward, but {name or what} is a Dropout(p={sub.p}) "
+                "that would draw other masks than the forward did. Set lora_dropout=0 (or the "
+                f"dropout to 0), or leave {setting} unset."
+            )
+
+
+def autocast_state(device_type: str) -> list:
+    """The autocast settings now, for the device type and the CPU, to re-enter in backward."""
+    kinds = {device_type, "cpu"}
+    return [(k, torch.is_autocast_enabled(k), torch.get_autocast_dtype(k)) for k in sorted(kinds)]
+
+
+@contextlib.contextmanager
+def autocast_as(state: list):
+    with contextlib.ExitStack() as stack:
+        for kind, enabled, dtype in state:
+            stack.enter_context(torch.autocast(kind, dtype=dtype, enabled=enabled))
+        yield
+
+
+def spans(total: int, chunk: int) -> List[tuple]:
+    return [(start, min(start + chunk, total)) for start in range(0, total, chunk)]
+
+
+# -- the head, as the chunks call it ------------------------------------------------------------
+class _HeadCall:
+    """How each chunk computes its logits: the head module itself, or, for a streamed
+    plain ``nn.Linear`` head, ``F.linear`` on one device copy of its weight for all chunks
+    (the resident head runs the same ``F.linear``)."""
+
+    def __init__(self, head: nn.Module):
+        self.head = head
+        ends = head.__dict__.get("_layerstream_ends")
+        plain_linear = swap.original_class(head).forward is nn.Linear.forward
+        self.ends = ends if plain_linear and hasattr(ends, "head_weight") else None
+
+    def prepare(self):
+        if self.ends is None:
+            return self.head
+        weight, bias = self.ends.head_weight(self.head), self.head.bias
+        return lambda x: F.linear(x, weight, bias)
+
+
+def _chunk_loss(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    return F.cross_entropy(logits.float(), targets, ignore_index=ignore_index, reduction="sum")
+
+
+class ChunkedCrossEntropy(torch.autograd.Function):
+    """sum over chunks of cross_entropy(head(hidden[chunk]).float(), targets[chunk]) / divisor,
+    keeping no logits: backward recomputes each chunk's."""
+
+    @staticmethod
+    def forward(ctx, hidden, targets, divisor, head_call, chunk, ignore_index, *trainables):
+        counted = targets != ignore_index
+        parts = spans(hidden.shape[0], chunk)
+        # chunks without a counted token add nothing to the loss or any gradient (one sync)
+        active = [s for s, keep in zip(parts, torch.stack([counted[a:b].any() for a, b in parts]).tolist()) if keep]
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        with torch.no_grad():
+            call = head_call.prepare()
+            for a, b in active:
+                total = total + _chunk_loss(call(hidden[a:b]), targets[a:b], ignore_index)
+        ctx.save_for_backward(hidden, targets, divisor)
+        ctx.head_call, ctx.active, ctx.ignore_index = head_call, active, ignore_index
+        ctx.autocast = autocast_state(hidden.device.type)
+        ctx.trainables = len(trainables)
+        return total / divisor
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, targets, divisor = ctx.saved_tensors
+        params = [p for p, need in zip(ctx.head_call.trainables, ctx.needs_input_grad[6:]) if need]
+        need_hidden = ctx.needs_input_grad[0]
+        grad_hidden = torch.zeros_like(hidden) if need_hidden else None
+        sums: List[Optional[torch.Tensor]] = [None] * len(params)
+        scale = grad / divisor
+        with torch.enable_grad(), autocast_as(ctx.autocast):
+            call = ctx.head_call.prepare()
+            for a, b in ctx.active:
+                leaf = hidden[a:b].detach().requires_grad_(need_hidden)
+                part = _chunk_loss(call(leaf), targets[a:b], ctx.ignore_index)
+                inputs = ([leaf] if need_hidden else []) + params
+                grads = list(torch.autograd.grad(part, inputs, scale, allow_unused=True))
+                if need_hidden:
+                    grad_hidden[a:b] = grads.pop(0)
+                for i, g in enumerate(grads):
+                    if g is not None:
+                        sums[i] = g if sums[i] is None else sums[i] + g
+        out = iter(sums)
+        param_grads = [next(out) if need else None for need in ctx.needs_input_grad[6:]]
+        return (grad_hidden, None, None, None, None, None, *param_grads)
+
+
+def causal_lm_loss(
+    head: nn.Module,
+    hidden: torch.Tensor,
+    labels: Optional[torch.Tensor],
+    chunk: int,
+    num_items_in_batch=None,
+    ignore_index: int = -100,
+    shift_labels: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """transformers' ForCausalLMLoss(head(hidden), labels, ...) computed ``chunk`` tokens at a time."""
+    if shift_labels is None:
+        padded = F.pad(labels, (0, 1), value=ignore_index)
+        shift_labels = padded[..., 1:]
+    targets = shift_labels.reshape(-1).to(hidden.device)
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    if flat.shape[0] != targets.numel():
+        raise StreamingError(
+            f"loss_chunk_tokens: {flat.shape[0]} hidden states but {targets.numel()} labels; "
+            "give labels of the input's shape."
+        )
+    if torch.is_grad_enabled():
+        refuse_dropout(head, "the output head", "loss_chunk_tokens")
+    if num_items_in_batch is None:
+        divisor = (targets != ignore_index).sum()
+    else:
+        divisor = torch.as_tensor(num_items_in_batch, device=hidden.device)
+    head_call = _HeadCall(head)
+    head_call.trainables = [p for p in head.parameters() if p.requires_grad]
+    return ChunkedCrossEntropy.apply(flat, targets, divisor, head_call, chunk, ignore_index, *head_call.trainables)
+
+
+# -- hooking into the model --------------------------------------------------------------------
+class _Capture:
+    def __init__(self, head: nn.Module):
+        self.head, self.hidden = head, None
+
+
+class CapturingHead:
+    """Mixed in front of the head's class: while the chunked forward runs the model, the
+    head hands back its input instead of logits (an empty placeholder goes on)."""
+
+    def forward(self, input, *args, **kwargs):
+        box = _capturing.get()
+        if box is not None and box.head is self:
+            box.hidden = input
+            return input.new_empty((*input.shape[:-1], 0))
+        return super().forward(input, *args, **kwargs)
+
+
+def _from_liger(function) -> bool:
+    return (getattr(function, "__module__", "") or "").startswith("liger_kernel")
+
+
+def _check_forward(cls: type) -> None:
+    """Only a forward that feeds the head's output straight into ``self.loss_function``
+    (Llama, Mistral, Qwen2/3, Phi-3 and most others) can have its loss chunked: a scaling
+    or softcap of the logits between the two would be skipped."""
+    source = inspect.getsource(inspect.unwrap(cls.forward))
+    lines = [line.strip() for line in source.splitlines()]
+    head = [i for i, line in enumerate(lines) if line.startswith("logits = self.lm_head(")]
+    loss = [i for i, line in enumerate(lines) if "self.loss_function(" in line and "logits=logits" in line]
+    between = lines[head[0] + 1 : loss[0]] if head and loss and head[0] < loss[0] else None
+    if between is None or any("logits" in line for line in between):
+        raise StreamingError(
+            f"loss_chunk_tokens: {cls.__name__}.forward does not pass the head's output straight to "
+            "self.loss_function (it transforms the logits, or computes its own loss), so its loss "
+            "cannot be chunked exactly. Leave loss_chunk_tokens unset for this model."
+        )
+
+
+def _forward_mixin(cls: type) -> type:
+    """A mixin whose forward keeps ``cls.forward``'s signature (the Trainer reads it to keep
+    dataset columns and to pass num_items_in_batch)."""
+    signature = inspect.signature(cls.forward)
+    varkw = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
+
+    def forward(self, *args, **kwargs):
+        return _chunked_forward(self, mixin, signature, varkw, args, kwargs)
+
+    forward.__signature__ = signature
+    forward.__doc__ = cls.forward.__doc__
+    mixin = type("ChunkedLoss", (), {"forward": forward})
+    return mixin
+
+
+_MIXINS: dict = {}
+
+
+def _chunked_forward(self, mixin, signature, varkw, args, kwargs):
+    inner = super(mixin, self).forward
+    if _from_liger(getattr(inner, "__func__", inner)):
+        warn_liger()
+        return inner(*args, **kwargs)
+    bound = signature.bind(self, *args, **kwargs)
+    values = bound.arguments
+    extra = dict(values.get(varkw) or {}) if varkw else {}
+    labels, shift_labels = values.get("labels"), extra.get("shift_labels")
+    if not torch.is_grad_enabled() or labels is None:  # the model computes no loss then
+        if torch.is_grad_enabled():
+            _warn_once(
+                "nolabels",
+                "layerstream: loss_chunk_tokens is set but the model was called without labels, so "
+                "it computes the full logits (a custom compute_loss or label smoothing pops them).",
+            )
+        return inner(*args, **kwargs)
+    keep = values.get("logits_to_keep", 0)
+    if not (isinstance(keep, int) and keep == 0):
+        raise StreamingError("loss_chunk_tokens computes the loss over every position; call with logits_to_keep=0.")
+    values["labels"] = None
+    if varkw:
+        values[varkw] = {k: v for k, v in extra.items() if k != "shift_labels"}
+    head = self.get_output_embeddings()
+    swap.swap_in(head, CapturingHead)
+    box = _Capture(head)
+    token = _capturing.set(box)
+    try:
+        out = inner(*bound.args[1:], **bound.kwargs)
+    finally:
+        _capturing.reset(token)
+    if box.hidden is None or isinstance(out, tuple):
+        raise StreamingError(
+            "loss_chunk_tokens: the model's forward did not call its output head "
+            f"({type(head).__name__}) once with the hidden states, or returned a tuple; "
+            "call it with return_dict=True, or leave loss_chunk_tokens unset."
+        )
+    loss = causal_lm_loss(
+        head,
+        box.hidden,
+        labels,
+        getattr(self, _TOKENS),
+        extra.get("num_items_in_batch"),
+        extra.get("ignore_index", -100),
+        shift_labels,
+    )
+    fields = {k: v for k, v in out.items() if k != "logits"}
+    fields["loss"] = loss
+    return type(out)(**fields)
+
+
+def apply(model: nn.Module, tokens: int) -> nn.Module:
+    """Compute ``model``'s training loss ``tokens`` tokens at a time (a plain or PEFT-wrapped
+    transformers causal LM, streamed or not). Returns the same model."""
+    check_tokens("loss_chunk_tokens", tokens)
+    inner = unwrap_peft(model)
+    cls = swap.original_class(inner)
+    if inner.__dict__.get("forward") is not None and _from_liger(getattr(inner.forward, "__func__", None)):
+        warn_liger()
+    elif not _from_liger(cls.forward):
+        _check_forward(cls)
+    if getattr(inner, "get_output_embeddings", lambda: None)() is None:
+        raise StreamingError(f"loss_chunk_tokens: {cls.__name__} has no output head (get_output_embeddings).")
+    mixin = _MIXINS.get(cls) or _MIXINS.setdefault(cls, _forward_mixin(cls))
+    swap.swap_in(inner, mixin)
+    object.__setattr__(inner, _TOKENS, tokens)
+    return model
+
+
+def remove(model: nn.Module) -> nn.Module:
+    """Undo ``apply``: the model's own forward computes the loss again."""
+    inner = unwrap_peft(model)
+    mixin = _MIXINS.get(swap.original_class(inner))
+    if mixin is not None:
+        swap.swap_out(inner, mixin)
+    inner.__dict__.pop(_TOKENS, None)
+    head = inner.get_output_embeddings()
+    if head is not None:
+        swap.swap_out(head, CapturingHead)
+    return model

@@ -1,0 +1,161 @@
+"""The decoder layers' MLP in tiles of tokens (``mlp_tile_tokens``).
+
+Why: a Llama-style MLP's working set is tokens x intermediate (14336 for Llama-3-8B,
+28672 for 70B): gate, up, their product and the gradients of each. At long sequences that
+is the largest part of one layer's backward. Here the MLP runs ``tile`` tokens at a time:
+forward keeps only its input; backward runs each tile's forward again and takes its
+gradient, so only one tile's intermediates exist at a time. The MLP is per token, so the
+tiles' outputs are the rows of the whole output.
+
+Streamed layers are recomputed under checkpoint, and their weights are bound to a slot only
+during each call. So the frozen tensors the tiles read are saved with
+``save_for_backward`` (checkpointing then hands backward the ones its recompute bound) and
+bound again around the backward's tiles; nothing keeps a slot's memory past the call.
+Trainable tensors (LoRA) are resident: their gradients are summed over the tiles in order,
+the same code resident or streamed, so the two agree bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import List, Optional
+
+import torch
+from torch import nn
+
+from . import swap
+from .chunked_loss import autocast_as, autocast_state, refuse_dropout, spans
+from .config import check_tokens
+from .discovery import find_decoder_layers, layer_name
+from .errors import StreamingError
+
+_TILE = "_layerstream_mlp_tile_tokens"
+_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+def _frozen(module: nn.Module) -> List[tuple]:
+    """(table, name) of every tensor the module tree reads that takes no gradient, now."""
+    found = []
+    for sub in module.modules():
+        for table in (sub._parameters, sub._buffers):
+            for name, tensor in table.items():
+                if tensor is not None and not tensor.requires_grad:
+                    found.append((table, name))
+    return found
+
+
+@contextlib.contextmanager
+def _bound(specs: List[tuple], tensors) -> None:
+    saved = [table[name] for table, name in specs]
+    for (table, name), tensor in zip(specs, tensors):
+        table[name] = tensor
+    try:
+        yield
+    finally:
+        for (table, name), tensor in zip(specs, saved):
+            table[name] = tensor
+
+
+def _plain(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return super(TiledMLP, module).forward(x)
+
+
+class TiledFunction(torch.autograd.Function):
+    """The MLP on ``tile``-token rows of ``x``; backward recomputes each tile."""
+
+    @staticmethod
+    def forward(ctx, x, module, tile, specs, frozen_count, *tensors):
+        frozen = tensors[:frozen_count]
+        rows = x.reshape(-1, x.shape[-1])
+        with torch.no_grad():
+            out = torch.cat([_plain(module, rows[a:b].unsqueeze(0)) for a, b in spans(rows.shape[0], tile)], dim=1)
+        ctx.save_for_backward(x, *frozen)
+        ctx.module, ctx.tile, ctx.specs = module, tile, specs
+        ctx.trainables = tensors[frozen_count:]
+        ctx.autocast = autocast_state(x.device.type)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, *frozen = ctx.saved_tensors
+        offset = 5 + len(frozen)
+        wanted = ctx.needs_input_grad[offset:]
+        params = [p for p, need in zip(ctx.trainables, wanted) if need]
+        need_x = ctx.needs_input_grad[0]
+        rows = x.reshape(-1, x.shape[-1])
+        grad_rows = grad.reshape(-1, grad.shape[-1])
+        grad_x = torch.empty_like(rows) if need_x else None
+        sums: List[Optional[torch.Tensor]] = [None] * len(params)
+        with _bound(ctx.specs, frozen), torch.enable_grad(), autocast_as(ctx.autocast):
+            for a, b in spans(rows.shape[0], ctx.tile):
+                leaf = rows[a:b].detach().unsqueeze(0).requires_grad_(need_x)
+                out = _plain(ctx.module, leaf)
+                inputs = ([leaf] if need_x else []) + params
+                grads = list(torch.autograd.grad(out, inputs, grad_rows[a:b].unsqueeze(0), allow_unused=True))
+                if need_x:
+                    grad_x[a:b] = grads.pop(0)[0]
+                for i, g in enumerate(grads):
+                    if g is not None:
+                        sums[i] = g if sums[i] is None else sums[i] + g
+        out = iter(sums)
+        param_grads = [next(out) if need else None for need in wanted]
+        return (
+            None if grad_x is None else grad_x.reshape(x.shape),
+            None,
+            None,
+            None,
+            None,
+            *([None] * len(frozen)),
+            *param_grads,
+        )
+
+
+class TiledMLP:
+    """Mixed in front of the MLP's class: inputs longer than the tile run tile by tile."""
+
+    def forward(self, x, *args, **kwargs):
+        tile = self.__dict__[_TILE]
+        if args or kwargs or x.dim() < 2 or x.numel() // x.shape[-1] <= tile:
+            return super().forward(x, *args, **kwargs)
+        if torch.is_grad_enabled():
+            refuse_dropout(self, "the MLP", "mlp_tile_tokens")
+        specs = _frozen(self)
+        frozen = [table[name] for table, name in specs]
+        trainables = [p for p in self.parameters() if p.requires_grad]
+        return TiledFunction.apply(x, self, tile, specs, len(frozen), *frozen, *trainables)
+
+
+def mlps(model: nn.Module) -> List[nn.Module]:
+    """Each decoder layer's Llama-style MLP, or an error naming the one that is not."""
+    path, layers = find_decoder_layers(model)
+    found = []
+    for index, layer in enumerate(layers):
+        mlp = getattr(layer, "mlp", None)
+        if mlp is None or not all(hasattr(mlp, name) for name in _PROJECTIONS):
+            what = "no mlp" if mlp is None else f"an mlp of type {type(mlp).__name__}"
+            raise StreamingError(
+                f"mlp_tile_tokens tiles Llama-style MLPs (gate_proj, up_proj, down_proj), but "
+                f"{layer_name(path, index)} has {what} (a mixture of experts?). Leave mlp_tile_tokens unset."
+            )
+        found.append(mlp)
+    return found
+
+
+def apply(model: nn.Module, tokens: int) -> nn.Module:
+    """Run each decoder layer's MLP ``tokens`` tokens at a time. Returns the same model."""
+    check_tokens("mlp_tile_tokens", tokens)
+    for mlp in mlps(model):
+        swap.swap_in(mlp, TiledMLP)
+        object.__setattr__(mlp, _TILE, tokens)
+    return model
+
+
+def remove(model: nn.Module) -> nn.Module:
+    """Undo ``apply``."""
+    _, layers = find_decoder_layers(model)
+    for layer in layers:
+        mlp = getattr(layer, "mlp", None)
+        if mlp is not None and swap.has(mlp, TiledMLP):
+            swap.swap_out(mlp, TiledMLP)
+            mlp.__dict__.pop(_TILE, None)
+    return model

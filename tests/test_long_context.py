@@ -1,0 +1,301 @@
+"""loss_chunk_tokens (the head and cross-entropy in chunks) and mlp_tile_tokens (the MLP in
+tiles of tokens): streamed and resident runs of the same chunking agree bit for bit (every
+loss and LoRA gradient), with non-zero LoRA B and more layers than slots; against the
+unchunked model they agree within fp32 rounding, since the sums run in another order.
+Negative controls prove each comparison can fail."""
+
+import argparse
+import copy
+import logging
+from types import MethodType
+
+import pytest
+import torch
+from transformers import HfArgumentParser, Trainer, TrainingArguments
+
+import layerstream
+from layerstream import chunked_loss, cli, nf4, tiled_mlp
+from layerstream.config import StreamConfig, parse_setting
+from layerstream.errors import StreamConfigError, StreamingError
+
+from tiny import (
+    assert_traces_equal,
+    batch,
+    corrupt_copies,
+    nf4_pair,
+    peft_pair,
+    portable_cpu_nf4,
+    stream,
+    tiny_model,
+    train_steps,
+)
+
+STEPS = 4
+SEQ = 24  # 2 x 24 tokens: 10 loss chunks of 5 tokens, 4 MLP tiles of 13
+CHUNK, TILE = 5, 13
+# chunked against unchunked: the same sums in another order, in fp32 (torch's defaults for fp32)
+CLOSE = dict(rtol=1.3e-6, atol=1e-5)
+
+
+def _assert_close_traces(a, b):
+    for step in range(len(a.losses)):
+        torch.testing.assert_close(a.losses[step], b.losses[step], **CLOSE)
+        for name in a.grads[step]:
+            torch.testing.assert_close(a.grads[step][name], b.grads[step][name], **CLOSE)
+
+
+def _long_pair(stream_embeddings=False, lora=None, chunk=CHUNK, tile=TILE, layers=5):
+    streamed, resident = peft_pair(layers=layers, lora=lora)
+    options = {"loss_chunk_tokens": chunk, "mlp_tile_tokens": tile}
+    stream(streamed, "cpu", slots=2, prefetch=1, stream_embeddings=stream_embeddings, **options)
+    if chunk is not None:
+        chunked_loss.apply(resident, chunk)
+    if tile is not None:
+        tiled_mlp.apply(resident, tile)
+    return streamed, resident
+
+
+ALL_LINEAR_AND_HEAD = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
+CASES = {
+    "resident-head": dict(),
+    "lora-on-head": dict(lora={"target_modules": ALL_LINEAR_AND_HEAD}),
+    "streamed-head": dict(stream_embeddings=True),
+}
+
+
+@pytest.mark.parametrize("case", CASES, ids=list(CASES))
+def test_chunked_loss_and_tiled_mlp_streamed_match_resident_bit_for_bit(case):
+    options = dict(CASES[case])
+    lora = options.pop("lora", None)
+    streamed, resident = _long_pair(lora=lora, **options)
+    if lora is not None:
+        assert any("lm_head.lora_B" in n for n, _ in streamed.named_parameters()), "LoRA must be on the head"
+    got, expected = train_steps(streamed, STEPS, seq=SEQ), train_steps(resident, STEPS, seq=SEQ)
+    assert got.logits[0] is None, "the chunked loss returns no logits"
+    assert_traces_equal(got, expected)
+    stats = layerstream.get_runtime(streamed).stats()
+    assert stats["layer_loads"] > stats["layers"], "slots must have recycled"
+    if options.get("stream_embeddings"):
+        assert stats["head_copies"] == 2 * STEPS, "one head copy per forward and per backward, not per chunk"
+
+
+def test_streamed_parity_fails_when_a_copy_is_corrupted():
+    """Negative control: the same comparison catches a slot that received another layer."""
+    streamed, resident = _long_pair()
+    runtime = layerstream.get_runtime(streamed)
+    corrupt_copies(runtime, lambda layer, slot: runtime.records[0].host_region if layer == 3 else None)
+    with pytest.raises(AssertionError):
+        assert_traces_equal(train_steps(streamed, STEPS, seq=SEQ), train_steps(resident, STEPS, seq=SEQ))
+
+
+def test_the_tiled_backward_reads_the_slot_its_recompute_bound():
+    """On the CPU a host weight and its slot copy hold the same values, so read from where
+    the tiles' backward takes its frozen weights: the slot memory, never the host store."""
+    streamed, _ = _long_pair(chunk=None)
+    runtime = layerstream.get_runtime(streamed)
+    seen = []
+    original = tiled_mlp._plain
+
+    def spy(module, x):
+        if torch.is_grad_enabled():
+            seen.append(module.gate_proj.base_layer.weight.data_ptr())
+        return original(module, x)
+
+    tiled_mlp._plain = spy
+    try:
+        ids = batch(96, size=2, seq=SEQ)
+        streamed(input_ids=ids, labels=ids).loss.backward()
+    finally:
+        tiled_mlp._plain = original
+    slots = [(b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()) for b in runtime.pool.buffers]
+    assert len(seen) == 5 * 4, "every layer's four tiles recomputed in backward"
+    assert all(any(lo <= ptr < hi for lo, hi in slots) for ptr in seen)
+
+
+def test_chunked_and_tiled_are_close_to_the_unchunked_model_and_not_equal():
+    """Within fp32 rounding of the plain model (CLOSE); and not bit for bit, which shows the
+    parity tests above compare something that another reduction order changes."""
+    streamed, _ = _long_pair()
+    _, plain = peft_pair()
+    got, expected = train_steps(streamed, STEPS, seq=SEQ), train_steps(plain, STEPS, seq=SEQ)
+    _assert_close_traces(got, expected)
+    differs = any(not torch.equal(got.grads[s][n], expected.grads[s][n]) for s in range(STEPS) for n in got.grads[s])
+    assert differs, "chunking must change some bits, or the parity tests could not tell"
+
+
+def test_labels_ignore_index_and_num_items_follow_the_transformers_loss():
+    plain = tiny_model()
+    chunked = chunked_loss.apply(copy.deepcopy(plain), CHUNK)
+    ids = batch(96, size=2, seq=SEQ)
+    labels = ids.clone()
+    labels[:, :9] = -100  # a prompt: the first chunks count nothing and are skipped
+    for kwargs in ({}, {"num_items_in_batch": torch.tensor(17)}, {"num_items_in_batch": 17}):
+        expected = plain(input_ids=ids, labels=labels, **kwargs).loss
+        got = chunked(input_ids=ids, labels=labels, **kwargs).loss
+        torch.testing.assert_close(got, expected, **CLOSE)
+    shift = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:].contiguous()
+    shift[:, -6:] = -100  # given shifted labels win over labels, as in transformers
+    expected = plain(input_ids=ids, labels=labels, shift_labels=shift).loss
+    torch.testing.assert_close(chunked(input_ids=ids, labels=labels, shift_labels=shift).loss, expected, **CLOSE)
+    assert chunked(input_ids=ids, shift_labels=shift).loss is None, "no labels: no loss, as in transformers"
+    with torch.no_grad():  # evaluation keeps the model's own forward and its logits
+        out = chunked(input_ids=ids, labels=labels)
+    assert out.logits is not None and out.logits.shape[-1] == 96
+
+
+def test_nf4_tiled_mlp_streamed_matches_resident(tmp_path, monkeypatch):
+    """QLoRA: lora.Linear4bit over streamed NF4 weights, tiled, through the checkpoint-visible
+    NF4 function (forced), whose saved slot tensors the tiles' backward must be given."""
+    streamed, resident = nf4_pair(tmp_path, "llama", layers=5)
+    portable_cpu_nf4(resident)
+    stream(streamed, "cpu", slots=2, prefetch=1, mlp_tile_tokens=TILE, loss_chunk_tokens=CHUNK)
+    tiled_mlp.apply(resident, TILE)
+    chunked_loss.apply(resident, CHUNK)
+    monkeypatch.setattr(nf4, "fused_kernel_would_run", lambda *a, **k: True)
+    assert_traces_equal(train_steps(streamed, STEPS, seq=SEQ), train_steps(resident, STEPS, seq=SEQ))
+    assert layerstream.get_runtime(streamed).stats()["nf4_function_calls"] > 0
+
+
+def _dataset(rows=8, seq=SEQ):
+    ids = [batch(96, size=1, seq=seq, seed=i)[0] for i in range(rows)]
+    out = []
+    for i, row in enumerate(ids):
+        labels = row.clone()
+        labels[: 3 + i % 5] = -100  # prompts of different lengths: num_items_in_batch matters
+        out.append({"input_ids": row, "labels": labels})
+    return out
+
+
+def _train(model, out):
+    args = TrainingArguments(
+        output_dir=str(out),
+        max_steps=3,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        learning_rate=1e-2,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        use_cpu=True,
+        seed=3,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=_dataset())
+    assert trainer.model_accepts_loss_kwargs, "the Trainer must pass num_items_in_batch"
+    trainer.train()
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    weights = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    return losses, weights
+
+
+def test_trainer_with_gradient_accumulation_streamed_matches_resident(tmp_path):
+    streamed, resident = _long_pair()
+    _, plain = peft_pair()
+    got, expected = _train(streamed, tmp_path / "s"), _train(resident, tmp_path / "r")
+    assert len(got[0]) == 3 and got[0] == expected[0]
+    assert all(torch.equal(got[1][n], expected[1][n]) for n in expected[1])
+    unchunked = _train(plain, tmp_path / "p")
+    assert got[0] == pytest.approx(unchunked[0], rel=1e-5)
+    for name, weight in unchunked[1].items():
+        torch.testing.assert_close(got[1][name], weight, rtol=1e-4, atol=1e-5)
+
+
+def test_liger_fused_loss_is_used_instead_and_said_once(monkeypatch, caplog):
+    """A forward from liger_kernel (class-level patch, or bound on the instance as the
+    Trainer's use_liger_kernel does) computes the loss; nothing is applied on top of it."""
+    from transformers.models.llama import modeling_llama
+
+    own = modeling_llama.LlamaForCausalLM.forward
+    calls = []
+
+    def fused(self, *args, **kwargs):
+        calls.append(kwargs.get("labels") is not None)
+        return own(self, *args, **kwargs)
+
+    fused.__module__ = "liger_kernel.transformers.model.llama"
+    chunked_loss._warned.discard("liger")
+    monkeypatch.setattr(modeling_llama.LlamaForCausalLM, "forward", fused)
+    model = chunked_loss.apply(tiny_model(), CHUNK)
+    ids = batch(96, size=2, seq=SEQ)
+    with caplog.at_level(logging.WARNING, logger="layerstream"):
+        for _ in range(2):
+            out = model(input_ids=ids, labels=ids)
+    assert calls == [True, True] and out.logits is not None, "Liger's forward ran, with the labels"
+    assert sum("Liger" in r.message for r in caplog.records) == 1
+    monkeypatch.undo()
+    instance = chunked_loss.apply(tiny_model(), CHUNK)
+    instance.forward = MethodType(fused, instance)
+    calls.clear()
+    instance(input_ids=ids, labels=ids)
+    assert calls == [True]
+
+
+def test_the_trainers_use_liger_kernel_leaves_liger_in_charge_and_says_so(tmp_path, monkeypatch, caplog):
+    """use_liger_kernel=True binds Liger's fused forward to the model instance, in front of
+    the chunked forward: the Trainer integration says once that Liger computes the loss."""
+    import transformers.trainer
+
+    def fake_liger(model, config):
+        inner = layerstream.api.unwrap_peft(model)
+        own = type(inner).forward
+
+        def fused(self, *args, **kwargs):
+            return own(self, *args, **kwargs)
+
+        fused.__module__ = "liger_kernel.transformers.model.llama"
+        inner.forward = MethodType(fused, inner)
+
+    monkeypatch.setattr(transformers.trainer, "apply_liger_kernel", fake_liger)
+    chunked_loss._warned.discard("liger")
+    streamed, _ = _long_pair()
+    args = TrainingArguments(output_dir=str(tmp_path), use_liger_kernel=True, use_cpu=True, report_to="none")
+    with caplog.at_level(logging.WARNING, logger="layerstream"):
+        Trainer(model=streamed, args=args, train_dataset=_dataset())
+    assert sum("Liger" in r.message for r in caplog.records) == 1
+
+
+def test_what_cannot_be_chunked_or_tiled_is_refused_clearly():
+    with pytest.raises(StreamingError, match="softcap|transforms the logits"):
+        chunked_loss.apply(tiny_model("gemma2", final_logit_softcapping=30.0), CHUNK)
+    with pytest.raises(StreamingError, match="Llama-style MLPs.*mixture of experts"):
+        tiled_mlp.apply(tiny_model("mixtral"), TILE)
+    streamed, _ = peft_pair(lora={"lora_dropout": 0.1})
+    stream(streamed, "cpu", mlp_tile_tokens=TILE)
+    ids = batch(96, size=2, seq=SEQ)
+    with pytest.raises(StreamingError, match="lora_dropout=0"):
+        streamed(input_ids=ids, labels=ids)
+    for bad in (0, -1, True, 2.5, "4k"):
+        with pytest.raises(StreamConfigError, match="loss_chunk_tokens must be an integer >= 1"):
+            StreamConfig(device="cpu", loss_chunk_tokens=bad)
+    with pytest.raises(StreamConfigError, match="mlp_tile_tokens must be an integer >= 1"):
+        StreamConfig(device="cpu", mlp_tile_tokens=0)
+
+
+def test_unstream_takes_the_chunking_off():
+    streamed, _ = _long_pair()
+    layerstream.unstream_model(streamed)
+    ids = batch(96, size=2, seq=SEQ)
+    out = streamed(input_ids=ids, labels=ids)
+    assert out.logits is not None and "Chunked" not in type(out.loss.grad_fn).__name__
+
+
+def test_every_surface_offers_the_settings():
+    assert parse_setting("loss_chunk_tokens", "none") is None
+    assert parse_setting("mlp_tile_tokens", "8192") == 8192
+    with pytest.raises(StreamConfigError, match="stream.loss_chunk_tokens must be an integer"):
+        parse_setting("loss_chunk_tokens", "lots", "stream.loss_chunk_tokens")
+    (arguments,) = HfArgumentParser(layerstream.StreamingArguments).parse_args_into_dataclasses(
+        [
+            "--layer_stream_loss_chunk_tokens",
+            "64",
+            "--layer_stream_mlp_tile_tokens",
+            "128",
+            "--layer_stream_device",
+            "cpu",
+        ]
+    )
+    config = arguments.to_config()
+    assert (config.loss_chunk_tokens, config.mlp_tile_tokens) == (64, 128)
+    parser = argparse.ArgumentParser()
+    cli.add_setting_flags(parser)
+    namespace = parser.parse_args(["--loss-chunk-tokens", "32"])
+    assert namespace.loss_chunk_tokens == "32" and namespace.mlp_tile_tokens is None
