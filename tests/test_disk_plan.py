@@ -76,3 +76,46 @@ def test_busy_time_counts_overlapping_reads_once():
     assert busy_seconds([(0.0, 1.0), (0.5, 1.5), (3.0, 4.0)]) == pytest.approx(2.5)
     assert busy_seconds([(0.0, 2.0), (0.5, 1.0)]) == pytest.approx(2.0)
     assert busy_seconds([]) == 0.0
+
+
+def test_a_step_reads_each_disk_layer_as_often_as_it_is_copied():
+    from layerstream.plan.disk import disk_bytes_per_step
+
+    sizes = [10] * 8
+    # slots 2: forward copies layers 2..7, backward 0..5; every layer on disk
+    assert disk_bytes_per_step(sizes, range(8), 2) == 10 * (6 + 6)
+    assert disk_bytes_per_step(sizes, [0, 7], 2) == 20  # the turnaround layers: once each
+    assert disk_bytes_per_step(sizes, [], 2) == 0
+
+
+def test_the_disk_term_bounds_the_step_and_says_from_how_many_tokens_it_hides():
+    from layerstream.plan.disk import FLOPS_PER_TOKEN_PARAM, disk_term, tokens_that_hide_the_disk
+
+    sizes, params = [GiB] * 10, 10 * 2**29
+    term = disk_term(sizes, 6 * GiB, 2, 2.0, 0.5, params, tokens=1000, tflops=100.0)
+    assert term.tiers.ring_regions == 4 and len(term.tiers.ram) == 2
+    assert term.disk_seconds == pytest.approx(term.disk_bytes_per_step / 2e9)
+    assert term.step_seconds == pytest.approx(max(term.disk_seconds, 0.5, term.compute_seconds))
+    hide = tokens_that_hide_the_disk(term, params, 100.0)
+    assert FLOPS_PER_TOKEN_PARAM * params * hide / 100e12 >= term.disk_seconds
+    assert FLOPS_PER_TOKEN_PARAM * params * (hide - 1) / 100e12 <= term.disk_seconds
+
+
+def test_plan_prints_the_disk_term_and_measures_a_directory(tmp_path, capsys):
+    from transformers import LlamaConfig
+
+    from layerstream import cli
+
+    LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=8, num_attention_heads=4).save_pretrained(
+        tmp_path
+    )
+    argv = ["plan", "--model", str(tmp_path), "--vram", "8GiB", "--seq", "512"]
+    cli.main(argv + ["--host-ram", "7MiB", "--disk-gbps", "3", "--tflops", "100"])
+    out = capsys.readouterr().out
+    assert "read from disk" in out and "hides behind compute from" in out and "step         at least" in out
+    with pytest.raises(SystemExit):
+        cli.main(argv + ["--host-ram", "12MiB"])  # no bandwidth
+    assert "--disk-gbps" in capsys.readouterr().err
+    assert cli.main(["plan", "--measure-disk", str(tmp_path), "--measure-bytes", "16MiB"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("GB/s sequential read") == 2 and not list(tmp_path.glob(".layerstream-disk-probe"))

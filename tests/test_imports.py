@@ -14,7 +14,7 @@ LAYERS = [
     {"embeddings", "layer", "backward_slots", "report", "checkpoint", "residency", "disk"},
     {"runtime"},
     {"api", "loading"},
-    {"integrations", "train", "cli", "demo", "__main__", "_site"},
+    {"integrations", "train", "cli", "demo", "__main__", "_site", "disk_cli"},
 ]
 
 
