@@ -241,3 +241,10 @@ def test_host_budget_is_a_setting_on_every_surface():
     with pytest.raises(StreamConfigError, match="host_budget"):
         layerstream.StreamConfig(device="cpu", host_budget="lots")
     assert disk.READERS > 1
+
+
+def test_stream_model_of_a_model_beyond_host_budget_is_refused_with_what_to_do():
+    model = tiny_model("llama", layers=3)
+    with pytest.raises(StreamConfigError, match="layerstream.from_pretrained"):
+        layerstream.stream_model(model, device="cpu", host_budget="1KiB")
+    layerstream.stream_model(tiny_model("llama", layers=3), device="cpu", host_budget="1GiB")
