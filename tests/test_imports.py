@@ -9,12 +9,23 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "layerstream"
 # lowest first; a module may import from its own layer and the ones before it
 LAYERS = [
     {"errors", "units", "swap", "embedded"},
-    {"config", "schedule", "window", "checksum", "cudart", "discovery", "timeline", "chunked_loss", "tiled_mlp"},
+    {
+        "config",
+        "schedule",
+        "window",
+        "checksum",
+        "cudart",
+        "discovery",
+        "timeline",
+        "chunked_loss",
+        "tiled_mlp",
+        "disk_plan",
+    },
     {"store", "pool", "nf4", "meter", "changes", "bindings", "passes", "plan"},
-    {"embeddings", "layer", "backward_slots", "report", "checkpoint", "residency"},
+    {"embeddings", "layer", "backward_slots", "report", "checkpoint", "residency", "disk"},
     {"runtime"},
     {"api", "loading"},
-    {"integrations", "train", "cli", "demo", "__main__", "_site"},
+    {"integrations", "train", "cli", "demo", "__main__", "_site", "disk_cli"},
 ]
 
 

@@ -153,6 +153,7 @@ def stream_model(model: nn.Module, config: Optional[StreamConfig] = None, **over
             nf4.require_bnb("streaming a 4-bit model")
         except ImportError as exc:
             raise StreamingError(str(exc)) from None
+    _check_host_budget(config, store_bytes)
     store = HostStore(config.arena_bytes, pin=bool(config.pin))
     store.build(records, new_bytes=store_bytes if gpus else None)
     if gpus:
@@ -193,6 +194,22 @@ def _check_slots_fit_budget(config: StreamConfig, largest_layer: int) -> None:
         f"{config.slots * largest_layer / GiB:.2f} GiB, more than vram_budget={budget / GiB:.2f} GiB "
         f"before anything else is on the GPU: {advice}."
     )
+
+
+def _check_host_budget(config: StreamConfig, store_bytes: int) -> None:
+    """stream_model holds every layer in host RAM (its weights are already in memory, and
+    no checkpoint file is known to read them from): a store beyond host_budget is refused."""
+    from .disk_plan import resolve_host_budget
+    from .store import host_memory
+
+    budget = resolve_host_budget(config.host_budget, host_memory()) if config.host_budget is not None else None
+    if budget is not None and store_bytes > budget:
+        raise StreamConfigError(
+            f"the layer store is {store_bytes / (1 << 30):.2f} GiB, more than host_budget "
+            f"{budget / (1 << 30):.2f} GiB, and stream_model keeps every layer in host RAM. Load with "
+            "layerstream.from_pretrained(path, host_budget=...) to read the layers beyond the budget "
+            "from the checkpoint's files, or raise host_budget."
+        )
 
 
 def attach_runtime(

@@ -80,7 +80,18 @@ def read_index(index: Path) -> dict[str, Path]:
 
 
 def read_header(path: Path) -> dict[str, StoredTensor]:
-    """Every tensor a safetensors file holds, from its header alone.
+    """Every tensor a safetensors file holds, from its header alone (``_parse``)."""
+    return _parse(path)[0]
+
+
+def read_layout(path: Path) -> tuple[dict[str, StoredTensor], dict[str, tuple[int, int]]]:
+    """What ``read_header`` gives, and tensor name -> (first byte, end) in the file: where
+    the disk tier reads each tensor's bytes (no copy of the checkpoint)."""
+    return _parse(path)
+
+
+def _parse(path: Path) -> tuple[dict[str, StoredTensor], dict[str, tuple[int, int]]]:
+    """Every tensor a safetensors file holds and where its bytes are, from its header alone.
 
     The format: an 8-byte little-endian header length, a JSON header (per tensor: dtype,
     shape and data_offsets into the data that follows; an optional ``__metadata__``), then
@@ -125,7 +136,8 @@ def read_header(path: Path) -> dict[str, StoredTensor]:
         covered = end
     if covered != data_bytes:
         raise LoadingError(f"{path} has {data_bytes - covered} bytes after its last tensor; {FETCH_AGAIN}")
-    return tensors
+    start = 8 + length
+    return tensors, {name: (start + begin, start + end) for (begin, end), name in spans}
 
 
 def _entry(path: Path, name: str, entry) -> tuple[StoredTensor, tuple[int, int]]:

@@ -21,9 +21,9 @@ def _add_plan_parser(sub) -> argparse.ArgumentParser:
         description="Predict whether streamed LoRA training of a model fits a GPU, from its "
         "config alone (no weights, no GPU). Exits 0 when it fits, 1 when it does not.",
     )
-    plan.add_argument("--model", required=True, help="hub id, local model directory, or path to a config.json file")
-    plan.add_argument("--vram", required=True, help="GPU memory budget, e.g. 16GiB, 24GB, 80GiB")
-    plan.add_argument("--seq", type=int, required=True, help="tokens per sequence")
+    plan.add_argument("--model", help="hub id, local model directory, or path to a config.json file")
+    plan.add_argument("--vram", help="GPU memory budget, e.g. 16GiB, 24GB, 80GiB (required unless --measure-disk)")
+    plan.add_argument("--seq", type=int, help="tokens per sequence (required unless --measure-disk)")
     plan.add_argument("--batch", type=int, default=1, help="sequences per step (default 1)")
     plan.add_argument(
         "--quantization",
@@ -73,13 +73,24 @@ def _add_plan_parser(sub) -> argparse.ArgumentParser:
         "loss's memory holds, as StreamConfig(backward_slots='auto') takes with "
         "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)",
     )
+    from .disk_cli import add_disk_arguments
+
+    add_disk_arguments(plan)
     return plan
 
 
 def _run_plan(args, parser: argparse.ArgumentParser) -> int:
+    from .disk_cli import format_disk_term, measure_disk
     from .plan import format_plan, load_config, make_plan
     from .units import parse_bytes
 
+    if args.measure_disk:
+        return measure_disk(args, parser)
+    missing = [
+        flag for flag, value in (("--model", args.model), ("--vram", args.vram), ("--seq", args.seq)) if not value
+    ]
+    if missing:
+        parser.error(f"the following arguments are required: {', '.join(missing)}")
     try:
         vram = parse_bytes(args.vram)
         reserve = parse_bytes(args.reserve)
@@ -102,6 +113,11 @@ def _run_plan(args, parser: argparse.ArgumentParser) -> int:
     except (ValueError, OSError) as exc:
         parser.error(str(exc))  # exits with status 2
     print(format_plan(plan))
+    if args.host_ram:
+        try:
+            print(format_disk_term(args, config, plan))
+        except ValueError as exc:
+            parser.error(str(exc))
     return 0 if plan.fits else 1
 
 

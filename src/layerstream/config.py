@@ -186,12 +186,23 @@ class StreamConfig:
         ),
     )
 
+    host_budget: Optional[Union[int, str]] = _setting(
+        None,
+        BUDGET,
+        (
+            "host RAM the layer store may use, e.g. 48GiB. Layers beyond it are read from the "
+            "checkpoint's files on disk each time they are needed (layerstream.from_pretrained). "
+            "auto: the available RAM less a reserve for the system; none: every layer in host RAM"
+        ),
+    )
+
     def __post_init__(self) -> None:
         if not isinstance(self.stream_embeddings, bool):
             raise StreamConfigError(f"stream_embeddings must be True or False, got {self.stream_embeddings!r}")
         self.vram_budget = _budget(self.vram_budget)
         check_tokens("loss_chunk_tokens", self.loss_chunk_tokens)
         check_tokens("mlp_tile_tokens", self.mlp_tile_tokens)
+        self.host_budget = _budget(self.host_budget, "host_budget")
         if self.checksum is None:
             self.checksum = os.environ.get("LAYERSTREAM_CHECKSUM", "") == "1"
         auto = set()
@@ -263,15 +274,15 @@ def check_tokens(name: str, value) -> Optional[int]:
     return value
 
 
-def _budget(value):
+def _budget(value, name: str = "vram_budget"):
     if value is None or value == "auto":
         return value
     try:
         value = parse_bytes(value)
     except ValueError as exc:
-        raise StreamConfigError(f"vram_budget: {exc}") from None
+        raise StreamConfigError(f"{name}: {exc}") from None
     if value <= 0:
-        raise StreamConfigError("vram_budget must be a positive size, e.g. '16GiB', 'auto' or None")
+        raise StreamConfigError(f"{name} must be a positive size, e.g. '16GiB', 'auto' or None")
     return value
 
 

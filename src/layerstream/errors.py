@@ -46,3 +46,8 @@ class PinError(LayerstreamError, RuntimeError):
 
 class TrainConfigError(LayerstreamError, ValueError):
     """A `layerstream train` config cannot run as written; the message says what to change."""
+
+
+class DiskReadError(LayerstreamError, RuntimeError):
+    """A disk-tier layer could not be read as it was loaded (I/O error, short read, a file
+    changed under the run, a checksum mismatch); nothing wrong reached the device."""

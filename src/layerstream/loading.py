@@ -26,7 +26,7 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
-from . import nf4
+from . import disk, nf4
 from .checkpoint import (
     PICKLE_SUFFIXES,
     LoadingError,
@@ -249,9 +249,10 @@ def rebuild_computed_buffers(model: nn.Module) -> None:
                 module._buffers[name] = buffer
 
 
-def _check_host_memory(config, quantization, dtype, stream: StreamConfig, double_quant: bool) -> None:
+def _check_host_memory(config, quantization, dtype, stream: StreamConfig, double_quant: bool, tiers=None) -> None:
     """Before reading any weight: will the host hold the store, the resident part and one
-    unquantised layer (the loader's peak), and may the store be page-locked?"""
+    unquantised layer (the loader's peak), and may the store be page-locked? With a disk
+    tier (``tiers``) the store is the host-RAM layers and the staging ring."""
     from . import plan
 
     try:
@@ -262,7 +263,9 @@ def _check_host_memory(config, quantization, dtype, stream: StreamConfig, double
         ends = plan.embedding_bytes(config, dtype) if stream.stream_embeddings else 0
     except (ValueError, AttributeError, TypeError):
         return  # a layout the planner cannot size: loading reports its own problems
-    store = plan.loader_arena_bytes(sizes, stream.arena_bytes)
+    if tiers is not None:
+        sizes = [sizes[i] for i in tiers.ram]
+    store = plan.loader_arena_bytes(sizes, stream.arena_bytes) + (tiers.ring_bytes if tiers is not None else 0)
     check_host_memory(store + resident + unquantised, store + ends, bool(stream.pin), "loading this model")
 
 
@@ -338,6 +341,7 @@ def from_pretrained(
     torch_dtype=None,
     model_class=None,
     config=None,
+    host_budget=None,
 ):
     """Load ``model_id`` (a local directory or a hub id) as a streamed causal LM.
 
@@ -352,6 +356,8 @@ def from_pretrained(
     model_class: the transformers class to build (default: what AutoModelForCausalLM picks).
     config: the model's transformers config, when the caller has it (default: read from the
         checkpoint, as transformers does).
+    host_budget: the host RAM the layer store may use (``StreamConfig.host_budget``: a size,
+        "auto"); the layers beyond it are read from the checkpoint's files each time.
     quantize_on: where NF4 quantisation runs; default the stream device.
     allow_pickle: also read pickle checkpoints (``*.bin``), through
         ``torch.load(weights_only=True)``; refused by default.
@@ -372,6 +378,8 @@ def from_pretrained(
     if quantization == "nf4" and quantization_config is not None:
         raise LoadingError("give quantization='nf4' or quantization_config, not both")
     config_stream = stream if stream is not None else StreamConfig()
+    if host_budget is not None:
+        config_stream = config_stream.replace(host_budget=host_budget)
     directory = _resolve(model_id, revision, allow_pickle)
     files = _weight_files(directory, allow_pickle)
     try:
@@ -427,7 +435,8 @@ def from_pretrained(
         expected,
         may_be_missing=[name for name in expected if tied_head and name.endswith("lm_head.weight")],
     )
-    _check_host_memory(config, quantization, torch_dtype, config_stream, bnb_4bit_use_double_quant)
+    tiers = disk.plan_tiers(config_stream, layers, path, quantization)
+    _check_host_memory(config, quantization, torch_dtype, config_stream, bnb_4bit_use_double_quant, tiers)
     reader = _Reader(files)
 
     # the resident part: every module outside the stack
@@ -447,13 +456,19 @@ def from_pretrained(
     if quant_device.type == "cuda" and not torch.cuda.is_available():
         quant_device = torch.device("cpu")
     store = HostStore(config_stream.arena_bytes, pin=bool(config_stream.pin))
+    if tiers is not None:  # the layers the host budget does not hold are read from the files
+        store.disk = disk.DiskTier(tiers, pin=bool(config_stream.pin), verify=bool(config_stream.checksum))
     for index, layer in enumerate(layers):
         prefix = f"{layer_name(path, index)}."
+        if tiers is not None and index in tiers.disk:
+            store.disk.attach(store, HostStore.plan_layer(index, prefix[:-1], layer, lambda t: True), files)
+            continue
         missing += _load_module(layer, prefix, reader)
         if quantization == "nf4":
             nf4.quantise_layer(layer, quant_device, torch_dtype, quant_config)
         record = HostStore.plan_layer(index, layer_name(path, index), layer, lambda t: True)
-        store.add(record, expected_bytes=record.nbytes * (len(layers) - index))
+        still = len(layers) - index if tiers is None else sum(1 for i in tiers.ram if i >= index)
+        store.add(record, expected_bytes=record.nbytes * still)
         _return_freed_memory()
     if missing:  # validate_checkpoint refuses these up front; kept in case the two ever disagree
         error = missing_tensors_error(directory, missing)

@@ -48,6 +48,28 @@ def stats(runtime) -> dict:
             else {"head_copies": 0, "head_h2d_bytes": 0, "embedding_h2d_bytes": 0}
         ),
         **runtime.nf4_counts,
+        **disk_stats(runtime),
+    }
+
+
+def disk_stats(runtime) -> dict:
+    """The disk tier's counters (zeros and every layer in RAM without one)."""
+    if runtime.disk is not None:
+        return runtime.disk.stats()
+    return {
+        "ram_layers": len(runtime.records),
+        "disk_layers": 0,
+        "ring_regions": 0,
+        "ring_bytes": 0,
+        "disk_reads": 0,
+        "disk_demand_reads": 0,
+        "disk_read_bytes": 0,
+        "disk_read_seconds": 0.0,
+        "disk_read_gbps": 0.0,
+        "disk_stall_seconds": 0.0,
+        "disk_lookahead": 0,
+        "disk_ring_too_small": False,
+        "direct_io": False,
     }
 
 
@@ -78,6 +100,7 @@ def summary(runtime) -> str:
         f"  device       {runtime.device}: {runtime.config.slots} slots{_auto(runtime, 'slots')} x "
         f"{pool.slot_bytes / MiB:.1f} MiB = {pool.total_bytes / GiB:.3f} GiB",
         f"  prefetch     {runtime.config.prefetch} layer(s) ahead{_auto(runtime, 'prefetch')}",
+        f"  tiers        {_tiers_line(runtime)}",
         f"  vram budget  {_budget_line(runtime)}",
         f"  window       {len(runtime.window)} layer(s) on the GPU for good",
         f"  backward     {runtime.backward.note(runtime.prefetch.backward_slots, pool.cuda)}",
@@ -99,6 +122,12 @@ def summary(runtime) -> str:
             "  resident     embeddings, final norm, head, and every trainable tensor",
         ]
     return "\n".join(lines)
+
+
+def _tiers_line(runtime) -> str:
+    if runtime.disk is None:
+        return f"{len(runtime.records)} layer(s) in host RAM, none on disk (host_budget unset or large enough)"
+    return runtime.disk.describe()
 
 
 def _launcher_set_segments() -> bool:

@@ -127,7 +127,11 @@ class ResidentWindow:
             buffer = self._window_buffers[index] = torch.empty(
                 max(record.nbytes, 1), dtype=torch.uint8, device=self.device
             )
-        buffer[: record.nbytes].copy_(record.host_region, non_blocking=self.pool.cuda)
+        if record.host_region is not None:
+            buffer[: record.nbytes].copy_(record.host_region, non_blocking=self.pool.cuda)
+        else:  # a disk layer: through the staging ring, on the compute stream
+            buffer[: record.nbytes].copy_(self.disk.take(index), non_blocking=self.pool.cuda)
+            self.disk.copied(index, torch.cuda.current_stream(self.device) if self.pool.cuda else None)
         self._window[index] = self._make_binding(buffer, index, _always_owned)
 
     @property

@@ -53,6 +53,7 @@ class StreamRuntime(ResidentWindow):
         self.device = config.device
         self.records = records
         self.store = store
+        self.disk = store.disk  # the layers read from disk each time (disk.DiskTier), or None
         self.backward = BackwardSlots(config)
         self.pool = SlotPool(
             config.device, config.slots, store.largest_layer_bytes, backward_slots=self.backward.capacity
@@ -147,7 +148,9 @@ class StreamRuntime(ResidentWindow):
                 if slot < pool.ring_slots or pool.allocated(slot) or self.backward.borrow(pool, self.prefetch, slot)
             ]
         for layer, slot in loads:
-            pool.load(self.records[layer], slot, compute)
+            self._load(layer, slot, compute)
+        if self.disk is not None:
+            self._read_ahead(index, phase)
         checker = self._checker
         if checker is not None:
             for layer, slot in loads:
@@ -162,6 +165,20 @@ class StreamRuntime(ResidentWindow):
         if resident > self.peak_resident_layers:
             self.peak_resident_layers = resident
         return visit.slot
+
+    def _load(self, layer: int, slot: int, compute) -> None:
+        record = self.records[layer]
+        if record.host_region is not None:
+            self.pool.load(record, slot, compute)
+            return
+        self.pool.load(record, slot, compute, source=self.disk.take(layer))  # a disk layer
+        self.disk.copied(layer, self.pool.copy_stream if self.pool.cuda else None)
+
+    def _read_ahead(self, index: int, phase: Phase) -> None:
+        """Start disk reads for the layers the schedule will load next (not those in slots)."""
+        prefetch = self.prefetch
+        upcoming = prefetch.upcoming(self._dense[index], phase, self.disk.horizon)
+        self.disk.read_ahead([self._layer_of[dense] for dense in upcoming if dense not in prefetch.slot_of])
 
     def _free_backward_slot(self, slot: int) -> None:
         for key in [key for key in self._bindings if key[0] == slot]:
@@ -336,6 +353,12 @@ class StreamRuntime(ResidentWindow):
                 "backward would differ from the forward it differentiates (autograd refuses the "
                 "same for a resident weight it saved). Change weights between steps."
             )
+        if self.disk is not None and self.disk.holds(index):
+            raise StreamingError(
+                f"a weight of {record.name} changed, but the layer is read from the checkpoint's files on "
+                "disk each time (host_budget), so the change would not reach the GPU. Change weights only "
+                "of layers in host RAM: raise host_budget or leave it unset."
+            )
         outcome = self.store.sync(record)
         if outcome == SAME:
             return
@@ -375,6 +398,11 @@ class StreamRuntime(ResidentWindow):
         """layerstream itself wrote new values into a layer's host region (a PEFT merge):
         the device copies follow (``device_copy_current``: the copy in use was written too)."""
         record = self.records[index]
+        if self.disk is not None and self.disk.holds(index):
+            raise StreamingError(
+                f"{record.name} is read from the checkpoint's files on disk each time (host_budget); a write "
+                "into it (a merge) would not reach the GPU. Raise host_budget or leave it unset to merge."
+            )
         record.snapshot()
         self.refreshed_layers += 1
         if self._checker is not None:
@@ -523,6 +551,8 @@ class StreamRuntime(ResidentWindow):
         self._window_buffers = {}
         self.pool.release()
         self.store.release()
+        if self.disk is not None:
+            self.disk.close()
         if self.embeddings is not None:
             self.embeddings.close()
 

@@ -100,6 +100,8 @@ class LayerRecord:
     # the same for the quant-state tensors riding on 4-bit weights, and the QuantState
     # objects themselves (version None: identity only), checked once per pass
     watch_deep: List[tuple] = field(default_factory=list)
+    # a disk-tier layer (no host region) in debug mode: the checksum of its bytes at load
+    reference_checksum: Optional[int] = None
 
     def fresh(self) -> bool:
         """Whether every bound tensor is the one, at the version, the device copies were made
@@ -209,6 +211,7 @@ class HostStore:
         self._unpin = None  # finaliser: unregister before the arena memory can be freed
         self._registered: List[torch.Tensor] = []
         self._used = 0  # bytes used in the last arena (incremental filling)
+        self.disk = None  # disk.DiskTier: the layers the host budget does not hold
 
     @property
     def host_bytes(self) -> int:

@@ -75,6 +75,12 @@ class _LogWindow:
             PREFIX + "window_layers": now["window_layers"],
             PREFIX + "oom_retries": now["oom_retries"],
         }
+        if now["disk_layers"]:
+            read = now["disk_read_bytes"] - self.last["disk_read_bytes"]
+            busy = now["disk_read_seconds"] - self.last["disk_read_seconds"]
+            out[PREFIX + "disk_read_bytes"] = read
+            out[PREFIX + "disk_read_gbps"] = round(read / busy / 1e9, 3) if busy > 0 else 0.0
+            out[PREFIX + "disk_stall_seconds"] = round(now["disk_stall_seconds"] - self.last["disk_stall_seconds"], 4)
         peak = report.peak_vram_gib(self.runtime)
         if peak is not None:
             out[PREFIX + "peak_vram_gib"] = peak

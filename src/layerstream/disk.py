@@ -1,0 +1,550 @@
+"""The disk tier: layers the host budget does not hold are read from the checkpoint's own
+safetensors files each time they are needed, into a small ring of page-locked staging
+regions, far enough ahead that the read hides behind compute (``disk_plan.ReadAhead``).
+
+Where the bytes come from: each tensor's offsets in its file, from the file's header
+(``checkpoint.read_offsets``); nothing is copied out of the checkpoint. The model's own
+Parameters of a disk layer are views of a private (copy-on-write) memory map of those
+files, so they keep their shapes, dtypes and values (``save_pretrained``, ``unstream_model``
+and PEFT see ordinary CPU tensors) while no host RAM holds them: the pages are the page
+cache's, read only if something reads the tensor.
+
+Reads use direct I/O (O_DIRECT: aligned offsets, lengths and buffers, bypassing the page
+cache) where the file system allows it, and buffered reads otherwise, said once. Each
+layer's bytes are read in chunks by several reader threads, several layers in flight. A
+ring region is read into again only after the device copy that read it has completed (a
+CUDA event recorded after the copy; on the host the copy is synchronous).
+
+What is checked: before each read and again before its region is used, every file's size
+and modification time against those seen at load (a file changed under the run is
+refused); every read returns all its bytes (a short read is refused); an I/O error names
+the file; in debug mode (``StreamConfig(checksum=True)``) each read's bytes are
+checksummed against the bytes the layer had at load.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import os
+import threading
+import time
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from torch import nn
+
+from . import checksum as checksum_mod
+from . import cudart
+from .checkpoint import StoredTensor, read_layout
+from .disk_plan import ReadAhead, Tiers, busy_seconds
+from .errors import DiskReadError, LoadingError, PinError, StreamingError
+from .store import HostStore, LayerRecord, set_data
+from .units import GiB, MiB
+
+logger = logging.getLogger(__name__)
+
+IO_ALIGN = 4096  # offsets, lengths and buffers of direct reads are multiples of this
+CHUNK_BYTES = 8 * MiB  # one read job: large enough for full-speed reads, small enough to spread
+READERS = 4  # reader threads: reads in flight at once
+# safetensors dtype names of the torch dtypes a disk layer may hold
+_DTYPE_NAMES = {
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float32: "F32",
+    torch.float64: "F64",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+@dataclass
+class _File:
+    path: Path
+    fd: int  # the descriptor reads use (O_DIRECT when allowed)
+    buffered_fd: int
+    fingerprint: Tuple[int, int]  # (size, mtime in ns) at load
+    tensors: Dict[str, StoredTensor]
+    offsets: Dict[str, Tuple[int, int]]
+    mapping: mmap.mmap
+
+    def check(self, layer: str) -> None:
+        """Refuse a file that changed since it was loaded (what was read would be other bytes)."""
+        stat = os.fstat(self.buffered_fd)
+        now = (stat.st_size, stat.st_mtime_ns)
+        if now != self.fingerprint:
+            raise DiskReadError(
+                f"{self.path} changed while the run used it (size/mtime {self.fingerprint} at load, {now} now), "
+                f"so {layer} can no longer be read from it as it was loaded. Restore the file, or restart the "
+                "run on an unchanged checkpoint (copy it first if something rewrites it)."
+            )
+
+
+@dataclass
+class _Chunk:
+    """One read job: file bytes [lo, hi) and where the tensors in it go in the region."""
+
+    file: _File
+    lo: int
+    hi: int
+    pieces: List[Tuple[int, int, int]]  # (file begin, file end, region offset)
+
+
+@dataclass
+class _Layer:
+    record: LayerRecord
+    files: List[_File]
+    chunks: List[_Chunk]
+    gaps: List[Tuple[int, int]]  # region bytes between tensors: zeroed, so checksums agree
+
+
+@dataclass
+class _Region:
+    data: torch.Tensor
+    array: np.ndarray
+    layer: Optional[int] = None
+    futures: List[Future] = field(default_factory=list)
+    started: float = 0.0
+    copy_done: Optional[object] = None  # a CUDA event recorded after the copy that read it
+
+
+class DiskTier:
+    """The staging ring, the reader threads, and each disk layer's reads."""
+
+    def __init__(self, tiers: Tiers, pin: bool, verify: bool, readers: int = READERS):
+        self.tiers = tiers
+        self.verify = verify
+        self.readers = readers
+        self.direct = True
+        self.pinned = False
+        self.lookahead = ReadAhead(tiers.ring_regions)
+        self.layers: Dict[int, _Layer] = {}
+        self._files: Dict[Path, _File] = {}
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self._pool = ThreadPoolExecutor(max_workers=readers, thread_name_prefix="layerstream-disk")
+        self.regions = [self._region(tiers.region_bytes, pin) for _ in range(tiers.ring_regions)]
+        self._where: Dict[int, _Region] = {}  # layer -> the region it is read (or being read) into
+        self._last_take: Optional[float] = None
+        # counters
+        self.read_bytes = 0
+        self.reads = 0
+        self.demand_reads = 0
+        self.stall_seconds = 0.0
+        self._intervals: List[Tuple[float, float]] = []
+        self._busy = 0.0
+
+    # -- set-up ----------------------------------------------------------------------
+    def _region(self, nbytes: int, pin: bool) -> _Region:
+        data = torch.zeros(max(nbytes, IO_ALIGN), dtype=torch.uint8)
+        if pin:
+            try:
+                cudart.register_host(data)
+                weakref.finalize(data, cudart.unregister_host, data)
+                self.pinned = True
+            except PinError as exc:
+                logger.warning(
+                    "layerstream: could not page-lock the disk tier's staging ring (%s); copies from it "
+                    "to the GPU are pageable (about 8x slower) and do not overlap compute.",
+                    exc,
+                )
+        return _Region(data, data.numpy())
+
+    def _file(self, path: Path) -> _File:
+        known = self._files.get(path)
+        if known is not None:
+            return known
+        buffered = os.open(path, os.O_RDONLY)
+        fd = buffered
+        if self.direct and hasattr(os, "O_DIRECT"):
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+            except OSError as exc:
+                self._fall_back(f"opening {path} with O_DIRECT failed: {exc}")
+        stat = os.fstat(buffered)
+        mapping = mmap.mmap(buffered, 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        known = self._files[path] = _File(
+            path, fd, buffered, (stat.st_size, stat.st_mtime_ns), *read_layout(path), mapping
+        )
+        return known
+
+    def attach(self, store: HostStore, record: LayerRecord, files: Dict[str, Path]) -> None:
+        """Make ``record`` a disk layer: the model's tensors become views of the files' memory
+        map, and the reads that bring the layer's bytes into a ring region are laid out.
+
+        Raises LoadingError for a tensor the checkpoint does not hold as the model does
+        (same dtype, same shape): the disk tier reads bytes as they are, without casting."""
+        views: Dict[int, torch.Tensor] = {}
+        spans: List[Tuple[_File, int, int, int]] = []  # (file, begin, end, region offset)
+        record.arena_views, record.host_values = [], []
+        for entry in record.entries:
+            if entry.offset not in views:
+                path = files.get(entry.qualified_name)
+                source = self._file(path) if path is not None else None
+                where = source.offsets.get(entry.qualified_name) if source is not None else None
+                if where is None:
+                    raise LoadingError(
+                        f"{entry.qualified_name} is not in the checkpoint's safetensors files, so the disk tier "
+                        "cannot read it; raise host_budget (or leave it unset) to keep this layer in host RAM."
+                    )
+                self._require_same(entry, source)
+                begin, end = where
+                raw = torch.frombuffer(source.mapping, dtype=torch.uint8, count=end - begin, offset=begin)
+                views[entry.offset] = raw.view(entry.dtype).view(entry.shape) if end > begin else raw
+                spans.append((source, begin, end, entry.offset))
+            view = views[entry.offset]
+            record.arena_views.append(view)
+            record.host_values.append(_point_at(entry, view))
+        HostStore._bound(record)
+        used = {str(s[0].path): s[0] for s in spans}
+        layer = _Layer(record, [used[name] for name in sorted(used)], [], _gaps(record))
+        layer.chunks = self._chunks(spans)
+        self.layers[record.index] = layer
+        store.records.append(record)
+        if self.verify:
+            record.reference_checksum = checksum_mod.checksum(self._assemble(record))
+
+    def _require_same(self, entry, source: _File) -> None:
+        wanted = _DTYPE_NAMES.get(entry.dtype)
+        stored = source.tensors[entry.qualified_name]
+        if wanted is None or stored.dtype != wanted or tuple(stored.shape) != tuple(entry.shape):
+            raise LoadingError(
+                f"{entry.qualified_name} is stored in {source.path} as {stored.dtype} {list(stored.shape)}; the model "
+                f"holds it as {entry.dtype} {list(entry.shape)}. The disk tier reads bytes as they are and does not "
+                "cast: load with dtype='auto' (the checkpoint's dtype), save the checkpoint in the model's dtype "
+                "once (save_pretrained), or raise host_budget so this layer stays in host RAM."
+            )
+
+    def _chunks(self, spans) -> List[_Chunk]:
+        """Runs of tensors contiguous in a file, cut into aligned chunks of CHUNK_BYTES."""
+        chunks: List[_Chunk] = []
+        runs: List[List[Tuple[_File, int, int, int]]] = []
+        for span in sorted(spans, key=lambda s: (str(s[0].path), s[1])):
+            if runs and runs[-1][-1][0] is span[0] and runs[-1][-1][2] == span[1]:
+                runs[-1].append(span)
+            else:
+                runs.append([span])
+        for run in runs:
+            source, start, end = run[0][0], run[0][1], run[-1][2]
+            lo = start // IO_ALIGN * IO_ALIGN
+            while lo < end:
+                hi = min(lo + CHUNK_BYTES, _align_up(end))
+                pieces = [(max(b, lo), min(e, hi), at + max(b, lo) - b) for _, b, e, at in run if b < hi and e > lo]
+                chunks.append(_Chunk(source, lo, hi, pieces))
+                lo = hi
+        return chunks
+
+    def _assemble(self, record: LayerRecord) -> torch.Tensor:
+        """The layer's region as a correct read leaves it (from the memory map; debug mode)."""
+        region = torch.zeros(record.nbytes, dtype=torch.uint8)
+        done = set()
+        for entry, view in zip(record.entries, record.arena_views):
+            if entry.offset not in done and entry.nbytes:
+                done.add(entry.offset)
+                region[entry.offset : entry.offset + entry.nbytes].copy_(view.reshape(-1).view(torch.uint8))
+        return region
+
+    # -- reads -------------------------------------------------------------------------
+    def holds(self, index: int) -> bool:
+        return index in self.layers
+
+    @property
+    def horizon(self) -> int:
+        """How many predicted visits the runtime looks through for layers to read ahead."""
+        return self.tiers.ring_regions + len(self.tiers.ram) + 2
+
+    def read_ahead(self, upcoming: Sequence[int]) -> None:
+        """Start reads for the next disk layers among ``upcoming`` (predicted, in order), as
+        many as the measured lookahead asks for and free regions allow."""
+        wanted = [i for i in upcoming if i in self.layers][: self.lookahead.depth]
+        for index in wanted:
+            if index in self._where:
+                continue
+            region = self._free_region(block=False)
+            if region is None:
+                return
+            self._start(index, region)
+
+    def _free_region(self, block: bool, keep: int = -1) -> Optional[_Region]:
+        for region in self.regions:
+            if region.layer is None and _done(region.copy_done):
+                return region
+        if not block:
+            return None
+        # wait for the oldest copy out of the ring, else drop a read made for another layer
+        for region in self.regions:
+            if region.layer is None:
+                _wait(region.copy_done)
+                region.copy_done = None
+                return region
+        for region in self.regions:
+            if region.layer != keep:
+                for future in region.futures:
+                    future.exception()
+                del self._where[region.layer]
+                region.layer, region.futures = None, []
+                return region
+        raise StreamingError("the disk tier's staging ring has no region to read into")  # pragma: no cover
+
+    def _start(self, index: int, region: _Region) -> None:
+        layer = self.layers[index]
+        for source in layer.files:
+            source.check(layer.record.name)
+        region.layer, region.started = index, time.perf_counter()
+        region.futures = [self._pool.submit(self._read_chunk, chunk, region.array) for chunk in layer.chunks]
+        if layer.gaps:
+            for begin, end in layer.gaps:
+                region.array[begin:end] = 0
+        self._where[index] = region
+
+    def take(self, index: int) -> torch.Tensor:
+        """The layer's bytes, read (waiting for the read if it is still under way): a region
+        of the ring to copy to the device from; ``copied`` must follow the copy."""
+        now = time.perf_counter()
+        region = self._where.get(index)
+        if region is None:
+            self.demand_reads += 1
+            self._start(index, self._free_region(block=True, keep=index))
+            region = self._where[index]
+        layer = self.layers[index]
+        ended = region.started
+        try:
+            for future in region.futures:
+                ended = max(ended, future.result())
+        except OSError as exc:
+            self._drop(index, region)
+            raise self._read_error(layer, exc) from exc
+        except DiskReadError:
+            self._drop(index, region)
+            raise
+        done = time.perf_counter()
+        stall = done - now
+        self.stall_seconds += stall
+        if self._last_take is not None:
+            self.lookahead.visit_took(now - self._last_take)
+        self._last_take = done
+        self.lookahead.read_took(ended - region.started)
+        self._intervals.append((region.started, ended))
+        if len(self._intervals) > 256:
+            self._busy += busy_seconds(self._intervals[:-16])
+            self._intervals = self._intervals[-16:]
+        record = layer.record
+        self.reads += 1
+        self.read_bytes += sum(piece[1] - piece[0] for chunk in layer.chunks for piece in chunk.pieces)
+        for source in layer.files:
+            try:
+                source.check(record.name)
+            except DiskReadError:
+                self._drop(index, region)
+                raise
+        staged = region.data[: record.nbytes]
+        if self.verify:
+            got = checksum_mod.checksum(staged)
+            if got != record.reference_checksum:
+                self._drop(index, region)
+                files = ", ".join(str(f.path) for f in layer.files)
+                raise DiskReadError(
+                    f"layerstream debug checksum: the bytes read for {record.name} (layer {index}) from {files} "
+                    f"differ from those it had at load (checksum {got}, expected {record.reference_checksum}): the "
+                    "file was changed or damaged on disk, or the read was wrong. Check the disk and restore the "
+                    "checkpoint; nothing wrong reached the GPU."
+                )
+        return staged
+
+    def copied(self, index: int, stream=None) -> None:
+        """The copy out of the layer's region is queued on ``stream`` (None: done already);
+        the region is read into again once that copy has completed."""
+        region = self._where.pop(index)
+        region.layer, region.futures = None, []
+        if stream is not None:
+            event = torch.cuda.Event()
+            event.record(stream)
+            region.copy_done = event
+
+    def _drop(self, index: int, region: _Region) -> None:
+        for future in region.futures:
+            future.exception()
+        self._where.pop(index, None)
+        region.layer, region.futures = None, []
+
+    def _read_error(self, layer: _Layer, exc: OSError) -> DiskReadError:
+        files = ", ".join(str(f.path) for f in layer.files)
+        return DiskReadError(
+            f"reading {layer.record.name} from {files} failed ({exc}). Nothing was copied to the GPU. Check the "
+            "disk (dmesg, free space, the file's permissions) and that the file is intact, or raise host_budget "
+            "so the layer stays in host RAM."
+        )
+
+    # -- the reader threads ---------------------------------------------------------------
+    def _bounce(self) -> Tuple[mmap.mmap, np.ndarray]:
+        bounce = getattr(self._local, "bounce", None)
+        if bounce is None:
+            buffer = mmap.mmap(-1, CHUNK_BYTES + IO_ALIGN)  # page-aligned: fit for O_DIRECT
+            bounce = self._local.bounce = (buffer, np.frombuffer(buffer, dtype=np.uint8))
+        return bounce
+
+    def _read_chunk(self, chunk: _Chunk, region: np.ndarray) -> float:
+        """Read one chunk into the region; returns when it finished."""
+        if self.direct and chunk.file.fd != chunk.file.buffered_fd:
+            try:
+                self._read_direct(chunk, region)
+                return time.perf_counter()
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self._fall_back(f"a direct read of {chunk.file.path} was refused: {exc}")
+        for begin, end, at in chunk.pieces:
+            _read_fully(chunk.file, chunk.file.buffered_fd, memoryview(region[at : at + end - begin]), begin)
+        return time.perf_counter()
+
+    def _read_direct(self, chunk: _Chunk, region: np.ndarray) -> None:
+        buffer, array = self._bounce()
+        length = chunk.hi - chunk.lo
+        needed = max(end for _, end, _ in chunk.pieces) - chunk.lo
+        got = os.preadv(chunk.file.fd, [memoryview(buffer)[:length]], chunk.lo)
+        if got < needed:  # direct reads end early only at the end of the file
+            raise _short(chunk.file, chunk.lo, needed, got)
+        for begin, end, at in chunk.pieces:
+            region[at : at + end - begin] = array[begin - chunk.lo : end - chunk.lo]
+
+    def _fall_back(self, reason: str) -> None:
+        with self._lock:
+            if not self.direct:
+                return
+            self.direct = False
+        logger.warning(
+            "layerstream: the disk tier reads with buffered I/O instead of direct I/O (%s). Reads go through "
+            "the page cache: they cost host CPU and memory bandwidth, and cached pages compete with the run "
+            "for RAM. Put the checkpoint on a file system that supports O_DIRECT (ext4, xfs) for full speed.",
+            reason,
+        )
+
+    # -- what the run reports ----------------------------------------------------------
+    def stats(self) -> dict:
+        busy = self._busy + busy_seconds(self._intervals)
+        return {
+            "ram_layers": len(self.tiers.ram),
+            "disk_layers": len(self.tiers.disk),
+            "ring_regions": self.tiers.ring_regions,
+            "ring_bytes": self.tiers.ring_bytes,
+            "disk_reads": self.reads,
+            "disk_demand_reads": self.demand_reads,
+            "disk_read_bytes": self.read_bytes,
+            "disk_read_seconds": busy,
+            "disk_read_gbps": self.read_bytes / busy / 1e9 if busy > 0 else 0.0,
+            "disk_stall_seconds": self.stall_seconds,
+            "disk_lookahead": self.lookahead.depth,
+            "disk_ring_too_small": self.lookahead.ring_too_small,
+            "direct_io": self.direct,
+        }
+
+    def describe(self) -> str:
+        tiers = self.tiers
+        io = "direct I/O" if self.direct else "buffered I/O"
+        pinned = "pinned" if self.pinned else "pageable"
+        return (
+            f"{len(tiers.ram)} layer(s) in host RAM, {len(tiers.disk)} read from disk ({io}, {self.readers} "
+            f"readers) into a ring of {tiers.ring_regions} x {tiers.region_bytes / MiB:.1f} MiB = "
+            f"{tiers.ring_bytes / GiB:.3f} GiB, {pinned}"
+        )
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        for source in self._files.values():
+            if source.fd != source.buffered_fd:
+                os.close(source.fd)
+            os.close(source.buffered_fd)
+        self._files = {}
+
+
+def _point_at(entry, view: torch.Tensor) -> torch.Tensor:
+    """Make the model hold ``view`` for this entry. A Parameter still on the meta device (a
+    model being loaded, not yet referenced elsewhere) is replaced by one over the view."""
+    current = entry.current()
+    if isinstance(current, nn.Parameter):
+        if current.device.type != "meta":
+            set_data(current, view)
+            return current
+        fresh = entry.table[entry.name] = nn.Parameter(view, requires_grad=current.requires_grad)
+        return fresh
+    entry.table[entry.name] = view
+    return view
+
+
+def _gaps(record: LayerRecord) -> List[Tuple[int, int]]:
+    """Region bytes no tensor covers (alignment padding)."""
+    covered = sorted({(e.offset, e.offset + e.nbytes) for e in record.entries})
+    gaps, end = [], 0
+    for begin, stop in covered:
+        if begin > end:
+            gaps.append((end, begin))
+        end = max(end, stop)
+    if end < record.nbytes:
+        gaps.append((end, record.nbytes))
+    return gaps
+
+
+def _align_up(value: int) -> int:
+    return -(-value // IO_ALIGN) * IO_ALIGN
+
+
+def _read_fully(source: _File, fd: int, target: memoryview, offset: int) -> None:
+    """pread until ``target`` is full; a read that returns nothing is a short file."""
+    done, wanted = 0, len(target)
+    while done < wanted:
+        got = os.preadv(fd, [target[done:]], offset + done)
+        if got <= 0:
+            raise _short(source, offset, wanted, done)
+        done += got
+
+
+def _short(source: _File, offset: int, wanted: int, got: int) -> DiskReadError:
+    return DiskReadError(
+        f"a read of {wanted} bytes at offset {offset} of {source.path} returned {got}: the file is shorter than "
+        "when it was loaded (truncated or replaced). Nothing was copied to the GPU; restore the checkpoint and "
+        "restart the run."
+    )
+
+
+def _done(event) -> bool:
+    return event is None or event.query()
+
+
+def _wait(event) -> None:
+    if event is not None:
+        event.synchronize()
+
+
+def plan_tiers(stream, layers: nn.ModuleList, path: str, quantization: Optional[str]) -> Optional[Tiers]:
+    """Where each layer of a model being loaded lives under ``stream.host_budget`` (None: no
+    budget, every layer in host RAM). Sized from the meta model, before any weight is read."""
+    from .discovery import layer_name
+    from .disk_plan import resolve_host_budget, split_tiers
+    from .store import host_memory
+
+    budget = resolve_host_budget(stream.host_budget, host_memory())
+    if budget is None:
+        return None
+    sizes = [
+        HostStore.plan_layer(i, layer_name(path, i), layer, lambda t: True).nbytes for i, layer in enumerate(layers)
+    ]
+    if quantization == "nf4":
+        if sum(sizes) // 4 <= budget:  # packed NF4 is about a quarter of the bytes: it fits in RAM
+            return None
+        raise LoadingError(
+            f"host_budget {budget / GiB:.2f} GiB holds only part of this NF4 model, and the disk tier reads "
+            "unquantised layers from the checkpoint's files only (there is no cache of packed NF4 layers yet). "
+            "Raise host_budget or leave it unset, or load without quantization."
+        )
+    tiers = split_tiers(sizes, budget)
+    return tiers if tiers.disk else None

@@ -1,0 +1,250 @@
+"""The disk tier: layers beyond host_budget are read from the checkpoint's own safetensors
+files each time; a disk-fed run equals a RAM-fed one bit for bit, and every fault (a read
+error, a short read, a file changed under the run, corrupted bytes) stops with an error
+naming the file, never with wrong data."""
+
+import errno
+import logging
+import os
+
+import pytest
+import torch
+from peft import get_peft_model
+
+import layerstream
+from layerstream import disk
+from layerstream.errors import DiskReadError, LoadingError, StreamConfigError, StreamingError
+
+from tiny import assert_traces_equal, lora_config, tiny_model, train_steps
+
+LAYERS = 6
+SLOTS = 2
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("disk") / "ckpt"
+    tiny_model("llama", layers=LAYERS, dtype=torch.float32).save_pretrained(directory, max_shard_size="60KB")
+    assert len(list(directory.glob("*.safetensors"))) > 2, "the test needs several shards"
+    return directory
+
+
+def _layer_bytes(checkpoint) -> int:
+    model = layerstream.from_pretrained(checkpoint, dtype=torch.float32, stream=layerstream.StreamConfig(device="cpu"))
+    return layerstream.get_runtime(model).store.largest_layer_bytes
+
+
+def _load(directory, budget=None, **stream):
+    config = layerstream.StreamConfig(device="cpu", slots=SLOTS, host_budget=budget, **stream)
+    return layerstream.from_pretrained(directory, dtype=torch.float32, stream=config)
+
+
+def _small_budget(directory) -> int:
+    """The ring and one layer: every other layer is read from disk."""
+    return 5 * _layer_bytes(directory)
+
+
+def _peft(model):
+    torch.manual_seed(0)  # the same non-zero LoRA B (init_lora_weights=False) on both
+    return get_peft_model(model, lora_config())
+
+
+def _disk_layer_tensor(model):
+    """(file, offset) of a byte inside a weight of a disk layer, in the checkpoint's file."""
+    tier = layerstream.get_runtime(model).disk
+    index = tier.tiers.disk[len(tier.tiers.disk) // 2]
+    chunk = tier.layers[index].chunks[0]
+    begin, end, _ = chunk.pieces[0]
+    return chunk.file.path, begin + (end - begin) // 2 + 3  # the high byte of a float32 value
+
+
+def _flip(path, offset, keep_mtime=True):
+    stat = os.stat(path)
+    with open(path, "r+b") as handle:
+        handle.seek(offset)
+        value = handle.read(1)[0]
+        handle.seek(offset)
+        handle.write(bytes([value ^ 0x40]))
+    if keep_mtime:  # silent corruption: the size and time checks cannot see it
+        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+
+
+@pytest.fixture
+def copy_of(checkpoint, tmp_path):
+    import shutil
+
+    target = tmp_path / "copy"
+    shutil.copytree(checkpoint, target)
+    return target
+
+
+def test_disk_fed_training_matches_ram_fed_bit_for_bit(checkpoint):
+    ram = _peft(_load(checkpoint))
+    fed = _peft(_load(checkpoint, _small_budget(checkpoint)))
+    stats_before = layerstream.get_runtime(fed).stats()
+    assert stats_before["disk_layers"] > SLOTS and stats_before["ram_layers"] >= 1
+    assert_traces_equal(train_steps(ram, 3), train_steps(fed, 3))
+    stats = layerstream.get_runtime(fed).stats()
+    assert stats["disk_reads"] > stats["disk_layers"] and stats["disk_read_bytes"] > 0
+    assert stats["disk_read_gbps"] > 0 and stats["disk_stall_seconds"] >= 0
+    assert layerstream.get_runtime(fed).store.host_bytes < layerstream.get_runtime(ram).store.host_bytes
+    assert "read from disk" in layerstream.get_runtime(fed).summary()
+
+
+def test_disk_fed_generation_matches_ram_fed(checkpoint):
+    ram, fed = _load(checkpoint), _load(checkpoint, _small_budget(checkpoint))
+    ids = torch.randint(3, 90, (2, 6), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = ram.generate(ids, max_new_tokens=8, do_sample=False)
+        got = fed.generate(ids, max_new_tokens=8, do_sample=False)
+    assert torch.equal(want, got)
+
+
+def test_the_host_tensors_of_disk_layers_hold_the_checkpoint_values(checkpoint):
+    ram, fed = _load(checkpoint), _load(checkpoint, _small_budget(checkpoint))
+    a, b = ram.state_dict(), fed.state_dict()
+    assert list(a) == list(b)
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def test_silently_corrupted_bytes_change_the_run_negative_control(checkpoint, copy_of):
+    """Without debug checksums a flipped byte on disk reaches the computation: the parity
+    test above can fail."""
+    ram = _peft(_load(checkpoint))
+    fed = _peft(_load(copy_of, _small_budget(copy_of)))
+    _flip(*_disk_layer_tensor(fed))
+    with pytest.raises(AssertionError):
+        assert_traces_equal(train_steps(ram, 1), train_steps(fed, 1))
+
+
+def test_debug_checksums_catch_a_corrupted_read_naming_the_file(copy_of):
+    fed = _peft(_load(copy_of, _small_budget(copy_of), checksum=True))
+    path, offset = _disk_layer_tensor(fed)
+    _flip(path, offset)
+    with pytest.raises(DiskReadError, match="debug checksum") as caught:
+        train_steps(fed, 1)
+    assert str(path) in str(caught.value)
+
+
+def test_a_file_changed_under_the_run_is_refused(copy_of):
+    fed = _peft(_load(copy_of, _small_budget(copy_of)))
+    path, offset = _disk_layer_tensor(fed)
+    _flip(path, offset, keep_mtime=False)
+    os.utime(path, ns=(os.stat(path).st_atime_ns, os.stat(path).st_mtime_ns + 10**9))
+    with pytest.raises(DiskReadError, match="changed while the run used it") as caught:
+        train_steps(fed, 1)
+    assert str(path) in str(caught.value) and "Restore the file" in str(caught.value)
+
+
+def test_a_read_error_names_the_file_and_what_to_check(checkpoint, monkeypatch):
+    fed = _peft(_load(checkpoint, _small_budget(checkpoint)))
+
+    def failing(fd, buffers, offset):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "preadv", failing)
+    with pytest.raises(DiskReadError, match="Input/output error") as caught:
+        train_steps(fed, 1)
+    assert ".safetensors" in str(caught.value) and "Check the disk" in str(caught.value)
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
+def test_a_short_read_is_refused(checkpoint, monkeypatch, direct):
+    fed = _peft(_load(checkpoint, _small_budget(checkpoint)))
+    layerstream.get_runtime(fed).disk.direct = direct
+    real = os.preadv
+
+    def short(fd, buffers, offset):
+        got = real(fd, buffers, offset)
+        return min(got, 16) if offset == 0 or got > 16 else 0
+
+    monkeypatch.setattr(os, "preadv", short)
+    with pytest.raises(DiskReadError, match="the file is shorter than when it was loaded"):
+        train_steps(fed, 1)
+
+
+def test_direct_io_refused_by_the_file_system_falls_back_to_buffered_reads_loudly(checkpoint, monkeypatch, caplog):
+    real_open = os.open
+
+    def no_direct(path, flags, *args):
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", no_direct)
+    with caplog.at_level(logging.WARNING, logger="layerstream.disk"):
+        fed = _peft(_load(checkpoint, _small_budget(checkpoint)))
+    monkeypatch.setattr(os, "open", real_open)
+    warnings = [r for r in caplog.records if "buffered I/O instead of direct I/O" in r.getMessage()]
+    assert len(warnings) == 1
+    ram = _peft(_load(checkpoint))
+    assert_traces_equal(train_steps(ram, 2), train_steps(fed, 2))
+    assert layerstream.get_runtime(fed).stats()["direct_io"] is False
+
+
+def test_a_direct_read_refused_mid_run_falls_back_and_stays_exact(checkpoint, monkeypatch, caplog):
+    fed = _peft(_load(checkpoint, _small_budget(checkpoint)))
+    tier = layerstream.get_runtime(fed).disk
+    direct_fds = {f.fd for f in tier._files.values() if f.fd != f.buffered_fd}
+    assert direct_fds, "this file system refused O_DIRECT at open; the open fallback test covers it"
+    real = os.preadv
+
+    def refuse_direct(fd, buffers, offset):
+        if fd in direct_fds:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", refuse_direct)
+    with caplog.at_level(logging.WARNING, logger="layerstream.disk"):
+        trace = train_steps(fed, 2)
+    assert sum("buffered I/O instead" in r.getMessage() for r in caplog.records) == 1
+    assert_traces_equal(train_steps(_peft(_load(checkpoint)), 2), trace)
+
+
+def test_a_tensor_stored_in_another_dtype_is_refused_by_name(checkpoint):
+    config = layerstream.StreamConfig(device="cpu", slots=SLOTS, host_budget=_small_budget(checkpoint) // 2)
+    with pytest.raises(LoadingError, match="does not cast"):
+        layerstream.from_pretrained(checkpoint, dtype=torch.bfloat16, stream=config)
+
+
+def test_a_budget_below_the_ring_is_refused_before_loading(checkpoint):
+    with pytest.raises(StreamConfigError, match="cannot hold the disk tier's staging ring"):
+        _load(checkpoint, _layer_bytes(checkpoint))
+
+
+def test_a_change_to_a_disk_layer_weight_is_refused(checkpoint):
+    fed = _load(checkpoint, _small_budget(checkpoint))
+    index = layerstream.get_runtime(fed).disk.tiers.disk[0]
+    with torch.no_grad():
+        fed.model.layers[index].mlp.up_proj.weight.mul_(2)
+    with pytest.raises(StreamingError, match="read from the checkpoint's files on disk"):
+        fed(torch.tensor([[3, 4, 5]]))
+
+
+def test_the_lookahead_is_measured_and_the_ring_reused(checkpoint):
+    fed = _peft(_load(checkpoint, _small_budget(checkpoint)))
+    tier = layerstream.get_runtime(fed).disk
+    train_steps(fed, 2)
+    assert tier.lookahead.read_seconds is not None and tier.lookahead.visit_seconds is not None
+    assert 1 <= tier.lookahead.depth <= tier.tiers.ring_regions - 1
+    assert len(tier.regions) == tier.tiers.ring_regions < len(tier.tiers.disk)
+
+
+def test_host_budget_is_a_setting_on_every_surface():
+    from layerstream.config import parse_setting
+
+    assert parse_setting("host_budget", "48GiB") == 48 << 30
+    assert parse_setting("host_budget", "auto") == "auto"
+    assert parse_setting("host_budget", "none") is None
+    assert layerstream.StreamConfig(device="cpu", host_budget="2GiB").host_budget == 2 << 30
+    with pytest.raises(StreamConfigError, match="host_budget"):
+        layerstream.StreamConfig(device="cpu", host_budget="lots")
+    assert disk.READERS > 1
+
+
+def test_stream_model_of_a_model_beyond_host_budget_is_refused_with_what_to_do():
+    model = tiny_model("llama", layers=3)
+    with pytest.raises(StreamConfigError, match="layerstream.from_pretrained"):
+        layerstream.stream_model(model, device="cpu", host_budget="1KiB")
+    layerstream.stream_model(tiny_model("llama", layers=3), device="cpu", host_budget="1GiB")

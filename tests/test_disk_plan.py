@@ -1,0 +1,121 @@
+"""The disk tier's decisions (pure logic): the host budget in bytes, which layers stay in
+host RAM, the staging ring, and the lookahead from measured read and visit times."""
+
+import pytest
+
+from layerstream.disk_plan import (
+    MIN_RING_REGIONS,
+    RING_REGIONS,
+    ReadAhead,
+    busy_seconds,
+    resolve_host_budget,
+    split_tiers,
+    system_reserve,
+)
+from layerstream.errors import StreamConfigError
+from layerstream.units import GiB, MiB
+
+
+def test_auto_budget_is_the_available_ram_less_a_reserve_for_the_system():
+    assert resolve_host_budget("auto", (40 * GiB, 64 * GiB)) == 40 * GiB - system_reserve(64 * GiB)
+    assert system_reserve(64 * GiB) == int(6.4 * GiB)
+    assert system_reserve(16 * GiB) == 4 * GiB  # never less than 4 GiB
+    assert resolve_host_budget("auto", (2 * GiB, 16 * GiB)) == 0
+    assert resolve_host_budget(12 * GiB, None) == 12 * GiB
+    assert resolve_host_budget(None, None) is None
+    with pytest.raises(StreamConfigError, match="give host_budget a size"):
+        resolve_host_budget("auto", None)
+
+
+def test_no_disk_tier_when_every_layer_fits_the_budget():
+    tiers = split_tiers([100] * 8, 800)
+    assert tiers.ram == tuple(range(8)) and tiers.disk == () and tiers.ring_bytes == 0
+    assert split_tiers([100] * 8, None).disk == ()
+
+
+def test_the_ring_is_reserved_first_and_ram_layers_are_spread_through_the_stack():
+    layer = 10 * MiB
+    budget = RING_REGIONS * layer + 3 * layer + layer // 2  # the ring and three and a half layers
+    tiers = split_tiers([layer] * 12, budget)
+    assert tiers.ring_regions == RING_REGIONS and tiers.region_bytes == layer
+    assert len(tiers.ram) == 3 and len(tiers.disk) == 9
+    assert sorted(tiers.ram + tiers.disk) == list(range(12))
+    assert tiers.ring_bytes + len(tiers.ram) * layer <= budget
+    gaps = [b - a for a, b in zip(tiers.ram, tiers.ram[1:])]
+    assert min(gaps) >= 3, f"RAM layers should be spread, got {tiers.ram}"
+
+
+def test_a_tight_budget_gets_a_smaller_ring_and_no_ram_layers():
+    tiers = split_tiers([100] * 6, 250)
+    assert tiers.ring_regions == MIN_RING_REGIONS and tiers.ram == () and len(tiers.disk) == 6
+
+
+def test_a_budget_that_cannot_hold_the_ring_is_refused_with_what_to_change():
+    with pytest.raises(StreamConfigError, match=r"Raise host_budget to 2\.00 GiB"):
+        split_tiers([GiB] * 4, GiB + 1)
+
+
+def test_lookahead_follows_measured_read_and_visit_times():
+    ahead = ReadAhead(ring_regions=8)
+    assert ahead.depth == 7 and ahead.wanted is None  # the whole ring until measured
+    for _ in range(3):
+        ahead.read_took(0.030)
+        ahead.visit_took(0.010)
+    assert ahead.wanted == 3 and ahead.depth == 3 and not ahead.ring_too_small
+    fast = ReadAhead(ring_regions=8)
+    fast.read_took(0.001)
+    fast.visit_took(0.010)
+    assert fast.depth == 1
+    slow = ReadAhead(ring_regions=3)
+    slow.read_took(0.100)
+    slow.visit_took(0.010)
+    assert slow.wanted == 10 and slow.depth == 2 and slow.ring_too_small
+
+
+def test_busy_time_counts_overlapping_reads_once():
+    assert busy_seconds([(0.0, 1.0), (0.5, 1.5), (3.0, 4.0)]) == pytest.approx(2.5)
+    assert busy_seconds([(0.0, 2.0), (0.5, 1.0)]) == pytest.approx(2.0)
+    assert busy_seconds([]) == 0.0
+
+
+def test_a_step_reads_each_disk_layer_as_often_as_it_is_copied():
+    from layerstream.plan.disk import disk_bytes_per_step
+
+    sizes = [10] * 8
+    # slots 2: forward copies layers 2..7, backward 0..5; every layer on disk
+    assert disk_bytes_per_step(sizes, range(8), 2) == 10 * (6 + 6)
+    assert disk_bytes_per_step(sizes, [0, 7], 2) == 20  # the turnaround layers: once each
+    assert disk_bytes_per_step(sizes, [], 2) == 0
+
+
+def test_the_disk_term_bounds_the_step_and_says_from_how_many_tokens_it_hides():
+    from layerstream.plan.disk import FLOPS_PER_TOKEN_PARAM, disk_term, tokens_that_hide_the_disk
+
+    sizes, params = [GiB] * 10, 10 * 2**29
+    term = disk_term(sizes, 6 * GiB, 2, 2.0, 0.5, params, tokens=1000, tflops=100.0)
+    assert term.tiers.ring_regions == 4 and len(term.tiers.ram) == 2
+    assert term.disk_seconds == pytest.approx(term.disk_bytes_per_step / 2e9)
+    assert term.step_seconds == pytest.approx(max(term.disk_seconds, 0.5, term.compute_seconds))
+    hide = tokens_that_hide_the_disk(term, params, 100.0)
+    assert FLOPS_PER_TOKEN_PARAM * params * hide / 100e12 >= term.disk_seconds
+    assert FLOPS_PER_TOKEN_PARAM * params * (hide - 1) / 100e12 <= term.disk_seconds
+
+
+def test_plan_prints_the_disk_term_and_measures_a_directory(tmp_path, capsys):
+    from transformers import LlamaConfig
+
+    from layerstream import cli
+
+    LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=8, num_attention_heads=4).save_pretrained(
+        tmp_path
+    )
+    argv = ["plan", "--model", str(tmp_path), "--vram", "8GiB", "--seq", "512"]
+    cli.main(argv + ["--host-ram", "7MiB", "--disk-gbps", "3", "--tflops", "100"])
+    out = capsys.readouterr().out
+    assert "read from disk" in out and "hides behind compute from" in out and "step         at least" in out
+    with pytest.raises(SystemExit):
+        cli.main(argv + ["--host-ram", "12MiB"])  # no bandwidth
+    assert "--disk-gbps" in capsys.readouterr().err
+    assert cli.main(["plan", "--measure-disk", str(tmp_path), "--measure-bytes", "16MiB"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("GB/s sequential read") == 2 and not list(tmp_path.glob(".layerstream-disk-probe"))
