@@ -10,7 +10,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "layerstream"
 LAYERS = [
     {"errors", "units", "swap", "embedded"},
     {"config", "schedule", "window", "checksum", "cudart", "discovery", "timeline"},
-    {"store", "pool", "nf4", "meter", "changes", "bindings", "passes", "plan"},
+    {"store", "pool", "nf4", "meter", "changes", "bindings", "passes", "plan", "offload"},
     {"embeddings", "layer", "backward_slots", "report", "checkpoint", "residency"},
     {"runtime"},
     {"api", "loading"},

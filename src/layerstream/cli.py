@@ -111,7 +111,7 @@ def flag_name(setting_name: str) -> str:
 
 def add_setting_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per StreamConfig setting, with its help and default (``config.settings``)."""
-    from .config import FLAG, TRISTATE, setting_default_text, settings
+    from .config import FLAG, SWITCH, TRISTATE, setting_default_text, settings
 
     for setting in settings():
         kind, help_text = setting.metadata["kind"], setting.metadata["help"]
@@ -121,6 +121,17 @@ def add_setting_flags(parser: argparse.ArgumentParser) -> None:
         elif kind == TRISTATE:
             parser.add_argument(
                 name, dest=setting.name, action=argparse.BooleanOptionalAction, default=None, help=help_text
+            )
+        elif kind == SWITCH:
+            default = setting_default_text(setting)
+            parser.add_argument(
+                name,
+                dest=setting.name,
+                nargs="?",
+                const="true",
+                default=default,
+                metavar="true|false|auto",
+                help=f"{help_text} (default: {default}; the flag alone: true)",
             )
         else:
             default = setting_default_text(setting)
@@ -153,8 +164,13 @@ def _add_run_parser(sub) -> argparse.ArgumentParser:
 def split_run_arguments(parser: argparse.ArgumentParser, argv):
     """Split ``layerstream run`` arguments into layerstream's and the target's: the target
     is the first argument that is neither an option nor an option's value (``-m`` takes
-    the module name with it)."""
+    the module name with it; an option whose value is optional takes the next argument
+    only when it is one of the values it accepts)."""
+    from .config import _FALSE, _TRUE
+
     takes_value = {option: action.nargs != 0 for action in parser._actions for option in action.option_strings}
+    optional = {option for action in parser._actions if action.nargs == "?" for option in action.option_strings}
+    switch_values = set(_TRUE) | set(_FALSE) | {"auto"}
     index = 0
     while index < len(argv):
         item = argv[index]
@@ -162,7 +178,10 @@ def split_run_arguments(parser: argparse.ArgumentParser, argv):
             return argv[: index + 2], argv[index + 2 :]
         if item.startswith("-") and item != "-":
             option = item.split("=", 1)[0]
-            index += 2 if takes_value.get(option) and "=" not in item else 1
+            value_follows = takes_value.get(option) and "=" not in item
+            if option in optional:
+                value_follows = value_follows and index + 1 < len(argv) and argv[index + 1].lower() in switch_values
+            index += 2 if value_follows else 1
             continue
         return argv[: index + 1], argv[index + 1 :]
     return argv, []

@@ -46,3 +46,7 @@ class PinError(LayerstreamError, RuntimeError):
 
 class TrainConfigError(LayerstreamError, ValueError):
     """A `layerstream train` config cannot run as written; the message says what to change."""
+
+
+class ActivationChecksumError(LayerstreamError, RuntimeError):
+    """An offloaded activation came back with other bytes than it left with (debug checksums)."""

@@ -48,6 +48,19 @@ def stats(runtime) -> dict:
             else {"head_copies": 0, "head_h2d_bytes": 0, "embedding_h2d_bytes": 0}
         ),
         **runtime.nf4_counts,
+        **_offload_stats(runtime.offloader),
+    }
+
+
+def _offload_stats(offloader) -> dict:
+    """offload_activations' counters (zeros when it is off)."""
+    return {
+        "activations_offloaded": offloader.offloaded if offloader is not None else 0,
+        "activations_restored": offloader.restored if offloader is not None else 0,
+        "activation_d2h_bytes": offloader.d2h_bytes if offloader is not None else 0,
+        "activation_h2d_bytes": offloader.h2d_bytes if offloader is not None else 0,
+        "activation_host_bytes": offloader.host_bytes if offloader is not None else 0,
+        "activation_checks": offloader.checks if offloader is not None else 0,
     }
 
 

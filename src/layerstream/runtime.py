@@ -27,10 +27,12 @@ from .backward_slots import BackwardSlots
 from .config import StreamConfig
 from .errors import StreamingError
 from .meter import CudaMeter, PlannedMeter
+from .offload import ActivationOffloader
 from .pool import SlotPool
 from .residency import WINDOW_RESETS, ResidentWindow
 from .schedule import Phase, PrefetchPlanner
 from .store import LAYOUT, SAME, HostStore, LayerRecord
+from .units import gib
 from .window import WindowSizer
 
 logger = logging.getLogger(__name__)
@@ -89,6 +91,9 @@ class StreamRuntime(ResidentWindow):
         for record in records:
             changes.watch(record)
             self._index_modules(record)
+        self.offloader = self._new_offloader()
+        self.offloading = False  # whether this pass offloads its checkpointed inputs
+        self._offload_decided: Dict[Tuple[int, int], bool] = {}  # offload_activations="auto", per shape
         self.embeddings = None
         if config.stream_embeddings:
             from .embeddings import stream_embeddings
@@ -107,6 +112,11 @@ class StreamRuntime(ResidentWindow):
         if self.pool.cuda:
             return CudaMeter(self.device, budget)
         return PlannedMeter(self, budget)
+
+    def _new_offloader(self) -> Optional[ActivationOffloader]:
+        if self.config.offload_activations is False:
+            return None
+        return ActivationOffloader(self.device, len(self.records), pin=self.config.pin, verify=self.config.checksum)
 
     def _new_prefetch(self, streamed_layers: int) -> PrefetchPlanner:
         return PrefetchPlanner(
@@ -217,6 +227,9 @@ class StreamRuntime(ResidentWindow):
                     self._in_backward()
                 return self._run(layer, index, phase, a, k)
 
+            if self.offloading and self.offloader.offloads(index) and args and isinstance(args[0], torch.Tensor):
+                with self.offloader.saving(args[0]):  # the input checkpointing saves goes to the host
+                    return checkpoint(checkpointed, *args, use_reentrant=False, **kwargs)
             return checkpoint(checkpointed, *args, use_reentrant=False, **kwargs)
         except BaseException:
             self._pass = None  # an abandoned pass holds nothing another thread must wait for
@@ -247,12 +260,16 @@ class StreamRuntime(ResidentWindow):
         for record in self.records:  # changes made between passes, quant states included
             if not record.fresh_deep():
                 self._refresh(record.index, Phase.TRAIN_FORWARD, pass_start=True)
+        self.offloading = False
         if not training:
             return
         self._check_trainable()
         if hidden is None or hidden.dim() < 2:
             return
         self.last_shape = (int(hidden.shape[0]), int(hidden.shape[1]))
+        if self.offloader is not None and self._offload_wanted(*self.last_shape):
+            self.offloader.start_pass(hidden, self.store.host_bytes)
+            self.offloading = True
         if isinstance(self.config.vram_budget, int):
             self._check_budget(*self.last_shape)
         if self.meter is not None:
@@ -288,8 +305,9 @@ class StreamRuntime(ResidentWindow):
         if not memory.fits:
             raise report.budget_refusal(memory, budget)
 
-    def memory_plan(self, batch: int, seq: int, vram_bytes: int = 1 << 50, backward_slots=0):
-        """The memory planner's plan of this model streamed as it is (one call site)."""
+    def memory_plan(self, batch: int, seq: int, vram_bytes: int = 1 << 50, backward_slots=0, offload=None):
+        """The memory planner's plan of this model streamed as it is (one call site);
+        ``offload``: offload_activations (None: as this pass runs)."""
         from .plan import plan_for_model
 
         return plan_for_model(
@@ -300,7 +318,38 @@ class StreamRuntime(ResidentWindow):
             vram_bytes=vram_bytes,
             stream_embeddings=self.embeddings is not None,
             backward_slots=backward_slots,
+            offload_activations=self.offloading if offload is None else offload,
         )
+
+    def _offload_wanted(self, batch: int, seq: int) -> bool:
+        """offload_activations as set; "auto": on when the plan of this step shape does
+        not fit the VRAM budget without it (decided once per shape)."""
+        if self.config.offload_activations != "auto":
+            return bool(self.config.offload_activations)
+        decided = self._offload_decided.get((batch, seq))
+        if decided is None:
+            decided = self._offload_decided[(batch, seq)] = self._offload_needed(batch, seq)
+        return decided
+
+    def _offload_needed(self, batch: int, seq: int) -> bool:
+        budget = self.config.budget_bytes()
+        if budget is None:
+            return False
+        try:
+            plan = self.memory_plan(batch, seq, vram_bytes=budget, offload=False)
+        except ValueError as exc:
+            logger.warning("layerstream: offload_activations='auto' stays off: the step cannot be planned (%s)", exc)
+            return False
+        if not plan.fits:
+            logger.warning(
+                "layerstream: offload_activations='auto' is on for batch %d x %d tokens: the plan needs %s "
+                "with the reserve and the budget is %s, so each layer's checkpointed input goes to host memory",
+                batch,
+                seq,
+                gib(plan.needed_bytes),
+                gib(budget),
+            )
+        return not plan.fits
 
     def _decide_backward_slots(self, hidden: torch.Tensor) -> None:
         streamed = len(self.records) - len(self._window)
@@ -495,6 +544,9 @@ class StreamRuntime(ResidentWindow):
         self.prefetch = self._new_prefetch(len(self._layer_of))
         self.sizer = WindowSizer(len(self.records), self.store.largest_layer_bytes)
         self.meter = self._new_meter()
+        if self.offloader is not None:
+            self.offloader.release()
+        self.offloader = self._new_offloader()
         self._measured_tokens, self._last_slot = None, None
         if self.embeddings is not None:
             self.embeddings.pool, self.embeddings.device = self.pool, device
@@ -506,6 +558,8 @@ class StreamRuntime(ResidentWindow):
         self._window_buffers = {}
         self.pool.release()
         self.store.release()
+        if self.offloader is not None:
+            self.offloader.release()
         if self.embeddings is not None:
             self.embeddings.close()
 

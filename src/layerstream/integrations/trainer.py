@@ -32,7 +32,18 @@ from torch import nn
 
 from .. import report, timeline
 from ..api import get_runtime, is_streamed, on_stream, stream_model
-from ..config import BUDGET, COUNT, DEVICE, FLAG, SIZE, TRISTATE, config_from_settings, setting_default_text, settings
+from ..config import (
+    BUDGET,
+    COUNT,
+    DEVICE,
+    FLAG,
+    SIZE,
+    SWITCH,
+    TRISTATE,
+    config_from_settings,
+    setting_default_text,
+    settings,
+)
 from ..errors import StreamingError
 from ..meter import wanted_bytes
 from . import launch
@@ -299,7 +310,15 @@ def argument_name(setting_name: str) -> str:
     return "layer_stream_" + (setting_name[len("stream_") :] if setting_name.startswith("stream_") else setting_name)
 
 
-_ARGUMENT_TYPES = {COUNT: str, SIZE: str, BUDGET: str, DEVICE: Optional[str], FLAG: bool, TRISTATE: Optional[bool]}
+_ARGUMENT_TYPES = {
+    COUNT: str,
+    SIZE: str,
+    BUDGET: str,
+    DEVICE: Optional[str],
+    FLAG: bool,
+    TRISTATE: Optional[bool],
+    SWITCH: str,
+}
 
 
 def _streaming_arguments_class():
