@@ -244,3 +244,39 @@ def test_a_perturbed_offloaded_activation_turns_the_parity_check_red(device, mon
     _corrupt_host_copies(monkeypatch)
     with pytest.raises(AssertionError, match="gradient"):
         assert_traces_equal(train_steps(streamed, 2, device), train_steps(resident, 2, device))
+
+
+# -- other offloaders ----------------------------------------------------------------------
+def test_transformers_offloading_checkpoint_option_is_refused_with_what_to_use(tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    model, _ = peft_pair("llama", layers=3)
+    layerstream.stream_model(model, device="cpu", slots=2)
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        report_to=[],
+        max_steps=1,
+        gradient_checkpointing=True,
+        gradient_checkpointing_kwargs={"offload": True},
+    )
+    with pytest.raises(layerstream.StreamingError, match="does not reach streamed layers.*offload_activations=True"):
+        Trainer(model=model, args=args)
+
+
+@pytest.mark.parametrize("setting", [True, "auto"])
+def test_trl_activation_offloading_beside_offload_activations(tmp_path, setting, caplog):
+    from transformers import Trainer
+    from trl import SFTConfig
+
+    model, _ = peft_pair("llama", layers=3)
+    layerstream.stream_model(model, device="cpu", slots=2, offload_activations=setting)
+    args = SFTConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=1, activation_offloading=True)
+    if setting is True:
+        with pytest.raises(layerstream.StreamingError, match="Use one: offload_activations=True"):
+            Trainer(model=model, args=args)
+        return
+    with caplog.at_level("WARNING", logger="layerstream"):
+        Trainer(model=model, args=args)
+    assert "offload_activations='auto' stays off" in caplog.text
+    assert layerstream.get_runtime(model).offloader is None
