@@ -23,7 +23,7 @@ def _add_plan_parser(sub) -> argparse.ArgumentParser:
     )
     plan.add_argument("--model", required=True, help="hub id, local model directory, or path to a config.json file")
     plan.add_argument("--vram", required=True, help="GPU memory budget, e.g. 16GiB, 24GB, 80GiB")
-    plan.add_argument("--seq", type=int, required=True, help="tokens per sequence")
+    plan.add_argument("--seq", type=int, default=None, help="tokens per sequence (needed unless --max-seq)")
     plan.add_argument("--batch", type=int, default=1, help="sequences per step (default 1)")
     plan.add_argument(
         "--quantization",
@@ -73,20 +73,43 @@ def _add_plan_parser(sub) -> argparse.ArgumentParser:
         "loss's memory holds, as StreamConfig(backward_slots='auto') takes with "
         "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)",
     )
+    plan.add_argument(
+        "--offload-activations",
+        action="store_true",
+        help="each layer's checkpointed input in host memory (StreamConfig(offload_activations=True))",
+    )
+    plan.add_argument(
+        "--loss-chunk-tokens",
+        type=int,
+        default=None,
+        help="the head and cross-entropy run this many tokens at a time (loss_chunk_tokens)",
+    )
+    plan.add_argument(
+        "--mlp-tile-tokens",
+        type=int,
+        default=None,
+        help="the MLP runs this many tokens at a time (mlp_tile_tokens)",
+    )
+    plan.add_argument(
+        "--max-seq",
+        action="store_true",
+        help="also find the longest sequence that fits, with and without each long-sequence option",
+    )
     return plan
 
 
 def _run_plan(args, parser: argparse.ArgumentParser) -> int:
-    from .plan import format_plan, load_config, make_plan
+    from .plan import comparison, format_comparison, format_plan, load_config, make_plan, max_seq
     from .units import parse_bytes
 
+    if args.seq is None and not args.max_seq:
+        parser.error("give --seq (tokens per sequence), or --max-seq to find the longest that fits")
     try:
         vram = parse_bytes(args.vram)
         reserve = parse_bytes(args.reserve)
         config = load_config(args.model)
-        plan = make_plan(
-            config,
-            seq=args.seq,
+        options = dict(
+            config=config,
             batch=args.batch,
             vram_bytes=vram,
             quantization=args.quantization,
@@ -98,10 +121,22 @@ def _run_plan(args, parser: argparse.ArgumentParser) -> int:
             reserve_bytes=reserve,
             stream_embeddings=args.stream_embeddings,
             backward_slots=None if args.backward_slots == "auto" else args.backward_slots,
+            offload_activations=args.offload_activations,
+            loss_chunk_tokens=args.loss_chunk_tokens,
+            mlp_tile_tokens=args.mlp_tile_tokens,
         )
+        longest = max_seq(dict(options, seq=1)) if args.max_seq else None
+        seq = args.seq if args.seq is not None else max(longest, 1)
+        plan = make_plan(seq=seq, **options)
+        rows = comparison(dict(options, seq=seq), args.max_seq)
     except (ValueError, OSError) as exc:
         parser.error(str(exc))  # exits with status 2
     print(format_plan(plan))
+    print()
+    print(format_comparison(rows, seq, args.batch))
+    if longest is not None:
+        print(f"\nlongest sequence that fits as given: {longest} tokens at batch {args.batch}")
+        return 0 if longest > 0 else 1
     return 0 if plan.fits else 1
 
 
