@@ -248,3 +248,13 @@ def test_attention_and_mlp_units_would_stay_under_the_target_and_lengthen_the_st
         assert units["copies"] == 2 * (64 - 4) and units["demand_loads"] == 0
         assert layers["fraction_of_copy_bound"] < units["fraction_of_copy_bound"] < 0.95
         assert units["step_ms"] > layers["step_ms"]
+
+
+def test_the_offload_cost_benchmark_imports_and_parses_its_arguments_without_a_gpu(capsys):
+    import offload_cost
+
+    args = offload_cost._arguments(["--tokens", "8192", "--quantization", "nf4", "--layers", "4"])
+    assert (args.tokens, args.quantization, args.layers, args.shape) == ("8192", "nf4", 4, "llama3-8b")
+    with pytest.raises(SystemExit) as done:
+        offload_cost._arguments(["--help"])
+    assert done.value.code == 0 and "with and without offloading" in capsys.readouterr().out

@@ -118,6 +118,14 @@ class StreamRuntime(ResidentWindow):
             return None
         return ActivationOffloader(self.device, len(self.records), pin=self.config.pin, verify=self.config.checksum)
 
+    def set_offload_activations(self, value) -> None:
+        """Change offload_activations between steps (a benchmark compares both on one model)."""
+        self.config = self.config.replace(offload_activations=value)
+        if self.offloader is not None:
+            self.offloader.release()
+        self.offloader = self._new_offloader()
+        self._offload_decided.clear()
+
     def _new_prefetch(self, streamed_layers: int) -> PrefetchPlanner:
         return PrefetchPlanner(
             max(streamed_layers, 1), self.config.slots, self.config.prefetch, backward_slots=self.backward.count
