@@ -280,3 +280,26 @@ def test_trl_activation_offloading_beside_offload_activations(tmp_path, setting,
         Trainer(model=model, args=args)
     assert "offload_activations='auto' stays off" in caplog.text
     assert layerstream.get_runtime(model).offloader is None
+
+
+@pytest.mark.parametrize("early", [True, False], ids=["early", "negative-control-without-early-copy"])
+def test_backward_copies_the_first_offloaded_input_back_while_the_last_layer_recomputes(monkeypatch, early):
+    """No input is copied back on demand: the kept last layer's recompute issues the copy of
+    the layer before it, and each unpack issues the next one's (without the first, the
+    layer before the last waits for its copy in every step)."""
+    if not early:
+        monkeypatch.setattr(offload.ActivationOffloader, "prefetch_newest", lambda self: None)
+    streamed, _ = peft_pair("llama", layers=5)
+    demand = []
+    original_unpack = offload.ActivationOffloader._unpack
+
+    def unpack(self, saved):
+        if isinstance(saved, offload._Saved) and saved.device_copy is None:
+            demand.append(saved.position)
+        return original_unpack(self, saved)
+
+    monkeypatch.setattr(offload.ActivationOffloader, "_unpack", unpack)
+    stream(streamed, "cpu", offload_activations=True)  # its hooks bind the patched unpack
+    train_steps(streamed, 2)
+    assert demand == ([] if early else [offloaded_layers(5) - 1] * 2)
+    assert layerstream.get_runtime(streamed).stats()["activations_restored"] == 2 * offloaded_layers(5)

@@ -84,13 +84,14 @@ class _Arena:
 class _Saved:
     """What autograd keeps for an offloaded input: the host copy and how to bring it back."""
 
-    __slots__ = ("owner", "position", "host", "shape", "dtype", "sum", "device_copy", "ready", "__weakref__")
+    __slots__ = ("owner", "position", "host", "shape", "dtype", "sum", "device_copy", "ready", "used", "__weakref__")
 
     def __init__(self, owner, position, host, shape, dtype, sum_):
         self.owner, self.position, self.host = owner, position, host
         self.shape, self.dtype, self.sum = shape, dtype, sum_
         self.device_copy: Optional[torch.Tensor] = None
         self.ready = None  # the copy stream's event after the copy back
+        self.used = False  # unpacked by a backward once
 
     def __del__(self):
         self.owner._live -= 1
@@ -241,6 +242,19 @@ class ActivationOffloader:
         saved.device_copy = out
         self.h2d_bytes += out.numel() * out.element_size()
 
+    def prefetch_newest(self) -> None:
+        """Backward starts (the kept last layer recomputes): copy back the inputs the next
+        layers in backward order need, so the first of them does not wait."""
+        issued = 0
+        for ref in reversed(self._stack):
+            saved = ref()
+            if saved is None or saved.used:
+                continue
+            self._fetch(saved)
+            issued += 1
+            if issued == OFFLOAD_LOOKAHEAD:
+                return
+
     def _unpack(self, saved):
         if not isinstance(saved, _Saved):
             return saved
@@ -249,7 +263,7 @@ class ActivationOffloader:
             candidate = self._stack[ahead]() if ahead < len(self._stack) else None
             if candidate is not None:
                 self._fetch(candidate)
-        out, saved.device_copy = saved.device_copy, None
+        out, saved.device_copy, saved.used = saved.device_copy, None, True
         if saved.ready is not None:
             torch.cuda.current_stream(self.device).wait_event(saved.ready)
             saved.ready = None

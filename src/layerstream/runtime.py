@@ -233,6 +233,8 @@ class StreamRuntime(ResidentWindow):
                 calls[0] += 1
                 if phase is Phase.BACKWARD:
                     self._in_backward()
+                    if self.offloading and index == len(self.records) - 1:
+                        self.offloader.prefetch_newest()  # the kept last layer: backward starts
                 return self._run(layer, index, phase, a, k)
 
             if self.offloading and self.offloader.offloads(index) and args and isinstance(args[0], torch.Tensor):
