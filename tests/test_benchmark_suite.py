@@ -279,3 +279,13 @@ def test_long_context_benchmark_refuses_a_bad_stream_option_before_any_probe():
         long_context.stream_options(["loss_chunk_tokens=lots"])
     with pytest.raises(ValueError, match="shape:quantization:vram_gib"):
         long_context.parse_cell("llama3-8b:24")
+
+
+def test_the_offload_cost_benchmark_imports_and_parses_its_arguments_without_a_gpu(capsys):
+    import offload_cost
+
+    args = offload_cost._arguments(["--tokens", "8192", "--quantization", "nf4", "--layers", "4"])
+    assert (args.tokens, args.quantization, args.layers, args.shape) == ("8192", "nf4", 4, "llama3-8b")
+    with pytest.raises(SystemExit) as done:
+        offload_cost._arguments(["--help"])
+    assert done.value.code == 0 and "with and without offloading" in capsys.readouterr().out

@@ -23,7 +23,9 @@ def _add_plan_parser(sub) -> argparse.ArgumentParser:
     )
     plan.add_argument("--model", help="hub id, local model directory, or path to a config.json file")
     plan.add_argument("--vram", help="GPU memory budget, e.g. 16GiB, 24GB, 80GiB (required unless --measure-disk)")
-    plan.add_argument("--seq", type=int, help="tokens per sequence (required unless --measure-disk)")
+    plan.add_argument(
+        "--seq", type=int, default=None, help="tokens per sequence (needed unless --max-seq or --measure-disk)"
+    )
     plan.add_argument("--batch", type=int, default=1, help="sequences per step (default 1)")
     plan.add_argument(
         "--quantization",
@@ -76,28 +78,49 @@ def _add_plan_parser(sub) -> argparse.ArgumentParser:
     from .disk_cli import add_disk_arguments
 
     add_disk_arguments(plan)
+    plan.add_argument(
+        "--offload-activations",
+        action="store_true",
+        help="each layer's checkpointed input in host memory (StreamConfig(offload_activations=True))",
+    )
+    plan.add_argument(
+        "--loss-chunk-tokens",
+        type=int,
+        default=None,
+        help="the head and cross-entropy run this many tokens at a time (loss_chunk_tokens)",
+    )
+    plan.add_argument(
+        "--mlp-tile-tokens",
+        type=int,
+        default=None,
+        help="the MLP runs this many tokens at a time (mlp_tile_tokens)",
+    )
+    plan.add_argument(
+        "--max-seq",
+        action="store_true",
+        help="also find the longest sequence that fits, with and without each long-sequence option",
+    )
     return plan
 
 
 def _run_plan(args, parser: argparse.ArgumentParser) -> int:
     from .disk_cli import format_disk_term, measure_disk
-    from .plan import format_plan, load_config, make_plan
+    from .plan import comparison, format_comparison, format_plan, load_config, make_plan, max_seq
     from .units import parse_bytes
 
     if args.measure_disk:
         return measure_disk(args, parser)
-    missing = [
-        flag for flag, value in (("--model", args.model), ("--vram", args.vram), ("--seq", args.seq)) if not value
-    ]
+    missing = [flag for flag, value in (("--model", args.model), ("--vram", args.vram)) if not value]
     if missing:
         parser.error(f"the following arguments are required: {', '.join(missing)}")
+    if args.seq is None and not args.max_seq:
+        parser.error("give --seq (tokens per sequence), or --max-seq to find the longest that fits")
     try:
         vram = parse_bytes(args.vram)
         reserve = parse_bytes(args.reserve)
         config = load_config(args.model)
-        plan = make_plan(
-            config,
-            seq=args.seq,
+        options = dict(
+            config=config,
             batch=args.batch,
             vram_bytes=vram,
             quantization=args.quantization,
@@ -109,7 +132,14 @@ def _run_plan(args, parser: argparse.ArgumentParser) -> int:
             reserve_bytes=reserve,
             stream_embeddings=args.stream_embeddings,
             backward_slots=None if args.backward_slots == "auto" else args.backward_slots,
+            offload_activations=args.offload_activations,
+            loss_chunk_tokens=args.loss_chunk_tokens,
+            mlp_tile_tokens=args.mlp_tile_tokens,
         )
+        longest = max_seq(dict(options, seq=1)) if args.max_seq else None
+        seq = args.seq if args.seq is not None else max(longest, 1)
+        plan = make_plan(seq=seq, **options)
+        rows = comparison(dict(options, seq=seq), args.max_seq)
     except (ValueError, OSError) as exc:
         parser.error(str(exc))  # exits with status 2
     print(format_plan(plan))
@@ -118,6 +148,11 @@ def _run_plan(args, parser: argparse.ArgumentParser) -> int:
             print(format_disk_term(args, config, plan))
         except ValueError as exc:
             parser.error(str(exc))
+    print()
+    print(format_comparison(rows, seq, args.batch))
+    if longest is not None:
+        print(f"\nlongest sequence that fits as given: {longest} tokens at batch {args.batch}")
+        return 0 if longest > 0 else 1
     return 0 if plan.fits else 1
 
 
@@ -127,7 +162,7 @@ def flag_name(setting_name: str) -> str:
 
 def add_setting_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per StreamConfig setting, with its help and default (``config.settings``)."""
-    from .config import FLAG, TRISTATE, setting_default_text, settings
+    from .config import FLAG, SWITCH, TRISTATE, setting_default_text, settings
 
     for setting in settings():
         kind, help_text = setting.metadata["kind"], setting.metadata["help"]
@@ -137,6 +172,17 @@ def add_setting_flags(parser: argparse.ArgumentParser) -> None:
         elif kind == TRISTATE:
             parser.add_argument(
                 name, dest=setting.name, action=argparse.BooleanOptionalAction, default=None, help=help_text
+            )
+        elif kind == SWITCH:
+            default = setting_default_text(setting)
+            parser.add_argument(
+                name,
+                dest=setting.name,
+                nargs="?",
+                const="true",
+                default=default,
+                metavar="true|false|auto",
+                help=f"{help_text} (default: {default}; the flag alone: true)",
             )
         else:
             default = setting_default_text(setting)
@@ -169,8 +215,13 @@ def _add_run_parser(sub) -> argparse.ArgumentParser:
 def split_run_arguments(parser: argparse.ArgumentParser, argv):
     """Split ``layerstream run`` arguments into layerstream's and the target's: the target
     is the first argument that is neither an option nor an option's value (``-m`` takes
-    the module name with it)."""
+    the module name with it; an option whose value is optional takes the next argument
+    only when it is one of the values it accepts)."""
+    from .config import _FALSE, _TRUE
+
     takes_value = {option: action.nargs != 0 for action in parser._actions for option in action.option_strings}
+    optional = {option for action in parser._actions if action.nargs == "?" for option in action.option_strings}
+    switch_values = set(_TRUE) | set(_FALSE) | {"auto"}
     index = 0
     while index < len(argv):
         item = argv[index]
@@ -178,7 +229,10 @@ def split_run_arguments(parser: argparse.ArgumentParser, argv):
             return argv[: index + 2], argv[index + 2 :]
         if item.startswith("-") and item != "-":
             option = item.split("=", 1)[0]
-            index += 2 if takes_value.get(option) and "=" not in item else 1
+            value_follows = takes_value.get(option) and "=" not in item
+            if option in optional:
+                value_follows = value_follows and index + 1 < len(argv) and argv[index + 1].lower() in switch_values
+            index += 2 if value_follows else 1
             continue
         return argv[: index + 1], argv[index + 1 :]
     return argv, []

@@ -42,6 +42,24 @@ DEVICE = "device"
 FLAG = "flag"
 TRISTATE = "true, false or unset"
 TOKENS = "integer or none"
+SWITCH = "true, false or auto"
+
+# offload_activations: the checkpointed inputs that stay on the device. The last layer's
+# (its backward comes right after the loss) and one copied back ahead of the recompute
+# that needs it; the engine (offload.py) and the planner (plan/) both read these.
+OFFLOAD_LOOKAHEAD = 1  # layers whose inputs are copied back ahead of the recompute under way
+OFFLOAD_KEPT_LAYERS = 1  # the last layers, whose inputs are never offloaded
+
+
+def offloaded_layers(num_layers: int) -> int:
+    """How many layers' checkpointed inputs offload_activations keeps in host memory."""
+    return max(0, num_layers - OFFLOAD_KEPT_LAYERS)
+
+
+def offload_device_layers(num_layers: int) -> int:
+    """How many layers' checkpointed inputs are on the device at once with
+    offload_activations: the kept ones and those copied back ahead (or still in flight)."""
+    return min(num_layers, OFFLOAD_KEPT_LAYERS + OFFLOAD_LOOKAHEAD)
 
 
 def auto_slots(room_bytes: Optional[int], largest_layer_bytes: int) -> int:
@@ -195,6 +213,16 @@ class StreamConfig:
             "auto: the available RAM less a reserve for the system; none: every layer in host RAM"
         ),
     )
+    offload_activations: Union[bool, str] = _setting(
+        False,
+        SWITCH,
+        (
+            "copy each layer's checkpointed input to page-locked host memory after its forward "
+            "and back ahead of its recompute, so long sequences keep ~2 layers' inputs on the GPU "
+            "instead of all of them. auto: on when the memory plan says the step does not fit "
+            "in vram_budget without it"
+        ),
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.stream_embeddings, bool):
@@ -203,6 +231,10 @@ class StreamConfig:
         check_tokens("loss_chunk_tokens", self.loss_chunk_tokens)
         check_tokens("mlp_tile_tokens", self.mlp_tile_tokens)
         self.host_budget = _budget(self.host_budget, "host_budget")
+        if self.offload_activations not in (True, False, "auto"):
+            raise StreamConfigError(
+                f"offload_activations must be True, False or 'auto', got {self.offload_activations!r}"
+            )
         if self.checksum is None:
             self.checksum = os.environ.get("LAYERSTREAM_CHECKSUM", "") == "1"
         auto = set()
@@ -319,6 +351,8 @@ def settings() -> List[dataclasses.Field]:
 def setting_default_text(setting: dataclasses.Field) -> Optional[str]:
     """A field's default as a surface writes it ('auto', '1GiB', None)."""
     default = setting.default
+    if setting.metadata["kind"] == SWITCH:
+        return default if isinstance(default, str) else str(default).lower()
     if setting.metadata["kind"] in (FLAG, TRISTATE) or default is None:
         return default
     if setting.metadata["kind"] == SIZE:
@@ -345,14 +379,17 @@ def parse_setting(name: str, value: Any, spelled: Optional[str] = None) -> Any:
             return int(text)
         except (TypeError, ValueError):
             raise StreamConfigError(f"{spelled} must be an integer or 'auto', got {value!r}") from None
-    if kind in (FLAG, TRISTATE):
+    if kind == SWITCH and text == "auto":
+        return "auto"
+    if kind in (FLAG, TRISTATE, SWITCH):
         if isinstance(value, bool) or (value is None and kind == TRISTATE):
             return value
         if text in _TRUE:
             return True
         if text in _FALSE:
             return False
-        raise StreamConfigError(f"{spelled} must be true or false, got {value!r}")
+        choices = "true, false or auto" if kind == SWITCH else "true or false"
+        raise StreamConfigError(f"{spelled} must be {choices}, got {value!r}")
     if kind == TOKENS:
         if value is None or text in ("", "none", "null", "off"):
             return None

@@ -51,3 +51,7 @@ class TrainConfigError(LayerstreamError, ValueError):
 class DiskReadError(LayerstreamError, RuntimeError):
     """A disk-tier layer could not be read as it was loaded (I/O error, short read, a file
     changed under the run, a checksum mismatch); nothing wrong reached the device."""
+
+
+class ActivationChecksumError(LayerstreamError, RuntimeError):
+    """An offloaded activation came back with other bytes than it left with (debug checksums)."""

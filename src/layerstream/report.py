@@ -49,6 +49,7 @@ def stats(runtime) -> dict:
         ),
         **runtime.nf4_counts,
         **disk_stats(runtime),
+        **_offload_stats(runtime.offloader),
     }
 
 
@@ -70,6 +71,18 @@ def disk_stats(runtime) -> dict:
         "disk_lookahead": 0,
         "disk_ring_too_small": False,
         "direct_io": False,
+    }
+
+
+def _offload_stats(offloader) -> dict:
+    """offload_activations' counters (zeros when it is off)."""
+    return {
+        "activations_offloaded": offloader.offloaded if offloader is not None else 0,
+        "activations_restored": offloader.restored if offloader is not None else 0,
+        "activation_d2h_bytes": offloader.d2h_bytes if offloader is not None else 0,
+        "activation_h2d_bytes": offloader.h2d_bytes if offloader is not None else 0,
+        "activation_host_bytes": offloader.host_bytes if offloader is not None else 0,
+        "activation_checks": offloader.checks if offloader is not None else 0,
     }
 
 

@@ -27,6 +27,7 @@ from .backward_slots import BackwardSlots
 from .config import StreamConfig
 from .errors import StreamingError
 from .meter import CudaMeter, PlannedMeter
+from .offload_policy import OffloadPolicy
 from .pool import SlotPool
 from .residency import WINDOW_RESETS, ResidentWindow
 from .schedule import Phase, PrefetchPlanner
@@ -36,7 +37,7 @@ from .window import WindowSizer
 logger = logging.getLogger(__name__)
 
 
-class StreamRuntime(ResidentWindow):
+class StreamRuntime(ResidentWindow, OffloadPolicy):
     def __init__(
         self,
         model: nn.Module,
@@ -92,6 +93,9 @@ class StreamRuntime(ResidentWindow):
         for record in records:
             changes.watch(record)
             self._index_modules(record)
+        self.offloader = self._new_offloader()
+        self.offloading = False  # whether this pass offloads its checkpointed inputs
+        self._offload_decided: Dict[Tuple[int, int], bool] = {}  # offload_activations="auto", per shape
         self.embeddings = None
         if config.stream_embeddings:
             from .embeddings import stream_embeddings
@@ -234,8 +238,13 @@ class StreamRuntime(ResidentWindow):
                 calls[0] += 1
                 if phase is Phase.BACKWARD:
                     self._in_backward()
+                    if self.offloading and index == len(self.records) - 1:
+                        self.offloader.prefetch_newest()  # the kept last layer: backward starts
                 return self._run(layer, index, phase, a, k)
 
+            if self.offloading and self.offloader.offloads(index) and args and isinstance(args[0], torch.Tensor):
+                with self.offloader.saving(args[0]):  # the input checkpointing saves goes to the host
+                    return checkpoint(checkpointed, *args, use_reentrant=False, **kwargs)
             return checkpoint(checkpointed, *args, use_reentrant=False, **kwargs)
         except BaseException:
             self._pass = None  # an abandoned pass holds nothing another thread must wait for
@@ -268,12 +277,16 @@ class StreamRuntime(ResidentWindow):
                 self._refresh(record.index, Phase.TRAIN_FORWARD, pass_start=True)
         if self._placed_at != layer_mod.registrations():  # adapters may have come since
             self._place_resident_tensors()
+        self.offloading = False
         if not training:
             return
         self._check_trainable()
         if hidden is None or hidden.dim() < 2:
             return
         self.last_shape = (int(hidden.shape[0]), int(hidden.shape[1]))
+        if self.offloader is not None and self._offload_wanted(*self.last_shape):
+            self.offloader.start_pass(hidden, self.store.host_bytes)
+            self.offloading = True
         if isinstance(self.config.vram_budget, int):
             self._check_budget(*self.last_shape)
         if self.meter is not None:
@@ -321,8 +334,9 @@ class StreamRuntime(ResidentWindow):
         if not memory.fits:
             raise report.budget_refusal(memory, budget)
 
-    def memory_plan(self, batch: int, seq: int, vram_bytes: int = 1 << 50, backward_slots=0):
-        """The memory planner's plan of this model streamed as it is (one call site)."""
+    def memory_plan(self, batch: int, seq: int, vram_bytes: int = 1 << 50, backward_slots=0, offload=None):
+        """The memory planner's plan of this model streamed as it is (one call site);
+        ``offload``: offload_activations (None: as this pass runs)."""
         from .plan import plan_for_model
 
         return plan_for_model(
@@ -333,6 +347,7 @@ class StreamRuntime(ResidentWindow):
             vram_bytes=vram_bytes,
             stream_embeddings=self.embeddings is not None,
             backward_slots=backward_slots,
+            offload_activations=self.offloading if offload is None else offload,
         )
 
     def _decide_backward_slots(self, hidden: torch.Tensor) -> None:
@@ -539,6 +554,9 @@ class StreamRuntime(ResidentWindow):
         self.prefetch = self._new_prefetch(len(self._layer_of))
         self.sizer = WindowSizer(len(self.records), self.store.largest_layer_bytes)
         self.meter = self._new_meter()
+        if self.offloader is not None:
+            self.offloader.release()
+        self.offloader = self._new_offloader()
         self._measured_tokens, self._last_slot = None, None
         self._placed_at = 0  # adapters follow at the next pass
         if self.embeddings is not None:
@@ -553,6 +571,8 @@ class StreamRuntime(ResidentWindow):
         self.store.release()
         if self.disk is not None:
             self.disk.close()
+        if self.offloader is not None:
+            self.offloader.release()
         if self.embeddings is not None:
             self.embeddings.close()
 

@@ -379,6 +379,9 @@ _FLAG_TO_KEY = (
     ("--quantization ", "model.quantization: "),
     ("--slots ", "stream.slots: "),
     ("--stream-embeddings (StreamConfig(stream_embeddings=True))", "stream.stream_embeddings: true"),
+    ("--offload-activations", "stream.offload_activations: true"),
+    ("--loss-chunk-tokens ", "stream.loss_chunk_tokens: "),
+    ("--mlp-tile-tokens ", "stream.mlp_tile_tokens: "),
     ("--seq to ", "training.max_length to "),
     ("--batch to ", "training.per_device_train_batch_size to "),
 )
@@ -417,6 +420,10 @@ def check_fits(config, where: str = "config") -> None:
             slots=None if "slots" in stream.automatic else stream.slots,
             lora_targets=targets,
             stream_embeddings=stream.stream_embeddings,
+            # "auto" turns it on where the step would not fit without it
+            offload_activations=stream.offload_activations is not False,
+            loss_chunk_tokens=stream.loss_chunk_tokens,
+            mlp_tile_tokens=stream.mlp_tile_tokens,
         )
     except (ValueError, OSError) as exc:
         raise TrainConfigError(

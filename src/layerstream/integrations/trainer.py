@@ -38,6 +38,7 @@ from ..config import (
     DEVICE,
     FLAG,
     SIZE,
+    SWITCH,
     TOKENS,
     TRISTATE,
     config_from_settings,
@@ -181,6 +182,38 @@ def _training_step_with_retry(original, trainer, model, args, kwargs):
         state.restore(runtime.device)
 
 
+def check_activation_offloading(runtime, training_args) -> None:
+    """Other ways of offloading activations meet streamed layers, which checkpoint themselves:
+    transformers' ``offload`` checkpointing option never reaches them, so it is refused; TRL's
+    ``activation_offloading`` already moves their checkpointed inputs, so it is refused beside
+    ``offload_activations=True`` and keeps ``"auto"`` off."""
+    if training_args is None:
+        return
+    for name in ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs"):
+        options = getattr(training_args, name, None)
+        if isinstance(options, dict) and options.get("offload"):
+            raise StreamingError(
+                f"{name}={{'offload': True}} does not reach streamed layers: layerstream checkpoints them "
+                "itself, so transformers' offloading wrapper never runs for them. Remove 'offload' and use "
+                "layerstream's offload_activations=True (StreamConfig, layerstream run --offload-activations, "
+                "--layer_stream_offload_activations true, stream.offload_activations: true)."
+            )
+    if not getattr(training_args, "activation_offloading", False) or runtime.offloader is None:
+        return
+    if runtime.config.offload_activations is True:
+        raise StreamingError(
+            "TRL's activation_offloading and layerstream's offload_activations would both move the streamed "
+            "layers' checkpointed inputs to host memory. Use one: offload_activations=True (copies on "
+            "layerstream's copy stream with a lookahead in backward, host memory in one arena, checked "
+            "before the first step) with activation_offloading=False, or activation_offloading=True alone."
+        )
+    logger.warning(
+        "layerstream: offload_activations='auto' stays off: TRL's activation_offloading already moves the "
+        "streamed layers' checkpointed inputs to host memory"
+    )
+    runtime.offloader = None
+
+
 def install() -> None:
     """Wrap Trainer.__init__, Trainer.training_step and Trainer.log once (idempotent)."""
     global _installed
@@ -194,7 +227,10 @@ def install() -> None:
     @functools.wraps(original_init)
     def __init__(self, *args, **kwargs):
         model = kwargs.get("model", args[0] if args else None)
-        _auto_stream(model, kwargs.get("args", args[1] if len(args) > 1 else None))
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        _auto_stream(model, training_args)
+        if isinstance(model, nn.Module) and is_streamed(model):
+            check_activation_offloading(get_runtime(model), training_args)
         original_init(self, *args, **kwargs)
         if self.model is not None and self.args.use_liger_kernel and chunked_loss.applied(self.model):
             chunked_loss.warn_liger()  # Liger bound its fused forward to the model: it computes the loss
@@ -326,6 +362,7 @@ _ARGUMENT_TYPES = {
     FLAG: bool,
     TRISTATE: Optional[bool],
     TOKENS: Optional[str],
+    SWITCH: str,
 }
 
 

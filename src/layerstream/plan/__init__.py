@@ -19,6 +19,10 @@ The model of a step that the numbers follow (docs/plan.md derives each term):
 - The loss (logits in fp32, their log-softmax and its gradient) and the recompute of a
   layer happen at different moments of the step, so the peak holds the larger of the two,
   on top of everything that lives for the whole step.
+- Long sequences: with ``offload_activations`` the boundary states but ~2 live in host
+  memory (their arena is host RAM); a chunked loss holds its fp32 logits for one chunk of
+  tokens, a tiled MLP its intermediate activations for one tile (``longctx`` compares the
+  options and finds the longest sequence that fits).
 - A step copies every layer twice (forward, then the recompute in reverse) except the
   ``slots`` layers still in slots at each forward/backward turnaround.
 
@@ -28,8 +32,10 @@ plan says so in its notes.
 """
 
 from ..units import ALIGN, GiB, parse_bytes  # noqa: F401  (re-exported)
+from .advice import DEFAULT_LONG_TOKENS, LONG_OPTIONS  # noqa: F401
+from .longctx import comparison, max_seq, option_rows  # noqa: F401
 from .lora import LoraTargets  # noqa: F401
 from .memory import *  # noqa: F401,F403
 from .memory import _build, _copies, _working_bytes  # noqa: F401
-from .report import format_plan, speed_hints  # noqa: F401
+from .report import format_comparison, format_plan, speed_hints  # noqa: F401
 from .shapes import *  # noqa: F401,F403

@@ -8,7 +8,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from ..config import DEFAULT_ARENA_BYTES, auto_slots
+from ..config import DEFAULT_ARENA_BYTES, auto_slots, offload_device_layers, offloaded_layers
 from ..schedule import usable_backward_slots
 from ..units import GiB, aligned, arena_sizes
 from ..window import margin_bytes
@@ -22,15 +22,12 @@ from .shapes import (
     KNOWN_FAMILIES,
     LORA_BYTES,
     LOSS_LOGIT_COPIES,
-    STREAM_EMBEDDINGS_ADVICE,
-    STREAM_EMBEDDINGS_ADVICE_SHARE,
     LayerShape,
     _attention_dims,
     _check_quantization,
     _embedding_matrices,
     _num_experts,
     _text_config,
-    embedding_bytes,
     head_bytes,
     layer_bytes,
     layer_shapes,
@@ -89,6 +86,11 @@ class MemoryPlan:
     head_copy_bytes: int = 0  # the transient device copy of the head weight (loss phase)
     ends_host_bytes: int = 0  # the embedding and head weights in host memory
     ends_copy_bytes_per_step: int = 0  # two head copies and the embedding rows (in copy_bytes_per_step)
+    # long sequences: each None/False is off
+    offload_activations: bool = False  # checkpointed inputs in host memory but ~2 layers'
+    activation_host_bytes: int = 0  # their host arena (in host_steady_bytes and the RAM peaks)
+    loss_chunk_tokens: Optional[int] = None  # the head and loss run this many tokens at a time
+    mlp_tile_tokens: Optional[int] = None  # the MLP runs this many tokens at a time
     advice: List[str] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)
 
@@ -195,7 +197,13 @@ def loader_arena_bytes(sizes: Sequence[int], arena_bytes: int) -> int:
 
 
 def _working_bytes(
-    config, shape: LayerShape, adapted: LoraTargets, tokens: int, elem: int, dequantised: bool = False
+    config,
+    shape: LayerShape,
+    adapted: LoraTargets,
+    tokens: int,
+    elem: int,
+    dequantised: bool = False,
+    mlp_tile_tokens: Optional[int] = None,
 ) -> int:
     """Activation memory of one layer while backward recomputes and differentiates it.
 
@@ -216,6 +224,10 @@ def _working_bytes(
     ordinary autograd ops (nf4.dequantized_linear), and autograd keeps the dequantised
     weight for the input gradient.
 
+    With ``mlp_tile_tokens`` (a sequence-tiled MLP, dense layers), the MLP's terms (gate,
+    up, gated product, and the float32 input copies of its LoRA-adapted projections) hold
+    one tile of tokens instead of all of them.
+
     Checked against allocation traces of streamed training steps on CPU (dense and MoE
     layers, bf16 and fp32): within 5% (docs/plan.md).
     """
@@ -226,14 +238,16 @@ def _working_bytes(
     if getattr(config, "model_type", "") in _QK_NORM_FAMILIES:
         per_token += 4 * (q_dim + kv_dim)
     per_token += (2 * q_dim + 2 * kv_dim) * elem
-    per_token += 3 * shape.mlp_width * elem
+    mlp_per_token = 3 * shape.mlp_width * elem
     if shape.sparse:
         per_token += 2 * shape.top_k * hidden * elem + 2 * 4 * _num_experts(config)
-    per_token += LORA_BYTES * sum(lin.in_features for lin in adapted.linears)
+    per_token += LORA_BYTES * sum(lin.in_features for lin in adapted.linears if not lin.name.startswith("mlp."))
+    mlp_per_token += LORA_BYTES * sum(lin.in_features for lin in adapted.linears if lin.name.startswith("mlp."))
     merged = sum(param.numel for param, _ in adapted.params) * elem
     if dequantised:
         merged += sum(lin.in_features * lin.out_features for lin in shape.linears) * elem
-    return tokens * per_token + merged
+    mlp_tokens = min(tokens, mlp_tile_tokens) if mlp_tile_tokens and not shape.sparse else tokens
+    return tokens * per_token + mlp_tokens * mlp_per_token + merged
 
 
 def _positive_int(name: str, value) -> int:
@@ -243,9 +257,16 @@ def _positive_int(name: str, value) -> int:
 
 
 def _check_arguments(
-    seq, batch, vram_bytes, lora_rank, bandwidth_gbps, reserve_bytes, slots, backward_slots, stream_embeddings
+    seq, batch, vram_bytes, lora_rank, bandwidth_gbps, reserve_bytes, slots, backward_slots, stream_embeddings, long
 ) -> None:
     """Refuse arguments no plan can be made of, naming them."""
+    offload, chunk, tile = long
+    if not isinstance(offload, bool):
+        raise ValueError(f"offload_activations must be True or False, got {offload!r}")
+    if chunk is not None:
+        _positive_int("loss_chunk_tokens", chunk)
+    if tile is not None:
+        _positive_int("mlp_tile_tokens", tile)
     _positive_int("seq", seq), _positive_int("batch", batch), _positive_int("vram_bytes", vram_bytes)
     if isinstance(lora_rank, bool) or not isinstance(lora_rank, int) or lora_rank < 0:
         raise ValueError(f"lora_rank must be an integer >= 0 (0: no adapters), got {lora_rank!r}")
@@ -314,11 +335,15 @@ def _build(
     arena_bytes: int,
     stream_embeddings: bool = False,
     backward_slots: Optional[int] = 0,
+    offload_activations: bool = False,
+    loss_chunk_tokens: Optional[int] = None,
+    mlp_tile_tokens: Optional[int] = None,
 ) -> MemoryPlan:
     """A plan without advice (advice itself is computed from alternative plans)."""
     config = _text_config(config)
+    long = (offload_activations, loss_chunk_tokens, mlp_tile_tokens)
     _check_arguments(
-        seq, batch, vram_bytes, lora_rank, bandwidth_gbps, reserve_bytes, slots, backward_slots, stream_embeddings
+        seq, batch, vram_bytes, lora_rank, bandwidth_gbps, reserve_bytes, slots, backward_slots, stream_embeddings, long
     )
     _check_quantization(quantization)
     dtype = parse_dtype(dtype)
@@ -340,12 +365,17 @@ def _build(
     ends_copies = 2 * head_copy + (tokens * hidden * elem if stream_embeddings else 0)
     lora_bytes = lora_grads = lora_params * LORA_BYTES  # gradients take the adapters' dtype
     optimizer = lora_params * 4 * ADAMW_STATES
-    boundary = len(shapes) * tokens * hidden * elem
+    # with offload_activations the checkpointed inputs are in host memory but the kept
+    # last layer's and the one in flight (config.offload_device_layers)
+    on_device = offload_device_layers(len(shapes)) if offload_activations else len(shapes)
+    boundary = on_device * tokens * hidden * elem
+    activation_host = offloaded_layers(len(shapes)) * aligned(tokens * hidden * elem) if offload_activations else 0
     working = max(
-        _working_bytes(config, shape, layer, tokens, elem, dequantised=quantization == "nf4")
+        _working_bytes(config, shape, layer, tokens, elem, quantization == "nf4", mlp_tile_tokens)
         for shape, layer in zip(shapes, adapted)
     )
-    loss = LOSS_LOGIT_COPIES * tokens * vocab * 4
+    loss_tokens = min(tokens, loss_chunk_tokens) if loss_chunk_tokens else tokens
+    loss = LOSS_LOGIT_COPIES * loss_tokens * vocab * 4
     max_layer = max(sizes)
     # everything but the slots; gradients are counted for the whole step (they outlive
     # backward when gradients accumulate over micro-batches)
@@ -400,12 +430,12 @@ def _build(
         # at the peak the store and one loaded layer (or one embedding matrix, copied into
         # the ends' store the same way) coexist; embeddings, head and adapters are on the
         # host too until model.to(device)
-        host_ram_bytes=store + max(max_layer, head_copy) + all_resident + lora_bytes,
-        host_steady_bytes=store + ends_host,
+        host_ram_bytes=store + max(max_layer, head_copy) + all_resident + lora_bytes + activation_host,
+        host_steady_bytes=store + ends_host + activation_host,
         # from_pretrained loads the resident part, then one layer at a time (unquantised,
         # then packed); PEFT's adapters come after loading, on the host until .to(device)
         loader_store_bytes=loader_store,
-        loader_ram_bytes=loader_store + all_resident + max(unquantised, lora_bytes, head_copy),
+        loader_ram_bytes=loader_store + all_resident + max(unquantised, lora_bytes, head_copy) + activation_host,
         layers_copied_per_step=copied_layers,
         copy_bytes_per_step=copied_bytes,
         bandwidth_gbps=float(bandwidth_gbps),
@@ -416,6 +446,10 @@ def _build(
         head_copy_bytes=head_copy,
         ends_host_bytes=ends_host,
         ends_copy_bytes_per_step=ends_copies,
+        offload_activations=offload_activations,
+        activation_host_bytes=activation_host,
+        loss_chunk_tokens=loss_chunk_tokens,
+        mlp_tile_tokens=mlp_tile_tokens,
     )
 
 
@@ -435,6 +469,9 @@ def make_plan(
     arena_bytes: int = DEFAULT_ARENA_BYTES,
     stream_embeddings: bool = False,
     backward_slots: Optional[int] = 0,
+    offload_activations: bool = False,
+    loss_chunk_tokens: Optional[int] = None,
+    mlp_tile_tokens: Optional[int] = None,
 ) -> MemoryPlan:
     """Plan a streamed LoRA training step of ``batch`` x ``seq`` tokens on a GPU of
     ``vram_bytes``.
@@ -453,9 +490,15 @@ def make_plan(
     backward_slots: StreamConfig.backward_slots (default 0); None: as many as the loss
         phase's memory holds (``backward_slot_count``), what the runtime's "auto" takes
         when the caching allocator uses expandable segments.
+    offload_activations: StreamConfig.offload_activations: every layer's checkpointed input
+        but ~2 in host memory (``activation_host_bytes``).
+    loss_chunk_tokens, mlp_tile_tokens: the chunked head and loss, the sequence-tiled MLP
+        (None: off): their terms hold a chunk (tile) of tokens instead of all of them.
 
     A plan that does not fit carries ``advice``: what to change, and by how much.
     """
+    from .advice import advice
+
     args = dict(
         config=config,
         seq=seq,
@@ -472,10 +515,13 @@ def make_plan(
         arena_bytes=arena_bytes,
         stream_embeddings=stream_embeddings,
         backward_slots=backward_slots,
+        offload_activations=offload_activations,
+        loss_chunk_tokens=loss_chunk_tokens,
+        mlp_tile_tokens=mlp_tile_tokens,
     )
     plan = _build(**args)
     if not plan.fits:
-        plan.advice = _advice(plan, args)
+        plan.advice = advice(plan, args)
     return plan
 
 
@@ -487,6 +533,7 @@ def plan_for_model(
     vram_bytes: int = 1 << 50,
     stream_embeddings: bool = False,
     backward_slots: Optional[int] = 0,
+    offload_activations: bool = False,
 ) -> MemoryPlan:
     """The plan of a live (possibly PEFT-wrapped) model: its config, 4-bit state, compute
     dtype, and LoRA rank and targets; ``stream_embeddings`` as the model streams (or would).
@@ -521,59 +568,9 @@ def plan_for_model(
         lora_targets=targets,
         stream_embeddings=stream_embeddings,
         backward_slots=backward_slots,
+        offload_activations=offload_activations,
     )
 
 
 def _gib(nbytes: float) -> str:
     return f"{nbytes / GiB:.2f} GiB"
-
-
-def _advice(plan: MemoryPlan, args: dict) -> List[str]:
-    """What would make ``plan`` fit, each with what it saves and whether it is enough."""
-    short = -plan.headroom_bytes
-    out = [
-        f"short by {_gib(short)}: predicted peak {_gib(plan.peak_vram_bytes)} + reserve "
-        f"{_gib(plan.reserve_bytes)} > budget {_gib(plan.vram_bytes)}"
-    ]
-
-    def verdict(saved: int) -> str:
-        return "enough on its own" if saved >= short else f"not enough alone, still {_gib(short - saved)} short"
-
-    if plan.quantization == "none":
-        nf4 = _build(**dict(args, quantization="nf4", slots=plan.slots))
-        saved = plan.peak_vram_bytes - nf4.peak_vram_bytes
-        out.append(
-            f"use --quantization nf4: layers shrink from {_gib(plan.max_layer_bytes)} to "
-            f"{_gib(nf4.max_layer_bytes)}, saving {_gib(saved)} over {plan.slots} slots "
-            f"({verdict(saved)})"
-        )
-    if plan.slots > 2:
-        saved = (plan.slots - 2) * plan.max_layer_bytes
-        out.append(f"use fewer slots: --slots 2 saves {_gib(saved)} ({verdict(saved)})")
-    ends = embedding_bytes(args["config"], args["dtype"])
-    if not plan.stream_embeddings and ends >= STREAM_EMBEDDINGS_ADVICE_SHARE * plan.static_bytes:
-        streamed = _build(**dict(args, stream_embeddings=True, slots=plan.slots))
-        saved = plan.peak_vram_bytes - streamed.peak_vram_bytes
-        if saved > 0:
-            out.append(
-                f"{STREAM_EMBEDDINGS_ADVICE}: the input embedding and head ({_gib(ends)}) stay in "
-                f"host memory, saving {_gib(saved)} ({verdict(saved)}); the head "
-                f"({_gib(streamed.head_copy_bytes)}) is then copied to the GPU twice per step"
-            )
-    # activations grow linearly with batch x seq; find the largest that fits
-    max_tokens = plan.largest_tokens
-    if max_tokens // plan.batch >= 1:
-        out.append(
-            f"reduce --seq to {max_tokens // plan.batch} or less: activations and logits take "
-            f"{_gib(plan.activation_bytes)} at seq {plan.seq} x batch {plan.batch}"
-        )
-    if plan.batch > 1 and plan.largest_batch >= 1:
-        out.append(f"reduce --batch to {plan.largest_batch} or less at seq {plan.seq}")
-    if max_tokens < plan.batch:
-        out.append(
-            f"everything but the activations already takes "
-            f"{_gib(plan.peak_vram_bytes - plan.activation_bytes + plan.reserve_bytes)} "
-            "with the reserve: no seq or batch fits without other changes"
-        )
-    out.append(f"or use a GPU with at least {_gib(plan.needed_bytes)} for this plan as it is")
-    return out

@@ -6,6 +6,7 @@ from __future__ import annotations
 import textwrap
 from typing import List, Optional
 
+from ..config import offload_device_layers, offloaded_layers
 from ..units import GiB
 from .memory import MemoryPlan, _gib, backward_slot_count
 from .shapes import LOSS_LOGIT_COPIES
@@ -95,13 +96,25 @@ def format_plan(plan: MemoryPlan) -> str:
         f"LoRA: {plan.lora_params / 1e6:.1f}M fp32 params, grads, AdamW",
         plan.lora_bytes + plan.lora_grad_bytes + plan.optimizer_bytes,
     )
-    row(f"hidden states at {plan.num_layers} layer boundaries", plan.boundary_bytes)
+    if plan.offload_activations:
+        kept = offload_device_layers(plan.num_layers)
+        row(f"hidden states: {kept} of {plan.num_layers} boundaries (offload_activations)", plan.boundary_bytes)
+    else:
+        row(f"hidden states at {plan.num_layers} layer boundaries", plan.boundary_bytes)
     # the loss and a layer's recompute happen at different moments: only the larger counts
     loss_peak = plan.loss_phase_bytes >= plan.layer_working_bytes
-    row(f"loss: fp32 logits x{LOSS_LOGIT_COPIES}" + ("" if loss_peak else " (not at the peak)"), plan.loss_bytes)
+    chunk = f", chunks of {plan.loss_chunk_tokens} tokens" if plan.loss_chunk_tokens else ""
+    row(
+        f"loss: fp32 logits x{LOSS_LOGIT_COPIES}{chunk}" + ("" if loss_peak else " (not at the peak)"),
+        plan.loss_bytes,
+    )
     if plan.head_copy_bytes:
         row("head weight copied in for the loss" + ("" if loss_peak else " (not at the peak)"), plan.head_copy_bytes)
-    row("one layer's recompute + backward" + (" (not at the peak)" if loss_peak else ""), plan.layer_working_bytes)
+    tile = f", MLP tiles of {plan.mlp_tile_tokens} tokens" if plan.mlp_tile_tokens else ""
+    row(
+        f"one layer's recompute + backward{tile}" + (" (not at the peak)" if loss_peak else ""),
+        plan.layer_working_bytes,
+    )
     row("predicted peak VRAM", plan.peak_vram_bytes)
     row("reserve: CUDA context, workspaces, fragmentation", plan.reserve_bytes)
     verdict = (
@@ -115,6 +128,11 @@ def format_plan(plan: MemoryPlan) -> str:
     row(f"host store: {plan.num_layers} layers of {per_layer}", plan.host_store_bytes)
     if plan.stream_embeddings:
         row("embeddings and head (--stream-embeddings)", plan.ends_host_bytes)
+    if plan.offload_activations:
+        row(
+            f"offloaded hidden states: {offloaded_layers(plan.num_layers)} layers (--offload-activations)",
+            plan.activation_host_bytes,
+        )
     row(
         "host RAM needed: transformers load + stream_model",
         plan.host_ram_bytes,
@@ -154,4 +172,17 @@ def format_plan(plan: MemoryPlan) -> str:
         lines.append("To make it fit:")
         for item in plan.advice:
             lines.extend(textwrap.wrap(f"- {item}", width=88, initial_indent="  ", subsequent_indent="    "))
+    return "\n".join(lines)
+
+
+def format_comparison(rows, seq: int, batch: int) -> str:
+    """``longctx.comparison`` as a table: each option set, its peak and verdict at ``seq``,
+    and the longest sequence that fits (when asked)."""
+    with_max = any(longest >= 0 for _, _, longest in rows)
+    lines = [f"Long-sequence options at seq {seq} x batch {batch}"]
+    for label, plan, longest in rows:
+        verdict = "fits" if plan.fits else "does not fit"
+        host = f"host +{plan.activation_host_bytes / GiB:.2f} GiB" if plan.activation_host_bytes else ""
+        tail = f"  longest seq that fits: {longest}" if with_max else ""
+        lines.append(f"  {label:<26} peak {plan.peak_vram_bytes / GiB:8.2f} GiB  {verdict:<13}{host:<18}{tail}")
     return "\n".join(lines)

@@ -1,0 +1,93 @@
+"""What would make a plan that does not fit fit: each change with what it saves."""
+
+from __future__ import annotations
+
+from typing import List
+
+from .memory import MemoryPlan, _build, _gib
+from .shapes import STREAM_EMBEDDINGS_ADVICE, STREAM_EMBEDDINGS_ADVICE_SHARE, embedding_bytes
+
+# the chunk and tile the advice and `layerstream plan`'s comparison try when none is given
+DEFAULT_LONG_TOKENS = 4096
+
+# the long-sequence options: (plan argument, what `layerstream plan` takes, what it is)
+LONG_OPTIONS = (
+    ("offload_activations", "--offload-activations", "checkpointed inputs in host memory"),
+    ("loss_chunk_tokens", "--loss-chunk-tokens N", "chunked head and cross-entropy"),
+    ("mlp_tile_tokens", "--mlp-tile-tokens N", "sequence-tiled MLP"),
+)
+
+
+def option_value(name: str, plan_or_args):
+    """The value a long-sequence option takes when it is switched on: as given, else the default."""
+    given = plan_or_args.get(name) if isinstance(plan_or_args, dict) else getattr(plan_or_args, name)
+    if name == "offload_activations":
+        return True
+    return given or DEFAULT_LONG_TOKENS
+
+
+def _long_sequence_advice(plan: MemoryPlan, args: dict, verdict) -> List[str]:
+    out = []
+    for name, flag, what in LONG_OPTIONS:
+        if getattr(plan, name):
+            continue
+        value = option_value(name, args)
+        other = _build(**dict(args, slots=plan.slots, **{name: value}))
+        saved = plan.peak_vram_bytes - other.peak_vram_bytes
+        if saved > 0:
+            spelled = flag if name == "offload_activations" else flag.replace("N", str(value))
+            extra = f", {_gib(other.activation_host_bytes)} of host memory" if other.activation_host_bytes else ""
+            out.append(f"use {spelled} ({what}): saves {_gib(saved)}{extra} ({verdict(saved)})")
+    return out
+
+
+def advice(plan: MemoryPlan, args: dict) -> List[str]:
+    """What would make ``plan`` fit, each with what it saves and whether it is enough."""
+    short = -plan.headroom_bytes
+    out = [
+        f"short by {_gib(short)}: predicted peak {_gib(plan.peak_vram_bytes)} + reserve "
+        f"{_gib(plan.reserve_bytes)} > budget {_gib(plan.vram_bytes)}"
+    ]
+
+    def verdict(saved: int) -> str:
+        return "enough on its own" if saved >= short else f"not enough alone, still {_gib(short - saved)} short"
+
+    if plan.quantization == "none":
+        nf4 = _build(**dict(args, quantization="nf4", slots=plan.slots))
+        saved = plan.peak_vram_bytes - nf4.peak_vram_bytes
+        out.append(
+            f"use --quantization nf4: layers shrink from {_gib(plan.max_layer_bytes)} to "
+            f"{_gib(nf4.max_layer_bytes)}, saving {_gib(saved)} over {plan.slots} slots "
+            f"({verdict(saved)})"
+        )
+    if plan.slots > 2:
+        saved = (plan.slots - 2) * plan.max_layer_bytes
+        out.append(f"use fewer slots: --slots 2 saves {_gib(saved)} ({verdict(saved)})")
+    ends = embedding_bytes(args["config"], args["dtype"])
+    if not plan.stream_embeddings and ends >= STREAM_EMBEDDINGS_ADVICE_SHARE * plan.static_bytes:
+        streamed = _build(**dict(args, stream_embeddings=True, slots=plan.slots))
+        saved = plan.peak_vram_bytes - streamed.peak_vram_bytes
+        if saved > 0:
+            out.append(
+                f"{STREAM_EMBEDDINGS_ADVICE}: the input embedding and head ({_gib(ends)}) stay in "
+                f"host memory, saving {_gib(saved)} ({verdict(saved)}); the head "
+                f"({_gib(streamed.head_copy_bytes)}) is then copied to the GPU twice per step"
+            )
+    out.extend(_long_sequence_advice(plan, args, verdict))
+    # activations grow linearly with batch x seq; find the largest that fits
+    max_tokens = plan.largest_tokens
+    if max_tokens // plan.batch >= 1:
+        out.append(
+            f"reduce --seq to {max_tokens // plan.batch} or less: activations and logits take "
+            f"{_gib(plan.activation_bytes)} at seq {plan.seq} x batch {plan.batch}"
+        )
+    if plan.batch > 1 and plan.largest_batch >= 1:
+        out.append(f"reduce --batch to {plan.largest_batch} or less at seq {plan.seq}")
+    if max_tokens < plan.batch:
+        out.append(
+            f"everything but the activations already takes "
+            f"{_gib(plan.peak_vram_bytes - plan.activation_bytes + plan.reserve_bytes)} "
+            "with the reserve: no seq or batch fits without other changes"
+        )
+    out.append(f"or use a GPU with at least {_gib(plan.needed_bytes)} for this plan as it is")
+    return out

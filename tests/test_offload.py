@@ -1,0 +1,305 @@
+"""offload_activations: each layer's checkpointed input lives in host memory between its
+forward and its recompute, and training stays bit for bit what it is without.
+
+Every parity test uses non-zero LoRA B and more layers than slots; the negative controls
+at the end prove that a changed host copy is caught (debug checksums) and that the
+parity comparison itself fails when an offloaded activation is perturbed.
+"""
+
+import weakref
+
+import pytest
+import torch
+
+import layerstream
+from layerstream import offload
+from layerstream.config import OFFLOAD_KEPT_LAYERS, StreamConfig, offloaded_layers, parse_setting
+from layerstream.errors import ActivationChecksumError, HostMemoryError, StreamConfigError
+
+from tiny import assert_traces_equal, batch, peft_pair, stream, train_steps
+
+STEPS = 6
+
+
+def _attn(device):
+    return "eager" if device == "cuda" else None
+
+
+def _offloaded_pair(device, layers=6, family="llama", dtype=torch.float32, **config):
+    streamed, resident = peft_pair(family, layers=layers, dtype=dtype, attn=_attn(device))
+    stream(streamed, device, offload_activations=True, **config)
+    resident.to(device)
+    return streamed, resident
+
+
+@pytest.mark.parametrize(
+    "family,slots,prefetch,dtype",
+    [("llama", 2, 1, torch.float32), ("qwen3", 3, 2, torch.bfloat16), ("qwen3_moe", 2, 1, torch.float32)],
+    ids=["llama-2-slots", "qwen3-bf16-3-slots", "qwen3_moe"],
+)
+def test_offloaded_training_matches_resident(family, slots, prefetch, dtype, device):
+    streamed, resident = _offloaded_pair(device, family=family, dtype=dtype, slots=slots, prefetch=prefetch)
+    assert_traces_equal(train_steps(streamed, STEPS, device), train_steps(resident, STEPS, device))
+    stats = layerstream.get_runtime(streamed).stats()
+    assert stats["layer_loads"] > stats["layers"], "slots must have recycled"
+    assert stats["activations_offloaded"] == STEPS * offloaded_layers(6)
+    assert stats["activations_restored"] == stats["activations_offloaded"]
+
+
+def test_offloaded_and_not_offloaded_streaming_agree(device):
+    on, _ = peft_pair("llama", layers=5, attn=_attn(device))
+    off, _ = peft_pair("llama", layers=5, attn=_attn(device))
+    stream(on, device, offload_activations=True)
+    stream(off, device)
+    assert_traces_equal(train_steps(on, STEPS, device), train_steps(off, STEPS, device))
+    assert layerstream.get_runtime(off).stats()["activations_offloaded"] == 0
+
+
+def test_offloaded_inputs_are_released_until_backward():
+    """Between forward and backward only the kept last layer's input is alive: autograd
+    holds the host copies of the others, not the tensors."""
+    for offloading, alive_expected in ((False, 5), (True, OFFLOAD_KEPT_LAYERS)):
+        streamed, _ = peft_pair("llama", layers=5)
+        stream(streamed, "cpu", offload_activations=offloading)
+        inputs = []
+        for layer in streamed.base_model.model.model.layers:
+            layer.register_forward_pre_hook(
+                lambda module, args, kw: inputs.append(weakref.ref(args[0])), with_kwargs=True
+            )
+        ids = batch(seq=12)
+        loss = streamed(input_ids=ids, labels=ids).loss
+        alive = sum(ref() is not None for ref in inputs)
+        assert alive == alive_expected, (offloading, alive)
+        loss.backward()
+
+
+def test_offload_with_a_resident_window_matches_resident(device):
+    streamed, resident = _offloaded_pair(device, layers=6)
+    runtime = layerstream.get_runtime(streamed)
+    runtime.set_window([1, 3])
+    assert_traces_equal(train_steps(streamed, STEPS, device), train_steps(resident, STEPS, device))
+    # window layers' inputs are offloaded too: every layer but the kept last one
+    assert runtime.stats()["activations_offloaded"] == STEPS * offloaded_layers(6)
+
+
+def test_offload_with_gradient_accumulation_matches_resident(device):
+    streamed, resident = _offloaded_pair(device, layers=5)
+    assert_traces_equal(
+        train_steps(streamed, 4, device, accumulation=3), train_steps(resident, 4, device, accumulation=3)
+    )
+
+
+def test_offload_with_backward_slots_matches_resident(device):
+    streamed, resident = _offloaded_pair(device, layers=7, backward_slots=2)
+    assert_traces_equal(train_steps(streamed, STEPS, device), train_steps(resident, STEPS, device))
+    assert layerstream.get_runtime(streamed).prefetch.backward_slots == 2
+
+
+def test_offload_with_streamed_embeddings_matches_resident(device):
+    streamed, resident = peft_pair("llama", layers=5, attn=_attn(device), tie_word_embeddings=False)
+    stream(streamed, device, offload_activations=True, stream_embeddings=True)
+    resident.to(device)
+    assert_traces_equal(train_steps(streamed, STEPS, device), train_steps(resident, STEPS, device))
+
+
+def test_two_forwards_before_one_backward_and_a_retained_graph_stay_exact():
+    """Two passes' inputs live at once (a second arena), and a retained graph can run
+    backward twice from the same host copies."""
+    results = []
+    for offloading in (True, False):
+        model, _ = peft_pair("llama", layers=5)
+        stream(model, "cpu", offload_activations=offloading)
+        a, b = batch(seq=12, seed=3), batch(seq=9, seed=4)
+        loss = model(input_ids=a, labels=a).loss + model(input_ids=b, labels=b).loss
+        loss.backward(retain_graph=True)
+        loss.backward()
+        results.append({n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
+    assert results[0].keys() == results[1].keys()
+    for name in results[0]:
+        assert torch.equal(results[0][name], results[1][name]), name
+
+
+def test_offload_through_the_trainer_matches_the_plain_model(tmp_path):
+    from datasets import Dataset
+    from transformers import Trainer, TrainingArguments
+
+    ids = [batch(size=1, seq=12, seed=i)[0].tolist() for i in range(16)]
+    data = Dataset.from_list([{"input_ids": row, "labels": row} for row in ids])
+    streamed, plain = peft_pair("llama", layers=5)
+    layerstream.stream_model(streamed, device="cpu", slots=2, offload_activations=True)
+    losses = []
+    for model, out in ((streamed, "streamed"), (plain, "plain")):
+        args = TrainingArguments(
+            output_dir=str(tmp_path / out),
+            use_cpu=True,
+            report_to=[],
+            max_steps=4,
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=2,
+            save_strategy="no",
+            learning_rate=1e-2,
+            logging_steps=1,
+        )
+        trainer = Trainer(model=model, args=args, train_dataset=data)
+        trainer.train()
+        losses.append([e["loss"] for e in trainer.state.log_history if "loss" in e])
+    assert len(losses[0]) == 4 and losses[0] == losses[1]
+    for (name, a), (_, b) in zip(streamed.named_parameters(), plain.named_parameters()):
+        if a.requires_grad:
+            assert torch.equal(a, b), name
+    assert layerstream.get_runtime(streamed).stats()["activations_offloaded"] > 0
+
+
+# -- settings, auto, host memory ------------------------------------------------------------
+def test_the_setting_takes_true_false_or_auto_on_every_surface():
+    assert parse_setting("offload_activations", "auto") == "auto"
+    assert parse_setting("offload_activations", "yes") is True
+    assert parse_setting("offload_activations", False) is False
+    with pytest.raises(StreamConfigError, match="true, false or auto"):
+        parse_setting("offload_activations", "sometimes", "--offload-activations")
+    with pytest.raises(StreamConfigError, match="offload_activations must be True, False or 'auto'"):
+        StreamConfig(device="cpu", offload_activations="on")
+
+
+def _needed(model, seq, offload_on):
+    return layerstream.get_runtime(model).memory_plan(2, seq, offload=offload_on).needed_bytes
+
+
+def test_auto_offloads_only_when_the_plan_does_not_fit_without_it(caplog):
+    probe, _ = peft_pair("llama", layers=6)
+    stream(probe, "cpu")
+    seq = 12
+    without, with_offload = _needed(probe, seq, False), _needed(probe, seq, True)
+    assert with_offload < without
+    for budget, expected in (((without + with_offload) // 2, True), (without + (1 << 30), False)):
+        streamed, resident = peft_pair("llama", layers=6)
+        stream(streamed, "cpu", offload_activations="auto", vram_budget=budget)
+        with caplog.at_level("WARNING", logger="layerstream"):
+            assert_traces_equal(train_steps(streamed, 2, seq=seq), train_steps(resident, 2, seq=seq))
+        offloaded = layerstream.get_runtime(streamed).stats()["activations_offloaded"]
+        assert (offloaded > 0) is expected, budget
+        assert ("offload_activations='auto' is on" in caplog.text) is expected
+        caplog.clear()
+
+
+def test_a_budget_that_fits_only_with_offload_is_refused_without_it():
+    probe, _ = peft_pair("llama", layers=6)
+    stream(probe, "cpu")
+    budget = (_needed(probe, 12, False) + _needed(probe, 12, True)) // 2
+    refused, _ = peft_pair("llama", layers=6)
+    stream(refused, "cpu", vram_budget=budget)
+    with pytest.raises(layerstream.StreamingError):
+        train_steps(refused, 1, seq=12)
+
+
+def test_host_memory_for_offloaded_inputs_is_refused_before_any_layer_runs(monkeypatch):
+    streamed, _ = peft_pair("llama", layers=5)
+    stream(streamed, "cpu", offload_activations=True)
+    monkeypatch.setattr(offload, "host_memory", lambda: (1000, 64 << 30))
+    runtime = layerstream.get_runtime(streamed)
+    with pytest.raises(HostMemoryError, match="offload_activations needs .* set offload_activations=False"):
+        train_steps(streamed, 1)
+    assert runtime.visits == 0, "refused before the first layer computed"
+
+
+def test_the_host_arena_is_one_buffer_reused_across_steps():
+    streamed, _ = peft_pair("llama", layers=5)
+    stream(streamed, "cpu", offload_activations=True)
+    train_steps(streamed, 3)
+    offloader = layerstream.get_runtime(streamed).offloader
+    per_layer = batch(seq=12).numel() * streamed.config.hidden_size * 4
+    assert len(offloader.arenas) == 1
+    assert offloader.host_bytes == offloaded_layers(5) * layerstream.plan.aligned(per_layer)
+
+
+# -- negative controls ---------------------------------------------------------------------
+def _corrupt_host_copies(monkeypatch):
+    """Flip a byte of every host copy right after it was made."""
+    original = offload.ActivationOffloader._pack
+
+    def pack(self, tensor):
+        saved = original(self, tensor)
+        raw = saved.host.view(-1).view(torch.uint8)
+        raw[0] ^= 0x40
+        return saved
+
+    monkeypatch.setattr(offload.ActivationOffloader, "_pack", pack)
+
+
+def test_a_corrupted_host_copy_is_caught_by_the_debug_checksum(device, monkeypatch):
+    streamed, _ = _offloaded_pair(device, layers=5, checksum=True)
+    _corrupt_host_copies(monkeypatch)
+    with pytest.raises(ActivationChecksumError, match="came back different"):
+        train_steps(streamed, 1, device)
+
+
+def test_the_debug_checksum_passes_untouched_copies(device):
+    streamed, resident = _offloaded_pair(device, layers=5, checksum=True)
+    assert_traces_equal(train_steps(streamed, 2, device), train_steps(resident, 2, device))
+    assert layerstream.get_runtime(streamed).stats()["activation_checks"] == 2 * offloaded_layers(5)
+
+
+def test_a_perturbed_offloaded_activation_turns_the_parity_check_red(device, monkeypatch):
+    streamed, resident = _offloaded_pair(device, layers=5)
+    _corrupt_host_copies(monkeypatch)
+    with pytest.raises(AssertionError, match="gradient"):
+        assert_traces_equal(train_steps(streamed, 2, device), train_steps(resident, 2, device))
+
+
+# -- other offloaders ----------------------------------------------------------------------
+def test_transformers_offloading_checkpoint_option_is_refused_with_what_to_use(tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    model, _ = peft_pair("llama", layers=3)
+    layerstream.stream_model(model, device="cpu", slots=2)
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        report_to=[],
+        max_steps=1,
+        gradient_checkpointing=True,
+        gradient_checkpointing_kwargs={"offload": True},
+    )
+    with pytest.raises(layerstream.StreamingError, match="does not reach streamed layers.*offload_activations=True"):
+        Trainer(model=model, args=args)
+
+
+@pytest.mark.parametrize("setting", [True, "auto"])
+def test_trl_activation_offloading_beside_offload_activations(tmp_path, setting, caplog):
+    from transformers import Trainer
+    from trl import SFTConfig
+
+    model, _ = peft_pair("llama", layers=3)
+    layerstream.stream_model(model, device="cpu", slots=2, offload_activations=setting)
+    args = SFTConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=1, activation_offloading=True)
+    if setting is True:
+        with pytest.raises(layerstream.StreamingError, match="Use one: offload_activations=True"):
+            Trainer(model=model, args=args)
+        return
+    with caplog.at_level("WARNING", logger="layerstream"):
+        Trainer(model=model, args=args)
+    assert "offload_activations='auto' stays off" in caplog.text
+    assert layerstream.get_runtime(model).offloader is None
+
+
+@pytest.mark.parametrize("early", [True, False], ids=["early", "negative-control-without-early-copy"])
+def test_backward_copies_the_first_offloaded_input_back_while_the_last_layer_recomputes(monkeypatch, early):
+    """No input is copied back on demand: the kept last layer's recompute issues the copy of
+    the layer before it, and each unpack issues the next one's (without the first, the
+    layer before the last waits for its copy in every step)."""
+    if not early:
+        monkeypatch.setattr(offload.ActivationOffloader, "prefetch_newest", lambda self: None)
+    streamed, _ = peft_pair("llama", layers=5)
+    demand = []
+    original_unpack = offload.ActivationOffloader._unpack
+
+    def unpack(self, saved):
+        if isinstance(saved, offload._Saved) and saved.device_copy is None:
+            demand.append(saved.position)
+        return original_unpack(self, saved)
+
+    monkeypatch.setattr(offload.ActivationOffloader, "_unpack", unpack)
+    stream(streamed, "cpu", offload_activations=True)  # its hooks bind the patched unpack
+    train_steps(streamed, 2)
+    assert demand == ([] if early else [offloaded_layers(5) - 1] * 2)
+    assert layerstream.get_runtime(streamed).stats()["activations_restored"] == 2 * offloaded_layers(5)

@@ -1,0 +1,105 @@
+"""The planner's long-sequence terms (offload_activations, a chunked loss, a tiled MLP),
+each pinned against a hand computation, and the longest sequence that fits."""
+
+import pytest
+from test_plan import LLAMA3_8B, LLAMA3_8B_LAYER_BF16, config_of, write_config
+
+import layerstream
+from layerstream import cli, plan
+from layerstream.plan import make_plan, max_seq
+from layerstream.plan.longctx import complete, fits
+from layerstream.units import GiB
+
+from tiny import peft_pair, stream, train_steps
+
+# Llama-3-8B, seq 2048, batch 1, bf16, LoRA r=16 all-linear, by hand (test_plan has the rest):
+#   one hidden state: 2048 x 4096 x 2 = 16,777,216 (a multiple of 512: no padding)
+#   offload_activations: 2 of 32 on the GPU = 33,554,432; 31 in host memory = 520,093,696
+#   loss_chunk_tokens=512: 3 x 512 x 128256 x 4 = 788,004,864
+#   one layer's working set per token: outside the MLP norms 8x4096 + q,k,v,out
+#     (2x4096+2x1024)x2 + LoRA fp32 inputs of q,k,v,o 4x4x4096 = 118,784; the MLP 3x14336x2
+#     + LoRA fp32 inputs of gate, up, down 4x(4096+4096+14336) = 176,128
+#   mlp_tile_tokens=512: 2048 x 118,784 + 512 x 176,128 = 333,447,168
+HIDDEN_STATE = 16_777_216
+
+
+def _plan(**options):
+    return make_plan(config_of(LLAMA3_8B), 2048, 1, 80 * GiB, slots=2, **options)
+
+
+def test_offload_keeps_two_hidden_states_on_the_gpu_and_the_rest_in_host_memory():
+    off, on = _plan(), _plan(offload_activations=True)
+    assert off.boundary_bytes == 32 * HIDDEN_STATE and off.activation_host_bytes == 0
+    assert on.boundary_bytes == 33_554_432
+    assert on.activation_host_bytes == 520_093_696
+    assert on.peak_vram_bytes == off.peak_vram_bytes - 30 * HIDDEN_STATE
+    assert on.host_steady_bytes == 32 * LLAMA3_8B_LAYER_BF16 + 520_093_696
+    assert on.host_ram_bytes == off.host_ram_bytes + 520_093_696
+
+
+def test_a_chunked_loss_holds_one_chunk_of_fp32_logits():
+    assert _plan(loss_chunk_tokens=512).loss_bytes == 788_004_864
+    assert _plan(loss_chunk_tokens=1 << 20).loss_bytes == _plan().loss_bytes  # a chunk longer than the step
+
+
+def test_a_tiled_mlp_holds_one_tile_of_intermediate_activations():
+    assert _plan().layer_working_bytes == 2048 * (118_784 + 176_128)
+    assert _plan(mlp_tile_tokens=512).layer_working_bytes == 333_447_168
+
+
+def test_long_sequence_options_are_validated():
+    with pytest.raises(ValueError, match="loss_chunk_tokens"):
+        _plan(loss_chunk_tokens=0)
+    with pytest.raises(ValueError, match="mlp_tile_tokens"):
+        _plan(mlp_tile_tokens=-4)
+    with pytest.raises(ValueError, match="offload_activations"):
+        _plan(offload_activations="auto")
+
+
+def test_the_longest_sequence_is_the_last_that_fits_and_each_option_lengthens_it():
+    args = complete(dict(config=config_of(LLAMA3_8B), batch=1, vram_bytes=24 * GiB, quantization="nf4", slots=2))
+    longest = {}
+    for name, value in (("none", None), ("offload_activations", True), ("loss_chunk_tokens", 4096)):
+        options = dict(args) if name == "none" else dict(args, **{name: value})
+        longest[name] = max_seq(options)
+        assert fits(options, longest[name]) and not fits(options, longest[name] + 1), name
+    assert longest["offload_activations"] > longest["none"] and longest["loss_chunk_tokens"] > longest["none"]
+    # without the options the linear extrapolation of the plan agrees with the search
+    at = make_plan(seq=longest["none"] * 2, **{k: v for k, v in args.items() if k != "seq"})
+    assert abs(at.largest_tokens - longest["none"]) <= 1
+
+
+def test_plan_cli_compares_the_options_and_finds_the_longest_sequence(tmp_path, capsys):
+    path = write_config(tmp_path / "llama3-8b", LLAMA3_8B)
+    argv = ["plan", "--model", str(path), "--vram", "24GiB", "--quantization", "nf4", "--seq", "65536"]
+    status = cli.main(argv + ["--max-seq", "--slots", "2"])
+    out = capsys.readouterr().out
+    args = complete(dict(config=config_of(LLAMA3_8B), batch=1, vram_bytes=24 * GiB, quantization="nf4", slots=2))
+    assert f"longest sequence that fits as given: {max_seq(args)} tokens" in out
+    assert status == 0
+    for label in ("none of them", "offload_activations", "loss_chunk_tokens=4096", "mlp_tile_tokens=4096", "all three"):
+        assert label in out
+    assert "use --offload-activations" in out and "use --loss-chunk-tokens 4096" in out
+    status = cli.main(argv + ["--offload-activations", "--loss-chunk-tokens", "2048", "--mlp-tile-tokens", "2048"])
+    out = capsys.readouterr().out
+    fitting = make_plan(
+        config_of(LLAMA3_8B),
+        65536,
+        1,
+        24 * GiB,
+        quantization="nf4",
+        offload_activations=True,
+        loss_chunk_tokens=2048,
+        mlp_tile_tokens=2048,
+    )
+    assert (status == 0) is fitting.fits
+    assert "2 of 32 boundaries (offload_activations)" in out and "chunks of 2048 tokens" in out
+
+
+def test_the_engine_allocates_the_host_bytes_the_planner_predicts():
+    streamed, _ = peft_pair("llama", layers=5)
+    stream(streamed, "cpu", offload_activations=True)
+    train_steps(streamed, 2, seq=12, batch_size=2)
+    runtime = layerstream.get_runtime(streamed)
+    predicted = runtime.memory_plan(2, 12).activation_host_bytes
+    assert runtime.offloader.host_bytes == predicted == 4 * plan.aligned(2 * 12 * 32 * 4)
