@@ -55,7 +55,7 @@ def _write(tmp_path, text):
         ("data: {path: /nonexistent/data.jsonl}\n", r"dataset file /nonexistent/data.jsonl does not exist"),
         ("training: {eval_strategy: sometimes}\nstream: {device: cpu}\n", r"training: .*sometimes"),
         ("stream: {device: cpu, vram_budget: 16 gigs}\n", r"stream.vram_budget: unknown unit .gigs."),
-        ("stream: {device: cpu, vram_budget: 900MiB}\n", r"does not fit in 0.9 GiB .* even when streamed"),
+        ("stream: {device: cpu, vram_budget: 900MiB}\n", r"does not fit in 0.88 GiB .* even when streamed"),
         (
             "stream: {device: cpu, backward_slots: -1}\n",
             r"stream: stream.backward_slots must be an integer >= 0 or 'auto'",
@@ -125,7 +125,7 @@ def test_a_run_that_does_not_fit_says_what_to_change_in_config_terms(tmp_path):
     with pytest.raises(TrainConfigError) as error:
         load(str(path), [f"training.output_dir={tmp_path / 'never'}"])
     message = str(error.value)
-    assert "does not fit in 6.0 GiB" in message and "batch 4 x 4096 tokens" in message
+    assert "does not fit in 6.00 GiB" in message and "batch 4 x 4096 tokens" in message
     assert "model.quantization: nf4" in message and "training.max_length to" in message
     assert "stream.stream_embeddings: true" in message
     assert "--" not in message, "advice must name config keys, not CLI flags"

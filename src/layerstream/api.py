@@ -14,7 +14,7 @@ from .discovery import find_decoder_layers, layer_name, unwrap_peft
 from .errors import StreamConfigError, StreamingError
 from .runtime import StreamRuntime
 from .store import LAYOUT, HostStore, check_host_memory
-from .units import GiB
+from .units import GiB, gib
 
 logger = logging.getLogger(__name__)
 
@@ -205,8 +205,8 @@ def _check_host_budget(config: StreamConfig, store_bytes: int) -> None:
     budget = resolve_host_budget(config.host_budget, host_memory()) if config.host_budget is not None else None
     if budget is not None and store_bytes > budget:
         raise StreamConfigError(
-            f"the layer store is {store_bytes / (1 << 30):.2f} GiB, more than host_budget "
-            f"{budget / (1 << 30):.2f} GiB, and stream_model keeps every layer in host RAM. Load with "
+            f"the layer store is {gib(store_bytes)}, more than host_budget "
+            f"{gib(budget)}, and stream_model keeps every layer in host RAM. Load with "
             "layerstream.from_pretrained(path, host_budget=...) to read the layers beyond the budget "
             "from the checkpoint's files, or raise host_budget."
         )

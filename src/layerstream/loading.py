@@ -420,11 +420,7 @@ def from_pretrained(
 
         quantizer = AutoHfQuantizer.from_config(quant_config, pre_quantized=False)
         quantizer.preprocess_model(model, device_map=None, dtype=torch_dtype)
-        import bitsandbytes as bnb
-
-        for module in model.modules():  # unquantised weights arrive in torch_dtype, not fp32
-            if isinstance(module, bnb.nn.Linear4bit):
-                module.weight.data = torch.empty_like(module.weight.data, dtype=torch_dtype)
+        nf4.set_unquantised_dtype(model, torch_dtype)
     bnb_4bit_use_double_quant = quant_config.bnb_4bit_use_double_quant if quant_config is not None else True
     path, layers = find_decoder_layers(model)
     tied_head = getattr(config, "tie_word_embeddings", False)

@@ -22,18 +22,18 @@ from typing import Optional
 import torch
 
 from .config import gpu_memory_for_run
+from .units import parse_bytes
 from .window import Reading
 
 logger = logging.getLogger(__name__)
 
 _TRIED = re.compile(r"Tried to allocate ([0-9.]+) (B|KiB|MiB|GiB|TiB)")
-_SCALE = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
 
 
 def wanted_bytes(error: BaseException) -> Optional[int]:
     """The allocation an out-of-memory error was refused, from its message."""
     match = _TRIED.search(str(error))
-    return int(float(match.group(1)) * _SCALE[match.group(2)]) if match else None
+    return parse_bytes(match.group(1) + match.group(2)) if match else None
 
 
 class CudaMeter:

@@ -375,6 +375,14 @@ def make_plain(module: nn.Module) -> None:
     module.__dict__.pop("_layerstream_runtime", None)
 
 
+def set_unquantised_dtype(model: nn.Module, dtype: torch.dtype) -> None:
+    """After transformers' quantizer swapped in Linear4bit skeletons: their weights arrive
+    unquantised in ``dtype`` (checkpoint values), not in the fp32 the skeleton made."""
+    for module in model.modules():
+        if is_linear4bit(module):
+            module.weight.data = torch.empty_like(module.weight.data, dtype=dtype)
+
+
 def quantise_layer(layer: nn.Module, device: torch.device, dtype: torch.dtype, quant_config) -> None:
     """Quantise every Linear4bit weight of a host layer (on ``device``), back on the host,
     with the settings transformers would use for ``quant_config`` (a BitsAndBytesConfig)."""

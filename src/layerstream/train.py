@@ -21,6 +21,7 @@ import yaml
 
 from .config import StreamConfig, config_from_settings, resolve_device, setting_default_text, settings
 from .errors import StreamConfigError, TrainConfigError
+from .units import gib
 
 SECTIONS: Dict[str, Dict[str, Any]] = {
     "model": {
@@ -433,9 +434,9 @@ def check_fits(config, where: str = "config") -> None:
     if not memory.fits:
         advice = "\n".join(f"  - {_config_names(line)}" for line in memory.advice)
         raise TrainConfigError(
-            f"{where}: this run does not fit in {budget / 2**30:.1f} GiB of GPU memory even when streamed: "
-            f"the planner predicts a peak of {memory.peak_vram_bytes / 2**30:.2f} GiB plus "
-            f"{memory.reserve_bytes / 2**30:.1f} GiB reserve at batch {batch} x {seq} tokens "
+            f"{where}: this run does not fit in {gib(budget)} of GPU memory even when streamed: "
+            f"the planner predicts a peak of {gib(memory.peak_vram_bytes)} plus "
+            f"{gib(memory.reserve_bytes)} reserve at batch {batch} x {seq} tokens "
             f"with {memory.slots} slots. What would make it fit:\n{advice}"
         )
 

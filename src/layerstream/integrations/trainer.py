@@ -47,6 +47,7 @@ from ..config import (
 )
 from ..errors import StreamingError
 from ..meter import wanted_bytes
+from ..units import gib
 from . import launch
 
 logger = logging.getLogger(__name__)
@@ -279,13 +280,11 @@ def predicted_vram(model, args) -> str:
     try:
         if seq:
             peak = runtime.memory_plan(batch, int(seq)).peak_vram_bytes
-            return (
-                f"  predicted    peak VRAM {peak / 2**30:.2f} GiB at batch {batch} x {seq} tokens, every layer streamed"
-            )
+            return f"  predicted    peak VRAM {gib(peak)} at batch {batch} x {seq} tokens, every layer streamed"
         short, long = (runtime.memory_plan(batch, n).peak_vram_bytes for n in (512, 2048))
         return (
-            f"  predicted    peak VRAM {short / 2**30:.2f} GiB at batch {batch} x 512 tokens, "
-            f"{long / 2**30:.2f} GiB at x 2048, every layer streamed"
+            f"  predicted    peak VRAM {gib(short)} at batch {batch} x 512 tokens, "
+            f"{gib(long)} at x 2048, every layer streamed"
         )
     except ValueError as exc:
         return f"  predicted    peak VRAM not planned ({exc}); see `layerstream plan`"
