@@ -34,9 +34,10 @@ def _layer_bytes(checkpoint) -> int:
     return layerstream.get_runtime(model).store.largest_layer_bytes
 
 
-def _load(directory, budget=None, **stream):
-    config = layerstream.StreamConfig(device="cpu", slots=SLOTS, host_budget=budget, **stream)
-    return layerstream.from_pretrained(directory, dtype=torch.float32, stream=config)
+def _load(directory, budget=None, device="cpu", **stream):
+    # no VRAM budget: on a GPU the resident window would otherwise keep every layer
+    config = layerstream.StreamConfig(device=device, slots=SLOTS, host_budget=budget, vram_budget=None, **stream)
+    return layerstream.from_pretrained(directory, dtype=torch.float32, stream=config).to(device)
 
 
 def _small_budget(directory) -> int:
@@ -78,12 +79,12 @@ def copy_of(checkpoint, tmp_path):
     return target
 
 
-def test_disk_fed_training_matches_ram_fed_bit_for_bit(checkpoint):
-    ram = _peft(_load(checkpoint))
-    fed = _peft(_load(checkpoint, _small_budget(checkpoint)))
+def test_disk_fed_training_matches_ram_fed_bit_for_bit(checkpoint, device):
+    ram = _peft(_load(checkpoint, device=device)).to(device)
+    fed = _peft(_load(checkpoint, _small_budget(checkpoint), device=device)).to(device)
     stats_before = layerstream.get_runtime(fed).stats()
     assert stats_before["disk_layers"] > SLOTS and stats_before["ram_layers"] >= 1
-    assert_traces_equal(train_steps(ram, 3), train_steps(fed, 3))
+    assert_traces_equal(train_steps(ram, 3, device=device), train_steps(fed, 3, device=device))
     stats = layerstream.get_runtime(fed).stats()
     assert stats["disk_reads"] > stats["disk_layers"] and stats["disk_read_bytes"] > 0
     assert stats["disk_read_gbps"] > 0 and stats["disk_stall_seconds"] >= 0
@@ -91,9 +92,9 @@ def test_disk_fed_training_matches_ram_fed_bit_for_bit(checkpoint):
     assert "read from disk" in layerstream.get_runtime(fed).summary()
 
 
-def test_disk_fed_generation_matches_ram_fed(checkpoint):
-    ram, fed = _load(checkpoint), _load(checkpoint, _small_budget(checkpoint))
-    ids = torch.randint(3, 90, (2, 6), generator=torch.Generator().manual_seed(3))
+def test_disk_fed_generation_matches_ram_fed(checkpoint, device):
+    ram, fed = _load(checkpoint, device=device), _load(checkpoint, _small_budget(checkpoint), device=device)
+    ids = torch.randint(3, 90, (2, 6), generator=torch.Generator().manual_seed(3)).to(device)
     with torch.no_grad():
         want = ram.generate(ids, max_new_tokens=8, do_sample=False)
         got = fed.generate(ids, max_new_tokens=8, do_sample=False)
@@ -108,22 +109,22 @@ def test_the_host_tensors_of_disk_layers_hold_the_checkpoint_values(checkpoint):
         assert torch.equal(a[key], b[key]), key
 
 
-def test_silently_corrupted_bytes_change_the_run_negative_control(checkpoint, copy_of):
+def test_silently_corrupted_bytes_change_the_run_negative_control(checkpoint, copy_of, device):
     """Without debug checksums a flipped byte on disk reaches the computation: the parity
     test above can fail."""
-    ram = _peft(_load(checkpoint))
-    fed = _peft(_load(copy_of, _small_budget(copy_of)))
+    ram = _peft(_load(checkpoint, device=device)).to(device)
+    fed = _peft(_load(copy_of, _small_budget(copy_of), device=device)).to(device)
     _flip(*_disk_layer_tensor(fed))
     with pytest.raises(AssertionError):
-        assert_traces_equal(train_steps(ram, 1), train_steps(fed, 1))
+        assert_traces_equal(train_steps(ram, 1, device=device), train_steps(fed, 1, device=device))
 
 
-def test_debug_checksums_catch_a_corrupted_read_naming_the_file(copy_of):
-    fed = _peft(_load(copy_of, _small_budget(copy_of), checksum=True))
+def test_debug_checksums_catch_a_corrupted_read_naming_the_file(copy_of, device):
+    fed = _peft(_load(copy_of, _small_budget(copy_of), device=device, checksum=True)).to(device)
     path, offset = _disk_layer_tensor(fed)
     _flip(path, offset)
     with pytest.raises(DiskReadError, match="debug checksum") as caught:
-        train_steps(fed, 1)
+        train_steps(fed, 1, device=device)
     assert str(path) in str(caught.value)
 
 

@@ -44,10 +44,11 @@ def _assert_close_traces(a, b):
             torch.testing.assert_close(a.grads[step][name], b.grads[step][name], **CLOSE)
 
 
-def _long_pair(stream_embeddings=False, lora=None, chunk=CHUNK, tile=TILE, layers=5):
+def _long_pair(stream_embeddings=False, lora=None, chunk=CHUNK, tile=TILE, layers=5, device="cpu"):
     streamed, resident = peft_pair(layers=layers, lora=lora)
     options = {"loss_chunk_tokens": chunk, "mlp_tile_tokens": tile}
-    stream(streamed, "cpu", slots=2, prefetch=1, stream_embeddings=stream_embeddings, **options)
+    stream(streamed, device, slots=2, prefetch=1, stream_embeddings=stream_embeddings, **options)
+    resident.to(device)
     if chunk is not None:
         chunked_loss.apply(resident, chunk)
     if tile is not None:
@@ -64,13 +65,14 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", CASES, ids=list(CASES))
-def test_chunked_loss_and_tiled_mlp_streamed_match_resident_bit_for_bit(case):
+def test_chunked_loss_and_tiled_mlp_streamed_match_resident_bit_for_bit(case, device):
     options = dict(CASES[case])
     lora = options.pop("lora", None)
-    streamed, resident = _long_pair(lora=lora, **options)
+    streamed, resident = _long_pair(lora=lora, device=device, **options)
     if lora is not None:
         assert any("lm_head.lora_B" in n for n, _ in streamed.named_parameters()), "LoRA must be on the head"
-    got, expected = train_steps(streamed, STEPS, seq=SEQ), train_steps(resident, STEPS, seq=SEQ)
+    got = train_steps(streamed, STEPS, seq=SEQ, device=device)
+    expected = train_steps(resident, STEPS, seq=SEQ, device=device)
     assert got.logits[0] is None, "the chunked loss returns no logits"
     assert_traces_equal(got, expected)
     stats = layerstream.get_runtime(streamed).stats()
