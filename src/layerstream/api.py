@@ -288,6 +288,8 @@ def unstream_model(model: nn.Module, device: Optional[Union[str, torch.device]] 
     runtime = get_runtime(model)
     target = resolve_device(device) if device is not None else _resident_device(model, runtime)
     runtime.pool.settle()
+    if runtime.disk is not None:  # the disk layers' tensors map the files: refuse changed bytes
+        runtime.disk.check_unchanged()
     for record in runtime.records:  # values written since the last forward are in the store too
         if not record.fresh_deep() and runtime.store.sync(record) == LAYOUT:
             runtime.store.repack(record)

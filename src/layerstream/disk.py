@@ -255,6 +255,13 @@ class DiskTier:
         return region
 
     # -- reads -------------------------------------------------------------------------
+    def check_unchanged(self) -> None:
+        """Refuse when a checkpoint file changed since load: the disk layers' host tensors are
+        views of a private map of those files, so an in-place write shows through them."""
+        for layer in self.layers.values():
+            for source in layer.files:
+                source.check(layer.record.name)
+
     def holds(self, index: int) -> bool:
         return index in self.layers
 

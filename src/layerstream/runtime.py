@@ -409,15 +409,20 @@ class StreamRuntime(ResidentWindow, OffloadPolicy):
         """The record of the layer ``module`` belongs to and the positions of its entries."""
         return self._by_module.get(id(module))
 
+    def refuse_disk_write(self, index: int) -> None:
+        """A merge into a layer read from disk each time would not reach the GPU: refused
+        before it writes anything."""
+        if self.disk is not None and self.disk.holds(index):
+            raise StreamingError(
+                f"{self.records[index].name} is read from the checkpoint's files on disk each time (host_budget); "
+                "a write into it (a merge) would not reach the GPU. Raise host_budget or leave it unset to merge."
+            )
+
     def refresh_after_write(self, index: int, device_copy_current: bool = False) -> None:
         """layerstream itself wrote new values into a layer's host region (a PEFT merge):
         the device copies follow (``device_copy_current``: the copy in use was written too)."""
+        self.refuse_disk_write(index)
         record = self.records[index]
-        if self.disk is not None and self.disk.holds(index):
-            raise StreamingError(
-                f"{record.name} is read from the checkpoint's files on disk each time (host_budget); a write "
-                "into it (a merge) would not reach the GPU. Raise host_budget or leave it unset to merge."
-            )
         record.snapshot()
         self.refreshed_layers += 1
         if self._checker is not None:

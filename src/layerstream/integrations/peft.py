@@ -83,6 +83,7 @@ def materialised(runtime, module: nn.Module):
         yield
         return
     record, positions = found
+    runtime.refuse_disk_write(record.index)
     device = runtime.device
     bound = {}  # position -> the tensor the table held (a slot view while the layer runs)
     for position in positions:
