@@ -130,6 +130,7 @@ class DiskTier:
         self.lookahead = ReadAhead(tiers.ring_regions)
         self.layers: Dict[int, _Layer] = {}
         self._files: Dict[Path, _File] = {}
+        self._hooks: list = []  # state_dict checks on the disk layers, removed at close
         self._lock = threading.Lock()
         self._local = threading.local()
         self._pool = ThreadPoolExecutor(max_workers=readers, thread_name_prefix="layerstream-disk")
@@ -211,6 +212,9 @@ class DiskTier:
         layer.chunks = self._chunks(spans)
         self.layers[record.index] = layer
         store.records.append(record)
+        # the host tensors show the files' pages: reading them (state_dict, save_pretrained)
+        # first checks that the files are the ones loaded
+        self._hooks.append(record.module.register_state_dict_pre_hook(lambda *_: self._check_layer(layer)))
         if self.verify:
             record.reference_checksum = checksum_mod.checksum(self._assemble(record))
 
@@ -259,8 +263,12 @@ class DiskTier:
         """Refuse when a checkpoint file changed since load: the disk layers' host tensors are
         views of a private map of those files, so an in-place write shows through them."""
         for layer in self.layers.values():
-            for source in layer.files:
-                source.check(layer.record.name)
+            self._check_layer(layer)
+
+    @staticmethod
+    def _check_layer(layer) -> None:
+        for source in layer.files:
+            source.check(layer.record.name)
 
     def holds(self, index: int) -> bool:
         return index in self.layers
@@ -466,6 +474,9 @@ class DiskTier:
         )
 
     def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
         self._pool.shutdown(wait=True)
         for source in self._files.values():
             if source.fd != source.buffered_fd:
