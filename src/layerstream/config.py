@@ -43,6 +43,7 @@ FLAG = "flag"
 TRISTATE = "true, false or unset"
 TOKENS = "integer or none"
 SWITCH = "true, false or auto"
+DIRECTORIES = "directories, comma-separated, or none"
 
 # offload_activations: the checkpointed inputs that stay on the device. The last layer's
 # (its backward comes right after the loss) and one copied back ahead of the recompute
@@ -213,6 +214,15 @@ class StreamConfig:
             "auto: the available RAM less a reserve for the system; none: every layer in host RAM"
         ),
     )
+    disk_cache_dir: Optional[str] = _setting(
+        None,
+        DIRECTORIES,
+        (
+            "where an NF4 load under host_budget keeps its cache of packed layers; a comma list "
+            "stripes layer i over directory i % n. Unset: .layerstream-nf4 in the checkpoint "
+            "directory when writable, else under ~/.cache/layerstream"
+        ),
+    )
     offload_activations: Union[bool, str] = _setting(
         False,
         SWITCH,
@@ -231,6 +241,14 @@ class StreamConfig:
         check_tokens("loss_chunk_tokens", self.loss_chunk_tokens)
         check_tokens("mlp_tile_tokens", self.mlp_tile_tokens)
         self.host_budget = _budget(self.host_budget, "host_budget")
+        if isinstance(self.disk_cache_dir, os.PathLike):
+            self.disk_cache_dir = os.fspath(self.disk_cache_dir)
+        if self.disk_cache_dir is not None and (
+            not isinstance(self.disk_cache_dir, str) or not self.disk_cache_dir.strip(", ")
+        ):
+            raise StreamConfigError(
+                f"disk_cache_dir must be a directory or a comma list of directories, got {self.disk_cache_dir!r}"
+            )
         if self.offload_activations not in (True, False, "auto"):
             raise StreamConfigError(
                 f"offload_activations must be True, False or 'auto', got {self.offload_activations!r}"
@@ -405,6 +423,8 @@ def parse_setting(name: str, value: Any, spelled: Optional[str] = None) -> Any:
         return "auto"
     if kind == DEVICE:
         return None if value is None or text in ("", "auto") else str(value)
+    if kind == DIRECTORIES:
+        return None if value is None or text in ("", "none", "null") else str(value).strip()
     try:
         return parse_bytes(value)
     except ValueError as exc:

@@ -3,7 +3,9 @@ safetensors files each time they are needed, into a small ring of page-locked st
 regions, far enough ahead that the read hides behind compute (``disk_plan.ReadAhead``).
 
 Where the bytes come from: each tensor's offsets in its file, from the file's header
-(``checkpoint.read_offsets``); nothing is copied out of the checkpoint. The model's own
+(``checkpoint.read_layout``); nothing is copied out of the checkpoint. NF4 layers come from
+a second kind of source, a layer file of the NF4 cache (``nf4_cache``), which holds the
+layer's region byte for byte (``add_cache_file``). The model's own
 Parameters of a disk layer are views of a private (copy-on-write) memory map of those
 files, so they keep their shapes, dtypes and values (``save_pretrained``, ``unstream_model``
 and PEFT see ordinary CPU tensors) while no host RAM holds them: the pages are the page
@@ -41,7 +43,7 @@ import torch
 from torch import nn
 
 from . import checksum as checksum_mod
-from . import cudart
+from . import cudart, nf4
 from .checkpoint import StoredTensor, read_layout
 from .disk_plan import ReadAhead, Tiers, busy_seconds
 from .errors import DiskReadError, LoadingError, PinError, StreamingError
@@ -161,7 +163,7 @@ class DiskTier:
                 )
         return _Region(data, data.numpy())
 
-    def _file(self, path: Path) -> _File:
+    def _file(self, path: Path, layout=None) -> _File:
         known = self._files.get(path)
         if known is not None:
             return known
@@ -175,9 +177,18 @@ class DiskTier:
         stat = os.fstat(buffered)
         mapping = mmap.mmap(buffered, 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         known = self._files[path] = _File(
-            path, fd, buffered, (stat.st_size, stat.st_mtime_ns), *read_layout(path), mapping
+            path, fd, buffered, (stat.st_size, stat.st_mtime_ns), *(layout or read_layout(path)), mapping
         )
         return known
+
+    def add_cache_file(self, path: Path, record: LayerRecord) -> Dict[str, Path]:
+        """A layer file of the NF4 cache (``nf4_cache``) as a source: it holds the layer's
+        region byte for byte, so each tensor sits at its region offset. Returns the
+        tensor name -> file map ``attach`` takes."""
+        tensors = {e.qualified_name: StoredTensor(path, _DTYPE_NAMES[e.dtype], e.shape, False) for e in record.entries}
+        offsets = {e.qualified_name: (e.offset, e.offset + e.nbytes) for e in record.entries}
+        self._file(path, (tensors, offsets))
+        return {name: path for name in tensors}
 
     def attach(self, store: HostStore, record: LayerRecord, files: Dict[str, Path]) -> None:
         """Make ``record`` a disk layer: the model's tensors become views of the files' memory
@@ -185,6 +196,11 @@ class DiskTier:
 
         Raises LoadingError for a tensor the checkpoint does not hold as the model does
         (same dtype, same shape): the disk tier reads bytes as they are, without casting."""
+        if record.nbytes > self.tiers.region_bytes:
+            raise LoadingError(
+                f"{record.name} holds {record.nbytes} bytes, more than the {self.tiers.region_bytes} the staging "
+                "ring's regions were planned for; raise host_budget so this layer stays in host RAM."
+            )
         views: Dict[int, torch.Tensor] = {}
         spans: List[Tuple[_File, int, int, int]] = []  # (file, begin, end, region offset)
         record.arena_views, record.host_values = [], []
@@ -489,6 +505,9 @@ def _point_at(entry, view: torch.Tensor) -> torch.Tensor:
     """Make the model hold ``view`` for this entry. A Parameter still on the meta device (a
     model being loaded, not yet referenced elsewhere) is replaced by one over the view."""
     current = entry.current()
+    if entry.kind == "quant":  # a quant-state tensor of a 4-bit weight (the NF4 cache)
+        nf4.set_quant_tensor(entry.module._parameters["weight"].quant_state, entry.quant_path, view)
+        return view
     if isinstance(current, nn.Parameter):
         if current.device.type != "meta":
             set_data(current, view)
@@ -543,9 +562,10 @@ def _wait(event) -> None:
         event.synchronize()
 
 
-def plan_tiers(stream, layers: nn.ModuleList, path: str, quantization: Optional[str]) -> Optional[Tiers]:
+def plan_tiers(stream, layers: nn.ModuleList, path: str, sizes: Optional[List[int]] = None) -> Optional[Tiers]:
     """Where each layer of a model being loaded lives under ``stream.host_budget`` (None: no
-    budget, every layer in host RAM). Sized from the meta model, before any weight is read."""
+    budget, every layer in host RAM). Sized from the meta model before any weight is read,
+    or from ``sizes`` (the packed NF4 layers, as the planner computes them)."""
     from .discovery import layer_name
     from .disk_plan import resolve_host_budget, split_tiers
     from .store import host_memory
@@ -553,16 +573,9 @@ def plan_tiers(stream, layers: nn.ModuleList, path: str, quantization: Optional[
     budget = resolve_host_budget(stream.host_budget, host_memory())
     if budget is None:
         return None
-    sizes = [
-        HostStore.plan_layer(i, layer_name(path, i), layer, lambda t: True).nbytes for i, layer in enumerate(layers)
-    ]
-    if quantization == "nf4":
-        if sum(sizes) // 4 <= budget:  # packed NF4 is about a quarter of the bytes: it fits in RAM
-            return None
-        raise LoadingError(
-            f"host_budget {budget / GiB:.2f} GiB holds only part of this NF4 model, and the disk tier reads "
-            "unquantised layers from the checkpoint's files only (there is no cache of packed NF4 layers yet). "
-            "Raise host_budget or leave it unset, or load without quantization."
-        )
+    if sizes is None:
+        sizes = [
+            HostStore.plan_layer(i, layer_name(path, i), layer, lambda t: True).nbytes for i, layer in enumerate(layers)
+        ]
     tiers = split_tiers(sizes, budget)
     return tiers if tiers.disk else None

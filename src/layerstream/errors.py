@@ -55,3 +55,8 @@ class DiskReadError(LayerstreamError, RuntimeError):
 
 class ActivationChecksumError(LayerstreamError, RuntimeError):
     """An offloaded activation came back with other bytes than it left with (debug checksums)."""
+
+
+class DiskCacheError(LoadingError):
+    """The NF4 layer cache cannot be written or used (a full disk, a directory that cannot
+    be written); the message names the directory and what to change."""

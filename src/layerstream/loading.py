@@ -26,7 +26,7 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
-from . import disk, nf4
+from . import disk, nf4, nf4_cache
 from .checkpoint import (
     PICKLE_SUFFIXES,
     LoadingError,
@@ -269,6 +269,25 @@ def _check_host_memory(config, quantization, dtype, stream: StreamConfig, double
     check_host_memory(store + resident + unquantised, store + ends, bool(stream.pin), "loading this model")
 
 
+def _nf4_layer_bytes(config, dtype, double_quant: bool, count: int):
+    """Each layer's packed NF4 bytes as the planner computes them: what the disk tier plans
+    its staging ring and the host-RAM layers with, before any layer is quantised."""
+    from . import plan
+
+    try:
+        sizes = plan.layer_bytes(config, "nf4", dtype, double_quant)
+    except (ValueError, AttributeError, TypeError) as exc:
+        sizes, why = [], str(exc)
+    else:
+        why = f"it counts {len(sizes)} layers, the model has {count}"
+    if len(sizes) != count:
+        raise LoadingError(
+            f"host_budget with quantization='nf4' needs the packed size of each layer, which the planner cannot "
+            f"compute for this model ({why}); leave host_budget unset or load without quantization."
+        )
+    return sizes
+
+
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -431,7 +450,10 @@ def from_pretrained(
         expected,
         may_be_missing=[name for name in expected if tied_head and name.endswith("lm_head.weight")],
     )
-    tiers = disk.plan_tiers(config_stream, layers, path, quantization)
+    packed = None
+    if quantization == "nf4" and config_stream.host_budget is not None:
+        packed = _nf4_layer_bytes(config, torch_dtype, bnb_4bit_use_double_quant, len(layers))
+    tiers = disk.plan_tiers(config_stream, layers, path, packed)
     _check_host_memory(config, quantization, torch_dtype, config_stream, bnb_4bit_use_double_quant, tiers)
     reader = _Reader(files)
 
@@ -452,17 +474,34 @@ def from_pretrained(
     if quant_device.type == "cuda" and not torch.cuda.is_available():
         quant_device = torch.device("cpu")
     store = HostStore(config_stream.arena_bytes, pin=bool(config_stream.pin))
+    cache = None
     if tiers is not None:  # the layers the host budget does not hold are read from the files
         store.disk = disk.DiskTier(tiers, pin=bool(config_stream.pin), verify=bool(config_stream.checksum))
+        if quantization == "nf4":  # ... from a cache of packed layers, written as they are quantised
+            settings = nf4_cache.quant_settings(quant_config, torch_dtype, quant_device)
+            source = nf4_cache.fingerprint(list(files.values()), settings)
+            cache = nf4_cache.LayerCache(nf4_cache.cache_directories(config_stream.disk_cache_dir, directory), source)
     for index, layer in enumerate(layers):
         prefix = f"{layer_name(path, index)}."
-        if tiers is not None and index in tiers.disk:
+        if cache is not None:
+
+            def quantise(layer=layer, prefix=prefix):
+                missing.extend(_load_module(layer, prefix, reader))
+                nf4.quantise_layer(layer, quant_device, torch_dtype, quant_config)
+
+            record, cached = cache.provide(index, prefix[:-1], layer, quantise)
+            if index in tiers.disk:
+                store.disk.attach(store, record, store.disk.add_cache_file(cached, record))
+                _return_freed_memory()
+                continue
+        elif tiers is not None and index in tiers.disk:
             store.disk.attach(store, HostStore.plan_layer(index, prefix[:-1], layer, lambda t: True), files)
             continue
-        missing += _load_module(layer, prefix, reader)
-        if quantization == "nf4":
-            nf4.quantise_layer(layer, quant_device, torch_dtype, quant_config)
-        record = HostStore.plan_layer(index, layer_name(path, index), layer, lambda t: True)
+        else:
+            missing += _load_module(layer, prefix, reader)
+            if quantization == "nf4":
+                nf4.quantise_layer(layer, quant_device, torch_dtype, quant_config)
+            record = HostStore.plan_layer(index, layer_name(path, index), layer, lambda t: True)
         still = len(layers) - index if tiers is None else sum(1 for i in tiers.ram if i >= index)
         store.add(record, expected_bytes=record.nbytes * still)
         _return_freed_memory()

@@ -1,0 +1,264 @@
+"""The NF4 layer cache: an NF4 load under host_budget writes each layer's packed bytes as it
+quantises them, reads the layers beyond the budget from there, and a later load of the
+same checkpoint quantises nothing. A cache-fed run equals a RAM-fed one bit for bit; a
+stale, damaged, interrupted or unwritable cache is detected, never used."""
+
+import errno
+import json
+import logging
+import os
+import shutil
+
+import pytest
+import torch
+from peft import get_peft_model
+
+import layerstream
+from layerstream import nf4, nf4_cache
+from layerstream.errors import DiskCacheError, StreamConfigError
+
+from tiny import assert_traces_equal, lora_config, tiny_model, train_steps
+
+LAYERS = 6
+SLOTS = 2
+
+
+def _save(directory, seed=0):
+    torch.manual_seed(seed)
+    tiny_model(
+        "llama", LAYERS, dtype=torch.bfloat16, hidden_size=64, intermediate_size=128, head_dim=16
+    ).save_pretrained(directory)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("nf4cache") / "ckpt"
+    _save(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def ram_model_bytes(checkpoint):
+    model = layerstream.from_pretrained(checkpoint, quantization="nf4", stream=layerstream.StreamConfig(device="cpu"))
+    return layerstream.get_runtime(model).store.largest_layer_bytes
+
+
+def _load(directory, budget=None, cache=None, **kwargs):
+    config = layerstream.StreamConfig(device="cpu", slots=SLOTS, host_budget=budget, disk_cache_dir=cache)
+    return layerstream.from_pretrained(directory, quantization="nf4", stream=config, **kwargs)
+
+
+def _peft(model):
+    torch.manual_seed(0)  # the same non-zero LoRA B (init_lora_weights=False) on both
+    return get_peft_model(model, lora_config())
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """The layers quantised by the loads that follow."""
+    calls = []
+    real = nf4.quantise_layer
+
+    def counting(layer, *args):
+        calls.append(layer)
+        return real(layer, *args)
+
+    monkeypatch.setattr(nf4, "quantise_layer", counting)
+    return calls
+
+
+@pytest.fixture
+def fed(checkpoint, ram_model_bytes, tmp_path):
+    """A loader of cache-fed models: the ring and one layer in RAM, the rest from the cache."""
+    cache = tmp_path / "cache"
+
+    def load(directory=checkpoint, **kwargs):
+        return _load(directory, 5 * ram_model_bytes, str(cache), **kwargs)
+
+    load.cache = cache
+    return load
+
+
+def _manifest(cache):
+    return json.loads((cache / nf4_cache.MANIFEST).read_text())
+
+
+def _disk_layer_file(model):
+    tier = layerstream.get_runtime(model).disk
+    return tier.layers[tier.tiers.disk[len(tier.tiers.disk) // 2]].files[0].path
+
+
+def _flip(path, offset=100):
+    with open(path, "r+b") as handle:
+        handle.seek(offset)
+        value = handle.read(1)[0]
+        handle.seek(offset)
+        handle.write(bytes([value ^ 0x21]))
+
+
+def test_cache_fed_training_matches_ram_fed_and_a_second_load_quantises_nothing(checkpoint, fed, counted):
+    ram = _peft(_load(checkpoint))
+    counted.clear()
+    writing = _peft(fed())
+    assert len(counted) == LAYERS
+    stats = layerstream.get_runtime(writing).stats()
+    assert stats["disk_layers"] > SLOTS and stats["ram_layers"] >= 1
+    assert sorted(_manifest(fed.cache)["layers"]) == [str(i) for i in range(LAYERS)]
+    counted.clear()
+    reading = _peft(fed())
+    assert counted == []
+    want = train_steps(ram, 3)
+    assert_traces_equal(want, train_steps(writing, 3))
+    assert_traces_equal(want, train_steps(reading, 3))
+    assert layerstream.get_runtime(reading).stats()["disk_read_bytes"] > 0
+    assert str(fed.cache) in str(_disk_layer_file(reading))
+
+
+def test_cache_fed_generation_matches_ram_fed(checkpoint, fed):
+    fed()
+    ram, cached = _load(checkpoint), fed()
+    ids = torch.randint(3, 90, (2, 6), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(
+            ram.generate(ids, max_new_tokens=8, do_sample=False),
+            cached.generate(ids, max_new_tokens=8, do_sample=False),
+        )
+
+
+def test_a_flipped_byte_in_a_layer_file_is_caught_at_open_and_the_layer_quantised_again(
+    checkpoint, fed, counted, caplog
+):
+    path = _disk_layer_file(fed())
+    _flip(path)
+    counted.clear()
+    with caplog.at_level(logging.WARNING, logger="layerstream.nf4_cache"):
+        model = _peft(fed())
+    assert len(counted) == 1
+    assert [r for r in caplog.records if "damaged" in r.getMessage() and str(path) in r.getMessage()]
+    assert_traces_equal(train_steps(_peft(_load(checkpoint)), 1), train_steps(model, 1))
+    counted.clear()
+    fed()
+    assert counted == []  # the rebuilt layer is in the manifest again
+
+
+def test_a_truncated_layer_file_is_caught_and_quantised_again(fed, counted, caplog):
+    path = _disk_layer_file(fed())
+    os.truncate(path, os.path.getsize(path) - 512)
+    counted.clear()
+    with caplog.at_level(logging.WARNING, logger="layerstream.nf4_cache"):
+        fed()
+    assert len(counted) == 1 and any("bytes, the manifest" in r.getMessage() for r in caplog.records)
+
+
+def test_the_parity_check_fails_when_the_checksum_is_bypassed_negative_control(checkpoint, fed):
+    """A flipped byte whose CRC the manifest is made to agree with reaches the computation:
+    the checksum is what keeps the parity above."""
+    path = _disk_layer_file(fed())
+    _flip(path)
+    manifest = _manifest(fed.cache)
+    for entry in manifest["layers"].values():
+        if entry["file"] == str(path):
+            entry["crc32"] = zlib_crc(path)
+    (fed.cache / nf4_cache.MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(AssertionError):
+        assert_traces_equal(train_steps(_peft(_load(checkpoint)), 1), train_steps(_peft(fed()), 1))
+
+
+def zlib_crc(path):
+    import zlib
+
+    return zlib.crc32(path.read_bytes()) & 0xFFFFFFFF
+
+
+def test_a_changed_checkpoint_makes_the_cache_stale_with_one_warning(checkpoint, fed, counted, caplog, tmp_path):
+    source = tmp_path / "source"
+    shutil.copytree(checkpoint, source)
+    fed(source)
+    _save(source, seed=1)  # other weights, same names and shapes
+    counted.clear()
+    with caplog.at_level(logging.WARNING, logger="layerstream.nf4_cache"):
+        model = _peft(fed(source))
+    assert len(counted) == LAYERS
+    assert sum("another checkpoint or other settings" in r.getMessage() for r in caplog.records) == 1
+    assert_traces_equal(train_steps(_peft(_load(source)), 1), train_steps(model, 1))
+
+
+def test_other_quantisation_settings_make_the_cache_stale(checkpoint, ram_model_bytes, tmp_path, counted, caplog):
+    budget = 3 * ram_model_bytes  # below either load's layers (single quantisation packs fewer bytes here)
+    _load(checkpoint, budget, str(tmp_path))
+    counted.clear()
+    with caplog.at_level(logging.WARNING, logger="layerstream.nf4_cache"):
+        model = _load(checkpoint, budget, str(tmp_path), bnb_4bit_use_double_quant=False)
+    assert layerstream.get_runtime(model).disk is not None
+    assert len(counted) == LAYERS and any("other settings" in r.getMessage() for r in caplog.records)
+
+
+def test_an_interrupted_load_leaves_completed_layers_that_the_next_load_reuses(checkpoint, fed, counted, monkeypatch):
+    counting = nf4.quantise_layer
+
+    def interrupted(layer, *args):
+        if len(counted) == 3:  # layers 0-2 are quantised and cached: interrupt layer 3
+            raise KeyboardInterrupt
+        return counting(layer, *args)
+
+    counted.clear()
+    with monkeypatch.context() as patch:
+        patch.setattr(nf4, "quantise_layer", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            fed()
+    assert sorted(_manifest(fed.cache)["layers"]) == ["0", "1", "2"]
+    assert not [p for p in fed.cache.iterdir() if p.name.endswith(".tmp")]
+    counted.clear()
+    model = _peft(fed())
+    assert len(counted) == LAYERS - 3
+    assert_traces_equal(train_steps(_peft(_load(checkpoint)), 1), train_steps(model, 1))
+
+
+def test_a_full_disk_names_the_directory_and_leaves_no_half_written_layer(fed, counted, monkeypatch):
+    real = os.write
+
+    def full(fd, data):
+        if "layer-00002" in os.readlink(f"/proc/self/fd/{fd}"):
+            real(fd, bytes(data)[: len(data) // 2])  # half the layer reached the disk
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "write", full)
+        with pytest.raises(DiskCacheError, match="is full") as caught:
+            fed()
+    message = str(caught.value)
+    assert str(fed.cache) in message and "Free space" in message and "disk_cache_dir" in message
+    assert "host_budget" in message
+    assert sorted(_manifest(fed.cache)["layers"]) == ["0", "1"]
+    assert sorted(p.name for p in fed.cache.iterdir()) == ["layer-00000.nf4", "layer-00001.nf4", "manifest.json"]
+    counted.clear()
+    fed()
+    assert len(counted) == LAYERS - 2
+
+
+def test_a_comma_list_stripes_the_layers_over_directories(checkpoint, ram_model_bytes, tmp_path):
+    first, second = tmp_path / "a", tmp_path / "b"
+    model = _peft(_load(checkpoint, 5 * ram_model_bytes, f"{first},{second}"))
+    assert sorted(p.name for p in second.iterdir()) == [f"layer-{i:05d}.nf4" for i in range(1, LAYERS, 2)]
+    assert (first / nf4_cache.MANIFEST).exists() and not (second / nf4_cache.MANIFEST).exists()
+    assert_traces_equal(train_steps(_peft(_load(checkpoint)), 1), train_steps(model, 1))
+
+
+def test_the_default_cache_directory(tmp_path, monkeypatch):
+    assert nf4_cache.cache_directories(None, tmp_path) == [tmp_path / nf4_cache.DEFAULT_SUBDIRECTORY]
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(os, "access", lambda path, mode: False)
+    (found,) = nf4_cache.cache_directories(None, tmp_path)
+    assert found.parent == tmp_path / "home" / ".cache" / "layerstream"
+    assert nf4_cache.cache_directories(None, tmp_path) == [found]  # the same checkpoint, the same cache
+
+
+def test_disk_cache_dir_is_a_setting_on_every_surface(tmp_path):
+    from layerstream.config import parse_setting
+
+    assert parse_setting("disk_cache_dir", "/a,/b") == "/a,/b"
+    assert parse_setting("disk_cache_dir", "none") is None
+    assert layerstream.StreamConfig(device="cpu", disk_cache_dir=tmp_path).disk_cache_dir == str(tmp_path)
+    with pytest.raises(StreamConfigError, match="disk_cache_dir"):
+        layerstream.StreamConfig(device="cpu", disk_cache_dir=" , ")
