@@ -67,13 +67,15 @@ class Stepper:
 
 
 class EngineClock:
-    """Accumulates host time inside StreamRuntime._run that is not the layer's own call."""
+    """Accumulates host time inside StreamRuntime.run_layer that is not the layer's own call."""
 
     def __init__(self, runtime):
         self.total = 0.0
         self.inner = 0.0
         self.visits = 0
-        run, call = runtime._run, layer_mod.call_unstreamed
+        # run_layer; versions before it was public (the A/B baseline) call it _run
+        self.name = "run_layer" if hasattr(runtime, "run_layer") else "_run"
+        run, call = getattr(runtime, self.name), layer_mod.call_unstreamed
 
         def timed_call(layer, args, kwargs):
             start = time.perf_counter()
@@ -91,7 +93,7 @@ class EngineClock:
                 self.visits += 1
 
         layer_mod.call_unstreamed = timed_call
-        runtime._run = timed_run
+        setattr(runtime, self.name, timed_run)
 
     def reset(self):
         self.total = self.inner = 0.0
@@ -168,7 +170,7 @@ def main():
         row["backward_slots"] = runtime.stats()["backward_slots"]
         results["rows"].append(row)
         print(row, flush=True)
-        del runtime._run
+        delattr(runtime, clock.name)
         layerstream.unstream_model(model, device="cpu")
         del model
         torch.cuda.empty_cache()

@@ -20,3 +20,14 @@ def device(request):
 def _quiet_transformers():
     logging.getLogger("transformers").setLevel(logging.ERROR)
     yield
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state():
+    """Accelerate keeps its state in process-wide singletons (mixed precision, devices): a
+    Trainer in one test must not decide how another test's Accelerator prepares a model."""
+    yield
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()

@@ -209,8 +209,9 @@ class StreamConfig:
         None,
         BUDGET,
         (
-            "host RAM the layer store may use, e.g. 48GiB. Layers beyond it are read from the "
-            "checkpoint's files on disk each time they are needed (layerstream.from_pretrained). "
+            "host RAM the layer store may use, e.g. 48GiB. Layers beyond it are read from disk each "
+            "time they are needed: from the checkpoint's safetensors files, or for NF4 from a layer "
+            "cache written as the loader quantises (layerstream.from_pretrained). "
             "auto: the available RAM less a reserve for the system; none: every layer in host RAM"
         ),
     )

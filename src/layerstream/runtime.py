@@ -1,7 +1,7 @@
 """StreamRuntime: ties the store, the slot pool and the prefetch schedule to a model's layers.
 
 One runtime per streamed model, reachable with ``layerstream.get_runtime(model)``.
-The per-visit path (``call_layer`` -> ``_run`` -> ``_enter``) is the hot path: it checks
+The per-visit path (``call_layer`` -> ``run_layer`` -> ``_enter``) is the hot path: it checks
 the layer's tensors are the ones its device copies were made from (``LayerRecord.fresh``),
 asks the schedule for the slot and the copies to issue, makes the compute stream wait,
 swaps dictionary entries, and calls the layer. It allocates nothing per visit beyond the
@@ -189,7 +189,7 @@ class StreamRuntime(ResidentWindow, OffloadPolicy):
             del self._bindings[key]  # bindings hold views of the slot's memory
         self.pool.free(slot)
 
-    def _run(self, layer: nn.Module, index: int, phase: Phase, args, kwargs):
+    def run_layer(self, layer: nn.Module, index: int, phase: Phase, args, kwargs):
         record = self.records[index]
         if not record.fresh():
             self._refresh(index, phase)
@@ -229,7 +229,7 @@ class StreamRuntime(ResidentWindow, OffloadPolicy):
             if index == 0:
                 self._start_pass(args[0] if args else None, training)
             if not training:
-                return self._run(layer, index, Phase.INFERENCE, args, kwargs)
+                return self.run_layer(layer, index, Phase.INFERENCE, args, kwargs)
             kwargs = self._drop_cache(kwargs)
             calls = [0]
 
@@ -240,7 +240,7 @@ class StreamRuntime(ResidentWindow, OffloadPolicy):
                     self._in_backward()
                     if self.offloading and index == len(self.records) - 1:
                         self.offloader.prefetch_newest()  # the kept last layer: backward starts
-                return self._run(layer, index, phase, a, k)
+                return self.run_layer(layer, index, phase, a, k)
 
             if self.offloading and self.offloader.offloads(index) and args and isinstance(args[0], torch.Tensor):
                 with self.offloader.saving(args[0]):  # the input checkpointing saves goes to the host
@@ -370,8 +370,9 @@ class StreamRuntime(ResidentWindow, OffloadPolicy):
             )
         if self.disk is not None and self.disk.holds(index):
             raise StreamingError(
-                f"a weight of {record.name} changed, but the layer is read from the checkpoint's files on "
-                "disk each time (host_budget), so the change would not reach the GPU. Change weights only "
+                f"a weight of {record.name} changed, but the layer is read from disk each time (host_budget: "
+                "the checkpoint's files, or the NF4 layer cache), so the change would not reach the GPU. "
+                "Change weights only "
                 "of layers in host RAM: raise host_budget or leave it unset."
             )
         outcome = self.store.sync(record)
@@ -414,7 +415,8 @@ class StreamRuntime(ResidentWindow, OffloadPolicy):
         before it writes anything."""
         if self.disk is not None and self.disk.holds(index):
             raise StreamingError(
-                f"{self.records[index].name} is read from the checkpoint's files on disk each time (host_budget); "
+                f"{self.records[index].name} is read from disk each time (host_budget: the checkpoint's files, or "
+                "the NF4 layer cache); "
                 "a write into it (a merge) would not reach the GPU. Raise host_budget or leave it unset to merge."
             )
 
