@@ -2,6 +2,7 @@
 into one table, and cells not measured are listed, never dropped."""
 
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -289,3 +290,52 @@ def test_the_offload_cost_benchmark_imports_and_parses_its_arguments_without_a_g
     with pytest.raises(SystemExit) as done:
         offload_cost._arguments(["--help"])
     assert done.value.code == 0 and "with and without offloading" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("quantization", ["none", "nf4"])
+def test_disk_tier_benchmark_runs_its_whole_harness_on_the_cpu(tmp_path, monkeypatch, quantization):
+    """--dry-run: write (NF4: a sparse checkpoint and a complete layer cache), probe, the
+    RAM-fed and disk-fed steps, the row; NF4 loads only from the cache (quantising raises)
+    and the disk-fed first loss equals the RAM-fed one (the same packed layer in both)."""
+    import disk_tier
+
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    args = ["--dry-run", "--quantization", quantization, "--dir", str(tmp_path)]
+    assert disk_tier.main(args + ["--phase", "write"]) == 0
+    assert disk_tier.main(args) == 0
+    (row,) = json.loads((tmp_path / "out" / "disk-tier-dry-run.json").read_text())["rows"]
+    keys = {"model", "quantization", "host_budget_gib", "disk_gbps", "step_s", "ram_step_s", "disk_bound_s"}
+    assert keys <= set(row) and row["quantization"] == quantization
+    assert row["step_s"] > 0 and row["ram_step_s"] > 0 and row["disk_bound_s"] > 0
+    assert row["disk_layers"] > 0 and row["first_loss_equals_ram_fed"] is True
+    if quantization == "nf4":
+        layer = tmp_path / "tiny-nf4" / "layer-00003.safetensors"
+        assert layer.stat().st_blocks * 512 < layer.stat().st_size  # sparse: the loader never reads it
+
+
+def test_disk_tier_benchmark_refuses_a_stale_nf4_cache_before_loading_negative_control(tmp_path, monkeypatch):
+    """A checkpoint file touched after the cache was written changes the fingerprint: the
+    disk phase stops with what to do instead of letting the loader clear and rebuild."""
+    import disk_tier
+
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    args = ["--dry-run", "--quantization", "nf4", "--dir", str(tmp_path)]
+    assert disk_tier.main(args + ["--phase", "write"]) == 0
+    layer = tmp_path / "tiny-nf4" / "layer-00002.safetensors"
+    os.utime(layer, ns=(layer.stat().st_atime_ns, layer.stat().st_mtime_ns + 10**9))
+    with pytest.raises(SystemExit, match="does not match its checkpoint"):
+        disk_tier.main(args + ["--phase", "disk"])
+    assert (tmp_path / "tiny-nf4" / "nf4-cache" / "layer-00000.nf4").exists()
+
+
+def test_disk_tier_benchmark_refuses_a_load_that_would_quantise_negative_control(tmp_path, monkeypatch):
+    """A cache missing a layer (fingerprint intact) would make the loader quantise the zero
+    layer file: the benchmark stops instead of timing that."""
+    import disk_tier
+
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    args = ["--dry-run", "--quantization", "nf4", "--dir", str(tmp_path)]
+    assert disk_tier.main(args + ["--phase", "write"]) == 0
+    (tmp_path / "tiny-nf4" / "nf4-cache" / "layer-00005.nf4").unlink()
+    with pytest.raises(RuntimeError, match="NF4 cache was not used"):
+        disk_tier.main(args + ["--phase", "disk"])
