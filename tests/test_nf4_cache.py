@@ -43,14 +43,26 @@ def ram_model_bytes(checkpoint):
     return layerstream.get_runtime(model).store.largest_layer_bytes
 
 
-def _load(directory, budget=None, cache=None, **kwargs):
-    config = layerstream.StreamConfig(device="cpu", slots=SLOTS, host_budget=budget, disk_cache_dir=cache)
-    return layerstream.from_pretrained(directory, quantization="nf4", stream=config, **kwargs)
+def _load(directory, budget=None, cache=None, device="cpu", **kwargs):
+    """Quantised on ``device`` (the stream device); vram_budget=None: on a GPU every tiny
+    layer would otherwise sit in the resident window instead of streaming."""
+    config = layerstream.StreamConfig(
+        device=device, slots=SLOTS, host_budget=budget, disk_cache_dir=cache, vram_budget=None
+    )
+    model = layerstream.from_pretrained(directory, quantization="nf4", stream=config, **kwargs)
+    return model.to(device)
 
 
-def _peft(model):
+def _peft(model, device="cpu"):
     torch.manual_seed(0)  # the same non-zero LoRA B (init_lora_weights=False) on both
-    return get_peft_model(model, lora_config())
+    return get_peft_model(model, lora_config()).to(device)
+
+
+def _assert_streamed_on(model, cache, device):
+    """The layers were quantised on ``device`` and, on CUDA, the disk ring is pinned."""
+    assert _manifest(cache)["source"]["quantization"]["quantized_on"] == torch.device(device).type
+    if device != "cpu":
+        assert layerstream.get_runtime(model).disk.pinned
 
 
 @pytest.fixture
@@ -96,28 +108,30 @@ def _flip(path, offset=100):
         handle.write(bytes([value ^ 0x21]))
 
 
-def test_cache_fed_training_matches_ram_fed_and_a_second_load_quantises_nothing(checkpoint, fed, counted):
-    ram = _peft(_load(checkpoint))
+def test_cache_fed_training_matches_ram_fed_and_a_second_load_quantises_nothing(checkpoint, fed, counted, device):
+    ram = _peft(_load(checkpoint, device=device), device)
     counted.clear()
-    writing = _peft(fed())
+    writing = _peft(fed(device=device), device)
     assert len(counted) == LAYERS
+    _assert_streamed_on(writing, fed.cache, device)
     stats = layerstream.get_runtime(writing).stats()
     assert stats["disk_layers"] > SLOTS and stats["ram_layers"] >= 1
     assert sorted(_manifest(fed.cache)["layers"]) == [str(i) for i in range(LAYERS)]
     counted.clear()
-    reading = _peft(fed())
+    reading = _peft(fed(device=device), device)
     assert counted == []
-    want = train_steps(ram, 3)
-    assert_traces_equal(want, train_steps(writing, 3))
-    assert_traces_equal(want, train_steps(reading, 3))
+    want = train_steps(ram, 3, device=device)
+    assert_traces_equal(want, train_steps(writing, 3, device=device))
+    assert_traces_equal(want, train_steps(reading, 3, device=device))
     assert layerstream.get_runtime(reading).stats()["disk_read_bytes"] > 0
     assert str(fed.cache) in str(_disk_layer_file(reading))
 
 
-def test_cache_fed_generation_matches_ram_fed(checkpoint, fed):
-    fed()
-    ram, cached = _load(checkpoint), fed()
-    ids = torch.randint(3, 90, (2, 6), generator=torch.Generator().manual_seed(3))
+def test_cache_fed_generation_matches_ram_fed(checkpoint, fed, device):
+    fed(device=device)
+    ram, cached = _load(checkpoint, device=device), fed(device=device)
+    _assert_streamed_on(cached, fed.cache, device)
+    ids = torch.randint(3, 90, (2, 6), generator=torch.Generator().manual_seed(3)).to(device)
     with torch.no_grad():
         assert torch.equal(
             ram.generate(ids, max_new_tokens=8, do_sample=False),
@@ -126,18 +140,19 @@ def test_cache_fed_generation_matches_ram_fed(checkpoint, fed):
 
 
 def test_a_flipped_byte_in_a_layer_file_is_caught_at_open_and_the_layer_quantised_again(
-    checkpoint, fed, counted, caplog
+    checkpoint, fed, counted, caplog, device
 ):
-    path = _disk_layer_file(fed())
+    path = _disk_layer_file(fed(device=device))
     _flip(path)
     counted.clear()
     with caplog.at_level(logging.WARNING, logger="layerstream.nf4_cache"):
-        model = _peft(fed())
+        model = _peft(fed(device=device), device)
     assert len(counted) == 1
     assert [r for r in caplog.records if "damaged" in r.getMessage() and str(path) in r.getMessage()]
-    assert_traces_equal(train_steps(_peft(_load(checkpoint)), 1), train_steps(model, 1))
+    ram = _peft(_load(checkpoint, device=device), device)
+    assert_traces_equal(train_steps(ram, 1, device=device), train_steps(model, 1, device=device))
     counted.clear()
-    fed()
+    fed(device=device)
     assert counted == []  # the rebuilt layer is in the manifest again
 
 
