@@ -112,3 +112,22 @@ def test_ddp_names_cover_the_transformers_model_and_a_peft_wrapper():
     assert not any("lora_" in n for n in names)
     layerstream.unstream_model(model)
     assert not hasattr(model.base_model.model, "_ddp_params_and_buffers_to_ignore")
+
+
+def test_ddp_names_follow_peft_applied_after_streaming():
+    """PEFT after streaming moves each weight under ``base_layer``: the names DDP skips
+    must be the new ones, or its first broadcast writes into the host store."""
+    from peft import get_peft_model
+
+    from tiny import lora_config, tiny_model
+
+    base = tiny_model("llama", layers=4)
+    stream(base, "cpu", slots=2)
+    model = get_peft_model(base, lora_config())
+    names = set(model._ddp_params_and_buffers_to_ignore)
+    assert "model.layers.0.self_attn.q_proj.base_layer.weight" in names
+    assert "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight" in names
+    assert "model.layers.0.self_attn.q_proj.weight" not in names  # the name before PEFT
+    streamed = {id(e.current()) for r in layerstream.get_runtime(model).records for e in r.entries if e.bound}
+    by_name = dict(model.base_model.model.named_parameters(remove_duplicate=False))
+    assert {n for n, p in by_name.items() if id(p) in streamed} == {n for n in names if n in by_name}

@@ -251,20 +251,34 @@ def _hide_from_ddp(model: nn.Module, records) -> None:
 
     DDP broadcasts every parameter and buffer it is not told to ignore, and refuses a
     module whose parameters sit on more than one device type; streamed tensors live on
-    the host. The names are given relative to the transformers model and to a PEFT
-    wrapper around it (PEFT forwards the attribute lookup), so DDP finds them whichever
-    of the two it wraps, whether PEFT came before or after streaming.
+    the host (and may be read-only pages). The names are given relative to the
+    transformers model and to a PEFT wrapper around it (PEFT forwards the attribute
+    lookup), and are found when DDP reads them, from the tensors' identity: PEFT applied
+    after streaming renames the weights (``q_proj.weight`` becomes
+    ``q_proj.base_layer.weight``).
     """
     holder = _holder(model)
-    prefix = next((name + "." for name, module in model.named_modules() if module is holder and name), "")
-    names = set()
-    for record in records:
-        for entry in record.entries:
-            if entry.bound:
-                qualified = entry.qualified_name
-                relative = qualified[len(prefix) :] if qualified.startswith(prefix) else qualified
-                names.update((relative, _PEFT_PREFIX + relative))
-    object.__setattr__(holder, _DDP_IGNORE, sorted(names))
+    object.__setattr__(holder, _DDP_IGNORE, _StreamedTensorNames(holder, records))
+
+
+class _StreamedTensorNames:
+    """The names of the streamed tensors under ``holder``, as they are when iterated."""
+
+    def __init__(self, holder: nn.Module, records):
+        self._holder = holder
+        self._records = records
+
+    def __iter__(self):
+        streamed = {id(entry.current()) for record in self._records for entry in record.entries if entry.bound}
+        tables = (
+            self._holder.named_parameters(remove_duplicate=False),
+            self._holder.named_buffers(remove_duplicate=False),
+        )
+        for found in tables:
+            for name, tensor in found:
+                if id(tensor) in streamed:
+                    yield name
+                    yield _PEFT_PREFIX + name
 
 
 def _resident_device(model: nn.Module, runtime: StreamRuntime) -> torch.device:
