@@ -20,6 +20,7 @@ LAYERS = [
         "chunked_loss",
         "tiled_mlp",
         "disk_plan",
+        "shared_store",
     },
     {"store", "pool", "nf4", "meter", "changes", "bindings", "passes", "plan", "offload"},
     {

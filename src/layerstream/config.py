@@ -235,7 +235,19 @@ class StreamConfig:
         ),
     )
 
+    share_host_store: Union[bool, str] = _setting(
+        False,
+        SWITCH,
+        (
+            "under torchrun or accelerate launch, let the ranks of a node share one host store of "
+            "the frozen layers (in /dev/shm) instead of one each; from_pretrained loads only. "
+            "auto: on when LOCAL_WORLD_SIZE > 1"
+        ),
+    )
+
     def __post_init__(self) -> None:
+        if self.share_host_store not in (True, False, "auto"):
+            raise StreamConfigError(f"share_host_store must be True, False or 'auto', got {self.share_host_store!r}")
         if not isinstance(self.stream_embeddings, bool):
             raise StreamConfigError(f"stream_embeddings must be True or False, got {self.stream_embeddings!r}")
         self.vram_budget = _budget(self.vram_budget)

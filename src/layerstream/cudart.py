@@ -125,12 +125,17 @@ def clear_error() -> None:
         pass
 
 
-def register_host(tensor: torch.Tensor) -> None:
+HOST_REGISTER_READ_ONLY = 0x08  # cudaHostRegisterReadOnly: the pages are mapped read-only
+
+
+def register_host(tensor: torch.Tensor, read_only: bool = False) -> None:
     """Page-lock a host tensor's memory in place (cudaHostRegister), so copies from it are
-    asynchronous DMA. Raises PinError when the driver refuses (and clears its error)."""
+    asynchronous DMA; ``read_only`` for pages mapped without write access (a shared store).
+    Raises PinError when the driver refuses (and clears its error)."""
     from .errors import PinError
 
-    code = int(torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.numel() * tensor.element_size(), 0))
+    flags = HOST_REGISTER_READ_ONLY if read_only else 0
+    code = int(torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.numel() * tensor.element_size(), flags))
     if code != 0:
         clear_error()
         raise PinError(f"cudaHostRegister failed with CUDA error {code}")

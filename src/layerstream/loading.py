@@ -26,7 +26,7 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
-from . import disk, nf4, nf4_cache
+from . import disk, nf4, nf4_cache, shared_store
 from .checkpoint import (
     PICKLE_SUFFIXES,
     LoadingError,
@@ -269,6 +269,36 @@ def _check_host_memory(config, quantization, dtype, stream: StreamConfig, double
     check_host_memory(store + resident + unquantised, store + ends, bool(stream.pin), "loading this model")
 
 
+def _shared_segment(stream: StreamConfig, tiers, files, dtype, quant_config, quant_device):
+    """The node's shared segment for this load (joined: built here or waited for), or None
+    when each rank keeps its own store."""
+    if not shared_store.wanted(stream.share_host_store):
+        return None
+    if tiers is not None:
+        if stream.share_host_store is True:
+            raise LoadingError(
+                "share_host_store=True with host_budget: the disk tier is per rank; leave "
+                "host_budget unset to share the host store, or share_host_store unset."
+            )
+        logger.warning(
+            "layerstream: share_host_store is off because host_budget puts layers on disk: every "
+            "rank of this node builds its own host store (host RAM grows with the number of ranks)."
+        )
+        return None
+    settings = {
+        "dtype": str(dtype),
+        "quantization": quant_config.to_dict() if quant_config is not None else None,
+        "quantize_on": quant_device.type,
+        "arena_bytes": stream.arena_bytes,
+    }
+    name = shared_store.PREFIX + shared_store.fingerprint(sorted(set(files.values())), **settings)
+    segment = shared_store.Segment(name).join()
+    logger.info(
+        "layerstream: %s the shared host store %s", "building" if segment.builder else "mapping", segment.folder / name
+    )
+    return segment
+
+
 def _nf4_layer_bytes(config, dtype, double_quant: bool, count: int):
     """Each layer's packed NF4 bytes as the planner computes them: what the disk tier plans
     its staging ring and the host-RAM layers with, before any layer is quantised."""
@@ -474,6 +504,8 @@ def from_pretrained(
     if quant_device.type == "cuda" and not torch.cuda.is_available():
         quant_device = torch.device("cpu")
     store = HostStore(config_stream.arena_bytes, pin=bool(config_stream.pin))
+    store.segment = _shared_segment(config_stream, tiers, files, torch_dtype, quant_config, quant_device)
+    follower = store.segment is not None and not store.segment.builder
     cache = None
     if tiers is not None:  # the layers the host budget does not hold are read from the files
         store.disk = disk.DiskTier(tiers, pin=bool(config_stream.pin), verify=bool(config_stream.checksum))
@@ -497,6 +529,9 @@ def from_pretrained(
         elif tiers is not None and index in tiers.disk:
             store.disk.attach(store, HostStore.plan_layer(index, prefix[:-1], layer, lambda t: True), files)
             continue
+        elif follower and quantization != "nf4":  # the bytes are in the shared store already
+            layer.to_empty(device="cpu")
+            record = HostStore.plan_layer(index, layer_name(path, index), layer, lambda t: True)
         else:
             missing += _load_module(layer, prefix, reader)
             if quantization == "nf4":
@@ -508,6 +543,10 @@ def from_pretrained(
     if missing:  # validate_checkpoint refuses these up front; kept in case the two ever disagree
         error = missing_tensors_error(directory, missing)
         raise _transformers_can_load(error) if any(".experts." in name for name in missing) else error
+    if store.segment is not None:
+        from .store import layer_layout
+
+        store.segment.complete([layer_layout(r) for r in store.records])
     if quantizer is not None:
         quantizer.postprocess_model(model)
         model.hf_quantizer = quantizer

@@ -20,6 +20,7 @@ power of two, which can cost close to double the host RAM.
 from __future__ import annotations
 
 import logging
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
@@ -190,12 +191,7 @@ def check_host_memory(new_bytes: int, store_bytes: int, pin: bool, what: str) ->
 
 def _host_view(arena_np, offset: int, nbytes: int, dtype: torch.dtype, shape) -> torch.Tensor:
     """A tensor over arena bytes [offset, offset+nbytes) with a storage of its own."""
-    raw = (
-        torch.frombuffer(arena_np[offset : offset + nbytes], dtype=torch.uint8)
-        if nbytes
-        else torch.empty(0, dtype=torch.uint8)
-    )
-    return raw.view(dtype).view(shape)
+    return _tensor_over(arena_np[offset : offset + nbytes]).view(dtype).view(shape)
 
 
 class HostStore:
@@ -212,6 +208,7 @@ class HostStore:
         self._registered: List[torch.Tensor] = []
         self._used = 0  # bytes used in the last arena (incremental filling)
         self.disk = None  # disk.DiskTier: the layers the host budget does not hold
+        self.segment = None  # shared_store.Segment: arenas in shared memory, read-only
 
     @property
     def host_bytes(self) -> int:
@@ -289,9 +286,16 @@ class HostStore:
                 break
 
     def _new_arena(self, size: int, pin: bool) -> int:
-        arena = torch.empty(size, dtype=torch.uint8)
+        if self.segment is not None:
+            import numpy
+
+            arena_np = numpy.frombuffer(self.segment.new_arena(len(self.arenas), size), dtype=numpy.uint8)
+            arena = _tensor_over(arena_np)
+        else:
+            arena = torch.empty(size, dtype=torch.uint8)
+            arena_np = arena.numpy()
         self.arenas.append(arena)
-        self._arena_np.append(arena.numpy())
+        self._arena_np.append(arena_np)
         if pin:
             self._pin(arena)
         return len(self.arenas) - 1
@@ -301,7 +305,7 @@ class HostStore:
         if not self.requested_pin:
             return False
         try:
-            cudart.register_host(arena)
+            cudart.register_host(arena, read_only=self.segment is not None)
         except PinError as exc:
             self._unpin_now()
             self.requested_pin = False
@@ -351,12 +355,22 @@ class HostStore:
         record.host_region = self.arenas[record.arena][base : base + record.nbytes]
         views: Dict[int, torch.Tensor] = {}
         record.arena_views, record.host_values = [], []
+        target = arena_np  # where the bytes are written: the arena, or the builder's writable map
+        if self.segment is not None:
+            import numpy
+
+            self.segment.check_layer(record.index, layer_layout(record))
+            writer = self.segment.writable(record.arena)
+            target = None if writer is None else numpy.frombuffer(writer, dtype=numpy.uint8)
         for entry in record.entries:
             tensor = entry.current()
             if entry.offset not in views:
                 views[entry.offset] = _host_view(arena_np, base + entry.offset, entry.nbytes, entry.dtype, entry.shape)
-                with torch.no_grad():
-                    views[entry.offset].copy_(tensor.detach())
+                if target is not None:
+                    with torch.no_grad():
+                        _host_view(target, base + entry.offset, entry.nbytes, entry.dtype, entry.shape).copy_(
+                            tensor.detach()
+                        )
             view = views[entry.offset]
             record.arena_views.append(view)
             record.host_values.append(self._point_at(entry, tensor, view))
@@ -401,6 +415,7 @@ class HostStore:
             if tuple(current.shape) != entry.shape or current.dtype != entry.dtype:
                 return LAYOUT
             if current.data_ptr() != view.data_ptr() or current.device.type != "cpu":
+                self._refuse_writes(entry)
                 with torch.no_grad():
                     view.copy_(current.detach())
                 record.host_values[position] = self._point_at(entry, current, view)
@@ -413,6 +428,7 @@ class HostStore:
     def repack(self, record: LayerRecord) -> None:
         """Give a layer whose tensors changed shape or dtype a new region (in an arena of
         its own) laid out for what the model holds now; the old region is not reused."""
+        self._refuse_writes(record.entries[0])
         streamed = {id(e.current()) for e in record.entries if e.bound}
         fresh = self.plan_layer(record.index, record.name, record.module, lambda t: id(t) in streamed)
         self._new_arena(max(fresh.nbytes, ALIGN), pin=self.requested_pin and self.pinned)
@@ -442,11 +458,42 @@ class HostStore:
             else:
                 entry.table[entry.name] = copy
 
+    def _refuse_writes(self, entry: TensorEntry) -> None:
+        if self.segment is not None:
+            raise StreamingError(
+                f"{entry.qualified_name} was changed, but the host store is shared between this node's "
+                "ranks (share_host_store) and its weights are read-only. Change frozen weights in a "
+                "single process (share_host_store=False), or before streaming."
+            )
+
     def release(self) -> None:
+        if self.segment is not None:
+            self.segment.leave()
         self._unpin_now()
         self.pinned = False
         self.arenas = []
         self._arena_np = []
+
+
+def layer_layout(record: LayerRecord) -> dict:
+    """Where a layer is and how it is laid out, as the shared store's manifest records it."""
+    return {
+        "name": record.name,
+        "arena": record.arena,
+        "offset": record.arena_offset,
+        "nbytes": record.nbytes,
+        "entries": [[e.offset, e.nbytes, list(e.shape), str(e.dtype)] for e in record.entries],
+    }
+
+
+def _tensor_over(array) -> torch.Tensor:
+    """A uint8 tensor over a numpy array's bytes, with a storage of its own; the array may
+    be read-only (a shared arena's mapping), and nothing writes through such a tensor."""
+    if not array.size:
+        return torch.empty(0, dtype=torch.uint8)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return torch.frombuffer(array, dtype=torch.uint8)
 
 
 def _unregister_all(arenas: List[torch.Tensor]) -> None:
