@@ -228,12 +228,6 @@ def _worker(rank, world, rendezvous, checkpoint, folder, out):
     os._exit(0)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DDP's first broadcast writes the streamed weights: from_pretrained names them for DDP to "
-    "ignore before PEFT renames them (q_proj.weight -> q_proj.base_layer.weight), and the shared pages "
-    "are read-only",
-)
 def test_two_ranks_share_one_store_and_train_like_one_process(tmp_path):
     checkpoint, folder = tmp_path / "ckpt", tmp_path / "shm"
     _checkpoint(checkpoint)
