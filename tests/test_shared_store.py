@@ -19,7 +19,7 @@ from peft import get_peft_model
 
 import layerstream
 from layerstream import shared_store
-from layerstream.errors import StreamConfigError
+from layerstream.errors import StreamConfigError, StreamingError
 
 from tiny import batch, lora_config, tiny_model
 
@@ -251,3 +251,22 @@ def test_two_ranks_share_one_store_and_train_like_one_process(tmp_path):
     assert torch.allclose(torch.tensor(first["losses"]), torch.tensor(single), rtol=1e-5, atol=1e-6)
     assert first["losses"] == second["losses"] and first["losses"][-1] < first["losses"][0]
     assert _segment_files(folder) == [], "the last rank to leave removes the segment"
+
+
+def test_a_merge_into_a_shared_store_is_refused_before_anything_changes(tmp_path, monkeypatch):
+    """The shared pages are read-only and other ranks read them: a PEFT merge must stop
+    with a clear error, not crash on the write, and leave the model as it was."""
+    checkpoint = tmp_path / "ckpt"
+    _checkpoint(checkpoint)
+    monkeypatch.setenv("LAYERSTREAM_SHM_DIR", str(tmp_path / "shm"))
+    (tmp_path / "shm").mkdir()
+    model = _load(checkpoint, True)
+    assert layerstream.get_runtime(model).store.segment is not None
+    ids = batch(96, size=2, seq=8)
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+    with pytest.raises(StreamingError, match="shared by this node's ranks"):
+        model.merge_adapter()
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, before)
+    shared_store.leave_all()

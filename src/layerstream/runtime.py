@@ -102,10 +102,7 @@ class StreamRuntime(ResidentWindow, OffloadPolicy):
 
             self.embeddings = stream_embeddings(model, self)
         if self._checker is not None:
-            logger.warning(
-                "layerstream: debug checksums are on (StreamConfig.checksum or "
-                "LAYERSTREAM_CHECKSUM=1): every copy and visit waits for the device"
-            )
+            logger.warning("layerstream: debug checksums on (checksum=True, LAYERSTREAM_CHECKSUM=1): every copy waits")
 
     def _new_meter(self):
         budget = self.config.vram_budget
@@ -411,8 +408,13 @@ class StreamRuntime(ResidentWindow, OffloadPolicy):
         return self._by_module.get(id(module))
 
     def refuse_disk_write(self, index: int) -> None:
-        """A merge into a layer read from disk each time would not reach the GPU: refused
-        before it writes anything."""
+        """A merge into a disk layer would not reach the GPU, one into a node-shared store
+        would write other ranks' read-only pages: refused before anything is written."""
+        if self.store.segment is not None:
+            raise StreamingError(
+                f"{self.records[index].name} is in a host store shared by this node's ranks (share_host_store), "
+                "mapped read-only: it cannot be merged into. Merge in one process with share_host_store=False."
+            )
         if self.disk is not None and self.disk.holds(index):
             raise StreamingError(
                 f"{self.records[index].name} is read from disk each time (host_budget: the checkpoint's files, or "
