@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import layerstream
 
-from tiny import batch, peft_pair, stream
+from tiny import data_parallel_losses, peft_pair, stream
 
 STEPS, GLOBAL_BATCH = 4, 4
 
@@ -23,26 +23,6 @@ def _model(device="cpu"):
     model, _ = peft_pair("llama", layers=4)
     stream(model, device, slots=2, prefetch=1)
     return model.to(device)
-
-
-def _train(model, rank=0, world=1, device="cpu"):
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-2)
-    losses = []
-    for step in range(STEPS):
-        ids = batch(96, size=GLOBAL_BATCH, seq=10, seed=step).to(device)
-        share = GLOBAL_BATCH // world
-        mine = ids[rank * share : (rank + 1) * share]
-        loss = model(input_ids=mine, labels=mine).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        total = loss.detach().clone()
-        if world > 1:
-            dist.all_reduce(total)
-            total /= world
-        losses.append(total.item())
-    return losses
 
 
 def _worker(rank, world, rendezvous, out, device_type):
@@ -65,7 +45,7 @@ def _worker(rank, world, rendezvous, out, device_type):
         assert ddp.parameters_to_ignore, "DDP must be told to ignore streamed tensors"
         assert not any(id(p) in streamed for p in ddp._module_parameters)
         assert str(layerstream.get_runtime(model).device) == device
-        losses = _train(ddp, rank, world, device)
+        losses = data_parallel_losses(ddp, STEPS, GLOBAL_BATCH, rank, world, device)
         if rank == 0:
             torch.save(losses, out)
         dist.barrier()
@@ -87,7 +67,7 @@ def test_two_processes_train_like_one_at_the_same_global_batch(tmp_path, device_
     if device_type == "cuda" and torch.cuda.device_count() < 2:
         pytest.fail("the two-GPU data-parallel test needs two CUDA devices (run it on a two-GPU machine)")
     device = "cuda:0" if device_type == "cuda" else "cpu"
-    single = _train(_model(device), device=device)
+    single = data_parallel_losses(_model(device), STEPS, GLOBAL_BATCH, device=device)
     out = tmp_path / "losses.pt"
     context = mp.spawn(_worker, args=(2, str(tmp_path / "rendezvous"), str(out), device_type), nprocs=2, join=False)
     deadline = time.monotonic() + 180

@@ -21,7 +21,7 @@ import layerstream
 from layerstream import shared_store
 from layerstream.errors import StreamConfigError, StreamingError
 
-from tiny import batch, lora_config, tiny_model
+from tiny import batch, data_parallel_losses, lora_config, tiny_model
 
 STEPS, GLOBAL_BATCH = 4, 4
 SRC = os.path.join(os.path.dirname(__file__), "..", "src")
@@ -185,26 +185,6 @@ def _in_shared_file(model, folder) -> bool:
     )
 
 
-def _train(model, rank=0, world=1):
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-2)
-    losses = []
-    for step in range(STEPS):
-        ids = batch(96, size=GLOBAL_BATCH, seq=10, seed=step)
-        share = GLOBAL_BATCH // world
-        mine = ids[rank * share : (rank + 1) * share]
-        loss = model(input_ids=mine, labels=mine).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        total = loss.detach().clone()
-        if world > 1:
-            dist.all_reduce(total)
-            total /= world
-        losses.append(total.item())
-    return losses
-
-
 def _worker(rank, world, rendezvous, checkpoint, folder, out):
     from torch.nn.parallel import DistributedDataParallel
 
@@ -219,7 +199,7 @@ def _worker(rank, world, rendezvous, checkpoint, folder, out):
     try:
         segment = layerstream.get_runtime(model).store.segment
         facts = {"builder": segment.builder, "shared": _in_shared_file(model, folder), "name": segment.name}
-        losses = _train(DistributedDataParallel(model), rank, world)
+        losses = data_parallel_losses(DistributedDataParallel(model), STEPS, GLOBAL_BATCH, rank, world)
         torch.save({"losses": losses, **facts}, f"{out}.{rank}")
         dist.barrier()
     finally:
@@ -234,7 +214,7 @@ def test_two_ranks_share_one_store_and_train_like_one_process(tmp_path):
     single_model = _load(checkpoint, "auto")  # one local rank: not shared
     assert layerstream.get_runtime(single_model).store.segment is None
     assert not _in_shared_file(single_model, folder), "the check must fail for a store of one's own"
-    single = _train(single_model)
+    single = data_parallel_losses(single_model, STEPS, GLOBAL_BATCH)
     out = tmp_path / "result"
     args = (2, str(tmp_path / "rendezvous"), str(checkpoint), str(folder), str(out))
     context = mp.spawn(_worker, args=args, nprocs=2, join=False)

@@ -207,3 +207,27 @@ def corrupt_copies(runtime, source_for):
         return original(record, slot, compute, source_for(record.index, slot))
 
     pool.load = load
+
+
+def data_parallel_losses(model, steps: int = 4, global_batch: int = 4, rank: int = 0, world: int = 1, device="cpu"):
+    """AdamW steps on this rank's share of each global batch; the losses averaged over the
+    ranks (an all-reduce when ``world`` > 1), so one process and several compare directly."""
+    import torch.distributed as dist
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    losses = []
+    for step in range(steps):
+        ids = batch(96, size=global_batch, seq=10, seed=step).to(device)
+        share = global_batch // world
+        mine = ids[rank * share : (rank + 1) * share]
+        loss = model(input_ids=mine, labels=mine).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        total = loss.detach().clone()
+        if world > 1:
+            dist.all_reduce(total)
+            total /= world
+        losses.append(total.item())
+    return losses
