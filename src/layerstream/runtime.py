@@ -365,13 +365,7 @@ class StreamRuntime(ResidentWindow, OffloadPolicy):
                 "backward would differ from the forward it differentiates (autograd refuses the "
                 "same for a resident weight it saved). Change weights between steps."
             )
-        if self.disk is not None and self.disk.holds(index):
-            raise StreamingError(
-                f"a weight of {record.name} changed, but the layer is read from disk each time (host_budget: "
-                "the checkpoint's files, or the NF4 layer cache), so the change would not reach the GPU. "
-                "Change weights only "
-                "of layers in host RAM: raise host_budget or leave it unset."
-            )
+        self.refuse_host_write(index, "a change to its weights")
         outcome = self.store.sync(record)
         if outcome == SAME:
             return
@@ -407,25 +401,26 @@ class StreamRuntime(ResidentWindow, OffloadPolicy):
         """The record of the layer ``module`` belongs to and the positions of its entries."""
         return self._by_module.get(id(module))
 
-    def refuse_disk_write(self, index: int) -> None:
-        """A merge into a disk layer would not reach the GPU, one into a node-shared store
+    def refuse_host_write(self, index: int, change: str) -> None:
+        """A write into a disk layer would not reach the GPU, one into a node-shared store
         would write other ranks' read-only pages: refused before anything is written."""
+        name = self.records[index].name
         if self.store.segment is not None:
             raise StreamingError(
-                f"{self.records[index].name} is in a host store shared by this node's ranks (share_host_store), "
-                "mapped read-only: it cannot be merged into. Merge in one process with share_host_store=False."
+                f"{name} is in a host store shared by this node's ranks (share_host_store), mapped read-only: "
+                f"{change} is not possible. Change or merge weights in one process with share_host_store=False."
             )
         if self.disk is not None and self.disk.holds(index):
             raise StreamingError(
-                f"{self.records[index].name} is read from disk each time (host_budget: the checkpoint's files, or "
-                "the NF4 layer cache); "
-                "a write into it (a merge) would not reach the GPU. Raise host_budget or leave it unset to merge."
+                f"{name} is read from disk each time (host_budget: the checkpoint's files, or the NF4 layer "
+                f"cache): {change} would not reach the GPU. Change or merge weights only of layers in host "
+                "RAM: raise host_budget or leave it unset."
             )
 
     def refresh_after_write(self, index: int, device_copy_current: bool = False) -> None:
         """layerstream itself wrote new values into a layer's host region (a PEFT merge):
         the device copies follow (``device_copy_current``: the copy in use was written too)."""
-        self.refuse_disk_write(index)
+        self.refuse_host_write(index, "a write into it")
         record = self.records[index]
         record.snapshot()
         self.refreshed_layers += 1

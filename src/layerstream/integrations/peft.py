@@ -83,7 +83,7 @@ def materialised(runtime, module: nn.Module):
         yield
         return
     record, positions = found
-    runtime.refuse_disk_write(record.index)
+    runtime.refuse_host_write(record.index, "a merge")
     device = runtime.device
     bound = {}  # position -> the tensor the table held (a slot view while the layer runs)
     for position in positions:
