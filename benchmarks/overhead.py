@@ -12,6 +12,12 @@ in microseconds, so a step's wall time is host time. Two figures per configurati
   themselves); the difference to resident training without checkpointing is reported too.
 
     python benchmarks/overhead.py            # writes $OUT/overhead.json or benchmarks/results/
+    python benchmarks/overhead.py --change-check-ab   # the cost of the per-visit change check
+
+``--change-check-ab`` measures what checking each visit for changed weights costs
+(``LayerRecord.fresh``, which makes writes to streamed weights visible), in one process:
+steps alternate between the check as shipped and the check replaced by a constant, so host
+drift cancels; the difference per visit is the check's cost.
 """
 
 from __future__ import annotations
@@ -118,6 +124,45 @@ def ab(resident_step, streamed_step, iters, warmup):
     return median(diffs), median(res_times)
 
 
+def change_check_ab(base, ids, iters: int, warmup: int, layers: int) -> dict:
+    """Training and inference steps, alternately with the per-visit change check as shipped
+    and replaced by a constant (median difference per visit), plus the check's own time."""
+    from layerstream.store import LayerRecord
+
+    model = copy.deepcopy(base)
+    layerstream.stream_model(model, slots=3, prefetch=2, vram_budget=None)
+    model.cuda()
+    runtime = layerstream.get_runtime(model)
+    shipped = LayerRecord.fresh
+    row = {"slots": 3, "prefetch": 2}
+
+    def with_check(checked: bool, step):
+        def run():
+            LayerRecord.fresh = shipped if checked else (lambda self: True)
+            try:
+                return step()
+            finally:
+                LayerRecord.fresh = shipped
+
+        return run
+
+    for train in (False, True):
+        step = Stepper(model, ids, train)
+        diff, plain = ab(with_check(False, step), with_check(True, step), iters, warmup)
+        visits = layers * (2 if train else 1)
+        key = "train" if train else "infer"
+        row[f"{key}_check_us_per_visit"] = diff / visits * 1e6
+        row[f"{key}_step_without_check_us_per_visit"] = plain / visits * 1e6
+    record = runtime.records[len(runtime.records) // 2]
+    start = time.perf_counter()
+    for _ in range(100000):
+        record.fresh()
+    row["fresh_call_us"] = (time.perf_counter() - start) / 100000 * 1e6
+    row["tensors_checked_per_visit"] = len(record.watch)
+    layerstream.unstream_model(model, device="cpu")
+    return row
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=32)
@@ -130,9 +175,17 @@ def main():
         help="slots:prefetch[:backward_slots] list (backward slots default to auto, "
         "which takes none at this shape: its loss is tiny)",
     )
+    parser.add_argument("--change-check-ab", action="store_true", help="only the per-visit change check's cost")
     args = parser.parse_args()
     ids = torch.randint(0, 256, (1, args.seq), device="cuda")
     base = tiny_deep_model(args.layers)
+    if args.change_check_ab:
+        gc.disable()
+        row = change_check_ab(base, ids, args.iters, args.warmup, args.layers)
+        gc.enable()
+        print(row, flush=True)
+        write_result("overhead-change-check", {"layers": args.layers, "seq": args.seq, "iters": args.iters, **row})
+        return
     plain = copy.deepcopy(base).cuda()
     checkpointed = copy.deepcopy(base).cuda()
     checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

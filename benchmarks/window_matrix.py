@@ -12,6 +12,11 @@ from the automatic size up until a step runs out of memory, and each size is tim
 way; the best of those is the reference.
 
     python benchmarks/window_matrix.py --cells llama3-8b:none:12GiB,llama3-8b:nf4:6GiB --out $OUT
+
+A cell is ``shape:quantization:budget``, optionally followed by ``:key=value+key=value``
+StreamConfig settings the run needs at that size (8B NF4 at 6 GiB needs the chunked loss:
+its full fp32 logits alone take 2.9 GiB). The hand sweep stops at the first size that
+runs out of memory, or after ``--hand-sizes`` sizes.
 """
 
 from __future__ import annotations
@@ -26,9 +31,20 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 CELLS = (
-    "llama3-8b:none:12GiB,llama3-8b:none:16GiB,llama3-8b:none:24GiB,llama3-8b:nf4:6GiB,"
+    "llama3-8b:none:12GiB,llama3-8b:none:16GiB,llama3-8b:none:24GiB,llama3-8b:nf4:6GiB:loss_chunk_tokens=512,"
     "llama3-8b:nf4:8GiB,llama3-70b:nf4:16GiB,llama3-70b:nf4:24GiB"
 )
+
+
+def cell_options(text: str) -> dict:
+    """``key=value+key=value`` -> StreamConfig keyword arguments, parsed as every surface does."""
+    from layerstream.config import parse_setting
+
+    options = {}
+    for pair in filter(None, text.split("+")):
+        key, _, value = pair.partition("=")
+        options[key] = parse_setting(key, value)
+    return options
 
 
 def _steps(model, optimizer, ids, count):
@@ -46,7 +62,9 @@ def _steps(model, optimizer, ids, count):
     return times
 
 
-def cell(shape: str, quantization: str, budget_text: str, seq: int, auto_steps: int, timed: int) -> dict:
+def cell(
+    shape: str, quantization: str, budget_text: str, seq: int, auto_steps: int, timed: int, options: dict, sizes: int
+) -> dict:
     import statistics
 
     import torch
@@ -68,7 +86,7 @@ def cell(shape: str, quantization: str, budget_text: str, seq: int, auto_steps: 
     _use_the_gpu_first()
     model = build_random_nf4(shape) if quantization == "nf4" else build_random(shape)
     model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
-    layerstream.stream_model(model, vram_budget=budget)
+    layerstream.stream_model(model, vram_budget=budget, **options)
     model.cuda()
     runtime = layerstream.get_runtime(model)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
@@ -79,6 +97,7 @@ def cell(shape: str, quantization: str, budget_text: str, seq: int, auto_steps: 
         "budget_gib": budget / 2**30,
         "seq": seq,
         "layers": len(runtime.records),
+        "options": {k: str(v) for k, v in options.items()},
     }
     try:
         times = _steps(model, optimizer, ids, auto_steps)
@@ -97,7 +116,7 @@ def cell(shape: str, quantization: str, budget_text: str, seq: int, auto_steps: 
     runtime.meter = None  # the window is set by hand from here on
     hand = []
     size = max(0, row["auto_window"] - 1)
-    while size <= len(runtime.records):
+    while size <= len(runtime.records) and len(hand) < sizes:
         optimizer.zero_grad(set_to_none=True)
         gc.collect()
         torch.cuda.empty_cache()
@@ -130,13 +149,16 @@ def main():
     parser.add_argument("--cells", default=CELLS, help="shape:quantization:budget list")
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--auto-steps", type=int, default=8)
-    parser.add_argument("--timed", type=int, default=3)
+    parser.add_argument("--timed", type=int, default=4)
+    parser.add_argument("--hand-sizes", type=int, default=6, help="window sizes timed by hand at most")
     parser.add_argument("--out", default=str(HERE / "results"))
     parser.add_argument("--cell", default=None, help=argparse.SUPPRESS)  # one cell, in this process
     args = parser.parse_args()
     if args.cell:
-        shape, quantization, budget = args.cell.split(":")
-        print("RESULT " + json.dumps(cell(shape, quantization, budget, args.seq, args.auto_steps, args.timed)))
+        shape, quantization, budget, *extra = args.cell.split(":", 3)
+        options = cell_options(extra[0] if extra else "")
+        row = cell(shape, quantization, budget, args.seq, args.auto_steps, args.timed, options, args.hand_sizes)
+        print("RESULT " + json.dumps(row))
         return
     rows = []
     for spec in args.cells.split(","):
@@ -153,6 +175,8 @@ def main():
                 str(args.auto_steps),
                 "--timed",
                 str(args.timed),
+                "--hand-sizes",
+                str(args.hand_sizes),
             ],
             capture_output=True,
             text=True,
