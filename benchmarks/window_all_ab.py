@@ -25,6 +25,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import layerstream  # noqa: E402
 
+import checkpoints  # noqa: E402,F401  (adds the 3B shape to common.SHAPES)
 from common import build_random  # noqa: E402
 
 

@@ -99,11 +99,11 @@ def test_refused_pinning_falls_back_loudly_and_clears_the_cuda_error(monkeypatch
 
     original = cudart.register_host
 
-    def refuse(tensor):
+    def refuse(tensor, **kwargs):
         # a real CUDA refusal: registering the same pages twice fails
-        original(tensor)
+        original(tensor, **kwargs)
         try:
-            original(tensor)
+            original(tensor, **kwargs)
         finally:
             cudart.unregister_host(tensor)
 
