@@ -165,6 +165,26 @@ def test_a_step_that_cannot_fit_the_vram_budget_is_refused_before_it_computes():
     assert layerstream.get_runtime(streamed).visits == 0
 
 
+def test_a_step_shape_within_one_that_fit_the_vram_budget_is_not_planned_again(monkeypatch):
+    """Padded batches come in a new shape at nearly every step: a shape no larger in batch and
+    sequence than one that fit the budget is not planned again; a larger one is."""
+    streamed, _ = peft_pair("llama", layers=4)
+    stream(streamed, "cpu", slots=2, vram_budget="2GiB")
+    runtime = layerstream.get_runtime(streamed)
+    planned, memory_plan = [], runtime.memory_plan
+
+    def counting(batch_size, seq, **kwargs):
+        if "vram_bytes" in kwargs:  # the budget check's plan (the host meter plans without one)
+            planned.append((batch_size, seq))
+        return memory_plan(batch_size, seq, **kwargs)
+
+    monkeypatch.setattr(runtime, "memory_plan", counting)
+    for size, seq in [(2, 16), (2, 8), (1, 16), (2, 24), (4, 8), (3, 8)]:
+        ids = batch(96, size=size, seq=seq)
+        streamed(input_ids=ids, labels=ids).loss.backward()
+    assert planned == [(2, 16), (2, 24), (4, 8)]
+
+
 def test_a_step_within_the_vram_budget_runs():
     streamed, resident = peft_pair("llama", layers=4)
     stream(streamed, "cpu", slots=2, vram_budget="2GiB")

@@ -230,6 +230,23 @@ def test_a_step_that_runs_out_of_memory_is_run_again_with_a_smaller_window_and_s
     assert got == plain
 
 
+def test_the_parameters_a_step_restores_are_walked_again_only_after_a_registration():
+    """The retry's step state reads the model's parameters at every step; the walk over every
+    module is kept until a parameter is registered anywhere, or the model is another."""
+    from types import SimpleNamespace
+
+    from layerstream.integrations.trainer import _parameters
+
+    model, other = torch.nn.Sequential(torch.nn.Linear(2, 2)), torch.nn.Linear(2, 2)
+    trainer = SimpleNamespace()
+    first = _parameters(trainer, model)
+    assert [id(p) for p in first] == [id(p) for p in model.parameters()]
+    assert _parameters(trainer, model) is first
+    model[0].extra = torch.nn.Parameter(torch.zeros(1))
+    assert [id(p) for p in _parameters(trainer, model)] == [id(p) for p in model.parameters()]
+    assert [id(p) for p in _parameters(trainer, other)] == [id(p) for p in other.parameters()]
+
+
 def test_an_out_of_memory_error_without_a_window_is_explained_and_raised(tmp_path):
     streamed, _ = peft_pair("llama", layers=4)
     stream(streamed, "cpu", slots=2, prefetch=1, vram_budget=None)

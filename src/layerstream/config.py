@@ -80,11 +80,12 @@ def gpu_memory_for_run(device: torch.device) -> int:
     Not the card's total: on a desktop the display, or another job, holds part of it,
     and a window sized to the total would run out of memory mid-step."""
     free, total = torch.cuda.mem_get_info(device)
-    usable = min(total, free + torch.cuda.memory_reserved(device))
+    reserved = torch.cuda.memory_reserved(device)
+    usable = min(total, free + reserved)
     fraction = per_process_fraction(device)
     if fraction < 1.0:
         usable = min(usable, int(fraction * total))
-    foreign = total - (free + torch.cuda.memory_reserved(device))
+    foreign = total - (free + reserved)
     if foreign >= FOREIGN_MEMORY_WARN_BYTES and device not in _warned_foreign_memory:
         _warned_foreign_memory.add(device)
         logger.warning(

@@ -53,8 +53,9 @@ class CudaMeter:
         """Start measuring a step; ``reset``: from here on, not since an earlier peak."""
         if reset:
             torch.cuda.reset_peak_memory_stats(self.device)
-        self._start_allocated = torch.cuda.memory_allocated(self.device)
-        self._start_retries = torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0)
+        stats = torch.cuda.memory_stats(self.device)  # one read: each builds the whole table
+        self._start_allocated = stats.get("allocated_bytes.all.current", 0)
+        self._start_retries = stats.get("num_alloc_retries", 0)
 
     def read(self, window: int, tokens: int) -> Reading:
         stats = torch.cuda.memory_stats(self.device)

@@ -87,7 +87,7 @@ class StreamRuntime(ResidentWindow, OffloadPolicy):
         self._placed_at = 0  # layer.registrations() when tensors were last placed
         self.nf4_counts = {"nf4_function_calls": 0, "nf4_dequant_calls": 0}
         self._recording = None  # timeline.Recording while a step is recorded
-        self._budget_checked: set = set()  # (batch, seq) shapes checked against an explicit vram_budget
+        self._budget_checked: set = set()  # the largest (batch, seq) shapes checked against an explicit vram_budget
         self._checker = checksum.SlotChecker(self.pool, records) if config.checksum else None
         self._by_module: Dict[int, Tuple[LayerRecord, List[int]]] = {}
         for record in records:
@@ -316,9 +316,12 @@ class StreamRuntime(ResidentWindow, OffloadPolicy):
 
     def _check_budget(self, batch: int, seq: int) -> None:
         """Before the first training step of each batch shape, an explicit vram_budget the
-        memory planner says the step cannot fit (every layer streamed) is refused."""
-        if (batch, seq) in self._budget_checked:
+        memory planner says the step cannot fit (every layer streamed) is refused. A shape no
+        larger in batch and sequence than one that passed needs no plan (batches padded to
+        their longest sequence come in a new shape at nearly every step)."""
+        if any(batch <= b and seq <= s for b, s in self._budget_checked):
             return
+        self._budget_checked = {(b, s) for b, s in self._budget_checked if not (b <= batch and s <= seq)}
         self._budget_checked.add((batch, seq))
         budget = self.config.vram_budget
         try:

@@ -47,6 +47,7 @@ from ..config import (
     settings,
 )
 from ..errors import StreamingError
+from ..layer import registrations
 from ..meter import wanted_bytes
 from ..units import gib
 from . import launch
@@ -130,15 +131,26 @@ def _auto_stream(model, training_args) -> None:
                 model.to("cpu")
 
 
+def _parameters(trainer, model: nn.Module) -> list:
+    """``list(model.parameters())``, walked again only when the model changed or a parameter
+    was registered anywhere since (``layer.registrations``): walking every module of a PEFT
+    model costs milliseconds, which a short training step notices."""
+    registered = registrations()
+    cached = trainer.__dict__.get("_layerstream_parameters")
+    if cached is None or cached[0] is not model or cached[1] != registered:
+        cached = trainer._layerstream_parameters = (model, registered, list(model.parameters()))
+    return cached[2]
+
+
 class _StepState:
     """What a training step started from, to run it again after an out-of-memory error:
     the random state (dropout), and the gradients (none yet, or a host copy while the
     window is new). Without gradients to go back to, the step cannot be rerun."""
 
-    def __init__(self, model: nn.Module, runtime):
+    def __init__(self, parameters: list, runtime):
         self.cpu_rng = torch.get_rng_state()
         self.cuda_rng = torch.cuda.get_rng_state(runtime.device) if runtime.pool.cuda else None
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.params = [p for p in parameters if p.requires_grad]
         grads = [p.grad for p in self.params]
         self.none = all(g is None for g in grads)
         self.saved = None
@@ -161,7 +173,7 @@ def _training_step_with_retry(original, trainer, model, args, kwargs):
     runtime = get_runtime(trainer.model) if trainer.model is not None and is_streamed(trainer.model) else None
     if runtime is None:
         return original(trainer, model, *args, **kwargs)
-    state = _StepState(trainer.model, runtime) if runtime.window else None
+    state = _StepState(_parameters(trainer, trainer.model), runtime) if runtime.window else None
     while True:
         wanted = None
         try:
