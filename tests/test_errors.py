@@ -165,6 +165,28 @@ def test_a_step_that_cannot_fit_the_vram_budget_is_refused_before_it_computes():
     assert layerstream.get_runtime(streamed).visits == 0
 
 
+def test_the_budget_check_plans_the_chunked_loss_the_model_runs_with():
+    """An explicit vram_budget is checked against the memory of the step as it runs: with
+    loss_chunk_tokens and mlp_tile_tokens, a budget between the plain and the chunked step's
+    predicted needs trains (the plain model is refused under the same budget)."""
+    seq = 512
+    plain, _ = peft_pair("llama", layers=4)
+    chunked, _ = peft_pair("llama", layers=4)
+    stream(plain, "cpu", slots=2)
+    stream(chunked, "cpu", slots=2, loss_chunk_tokens=32, mlp_tile_tokens=32)
+    need = [layerstream.get_runtime(m).memory_plan(1, seq) for m in (plain, chunked)]
+    assert need[1].peak_vram_bytes < need[0].peak_vram_bytes
+    budget = need[1].reserve_bytes + (need[0].peak_vram_bytes + need[1].peak_vram_bytes) // 2
+    ids = batch(96, size=1, seq=seq)
+    for model in (plain, chunked):
+        runtime = layerstream.get_runtime(model)
+        runtime.config.vram_budget = budget  # checked at the next training step
+        runtime.meter = None  # the check alone, no window
+    with pytest.raises(layerstream.StreamingError, match="does not fit vram_budget"):
+        plain(input_ids=ids, labels=ids)
+    chunked(input_ids=ids, labels=ids).loss.backward()
+
+
 def test_a_step_shape_within_one_that_fit_the_vram_budget_is_not_planned_again(monkeypatch):
     """Padded batches come in a new shape at nearly every step: a shape no larger in batch and
     sequence than one that fit the budget is not planned again; a larger one is."""

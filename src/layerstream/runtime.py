@@ -348,6 +348,8 @@ class StreamRuntime(ResidentWindow, OffloadPolicy):
             stream_embeddings=self.embeddings is not None,
             backward_slots=backward_slots,
             offload_activations=self.offloading if offload is None else offload,
+            loss_chunk_tokens=self.config.loss_chunk_tokens,
+            mlp_tile_tokens=self.config.mlp_tile_tokens,
         )
 
     def _decide_backward_slots(self, hidden: torch.Tensor) -> None:

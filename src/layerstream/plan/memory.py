@@ -534,9 +534,12 @@ def plan_for_model(
     stream_embeddings: bool = False,
     backward_slots: Optional[int] = 0,
     offload_activations: bool = False,
+    loss_chunk_tokens: Optional[int] = None,
+    mlp_tile_tokens: Optional[int] = None,
 ) -> MemoryPlan:
     """The plan of a live (possibly PEFT-wrapped) model: its config, 4-bit state, compute
-    dtype, and LoRA rank and targets; ``stream_embeddings`` as the model streams (or would).
+    dtype, and LoRA rank and targets; ``stream_embeddings``, the chunked loss and the tiled
+    MLP as the model streams (or would).
     Reads attributes only; raises ValueError when the adapters cannot be described to the
     planner (regex targets, several adapters)."""
     config = getattr(model, "config", None)
@@ -569,6 +572,8 @@ def plan_for_model(
         stream_embeddings=stream_embeddings,
         backward_slots=backward_slots,
         offload_activations=offload_activations,
+        loss_chunk_tokens=loss_chunk_tokens,
+        mlp_tile_tokens=mlp_tile_tokens,
     )
 
 
