@@ -16,7 +16,12 @@ way; the best of those is the reference.
 A cell is ``shape:quantization:budget``, optionally followed by ``:key=value+key=value``
 StreamConfig settings the run needs at that size (8B NF4 at 6 GiB needs the chunked loss:
 its full fp32 logits alone take 2.9 GiB). The hand sweep stops at the first size that
-runs out of memory, or after ``--hand-sizes`` sizes.
+runs out of memory, or after ``--hand-sizes`` sizes; the sizes that fitted are then timed
+again in reverse order (drift over the run cancels) and each size's time is the median of
+both rounds. Two ratios are kept: ``auto_vs_best``, the automatic run's own last steps
+against the best hand size, and ``auto_size_vs_best``, the size it chose timed as the hand
+sizes were (the automatic run's steps are the process's first, where a shared machine is
+still settling).
 """
 
 from __future__ import annotations
@@ -60,6 +65,42 @@ def _steps(model, optimizer, ids, count):
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return times
+
+
+def sweep(timed_at, auto_window: int, layers: int, sizes: int, out_of_memory=MemoryError) -> dict:
+    """The hand sweep: ``timed_at(size)`` gives a size's timed steps or raises
+    ``out_of_memory``. Round 1 goes up from just below the automatic size until a size runs
+    out of memory (or ``sizes`` were tried); round 2 times the sizes that fitted again,
+    downwards, so drift over the run cancels; a size's time is the median of both rounds."""
+    import statistics
+
+    hand, size = [], max(0, auto_window - 1)
+    while size <= layers and len(hand) < sizes:
+        entry = {"window": size}
+        try:
+            entry.update(times=list(timed_at(size)), out_of_memory=False)
+        except out_of_memory:
+            entry.update(out_of_memory=True)
+        hand.append(entry)
+        print(json.dumps(entry), flush=True)
+        if entry["out_of_memory"]:
+            break
+        size += 1
+    fits = [h for h in hand if not h["out_of_memory"]]
+    for entry in reversed(fits):
+        entry["times"] += list(timed_at(entry["window"]))
+        entry["step_s"] = statistics.median(entry["times"])
+    result = {"hand": hand}
+    if fits:
+        best = min(fits, key=lambda h: h["step_s"])
+        at_auto = [h for h in fits if h["window"] == auto_window]
+        result.update(
+            best_hand_window=best["window"],
+            best_hand_step_s=best["step_s"],
+            # the size the automatic window chose, timed as every hand size was
+            auto_size_vs_best=best["step_s"] / at_auto[0]["step_s"] if at_auto else None,
+        )
+    return result
 
 
 def cell(
@@ -114,33 +155,17 @@ def cell(
         return row
     print(json.dumps({k: v for k, v in row.items() if k != "auto_times"}), flush=True)
     runtime.meter = None  # the window is set by hand from here on
-    hand = []
-    size = max(0, row["auto_window"] - 1)
-    while size <= len(runtime.records) and len(hand) < sizes:
+
+    def timed_at(size: int) -> list:
         optimizer.zero_grad(set_to_none=True)
         gc.collect()
         torch.cuda.empty_cache()
-        entry = {"window": size}
-        try:
-            runtime.set_window(spread_resident(len(runtime.records), size))
-            times = _steps(model, optimizer, ids, timed + 2)
-            entry.update(step_s=statistics.median(times[-timed:]), out_of_memory=False)
-        except torch.OutOfMemoryError:
-            entry.update(out_of_memory=True)
-        hand.append(entry)
-        print(json.dumps(entry), flush=True)
-        if entry["out_of_memory"]:
-            break
-        size += 1
-    row["hand"] = hand
-    fits = [h for h in hand if not h["out_of_memory"]]
-    if fits:
-        best = min(fits, key=lambda h: h["step_s"])
-        row.update(
-            best_hand_window=best["window"],
-            best_hand_step_s=best["step_s"],
-            auto_vs_best=best["step_s"] / row["auto_step_s"],
-        )
+        runtime.set_window(spread_resident(len(runtime.records), size))
+        return _steps(model, optimizer, ids, timed + 2)[-timed:]
+
+    row.update(sweep(timed_at, row["auto_window"], len(runtime.records), sizes, torch.OutOfMemoryError))
+    if "best_hand_step_s" in row:  # the automatic run's own last steps (the process's first)
+        row["auto_vs_best"] = row["best_hand_step_s"] / row["auto_step_s"]
     return row
 
 
@@ -148,7 +173,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--cells", default=CELLS, help="shape:quantization:budget list")
     parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--auto-steps", type=int, default=8)
+    parser.add_argument("--auto-steps", type=int, default=10)
     parser.add_argument("--timed", type=int, default=4)
     parser.add_argument("--hand-sizes", type=int, default=6, help="window sizes timed by hand at most")
     parser.add_argument("--out", default=str(HERE / "results"))

@@ -339,3 +339,38 @@ def test_disk_tier_benchmark_refuses_a_load_that_would_quantise_negative_control
     (tmp_path / "tiny-nf4" / "nf4-cache" / "layer-00005.nf4").unlink()
     with pytest.raises(RuntimeError, match="NF4 cache was not used"):
         disk_tier.main(args + ["--phase", "disk"])
+
+
+def test_the_window_sweep_times_each_size_twice_and_stops_at_the_first_out_of_memory():
+    """Sizes go up from just below the automatic size until one runs out of memory; the ones
+    that fitted are timed again in reverse order and take the median of both rounds; the size
+    the automatic window chose is compared with the best."""
+    import window_matrix
+
+    calls = []
+    times = {3: [1.0, 1.2], 4: [0.9, 0.8], 5: [0.95, 0.85]}
+
+    def timed_at(size):
+        calls.append(size)
+        if size == 6:
+            raise MemoryError
+        return [times[size][calls.count(size) - 1]]
+
+    result = window_matrix.sweep(timed_at, auto_window=4, layers=32, sizes=8)
+    assert calls == [3, 4, 5, 6, 5, 4, 3]
+    assert [h["window"] for h in result["hand"]] == [3, 4, 5, 6] and result["hand"][-1]["out_of_memory"]
+    assert result["best_hand_window"] == 4 and result["best_hand_step_s"] == pytest.approx(0.85)
+    assert result["auto_size_vs_best"] == 1.0
+    capped = window_matrix.sweep(lambda size: [1.0 + size], auto_window=0, layers=32, sizes=2)
+    assert [h["window"] for h in capped["hand"]] == [0, 1] and capped["auto_size_vs_best"] == 1.0
+
+
+def test_window_matrix_cells_take_stream_settings_as_every_surface_parses_them():
+    import window_matrix
+
+    assert window_matrix.cell_options("loss_chunk_tokens=512+stream_embeddings=true") == {
+        "loss_chunk_tokens": 512,
+        "stream_embeddings": True,
+    }
+    with pytest.raises(Exception, match="unknown setting"):
+        window_matrix.cell_options("chunk=1")
