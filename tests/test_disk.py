@@ -249,3 +249,48 @@ def test_stream_model_of_a_model_beyond_host_budget_is_refused_with_what_to_do()
     with pytest.raises(StreamConfigError, match="layerstream.from_pretrained"):
         layerstream.stream_model(model, device="cpu", host_budget="1KiB")
     layerstream.stream_model(tiny_model("llama", layers=3), device="cpu", host_budget="1GiB")
+
+
+def test_reads_in_flight_are_the_fewest_within_reach_of_the_fastest():
+    from layerstream.disk_plan import pick_readers
+
+    assert pick_readers({1: 2.39e9, 4: 1.30e9}) == 1  # the GPU machine's disk: one reader is faster
+    assert pick_readers({1: 1.0e9, 4: 3.2e9}) == 4  # an NVMe drive wants several
+    assert pick_readers({1: 1.0e9, 4: 1.05e9}) == 1  # several must be clearly faster
+
+
+@pytest.mark.parametrize("probed", [{1: 2.0e9, 4: 1.0e9}, {1: 1.0e9, 4: 3.0e9}])
+def test_the_load_probes_the_disk_and_reads_as_many_at_once_as_it_chose(checkpoint, monkeypatch, caplog, probed):
+    """The loader measures one reader against several on the disk layers' own bytes and keeps
+    the faster; reads then never run more at once than that (a read that sleeps makes overlap
+    visible), and the run stays exact."""
+    import threading
+    import time as time_mod
+
+    monkeypatch.setattr(disk, "pick_readers", lambda rates: min(probed, key=lambda n: -probed[n]))
+    running, most, lock = [0], [0], threading.Lock()
+    read_now = disk.DiskTier._read_chunk_now
+
+    def counted(self, chunk, region):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time_mod.sleep(0.002)
+        try:
+            return read_now(self, chunk, region)
+        finally:
+            with lock:
+                running[0] -= 1
+
+    with caplog.at_level("WARNING", logger="layerstream"):
+        model = _peft(_load(checkpoint, _small_budget(checkpoint)))
+    tier = layerstream.get_runtime(model).disk
+    chosen = tier.reads_at_once
+    assert chosen == max(probed, key=probed.get)
+    assert sorted(tier.probed) == [1, disk.READERS] and all(rate > 0 for rate in tier.probed.values())
+    assert f"reads {chosen} at a time" in caplog.text
+    assert layerstream.get_runtime(model).stats()["disk_reads_at_once"] == chosen
+    monkeypatch.setattr(disk.DiskTier, "_read_chunk_now", counted)
+    resident = _peft(_load(checkpoint))
+    assert_traces_equal(train_steps(model, steps=2), train_steps(resident, steps=2))
+    assert most[0] == 1 if chosen == 1 else most[0] > 1

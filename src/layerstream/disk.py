@@ -45,7 +45,7 @@ from torch import nn
 from . import checksum as checksum_mod
 from . import cudart, nf4
 from .checkpoint import StoredTensor, read_layout
-from .disk_plan import ReadAhead, Tiers, busy_seconds
+from .disk_plan import ReadAhead, Tiers, busy_seconds, pick_readers
 from .errors import DiskReadError, LoadingError, PinError, StreamingError
 from .store import HostStore, LayerRecord, set_data
 from .units import GiB, MiB
@@ -54,7 +54,8 @@ logger = logging.getLogger(__name__)
 
 IO_ALIGN = 4096  # offsets, lengths and buffers of direct reads are multiples of this
 CHUNK_BYTES = 8 * MiB  # one read job: large enough for full-speed reads, small enough to spread
-READERS = 4  # reader threads: reads in flight at once
+READERS = 4  # reader threads: reads in flight at once, at most
+PROBE_BYTES = 256 * MiB  # read per probe when choosing how many reads run at once
 # safetensors dtype names of the torch dtypes a disk layer may hold
 _DTYPE_NAMES = {
     torch.bfloat16: "BF16",
@@ -136,6 +137,9 @@ class DiskTier:
         self._lock = threading.Lock()
         self._local = threading.local()
         self._pool = ThreadPoolExecutor(max_workers=readers, thread_name_prefix="layerstream-disk")
+        self.reads_at_once = readers  # at most readers; tune_readers measures the best
+        self._in_flight = threading.BoundedSemaphore(readers)
+        self.probed: Dict[int, float] = {}  # reads at once -> bytes/s, from tune_readers
         self.regions = [self._region(tiers.region_bytes, pin) for _ in range(tiers.ring_regions)]
         self._where: Dict[int, _Region] = {}  # layer -> the region it is read (or being read) into
         self._last_take: Optional[float] = None
@@ -424,8 +428,40 @@ class DiskTier:
             bounce = self._local.bounce = (buffer, np.frombuffer(buffer, dtype=np.uint8))
         return bounce
 
+    def tune_readers(self) -> int:
+        """Choose how many reads run at once (at most ``readers``) from a short probe of the
+        disk layers' own bytes: one reader and all of them, each twice, alternately, on
+        different layers (some disks read slower with several reads in flight)."""
+        order = sorted(self.layers)
+        if self.readers <= 1 or len(order) < 2:
+            return self.readers
+        scratch, counts = self.regions[0].array, (1, self.readers)
+        timed = {count: [0, 0.0] for count in counts}
+        for turn, index in enumerate(order[:4]):
+            count, chunks, size = counts[turn % 2], [], 0
+            for chunk in self.layers[index].chunks:
+                if size < PROBE_BYTES:
+                    chunks.append(chunk)
+                    size += sum(end - begin for begin, end, _ in chunk.pieces)
+            start = time.perf_counter()
+            with ThreadPoolExecutor(max_workers=count) as probe:
+                list(probe.map(lambda chunk: self._read_chunk_now(chunk, scratch), chunks))
+            timed[count][0] += size
+            timed[count][1] += time.perf_counter() - start
+        self.probed = {count: size / max(seconds, 1e-9) for count, (size, seconds) in timed.items()}
+        self.reads_at_once = pick_readers(self.probed)
+        self._in_flight = threading.BoundedSemaphore(self.reads_at_once)
+        rates = ", ".join(f"{count} at once {rate / 1e9:.2f} GB/s" for count, rate in self.probed.items())
+        logger.warning("layerstream: the disk tier reads %d at a time (probed: %s)", self.reads_at_once, rates)
+        return self.reads_at_once
+
     def _read_chunk(self, chunk: _Chunk, region: np.ndarray) -> float:
-        """Read one chunk into the region; returns when it finished."""
+        """Read one chunk into the region (at most as many at once as tune_readers chose);
+        returns when it finished."""
+        with self._in_flight:
+            return self._read_chunk_now(chunk, region)
+
+    def _read_chunk_now(self, chunk: _Chunk, region: np.ndarray) -> float:
         if self.direct and chunk.file.fd != chunk.file.buffered_fd:
             try:
                 self._read_direct(chunk, region)
@@ -477,6 +513,7 @@ class DiskTier:
             "disk_lookahead": self.lookahead.depth,
             "disk_ring_too_small": self.lookahead.ring_too_small,
             "direct_io": self.direct,
+            "disk_reads_at_once": self.reads_at_once,
         }
 
     def describe(self) -> str:
@@ -484,8 +521,8 @@ class DiskTier:
         io = "direct I/O" if self.direct else "buffered I/O"
         pinned = "pinned" if self.pinned else "pageable"
         return (
-            f"{len(tiers.ram)} layer(s) in host RAM, {len(tiers.disk)} read from disk ({io}, {self.readers} "
-            f"readers) into a ring of {tiers.ring_regions} x {tiers.region_bytes / MiB:.1f} MiB = "
+            f"{len(tiers.ram)} layer(s) in host RAM, {len(tiers.disk)} read from disk ({io}, {self.reads_at_once} "
+            f"at once) into a ring of {tiers.ring_regions} x {tiers.region_bytes / MiB:.1f} MiB = "
             f"{tiers.ring_bytes / GiB:.3f} GiB, {pinned}"
         )
 
@@ -560,22 +597,3 @@ def _done(event) -> bool:
 def _wait(event) -> None:
     if event is not None:
         event.synchronize()
-
-
-def plan_tiers(stream, layers: nn.ModuleList, path: str, sizes: Optional[List[int]] = None) -> Optional[Tiers]:
-    """Where each layer of a model being loaded lives under ``stream.host_budget`` (None: no
-    budget, every layer in host RAM). Sized from the meta model before any weight is read,
-    or from ``sizes`` (the packed NF4 layers, as the planner computes them)."""
-    from .discovery import layer_name
-    from .disk_plan import resolve_host_budget, split_tiers
-    from .store import host_memory
-
-    budget = resolve_host_budget(stream.host_budget, host_memory())
-    if budget is None:
-        return None
-    if sizes is None:
-        sizes = [
-            HostStore.plan_layer(i, layer_name(path, i), layer, lambda t: True).nbytes for i, layer in enumerate(layers)
-        ]
-    tiers = split_tiers(sizes, budget)
-    return tiers if tiers.disk else None

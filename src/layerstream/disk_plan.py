@@ -154,3 +154,15 @@ def busy_seconds(intervals: List[Tuple[float, float]]) -> float:
             total += stop - end
             end = stop
     return total
+
+
+# several reads in flight must read this much faster than one to be chosen
+READERS_GAIN = 1.10
+
+
+def pick_readers(rates: dict) -> int:
+    """How many reads to keep in flight, from probed read rates {readers: bytes/s}: the
+    fewest readers within ``READERS_GAIN`` of the fastest (NVMe drives read faster with
+    several requests in flight; some disks, virtual ones among them, read slower)."""
+    best = max(rates.values())
+    return min(count for count, rate in rates.items() if rate * READERS_GAIN >= best)

@@ -39,7 +39,8 @@ from .checkpoint import (
 )
 from .config import StreamConfig
 from .discovery import find_decoder_layers, layer_name
-from .store import HostStore, check_host_memory
+from .disk_plan import Tiers, resolve_host_budget, split_tiers
+from .store import HostStore, check_host_memory, host_memory
 
 logger = logging.getLogger(__name__)
 
@@ -483,7 +484,7 @@ def from_pretrained(
     packed = None
     if quantization == "nf4" and config_stream.host_budget is not None:
         packed = _nf4_layer_bytes(config, torch_dtype, bnb_4bit_use_double_quant, len(layers))
-    tiers = disk.plan_tiers(config_stream, layers, path, packed)
+    tiers = plan_tiers(config_stream, layers, path, packed)
     _check_host_memory(config, quantization, torch_dtype, config_stream, bnb_4bit_use_double_quant, tiers)
     reader = _Reader(files)
 
@@ -543,6 +544,8 @@ def from_pretrained(
     if missing:  # validate_checkpoint refuses these up front; kept in case the two ever disagree
         error = missing_tensors_error(directory, missing)
         raise _transformers_can_load(error) if any(".experts." in name for name in missing) else error
+    if store.disk is not None:
+        store.disk.tune_readers()
     if store.segment is not None:
         from .store import layer_layout
 
@@ -552,3 +555,18 @@ def from_pretrained(
         model.hf_quantizer = quantizer
     model.eval()
     return attach_runtime(model, path, layers, config_stream, store.records, store)
+
+
+def plan_tiers(stream, layers: nn.ModuleList, path: str, sizes: Optional[list] = None) -> Optional[Tiers]:
+    """Where each layer of a model being loaded lives under ``stream.host_budget`` (None: no
+    budget, every layer in host RAM). Sized from the meta model before any weight is read,
+    or from ``sizes`` (the packed NF4 layers, as the planner computes them)."""
+    budget = resolve_host_budget(stream.host_budget, host_memory())
+    if budget is None:
+        return None
+    if sizes is None:
+        sizes = [
+            HostStore.plan_layer(i, layer_name(path, i), layer, lambda t: True).nbytes for i, layer in enumerate(layers)
+        ]
+    tiers = split_tiers(sizes, budget)
+    return tiers if tiers.disk else None
