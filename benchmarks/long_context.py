@@ -116,7 +116,9 @@ def probe(args) -> dict:
             model.to(device)
             what = "resident"
         else:
-            budget = None if device == "cpu" else (f"{cell['vram_gib']}GiB" if args.cap else "auto")
+            # under the cap, "auto" is the capped memory: the run measures what fits instead of
+            # an explicit budget's up-front plan refusing what the planner predicts will not
+            budget = None if device == "cpu" else "auto"
             layerstream.stream_model(model, device=device, vram_budget=budget, **_parsed(options))
             model.to(device)
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
@@ -134,6 +136,8 @@ def probe(args) -> dict:
             times.append(time.perf_counter() - start)
     except torch.OutOfMemoryError as exc:
         return {"ok": False, "why": f"out of memory: {str(exc).splitlines()[0][:200]}"}
+    except layerstream.StreamingError as exc:  # refused before computing (e.g. host memory for offload)
+        return {"ok": False, "why": f"refused: {str(exc).splitlines()[0][:200]}"}
     peak = torch.cuda.max_memory_allocated() / GiB if device == "cuda" else None
     return {"ok": True, "step_s": times, "peak_allocated_gib": peak, "config": what}
 
