@@ -3,6 +3,7 @@
 import torch
 
 import layerstream
+from layerstream import swap
 
 from tiny import assert_traces_equal, batch, peft_pair, stream, train_steps
 
@@ -51,3 +52,16 @@ def test_moving_to_the_device_it_streams_to_changes_nothing():
     runtime.move_to("cpu")
     assert runtime.pool is pool
     assert_traces_equal(train_steps(streamed, 1), train_steps(resident, 1))
+
+
+def test_a_streamed_layer_runs_its_class_forward_not_one_wrapped_again():
+    """transformers >= 5.23 wraps the forward of every subclass of a decoder layer for
+    gradient checkpointing; the streamed layer's class (a subclass made by layerstream) keeps
+    the original class's forward, so each visit calls it once, unwrapped again."""
+    streamed, resident = peft_pair("llama", layers=3)
+    layer = streamed.base_model.model.model.layers[0]
+    original = type(layer).forward
+    stream(streamed, "cpu", slots=2)
+    assert swap.original_class(layer) is not type(layer)  # streaming swapped its class
+    assert type(layer).forward is original
+    assert_traces_equal(train_steps(streamed, steps=2), train_steps(resident, steps=2))

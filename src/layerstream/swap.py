@@ -50,10 +50,19 @@ def _composed(base: type, mixins: Tuple[type, ...]) -> type:
         names = {"__module__": base.__module__, "__qualname__": base.__qualname__}
         core = base
         for below in (m for m in mixins if getattr(m, "replaces", None) is not None):
-            core = below if core is below.replaces else type(base.__name__, (core, below), dict(names))
+            core = below if core is below.replaces else _undecorated(type(base.__name__, (core, below), dict(names)))
         front = tuple(m for m in reversed(mixins) if getattr(m, "replaces", None) is None)
-        cls = type(base.__name__, (*front, core), {**names, _BASE: base, _MIXINS: mixins})
+        cls = _undecorated(type(base.__name__, (*front, core), {**names, _BASE: base, _MIXINS: mixins}))
         _CLASSES[key] = cls
+    return cls
+
+
+def _undecorated(cls: type) -> type:
+    """Drop a ``forward`` that a base class's ``__init_subclass__`` put on ``cls`` when it was
+    made (transformers >= 5.23 wraps every subclass's forward for gradient checkpointing):
+    the swapped class keeps the original class's own forward, not one wrapped twice."""
+    if "forward" in cls.__dict__:
+        delattr(cls, "forward")
     return cls
 
 
