@@ -294,3 +294,36 @@ def test_the_load_probes_the_disk_and_reads_as_many_at_once_as_it_chose(checkpoi
     resident = _peft(_load(checkpoint))
     assert_traces_equal(train_steps(model, steps=2), train_steps(resident, steps=2))
     assert most[0] == 1 if chosen == 1 else most[0] > 1
+
+
+def test_a_read_error_while_the_load_probes_the_disk_names_the_file_and_leaves_no_file_open(checkpoint, monkeypatch):
+    """The load-time probe of reads in flight reads the disk layers' files: an I/O error there
+    is the disk tier's error (file named, what to check), and the failed load closes them."""
+    import gc
+
+    def open_in_checkpoint():
+        gc.collect()  # models of earlier tests close their files when collected
+        links = []
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                links.append(os.readlink(f"/proc/self/fd/{fd}"))
+            except OSError:  # closed meanwhile
+                pass
+        return sorted(link for link in links if link.startswith(str(checkpoint)))
+
+    read = os.preadv
+
+    def failing(fd, buffers, offset):
+        if os.readlink(f"/proc/self/fd/{fd}").startswith(str(checkpoint)):
+            raise OSError(errno.EIO, "Input/output error")
+        return read(fd, buffers, offset)
+
+    before = open_in_checkpoint()
+    monkeypatch.setattr(os, "preadv", failing)
+    with pytest.raises(DiskReadError, match="Input/output error") as caught:
+        _load(checkpoint, _small_budget(checkpoint))
+    message = str(caught.value)
+    assert ".safetensors" in message and "Check the disk" in message
+    monkeypatch.setattr(os, "preadv", read)
+    del caught  # its traceback holds the half-loaded model, whose weights map the files
+    assert open_in_checkpoint() == before

@@ -207,6 +207,23 @@ def test_a_step_shape_within_one_that_fit_the_vram_budget_is_not_planned_again(m
     assert planned == [(2, 16), (2, 24), (4, 8)]
 
 
+def test_a_refused_step_shape_does_not_let_a_smaller_one_that_cannot_fit_through():
+    """Only shapes that fit are remembered: after a refusal, a smaller shape that still does
+    not fit the budget is refused too (not taken for one within a shape that fit)."""
+    streamed, _ = peft_pair("llama", layers=4)
+    stream(streamed, "cpu", slots=2)
+    runtime = layerstream.get_runtime(streamed)
+    small, large = runtime.memory_plan(1, 64), runtime.memory_plan(1, 256)
+    assert small.peak_vram_bytes < large.peak_vram_bytes
+    runtime.config.vram_budget = small.reserve_bytes + (small.peak_vram_bytes + large.peak_vram_bytes) // 2
+    ids = batch(96, size=1, seq=64)
+    streamed(input_ids=ids, labels=ids).loss.backward()
+    for size, seq in [(2, 512), (1, 256)]:
+        ids = batch(96, size=size, seq=seq)
+        with pytest.raises(layerstream.StreamingError, match="does not fit vram_budget"):
+            streamed(input_ids=ids, labels=ids)
+
+
 def test_a_step_within_the_vram_budget_runs():
     streamed, resident = peft_pair("llama", layers=4)
     stream(streamed, "cpu", slots=2, vram_budget="2GiB")

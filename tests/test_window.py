@@ -168,7 +168,7 @@ def test_an_auto_budget_on_cuda_is_what_the_driver_reports_free_for_this_run():
     assert budget == min(total, free + torch.cuda.memory_reserved(), cap)
 
 
-def _trainer_losses(model, out, steps=4, accumulation=1):
+def _trainer_losses(model, out, steps=4, accumulation=1, callbacks=()):
     from datasets import Dataset
     from transformers import Trainer, TrainingArguments
 
@@ -193,7 +193,7 @@ def _trainer_losses(model, out, steps=4, accumulation=1):
         learning_rate=1e-2,
         seed=0,
     )
-    trainer = Trainer(model=model, args=args, train_dataset=data)
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=list(callbacks))
     trainer.train()
     return [e["loss"] for e in trainer.state.log_history if "loss" in e]
 
@@ -230,6 +230,37 @@ def test_a_step_that_runs_out_of_memory_is_run_again_with_a_smaller_window_and_s
     assert got == plain
 
 
+def test_a_step_that_runs_out_of_memory_after_an_unseen_new_parameter_is_not_run_again(tmp_path):
+    """A trainable parameter put into the model without a registration (``_parameters[...] =``)
+    is not in the step state: its gradient could not be put back, so a step that runs out of
+    memory stops with the explained error instead of running again with a wrong gradient."""
+    from transformers import TrainerCallback
+
+    streamed, _ = peft_pair("llama", layers=6)
+    stream(streamed, "cpu", slots=2, prefetch=1)
+    budget = _budget_for(streamed, extra_layers=4)
+    layerstream.unstream_model(streamed)
+    stream(streamed, "cpu", slots=2, prefetch=1, vram_budget=budget)
+    runtime = layerstream.get_runtime(streamed)
+    head = streamed.base_model.model.lm_head
+    raised = []
+
+    class NewBias(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == 3:  # after a step with a window read the parameters
+                head._parameters["bias"] = torch.nn.Parameter(torch.zeros(head.out_features))
+
+    def out_of_memory(module, args):
+        if runtime.window and head._parameters.get("bias") is not None and not raised and torch.is_grad_enabled():
+            raised.append(True)
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB")
+
+    streamed.base_model.model.model.layers[1].register_forward_pre_hook(out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError, match="layerstream: the GPU ran out of memory"):
+        _trainer_losses(streamed, tmp_path / "streamed", steps=5, callbacks=[NewBias()])
+    assert raised and runtime.stats()["oom_retries"] == 0
+
+
 def test_the_parameters_a_step_restores_are_walked_again_only_after_a_registration():
     """The retry's step state reads the model's parameters at every step; the walk over every
     module is kept until a parameter is registered anywhere, or the model is another."""
@@ -241,7 +272,10 @@ def test_the_parameters_a_step_restores_are_walked_again_only_after_a_registrati
     trainer = SimpleNamespace()
     first = _parameters(trainer, model)
     assert [id(p) for p in first] == [id(p) for p in model.parameters()]
-    assert _parameters(trainer, model) is first
+    walks = []
+    model.parameters = lambda *a, **k: walks.append(1) or torch.nn.Module.parameters(model, *a, **k)
+    assert [id(p) for p in _parameters(trainer, model)] == [id(p) for p in first] and not walks
+    del model.parameters
     model[0].extra = torch.nn.Parameter(torch.zeros(1))
     assert [id(p) for p in _parameters(trainer, model)] == [id(p) for p in model.parameters()]
     assert [id(p) for p in _parameters(trainer, other)] == [id(p) for p in other.parameters()]

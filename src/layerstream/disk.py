@@ -437,15 +437,17 @@ class DiskTier:
             return self.readers
         scratch, counts = self.regions[0].array, (1, self.readers)
         timed = {count: [0, 0.0] for count in counts}
-        for turn, index in enumerate(order[:4]):
+        for turn, index in enumerate(order[:4]):  # up to PROBE_BYTES of each of four layers
             count, chunks, size = counts[turn % 2], [], 0
-            for chunk in self.layers[index].chunks:
-                if size < PROBE_BYTES:
-                    chunks.append(chunk)
-                    size += sum(end - begin for begin, end, _ in chunk.pieces)
+            for chunk in (c for c in self.layers[index].chunks if size < PROBE_BYTES):
+                chunks.append(chunk)
+                size += sum(end - begin for begin, end, _ in chunk.pieces)
             start = time.perf_counter()
-            with ThreadPoolExecutor(max_workers=count) as probe:
-                list(probe.map(lambda chunk: self._read_chunk_now(chunk, scratch), chunks))
+            try:
+                with ThreadPoolExecutor(max_workers=count) as probe:
+                    list(probe.map(lambda chunk: self._read_chunk_now(chunk, scratch), chunks))
+            except OSError as exc:
+                raise self._read_error(self.layers[index], exc) from exc
             timed[count][0] += size
             timed[count][1] += time.perf_counter() - start
         self.probed = {count: size / max(seconds, 1e-9) for count, (size, seconds) in timed.items()}
@@ -456,8 +458,7 @@ class DiskTier:
         return self.reads_at_once
 
     def _read_chunk(self, chunk: _Chunk, region: np.ndarray) -> float:
-        """Read one chunk into the region (at most as many at once as tune_readers chose);
-        returns when it finished."""
+        """Read one chunk into the region (as many at once as tune_readers chose); returns when it finished."""
         with self._in_flight:
             return self._read_chunk_now(chunk, region)
 

@@ -16,6 +16,7 @@ safetensors files only); remote code runs only with ``trust_remote_code=True``.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -507,45 +508,48 @@ def from_pretrained(
     store = HostStore(config_stream.arena_bytes, pin=bool(config_stream.pin))
     store.segment = _shared_segment(config_stream, tiers, files, torch_dtype, quant_config, quant_device)
     follower = store.segment is not None and not store.segment.builder
-    cache = None
-    if tiers is not None:  # the layers the host budget does not hold are read from the files
-        store.disk = disk.DiskTier(tiers, pin=bool(config_stream.pin), verify=bool(config_stream.checksum))
-        if quantization == "nf4":  # ... from a cache of packed layers, written as they are quantised
-            settings = nf4_cache.quant_settings(quant_config, torch_dtype, quant_device)
-            source = nf4_cache.fingerprint(list(files.values()), settings)
-            cache = nf4_cache.LayerCache(nf4_cache.cache_directories(config_stream.disk_cache_dir, directory), source)
-    for index, layer in enumerate(layers):
-        prefix = f"{layer_name(path, index)}."
-        if cache is not None:
+    with _closed_on_failure(store):  # a load that fails leaves no open files behind
+        cache = None
+        if tiers is not None:  # the layers the host budget does not hold are read from the files
+            store.disk = disk.DiskTier(tiers, pin=bool(config_stream.pin), verify=bool(config_stream.checksum))
+            if quantization == "nf4":  # ... from a cache of packed layers, written as they are quantised
+                settings = nf4_cache.quant_settings(quant_config, torch_dtype, quant_device)
+                source = nf4_cache.fingerprint(list(files.values()), settings)
+                cache = nf4_cache.LayerCache(
+                    nf4_cache.cache_directories(config_stream.disk_cache_dir, directory), source
+                )
+        for index, layer in enumerate(layers):
+            prefix = f"{layer_name(path, index)}."
+            if cache is not None:
 
-            def quantise(layer=layer, prefix=prefix):
-                missing.extend(_load_module(layer, prefix, reader))
-                nf4.quantise_layer(layer, quant_device, torch_dtype, quant_config)
+                def quantise(layer=layer, prefix=prefix):
+                    missing.extend(_load_module(layer, prefix, reader))
+                    nf4.quantise_layer(layer, quant_device, torch_dtype, quant_config)
 
-            record, cached = cache.provide(index, prefix[:-1], layer, quantise)
-            if index in tiers.disk:
-                store.disk.attach(store, record, store.disk.add_cache_file(cached, record))
-                _return_freed_memory()
+                record, cached = cache.provide(index, prefix[:-1], layer, quantise)
+                if index in tiers.disk:
+                    store.disk.attach(store, record, store.disk.add_cache_file(cached, record))
+                    _return_freed_memory()
+                    continue
+            elif tiers is not None and index in tiers.disk:
+                store.disk.attach(store, HostStore.plan_layer(index, prefix[:-1], layer, lambda t: True), files)
                 continue
-        elif tiers is not None and index in tiers.disk:
-            store.disk.attach(store, HostStore.plan_layer(index, prefix[:-1], layer, lambda t: True), files)
-            continue
-        elif follower and quantization != "nf4":  # the bytes are in the shared store already
-            layer.to_empty(device="cpu")
-            record = HostStore.plan_layer(index, layer_name(path, index), layer, lambda t: True)
-        else:
-            missing += _load_module(layer, prefix, reader)
-            if quantization == "nf4":
-                nf4.quantise_layer(layer, quant_device, torch_dtype, quant_config)
-            record = HostStore.plan_layer(index, layer_name(path, index), layer, lambda t: True)
-        still = len(layers) - index if tiers is None else sum(1 for i in tiers.ram if i >= index)
-        store.add(record, expected_bytes=record.nbytes * still)
-        _return_freed_memory()
-    if missing:  # validate_checkpoint refuses these up front; kept in case the two ever disagree
-        error = missing_tensors_error(directory, missing)
-        raise _transformers_can_load(error) if any(".experts." in name for name in missing) else error
-    if store.disk is not None:
-        store.disk.tune_readers()
+            elif follower and quantization != "nf4":  # the bytes are in the shared store already
+                layer.to_empty(device="cpu")
+                record = HostStore.plan_layer(index, layer_name(path, index), layer, lambda t: True)
+            else:
+                missing += _load_module(layer, prefix, reader)
+                if quantization == "nf4":
+                    nf4.quantise_layer(layer, quant_device, torch_dtype, quant_config)
+                record = HostStore.plan_layer(index, layer_name(path, index), layer, lambda t: True)
+            still = len(layers) - index if tiers is None else sum(1 for i in tiers.ram if i >= index)
+            store.add(record, expected_bytes=record.nbytes * still)
+            _return_freed_memory()
+        if missing:  # validate_checkpoint refuses these up front; kept in case the two ever disagree
+            error = missing_tensors_error(directory, missing)
+            raise _transformers_can_load(error) if any(".experts." in name for name in missing) else error
+        if store.disk is not None:
+            store.disk.tune_readers()
     if store.segment is not None:
         from .store import layer_layout
 
@@ -570,3 +574,14 @@ def plan_tiers(stream, layers: nn.ModuleList, path: str, sizes: Optional[list] =
         ]
     tiers = split_tiers(sizes, budget)
     return tiers if tiers.disk else None
+
+
+@contextlib.contextmanager
+def _closed_on_failure(store: HostStore):
+    """Close the disk tier's files if the load stops (a read error, a missing tensor)."""
+    try:
+        yield
+    except BaseException:
+        if store.disk is not None:
+            store.disk.close()
+        raise

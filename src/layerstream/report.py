@@ -71,6 +71,7 @@ def disk_stats(runtime) -> dict:
         "disk_lookahead": 0,
         "disk_ring_too_small": False,
         "direct_io": False,
+        "disk_reads_at_once": 0,
     }
 
 

@@ -321,18 +321,17 @@ class StreamRuntime(ResidentWindow, OffloadPolicy):
         their longest sequence come in a new shape at nearly every step)."""
         if any(batch <= b and seq <= s for b, s in self._budget_checked):
             return
-        self._budget_checked = {(b, s) for b, s in self._budget_checked if not (b <= batch and s <= seq)}
-        self._budget_checked.add((batch, seq))
         budget = self.config.vram_budget
         try:
             memory = self.memory_plan(batch, seq, vram_bytes=budget)
+            if not memory.fits:  # not recorded: a smaller shape is planned again
+                raise report.budget_refusal(memory, budget)
         except ValueError as exc:
             logger.warning(
                 "layerstream: vram_budget is not checked for this model: its memory cannot be predicted (%s)", exc
             )
-            return
-        if not memory.fits:
-            raise report.budget_refusal(memory, budget)
+        self._budget_checked = {(b, s) for b, s in self._budget_checked if not (b <= batch and s <= seq)}
+        self._budget_checked.add((batch, seq))
 
     def memory_plan(self, batch: int, seq: int, vram_bytes: int = 1 << 50, backward_slots=0, offload=None):
         """The memory planner's plan of this model streamed as it is (one call site);

@@ -25,6 +25,7 @@ import dataclasses
 import functools
 import logging
 import time
+import weakref
 from typing import Optional
 
 import torch
@@ -134,12 +135,15 @@ def _auto_stream(model, training_args) -> None:
 def _parameters(trainer, model: nn.Module) -> list:
     """``list(model.parameters())``, walked again only when the model changed or a parameter
     was registered anywhere since (``layer.registrations``): walking every module of a PEFT
-    model costs milliseconds, which a short training step notices."""
+    model costs milliseconds, which a short training step notices. Held weakly, so a deleted
+    adapter's tensors are not kept alive; a change no registration sees (a module built
+    earlier attached mid-run) is caught when a step runs out of memory (``_StepState.same``)."""
     registered = registrations()
     cached = trainer.__dict__.get("_layerstream_parameters")
     if cached is None or cached[0] is not model or cached[1] != registered:
-        cached = trainer._layerstream_parameters = (model, registered, list(model.parameters()))
-    return cached[2]
+        refs = [weakref.ref(p) for p in model.parameters()]
+        cached = trainer._layerstream_parameters = (model, registered, refs)
+    return [p for p in (ref() for ref in cached[2]) if p is not None]
 
 
 class _StepState:
@@ -161,6 +165,11 @@ class _StepState:
     def restorable(self) -> bool:
         return self.none or self.saved is not None
 
+    def same(self, model: nn.Module) -> bool:
+        """Whether the model's trainable parameters are the ones this state holds (else the
+        step cannot be put back as it started)."""
+        return [id(p) for p in model.parameters() if p.requires_grad] == [id(p) for p in self.params]
+
     def restore(self, device) -> None:
         torch.set_rng_state(self.cpu_rng)
         if self.cuda_rng is not None:
@@ -179,7 +188,7 @@ def _training_step_with_retry(original, trainer, model, args, kwargs):
         try:
             return original(trainer, model, *args, **kwargs)
         except torch.OutOfMemoryError as exc:
-            if state is None or not state.restorable or not runtime.window:
+            if state is None or not state.restorable or not runtime.window or not state.same(trainer.model):
                 raise runtime.explain_oom(exc, "in a training step") from exc
             wanted = wanted_bytes(exc) or 0
         # outside the except block: the failed step's frames and tensors are gone
