@@ -69,15 +69,21 @@ def _budget_for(model, extra_layers, seq=12, batch_size=2, slots=2):
     return budget
 
 
+def _stream_with_window_room(model, extra_layers: int):
+    """Stream ``model`` on the host under a budget with room for ``extra_layers`` window
+    layers (``_budget_for``, which plans the model as it streams); returns its runtime."""
+    stream(model, "cpu", slots=2, prefetch=1)
+    budget = _budget_for(model, extra_layers=extra_layers)
+    layerstream.unstream_model(model)
+    stream(model, "cpu", slots=2, prefetch=1, vram_budget=budget)
+    return layerstream.get_runtime(model)
+
+
 def test_a_vram_budget_keeps_as_many_layers_as_fit(caplog):
     """The first step runs with no window; from what it used (on the host: the planner's
     stand-in for a measurement), the window takes the layers that fit."""
     streamed, resident = peft_pair("llama", layers=6)
-    stream(streamed, "cpu", slots=2, prefetch=1)
-    budget = _budget_for(streamed, extra_layers=3)
-    layerstream.unstream_model(streamed)
-    stream(streamed, "cpu", slots=2, prefetch=1, vram_budget=budget)
-    runtime = layerstream.get_runtime(streamed)
+    runtime = _stream_with_window_room(streamed, extra_layers=3)
     with caplog.at_level("WARNING", logger="layerstream"):
         assert_traces_equal(train_steps(streamed, 1), train_steps(resident, 1))
         assert runtime.window == []
@@ -89,11 +95,7 @@ def test_a_vram_budget_keeps_as_many_layers_as_fit(caplog):
 
 def test_a_larger_batch_shape_shrinks_the_window_and_stays_exact():
     streamed, resident = peft_pair("llama", layers=6)
-    stream(streamed, "cpu", slots=2, prefetch=1)
-    budget = _budget_for(streamed, extra_layers=4)
-    layerstream.unstream_model(streamed)
-    stream(streamed, "cpu", slots=2, prefetch=1, vram_budget=budget)
-    runtime = layerstream.get_runtime(streamed)
+    runtime = _stream_with_window_room(streamed, extra_layers=4)
     assert_traces_equal(train_steps(streamed, 2), train_steps(resident, 2))
     first = len(runtime.window)
     assert first == 4
@@ -208,11 +210,7 @@ def test_a_step_that_runs_out_of_memory_is_run_again_with_a_smaller_window_and_s
     gradients and random state; the losses are the uninterrupted run's (LoRA dropout on)."""
     streamed, resident = peft_pair("llama", layers=6, lora={"lora_dropout": 0.1})
     plain = _trainer_losses(resident, tmp_path / "plain", accumulation=accumulation)
-    stream(streamed, "cpu", slots=2, prefetch=1)
-    budget = _budget_for(streamed, extra_layers=4)
-    layerstream.unstream_model(streamed)
-    stream(streamed, "cpu", slots=2, prefetch=1, vram_budget=budget)
-    runtime = layerstream.get_runtime(streamed)
+    runtime = _stream_with_window_room(streamed, extra_layers=4)
     layer = streamed.base_model.model.model.layers[1]
     calls = {"n": 0, "raised": False}
 
@@ -237,11 +235,7 @@ def test_a_step_that_runs_out_of_memory_after_an_unseen_new_parameter_is_not_run
     from transformers import TrainerCallback
 
     streamed, _ = peft_pair("llama", layers=6)
-    stream(streamed, "cpu", slots=2, prefetch=1)
-    budget = _budget_for(streamed, extra_layers=4)
-    layerstream.unstream_model(streamed)
-    stream(streamed, "cpu", slots=2, prefetch=1, vram_budget=budget)
-    runtime = layerstream.get_runtime(streamed)
+    runtime = _stream_with_window_room(streamed, extra_layers=4)
     head = streamed.base_model.model.lm_head
     raised = []
 
