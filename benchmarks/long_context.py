@@ -177,7 +177,9 @@ def search(cell: str, bounds: Bounds, options: dict, args, deadline: float, stat
     step = args.granularity
     while bounds.fails - bounds.fits > step and time.time() < deadline:
         seq = max(step, (bounds.fits + bounds.fails) // 2 // step * step)
-        result = run_probe(cell, seq, "streamed", options, args, steps=1, cap=True)
+        # two steps: the first sizes the resident window and the optimizer creates its state
+        # at its end, so a length trains only when a second step runs as well
+        result = run_probe(cell, seq, "streamed", options, args, steps=2, cap=True)
         print(f"{cell}: {seq} tokens -> {'fits' if result['ok'] else result['why']}", flush=True)
         if result["ok"]:
             bounds.fits = seq
@@ -209,9 +211,10 @@ def measure(cell: str, seq: int, options: dict, args) -> dict:
         "lora": "r=32 all-linear",
         "batch": 1,
     }
-    if timed["ok"]:
-        step = statistics.median(timed["step_s"][args.warmup :])
-        row.update(step_s=step, tokens_per_s=seq / step, peak_allocated_gib=timed["peak_allocated_gib"])
+    if not timed["ok"]:  # no row: the length did not train for the timed steps
+        return {"timed_failure": timed["why"], "max_tokens": seq}
+    step = statistics.median(timed["step_s"][args.warmup :])
+    row.update(step_s=step, tokens_per_s=seq / step, peak_allocated_gib=timed["peak_allocated_gib"])
     for mode in ("resident", "streamed"):  # the best without the long-context settings, full memory
         base = run_probe(cell, seq, mode, {}, args, steps=args.warmup + args.steps, cap=False)
         if base["ok"]:
@@ -284,6 +287,11 @@ def main(argv=None) -> int:
             print(f"{cell}: searched ({bounds.fits} tokens); out of time before timing it; run again")
             continue
         row = measure(cell, bounds.fits, options, args)
+        if "timed_failure" in row:  # searched with fewer steps than timed: search below it again
+            print(f"{cell}: {bounds.fits} tokens failed when timed: {row['timed_failure']}", flush=True)
+            state[cell] = dataclasses.asdict(Bounds(fits=args.lo, fails=bounds.fits))
+            _write(args.state, state)
+            continue
         rows = [
             r
             for r in rows

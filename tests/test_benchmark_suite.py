@@ -269,6 +269,31 @@ def test_long_context_benchmark_runs_its_whole_harness_on_the_cpu(tmp_path, monk
     assert row["tokens_per_s"] == pytest.approx(row["max_tokens"] / row["step_s"])
 
 
+def test_a_length_that_fails_when_timed_is_not_published_and_is_searched_below_again(tmp_path, monkeypatch):
+    """The search's probes run fewer steps than the timed run: a length whose timed run
+    fails gets no row (its failure is said) and the next run searches below it."""
+    import long_context
+
+    calls = []
+
+    def fake_probe(cell, seq, mode, options, args, steps, cap):
+        calls.append((seq, mode, steps))
+        if mode == "streamed" and steps > 2:
+            return {"ok": False, "why": "out of memory: the third step"}
+        if seq > 4096:
+            return {"ok": False, "why": "out of memory"}
+        return {"ok": True, "step_s": [1.0] * steps, "peak_allocated_gib": 1.0, "config": mode}
+
+    monkeypatch.setattr(long_context, "run_probe", fake_probe)
+    state, out = tmp_path / "state.json", tmp_path / "rows.json"
+    argv = ["--cells", "llama3-8b:nf4:12", "--state", str(state), "--out", str(out), "--hi", "8192"]
+    assert long_context.main(argv + ["--granularity", "1024"]) == 0
+    assert not out.exists(), "no row for a length that did not train when timed"
+    assert json.loads(state.read_text())["llama3-8b:nf4:12"] == {"fits": 0, "fails": 4096}
+    assert all(steps == 2 for _, mode, steps in calls[:-1]), "search probes run two steps"
+    assert not [c for c in calls if c[1] == "resident"], "no baseline timed for a length that failed"
+
+
 def test_long_context_benchmark_refuses_a_bad_stream_option_before_any_probe():
     import long_context
 

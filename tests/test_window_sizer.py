@@ -1,5 +1,7 @@
 """The resident window's size from measured memory (window.WindowSizer): pure logic."""
 
+import dataclasses
+
 from layerstream.window import Reading, WindowSizer, margin_bytes
 
 GiB = 1 << 30
@@ -70,3 +72,33 @@ def test_after_running_out_of_memory_the_window_frees_the_allocation_and_the_mar
     sizer.record(_reading(allocated=GiB, reserved=GiB))
     assert sizer.size(limit, 2048, 0) == shrunk, "never back to a size that ran out of memory"
     assert sizer.shrink_after_oom(1, 1, limit) == 0
+
+
+def test_memory_a_step_left_allocated_is_room_the_next_step_does_not_have():
+    """An optimizer creates its state at its first step(), after the first training step's
+    peak: the second step runs that much higher than the first measured. A window filled to
+    the margin from the first step alone runs the second out of memory when the state is
+    larger than the margin; counted, the second step stays under the limit."""
+    limit, state = 12 * GiB, 3 * GiB // 4  # AdamW state of LoRA r32 on an 8B model: ~0.7 GB
+    first = _reading(allocated=8 * GiB, reserved=8 * GiB, start=4 * GiB)
+
+    def second_step_peak(end_allocated):
+        sizer = WindowSizer(32, LAYER // 4)
+        sizer.record(dataclasses.replace(first, end_allocated=end_allocated))
+        window = sizer.size(limit, 2048, 0)
+        return first.peak_allocated + state + window * sizer.layer_bytes
+
+    assert second_step_peak(first.start_allocated + state) <= limit - margin_bytes(limit) + LAYER // 4
+    assert second_step_peak(None) > limit, "unmeasured, the state runs the second step out of memory"
+
+
+def test_a_step_that_left_nothing_behind_gives_back_the_room_at_the_next_reading():
+    sizer = WindowSizer(32, LAYER)
+    sizer.record(
+        dataclasses.replace(_reading(allocated=6 * GiB, reserved=6 * GiB, start=4 * GiB), end_allocated=5 * GiB)
+    )
+    held_back = sizer.size(12 * GiB, 2048, 0)
+    sizer.record(
+        dataclasses.replace(_reading(allocated=7 * GiB, reserved=7 * GiB, start=5 * GiB), end_allocated=5 * GiB)
+    )
+    assert sizer.size(12 * GiB, 2048, 0) == held_back, "the state, now inside the peak, is counted once"

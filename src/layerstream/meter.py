@@ -66,6 +66,7 @@ class CudaMeter:
             start_allocated=self._start_allocated,
             peak_allocated=stats.get("allocated_bytes.all.peak", 0),
             retries=stats.get("num_alloc_retries", 0) - self._start_retries,
+            end_allocated=stats.get("allocated_bytes.all.current", 0),
         )
 
     def release_cache(self) -> None:

@@ -16,6 +16,11 @@ window is sized from measurements:
   peak plus the overhead learnt at the first step standing for what it needs (its own
   reserved peak does not: under a cap the allocator keeps reserving up to the cap and
   recycles), and the window shrinks when a step came closer to the limit than the margin;
+- what a step left allocated beyond what it started with (an optimizer's state, created at
+  its first ``step()``, after the first training step's peak) is added to the next step's
+  prediction: the first step under-measures by exactly that, and a window filled to the
+  margin from it runs the second step out of memory whenever the state is larger than the
+  margin (LoRA r32 on every linear layer of an 8B model: 0.7 GB of AdamW state);
 - before a step with more tokens than any measured, the step's growth is predicted from
   the measured one (activation memory grows linearly with tokens) and the window shrinks
   first when it would not fit.
@@ -51,11 +56,20 @@ class Reading:
     start_allocated: int  # bytes allocated when the step began
     peak_allocated: int  # the allocated peak during the step
     retries: int  # allocations that had to free cached memory and retry (reported, not used)
+    end_allocated: Optional[int] = None  # bytes allocated when it was read (the next step's start)
 
     @property
     def transient(self) -> int:
         """What the step allocated on top of what lived across it (activations, loss)."""
         return max(0, self.peak_allocated - self.start_allocated)
+
+    @property
+    def kept(self) -> int:
+        """What the step left allocated beyond what it began with (optimizer state created
+        after its peak, gradients kept for accumulation): the next step starts that much higher."""
+        if self.end_allocated is None:
+            return 0
+        return max(0, self.end_allocated - self.start_allocated)
 
 
 class WindowSizer:
@@ -74,6 +88,7 @@ class WindowSizer:
         the reference step; activations grow linearly with the tokens of a step."""
         reference = self.reference
         peak = reference.peak_allocated + self.overhead + (window - reference.window) * self.layer_bytes + self.excess
+        peak += reference.kept
         if tokens > reference.tokens:
             peak += math.ceil(reference.transient * (tokens / reference.tokens - 1))
         return peak
