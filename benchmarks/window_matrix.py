@@ -17,8 +17,9 @@ A cell is ``shape:quantization:budget``, optionally followed by ``:key=value+key
 StreamConfig settings the run needs at that size (8B NF4 at 6 GiB needs the chunked loss:
 its full fp32 logits alone take 2.9 GiB). The hand sweep stops at the first size that
 runs out of memory, or after ``--hand-sizes`` sizes; the sizes that fitted are then timed
-again in reverse order (drift over the run cancels) and each size's time is the median of
-both rounds. Two ratios are kept: ``auto_vs_best``, the automatic run's own last steps
+in ``--rounds`` passes of alternating direction (drift over the run cancels) and each size's
+time is the median of all its steps; ``noise`` says how far one size's passes lie apart,
+the resolution below which this machine cannot rank sizes. Two ratios are kept: ``auto_vs_best``, the automatic run's own last steps
 against the best hand size, and ``auto_size_vs_best``, the size it chose timed as the hand
 sizes were (the automatic run's steps are the process's first, where a shared machine is
 still settling).
@@ -67,11 +68,14 @@ def _steps(model, optimizer, ids, count):
     return times
 
 
-def sweep(timed_at, auto_window: int, layers: int, sizes: int, out_of_memory=MemoryError) -> dict:
+def sweep(timed_at, auto_window: int, layers: int, sizes: int, out_of_memory=MemoryError, rounds: int = 2) -> dict:
     """The hand sweep: ``timed_at(size)`` gives a size's timed steps or raises
     ``out_of_memory``. Round 1 goes up from just below the automatic size until a size runs
-    out of memory (or ``sizes`` were tried); round 2 times the sizes that fitted again,
-    downwards, so drift over the run cancels; a size's time is the median of both rounds."""
+    out of memory (or ``sizes`` were tried); each further round times the sizes that fitted
+    again, in the other direction from the last, so drift over the run cancels. A size's
+    time is the median of all its steps. ``noise`` is how far one size's round medians lie
+    apart (the median over sizes of max / min - 1): a difference between sizes smaller than
+    that cannot rank them on this machine."""
     import statistics
 
     hand, size = [], max(0, auto_window - 1)
@@ -87,10 +91,16 @@ def sweep(timed_at, auto_window: int, layers: int, sizes: int, out_of_memory=Mem
             break
         size += 1
     fits = [h for h in hand if not h["out_of_memory"]]
-    for entry in reversed(fits):
-        entry["times"] += list(timed_at(entry["window"]))
+    for entry in fits:
+        entry["round_medians"] = [statistics.median(entry["times"])]
+    for round_index in range(1, rounds):
+        for entry in reversed(fits) if round_index % 2 else fits:
+            times = list(timed_at(entry["window"]))
+            entry["times"] += times
+            entry["round_medians"].append(statistics.median(times))
+    for entry in fits:
         entry["step_s"] = statistics.median(entry["times"])
-    result = {"hand": hand}
+    result = {"hand": hand, "rounds": rounds}
     if fits:
         best = min(fits, key=lambda h: h["step_s"])
         at_auto = [h for h in fits if h["window"] == auto_window]
@@ -99,12 +109,21 @@ def sweep(timed_at, auto_window: int, layers: int, sizes: int, out_of_memory=Mem
             best_hand_step_s=best["step_s"],
             # the size the automatic window chose, timed as every hand size was
             auto_size_vs_best=best["step_s"] / at_auto[0]["step_s"] if at_auto else None,
+            noise=statistics.median(max(h["round_medians"]) / min(h["round_medians"]) - 1 for h in fits),
         )
     return result
 
 
 def cell(
-    shape: str, quantization: str, budget_text: str, seq: int, auto_steps: int, timed: int, options: dict, sizes: int
+    shape: str,
+    quantization: str,
+    budget_text: str,
+    seq: int,
+    auto_steps: int,
+    timed: int,
+    options: dict,
+    sizes: int,
+    rounds: int = 2,
 ) -> dict:
     import statistics
 
@@ -163,7 +182,7 @@ def cell(
         runtime.set_window(spread_resident(len(runtime.records), size))
         return _steps(model, optimizer, ids, timed + 2)[-timed:]
 
-    row.update(sweep(timed_at, row["auto_window"], len(runtime.records), sizes, torch.OutOfMemoryError))
+    row.update(sweep(timed_at, row["auto_window"], len(runtime.records), sizes, torch.OutOfMemoryError, rounds))
     if "best_hand_step_s" in row:  # the automatic run's own last steps (the process's first)
         row["auto_vs_best"] = row["best_hand_step_s"] / row["auto_step_s"]
     return row
@@ -176,13 +195,16 @@ def main():
     parser.add_argument("--auto-steps", type=int, default=10)
     parser.add_argument("--timed", type=int, default=4)
     parser.add_argument("--hand-sizes", type=int, default=6, help="window sizes timed by hand at most")
+    parser.add_argument("--rounds", type=int, default=4, help="passes over the hand sizes, alternating direction")
     parser.add_argument("--out", default=str(HERE / "results"))
     parser.add_argument("--cell", default=None, help=argparse.SUPPRESS)  # one cell, in this process
     args = parser.parse_args()
     if args.cell:
         shape, quantization, budget, *extra = args.cell.split(":", 3)
         options = cell_options(extra[0] if extra else "")
-        row = cell(shape, quantization, budget, args.seq, args.auto_steps, args.timed, options, args.hand_sizes)
+        row = cell(
+            shape, quantization, budget, args.seq, args.auto_steps, args.timed, options, args.hand_sizes, args.rounds
+        )
         print("RESULT " + json.dumps(row))
         return
     rows = []
@@ -202,6 +224,8 @@ def main():
                 str(args.timed),
                 "--hand-sizes",
                 str(args.hand_sizes),
+                "--rounds",
+                str(args.rounds),
             ],
             capture_output=True,
             text=True,

@@ -12,9 +12,11 @@ compared); plain-versus-streamed pairs run alone.
     python benchmarks/zero_edit.py --part capped ...   # the capped-only runs (no timing: may share the GPU)
     python benchmarks/zero_edit.py --part pairs ...    # the plain-versus-streamed pairs (run alone)
 
-A pair's speed is the median over its steps of plain step time / streamed step time, step
-by step (both runs see the same batches in the same order, so batch lengths cancel), from
-the third step on; the medians of each run's step times are kept too.
+A pair runs in ``--pair-rounds`` rounds (plain, streamed, plain, streamed, ...), so drift of
+the machine over minutes falls on both sides. Its speed is the median over rounds and steps of
+plain step time / streamed step time, step by step (both runs see the same batches in the
+same order, so batch lengths cancel), from the third step on; each round's ratio and the ratio
+of the pooled medians are kept too.
 """
 
 from __future__ import annotations
@@ -129,9 +131,9 @@ def command(paths, script, shape, quantization, out: Path, steps: int, streamed:
     return ["layerstream", "run"] + args if streamed else [sys.executable] + args
 
 
-def run(paths, case, work: Path, steps: int, streamed: bool) -> dict:
+def run(paths, case, work: Path, steps: int, streamed: bool, tag: str = "") -> dict:
     script, shape, quantization, cap, _ = case
-    name = f"{script}-{shape}-{quantization}-{cap}-{'streamed' if streamed else 'plain'}"
+    name = f"{script}-{shape}-{quantization}-{cap}-{'streamed' if streamed else 'plain'}{tag}"
     out = work / "runs" / name
     (work / "runs").mkdir(parents=True, exist_ok=True)
     times = work / "runs" / f"{name}-times.json"
@@ -179,6 +181,9 @@ def main():
     parser.add_argument("--out", default=str(HERE / "results"))
     parser.add_argument("--steps", type=int, default=8, help="steps of each capped-only run")
     parser.add_argument("--pair-steps", type=int, default=24, help="steps of each run of a timed pair")
+    parser.add_argument(
+        "--pair-rounds", type=int, default=3, help="plain, streamed, plain, ...: rounds of each timed pair"
+    )
     parser.add_argument("--part", choices=("all", "capped", "pairs"), default="all")
     parser.add_argument("--parallel", type=int, default=4)
     parser.add_argument("--only", default=None, help="comma list of case names to run (script-shape-quant-cap)")
@@ -225,26 +230,40 @@ def main():
         save(rows)
     pairs = []
     for case in (c for c in cases if c[4] and args.part in ("all", "pairs")):
-        plain = run(paths, case, work, args.pair_steps, False)
-        rows.append(plain)
-        save(rows, pairs)
-        streamed = run(paths, case, work, args.pair_steps, True)
-        rows.append(streamed)
-        pairs.append(compare(case, plain, streamed))
+        # alternated, so that the machine's drift over minutes falls on both sides alike
+        plains, streameds = [], []
+        for round_index in range(args.pair_rounds):
+            tag = f"-round{round_index + 1}" if args.pair_rounds > 1 else ""
+            for streamed, runs in ((False, plains), (True, streameds)):
+                runs.append(run(paths, case, work, args.pair_steps, streamed, tag))
+                rows.append(runs[-1])
+                save(rows, pairs)
+        pairs.append(compare(case, plains, streameds))
         save(rows, pairs)
     print(json.dumps(pairs), flush=True)
 
 
-def compare(case, plain: dict, streamed: dict) -> dict:
-    """A pair's verdict: equal losses, and the streamed speed as a fraction of the plain one,
-    step by step from the third step (the same batches in the same order in both runs)."""
-    ratios = [p / s for p, s in zip(plain["step_s"][2:], streamed["step_s"][2:]) if s > 0]
+def compare(case, plains: list, streameds: list) -> dict:
+    """A pair's verdict over its rounds: equal losses in every run, and the streamed speed
+    as a fraction of the plain one: the median over rounds and steps (from the third) of
+    plain step / streamed step, each streamed run against the plain run just before it
+    (the same batches in the same order)."""
+    ratios, per_round = [], []
+    for plain, streamed in zip(plains, streameds):
+        these = [p / s for p, s in zip(plain["step_s"][2:], streamed["step_s"][2:]) if s > 0]
+        ratios += these
+        per_round.append(statistics.median(these) if these else None)
+    pooled = {
+        kind: [t for r in runs for t in r["step_s"][2:]] for kind, runs in (("plain", plains), ("streamed", streameds))
+    }
+    losses = [r["losses"] for r in plains + streameds]
     return {
         "case": "-".join(case[:4]),
-        "losses_equal": bool(plain["losses"]) and plain["losses"] == streamed["losses"],
+        "losses_equal": bool(losses[0]) and all(loss == losses[0] for loss in losses),
         "speed_vs_plain": statistics.median(ratios) if ratios else None,
-        "speed_vs_plain_of_medians": (plain["median_step_s"] / streamed["median_step_s"])
-        if plain["median_step_s"] and streamed["median_step_s"]
+        "speed_vs_plain_by_round": per_round,
+        "speed_vs_plain_of_medians": statistics.median(pooled["plain"]) / statistics.median(pooled["streamed"])
+        if pooled["plain"] and pooled["streamed"]
         else None,
         "steps_compared": len(ratios),
     }

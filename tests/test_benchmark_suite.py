@@ -383,6 +383,12 @@ def test_the_window_sweep_times_each_size_twice_and_stops_at_the_first_out_of_me
 
     result = window_matrix.sweep(timed_at, auto_window=4, layers=32, sizes=8)
     assert calls == [3, 4, 5, 6, 5, 4, 3]
+    assert result["noise"] == pytest.approx(0.125), "window 4: rounds of 0.9 and 0.8"
+    calls.clear()
+    times.update({3: [1.0] * 4, 4: [0.9, 0.8, 0.9, 0.8], 5: [1.0] * 4})
+    four = window_matrix.sweep(timed_at, auto_window=4, layers=32, sizes=8, rounds=4)
+    assert calls == [3, 4, 5, 6, 5, 4, 3, 3, 4, 5, 5, 4, 3], "passes alternate direction"
+    assert four["best_hand_step_s"] == pytest.approx(0.85) and four["noise"] == 0.0
     assert [h["window"] for h in result["hand"]] == [3, 4, 5, 6] and result["hand"][-1]["out_of_memory"]
     assert result["best_hand_window"] == 4 and result["best_hand_step_s"] == pytest.approx(0.85)
     assert result["auto_size_vs_best"] == 1.0
@@ -399,3 +405,19 @@ def test_window_matrix_cells_take_stream_settings_as_every_surface_parses_them()
     }
     with pytest.raises(Exception, match="unknown setting"):
         window_matrix.cell_options("chunk=1")
+
+
+def test_a_timed_pair_pools_its_alternated_rounds_and_needs_equal_losses_in_every_run():
+    import zero_edit
+
+    def runs(times, losses=(1.0, 0.5)):
+        return {"step_s": [9.0, 9.0] + times, "losses": list(losses)}
+
+    case = ("sft", "llama3.2-3b", "bf16", "24GiB", True)
+    plains = [runs([1.0, 1.0]), runs([2.0, 2.0])]  # the machine slowed between rounds ...
+    streameds = [runs([1.0, 1.0]), runs([2.0, 2.0])]  # ... for both sides alike
+    verdict = zero_edit.compare(case, plains, streameds)
+    assert verdict["speed_vs_plain"] == 1.0 and verdict["speed_vs_plain_by_round"] == [1.0, 1.0]
+    assert verdict["losses_equal"] and verdict["steps_compared"] == 4
+    streameds[1] = runs([2.0, 2.0], losses=(1.0, 0.4))
+    assert not zero_edit.compare(case, plains, streameds)["losses_equal"], "one round's losses differ"
