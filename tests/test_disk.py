@@ -7,6 +7,7 @@ import errno
 import logging
 import os
 
+import numpy as np
 import pytest
 import torch
 from peft import get_peft_model
@@ -269,7 +270,7 @@ def test_the_load_probes_the_disk_and_reads_as_many_at_once_as_it_chose(checkpoi
 
     monkeypatch.setattr(disk, "pick_readers", lambda rates: min(probed, key=lambda n: -probed[n]))
     running, most, lock = [0], [0], threading.Lock()
-    read_now = disk.DiskTier._read_chunk_now
+    read_now = disk.DiskTier._read_from_disk
 
     def counted(self, chunk, region):
         with lock:
@@ -290,7 +291,7 @@ def test_the_load_probes_the_disk_and_reads_as_many_at_once_as_it_chose(checkpoi
     assert sorted(tier.probed) == [1, disk.READERS] and all(rate > 0 for rate in tier.probed.values())
     assert f"reads {chosen} at a time" in caplog.text
     assert layerstream.get_runtime(model).stats()["disk_reads_at_once"] == chosen
-    monkeypatch.setattr(disk.DiskTier, "_read_chunk_now", counted)
+    monkeypatch.setattr(disk.DiskTier, "_read_from_disk", counted)
     resident = _peft(_load(checkpoint))
     assert_traces_equal(train_steps(model, steps=2), train_steps(resident, steps=2))
     assert most[0] == 1 if chosen == 1 else most[0] > 1
@@ -327,3 +328,39 @@ def test_a_read_error_while_the_load_probes_the_disk_names_the_file_and_leaves_n
     monkeypatch.setattr(os, "preadv", read)
     del caught  # its traceback holds the half-loaded model, whose weights map the files
     assert open_in_checkpoint() == before
+
+
+def test_with_one_read_in_flight_the_next_read_starts_while_the_last_chunk_is_copied_out():
+    """The gate on reads in flight holds only the disk read: copying a chunk out of the bounce
+    buffer runs beside the next read, so one read in flight keeps the disk busy."""
+    import threading
+    import time as time_mod
+    from types import SimpleNamespace
+
+    events, lock = [], threading.Lock()
+
+    def note(what):
+        with lock:
+            events.append(what)
+
+    class SlowCopy:  # the bounce buffer: reading pieces out of it takes a while
+        def __getitem__(self, key):
+            note("copy starts")
+            time_mod.sleep(0.05)
+            note("copy ends")
+            return np.zeros(key.stop - key.start, dtype=np.uint8)
+
+    def read_from_disk(chunk, region):
+        note("read")
+        return SlowCopy()
+
+    tier = SimpleNamespace(_in_flight=threading.BoundedSemaphore(1), _read_from_disk=read_from_disk)
+    chunk = SimpleNamespace(lo=0, pieces=[(0, 8, 0)])
+    region = np.zeros(16, dtype=np.uint8)
+    threads = [threading.Thread(target=disk.DiskTier._read_chunk, args=(tier, chunk, region)) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert events.count("read") == 2
+    assert events.index("read", 1) < events.index("copy ends"), "the second read waited for the first copy"

@@ -1,21 +1,17 @@
 """The disk tier: layers the host budget does not hold are read from the checkpoint's own
-safetensors files each time they are needed, into a small ring of page-locked staging
-regions, far enough ahead that the read hides behind compute (``disk_plan.ReadAhead``).
-
-Where the bytes come from: each tensor's offsets in its file, from the file's header
-(``checkpoint.read_layout``); nothing is copied out of the checkpoint. NF4 layers come from
-a second kind of source, a layer file of the NF4 cache (``nf4_cache``), which holds the
-layer's region byte for byte (``add_cache_file``). The model's own
-Parameters of a disk layer are views of a private (copy-on-write) memory map of those
-files, so they keep their shapes, dtypes and values (``save_pretrained``, ``unstream_model``
-and PEFT see ordinary CPU tensors) while no host RAM holds them: the pages are the page
-cache's, read only if something reads the tensor.
+safetensors files (each tensor's offsets from the file's header, ``checkpoint.read_layout``;
+nothing is copied out of the checkpoint) or from a layer file of the NF4 cache
+(``nf4_cache``, the layer's region byte for byte) each time they are needed, into a small
+ring of page-locked staging regions, far enough ahead that the read hides behind compute
+(``disk_plan.ReadAhead``). A disk layer's Parameters are views of a private (copy-on-write)
+memory map of those files: they keep their shapes, dtypes and values (``save_pretrained``,
+``unstream_model`` and PEFT see ordinary CPU tensors) while no host RAM holds them.
 
 Reads use direct I/O (O_DIRECT: aligned offsets, lengths and buffers, bypassing the page
 cache) where the file system allows it, and buffered reads otherwise, said once. Each
-layer's bytes are read in chunks by several reader threads, several layers in flight. A
-ring region is read into again only after the device copy that read it has completed (a
-CUDA event recorded after the copy; on the host the copy is synchronous).
+layer's bytes are read in chunks by reader threads, several layers in flight. A ring region
+is read into again only after the device copy that read it has completed (a CUDA event
+recorded after the copy; on the host the copy is synchronous).
 
 What is checked: before each read and again before its region is used, every file's size
 and modification time against those seen at load (a file changed under the run is
@@ -228,7 +224,7 @@ class DiskTier:
             record.host_values.append(_point_at(entry, view))
         HostStore._bound(record)
         used = {str(s[0].path): s[0] for s in spans}
-        layer = _Layer(record, [used[name] for name in sorted(used)], [], _gaps(record))
+        layer = _Layer(record, [used[name] for name in sorted(used)], [], record.uncovered())
         layer.chunks = self._chunks(spans)
         self.layers[record.index] = layer
         store.records.append(record)
@@ -430,8 +426,9 @@ class DiskTier:
 
     def tune_readers(self) -> int:
         """Choose how many reads run at once (at most ``readers``) from a short probe of the
-        disk layers' own bytes: one reader and all of them, each twice, alternately, on
-        different layers (some disks read slower with several reads in flight)."""
+        disk layers' own bytes: one read in flight and all of them, each twice, alternately, on
+        different layers (some disks read slower with several reads in flight). Both run as the
+        tier reads, through the same threads, so one read in flight overlaps the copies."""
         order = sorted(self.layers)
         if self.readers <= 1 or len(order) < 2:
             return self.readers
@@ -442,10 +439,11 @@ class DiskTier:
             for chunk in (c for c in self.layers[index].chunks if size < PROBE_BYTES):
                 chunks.append(chunk)
                 size += sum(end - begin for begin, end, _ in chunk.pieces)
+            gate = threading.BoundedSemaphore(count)
             start = time.perf_counter()
             try:
-                with ThreadPoolExecutor(max_workers=count) as probe:
-                    list(probe.map(lambda chunk: self._read_chunk_now(chunk, scratch), chunks))
+                with ThreadPoolExecutor(max_workers=self.readers) as probe:
+                    list(probe.map(lambda chunk: self._read_chunk(chunk, scratch, gate), chunks))
             except OSError as exc:
                 raise self._read_error(self.layers[index], exc) from exc
             timed[count][0] += size
@@ -457,33 +455,39 @@ class DiskTier:
         logger.warning("layerstream: the disk tier reads %d at a time (probed: %s)", self.reads_at_once, rates)
         return self.reads_at_once
 
-    def _read_chunk(self, chunk: _Chunk, region: np.ndarray) -> float:
-        """Read one chunk into the region (as many at once as tune_readers chose); returns when it finished."""
-        with self._in_flight:
-            return self._read_chunk_now(chunk, region)
+    def _read_chunk(self, chunk: _Chunk, region: np.ndarray, gate=None) -> float:
+        """Read one chunk into the region; returns when it finished. The gate (as many reads
+        at once as tune_readers chose) holds only the disk read: the copy out of the bounce
+        buffer runs outside it, beside the next read, so one read in flight keeps the disk busy."""
+        with gate or self._in_flight:
+            staged = self._read_from_disk(chunk, region)
+        if staged is not None:
+            for begin, end, at in chunk.pieces:
+                region[at : at + end - begin] = staged[begin - chunk.lo : end - chunk.lo]
+        return time.perf_counter()
 
-    def _read_chunk_now(self, chunk: _Chunk, region: np.ndarray) -> float:
+    def _read_from_disk(self, chunk: _Chunk, region: np.ndarray) -> Optional[np.ndarray]:
+        """One chunk's disk read: with direct I/O into this thread's aligned bounce buffer
+        (returned, to be copied out), else through the page cache straight into the region."""
         if self.direct and chunk.file.fd != chunk.file.buffered_fd:
             try:
-                self._read_direct(chunk, region)
-                return time.perf_counter()
+                return self._read_direct(chunk)
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
                 self._fall_back(f"a direct read of {chunk.file.path} was refused: {exc}")
         for begin, end, at in chunk.pieces:
             _read_fully(chunk.file, chunk.file.buffered_fd, memoryview(region[at : at + end - begin]), begin)
-        return time.perf_counter()
+        return None
 
-    def _read_direct(self, chunk: _Chunk, region: np.ndarray) -> None:
+    def _read_direct(self, chunk: _Chunk) -> np.ndarray:
         buffer, array = self._bounce()
         length = chunk.hi - chunk.lo
         needed = max(end for _, end, _ in chunk.pieces) - chunk.lo
         got = os.preadv(chunk.file.fd, [memoryview(buffer)[:length]], chunk.lo)
         if got < needed:  # direct reads end early only at the end of the file
             raise _short(chunk.file, chunk.lo, needed, got)
-        for begin, end, at in chunk.pieces:
-            region[at : at + end - begin] = array[begin - chunk.lo : end - chunk.lo]
+        return array
 
     def _fall_back(self, reason: str) -> None:
         with self._lock:
@@ -554,19 +558,6 @@ def _point_at(entry, view: torch.Tensor) -> torch.Tensor:
         return fresh
     entry.table[entry.name] = view
     return view
-
-
-def _gaps(record: LayerRecord) -> List[Tuple[int, int]]:
-    """Region bytes no tensor covers (alignment padding)."""
-    covered = sorted({(e.offset, e.offset + e.nbytes) for e in record.entries})
-    gaps, end = [], 0
-    for begin, stop in covered:
-        if begin > end:
-            gaps.append((end, begin))
-        end = max(end, stop)
-    if end < record.nbytes:
-        gaps.append((end, record.nbytes))
-    return gaps
 
 
 def _align_up(value: int) -> int:

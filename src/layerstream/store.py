@@ -104,6 +104,18 @@ class LayerRecord:
     # a disk-tier layer (no host region) in debug mode: the checksum of its bytes at load
     reference_checksum: Optional[int] = None
 
+    def uncovered(self) -> List[tuple]:
+        """(begin, end) of the region bytes no tensor covers (alignment padding)."""
+        covered = sorted({(e.offset, e.offset + e.nbytes) for e in self.entries})
+        gaps, end = [], 0
+        for begin, stop in covered:
+            if begin > end:
+                gaps.append((end, begin))
+            end = max(end, stop)
+        if end < self.nbytes:
+            gaps.append((end, self.nbytes))
+        return gaps
+
     def fresh(self) -> bool:
         """Whether every bound tensor is the one, at the version, the device copies were made
         from (the per-visit check: a dict lookup and a version read per tensor, no sync)."""
