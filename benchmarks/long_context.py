@@ -173,10 +173,56 @@ class Bounds:
     fails: int  # the shortest length known not to
 
 
-def search(cell: str, bounds: Bounds, options: dict, args, deadline: float, state: dict) -> Bounds:
+def next_length(bounds: Bounds, step: int, guess: int) -> int:
+    """Where the search probes next: the planner's ``guess`` while it lies between the
+    bounds, then strides of a quarter of it away from the side the guess fell on, then
+    bisection. A good guess ends the search in a few probes instead of ~log2(hi / step)."""
+    stride = max(step, guess // 4 // step * step)
+    if guess:
+        if bounds.fits < guess < bounds.fails:
+            return guess
+        if bounds.fits >= guess and bounds.fits + stride < bounds.fails:
+            return bounds.fits + stride
+        if bounds.fails <= guess and bounds.fails - stride > bounds.fits:
+            return bounds.fails - stride
+    return max(step, (bounds.fits + bounds.fails) // 2 // step * step)
+
+
+def planned_tokens(cell: str, options: dict, step: int) -> int:
+    """The memory planner's longest sequence for the cell with these settings, to the
+    search's step (0 where it has no plan: the tiny dry-run model)."""
+    from transformers import AutoConfig
+
+    from layerstream.plan import max_seq
+
+    from common import _shape_values
+
+    parsed = parse_cell(cell)
+    if parsed["shape"] == "tiny":
+        return 0
+    values = _shape_values(parsed["shape"])
+    config = AutoConfig.for_model(values.pop("model_type"), **values)
+    settings = _parsed(options)
+    longest = max_seq(
+        dict(
+            config=config,
+            seq=1,
+            batch=1,
+            vram_bytes=int(parsed["vram_gib"] * GiB),
+            quantization=parsed["quantization"],
+            lora_rank=32,
+            offload_activations=bool(settings.get("offload_activations")),
+            loss_chunk_tokens=settings.get("loss_chunk_tokens"),
+            mlp_tile_tokens=settings.get("mlp_tile_tokens"),
+        )
+    )
+    return longest // step * step
+
+
+def search(cell: str, bounds: Bounds, options: dict, args, deadline: float, state: dict, guess: int = 0) -> Bounds:
     step = args.granularity
     while bounds.fails - bounds.fits > step and time.time() < deadline:
-        seq = max(step, (bounds.fits + bounds.fails) // 2 // step * step)
+        seq = next_length(bounds, step, guess)
         # two steps: the first sizes the resident window and the optimizer creates its state
         # at its end, so a length trains only when a second step runs as well
         result = run_probe(cell, seq, "streamed", options, args, steps=2, cap=True)
@@ -242,6 +288,12 @@ def main(argv=None) -> int:
     parser.add_argument("--lo", type=int, default=0, help="a length known to fit (default: none)")
     parser.add_argument("--hi", type=int, default=524288, help="a length known not to fit")
     parser.add_argument("--granularity", type=int, default=1024, help="search to this many tokens")
+    parser.add_argument(
+        "--from-plan",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="start the search at the memory planner's longest sequence for the cell",
+    )
     parser.add_argument("--steps", type=int, default=3, help="timed steps (median)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's)")
@@ -276,7 +328,10 @@ def main(argv=None) -> int:
     deadline = time.time() + args.budget_s
     for cell in cells:
         bounds = Bounds(**state.get(cell, {"fits": args.lo, "fails": args.hi}))
-        bounds = search(cell, bounds, options, args, deadline, state)
+        guess = planned_tokens(cell, options, args.granularity) if args.from_plan else 0
+        if guess:
+            print(f"{cell}: the planner predicts {guess} tokens; the search starts there", flush=True)
+        bounds = search(cell, bounds, options, args, deadline, state, guess)
         if bounds.fails - bounds.fits > args.granularity:
             print(f"{cell}: out of time between {bounds.fits} and {bounds.fails} tokens; run again to go on")
             continue

@@ -421,3 +421,17 @@ def test_a_timed_pair_pools_its_alternated_rounds_and_needs_equal_losses_in_ever
     assert verdict["losses_equal"] and verdict["steps_compared"] == 4
     streameds[1] = runs([2.0, 2.0], losses=(1.0, 0.4))
     assert not zero_edit.compare(case, plains, streameds)["losses_equal"], "one round's losses differ"
+
+
+def test_the_long_context_search_starts_at_the_planners_guess_and_strides_from_it():
+    import long_context
+
+    Bounds, step = long_context.Bounds, 1024
+    assert long_context.next_length(Bounds(0, 524288), step, 51200) == 51200, "the guess first"
+    assert long_context.next_length(Bounds(51200, 524288), step, 51200) == 51200 + 12288, "it fitted: a quarter up"
+    assert long_context.next_length(Bounds(0, 51200), step, 51200) == 51200 - 12288, "it failed: a quarter down"
+    assert long_context.next_length(Bounds(51200, 63488), step, 51200) == 57344, "bracketed: bisection"
+    assert long_context.next_length(Bounds(0, 524288), step, 0) == 262144, "no guess: bisection"
+    guess = long_context.planned_tokens("llama3-8b:nf4:12", long_context.stream_options([]), step)
+    without = long_context.planned_tokens("llama3-8b:nf4:12", {}, step)
+    assert guess % step == 0 and guess > 21848 > without > 0, "the options lengthen what the planner predicts"
