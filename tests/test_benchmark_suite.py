@@ -435,3 +435,17 @@ def test_the_long_context_search_starts_at_the_planners_guess_and_strides_from_i
     guess = long_context.planned_tokens("llama3-8b:nf4:12", long_context.stream_options([]), step)
     without = long_context.planned_tokens("llama3-8b:nf4:12", {}, step)
     assert guess % step == 0 and guess > 21848 > without > 0, "the options lengthen what the planner predicts"
+
+
+def test_the_shared_store_benchmark_runs_its_ranks_under_torchrun_on_the_cpu(tmp_path):
+    """--dry-run: a tiny checkpoint, one process, then two ranks started by torchrun that
+    share one host store (one builds, both map it), and the row the issue asks for."""
+    import shared_store as bench
+
+    assert bench.main(["--dry-run", "--work", str(tmp_path / "work"), "--out", str(tmp_path)]) == 0
+    (row,) = json.loads((tmp_path / "shared-host-store.json").read_text())
+    keys = {"ranks", "model", "quantization", "host_bytes_per_node", "host_bytes_one_copy", "h2d_gbps_per_rank"}
+    assert keys | {"step_s", "single_process_step_s"} <= set(row)
+    assert row["ranks"] == 2 and row["shared"] == [True, True] and row["builders"] == 1
+    assert row["host_bytes_one_copy"] > 0 and row["host_bytes_per_node"] > 0 and row["step_s"] > 0
+    assert not list((tmp_path / "work" / "shm").iterdir()), "the last rank to leave removed the segment"
