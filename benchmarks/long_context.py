@@ -108,7 +108,7 @@ def probe(args) -> dict:
 
     model = _build(cell["shape"], cell["quantization"], args.layers)
     options = json.loads(args.options)
-    what = "streamed"
+    what, times = "streamed", []
     try:
         if args.mode == "resident":
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -123,7 +123,6 @@ def probe(args) -> dict:
             model.to(device)
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
         ids = torch.randint(3, model.config.vocab_size, (1, args.seq), device=device)
-        times = []
         for _ in range(args.steps):
             if device == "cuda":
                 torch.cuda.synchronize()
@@ -135,11 +134,21 @@ def probe(args) -> dict:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
     except torch.OutOfMemoryError as exc:
-        return {"ok": False, "why": f"out of memory: {str(exc).splitlines()[0][:200]}"}
+        why = f"out of memory at step {len(times) + 1}: {str(exc).splitlines()[0][:200]}"
+        return {"ok": False, "why": why, **_window(model)}
     except layerstream.StreamingError as exc:  # refused before computing (e.g. host memory for offload)
-        return {"ok": False, "why": f"refused: {str(exc).splitlines()[0][:200]}"}
+        return {"ok": False, "why": f"refused at step {len(times) + 1}: {str(exc).splitlines()[0][:200]}"}
     peak = torch.cuda.max_memory_allocated() / GiB if device == "cuda" else None
-    return {"ok": True, "step_s": times, "peak_allocated_gib": peak, "config": what}
+    return {"ok": True, "step_s": times, "peak_allocated_gib": peak, "config": what, **_window(model)}
+
+
+def _window(model) -> dict:
+    """The resident window's changes (tokens, layers) in a streamed probe: what it chose."""
+    import layerstream
+
+    if not layerstream.is_streamed(model):
+        return {}
+    return {"window_changes": [list(change) for change in layerstream.get_runtime(model).window_changes]}
 
 
 def _parsed(options: dict) -> dict:
@@ -226,7 +235,8 @@ def search(cell: str, bounds: Bounds, options: dict, args, deadline: float, stat
         # two steps: the first sizes the resident window and the optimizer creates its state
         # at its end, so a length trains only when a second step runs as well
         result = run_probe(cell, seq, "streamed", options, args, steps=2, cap=True)
-        print(f"{cell}: {seq} tokens -> {'fits' if result['ok'] else result['why']}", flush=True)
+        verdict = "fits" if result["ok"] else result["why"]
+        print(f"{cell}: {seq} tokens -> {verdict}; window {result.get('window_changes')}", flush=True)
         if result["ok"]:
             bounds.fits = seq
         else:
