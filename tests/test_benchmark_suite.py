@@ -333,6 +333,10 @@ def test_disk_tier_benchmark_runs_its_whole_harness_on_the_cpu(tmp_path, monkeyp
     assert keys <= set(row) and row["quantization"] == quantization
     assert row["step_s"] > 0 and row["ram_step_s"] > 0 and row["disk_bound_s"] > 0
     assert row["disk_layers"] > 0 and row["first_loss_equals_ram_fed"] is True
+    phases = json.loads((tmp_path / f"tiny-{quantization}" / "phases.json").read_text())
+    before, after = (phases[p]["disk_gbps_by_readers"] for p in ("probe", "probe_after"))
+    assert row["disk_gbps"] == pytest.approx(max((before[n] + after[n]) / 2 for n in before)), "probes both sides"
+    assert row["strict_disk_bound_s"] <= row["disk_bound_s"]
     if quantization == "nf4":
         layer = tmp_path / "tiny-nf4" / "layer-00003.safetensors"
         assert layer.stat().st_blocks * 512 < layer.stat().st_size  # sparse: the loader never reads it
