@@ -42,6 +42,8 @@ class CudaMeter:
         self.budget = budget  # bytes, or "auto"
         self._start_allocated = 0
         self._start_retries = 0
+        self._start_peak: Optional[int] = None  # the peak when a step began without a reset
+        self._start_inputs = 0
 
     def limit(self) -> int:
         """What the run may reserve now: the budget, this process's fraction of the GPU and
@@ -49,24 +51,33 @@ class CudaMeter:
         reachable = gpu_memory_for_run(self.device)
         return reachable if self.budget == "auto" else min(int(self.budget), reachable)
 
-    def begin(self, reset: bool) -> None:
-        """Start measuring a step; ``reset``: from here on, not since an earlier peak."""
+    def begin(self, reset: bool, inputs: int = 0) -> None:
+        """Start measuring a step; ``reset``: from here on, not since an earlier peak;
+        ``inputs``: bytes of the step's inputs, allocated already."""
         if reset:
             torch.cuda.reset_peak_memory_stats(self.device)
         stats = torch.cuda.memory_stats(self.device)  # one read: each builds the whole table
         self._start_allocated = stats.get("allocated_bytes.all.current", 0)
         self._start_retries = stats.get("num_alloc_retries", 0)
+        self._start_peak = None if reset else stats.get("allocated_bytes.all.peak", 0)
+        self._start_inputs = inputs
 
-    def read(self, window: int, tokens: int) -> Reading:
+    def read(self, window: int, tokens: int, next_inputs: int = 0) -> Reading:
+        """What the step begun last used, read at the next step's start (``next_inputs``:
+        that step's inputs, allocated already)."""
         stats = torch.cuda.memory_stats(self.device)
+        peak = stats.get("allocated_bytes.all.peak", 0)
         return Reading(
             window=window,
             tokens=tokens,
             peak_reserved=stats.get("reserved_bytes.all.peak", 0),
             start_allocated=self._start_allocated,
-            peak_allocated=stats.get("allocated_bytes.all.peak", 0),
+            peak_allocated=peak,
             retries=stats.get("num_alloc_retries", 0) - self._start_retries,
+            start_inputs=self._start_inputs,
             end_allocated=stats.get("allocated_bytes.all.current", 0),
+            end_inputs=next_inputs,
+            own_peak=self._start_peak is None or peak > self._start_peak,
         )
 
     def release_cache(self) -> None:
@@ -86,10 +97,10 @@ class PlannedMeter:
     def limit(self) -> int:
         return self.budget
 
-    def begin(self, reset: bool) -> None:
+    def begin(self, reset: bool, inputs: int = 0) -> None:
         self._shape = self.runtime.last_shape  # the step about to run
 
-    def read(self, window: int, tokens: int) -> Reading:
+    def read(self, window: int, tokens: int, next_inputs: int = 0) -> Reading:
         batch, seq = self._shape
         memory = self.runtime.memory_plan(batch, seq)
         peak = memory.peak_vram_bytes + memory.reserve_bytes + window * self.runtime.store.largest_layer_bytes

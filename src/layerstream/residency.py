@@ -27,11 +27,12 @@ def _always_owned(tensor: torch.Tensor) -> None:
 class ResidentWindow:
     """Window sizing and placement; expects the runtime's records, pool, meter and sizer."""
 
-    def _size_window(self, tokens: int) -> None:
-        """At the start of a training step: read what the last one used and size the window."""
+    def _size_window(self, tokens: int, inputs: int = 0) -> None:
+        """At the start of a training step (``inputs``: bytes of its first layer's input, on
+        the device already): read what the last one used and size the window."""
         meter = self.meter
         if self._measured_tokens is not None:
-            self.sizer.record(meter.read(len(self._window), self._measured_tokens))
+            self.sizer.record(meter.read(len(self._window), self._measured_tokens, inputs))
         else:
             meter.release_cache()
         target = self.sizer.size(meter.limit(), tokens, len(self._window))
@@ -45,7 +46,7 @@ class ResidentWindow:
         self._measured_tokens = tokens
         reset = self._resets_left > 0
         self._resets_left -= 1
-        meter.begin(reset)
+        meter.begin(reset, inputs)
 
     def _set_window_size(self, count: int, tokens: int) -> None:
         before = len(self._window)

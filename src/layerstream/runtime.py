@@ -287,7 +287,7 @@ class StreamRuntime(ResidentWindow, OffloadPolicy):
         if isinstance(self.config.vram_budget, int):
             self._check_budget(*self.last_shape)
         if self.meter is not None:
-            self._size_window(self.last_shape[0] * self.last_shape[1])
+            self._size_window(self.last_shape[0] * self.last_shape[1], hidden.numel() * hidden.element_size())
         if self.backward.auto:
             self._decide_backward_slots(hidden)
 
