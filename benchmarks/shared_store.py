@@ -105,7 +105,7 @@ def rank_main(args) -> None:
         "h2d_gbps": rate,
         "step_s": times,
     }
-    print("RANK " + json.dumps(report), flush=True)
+    Path(args.reports, f"rank-{rank}.json").write_text(json.dumps(report))  # torchrun interleaves stdout
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()
@@ -174,6 +174,10 @@ def write_checkpoint(work: Path, shape: str, dry_run: bool) -> Path:
 
 def launch(args, checkpoint: Path, ranks: int, shm_dir: str) -> list:
     """Run the ranks (torchrun for several) and collect each rank's report."""
+    reports = Path(args.work) / f"reports-{ranks}"
+    reports.mkdir(parents=True, exist_ok=True)
+    for stale in reports.glob("rank-*.json"):
+        stale.unlink()
     own = [
         str(Path(__file__).resolve()),
         "--rank-run",
@@ -189,6 +193,8 @@ def launch(args, checkpoint: Path, ranks: int, shm_dir: str) -> list:
         str(args.warmup),
         "--used-before",
         str(node_used_bytes()),
+        "--reports",
+        str(reports),
     ] + (["--dry-run"] if args.dry_run else [])
     if ranks > 1:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"] + own
@@ -196,11 +202,11 @@ def launch(args, checkpoint: Path, ranks: int, shm_dir: str) -> list:
         command = [sys.executable] + own
     env = dict(os.environ, LAYERSTREAM_SHM_DIR=shm_dir, OMP_NUM_THREADS="1")
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=args.timeout_s)
-    reports = [json.loads(line[5:]) for line in done.stdout.splitlines() if line.startswith("RANK ")]
-    if len(reports) != ranks:
+    found = [json.loads(path.read_text()) for path in sorted(reports.glob("rank-*.json"))]
+    if len(found) != ranks:
         tail = (done.stdout + done.stderr)[-3000:]
-        raise SystemExit(f"{ranks} rank(s): {len(reports)} reported (exit {done.returncode}):\n{tail}")
-    return sorted(reports, key=lambda r: r["rank"])
+        raise SystemExit(f"{ranks} rank(s): {len(found)} reported (exit {done.returncode}):\n{tail}")
+    return sorted(found, key=lambda r: r["rank"])
 
 
 def row(args, ranks: int, reports: list, single: list) -> dict:
@@ -236,7 +242,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=os.environ.get("OUT") or str(HERE / "results"))
     parser.add_argument("--timeout-s", type=int, default=540)
     parser.add_argument("--dry-run", action="store_true", help="tiny model on the CPU, gloo: checks the harness")
-    for hidden in ("--checkpoint", "--used-before"):
+    for hidden in ("--checkpoint", "--used-before", "--reports"):
         parser.add_argument(hidden, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--rank-run", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
