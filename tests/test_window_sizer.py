@@ -129,7 +129,7 @@ def _run(
     Returns (window, peak) per step."""
     sizer = WindowSizer(64, layer)
     current, peak, window, steps = held, held, 0, []
-    measured = start = start_inputs = start_peak = None
+    measured = start = start_inputs = start_peak = grads_at_start = None
     resets_left, have_grads, have_state = resets, False, False
     for index, count in enumerate(tokens):
         current += count * inputs
@@ -147,13 +147,15 @@ def _run(
                     end_allocated=current,
                     end_inputs=count * inputs,
                     own_peak=start_peak is None or peak > start_peak,
+                    grads_at_start=grads_at_start,
+                    grads_at_end=have_grads,
                 )
             )
         target = sizer.size(limit, count, window)
         if target != window:
             current += (target - window) * layer
             window, resets_left = target, resets
-        measured, start, start_inputs = count, current, count * inputs
+        measured, start, start_inputs, grads_at_start = count, current, count * inputs, have_grads
         if resets_left > 0:
             peak, start_peak = current, None
         else:
@@ -253,3 +255,29 @@ def test_the_cuda_meter_reads_a_steps_own_peak_and_what_it_left_allocated(monkey
     assert not meter.read(window=2, tokens=2048).own_peak, "the peak did not rise: an earlier step's"
     stats["allocated_bytes.all.peak"] = 10 * GiB
     assert meter.read(window=2, tokens=2048).own_peak
+
+
+# 70B QLoRA-like: 450 MiB layers, fp32 LoRA gradients, AdamW state twice their size
+_70B = dict(held=6 * GiB, layer=450 * 2**20, act=3 * 2**20, inputs=16384, grads=int(0.83e9), state=int(1.66e9))
+
+
+def test_with_accumulation_the_window_waits_for_the_first_optimizer_step():
+    """The first optimizer step() comes after several micro-steps and its state plus its
+    buffers can exceed what the micro-steps used: the window stays as it is until a step
+    whose gradients were freed has been read."""
+    run = dict(_70B, limit=24 * GiB, grads=int(1.66e9), state=int(3.3e9), state_temps=int(1.66e9), accumulation=4)
+    steps = _run([512] * 12, **run)
+    assert max(peak for _, peak in steps) <= 24 * GiB
+    assert [window for window, _ in steps[:4]] == [0] * 4 and steps[-1][0] > 0
+
+
+def test_with_accumulation_and_random_lengths_no_micro_step_runs_out():
+    import random
+
+    for seed in range(40):
+        rng = random.Random(seed)
+        lengths = [rng.randint(512, 1024) for _ in range(48)]
+        for accumulation in (2, 4, 8):
+            steps = _run(lengths, **dict(_70B, limit=16 * GiB, accumulation=accumulation))
+            assert max(peak for _, peak in steps) <= 16 * GiB, (seed, accumulation)
+            assert _changes(steps[3 * accumulation + 8 :]) <= 3, (seed, accumulation)

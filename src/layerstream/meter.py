@@ -44,6 +44,7 @@ class CudaMeter:
         self._start_retries = 0
         self._start_peak: Optional[int] = None  # the peak when a step began without a reset
         self._start_inputs = 0
+        self._start_grads = False
 
     def limit(self) -> int:
         """What the run may reserve now: the budget, this process's fraction of the GPU and
@@ -51,9 +52,9 @@ class CudaMeter:
         reachable = gpu_memory_for_run(self.device)
         return reachable if self.budget == "auto" else min(int(self.budget), reachable)
 
-    def begin(self, reset: bool, inputs: int = 0) -> None:
+    def begin(self, reset: bool, inputs: int = 0, grads: bool = False) -> None:
         """Start measuring a step; ``reset``: from here on, not since an earlier peak;
-        ``inputs``: bytes of the step's inputs, allocated already."""
+        ``inputs``: bytes of the step's inputs, allocated already; ``grads``: gradients held."""
         if reset:
             torch.cuda.reset_peak_memory_stats(self.device)
         stats = torch.cuda.memory_stats(self.device)  # one read: each builds the whole table
@@ -61,10 +62,11 @@ class CudaMeter:
         self._start_retries = stats.get("num_alloc_retries", 0)
         self._start_peak = None if reset else stats.get("allocated_bytes.all.peak", 0)
         self._start_inputs = inputs
+        self._start_grads = grads
 
-    def read(self, window: int, tokens: int, next_inputs: int = 0) -> Reading:
+    def read(self, window: int, tokens: int, next_inputs: int = 0, grads: bool = False) -> Reading:
         """What the step begun last used, read at the next step's start (``next_inputs``:
-        that step's inputs, allocated already)."""
+        that step's inputs, allocated already; ``grads``: gradients held now)."""
         stats = torch.cuda.memory_stats(self.device)
         peak = stats.get("allocated_bytes.all.peak", 0)
         return Reading(
@@ -78,6 +80,8 @@ class CudaMeter:
             end_allocated=stats.get("allocated_bytes.all.current", 0),
             end_inputs=next_inputs,
             own_peak=self._start_peak is None or peak > self._start_peak,
+            grads_at_start=self._start_grads,
+            grads_at_end=grads,
         )
 
     def release_cache(self) -> None:
@@ -97,10 +101,10 @@ class PlannedMeter:
     def limit(self) -> int:
         return self.budget
 
-    def begin(self, reset: bool, inputs: int = 0) -> None:
+    def begin(self, reset: bool, inputs: int = 0, grads: bool = False) -> None:
         self._shape = self.runtime.last_shape  # the step about to run
 
-    def read(self, window: int, tokens: int, next_inputs: int = 0) -> Reading:
+    def read(self, window: int, tokens: int, next_inputs: int = 0, grads: bool = False) -> Reading:
         batch, seq = self._shape
         memory = self.runtime.memory_plan(batch, seq)
         peak = memory.peak_vram_bytes + memory.reserve_bytes + window * self.runtime.store.largest_layer_bytes

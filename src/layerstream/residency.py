@@ -14,6 +14,7 @@ from typing import List
 import torch
 
 from . import report, schedule
+from .layer import registrations
 
 logger = logging.getLogger("layerstream.runtime")
 
@@ -31,8 +32,9 @@ class ResidentWindow:
         """At the start of a training step (``inputs``: bytes of its first layer's input, on
         the device already): read what the last one used and size the window."""
         meter = self.meter
+        grads = self._gradients_held()
         if self._measured_tokens is not None:
-            self.sizer.record(meter.read(len(self._window), self._measured_tokens, inputs))
+            self.sizer.record(meter.read(len(self._window), self._measured_tokens, inputs, grads))
         else:
             meter.release_cache()
         target = self.sizer.size(meter.limit(), tokens, len(self._window))
@@ -46,7 +48,15 @@ class ResidentWindow:
         self._measured_tokens = tokens
         reset = self._resets_left > 0
         self._resets_left -= 1
-        meter.begin(reset, inputs)
+        meter.begin(reset, inputs, grads)
+
+    def _gradients_held(self) -> bool:
+        """Whether a trainable tensor holds a gradient now (mid-accumulation): the sizer
+        tells the gradients from the memory held for good by it."""
+        if getattr(self, "_trainable_at", None) != registrations():  # adapters may have come
+            self._trainable_at = registrations()
+            self._trainable = [p for p in self.model.parameters() if p.requires_grad]
+        return any(p.grad is not None for p in self._trainable)
 
     def _set_window_size(self, count: int, tokens: int) -> None:
         before = len(self._window)

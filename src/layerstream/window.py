@@ -16,22 +16,27 @@ window is sized from measurements:
   peak plus the overhead learnt at the first step standing for what it needs (its own
   reserved peak does not: under a cap the allocator keeps reserving up to the cap and
   recycles), and the window shrinks when a step came closer to the limit than the margin;
-- memory held between steps (the weights' resident part, an optimizer's state, gradients
-  kept for accumulation: what is allocated when a step starts, less the step's inputs and
-  the window's layers) is tracked as the most seen so far, and every prediction starts from
-  it: an optimizer creates its state at its first ``step()``, after the first training
-  step's peak, so a window filled to the margin from that step alone would run the second
-  out of memory whenever the state is larger than the margin (LoRA r32 on every linear
-  layer of an 8B model: 0.7 GB of AdamW state). What a step allocates above the memory it
-  began with (inputs, activations, gradients it creates) comes from the reference step;
-- the reference is the measured step with the most tokens, and of steps with as many, the
-  one that rose most above the memory it began with (with gradient accumulation the first
-  micro-step of each cycle creates the gradients, the others do not); a reading whose
-  allocated peak is not its own (no reset, and the peak did not rise during the step: an
-  earlier step's peak still stands) says nothing new and is not used. Where the first
-  step's peak is the optimizer's own first ``step()``, that peak holds the new state and
-  the memory held afterwards holds it again: the window stays smaller by that much until a
-  step with more tokens is measured (counted twice, never missed);
+- memory held between steps (the weights' resident part, an optimizer's state: what is
+  allocated when a step starts, less its inputs and the window's layers) is tracked as the
+  most seen, apart for the times gradients are held (mid-accumulation) and not; the
+  gradients' own size is what a micro-step that created and kept them grew by. A
+  prediction starts from the most of "held without gradients, plus gradients" and "held
+  with gradients", so gradient accumulation is neither missed nor counted twice;
+- what a step allocates above the memory it began with (inputs, activations, gradients it
+  creates and frees, optimizer buffers) is its rise: the most any measured step rose (less
+  gradients it kept) and, for more tokens than measured, the reference's rise scaled up;
+- the window grows only once a step has been read whose gradients were freed again (an
+  optimizer step and ``zero_grad`` done, so its state exists) or after many steps that
+  kept them (``zero_grad(set_to_none=False)``); before that it stays as it is. An
+  optimizer creates its state at its first ``step()``, after the first training step's
+  peak, so a window filled to the margin before that would run the step out of memory
+  whenever the state is larger than the margin (LoRA r32 on every linear layer of an 8B
+  model: 0.7 GB of AdamW state). Where that ``step()`` is itself a step's peak (short
+  batches, large trainable tensors) its state is counted twice, in that rise and in the
+  memory held afterwards: the window stays smaller by that much (counted twice, never
+  missed);
+- a reading whose allocated peak is not its own (no reset, and the peak did not rise during
+  the step: an earlier step's peak still stands) gives no rise;
 - before a step with more tokens than any measured, the step's growth is predicted from
   the measured one (activation memory grows linearly with tokens) and the window shrinks
   first when it would not fit.
@@ -44,7 +49,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 from .units import MiB
 
@@ -71,11 +76,17 @@ class Reading:
     end_allocated: Optional[int] = None  # bytes allocated when read: at the next step's start
     end_inputs: int = 0  # bytes of the next step's inputs, allocated then
     own_peak: bool = True  # False: the peak is an earlier step's (not reset, did not rise)
+    grads_at_start: bool = False  # trainable tensors held gradients when the step began
+    grads_at_end: bool = False  # ... and when it was read (accumulating)
 
     @property
     def transient(self) -> int:
         """What the step allocated on top of what lived across it (activations, loss)."""
         return max(0, self.peak_allocated - self.start_allocated)
+
+
+STEPS_KEEPING_GRADIENTS = 16  # readings with gradients held throughout: zero_grad keeps them
+GROWTH_TOLERANCE = 16 * MiB  # memory held for good that grew by less than this did not grow
 
 
 class WindowSizer:
@@ -84,10 +95,21 @@ class WindowSizer:
     def __init__(self, num_layers: int, layer_bytes: int):
         self.num_layers = num_layers
         self.layer_bytes = max(layer_bytes, 1)
-        self.reference: Optional[Reading] = None  # the step whose rise predicts the next ones
-        self.held = 0  # the most memory seen held between steps (no inputs, no window layers)
+        self.reference: Optional[Reading] = None  # the measured step with the most tokens
+        self.reference_rise = 0  # its rise, less gradients it kept
+        # the most a measured step rose (less gradients it kept), by whether it ended
+        # accumulating (gradients kept) or not (an optimizer step ran after it)
+        self.rises = {True: 0, False: 0}
+        # the rise of a step during which the memory held for good grew (the optimizer's
+        # first step(): its peak may hold the new state that is held from then on too), until
+        # a step of the same kind with as many tokens rose without anything growing
+        self.growing: Optional[Tuple[bool, int, int]] = None  # (accumulating, tokens, rise)
+        self.held_bare = 0  # the most memory held between steps without gradients
+        self.held_with_grads = 0  # ... and with them (mid-accumulation)
+        self.gradient_bytes = 0  # what a step that created gradients and kept them grew by
+        self.optimizer_seen = False  # a step was read whose gradients were freed after it
+        self.readings_keeping_grads = 0
         self.overhead = 0  # reserved beyond allocated at the first step (the allocator's own)
-        self.excess = 0  # how far a step with fewer tokens went past what the reference predicts
         self.max_window = num_layers  # lowered when a window ran a step out of memory
 
     def _held(self, allocated: int, inputs: int, window: int) -> int:
@@ -99,17 +121,22 @@ class WindowSizer:
         held = self._held(reading.start_allocated, reading.start_inputs, reading.window)
         return max(0, reading.peak_allocated - reading.window * self.layer_bytes - held)
 
+    @property
+    def held(self) -> int:
+        """The memory a step may begin with: held without gradients plus the gradients (the
+        first micro-step of a cycle creates them), or held with them, whichever is more."""
+        return max(self.held_bare + self.gradient_bytes, self.held_with_grads)
+
     def predicted_peak(self, tokens: int, window: int) -> int:
         """Peak reserved bytes of a step of ``tokens`` tokens with ``window`` layers: the
-        most memory held between steps so far, the window, and the reference step's rise
-        (activations grow linearly with the tokens of a step; fewer never predict less)."""
-        return self._predicted(tokens, window) + self.excess
-
-    def _predicted(self, tokens: int, window: int) -> int:
+        memory held between steps, the window, and the most a step rose (activations grow
+        linearly with the tokens of a step; fewer never predict less)."""
+        rise = max(self.rises.values())
+        if self.growing is not None:
+            rise = max(rise, self.growing[2])
         reference = self.reference
-        rise = self.rise(reference)
         if tokens > reference.tokens:
-            rise = math.ceil(rise * tokens / reference.tokens)
+            rise = max(rise, math.ceil(self.reference_rise * tokens / reference.tokens))
         return self.held + rise + window * self.layer_bytes + self.overhead
 
     def record(self, reading: Reading) -> None:
@@ -119,30 +146,54 @@ class WindowSizer:
             if reading.end_allocated is None
             else self._held(reading.end_allocated, reading.end_inputs, reading.window)
         )
-        self.held = max(self.held, start_held, end_held)
+        # memory held for good grew (or nothing was measured before: the optimizer's first step)
+        grew = not reading.grads_at_end and end_held > self.held_bare + GROWTH_TOLERANCE
+        for held, with_grads in ((start_held, reading.grads_at_start), (end_held, reading.grads_at_end)):
+            if with_grads:
+                self.held_with_grads = max(self.held_with_grads, held)
+            else:
+                self.held_bare = max(self.held_bare, held)
+        created = 0
+        if reading.grads_at_end:
+            self.readings_keeping_grads += 1
+            if not reading.grads_at_start:  # the first micro-step of a cycle: it kept what it created
+                created = max(0, end_held - start_held)
+                self.gradient_bytes = max(self.gradient_bytes, created)
+        else:  # the gradients its backward made are gone: an optimizer step and zero_grad ran
+            self.optimizer_seen = True
+        if self.readings_keeping_grads >= STEPS_KEEPING_GRADIENTS:
+            self.optimizer_seen = True
         if self.reference is None:
             self.overhead = max(0, reading.peak_reserved - reading.peak_allocated)
         elif not reading.own_peak:
             return  # an earlier step's peak still stands: this one's is unknown, and no higher
+        rise = max(0, self.rise(reading) - created)
+        kind = reading.grads_at_end
+        if grew:
+            if self.growing is None or rise >= self.growing[2]:
+                self.growing = (kind, reading.tokens, rise)
+        else:
+            self.rises[kind] = max(self.rises[kind], rise)
+            if self.growing is not None and self.growing[0] == kind and reading.tokens >= self.growing[1]:
+                self.growing = None  # a step of that kind rose without the growth: it was counted twice
         reference = self.reference
         if (
             reference is None
             or reading.tokens > reference.tokens
-            or (reading.tokens == reference.tokens and self.rise(reading) >= self.rise(reference))
+            or (reading.tokens == reference.tokens and rise >= self.reference_rise)
         ):
-            self.reference, self.excess = reading, 0
-            return
-        over = reading.peak_allocated + self.overhead - self._predicted(reading.tokens, reading.window)
-        self.excess = max(self.excess, over + (self.held - start_held))
+            self.reference, self.reference_rise = reading, rise
 
     def size(self, limit: int, tokens: int, window: int) -> int:
         """The window for the next step of ``tokens`` tokens, under ``limit`` bytes, with
-        ``window`` layers held now; before any measurement, none."""
+        ``window`` layers held now; before any measurement, none, and no growth before an
+        optimizer step has been read."""
         if self.reference is None:
             return 0
         room = limit - margin_bytes(limit) - self.predicted_peak(tokens, window)
         if room >= 0:
-            return min(self.max_window, window + room // self.layer_bytes)
+            grown = window + room // self.layer_bytes if self.optimizer_seen else window
+            return min(self.max_window, grown)
         return min(self.max_window, max(0, window - math.ceil(-room / self.layer_bytes)))
 
     def shrink_after_oom(self, window: int, wanted_bytes: int, limit: int) -> int:
