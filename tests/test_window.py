@@ -303,3 +303,32 @@ def test_on_cuda_the_window_is_sized_from_measured_memory_and_stays_exact():
     before = runtime.stats()["layer_loads"]
     train_steps(streamed, 1, "cuda")
     assert runtime.stats()["layer_loads"] == before, "window layers are not copied"
+
+
+def test_the_window_is_sized_only_after_a_backward_and_not_before_an_optimizer_step(monkeypatch):
+    """Two forwards before one backward (a custom loss), or a forward with no backward, are
+    one step still under way: the window is not read or resized in between. And it does not
+    grow while gradients are only accumulated: the optimizer's state is not there yet."""
+    streamed, _ = peft_pair("llama", layers=6)
+    runtime = _stream_with_window_room(streamed, extra_layers=3)
+    readings = []
+    real = runtime.sizer.record
+    monkeypatch.setattr(runtime.sizer, "record", lambda reading: readings.append(reading) or real(reading))
+    params = [p for p in streamed.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-3)
+    streamed.train()
+    ids = batch(96, size=2, seq=10, seed=0)
+    first = streamed(input_ids=ids, labels=ids).loss
+    second = streamed(input_ids=ids, labels=ids).loss
+    assert readings == [], "no reading between two forwards of one step"
+    (first + second).backward()
+    streamed(input_ids=ids, labels=ids).loss.backward()  # accumulating: gradients kept
+    assert len(readings) == 1 and readings[0].grads_at_end
+    assert runtime.window == [], "no growth before an optimizer step was read"
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    streamed(input_ids=ids, labels=ids)  # read here; its own backward never comes
+    assert len(readings) == 2 and not readings[-1].grads_at_end
+    assert len(runtime.window) == 3, "grown once the optimizer stepped"
+    streamed(input_ids=ids, labels=ids).loss.backward()
+    assert len(readings) == 2, "the forward without a backward was no step of its own"

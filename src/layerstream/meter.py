@@ -97,12 +97,14 @@ class PlannedMeter:
         self.runtime = runtime
         self.budget = budget
         self._shape = (1, 1)
+        self._grads = False
 
     def limit(self) -> int:
         return self.budget
 
     def begin(self, reset: bool, inputs: int = 0, grads: bool = False) -> None:
         self._shape = self.runtime.last_shape  # the step about to run
+        self._grads = grads
 
     def read(self, window: int, tokens: int, next_inputs: int = 0, grads: bool = False) -> Reading:
         batch, seq = self._shape
@@ -116,6 +118,8 @@ class PlannedMeter:
             start_allocated=peak - memory.activation_bytes,
             peak_allocated=peak,
             retries=0,
+            grads_at_start=self._grads,
+            grads_at_end=grads,
         )
 
     def release_cache(self) -> None:

@@ -32,6 +32,8 @@ class ResidentWindow:
         """At the start of a training step (``inputs``: bytes of its first layer's input, on
         the device already): read what the last one used and size the window."""
         meter = self.meter
+        if self._measured_tokens is not None and not self._backward_ran:
+            return  # the step measured has not run its backward yet (two forwards, or none): it goes on
         grads = self._gradients_held()
         if self._measured_tokens is not None:
             self.sizer.record(meter.read(len(self._window), self._measured_tokens, inputs, grads))
@@ -48,13 +50,16 @@ class ResidentWindow:
         self._measured_tokens = tokens
         reset = self._resets_left > 0
         self._resets_left -= 1
+        self._backward_ran = False
         meter.begin(reset, inputs, grads)
 
     def _gradients_held(self) -> bool:
         """Whether a trainable tensor holds a gradient now (mid-accumulation): the sizer
         tells the gradients from the memory held for good by it."""
-        if getattr(self, "_trainable_at", None) != registrations():  # adapters may have come
-            self._trainable_at = registrations()
+        self._trainable_age = getattr(self, "_trainable_age", 0) + 1
+        # adapters may have come, or requires_grad changed (looked at again every 32 steps)
+        if getattr(self, "_trainable_at", None) != registrations() or self._trainable_age > 32:
+            self._trainable_at, self._trainable_age = registrations(), 0
             self._trainable = [p for p in self.model.parameters() if p.requires_grad]
         return any(p.grad is not None for p in self._trainable)
 

@@ -69,6 +69,7 @@ class StreamRuntime(ResidentWindow, OffloadPolicy):
         self.sizer = WindowSizer(len(records), store.largest_layer_bytes)
         self.meter = self._new_meter()
         self._measured_tokens: Optional[int] = None  # tokens of the step being measured
+        self._backward_ran = False
         self._resets_left = WINDOW_RESETS
         self.last_shape: Tuple[int, int] = (1, 1)
         self._last_slot: Optional[int] = None  # the slot of the previous streamed visit
@@ -255,6 +256,7 @@ class StreamRuntime(ResidentWindow, OffloadPolicy):
 
     def _in_backward(self) -> None:
         passes.in_backward(self)
+        self._backward_ran = True  # the step being measured reached its backward
 
     # -- at the start of each pass -----------------------------------------------------
     def _start_pass(self, hidden: Optional[torch.Tensor], training: bool) -> None:

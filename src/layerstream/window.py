@@ -85,7 +85,9 @@ class Reading:
         return max(0, self.peak_allocated - self.start_allocated)
 
 
-STEPS_KEEPING_GRADIENTS = 16  # readings with gradients held throughout: zero_grad keeps them
+# readings after which the window may grow though no optimizer step was seen (an optimizer
+# without state whose zero_grad keeps the gradients): far more micro-steps than one accumulates
+READINGS_WITHOUT_OPTIMIZER = 256
 GROWTH_TOLERANCE = 16 * MiB  # memory held for good that grew by less than this did not grow
 
 
@@ -107,8 +109,8 @@ class WindowSizer:
         self.held_bare = 0  # the most memory held between steps without gradients
         self.held_with_grads = 0  # ... and with them (mid-accumulation)
         self.gradient_bytes = 0  # what a step that created gradients and kept them grew by
-        self.optimizer_seen = False  # a step was read whose gradients were freed after it
-        self.readings_keeping_grads = 0
+        self.optimizer_seen = False  # a step was read after which an optimizer step ran
+        self.readings = 0
         self.overhead = 0  # reserved beyond allocated at the first step (the allocator's own)
         self.max_window = num_layers  # lowered when a window ran a step out of memory
 
@@ -146,22 +148,29 @@ class WindowSizer:
             if reading.end_allocated is None
             else self._held(reading.end_allocated, reading.end_inputs, reading.window)
         )
-        # memory held for good grew (or nothing was measured before: the optimizer's first step)
-        grew = not reading.grads_at_end and end_held > self.held_bare + GROWTH_TOLERANCE
+        # memory held for good grew (or nothing was measured before: the optimizer's first
+        # step), gradients a cycle's first micro-step created and kept aside
+        if reading.grads_at_end:
+            grew = reading.grads_at_start and end_held > max(self.held_with_grads, start_held) + GROWTH_TOLERANCE
+        else:
+            grew = end_held > self.held_bare + GROWTH_TOLERANCE
         for held, with_grads in ((start_held, reading.grads_at_start), (end_held, reading.grads_at_end)):
             if with_grads:
                 self.held_with_grads = max(self.held_with_grads, held)
             else:
                 self.held_bare = max(self.held_bare, held)
         created = 0
-        if reading.grads_at_end:
-            self.readings_keeping_grads += 1
-            if not reading.grads_at_start:  # the first micro-step of a cycle: it kept what it created
-                created = max(0, end_held - start_held)
-                self.gradient_bytes = max(self.gradient_bytes, created)
-        else:  # the gradients its backward made are gone: an optimizer step and zero_grad ran
-            self.optimizer_seen = True
-        if self.readings_keeping_grads >= STEPS_KEEPING_GRADIENTS:
+        if reading.grads_at_end and not reading.grads_at_start:  # a cycle's first micro-step kept them
+            created = max(0, end_held - start_held)
+            self.gradient_bytes = max(self.gradient_bytes, created)
+        # an optimizer step ran: the gradients the step's backward made are gone again, or
+        # (gradients kept zeroed, not freed) memory held with them grew by its new state
+        self.readings += 1
+        if (
+            not reading.grads_at_end
+            or (reading.grads_at_start and end_held > start_held + GROWTH_TOLERANCE)
+            or self.readings >= READINGS_WITHOUT_OPTIMIZER
+        ):
             self.optimizer_seen = True
         if self.reference is None:
             self.overhead = max(0, reading.peak_reserved - reading.peak_allocated)
@@ -174,8 +183,12 @@ class WindowSizer:
                 self.growing = (kind, reading.tokens, rise)
         else:
             self.rises[kind] = max(self.rises[kind], rise)
-            if self.growing is not None and self.growing[0] == kind and reading.tokens >= self.growing[1]:
-                self.growing = None  # a step of that kind rose without the growth: it was counted twice
+            # an optimizer step (gradients freed after it) with as many tokens rose without the
+            # growth: it was counted twice. Where gradients are never freed (zero_grad keeps
+            # them) optimizer steps cannot be told from micro-steps, and it stays counted
+            growing = self.growing
+            if growing is not None and not growing[0] and not kind and reading.tokens >= growing[1]:
+                self.growing = None
         reference = self.reference
         if (
             reference is None
