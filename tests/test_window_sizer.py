@@ -119,11 +119,13 @@ def _run(
     state_temps=0,
     accumulation=1,
     resets=3,
+    set_to_none=True,
 ):
     """Device memory of a LoRA training loop, step by step: ``held`` bytes between steps, the
     window's layers, each step's inputs (``inputs`` per token, alive from the step's start)
     and activations (``act`` per token, at the backward peak); gradients created in backward
-    and freed after the optimizer step; the optimizer's ``state`` created at its first step
+    and freed after the optimizer step (zeroed and kept with ``set_to_none=False``); the
+    optimizer's ``state`` created at its first step
     (with ``state_temps`` more while it runs). Readings are taken as the runtime takes them:
     at the next step's start, the peak reset for ``resets`` steps after a window change.
     Returns (window, peak) per step."""
@@ -169,7 +171,8 @@ def _run(
             step_peak = max(step_peak, current + (0 if have_state else state) + state_temps)
             if not have_state:
                 current, have_state = current + state, True
-            current, have_grads = current - grads, False
+            if set_to_none:
+                current, have_grads = current - grads, False
         peak = max(peak, step_peak)
         steps.append((window, step_peak))
     return steps
@@ -281,3 +284,13 @@ def test_with_accumulation_and_random_lengths_no_micro_step_runs_out():
             steps = _run(lengths, **dict(_70B, limit=16 * GiB, accumulation=accumulation))
             assert max(peak for _, peak in steps) <= 16 * GiB, (seed, accumulation)
             assert _changes(steps[3 * accumulation + 8 :]) <= 3, (seed, accumulation)
+
+
+def test_where_zero_grad_keeps_the_gradients_the_window_grows_after_the_state_appears():
+    """zero_grad(set_to_none=False): gradients are never freed, so an optimizer step shows
+    only as memory held with them growing by the new state."""
+    for accumulation in (1, 4):
+        steps = _run([2048] * 40, **dict(_70B, limit=24 * GiB, accumulation=accumulation, set_to_none=False))
+        assert max(peak for _, peak in steps) <= 24 * GiB, accumulation
+        if accumulation > 1:  # the state grows memory held with gradients: seen, the window grows
+            assert steps[-1][0] > 0
