@@ -56,9 +56,9 @@ class ResidentWindow:
     def _gradients_held(self) -> bool:
         """Whether a trainable tensor holds a gradient now (mid-accumulation): the sizer
         tells the gradients from the memory held for good by it."""
-        self._trainable_age = getattr(self, "_trainable_age", 0) + 1
+        self._trainable_age += 1
         # adapters may have come, or requires_grad changed (looked at again every 32 steps)
-        if getattr(self, "_trainable_at", None) != registrations() or self._trainable_age > 32:
+        if self._trainable_at != registrations() or self._trainable_age > 32:
             self._trainable_at, self._trainable_age = registrations(), 0
             self._trainable = [p for p in self.model.parameters() if p.requires_grad]
         return any(p.grad is not None for p in self._trainable)

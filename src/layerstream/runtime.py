@@ -70,6 +70,7 @@ class StreamRuntime(ResidentWindow, OffloadPolicy):
         self.meter = self._new_meter()
         self._measured_tokens: Optional[int] = None  # tokens of the step being measured
         self._backward_ran = False
+        self._trainable, self._trainable_at, self._trainable_age = [], None, 0  # _gradients_held
         self._resets_left = WINDOW_RESETS
         self.last_shape: Tuple[int, int] = (1, 1)
         self._last_slot: Optional[int] = None  # the slot of the previous streamed visit

@@ -79,11 +79,6 @@ class Reading:
     grads_at_start: bool = False  # trainable tensors held gradients when the step began
     grads_at_end: bool = False  # ... and when it was read (accumulating)
 
-    @property
-    def transient(self) -> int:
-        """What the step allocated on top of what lived across it (activations, loss)."""
-        return max(0, self.peak_allocated - self.start_allocated)
-
 
 # readings after which the window may grow though no optimizer step was seen (an optimizer
 # without state whose zero_grad keeps the gradients): far more micro-steps than one accumulates
@@ -120,8 +115,7 @@ class WindowSizer:
     def rise(self, reading: Reading) -> int:
         """What the step allocated above the memory held when it began: its inputs, its
         activations, gradients and optimizer buffers it created (freed or not)."""
-        held = self._held(reading.start_allocated, reading.start_inputs, reading.window)
-        return max(0, reading.peak_allocated - reading.window * self.layer_bytes - held)
+        return max(0, reading.peak_allocated - reading.start_allocated + reading.start_inputs)
 
     @property
     def held(self) -> int:
