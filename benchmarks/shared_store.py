@@ -39,23 +39,21 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def node_used_bytes() -> int:
-    """MemTotal - MemAvailable: what the node's processes hold, shared memory and
-    page-locked pages included, the reclaimable page cache not."""
+def meminfo() -> dict:
+    """/proc/meminfo in bytes."""
     values = {}
     with open("/proc/meminfo") as handle:
         for line in handle:
             name, _, rest = line.partition(":")
             values[name] = int(rest.split()[0]) * 1024
+    return values
+
+
+def node_used_bytes() -> int:
+    """MemTotal - MemAvailable: what the node's processes hold, shared memory and
+    page-locked pages included, the reclaimable page cache not."""
+    values = meminfo()
     return values["MemTotal"] - values["MemAvailable"]
-
-
-def shmem_bytes() -> int:
-    with open("/proc/meminfo") as handle:
-        for line in handle:
-            if line.startswith("Shmem:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 # -- one rank (under torchrun, or alone) ------------------------------------------------------
@@ -86,7 +84,7 @@ def rank_main(args) -> None:
     if world > 1:
         dist.barrier()  # every rank has loaded: the node's memory now holds all of them
     used = node_used_bytes() - args.used_before
-    shm = shmem_bytes()
+    shm = meminfo().get("Shmem", 0)
     rate = _copy_rate(runtime, device, world)
     trained = (
         DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None) if world > 1 else model
