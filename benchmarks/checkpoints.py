@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
-from common import SHAPES, _shape_values
+from common import SHAPES, shape_config
 
 SHAPES.setdefault(
     "llama3.2-3b",
@@ -45,11 +45,7 @@ SHARD_BYTES = 2 << 30
 def write(shape: str, out: Path, dtype=torch.bfloat16, layers: int | None = None, seed: int = 0) -> Path:
     from layerstream.embedded import byte_tokenizer
 
-    values = _shape_values(shape)
-    model_type = values.pop("model_type")
-    if layers is not None:
-        values["num_hidden_layers"] = layers
-    config = AutoConfig.for_model(model_type, **values)
+    config = shape_config(shape, layers)
     config.dtype = dtype
     config.use_cache = False
     with torch.device("meta"):

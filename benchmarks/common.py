@@ -85,14 +85,20 @@ def _shape_values(shape) -> dict:
     return dict(SHAPES[shape]) if isinstance(shape, str) else dict(shape)
 
 
-def build_random(shape, dtype=torch.bfloat16, layers: int | None = None, attn: str = "sdpa", **overrides):
-    """A model of a real shape with random weights, built on meta then filled on CPU."""
+def shape_config(shape, layers: int | None = None, **overrides):
+    """The transformers config of a shape (a SHAPES key or config values), with
+    ``layers`` decoder layers where given."""
     values = _shape_values(shape)
     model_type = values.pop("model_type")
     if layers is not None:
         values["num_hidden_layers"] = layers
     values.update(overrides)
-    config = AutoConfig.for_model(model_type, **values)
+    return AutoConfig.for_model(model_type, **values)
+
+
+def build_random(shape, dtype=torch.bfloat16, layers: int | None = None, attn: str = "sdpa", **overrides):
+    """A model of a real shape with random weights, built on meta then filled on CPU."""
+    config = shape_config(shape, layers, **overrides)
     config.use_cache = False
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
@@ -186,11 +192,7 @@ def build_random_nf4(
     from layerstream.loading import rebuild_computed_buffers
     from layerstream.nf4 import quantise_layer
 
-    values = _shape_values(shape)
-    model_type = values.pop("model_type")
-    if layers is not None:
-        values["num_hidden_layers"] = layers
-    config = AutoConfig.for_model(model_type, **values)
+    config = shape_config(shape, layers)
     config.use_cache = False
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)

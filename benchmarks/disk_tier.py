@@ -56,12 +56,11 @@ CACHE = "nf4-cache"
 
 
 def _meta_model(shape: dict, dtype, layers=None):
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    values = dict(shape)
-    if layers is not None:
-        values["num_hidden_layers"] = layers
-    config = AutoConfig.for_model(values.pop("model_type"), **values)
+    from common import shape_config
+
+    config = shape_config(shape, layers)
     config.dtype = str(dtype).replace("torch.", "")
     with torch.device("meta"):
         return config, AutoModelForCausalLM.from_config(config, dtype=dtype)

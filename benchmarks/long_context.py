@@ -200,17 +200,14 @@ def next_length(bounds: Bounds, step: int, guess: int) -> int:
 def planned_tokens(cell: str, options: dict, step: int) -> int:
     """The memory planner's longest sequence for the cell with these settings, to the
     search's step (0 where it has no plan: the tiny dry-run model)."""
-    from transformers import AutoConfig
-
     from layerstream.plan import max_seq
 
-    from common import _shape_values
+    from common import shape_config
 
     parsed = parse_cell(cell)
     if parsed["shape"] == "tiny":
         return 0
-    values = _shape_values(parsed["shape"])
-    config = AutoConfig.for_model(values.pop("model_type"), **values)
+    config = shape_config(parsed["shape"])
     settings = _parsed(options)
     longest = max_seq(
         dict(
