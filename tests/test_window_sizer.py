@@ -33,6 +33,22 @@ def test_the_window_takes_the_whole_layers_between_the_first_steps_reserved_peak
     assert sizer.size(1000 * GiB, 2048, 0) == 32, "never more than the stack"
 
 
+def test_a_step_that_touched_the_limit_caps_the_window_at_what_it_ran_with():
+    """Allocator retries mean the step reached the limit: fragmentation, not the allocated
+    bytes, decided there, so no prediction from those bytes may grow the window past it."""
+    limit = 12 * GiB
+    at_edge = dataclasses.replace(_reading(allocated=5 * GiB, reserved=6 * GiB), retries=3)
+    sizer = WindowSizer(32, LAYER)
+    sizer.record(at_edge)
+    assert sizer.size(limit, 2048, 0) == 0
+    calm = WindowSizer(32, LAYER)
+    calm.record(dataclasses.replace(at_edge, retries=0))
+    assert calm.size(limit, 2048, 0) == 11, "the same step without retries grows it"
+    calm.record(dataclasses.replace(_reading(window=4, allocated=5 * GiB + 4 * LAYER), retries=1))
+    assert calm.size(limit, 2048, 4) == 4, "nor past a later size that touched the limit"
+    assert calm.size(limit, 16384, 4) < 4, "shrinking for longer steps still happens"
+
+
 def test_later_steps_count_their_allocated_peak_and_the_overhead_not_their_reserved_peak():
     """Under a cap the allocator reserves up to the cap and recycles: a step's reserved peak
     says nothing about its need once a window is in place."""

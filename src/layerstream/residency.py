@@ -36,7 +36,17 @@ class ResidentWindow:
             return  # the step measured has not run its backward yet (two forwards, or none): it goes on
         grads = self._gradients_held()
         if self._measured_tokens is not None:
-            self.sizer.record(meter.read(len(self._window), self._measured_tokens, inputs, grads))
+            reading = meter.read(len(self._window), self._measured_tokens, inputs, grads)
+            capped = self.sizer.max_window
+            self.sizer.record(reading)
+            if self.sizer.max_window < capped:
+                logger.warning(
+                    "layerstream: a %d-token step reached the memory limit (%d allocator retries) with "
+                    "%d window layers; the window will not grow past that.",
+                    reading.tokens,
+                    reading.retries,
+                    reading.window,
+                )
         else:
             meter.release_cache()
         target = self.sizer.size(meter.limit(), tokens, len(self._window))

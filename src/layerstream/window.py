@@ -37,6 +37,11 @@ window is sized from measurements:
   missed);
 - a reading whose allocated peak is not its own (no reset, and the peak did not rise during
   the step: an earlier step's peak still stands) gives no rise;
+- a step that needed the allocator's retries (an allocation that only succeeded after
+  cached memory was freed: the step touched the limit) caps the window at the size it ran
+  with: there, the allocator's fragmentation decides, not the allocated bytes the
+  prediction counts (a long sequence's first step, whose large loss chunks then find no
+  free block once the optimizer's state has split the cached segments);
 - before a step with more tokens than any measured, the step's growth is predicted from
   the measured one (activation memory grows linearly with tokens) and the window shrinks
   first when it would not fit.
@@ -71,7 +76,7 @@ class Reading:
     peak_reserved: int  # the caching allocator's peak reserved bytes during the step
     start_allocated: int  # bytes allocated when the step began (its inputs included)
     peak_allocated: int  # the allocated peak during the step
-    retries: int  # allocations that had to free cached memory and retry (reported, not used)
+    retries: int  # allocations that had to free cached memory and retry: the step touched the limit
     start_inputs: int = 0  # bytes of the step's inputs (the first layer's input) at its start
     end_allocated: Optional[int] = None  # bytes allocated when read: at the next step's start
     end_inputs: int = 0  # bytes of the next step's inputs, allocated then
@@ -160,6 +165,8 @@ class WindowSizer:
         # an optimizer step ran: the gradients the step's backward made are gone again, or
         # (gradients kept zeroed, not freed) memory held with them grew by its new state
         self.readings += 1
+        if reading.retries > 0:  # at the limit the prediction does not hold: no growth past it
+            self.max_window = min(self.max_window, reading.window)
         if (
             not reading.grads_at_end
             or (reading.grads_at_start and end_held > start_held + GROWTH_TOLERANCE)
