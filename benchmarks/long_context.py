@@ -3,12 +3,16 @@
 For each cell (shape:quantization:vram_gib), a QLoRA model of a real shape with random
 weights (LoRA r=32 on every linear layer, batch 1) is trained under
 ``torch.cuda.set_per_process_memory_fraction`` at that cap, streamed with the long-context
-settings (``--stream-option``; by default loss_chunk_tokens, mlp_tile_tokens and, where
-this version has it, offload_activations). A binary search over the sequence length finds
-the longest that trains; every probe runs in a fresh subprocess, so one out-of-memory
-leaves nothing behind. Then a few steps at that length are timed (median), and so is the
-baseline: the best configuration without those settings at the same length in the GPU's
-full memory (resident with checkpointing, else streamed with the resident window).
+settings (``--stream-option``; by default mlp_tile_tokens, offload_activations where this
+version has it, and loss_chunk_tokens at the memory planner's default for the shape's
+vocabulary, ``default_loss_chunk_tokens``: 512 tokens for Llama-3's 128,256). A binary
+search over the sequence length finds the longest that trains; every probe runs in a fresh
+subprocess, so one out-of-memory leaves nothing behind, with
+``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` in its environment (as ``layerstream
+run`` sets it) unless torch's allocator is configured already; each row records the
+setting under ``alloc_conf``. Then a few steps at that length are timed (median), and so
+is the baseline: the best configuration without those settings at the same length in the
+GPU's full memory (resident with checkpointing, else streamed with the resident window).
 
 The search's bounds are kept in ``--state`` after every probe, so a search cut short by a
 time limit continues where it stopped when run again. Rows go to
@@ -34,7 +38,11 @@ RESULTS = os.path.join(HERE, "results", "long-context.json")
 STATE = os.path.join(HERE, "results", "long-context-search.json")
 DEFAULT_CELLS = [f"llama3-8b:nf4:{v}" for v in (12, 16, 24, 80)] + [f"llama3-70b:nf4:{v}" for v in (24, 80)]
 NAMES = {"llama3-8b": "Llama-3.1-8B", "llama3-70b": "Llama-3-70B", "tiny": "tiny-llama"}
-DEFAULT_OPTIONS = {"loss_chunk_tokens": "4096", "mlp_tile_tokens": "8192"}
+DEFAULT_OPTIONS = {"mlp_tile_tokens": "8192"}  # and loss_chunk_tokens per shape: cell_options
+TINY_LOSS_CHUNK_TOKENS = 128  # the dry run's tiny model: a few chunks per probe (its lengths are <= 512)
+# torch's allocator setting for the probes unless one is set: what `layerstream run` sets
+ALLOC_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+DEFAULT_ALLOC_CONF = "expandable_segments:True"
 GiB = 1 << 30
 
 
@@ -46,8 +54,9 @@ def parse_cell(text: str) -> dict:
 
 
 def stream_options(pairs) -> dict:
-    """The long-context settings: the defaults, offload_activations where StreamConfig has
-    it, then each --stream-option key=value (checked against StreamConfig before any probe)."""
+    """The long-context settings but the per-shape loss chunk (``cell_options``): the
+    defaults, offload_activations where StreamConfig has it, then each --stream-option
+    key=value (checked against StreamConfig before any probe)."""
     from layerstream.config import config_from_settings, settings
 
     options = dict(DEFAULT_OPTIONS)
@@ -60,6 +69,40 @@ def stream_options(pairs) -> dict:
         options[key.strip()] = value.strip()
     config_from_settings(options, lambda name: f"--stream-option {name}", device="cpu")  # raises on a bad one
     return options
+
+
+def default_loss_chunk(shape: str) -> int:
+    """The memory planner's default loss chunk for the shape's vocabulary (the tiny dry-run
+    model, which has no shape config: a small chunk, so its probes run several)."""
+    if shape == "tiny":
+        return TINY_LOSS_CHUNK_TOKENS
+    from layerstream.plan.advice import default_loss_chunk_tokens
+
+    from common import shape_config
+
+    return default_loss_chunk_tokens(int(shape_config(shape).vocab_size))
+
+
+def cell_options(cell: str, options: dict) -> dict:
+    """The settings of one cell: ``options`` with the shape's default loss chunk unless
+    --stream-option gave one."""
+    if "loss_chunk_tokens" in options:
+        return dict(options)
+    return {**options, "loss_chunk_tokens": str(default_loss_chunk(parse_cell(cell)["shape"]))}
+
+
+def alloc_env() -> dict:
+    """The probes' environment: this one, with DEFAULT_ALLOC_CONF unless torch's allocator
+    is configured already."""
+    env = dict(os.environ)
+    if not any(env.get(key) for key in ALLOC_ENV):
+        env["PYTORCH_CUDA_ALLOC_CONF"] = DEFAULT_ALLOC_CONF
+    return env
+
+
+def alloc_conf(env: dict) -> str:
+    """The allocator setting a probe with ``env`` runs under, as a row records it."""
+    return ",".join(f"{key}={env[key]}" for key in ALLOC_ENV if env.get(key))
 
 
 # -- one probe, in its own process ------------------------------------------------------------
@@ -139,7 +182,15 @@ def probe(args) -> dict:
     except layerstream.StreamingError as exc:  # refused before computing (e.g. host memory for offload)
         return {"ok": False, "why": f"refused at step {len(times) + 1}: {str(exc).splitlines()[0][:200]}"}
     peak = torch.cuda.max_memory_allocated() / GiB if device == "cuda" else None
-    return {"ok": True, "step_s": times, "peak_allocated_gib": peak, "config": what, **_window(model)}
+    alloc = alloc_conf(os.environ)  # what this process's allocator was started with
+    return {
+        "ok": True,
+        "step_s": times,
+        "peak_allocated_gib": peak,
+        "config": what,
+        "alloc_conf": alloc,
+        **_window(model),
+    }
 
 
 def _window(model) -> dict:
@@ -165,7 +216,7 @@ def run_probe(cell: str, seq: int, mode: str, options: dict, args, steps: int, c
     if args.dry_run:
         command += ["--dry-run", "--dry-run-limit", str(args.dry_run_limit)]
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=args.probe_timeout_s)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=args.probe_timeout_s, env=alloc_env())
     except subprocess.TimeoutExpired:
         return {"ok": False, "why": f"probe ran past {args.probe_timeout_s} s"}
     lines = [line for line in done.stdout.splitlines() if line.startswith("PROBE ")]
@@ -268,6 +319,7 @@ def measure(cell: str, seq: int, options: dict, args) -> dict:
         return {"timed_failure": timed["why"], "max_tokens": seq}
     step = statistics.median(timed["step_s"][args.warmup :])
     row.update(step_s=step, tokens_per_s=seq / step, peak_allocated_gib=timed["peak_allocated_gib"])
+    row["alloc_conf"] = timed.get("alloc_conf")  # the allocator setting the timed probe ran under
     for mode in ("resident", "streamed"):  # the best without the long-context settings, full memory
         base = run_probe(cell, seq, mode, {}, args, steps=args.warmup + args.steps, cap=False)
         if base["ok"]:
@@ -334,11 +386,12 @@ def main(argv=None) -> int:
     rows = json.load(open(args.out)) if os.path.exists(args.out) else []
     deadline = time.time() + args.budget_s
     for cell in cells:
+        settings = cell_options(cell, options)
         bounds = Bounds(**state.get(cell, {"fits": args.lo, "fails": args.hi}))
-        guess = planned_tokens(cell, options, args.granularity) if args.from_plan else 0
+        guess = planned_tokens(cell, settings, args.granularity) if args.from_plan else 0
         if guess:
             print(f"{cell}: the planner predicts {guess} tokens; the search starts there", flush=True)
-        bounds = search(cell, bounds, options, args, deadline, state, guess)
+        bounds = search(cell, bounds, settings, args, deadline, state, guess)
         if bounds.fails - bounds.fits > args.granularity:
             print(f"{cell}: out of time between {bounds.fits} and {bounds.fails} tokens; run again to go on")
             continue
@@ -348,7 +401,7 @@ def main(argv=None) -> int:
         if time.time() > deadline:
             print(f"{cell}: searched ({bounds.fits} tokens); out of time before timing it; run again")
             continue
-        row = measure(cell, bounds.fits, options, args)
+        row = measure(cell, bounds.fits, settings, args)
         if "timed_failure" in row:  # searched with fewer steps than timed: search below it again
             print(f"{cell}: {bounds.fits} tokens failed when timed: {row['timed_failure']}", flush=True)
             state[cell] = dataclasses.asdict(Bounds(fits=args.lo, fails=bounds.fits))

@@ -4,6 +4,7 @@ into one table, and cells not measured are listed, never dropped."""
 import json
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -260,10 +261,15 @@ def test_long_context_benchmark_runs_its_whole_harness_on_the_cpu(tmp_path, monk
         long_context.main(["--help"])
     assert exited.value.code == 0
     monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
     assert long_context.main(["--dry-run"]) == 0
     (row,) = json.loads((tmp_path / "long-context.json").read_text())
     keys = {"model", "quantization", "vram_gib", "max_tokens", "step_s", "tokens_per_s", "baseline_step_s"}
     assert keys <= set(row)
+    # the probe subprocess ran with expandable segments, as `layerstream run` sets them
+    assert row["alloc_conf"] == "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+    assert row["options"]["loss_chunk_tokens"] == str(long_context.TINY_LOSS_CHUNK_TOKENS)
     assert row["max_tokens"] == 384, "the longest length under the dry run's limit, to 64 tokens"
     assert row["step_s"] > 0 and row["baseline_step_s"] > 0
     assert row["tokens_per_s"] == pytest.approx(row["max_tokens"] / row["step_s"])
@@ -292,6 +298,62 @@ def test_a_length_that_fails_when_timed_is_not_published_and_is_searched_below_a
     assert json.loads(state.read_text())["llama3-8b:nf4:12"] == {"fits": 0, "fails": 4096}
     assert all(steps == 2 for _, mode, steps in calls[:-1]), "search probes run two steps"
     assert not [c for c in calls if c[1] == "resident"], "no baseline timed for a length that failed"
+
+
+def test_the_long_context_loss_chunk_is_the_planners_default_for_the_shapes_vocabulary():
+    import long_context
+
+    options = long_context.stream_options([])
+    assert "loss_chunk_tokens" not in options, "chosen per cell"
+    assert long_context.cell_options("llama3-8b:nf4:12", options)["loss_chunk_tokens"] == "512"  # 128,256 tokens
+    assert long_context.cell_options("llama3-70b:nf4:24", options)["loss_chunk_tokens"] == "512"
+    tiny = long_context.cell_options("tiny:none:1", options)
+    assert tiny["loss_chunk_tokens"] == str(long_context.TINY_LOSS_CHUNK_TOKENS)
+    assert tiny["mlp_tile_tokens"] == options["mlp_tile_tokens"]
+    given = long_context.stream_options(["loss_chunk_tokens=2048"])
+    assert long_context.cell_options("llama3-8b:nf4:12", given)["loss_chunk_tokens"] == "2048", "as given"
+
+
+def _probe_environments(monkeypatch, tmp_path):
+    """Run the harness on one cell with subprocess.run replaced; the environment each probe got."""
+    import long_context
+
+    seen = []
+
+    def fake_run(command, **kwargs):
+        seen.append((command, kwargs.get("env")))
+        result = {"ok": False, "why": "out of memory"}
+        return subprocess.CompletedProcess(command, 0, stdout="PROBE " + json.dumps(result), stderr="")
+
+    monkeypatch.setattr(long_context.subprocess, "run", fake_run)
+    argv = ["--cells", "llama3-8b:nf4:12", "--state", str(tmp_path / "s.json"), "--out", str(tmp_path / "r.json")]
+    assert long_context.main(argv + ["--hi", "2048", "--granularity", "1024", "--no-from-plan"]) == 0
+    assert seen, "no probe ran"
+    return seen
+
+
+def test_the_long_context_probes_run_with_expandable_segments(monkeypatch, tmp_path):
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    for command, env in _probe_environments(monkeypatch, tmp_path):
+        assert env is not None and env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+        assert json.loads(command[command.index("--options") + 1])["loss_chunk_tokens"] == "512"
+
+
+@pytest.mark.parametrize(
+    "name, value", [("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False"), ("PYTORCH_ALLOC_CONF", "backend:native")]
+)
+def test_the_long_context_probes_keep_an_allocator_setting_the_user_made(monkeypatch, tmp_path, name, value):
+    import long_context
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.setenv(name, value)
+    for _, env in _probe_environments(monkeypatch, tmp_path):
+        assert env[name] == value
+        if name == "PYTORCH_ALLOC_CONF":
+            assert "PYTORCH_CUDA_ALLOC_CONF" not in env, "torch's allocator is configured already"
+    assert long_context.alloc_conf(long_context.alloc_env()) == f"{name}={value}"
 
 
 def test_long_context_benchmark_refuses_a_bad_stream_option_before_any_probe():
@@ -436,7 +498,8 @@ def test_the_long_context_search_starts_at_the_planners_guess_and_strides_from_i
     assert long_context.next_length(Bounds(0, 51200), step, 51200) == 51200 - 12288, "it failed: a quarter down"
     assert long_context.next_length(Bounds(51200, 63488), step, 51200) == 57344, "bracketed: bisection"
     assert long_context.next_length(Bounds(0, 524288), step, 0) == 262144, "no guess: bisection"
-    guess = long_context.planned_tokens("llama3-8b:nf4:12", long_context.stream_options([]), step)
+    options = long_context.cell_options("llama3-8b:nf4:12", long_context.stream_options([]))
+    guess = long_context.planned_tokens("llama3-8b:nf4:12", options, step)
     without = long_context.planned_tokens("llama3-8b:nf4:12", {}, step)
     assert guess % step == 0 and guess > 21848 > without > 0, "the options lengthen what the planner predicts"
 

@@ -7,6 +7,7 @@ from test_plan import LLAMA3_8B, LLAMA3_8B_LAYER_BF16, config_of, write_config
 import layerstream
 from layerstream import cli, plan
 from layerstream.plan import make_plan, max_seq
+from layerstream.plan.advice import default_loss_chunk_tokens, option_value
 from layerstream.plan.longctx import complete, fits
 from layerstream.units import GiB
 
@@ -40,6 +41,33 @@ def test_offload_keeps_two_hidden_states_on_the_gpu_and_the_rest_in_host_memory(
 def test_a_chunked_loss_holds_one_chunk_of_fp32_logits():
     assert _plan(loss_chunk_tokens=512).loss_bytes == 788_004_864
     assert _plan(loss_chunk_tokens=1 << 20).loss_bytes == _plan().loss_bytes  # a chunk longer than the step
+
+
+@pytest.mark.parametrize(
+    "vocab, chunk",
+    [
+        # 3 x chunk x vocab x 4 <= 1 GiB (1,073,741,824), the largest power of two in [256, 4096]
+        (128_256, 512),  # Llama-3: 512 -> 788,004,864; 1024 -> 1,576,009,728
+        (32_000, 2048),  # Llama-2, Mistral: 2048 -> 786,432,000; 4096 -> 1,572,864,000
+        (151_936, 512),  # Qwen2/3: 512 -> 933,494,784; 1024 -> 1,866,989,568
+        (96, 4096),  # a tiny vocabulary: never longer than 4096
+        (1 << 20, 256),  # a huge one: never shorter than 256
+    ],
+)
+def test_the_default_loss_chunk_keeps_the_loss_within_one_gib(vocab, chunk):
+    assert default_loss_chunk_tokens(vocab) == chunk
+
+
+def test_an_option_not_given_takes_the_default_of_the_config_or_the_plan():
+    args = dict(config=config_of(LLAMA3_8B), loss_chunk_tokens=None, mlp_tile_tokens=None)
+    assert option_value("loss_chunk_tokens", args) == 512
+    assert option_value("loss_chunk_tokens", dict(args, config=config_of(dict(LLAMA3_8B, vocab_size=32_000)))) == 2048
+    assert option_value("loss_chunk_tokens", dict(args, loss_chunk_tokens=1024)) == 1024, "given: as given"
+    assert option_value("mlp_tile_tokens", args) == 4096, "the MLP tile's default is not the vocabulary's"
+    assert option_value("offload_activations", args) is True
+    planned = _plan()
+    assert planned.vocab_size == 128_256 and option_value("loss_chunk_tokens", planned) == 512
+    assert option_value("loss_chunk_tokens", _plan(loss_chunk_tokens=2048)) == 2048
 
 
 def test_a_tiled_mlp_holds_one_tile_of_intermediate_activations():
@@ -77,9 +105,14 @@ def test_plan_cli_compares_the_options_and_finds_the_longest_sequence(tmp_path, 
     args = complete(dict(config=config_of(LLAMA3_8B), batch=1, vram_bytes=24 * GiB, quantization="nf4", slots=2))
     assert f"longest sequence that fits as given: {max_seq(args)} tokens" in out
     assert status == 0
-    for label in ("none of them", "offload_activations", "loss_chunk_tokens=4096", "mlp_tile_tokens=4096", "all three"):
+    # the loss chunk not given: the vocabulary's default (128,256 -> 512), the MLP tile 4096
+    for label in ("none of them", "offload_activations", "loss_chunk_tokens=512", "mlp_tile_tokens=4096", "all three"):
         assert label in out
-    assert "use --offload-activations" in out and "use --loss-chunk-tokens 4096" in out
+    assert "loss_chunk_tokens=4096" not in out
+    assert "use --offload-activations" in out and "use --loss-chunk-tokens 512" in out
+    chunked = make_plan(config_of(LLAMA3_8B), 65536, 1, 24 * GiB, quantization="nf4", slots=2, loss_chunk_tokens=512)
+    (row,) = [line for line in out.splitlines() if line.strip().startswith("loss_chunk_tokens=512")]
+    assert f"peak {chunked.peak_vram_bytes / GiB:8.2f} GiB" in row
     status = cli.main(argv + ["--offload-activations", "--loss-chunk-tokens", "2048", "--mlp-tile-tokens", "2048"])
     out = capsys.readouterr().out
     fitting = make_plan(

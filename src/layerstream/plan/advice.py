@@ -4,11 +4,23 @@ from __future__ import annotations
 
 from typing import List
 
+from ..units import GiB
 from .memory import MemoryPlan, _build, _gib
-from .shapes import STREAM_EMBEDDINGS_ADVICE, STREAM_EMBEDDINGS_ADVICE_SHARE, embedding_bytes
+from .shapes import (
+    LOSS_LOGIT_COPIES,
+    STREAM_EMBEDDINGS_ADVICE,
+    STREAM_EMBEDDINGS_ADVICE_SHARE,
+    _text_config,
+    embedding_bytes,
+)
 
-# the chunk and tile the advice and `layerstream plan`'s comparison try when none is given
+# the tile the advice and `layerstream plan`'s comparison try when none is given, and the
+# longest loss chunk they try
 DEFAULT_LONG_TOKENS = 4096
+# the shortest loss chunk they try (shorter chunks add launches and save little)
+MIN_LOSS_CHUNK_TOKENS = 256
+# a default loss chunk's term is at most this (4096 tokens of a 128k vocabulary take 5.9 GiB: half a 12 GiB card)
+DEFAULT_LOSS_CHUNK_BYTES = GiB
 
 # the long-sequence options: (plan argument, what `layerstream plan` takes, what it is)
 LONG_OPTIONS = (
@@ -18,12 +30,35 @@ LONG_OPTIONS = (
 )
 
 
+def default_loss_chunk_tokens(vocab_size: int) -> int:
+    """The loss chunk tried when none is given: the largest power of two, at most
+    DEFAULT_LONG_TOKENS and at least MIN_LOSS_CHUNK_TOKENS, whose fp32 logits and their
+    copies (``LOSS_LOGIT_COPIES x chunk x vocab x 4`` bytes) take at most
+    DEFAULT_LOSS_CHUNK_BYTES: 512 for a 128,256 vocabulary, 2048 for 32,000."""
+    chunk = DEFAULT_LONG_TOKENS
+    while chunk > MIN_LOSS_CHUNK_TOKENS and LOSS_LOGIT_COPIES * chunk * vocab_size * 4 > DEFAULT_LOSS_CHUNK_BYTES:
+        chunk //= 2
+    return chunk
+
+
+def _vocab_size(plan_or_args) -> int:
+    """The vocabulary of a plan, or of the transformers config in ``make_plan``'s arguments."""
+    if isinstance(plan_or_args, dict):
+        return int(_text_config(plan_or_args["config"]).vocab_size)
+    return plan_or_args.vocab_size
+
+
 def option_value(name: str, plan_or_args):
-    """The value a long-sequence option takes when it is switched on: as given, else the default."""
+    """The value a long-sequence option takes when it is switched on: as given, else the
+    default (the loss chunk's depends on the vocabulary: ``default_loss_chunk_tokens``)."""
     given = plan_or_args.get(name) if isinstance(plan_or_args, dict) else getattr(plan_or_args, name)
     if name == "offload_activations":
         return True
-    return given or DEFAULT_LONG_TOKENS
+    if given:
+        return given
+    if name == "loss_chunk_tokens":
+        return default_loss_chunk_tokens(_vocab_size(plan_or_args))
+    return DEFAULT_LONG_TOKENS
 
 
 def _long_sequence_advice(plan: MemoryPlan, args: dict, verdict) -> List[str]:

@@ -91,6 +91,7 @@ class MemoryPlan:
     activation_host_bytes: int = 0  # their host arena (in host_steady_bytes and the RAM peaks)
     loss_chunk_tokens: Optional[int] = None  # the head and loss run this many tokens at a time
     mlp_tile_tokens: Optional[int] = None  # the MLP runs this many tokens at a time
+    vocab_size: int = 0  # the head's outputs (the loss chunk's default depends on it)
     advice: List[str] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)
 
@@ -450,6 +451,7 @@ def _build(
         activation_host_bytes=activation_host,
         loss_chunk_tokens=loss_chunk_tokens,
         mlp_tile_tokens=mlp_tile_tokens,
+        vocab_size=vocab,
     )
 
 
