@@ -178,7 +178,7 @@ def probe(args) -> dict:
             times.append(time.perf_counter() - start)
     except torch.OutOfMemoryError as exc:
         why = f"out of memory at step {len(times) + 1}: {str(exc).splitlines()[0][:200]}"
-        return {"ok": False, "why": why, **_window(model)}
+        return {"ok": False, "why": why, **_window(model), **_allocator(device)}
     except layerstream.StreamingError as exc:  # refused before computing (e.g. host memory for offload)
         return {"ok": False, "why": f"refused at step {len(times) + 1}: {str(exc).splitlines()[0][:200]}"}
     peak = torch.cuda.max_memory_allocated() / GiB if device == "cuda" else None
@@ -190,6 +190,21 @@ def probe(args) -> dict:
         "config": what,
         "alloc_conf": alloc,
         **_window(model),
+        **_allocator(device),
+    }
+
+
+def _allocator(device: str) -> dict:
+    """The caching allocator's reserved peak and its retries (allocations that only succeeded
+    after freeing cached memory): how close to the cap the probe ran, fragmentation included."""
+    import torch
+
+    if device != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats()
+    return {
+        "peak_reserved_gib": stats.get("reserved_bytes.all.peak", 0) / GiB,
+        "alloc_retries": stats.get("num_alloc_retries", 0),
     }
 
 
@@ -284,7 +299,9 @@ def search(cell: str, bounds: Bounds, options: dict, args, deadline: float, stat
         # at its end, so a length trains only when a second step runs as well
         result = run_probe(cell, seq, "streamed", options, args, steps=2, cap=True)
         verdict = "fits" if result["ok"] else result["why"]
-        print(f"{cell}: {seq} tokens -> {verdict}; window {result.get('window_changes')}", flush=True)
+        extra = f"; reserved peak {result['peak_reserved_gib']:.2f} GiB" if "peak_reserved_gib" in result else ""
+        extra += f", {result['alloc_retries']} allocator retries" if "alloc_retries" in result else ""
+        print(f"{cell}: {seq} tokens -> {verdict}; window {result.get('window_changes')}{extra}", flush=True)
         if result["ok"]:
             bounds.fits = seq
         else:
@@ -319,6 +336,7 @@ def measure(cell: str, seq: int, options: dict, args) -> dict:
         return {"timed_failure": timed["why"], "max_tokens": seq}
     step = statistics.median(timed["step_s"][args.warmup :])
     row.update(step_s=step, tokens_per_s=seq / step, peak_allocated_gib=timed["peak_allocated_gib"])
+    row.update({k: timed[k] for k in ("peak_reserved_gib", "alloc_retries") if k in timed})
     row["alloc_conf"] = timed.get("alloc_conf")  # the allocator setting the timed probe ran under
     for mode in ("resident", "streamed"):  # the best without the long-context settings, full memory
         base = run_probe(cell, seq, mode, {}, args, steps=args.warmup + args.steps, cap=False)
