@@ -3,7 +3,7 @@
 For each cell (shape:quantization:vram_gib), a QLoRA model of a real shape with random
 weights (LoRA r=32 on every linear layer, batch 1) is trained under
 ``torch.cuda.set_per_process_memory_fraction`` at that cap, streamed with the long-context
-settings (``--stream-option``; by default mlp_tile_tokens, offload_activations where this
+settings (``--stream-option``; by default mlp_tile_tokens at the planner's 4096, offload_activations where this
 version has it, and loss_chunk_tokens at the memory planner's default for the shape's
 vocabulary, ``default_loss_chunk_tokens``: 512 tokens for Llama-3's 128,256). A binary
 search over the sequence length finds the longest that trains; every probe runs in a fresh
@@ -33,12 +33,15 @@ import subprocess
 import sys
 import time
 
+from layerstream.plan.advice import DEFAULT_LONG_TOKENS
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results", "long-context.json")
 STATE = os.path.join(HERE, "results", "long-context-search.json")
 DEFAULT_CELLS = [f"llama3-8b:nf4:{v}" for v in (12, 16, 24, 80)] + [f"llama3-70b:nf4:{v}" for v in (24, 80)]
 NAMES = {"llama3-8b": "Llama-3.1-8B", "llama3-70b": "Llama-3-70B", "tiny": "tiny-llama"}
-DEFAULT_OPTIONS = {"mlp_tile_tokens": "8192"}  # and loss_chunk_tokens per shape: cell_options
+# the tile `layerstream plan` tries (4096), and loss_chunk_tokens per shape: cell_options
+DEFAULT_OPTIONS = {"mlp_tile_tokens": str(DEFAULT_LONG_TOKENS)}
 TINY_LOSS_CHUNK_TOKENS = 128  # the dry run's tiny model: a few chunks per probe (its lengths are <= 512)
 # torch's allocator setting for the probes unless one is set: what `layerstream run` sets
 ALLOC_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
