@@ -185,13 +185,25 @@ def _in_shared_file(model, folder) -> bool:
     )
 
 
-def _worker(rank, world, rendezvous, checkpoint, folder, out):
+def _worker(rank, world, rendezvous, checkpoint, folder, out, local_world=None):
+    """One data-parallel rank; with ``local_world`` < ``world``, ranks stand in for nodes of
+    ``local_world`` ranks each, every node with a shared-memory folder of its own (as each
+    machine has its own /dev/shm) and torchrun's per-node variables."""
     from torch.nn.parallel import DistributedDataParallel
 
-    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), LOCAL_WORLD_SIZE=str(world), WORLD_SIZE=str(world))
+    local_world = local_world or world
+    node, local_rank = divmod(rank, local_world)
+    os.environ.update(
+        LOCAL_RANK=str(local_rank),
+        RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(local_world),
+        WORLD_SIZE=str(world),
+        GROUP_RANK=str(node),
+    )
+    folder = folder if local_world == world else os.path.join(folder, f"node{node}")
     os.environ["LAYERSTREAM_SHM_DIR"] = folder
-    if rank == 1:
-        time.sleep(1)  # let rank 0 claim the build; the other order works the same
+    if local_rank == 1:
+        time.sleep(1)  # let local rank 0 claim the build; the other order works the same
     model = _load(checkpoint, "auto")  # before the process group exists, as a script may
     dist.init_process_group(
         "gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
@@ -200,12 +212,22 @@ def _worker(rank, world, rendezvous, checkpoint, folder, out):
         segment = layerstream.get_runtime(model).store.segment
         facts = {"builder": segment.builder, "shared": _in_shared_file(model, folder), "name": segment.name}
         losses = data_parallel_losses(DistributedDataParallel(model), STEPS, GLOBAL_BATCH, rank, world)
-        torch.save({"losses": losses, **facts}, f"{out}.{rank}")
+        torch.save({"losses": losses, "folder": folder, **facts}, f"{out}.{rank}")
         dist.barrier()
     finally:
         dist.destroy_process_group()
     shared_store.leave_all()  # what the interpreter's exit does; os._exit skips it
     os._exit(0)
+
+
+def _spawn_ranks(nprocs, args, what):
+    context = mp.spawn(_worker, args=args, nprocs=nprocs, join=False)
+    deadline = time.monotonic() + 240
+    while not context.join(timeout=5):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"the {what} did not finish within 240 s")
 
 
 def test_two_ranks_share_one_store_and_train_like_one_process(tmp_path):
@@ -217,13 +239,7 @@ def test_two_ranks_share_one_store_and_train_like_one_process(tmp_path):
     single = data_parallel_losses(single_model, STEPS, GLOBAL_BATCH)
     out = tmp_path / "result"
     args = (2, str(tmp_path / "rendezvous"), str(checkpoint), str(folder), str(out))
-    context = mp.spawn(_worker, args=args, nprocs=2, join=False)
-    deadline = time.monotonic() + 180
-    while not context.join(timeout=5):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail("the two data-parallel processes did not finish within 180 s")
+    _spawn_ranks(2, args, "two data-parallel processes")
     first, second = (torch.load(f"{out}.{rank}") for rank in range(2))
     assert first["builder"] and not second["builder"] and first["name"] == second["name"]
     assert first["shared"] and second["shared"], "each rank's layers lie in the one shared file"
@@ -231,6 +247,26 @@ def test_two_ranks_share_one_store_and_train_like_one_process(tmp_path):
     assert torch.allclose(torch.tensor(first["losses"]), torch.tensor(single), rtol=1e-5, atol=1e-6)
     assert first["losses"] == second["losses"] and first["losses"][-1] < first["losses"][0]
     assert _segment_files(folder) == [], "the last rank to leave removes the segment"
+
+
+def test_two_nodes_of_two_ranks_build_one_store_per_node_and_train_like_one_process(tmp_path):
+    """Multi-node is torchrun's and Accelerate's: four gloo processes stand in for two nodes
+    of two ranks, each node with its own shared-memory folder. Each node builds its store
+    once (its local rank 0), its other rank maps it, and the losses are one process's."""
+    checkpoint, folder = tmp_path / "ckpt", tmp_path / "shm"
+    _checkpoint(checkpoint)
+    single = data_parallel_losses(_load(checkpoint, "auto"), STEPS, GLOBAL_BATCH)
+    out = tmp_path / "result"
+    _spawn_ranks(4, (4, str(tmp_path / "rendezvous"), str(checkpoint), str(folder), str(out), 2), "four processes")
+    ranks = [torch.load(f"{out}.{rank}") for rank in range(4)]
+    assert [r["builder"] for r in ranks] == [True, False, True, False], "one build per node"
+    assert ranks[0]["folder"] != ranks[2]["folder"] and ranks[0]["folder"] == ranks[1]["folder"]
+    assert all(r["shared"] for r in ranks), "each rank's layers lie in its node's shared file"
+    assert all(r["losses"] == ranks[0]["losses"] for r in ranks)
+    assert torch.allclose(torch.tensor(ranks[0]["losses"]), torch.tensor(single), rtol=1e-5, atol=1e-6)
+    assert ranks[0]["losses"][-1] < ranks[0]["losses"][0]
+    for node in (0, 1):
+        assert _segment_files(folder / f"node{node}") == [], "each node's last rank removes its segment"
 
 
 def test_a_merge_into_a_shared_store_is_refused_before_anything_changes(tmp_path, monkeypatch):
