@@ -3,16 +3,17 @@
 For each cell (shape:quantization:vram_gib), a QLoRA model of a real shape with random
 weights (LoRA r=32 on every linear layer, batch 1) is trained under
 ``torch.cuda.set_per_process_memory_fraction`` at that cap, streamed with the long-context
-settings (``--stream-option``; by default mlp_tile_tokens at the planner's 4096, offload_activations where this
-version has it, and loss_chunk_tokens at the memory planner's default for the shape's
-vocabulary, ``default_loss_chunk_tokens``: 512 tokens for Llama-3's 128,256). A binary
-search over the sequence length finds the longest that trains; every probe runs in a fresh
-subprocess, so one out-of-memory leaves nothing behind, with
-``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` in its environment (as ``layerstream
-run`` sets it) unless torch's allocator is configured already; each row records the
-setting under ``alloc_conf``. Then a few steps at that length are timed (median), and so
-is the baseline: the best configuration without those settings at the same length in the
-GPU's full memory (resident with checkpointing, else streamed with the resident window).
+settings (``--stream-option``; by default mlp_tile_tokens at the planner's 4096,
+offload_activations where this version has it, and loss_chunk_tokens at the planner's
+default for the shape's vocabulary, ``default_loss_chunk_tokens``: 512 tokens for
+Llama-3's 128,256). A binary search over the sequence length finds the longest that
+trains; every probe runs in a fresh subprocess, so one out-of-memory leaves nothing
+behind, with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` in its environment (as
+``layerstream run`` sets it) unless torch's allocator is configured already; each row
+records the setting under ``alloc_conf``. Then a few steps at that length are timed
+(median), and so is the baseline: the best configuration without those settings at the
+same length in the GPU's full memory (resident with checkpointing, else streamed with the
+resident window).
 
 The search's bounds are kept in ``--state`` after every probe, so a search cut short by a
 time limit continues where it stopped when run again. Rows go to
@@ -33,7 +34,8 @@ import subprocess
 import sys
 import time
 
-from layerstream.plan.advice import DEFAULT_LONG_TOKENS
+from layerstream.config import ALLOCATOR_ENV, DEFAULT_ALLOCATOR_CONF
+from layerstream.plan.advice import DEFAULT_LONG_TOKENS, default_loss_chunk_tokens
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results", "long-context.json")
@@ -43,9 +45,6 @@ NAMES = {"llama3-8b": "Llama-3.1-8B", "llama3-70b": "Llama-3-70B", "tiny": "tiny
 # the tile `layerstream plan` tries (4096), and loss_chunk_tokens per shape: cell_options
 DEFAULT_OPTIONS = {"mlp_tile_tokens": str(DEFAULT_LONG_TOKENS)}
 TINY_LOSS_CHUNK_TOKENS = 128  # the dry run's tiny model: a few chunks per probe (its lengths are <= 512)
-# torch's allocator setting for the probes unless one is set: what `layerstream run` sets
-ALLOC_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
-DEFAULT_ALLOC_CONF = "expandable_segments:True"
 GiB = 1 << 30
 
 
@@ -79,8 +78,6 @@ def default_loss_chunk(shape: str) -> int:
     model, which has no shape config: a small chunk, so its probes run several)."""
     if shape == "tiny":
         return TINY_LOSS_CHUNK_TOKENS
-    from layerstream.plan.advice import default_loss_chunk_tokens
-
     from common import shape_config
 
     return default_loss_chunk_tokens(int(shape_config(shape).vocab_size))
@@ -95,17 +92,17 @@ def cell_options(cell: str, options: dict) -> dict:
 
 
 def alloc_env() -> dict:
-    """The probes' environment: this one, with DEFAULT_ALLOC_CONF unless torch's allocator
-    is configured already."""
+    """The probes' environment: this one, with the allocator setting `layerstream run` makes
+    unless torch's allocator is configured already."""
     env = dict(os.environ)
-    if not any(env.get(key) for key in ALLOC_ENV):
-        env["PYTORCH_CUDA_ALLOC_CONF"] = DEFAULT_ALLOC_CONF
+    if not any(env.get(key) for key in ALLOCATOR_ENV):
+        env[ALLOCATOR_ENV[0]] = DEFAULT_ALLOCATOR_CONF
     return env
 
 
 def alloc_conf(env: dict) -> str:
     """The allocator setting a probe with ``env`` runs under, as a row records it."""
-    return ",".join(f"{key}={env[key]}" for key in ALLOC_ENV if env.get(key))
+    return ",".join(f"{key}={env[key]}" for key in ALLOCATOR_ENV if env.get(key))
 
 
 # -- one probe, in its own process ------------------------------------------------------------

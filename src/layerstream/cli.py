@@ -246,10 +246,12 @@ def allocator_defaults() -> None:
 
     import torch
 
+    from .config import ALLOCATOR_ENV, DEFAULT_ALLOCATOR_CONF
+
     if torch.cuda.is_initialized():
         return  # too late to change the allocator in this process
-    if not os.environ.get("PYTORCH_CUDA_ALLOC_CONF") and not os.environ.get("PYTORCH_ALLOC_CONF"):
-        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    if not any(os.environ.get(key) for key in ALLOCATOR_ENV):
+        os.environ[ALLOCATOR_ENV[0]] = DEFAULT_ALLOCATOR_CONF
         os.environ["LAYERSTREAM_SET_ALLOC_CONF"] = "1"
 
 

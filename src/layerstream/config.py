@@ -110,12 +110,18 @@ def per_process_fraction(device: torch.device) -> float:
         return 1.0
 
 
+# torch's caching-allocator settings come from these variables (the first is CUDA's own)
+ALLOCATOR_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+# what `layerstream run` sets when neither is: freed memory of one block shape serves another
+DEFAULT_ALLOCATOR_CONF = "expandable_segments:True"
+
+
 def allocator_setting(name: str) -> Optional[str]:
     """A setting of torch's CUDA caching allocator (e.g. expandable_segments), as text."""
     getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
     text = getter() if getter is not None else ""
     if not text:
-        text = ",".join(os.environ.get(key, "") for key in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"))
+        text = ",".join(os.environ.get(key, "") for key in ALLOCATOR_ENV)
     for item in text.split(","):
         key, _, value = item.partition(":")
         if key.strip() == name:

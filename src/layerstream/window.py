@@ -162,11 +162,11 @@ class WindowSizer:
         if reading.grads_at_end and not reading.grads_at_start:  # a cycle's first micro-step kept them
             created = max(0, end_held - start_held)
             self.gradient_bytes = max(self.gradient_bytes, created)
-        # an optimizer step ran: the gradients the step's backward made are gone again, or
-        # (gradients kept zeroed, not freed) memory held with them grew by its new state
-        self.readings += 1
         if reading.retries > 0:  # at the limit the prediction does not hold: no growth past it
             self.max_window = min(self.max_window, reading.window)
+        self.readings += 1
+        # an optimizer step ran: the gradients the step's backward made are gone again, or
+        # (gradients kept zeroed, not freed) memory held with them grew by its new state
         if (
             not reading.grads_at_end
             or (reading.grads_at_start and end_held > start_held + GROWTH_TOLERANCE)
