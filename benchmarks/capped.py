@@ -81,14 +81,8 @@ def _time_trainer_steps(path: str) -> None:
     Trainer.__init__ = __init__
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--cap", required=True, help="GPU memory this process may use, e.g. 12GiB")
-    parser.add_argument("--used-first", action="store_true", help="use and free the GPU before the command")
-    parser.add_argument("--times", default=None, help="write each Trainer step's time here (JSON)")
-    parser.add_argument("command", nargs=argparse.REMAINDER)
-    args = parser.parse_args()
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+def prepare(cap: str, used_first: bool, times) -> None:
+    """The cap, the earlier use of the GPU and the step timer, in this process."""
     from layerstream.cli import allocator_defaults
     from layerstream.units import parse_bytes
 
@@ -97,17 +91,40 @@ def main():
 
     if torch.cuda.is_available():
         total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, parse_bytes(args.cap) / total))
+        torch.cuda.set_per_process_memory_fraction(min(1.0, parse_bytes(cap) / total))
         print(
-            f"capped: {args.cap} of {total / 2**30:.1f} GiB; allocator {os.environ.get('PYTORCH_CUDA_ALLOC_CONF')}",
+            f"capped: {cap} of {total / 2**30:.1f} GiB in process {os.getpid()}; "
+            f"allocator {os.environ.get('PYTORCH_CUDA_ALLOC_CONF')}",
             flush=True,
         )
-        if args.used_first:
+        if used_first:
             _use_the_gpu_first()
     else:
         print("capped: no GPU, no cap (a dry run of the harness)", flush=True)
-    if args.times:
-        _time_trainer_steps(args.times)
+    if times:
+        _time_trainer_steps(times)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cap", required=True, help="GPU memory this process may use, e.g. 12GiB")
+    parser.add_argument("--used-first", action="store_true", help="use and free the GPU before the command")
+    parser.add_argument("--times", default=None, help="write each Trainer step's time here (JSON)")
+    parser.add_argument("command", nargs=argparse.REMAINDER)
+    args = parser.parse_args()
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    prepare(args.cap, args.used_first, args.times)
+    # processes the command starts (``trl sft``, ``accelerate launch``) get the same
+    os.environ["CAPPED_CHILD"] = json.dumps(
+        {
+            "harness": os.path.dirname(os.path.abspath(__file__)),
+            "cap": args.cap,
+            "used_first": args.used_first,
+            "times": args.times,
+        }
+    )
+    site = os.path.join(os.path.dirname(os.path.abspath(__file__)), "capped_site")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (site, os.environ.get("PYTHONPATH")) if p)
     if command[:1] == ["layerstream"]:
         from layerstream.cli import main as layerstream_main
 
@@ -120,7 +137,15 @@ def main():
         sys.argv = command[1:]
         runpy.run_path(command[1], run_name="__main__")
         return
-    raise SystemExit(f"capped: run `layerstream ...`, `python -m MODULE ...` or `python SCRIPT.py ...`, got {command}")
+    if command[:1] == ["accelerate"]:
+        from accelerate.commands.accelerate_cli import main as accelerate_main
+
+        sys.argv = command
+        accelerate_main()
+        return
+    raise SystemExit(
+        f"capped: run `layerstream ...`, `python -m MODULE ...` or `python SCRIPT.py ...` or `accelerate ...`, got {command}"
+    )
 
 
 if __name__ == "__main__":

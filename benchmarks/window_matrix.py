@@ -168,6 +168,9 @@ def cell(
             auto_step_s=statistics.median(times[-timed:]),
             window_changes=runtime.window_changes,
             auto_peak_reserved_gib=torch.cuda.max_memory_reserved() / 2**30,
+            # retries cap the window at its size (a step that reached the limit)
+            auto_alloc_retries=torch.cuda.memory_stats().get("num_alloc_retries", 0),
+            auto_window_cap=runtime.sizer.max_window if runtime.meter is not None else None,
         )
     except torch.OutOfMemoryError as exc:
         row.update(auto_out_of_memory=True, auto_error=str(exc).splitlines()[0], auto_window=len(runtime.window))

@@ -2,7 +2,8 @@
 
 Writes random-weight checkpoints of a 3B and an 8B shape to disk (``checkpoints.py``) and a
 small SFT and preference dataset, then runs ``python -m trl.scripts.sft`` and TRL's
-``dpo.py`` (by its path) through ``layerstream run`` in fresh processes, each under a per-process memory cap smaller
+``dpo.py`` (by its path) through ``layerstream run`` in fresh processes (and ``trl sft`` and
+``accelerate launch -m layerstream run -m trl.scripts.sft``, which train in a process of their own), each under a per-process memory cap smaller
 than the model's weights (``capped.py``): bf16 LoRA and ``--load_in_4bit`` QLoRA. Where the
 model also fits its cap resident, the plain script runs too, for the losses and the speed.
 Capped-only runs go several at a time (each has its own cap; their step times are not
@@ -34,7 +35,11 @@ HERE = Path(__file__).resolve().parent
 EXTRA: list = []  # arguments every run gets (the CPU dry run's --use_cpu)
 LOG_TAILS: list = []  # where each run's last lines go as it ends (the --out folder)
 
-# (script, shape, quantization, cap, also run the plain script under the same cap)
+# (script, shape, quantization, cap, also run the plain script under the same cap);
+# "trl-sft" is the ``trl sft`` command and "accelerate-sft" ``accelerate launch -m layerstream
+# run -m trl.scripts.sft``: both start the training script in a new process; "qlora-script"
+# is examples/train_qlora.py, a plain HfArgumentParser Trainer script (device_map="auto",
+# BitsAndBytesConfig, prepare_model_for_kbit_training, get_peft_model)
 CASES = [
     ("sft", "llama3-8b", "bf16", "12GiB", False),
     ("sft", "llama3-8b", "4bit", "4GiB", False),
@@ -44,6 +49,9 @@ CASES = [
     ("dpo", "llama3-8b", "4bit", "4GiB", False),
     ("dpo", "llama3.2-3b", "bf16", "4GiB", False),
     ("dpo", "llama3.2-3b", "4bit", "2GiB", False),
+    ("trl-sft", "llama3.2-3b", "bf16", "4GiB", False),
+    ("accelerate-sft", "llama3-8b", "4bit", "4GiB", False),
+    ("qlora-script", "llama3-8b", "4bit", "4GiB", False),
     ("sft", "llama3.2-3b", "bf16", "24GiB", True),
     ("sft", "llama3-8b", "4bit", "16GiB", True),
 ]
@@ -89,14 +97,27 @@ def _script_path(script: str) -> str:
 
 
 def command(paths, script, shape, quantization, out: Path, steps: int, streamed: bool):
-    # SFT through ``-m``, DPO through the script's own path: both launcher forms
-    launch = ["-m", f"trl.scripts.{script}"] if script == "sft" else [_script_path(script)]
+    if script == "qlora-script":
+        args = [str(HERE.parent / "examples" / "train_qlora.py"), "--model_name_or_path", str(paths[shape])]
+        args += ["--output_dir", str(out), "--max_steps", str(steps), "--logging_steps", "1"]
+        args += ["--save_strategy", "steps", "--save_steps", str(steps), "--report_to", "none", "--lora_rank", "16"]
+        args += ["--per_device_train_batch_size", "4", "--max_length", "256", "--bf16", "true", "--seed", "0"]
+        args += ["--load_in_4bit"] * (quantization == "4bit") + EXTRA
+        return ["layerstream", "run"] + args if streamed else [sys.executable] + args
+    # SFT through ``-m``, DPO through the script's own path, and the two forms that start
+    # a new process: TRL's console command and accelerate's launcher
+    launch = {
+        "sft": ["-m", "trl.scripts.sft"],
+        "dpo": [_script_path("dpo")],
+        "trl-sft": ["trl", "sft"],
+        "accelerate-sft": ["-m", "trl.scripts.sft"],
+    }[script]
     args = [
         *launch,
         "--model_name_or_path",
         str(paths[shape]),
         "--dataset_name",
-        str(paths[script]),
+        str(paths["dpo" if script == "dpo" else "sft"]),
         "--output_dir",
         str(out),
         "--max_steps",
@@ -128,6 +149,9 @@ def command(paths, script, shape, quantization, out: Path, steps: int, streamed:
     if quantization == "4bit":
         args.append("--load_in_4bit")
     args += EXTRA
+    if script == "accelerate-sft":
+        accelerate = ["accelerate", "launch", "--num_processes", "1", "--mixed_precision", "bf16"]
+        return accelerate + (["-m", "layerstream", "run"] if streamed else []) + args
     return ["layerstream", "run"] + args if streamed else [sys.executable] + args
 
 
