@@ -10,7 +10,9 @@ Llama-3's 128,256). A binary search over the sequence length finds the longest t
 trains; every probe runs in a fresh subprocess, so one out-of-memory leaves nothing
 behind, with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` in its environment (as
 ``layerstream run`` sets it) unless torch's allocator is configured already; each row
-records the setting under ``alloc_conf``. Then a few steps at that length are timed
+records the setting under ``alloc_conf``. A step that runs out of memory with layers in
+the resident window shrinks it and runs again, as the Trainer integration does for users
+(``steps_retried``). Then a few steps at that length are timed
 (median), and so is the baseline: the best configuration without those settings at the
 same length in the GPU's full memory (resident with checkpointing, else streamed with the
 resident window).
@@ -151,7 +153,7 @@ def probe(args) -> dict:
 
     model = _build(cell["shape"], cell["quantization"], args.layers)
     options = json.loads(args.options)
-    what, times = "streamed", []
+    what, times, retried = "streamed", [], 0
     try:
         if args.mode == "resident":
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -166,19 +168,19 @@ def probe(args) -> dict:
             model.to(device)
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
         ids = torch.randint(3, model.config.vocab_size, (1, args.seq), device=device)
-        for _ in range(args.steps):
+        while len(times) < args.steps:
             if device == "cuda":
                 torch.cuda.synchronize()
             start = time.perf_counter()
-            model(input_ids=ids, labels=ids).loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            if not _step_or_shrink(model, opt, ids):
+                retried += 1
+                continue  # the window shrank: the step runs again, as under the Trainer
             if device == "cuda":
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
     except torch.OutOfMemoryError as exc:
         why = f"out of memory at step {len(times) + 1}: {str(exc).splitlines()[0][:200]}"
-        return {"ok": False, "why": why, **_window(model), **_allocator(device)}
+        return {"ok": False, "why": why, "steps_retried": retried, **_window(model), **_allocator(device)}
     except layerstream.StreamingError as exc:  # refused before computing (e.g. host memory for offload)
         return {"ok": False, "why": f"refused at step {len(times) + 1}: {str(exc).splitlines()[0][:200]}"}
     peak = torch.cuda.max_memory_allocated() / GiB if device == "cuda" else None
@@ -189,9 +191,36 @@ def probe(args) -> dict:
         "peak_allocated_gib": peak,
         "config": what,
         "alloc_conf": alloc,
+        "steps_retried": retried,
         **_window(model),
         **_allocator(device),
     }
+
+
+def _step_or_shrink(model, opt, ids) -> bool:
+    """One training step. If it runs out of memory with layers in the resident window, the
+    window shrinks and False says to run the step again: what the Trainer integration does
+    for every user, so a probe measures the length a Trainer run reaches. Out of memory with
+    no window left to shrink propagates."""
+    import torch
+
+    import layerstream
+    from layerstream.meter import wanted_bytes
+
+    try:
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return True
+    except torch.OutOfMemoryError as exc:
+        runtime = layerstream.get_runtime(model) if layerstream.is_streamed(model) else None
+        if runtime is None or not runtime.window:
+            raise
+        wanted = wanted_bytes(exc) or 0
+    opt.zero_grad(set_to_none=True)  # outside the except block: the failed step's tensors are gone
+    if not runtime.recover_from_oom(wanted):
+        raise torch.OutOfMemoryError("the resident window cannot shrink further")
+    return False
 
 
 def _allocator(device: str) -> dict:

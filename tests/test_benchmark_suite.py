@@ -516,3 +516,49 @@ def test_the_shared_store_benchmark_runs_its_ranks_under_torchrun_on_the_cpu(tmp
     assert row["ranks"] == 2 and row["shared"] == [True, True] and row["builders"] == 1
     assert row["host_bytes_one_copy"] > 0 and row["host_bytes_per_node"] > 0 and row["step_s"] > 0
     assert not list((tmp_path / "work" / "shm").iterdir()), "the last rank to leave removed the segment"
+
+
+def test_a_long_context_probe_step_that_runs_out_of_memory_shrinks_the_window_and_runs_again(monkeypatch):
+    """As under the Trainer: out of memory with a resident window shrinks it and the step
+    runs again; with no window left, the error reaches the probe (a length that does not fit)."""
+    import long_context
+    import torch
+
+    import layerstream
+
+    class Runtime:
+        def __init__(self, window):
+            self.window, self.shrinks = window, []
+
+        def recover_from_oom(self, wanted):
+            self.shrinks.append(wanted)
+            self.window = self.window[:-1]
+            return True
+
+    class Model:
+        def __init__(self, failures):
+            self.failures = failures
+
+        def __call__(self, **kwargs):
+            if self.failures:
+                self.failures -= 1
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            return type("Out", (), {"loss": torch.ones((), requires_grad=True) * 1})()
+
+    class Optimizer:
+        def step(self):
+            pass
+
+        def zero_grad(self, set_to_none=True):
+            pass
+
+    runtime = Runtime([3, 7])
+    monkeypatch.setattr(layerstream, "is_streamed", lambda model: True)
+    monkeypatch.setattr(layerstream, "get_runtime", lambda model: runtime)
+    model = Model(failures=1)
+    assert long_context._step_or_shrink(model, Optimizer(), None) is False
+    assert runtime.shrinks == [2 << 30] and runtime.window == [3]
+    assert long_context._step_or_shrink(model, Optimizer(), None) is True
+    runtime.window = []
+    with pytest.raises(torch.OutOfMemoryError):
+        long_context._step_or_shrink(Model(failures=1), Optimizer(), None)
