@@ -176,12 +176,26 @@ def test_layer_stream_flags_of_an_hfargumentparser_script_stream_what_it_loads(f
     assert layerstream.get_runtime(model).config.vram_budget is None
 
 
+def test_every_flag_surface_prints_its_help(capsys):
+    """`layerstream run --help` and a script's HfArgumentParser with StreamingArguments
+    render every setting's help, a literal % included (argparse formats help with %)."""
+    from transformers import HfArgumentParser
+
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["run", "--help"])
+    assert exited.value.code == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "layer i over directory i % n" in printed
+    script_help = " ".join(HfArgumentParser((layerstream.StreamingArguments,)).format_help().split())
+    assert "layer i over directory i % n" in script_help
+
+
 def test_the_settings_are_one_definition_on_every_surface():
     """Every StreamConfig setting is a `layerstream run` flag, a StreamingArguments field
     and a YAML stream key, with the same default."""
     import dataclasses
 
-    from layerstream.config import setting_default_text, settings
+    from layerstream.config import argparse_help, setting_default_text, settings
     from layerstream.integrations.trainer import argument_name
     from layerstream.train import SECTIONS
 
@@ -192,7 +206,7 @@ def test_the_settings_are_one_definition_on_every_surface():
     for setting in settings():
         default = setting_default_text(setting)
         assert flags[setting.name].default == default, setting.name
-        assert flags[setting.name].help.startswith(setting.metadata["help"])
+        assert flags[setting.name].help.startswith(argparse_help(setting))
         assert fields[argument_name(setting.name)].default == default, setting.name
         if setting.name != "device":  # YAML spells the default device "auto": CUDA when there is one
             assert SECTIONS["stream"][setting.name] == default, setting.name

@@ -162,10 +162,10 @@ def flag_name(setting_name: str) -> str:
 
 def add_setting_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per StreamConfig setting, with its help and default (``config.settings``)."""
-    from .config import FLAG, SWITCH, TRISTATE, setting_default_text, settings
+    from .config import FLAG, SWITCH, TRISTATE, argparse_help, setting_default_text, settings
 
     for setting in settings():
-        kind, help_text = setting.metadata["kind"], setting.metadata["help"]
+        kind, help_text = setting.metadata["kind"], argparse_help(setting)
         name = flag_name(setting.name)
         if kind == FLAG:
             parser.add_argument(name, dest=setting.name, action="store_true", help=help_text)

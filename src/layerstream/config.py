@@ -139,6 +139,12 @@ def _setting(default, kind: str, help: str):
     return field(default=default, metadata={"kind": kind, "help": help})
 
 
+def argparse_help(setting) -> str:
+    """A setting's help as argparse takes it (every flag surface is argparse underneath,
+    HfArgumentParser too), where a bare ``%`` would break ``--help``."""
+    return setting.metadata["help"].replace("%", "%%")
+
+
 @dataclass
 class StreamConfig:
     """How a model's decoder layers stream. Each field's help is in its metadata

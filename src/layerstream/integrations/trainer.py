@@ -43,6 +43,7 @@ from ..config import (
     SWITCH,
     TOKENS,
     TRISTATE,
+    argparse_help,
     config_from_settings,
     setting_default_text,
     settings,
@@ -406,7 +407,7 @@ def _streaming_arguments_class():
             (
                 argument_name(setting.name),
                 _ARGUMENT_TYPES[setting.metadata["kind"]],
-                dataclasses.field(default=setting_default_text(setting), metadata={"help": setting.metadata["help"]}),
+                dataclasses.field(default=setting_default_text(setting), metadata={"help": argparse_help(setting)}),
             )
         )
 
