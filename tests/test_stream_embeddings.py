@@ -72,6 +72,51 @@ def test_bf16_model_training_matches_resident(device):
     assert_traces_equal(train_steps(streamed, STEPS, device), train_steps(resident, STEPS, device))
 
 
+def _replace_end_data(model, change) -> None:
+    """``weight.data = change(weight.data)`` on the embedding and head, as PEFT's
+    ``prepare_model_for_kbit_training`` casts them to float32 (a tied pair once)."""
+    for weight in {id(m.weight): m.weight for m in _ends(model)}.values():
+        weight.data = change(weight.data)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_ends_cast_to_float32_after_streaming_train_as_resident(tied, device):
+    """A bf16 model whose ends are cast to float32 after stream_model (a QLoRA script's
+    prepare_model_for_kbit_training), trained under bf16 autocast as the Trainer does."""
+    streamed, resident = _pair(device, tied=tied, layers=4, dtype=torch.bfloat16)
+    for model in (streamed, resident):
+        _replace_end_data(model, lambda data: data.to(torch.float32))
+    got = train_steps(streamed, STEPS, device, autocast=torch.bfloat16)
+    embedding, head = _ends(streamed)
+    assert embedding.weight.dtype == head.weight.dtype == torch.float32
+    assert embedding.weight.device.type == head.weight.device.type == "cpu", "the ends stay on the host"
+    assert_traces_equal(got, train_steps(resident, STEPS, device, autocast=torch.bfloat16))
+
+
+def test_new_values_swapped_into_the_ends_reach_the_next_forward():
+    """Negative control of the above: the swapped values are used (the logits change),
+    equal to a resident model given the same."""
+    streamed, resident = _pair("cpu")
+    ids = batch(96)
+    with torch.no_grad():
+        before = streamed(input_ids=ids).logits
+        for model in (streamed, resident):
+            _replace_end_data(model, lambda data: data * 1.5)
+        after = streamed(input_ids=ids).logits
+    assert not torch.equal(before, after)
+    with torch.no_grad():
+        assert torch.equal(after, resident(input_ids=ids).logits)
+
+
+@pytest.mark.gpu
+def test_end_data_swapped_onto_the_gpu_is_refused():
+    """The ends stay on the host: data put on the GPU by a swap is refused, not copied back."""
+    streamed, _ = _pair("cuda")
+    _replace_end_data(streamed, lambda data: data.to("cuda"))
+    with pytest.raises(layerstream.StreamingError, match="replaced by data on cuda"):
+        streamed(input_ids=batch(96, device="cuda"))
+
+
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_greedy_generation_with_streamed_ends_matches_resident(tied, device):
     streamed, resident = _pair(device, tied=tied)

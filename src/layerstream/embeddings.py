@@ -27,6 +27,7 @@ per forward. ``StreamConfig(stream_embeddings=True)`` keeps both in (pinned) hos
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
@@ -41,6 +42,8 @@ from .discovery import unwrap_peft
 from .errors import StreamingError
 from .store import HostStore, LayerRecord, set_data
 from .units import GiB
+
+logger = logging.getLogger(__name__)
 
 _FIX = (
     "freeze it (PEFT does, unless modules_to_save or target_modules name it), or stream "
@@ -349,17 +352,50 @@ class StreamedEnds:
 
     def _check(self, weight: torch.Tensor, what: str) -> None:
         known = self._host.get(id(weight))
-        if known is None or weight.data_ptr() != known[1]:
+        if known is not None and weight.data_ptr() != known[1]:
+            self._adopt(weight, what)
+            known = self._host[id(weight)]
+        if known is None:
             raise StreamingError(
                 f"the {what} weight is no longer the one layerstream keeps in host memory (the module "
-                "was copied or its weight replaced after stream_model). Make such changes before "
-                "stream_model, or unstream_model first."
+                "was copied or its weight replaced by another Parameter after stream_model). Make such "
+                "changes before stream_model, or unstream_model first."
             )
         if weight.requires_grad and torch.is_grad_enabled():
             raise StreamingError(
                 f"{known[0]} requires grad, but stream_embeddings=True keeps it in host "
                 f"memory, frozen (its gradient would have nowhere to live): {_FIX}."
             )
+
+    def _adopt(self, weight: torch.Tensor, what: str) -> None:
+        """The same Parameter now holds other data: a ``.data`` swap, as PEFT's
+        ``prepare_model_for_kbit_training`` casts the ends to float32. A resident model would
+        compute with the new value, so it becomes the host copy (a new store, pinned as the
+        old one); data put on another device is refused, since these weights stay on the host."""
+        if weight.device.type != "cpu":
+            raise StreamingError(
+                f"the streamed {what} weight was replaced by data on {weight.device} after stream_model; "
+                "stream_embeddings keeps it in host memory. Replace it with a host tensor, or "
+                "unstream_model first."
+            )
+        found, config = self.found, self.runtime.config
+        records = []
+        for index, (name, host_weight) in enumerate(found.weights()):
+            module = found.embedding if index == 0 else found.head
+            records.append(HostStore.plan_layer(index, name.rsplit(".", 1)[0], module, lambda t, w=host_weight: t is w))
+        store = HostStore(config.arena_bytes, pin=bool(config.pin))
+        store.build(records)
+        old, self.store, self.records = self.store, store, records
+        old.release()
+        self._host = {id(w): (n, w.data_ptr()) for n, w in found.weights()}
+        self.dtypes = {w.dtype for _, w in found.weights()}
+        logger.warning(
+            "layerstream: the streamed %s weight was replaced after stream_model (now %s, e.g. cast by "
+            "prepare_model_for_kbit_training); the host copy holds the new value: %.2f GiB.",
+            what,
+            str(weight.dtype).replace("torch.", ""),
+            store.host_bytes / GiB,
+        )
 
     def embed(self, module: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
         weight = module.weight
