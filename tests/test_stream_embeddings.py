@@ -4,6 +4,7 @@ model's. Every parity test uses non-zero LoRA B and more layers than slots; the 
 controls below prove the comparisons can fail."""
 
 import copy
+import gc
 import weakref
 
 import pytest
@@ -108,6 +109,62 @@ def test_new_values_swapped_into_the_ends_reach_the_next_forward():
         assert torch.equal(after, resident(input_ids=ids).logits)
 
 
+def test_a_swap_between_forward_and_backward_leaves_the_backward_its_forwards_value():
+    """As for a resident weight: autograd keeps the value the forward used."""
+    grads = {}
+    for name, model in zip(("streamed", "resident"), _pair("cpu")):
+        ids = batch(96)
+        loss = model(input_ids=ids, labels=ids).loss
+        _, head = _ends(model)
+        head.weight.data = head.weight.data * 1.5
+        loss.backward()
+        grads[name] = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    assert grads["streamed"].keys() == grads["resident"].keys()
+    assert all(torch.equal(grads["streamed"][n], grads["resident"][n]) for n in grads["streamed"])
+
+
+def test_a_cast_after_a_swap_not_yet_used_is_refused_before_anything_changes():
+    """The swapped data's dtype is what a later .to() must not change (the ends would not
+    follow it)."""
+    streamed, _ = _pair("cpu")
+    embedding, _ = _ends(streamed)
+    embedding.weight.data = embedding.weight.data.to(torch.bfloat16)
+    before = {n: p.dtype for n, p in streamed.named_parameters()}
+    with pytest.raises(layerstream.StreamingError, match="would cast streamed weights"):
+        streamed.float()
+    assert {n: p.dtype for n, p in streamed.named_parameters()} == before
+
+
+def test_swapped_data_that_another_tensor_shares_is_refused():
+    """Copying it into the host store would cut the other tensor off from the model."""
+    streamed, _ = _pair("cpu")
+    embedding, head = _ends(streamed)
+    head.weight.data = embedding.weight.data  # tied by hand after streaming
+    with pytest.raises(layerstream.StreamingError, match="shared with another tensor"):
+        streamed(input_ids=batch(96))
+    streamed, _ = _pair("cpu")
+    embedding, _ = _ends(streamed)
+    held = embedding.weight.data * 2
+    embedding.weight.data = held
+    with pytest.raises(layerstream.StreamingError, match="shared with another tensor"):
+        streamed(input_ids=batch(96))
+    del held  # the same swap with nothing else holding the data is taken
+    streamed(input_ids=batch(96))
+
+
+def test_a_swapped_in_store_frees_the_one_before():
+    streamed, _ = _pair("cpu")
+    ends = layerstream.get_runtime(streamed).embeddings
+    embedding, _ = _ends(streamed)
+    first = weakref.ref(ends.store.arenas[0])
+    embedding.weight.data = embedding.weight.data * 2
+    streamed(input_ids=batch(96))
+    gc.collect()
+    assert first() is None, "the first store's host memory is still referenced"
+    names = set(layerstream.api.unwrap_peft(streamed)._ddp_params_and_buffers_to_ignore)
+    assert "model.embed_tokens.weight" in names, "DDP still skips the swapped-in weight"
+
+
 @pytest.mark.gpu
 def test_end_data_swapped_onto_the_gpu_is_refused():
     """The ends stay on the host: data put on the GPU by a swap is refused, not copied back."""
@@ -191,7 +248,9 @@ def test_no_device_copy_of_the_head_outlives_its_forward_or_backward(device):
 
     def tracked(src):
         out = fetch(src)
-        if src is head.weight:  # the embedding rows live on as the first hidden state
+        # the head's host weight (backward fetches the alias its forward saved); the
+        # embedding rows live on as the first hidden state
+        if src.data_ptr() == head.weight.data_ptr() and src.shape == head.weight.shape:
             copies.append(weakref.ref(out))
         return out
 

@@ -220,7 +220,8 @@ def attach_runtime(
     holder = _holder(model)
     object.__setattr__(holder, _ATTR, runtime)
     runtime.guarded = layer.ancestors(holder, layers)
-    _hide_from_ddp(model, records + (runtime.embeddings.records if runtime.embeddings is not None else []))
+    # read when DDP iterates: the ends' records change if their data is swapped and adopted
+    _hide_from_ddp(model, lambda: records + (runtime.embeddings.records if runtime.embeddings is not None else []))
     for index, module in enumerate(layers):
         layer.make_streamed(module, runtime, index)
     for module in nf4.streamed_linear4bit_modules(records):
@@ -246,7 +247,7 @@ _DDP_IGNORE = "_ddp_params_and_buffers_to_ignore"
 _PEFT_PREFIX = "base_model.model."  # where a PEFT wrapper keeps the transformers model
 
 
-def _hide_from_ddp(model: nn.Module, records) -> None:
+def _hide_from_ddp(model: nn.Module, records: Callable[[], list]) -> None:
     """Keep DistributedDataParallel away from streamed tensors.
 
     DDP broadcasts every parameter and buffer it is not told to ignore, and refuses a
@@ -269,7 +270,7 @@ class _StreamedTensorNames:
         self._records = records
 
     def __iter__(self):
-        streamed = {id(entry.current()) for record in self._records for entry in record.entries if entry.bound}
+        streamed = {id(entry.current()) for record in self._records() for entry in record.entries if entry.bound}
         tables = (
             self._holder.named_parameters(remove_duplicate=False),
             self._holder.named_buffers(remove_duplicate=False),

@@ -303,7 +303,9 @@ class HeadLinear(torch.autograd.Function):
     def forward(ctx, x, host_weight, bias, fetch):
         weight = fetch(host_weight)
         out = F.linear(x, weight, bias)  # under autocast this casts x, weight, bias as resident does
-        ctx.save_for_backward(host_weight)
+        # the value this forward used: a later ``.data`` swap of the Parameter does not reach
+        # this backward (as for a resident weight); an in-place write still bumps the version
+        ctx.save_for_backward(host_weight.detach())
         ctx.fetch = fetch
         ctx.compute_dtype = out.dtype
         ctx.input = (tuple(x.shape), tuple(x.stride()), x.dtype)
@@ -322,6 +324,14 @@ class HeadLinear(torch.autograd.Function):
         return linear_input_grad(grad, weight, shape, strides).to(dtype), None, None, None
 
 
+def _shared_elsewhere(weight: torch.Tensor) -> bool:
+    """Whether another tensor holds the storage of ``weight``'s data. The count is of the
+    storage's owners: the Parameter and the storage object asked here make two. Where torch
+    does not offer the count, every swap counts as shared (and is refused)."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    return count is None or count(weight.untyped_storage()._cdata) > 2
+
+
 # -- the streamed ends ----------------------------------------------------------------------
 class StreamedEnds:
     """The embedding and head of one streamed model: their host store, the calls that
@@ -334,7 +344,6 @@ class StreamedEnds:
         self.found = found
         self.records = records
         self.store = store
-        self.dtypes = {weight.dtype for _, weight in found.weights()}
         # id(weight) -> (qualified name, host data pointer): what the calls check
         self._host = {id(w): (n, w.data_ptr()) for n, w in found.weights()}
         self.head_copies = 0
@@ -345,6 +354,12 @@ class StreamedEnds:
     @property
     def tied(self) -> bool:
         return self.found.tied
+
+    @property
+    def dtypes(self) -> set:
+        """The weights' dtypes as they are now (a swap not yet adopted included), which a
+        ``.to()`` must not change."""
+        return {weight.dtype for _, weight in self.found.weights()}
 
     @property
     def host_bytes(self) -> int:
@@ -372,12 +387,23 @@ class StreamedEnds:
         ``prepare_model_for_kbit_training`` casts the ends to float32. A resident model would
         compute with the new value, so it becomes the host copy (a new store, pinned as the
         old one); data put on another device is refused, since these weights stay on the host."""
-        if weight.device.type != "cpu":
-            raise StreamingError(
-                f"the streamed {what} weight was replaced by data on {weight.device} after stream_model; "
-                "stream_embeddings keeps it in host memory. Replace it with a host tensor, or "
-                "unstream_model first."
-            )
+        for name, swapped in self.found.weights():  # every end whose data changed, not only this one
+            if swapped.data_ptr() == self._host[id(swapped)][1]:
+                continue
+            if swapped.device.type != "cpu":
+                raise StreamingError(
+                    f"the streamed weight {name} was replaced by data on {swapped.device} after "
+                    "stream_model; stream_embeddings keeps it in host memory. Replace it with a host "
+                    "tensor, or unstream_model first."
+                )
+            if _shared_elsewhere(swapped):
+                raise StreamingError(
+                    f"the data swapped into the streamed weight {name} after stream_model is shared "
+                    "with another tensor (a view of it, a tensor still held, or the other end of the "
+                    "model). layerstream would copy it into host memory of its own, and writes through "
+                    "that other tensor would no longer reach the model. Swap in data of its own (e.g. "
+                    ".clone()), or unstream_model first."
+                )
         found, config = self.found, self.runtime.config
         records = []
         for index, (name, host_weight) in enumerate(found.weights()):
@@ -388,7 +414,6 @@ class StreamedEnds:
         old, self.store, self.records = self.store, store, records
         old.release()
         self._host = {id(w): (n, w.data_ptr()) for n, w in found.weights()}
-        self.dtypes = {w.dtype for _, w in found.weights()}
         logger.warning(
             "layerstream: the streamed %s weight was replaced after stream_model (now %s, e.g. cast by "
             "prepare_model_for_kbit_training); the host copy holds the new value: %.2f GiB.",
