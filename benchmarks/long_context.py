@@ -36,7 +36,7 @@ import subprocess
 import sys
 import time
 
-from layerstream.config import ALLOCATOR_ENV, DEFAULT_ALLOCATOR_CONF
+from layerstream.config import ALLOCATOR_ENV, set_default_allocator
 from layerstream.plan.advice import DEFAULT_LONG_TOKENS, default_loss_chunk_tokens
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -97,8 +97,7 @@ def alloc_env() -> dict:
     """The probes' environment: this one, with the allocator setting `layerstream run` makes
     unless torch's allocator is configured already."""
     env = dict(os.environ)
-    if not any(env.get(key) for key in ALLOCATOR_ENV):
-        env[ALLOCATOR_ENV[0]] = DEFAULT_ALLOCATOR_CONF
+    set_default_allocator(env)
     return env
 
 

@@ -246,12 +246,11 @@ def allocator_defaults() -> None:
 
     import torch
 
-    from .config import ALLOCATOR_ENV, DEFAULT_ALLOCATOR_CONF
+    from .config import set_default_allocator
 
     if torch.cuda.is_initialized():
         return  # too late to change the allocator in this process
-    if not any(os.environ.get(key) for key in ALLOCATOR_ENV):
-        os.environ[ALLOCATOR_ENV[0]] = DEFAULT_ALLOCATOR_CONF
+    if set_default_allocator(os.environ):
         os.environ["LAYERSTREAM_SET_ALLOC_CONF"] = "1"
 
 

@@ -116,6 +116,15 @@ ALLOCATOR_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 DEFAULT_ALLOCATOR_CONF = "expandable_segments:True"
 
 
+def set_default_allocator(env) -> bool:
+    """Put DEFAULT_ALLOCATOR_CONF in ``env`` (os.environ, or a child process's copy) unless
+    torch's allocator is configured there already; whether it was put."""
+    if any(env.get(key) for key in ALLOCATOR_ENV):
+        return False
+    env[ALLOCATOR_ENV[0]] = DEFAULT_ALLOCATOR_CONF
+    return True
+
+
 def allocator_setting(name: str) -> Optional[str]:
     """A setting of torch's CUDA caching allocator (e.g. expandable_segments), as text."""
     getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)

@@ -404,16 +404,10 @@ class StreamedEnds:
                     "that other tensor would no longer reach the model. Swap in data of its own (e.g. "
                     ".clone()), or unstream_model first."
                 )
-        found, config = self.found, self.runtime.config
-        records = []
-        for index, (name, host_weight) in enumerate(found.weights()):
-            module = found.embedding if index == 0 else found.head
-            records.append(HostStore.plan_layer(index, name.rsplit(".", 1)[0], module, lambda t, w=host_weight: t is w))
-        store = HostStore(config.arena_bytes, pin=bool(config.pin))
-        store.build(records)
+        records, store = _host_store(self.found, self.runtime.config)
         old, self.store, self.records = self.store, store, records
         old.release()
-        self._host = {id(w): (n, w.data_ptr()) for n, w in found.weights()}
+        self._host = {id(w): (n, w.data_ptr()) for n, w in self.found.weights()}
         logger.warning(
             "layerstream: the streamed %s weight was replaced after stream_model (now %s, e.g. cast by "
             "prepare_model_for_kbit_training); the host copy holds the new value: %.2f GiB.",
@@ -504,17 +498,23 @@ class StreamedEnds:
         self.store.release()
 
 
-def stream_embeddings(model: nn.Module, runtime) -> StreamedEnds:
-    """Move ``model``'s embedding and head weights into a host store of their own (pinned
-    as the runtime's config says) and swap the modules' classes."""
-    found = find_ends(model)
+def _host_store(found: Ends, config) -> Tuple[List[LayerRecord], HostStore]:
+    """The ends' weights copied into a host store of their own (pinned as ``config`` says),
+    the weights pointed at it: one record each (a tied head has none of its own)."""
     records = []
     for index, (name, weight) in enumerate(found.weights()):
         module = found.embedding if index == 0 else found.head
         records.append(HostStore.plan_layer(index, name.rsplit(".", 1)[0], module, lambda t, w=weight: t is w))
-    config = runtime.config
     store = HostStore(config.arena_bytes, pin=bool(config.pin))
     store.build(records)
+    return records, store
+
+
+def stream_embeddings(model: nn.Module, runtime) -> StreamedEnds:
+    """Move ``model``'s embedding and head weights into a host store of their own (pinned
+    as the runtime's config says) and swap the modules' classes."""
+    found = find_ends(model)
+    records, store = _host_store(found, runtime.config)
     ends = StreamedEnds(runtime, found, records, store)
     _swap(found.embedding, StreamedEmbedding, ends)
     if found.head is not None:
