@@ -114,6 +114,75 @@ def test_the_tiled_backward_reads_the_slot_its_recompute_bound():
     assert all(any(lo <= ptr < hi for lo, hi in slots) for ptr in seen)
 
 
+def _tile_calls(model, steps=1) -> dict:
+    """How often the tiles ran, by grad mode, over ``steps`` training steps."""
+    calls = {"no_grad": 0, "grad": 0}
+    original = tiled_mlp._plain
+
+    def counting(module, x):
+        calls["grad" if torch.is_grad_enabled() else "no_grad"] += 1
+        return original(module, x)
+
+    tiled_mlp._plain = counting
+    try:
+        train_steps(model, steps, seq=SEQ)
+    finally:
+        tiled_mlp._plain = original
+    return calls
+
+
+def _scale_mlp_outputs(model):
+    """A trainable scale on each MLP's output: an op after the MLP that saves its input, as
+    a norm on the MLP's output does (Gemma's post-feedforward norm)."""
+    from layerstream.discovery import find_decoder_layers
+
+    for layer in find_decoder_layers(model)[1]:
+        mlp = layer.mlp
+        mlp.out_scale = torch.nn.Parameter(torch.full((1,), 1.5))
+        mlp.register_forward_hook(lambda module, args, out: out * module.out_scale)
+    return model
+
+
+def test_the_recompute_skips_the_tiled_mlp_whose_output_it_discards():
+    """Five layers of four tiles: the forward runs each tile once and the backward once; the
+    checkpoint's recompute stops before the MLP (its output is not needed), so the MLP's
+    forward does not run a third time."""
+    streamed, resident = _long_pair(chunk=None)
+    assert _tile_calls(streamed) == {"no_grad": 5 * 4, "grad": 5 * 4}
+
+
+def test_an_op_saving_the_mlp_output_makes_the_recompute_run_the_tiles():
+    """Where something after the MLP saves its output, the recompute must compute it: the
+    tiles run again there, and the gradients stay equal to the resident model's."""
+    streamed, resident = _long_pair(chunk=None)
+    for model in (streamed, resident):
+        _scale_mlp_outputs(model)
+    assert _tile_calls(streamed) == {"no_grad": 2 * 5 * 4, "grad": 5 * 4}
+    streamed, resident = _long_pair(chunk=None)
+    for model in (streamed, resident):
+        _scale_mlp_outputs(model)
+    got, expected = train_steps(streamed, STEPS, seq=SEQ), train_steps(resident, STEPS, seq=SEQ)
+    assert any(".out_scale" in name for name in got.grads[0]), "the scale must be trained"
+    assert_traces_equal(got, expected)
+
+
+def test_a_recompute_that_skipped_a_needed_mlp_output_is_caught(monkeypatch):
+    """Negative control: a tiled forward that returned zeros inside backward (a recompute
+    that skipped the MLP although its output is saved) breaks the parity above."""
+    streamed, resident = _long_pair(chunk=None)
+    for model in (streamed, resident):
+        _scale_mlp_outputs(model)
+    forward = tiled_mlp.TiledFunction.forward
+
+    def skipping(ctx, x, *args):
+        out = forward(ctx, x, *args)
+        return torch.zeros_like(out) if torch._C._current_graph_task_id() != -1 else out
+
+    monkeypatch.setattr(tiled_mlp.TiledFunction, "forward", staticmethod(skipping))
+    with pytest.raises(AssertionError):
+        assert_traces_equal(train_steps(streamed, STEPS, seq=SEQ), train_steps(resident, STEPS, seq=SEQ))
+
+
 def test_chunked_and_tiled_are_close_to_the_unchunked_model_and_not_equal():
     """Within fp32 rounding of the plain model (CLOSE); and not bit for bit, which shows the
     parity tests above compare something that another reduction order changes."""

@@ -60,16 +60,38 @@ def _plain(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return super(TiledMLP, module).forward(x)
 
 
-class TiledFunction(torch.autograd.Function):
-    """The MLP on ``tile``-token rows of ``x``; backward recomputes each tile."""
+class StashInputs(torch.autograd.Function):
+    """Identity on the MLP's input that saves it and the frozen weights for the tiles'
+    backward, before any tile runs. A non-reentrant checkpoint's recompute stops once it
+    has rebuilt every tensor its forward saved (torch's early stop): in a decoder layer
+    nothing after the MLP saves one, so the recompute stops here and never runs the MLP,
+    whose output it would discard. Saved after the tiles instead, the MLP's forward ran
+    three times per step instead of two. Where something after the MLP does save (a norm
+    on its output), the recompute goes on and runs the tiles as before."""
 
     @staticmethod
-    def forward(ctx, x, module, tile, specs, frozen_count, *tensors):
+    def forward(ctx, x, *frozen):
+        ctx.save_for_backward(x, *frozen)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad,) + (None,) * (len(ctx.needs_input_grad) - 1)
+
+
+class TiledFunction(torch.autograd.Function):
+    """The MLP on ``tile``-token rows of ``x``; backward recomputes each tile. Its input and
+    frozen weights are saved by ``stash`` (the StashInputs node ``x`` came from), or here
+    when there is none (``x`` takes no gradient, so no node was recorded)."""
+
+    @staticmethod
+    def forward(ctx, x, stash, module, tile, specs, frozen_count, *tensors):
         frozen = tensors[:frozen_count]
         rows = x.reshape(-1, x.shape[-1])
         with torch.no_grad():
             out = torch.cat([_plain(module, rows[a:b].unsqueeze(0)) for a, b in spans(rows.shape[0], tile)], dim=1)
-        ctx.save_for_backward(x, *frozen)
+        ctx.stash = stash
+        ctx.save_for_backward(*(() if stash is not None else (x, *frozen)))
         ctx.module, ctx.tile, ctx.specs = module, tile, specs
         ctx.trainables = tensors[frozen_count:]
         ctx.autocast = autocast_state(x.device.type)
@@ -77,8 +99,8 @@ class TiledFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        x, *frozen = ctx.saved_tensors
-        offset = 5 + len(frozen)
+        x, *frozen = ctx.stash.saved_tensors if ctx.stash is not None else ctx.saved_tensors
+        offset = 6 + len(frozen)
         wanted = ctx.needs_input_grad[offset:]
         params = [p for p, need in zip(ctx.trainables, wanted) if need]
         need_x = ctx.needs_input_grad[0]
@@ -101,11 +123,7 @@ class TiledFunction(torch.autograd.Function):
         param_grads = [next(out) if need else None for need in wanted]
         return (
             None if grad_x is None else grad_x.reshape(x.shape),
-            None,
-            None,
-            None,
-            None,
-            *([None] * len(frozen)),
+            *([None] * (5 + len(frozen))),
             *param_grads,
         )
 
@@ -122,7 +140,11 @@ class TiledMLP:
         specs = _frozen(self)
         frozen = [table[name] for table, name in specs]
         trainables = [p for p in self.parameters() if p.requires_grad]
-        return TiledFunction.apply(x, self, tile, specs, len(frozen), *frozen, *trainables)
+        stash = None
+        if torch.is_grad_enabled() and x.requires_grad:
+            x = StashInputs.apply(x, *frozen)
+            stash = x.grad_fn
+        return TiledFunction.apply(x, stash, self, tile, specs, len(frozen), *frozen, *trainables)
 
 
 def mlps(model: nn.Module) -> List[nn.Module]:
