@@ -76,6 +76,20 @@ def _layer_names(model) -> dict:
     return by_layer
 
 
+def require_free(directory: Path, needed: int, what: str) -> None:
+    """Stop before writing when the disk cannot take ``needed`` more bytes (a full disk
+    half way through costs minutes of the GPU machine's time, and the earlier case's files
+    may still be there)."""
+    import shutil
+
+    free = shutil.disk_usage(directory).free
+    if needed > free:
+        raise SystemExit(
+            f"{directory}: {what} needs {needed / 1e9:.1f} GB more and the disk has {free / 1e9:.1f} GB free. "
+            "Remove an earlier case's directory there (each case keeps its own) or pass another --dir."
+        )
+
+
 def write_checkpoint(directory: Path, shape: dict, dtype=torch.bfloat16) -> None:
     """A random-weight safetensors checkpoint, one shard per layer, written layer by layer."""
     from safetensors.torch import save_file
@@ -83,6 +97,8 @@ def write_checkpoint(directory: Path, shape: dict, dtype=torch.bfloat16) -> None
     directory.mkdir(parents=True, exist_ok=True)
     config, model = _meta_model(shape, dtype)
     names = {name: (tuple(t.shape), t.dtype) for name, t in model.state_dict().items()}
+    sizes = {name: t.numel() * t.element_size() for name, t in model.state_dict().items()}
+    require_free(directory, sum(sizes.values()), "the checkpoint")
     config.save_pretrained(directory)
     weight_map, one_layer = {}, {}
     resident = {n: v for n, v in names.items() if ".layers." not in n}
@@ -178,6 +194,8 @@ def write_nf4_cache(directory: Path, shape: dict, dtype=torch.bfloat16) -> None:
     path, stack = find_decoder_layers(one)
     record = HostStore.plan_layer(0, layer_name(path, 0), stack[0], lambda t: True)
     data, layout = nf4_cache.region_bytes(record), nf4_cache.describe(stack[0], record)
+    missing = [i for i in range(config.num_hidden_layers) if str(i) not in cache.layers]
+    require_free(directory, len(missing) * data.numel(), f"the NF4 cache ({len(missing)} layers)")
     for index in range(config.num_hidden_layers):
         if str(index) not in cache.layers:
             cache.write(index, data, layout)

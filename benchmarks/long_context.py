@@ -42,6 +42,7 @@ from layerstream.plan.advice import DEFAULT_LONG_TOKENS, default_loss_chunk_toke
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results", "long-context.json")
 STATE = os.path.join(HERE, "results", "long-context-search.json")
+AT_RESULTS = os.path.join(HERE, "results", "long-context-at.json")
 DEFAULT_CELLS = [f"llama3-8b:nf4:{v}" for v in (12, 16, 24, 80)] + [f"llama3-70b:nf4:{v}" for v in (24, 80)]
 NAMES = {"llama3-8b": "Llama-3.1-8B", "llama3-70b": "Llama-3-70B", "tiny": "tiny-llama"}
 # the tile `layerstream plan` tries (4096), and loss_chunk_tokens per shape: cell_options
@@ -345,14 +346,16 @@ def _write(path: str, payload) -> None:
         json.dump(payload, handle, indent=2)
 
 
-def measure(cell: str, seq: int, options: dict, args) -> dict:
+def measure(cell: str, seq: int, options: dict, args, searched: bool = True) -> dict:
+    """The timed row at ``seq`` tokens: the longest the search found, or (``searched``
+    False, --at) a length given, whose row says ``tokens`` instead of ``max_tokens``."""
     parsed = parse_cell(cell)
     timed = run_probe(cell, seq, "streamed", options, args, steps=args.warmup + args.steps, cap=True)
     row = {
         "model": NAMES.get(parsed["shape"], parsed["shape"]) + " shape, random weights",
         "quantization": parsed["quantization"],
         "vram_gib": parsed["vram_gib"],
-        "max_tokens": seq,
+        ("max_tokens" if searched else "tokens"): seq,
         "step_s": None,
         "tokens_per_s": None,
         "baseline_step_s": None,
@@ -361,7 +364,7 @@ def measure(cell: str, seq: int, options: dict, args) -> dict:
         "batch": 1,
     }
     if not timed["ok"]:  # no row: the length did not train for the timed steps
-        return {"timed_failure": timed["why"], "max_tokens": seq}
+        return {"timed_failure": timed["why"], "tokens": seq}
     step = statistics.median(timed["step_s"][args.warmup :])
     row.update(step_s=step, tokens_per_s=seq / step, peak_allocated_gib=timed["peak_allocated_gib"])
     row.update({k: timed[k] for k in ("peak_reserved_gib", "alloc_retries") if k in timed})
@@ -373,6 +376,22 @@ def measure(cell: str, seq: int, options: dict, args) -> dict:
             break
         row["baseline_note"] = f"{mode}: {base['why']}"
     return row
+
+
+def time_at(cells, options: dict, args) -> int:
+    """--at: each cell timed at one given length against its baseline, no search."""
+    rows = json.load(open(args.out)) if os.path.exists(args.out) else []
+    for cell in cells:
+        row = measure(cell, args.at, cell_options(cell, options), args, searched=False)
+        if "timed_failure" in row:
+            print(f"{cell}: {args.at} tokens failed when timed: {row['timed_failure']}", flush=True)
+            continue
+        key = (row["model"], row["quantization"], row["vram_gib"], row["tokens"])
+        rows = [r for r in rows if (r["model"], r["quantization"], r["vram_gib"], r.get("tokens")) != key]
+        rows.append(row)
+        _write(args.out, rows)
+        print(json.dumps(row), flush=True)
+    return 0
 
 
 def main(argv=None) -> int:
@@ -399,12 +418,19 @@ def main(argv=None) -> int:
         default=True,
         help="start the search at the memory planner's longest sequence for the cell",
     )
+    parser.add_argument(
+        "--at",
+        type=int,
+        default=None,
+        help="no search: time each cell at this many tokens (rows say tokens, not max_tokens;\n"
+        "default --out results/long-context-at.json)",
+    )
     parser.add_argument("--steps", type=int, default=3, help="timed steps (median)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's)")
     parser.add_argument("--probe-timeout-s", type=int, default=480)
     parser.add_argument("--state", default=STATE, help="search bounds kept between runs")
-    parser.add_argument("--out", default=RESULTS)
+    parser.add_argument("--out", default=None, help="default results/long-context.json")
     parser.add_argument("--dry-run", action="store_true", help="run the whole harness on the CPU with a tiny model")
     parser.add_argument("--dry-run-limit", type=int, default=384, help=argparse.SUPPRESS)
     for hidden in ("--probe", "--seq", "--mode", "--options"):
@@ -422,8 +448,9 @@ def main(argv=None) -> int:
         args.granularity, args.hi, args.steps, args.warmup = 64, 512, 2, 0
         args.state, args.out = (
             os.path.join(out_dir, "long-context-search.json"),
-            os.path.join(out_dir, "long-context.json"),
+            os.path.join(out_dir, "long-context-at.json" if args.at else "long-context.json"),
         )
+    args.out = args.out or (AT_RESULTS if args.at else RESULTS)
     options = stream_options(args.stream_option)
     cells = args.cells or DEFAULT_CELLS
     for cell in cells:
@@ -431,6 +458,8 @@ def main(argv=None) -> int:
     state = json.load(open(args.state)) if os.path.exists(args.state) else {}
     rows = json.load(open(args.out)) if os.path.exists(args.out) else []
     deadline = time.time() + args.budget_s
+    if args.at:
+        return time_at(cells, options, args)
     for cell in cells:
         settings = cell_options(cell, options)
         bounds = Bounds(**state.get(cell, {"fits": args.lo, "fails": args.hi}))

@@ -275,6 +275,27 @@ def test_long_context_benchmark_runs_its_whole_harness_on_the_cpu(tmp_path, monk
     assert row["tokens_per_s"] == pytest.approx(row["max_tokens"] / row["step_s"])
 
 
+def test_long_context_at_a_given_length_times_it_without_searching(tmp_path, monkeypatch):
+    """--at: one timed probe and its baseline per cell at that length, no search probes,
+    and the row says tokens (the length given), not max_tokens (it is not the longest)."""
+    import long_context
+
+    calls = []
+
+    def fake_probe(cell, seq, mode, options, args, steps, cap):
+        calls.append((seq, mode, steps, cap))
+        return {"ok": True, "step_s": [2.0] * steps, "peak_allocated_gib": 1.0, "config": mode}
+
+    monkeypatch.setattr(long_context, "run_probe", fake_probe)
+    out = tmp_path / "at.json"
+    argv = ["--cells", "llama3-8b:nf4:12", "--at", "22528", "--out", str(out), "--state", str(tmp_path / "s")]
+    assert long_context.main(argv) == 0
+    assert calls == [(22528, "streamed", 4, True), (22528, "resident", 4, False)]
+    (row,) = json.loads(out.read_text())
+    assert row["tokens"] == 22528 and "max_tokens" not in row
+    assert not (tmp_path / "s").exists(), "no search state written"
+
+
 def test_a_length_that_fails_when_timed_is_not_published_and_is_searched_below_again(tmp_path, monkeypatch):
     """The search's probes run fewer steps than the timed run: a length whose timed run
     fails gets no row (its failure is said) and the next run searches below it."""
@@ -402,6 +423,24 @@ def test_disk_tier_benchmark_runs_its_whole_harness_on_the_cpu(tmp_path, monkeyp
     if quantization == "nf4":
         layer = tmp_path / "tiny-nf4" / "layer-00003.safetensors"
         assert layer.stat().st_blocks * 512 < layer.stat().st_size  # sparse: the loader never reads it
+
+
+@pytest.mark.parametrize("quantization", ["none", "nf4"])
+def test_disk_tier_benchmark_stops_before_writing_what_the_disk_cannot_take(tmp_path, monkeypatch, quantization):
+    """A disk with too little free space stops the write phase with what to do, before the
+    layers are written (bf16: the checkpoint's shards; NF4: the cache's layers, beside a
+    sparse checkpoint that takes no space)."""
+    import shutil
+
+    import disk_tier
+
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=1000))
+    with pytest.raises(SystemExit, match="GB free. Remove an earlier case"):
+        disk_tier.main(["--dry-run", "--quantization", quantization, "--dir", str(tmp_path), "--phase", "write"])
+    case = tmp_path / f"tiny-{quantization}"
+    written = case.glob(f"{disk_tier.CACHE}/layer-*.nf4" if quantization == "nf4" else "layer-*.safetensors")
+    assert not list(written)
 
 
 def test_disk_tier_benchmark_refuses_a_stale_nf4_cache_before_loading_negative_control(tmp_path, monkeypatch):
