@@ -178,6 +178,8 @@ def probe(args) -> dict:
             if device == "cuda":
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
+        if args.insight and device == "cuda":  # after the timed steps: one profiled, one traced
+            _insight(model, opt, ids, args, f"{args.mode}-{cell['vram_gib']:g}GiB-{args.seq}")
     except torch.OutOfMemoryError as exc:
         why = f"out of memory at step {len(times) + 1}: {str(exc).splitlines()[0][:200]}"
         return {"ok": False, "why": why, "steps_retried": retried, **_window(model), **_allocator(device)}
@@ -223,6 +225,17 @@ def _step_or_shrink(model, opt, ids) -> bool:
     return False
 
 
+def _insight(model, opt, ids, args, name: str) -> None:
+    """--insight: a kernel table and the tensors alive at the allocated peak, of one more
+    step each (step_insight), written to the --insight folder."""
+    import step_insight
+
+    os.makedirs(args.insight, exist_ok=True)
+    base = os.path.join(args.insight, name)
+    step_insight.profile_table(lambda: _step_or_shrink(model, opt, ids), base + "-kernels.txt")
+    step_insight.memory_at_peak(lambda: _step_or_shrink(model, opt, ids), base + "-peak.json")
+
+
 def _allocator(device: str) -> dict:
     """The caching allocator's reserved peak and its retries (allocations that only succeeded
     after freeing cached memory): how close to the cap the probe ran, fragmentation included."""
@@ -257,6 +270,8 @@ def run_probe(cell: str, seq: int, mode: str, options: dict, args, steps: int, c
     command += ["--options", json.dumps(options), "--steps", str(steps)] + (["--cap"] if cap else [])
     if args.layers:
         command += ["--layers", str(args.layers)]
+    if args.insight and steps > 2:  # timed runs only, not the search's two-step probes
+        command += ["--insight", os.path.abspath(args.insight)]
     if args.dry_run:
         command += ["--dry-run", "--dry-run-limit", str(args.dry_run_limit)]
     try:
@@ -424,6 +439,13 @@ def main(argv=None) -> int:
         default=None,
         help="no search: time each cell at this many tokens (rows say tokens, not max_tokens;\n"
         "default --out results/long-context-at.json)",
+    )
+    parser.add_argument(
+        "--insight",
+        default=None,
+        metavar="DIR",
+        help="after each timed run (streamed and baseline), profile one more step and trace\n"
+        "the memory alive at another's peak (benchmarks/step_insight.py), into DIR",
     )
     parser.add_argument("--steps", type=int, default=3, help="timed steps (median)")
     parser.add_argument("--warmup", type=int, default=1)

@@ -601,3 +601,47 @@ def test_a_long_context_probe_step_that_runs_out_of_memory_shrinks_the_window_an
     runtime.window = []
     with pytest.raises(torch.OutOfMemoryError):
         long_context._step_or_shrink(Model(failures=1), Optimizer(), None)
+
+
+def test_step_insight_replays_the_allocators_events_to_the_peak():
+    """The tensors alive at the allocated peak, by the first source line outside torch;
+    blocks from before the trace count apart, and their frees lower them."""
+    import step_insight
+
+    model = [{"filename": "/x/torch/nn/functional.py", "line": 1, "name": "linear"}]
+    model.append({"filename": "/x/transformers/models/llama/modeling_llama.py", "line": 7, "name": "forward"})
+    ours = [{"filename": "/x/src/layerstream/tiled_mlp.py", "line": 9, "name": "backward"}]
+    events = [
+        {"action": "alloc", "addr": 1, "size": 100, "frames": model},
+        {"action": "alloc", "addr": 2, "size": 50, "frames": ours},
+        {"action": "free_requested", "addr": 1, "size": 100},
+        {"action": "free_completed", "addr": 1, "size": 100},
+        {"action": "free_completed", "addr": 99, "size": 30},  # allocated before the trace
+        {"action": "alloc", "addr": 3, "size": 120, "frames": ours},
+        {"action": "alloc", "addr": 4, "size": 20, "frames": model},  # the peak: 1160 > 1150 earlier
+        {"action": "free_completed", "addr": 3, "size": 120},
+    ]
+    got = step_insight.live_at_peak(events, start_allocated=1000)
+    assert got["peak_bytes"] == 1000 - 30 + 50 + 120 + 20
+    assert got["before_trace_bytes"] == 970
+    assert got["by_source"] == [
+        {"source": "layerstream/tiled_mlp.py:9 (backward)", "bytes": 170, "blocks": 2},
+        {"source": "llama/modeling_llama.py:7 (forward)", "bytes": 20, "blocks": 1},
+    ]
+
+
+def test_long_context_insight_goes_to_timed_probes_only(tmp_path, monkeypatch):
+    import long_context
+
+    commands = []
+
+    def fake_run(command, **kwargs):
+        commands.append(command)
+        return subprocess.CompletedProcess(command, 0, stdout='PROBE {"ok": true}\n', stderr="")
+
+    monkeypatch.setattr(long_context.subprocess, "run", fake_run)
+    args = long_context.argparse.Namespace(layers=None, insight=str(tmp_path), dry_run=False, probe_timeout_s=9)
+    for steps in (2, 4):
+        assert long_context.run_probe("llama3-8b:nf4:12", 2048, "streamed", {}, args, steps, True) == {"ok": True}
+    search, timed = commands
+    assert "--insight" not in search and timed[timed.index("--insight") + 1] == str(tmp_path)
