@@ -88,14 +88,19 @@ class TiledFunction(torch.autograd.Function):
     def forward(ctx, x, stash, module, tile, specs, frozen_count, *tensors):
         frozen = tensors[:frozen_count]
         rows = x.reshape(-1, x.shape[-1])
-        with torch.no_grad():
-            out = torch.cat([_plain(module, rows[a:b].unsqueeze(0)) for a, b in spans(rows.shape[0], tile)], dim=1)
+        out = None
+        with torch.no_grad():  # each tile written into the output: no list of tiles beside it
+            for a, b in spans(rows.shape[0], tile):
+                part = _plain(module, rows[a:b].unsqueeze(0))[0]
+                if out is None:
+                    out = part.new_empty((rows.shape[0], part.shape[-1]))
+                out[a:b] = part
         ctx.stash = stash
         ctx.save_for_backward(*(() if stash is not None else (x, *frozen)))
         ctx.module, ctx.tile, ctx.specs = module, tile, specs
         ctx.trainables = tensors[frozen_count:]
         ctx.autocast = autocast_state(x.device.type)
-        return out.reshape(*x.shape[:-1], out.shape[-1])
+        return out.view(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx, grad):
