@@ -78,7 +78,9 @@ def test_chunked_loss_and_tiled_mlp_streamed_match_resident_bit_for_bit(case, de
     stats = layerstream.get_runtime(streamed).stats()
     assert stats["layer_loads"] > stats["layers"], "slots must have recycled"
     if options.get("stream_embeddings"):
-        assert stats["head_copies"] == 2 * STEPS, "one head copy per forward and per backward, not per chunk"
+        assert stats["head_copies"] == STEPS, (
+            "one head copy per step (the gradients come in the forward), not per chunk"
+        )
 
 
 def test_streamed_parity_fails_when_a_copy_is_corrupted():
@@ -220,6 +222,45 @@ def test_a_tiled_mlp_step_costs_the_matmul_flops_of_an_untiled_one():
     untiled, _ = _long_pair(tile=None)
     tiled_flops, untiled_flops = _step_flops(tiled), _step_flops(untiled)
     assert untiled_flops <= tiled_flops < 1.01 * untiled_flops
+
+
+def test_a_chunked_loss_step_costs_the_matmul_flops_of_an_unchunked_one():
+    """The chunks' gradients are taken in the forward, while their logits exist: the head's
+    product runs once forward and once for its input's gradient, as without chunks, and
+    not a third time in backward."""
+    chunked, _ = _long_pair(chunk=CHUNK, tile=None)
+    plain, _ = _long_pair(chunk=None, tile=None)
+    assert _step_flops(chunked) == _step_flops(plain)
+
+
+def test_the_chunked_loss_scales_its_gradients_by_the_incoming_one():
+    """Gradients taken in the forward are scaled in backward by what reaches the loss
+    (gradient accumulation divides it): every parameter's gradient, the head's own weight
+    included, matches the unchunked model's within fp32 rounding."""
+    plain = tiny_model()
+    chunked = chunked_loss.apply(copy.deepcopy(plain), CHUNK)
+    ids = batch(96, size=2, seq=SEQ)
+    for model in (plain, chunked):
+        (model(input_ids=ids, labels=ids).loss * 0.25).backward()
+    for (name, expected), (_, got) in zip(plain.named_parameters(), chunked.named_parameters()):
+        assert got.grad is not None, name
+        torch.testing.assert_close(got.grad, expected.grad, **CLOSE)
+    head = chunked.lm_head.weight.grad.clone()
+    (chunked(input_ids=ids, labels=ids).loss * 0.25).backward()  # accumulates: twice the first
+    torch.testing.assert_close(chunked.lm_head.weight.grad, 2 * head, **CLOSE)
+
+
+def test_the_chunked_loss_takes_no_gradient_under_no_grad():
+    """Gradients are taken in the forward only when autograd is on: under no_grad the
+    loss runs the head's product once (a Function sees inputs that require grad as
+    needing it even then)."""
+    head = torch.nn.Linear(32, 96, bias=False)
+    hidden = torch.randn(2, SEQ, 32, requires_grad=True)
+    labels = batch(96, size=2, seq=SEQ)
+    with torch.no_grad(), _MatmulFlops() as counted:
+        loss = chunked_loss.causal_lm_loss(head, hidden, labels, CHUNK)
+    assert counted.flops == 2 * (2 * SEQ) * 32 * 96, "the head once, over every row (each chunk counts a token)"
+    assert not loss.requires_grad
 
 
 def test_chunked_and_tiled_are_close_to_the_unchunked_model_and_not_equal():

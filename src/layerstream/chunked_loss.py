@@ -3,8 +3,9 @@
 Why: at long sequences the fp32 logits (tokens x vocab x 4 bytes) and their gradient are
 the largest tensors of a step: 64k tokens of Llama-3's 128k vocabulary are 32 GiB each.
 Here the head runs on ``chunk`` tokens at a time: forward sums each chunk's cross-entropy
-without keeping its logits; backward computes each chunk's logits again, takes their
-gradient and drops them. Only one chunk's logits exist at any time.
+and, when autograd wants them, takes the chunk's gradients while its logits exist, then
+drops them; backward scales those gradients by the one it receives. Only one chunk's
+logits exist at any time, and the head's product runs no more often than unchunked.
 
 How it hooks in: the model's class gets a forward in front of its own. With labels and
 autograd on, it calls the model's own forward without labels while the head, instead of
@@ -18,7 +19,7 @@ The output carries the loss and no logits. Without labels, or with autograd off
 The chunks run the same kernels on the same operands whether the model is streamed or
 resident, so the two agree bit for bit; against the unchunked loss the sum runs in
 another order (close, not equal). A streamed head (``stream_embeddings``) is copied to
-the device once for the forward and once for the backward, not once per chunk.
+the device once per step, not once per chunk.
 """
 
 from __future__ import annotations
@@ -117,7 +118,10 @@ def _chunk_loss(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int) 
 
 class ChunkedCrossEntropy(torch.autograd.Function):
     """sum over chunks of cross_entropy(head(hidden[chunk]).float(), targets[chunk]) / divisor,
-    keeping no logits: backward recomputes each chunk's."""
+    keeping no logits. When a gradient is wanted, each chunk's gradients (of ``hidden`` and
+    of the head's trainable tensors) are taken in the forward, while its logits exist, and
+    backward scales them by the incoming gradient: the head's product runs once forward and
+    once for its gradient, as without chunks, instead of again in backward."""
 
     @staticmethod
     def forward(ctx, hidden, targets, divisor, head_call, chunk, ignore_index, *trainables):
@@ -126,39 +130,41 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         # chunks without a counted token add nothing to the loss or any gradient (one sync)
         active = [s for s, keep in zip(parts, torch.stack([counted[a:b].any() for a, b in parts]).tolist()) if keep]
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        with torch.no_grad():
-            call = head_call.prepare()
-            for a, b in active:
-                total = total + _chunk_loss(call(hidden[a:b]), targets[a:b], ignore_index)
-        ctx.save_for_backward(hidden, targets, divisor)
-        ctx.head_call, ctx.active, ctx.ignore_index = head_call, active, ignore_index
-        ctx.autocast = autocast_state(hidden.device.type)
-        ctx.trainables = len(trainables)
+        need_hidden = ctx.needs_input_grad[0] and head_call.grad_enabled
+        wanted = [need and head_call.grad_enabled for need in ctx.needs_input_grad[6:]]
+        params = [p for p, need in zip(head_call.trainables, wanted) if need]
+        grad_hidden = torch.zeros_like(hidden) if need_hidden else None
+        sums: List[Optional[torch.Tensor]] = [None] * len(params)
+        call = head_call.prepare()
+        if not (need_hidden or params):
+            with torch.no_grad():
+                for a, b in active:
+                    total = total + _chunk_loss(call(hidden[a:b]), targets[a:b], ignore_index)
+        else:
+            scale = torch.ones((), dtype=torch.float32, device=hidden.device) / divisor
+            with torch.enable_grad():
+                for a, b in active:
+                    leaf = hidden[a:b].detach().requires_grad_(need_hidden)
+                    part = _chunk_loss(call(leaf), targets[a:b], ignore_index)
+                    inputs = ([leaf] if need_hidden else []) + params
+                    grads = list(torch.autograd.grad(part, inputs, scale, allow_unused=True))
+                    total = total + part.detach()
+                    if need_hidden:
+                        grad_hidden[a:b] = grads.pop(0)
+                    for i, g in enumerate(grads):
+                        if g is not None:
+                            sums[i] = g if sums[i] is None else sums[i] + g
+        out = iter(sums)
+        ctx.grads = (grad_hidden, [next(out) if need else None for need in wanted])
         return total / divisor
 
     @staticmethod
     def backward(ctx, grad):
-        hidden, targets, divisor = ctx.saved_tensors
-        params = [p for p, need in zip(ctx.head_call.trainables, ctx.needs_input_grad[6:]) if need]
-        need_hidden = ctx.needs_input_grad[0]
-        grad_hidden = torch.zeros_like(hidden) if need_hidden else None
-        sums: List[Optional[torch.Tensor]] = [None] * len(params)
-        scale = grad / divisor
-        with torch.enable_grad(), autocast_as(ctx.autocast):
-            call = ctx.head_call.prepare()
-            for a, b in ctx.active:
-                leaf = hidden[a:b].detach().requires_grad_(need_hidden)
-                part = _chunk_loss(call(leaf), targets[a:b], ctx.ignore_index)
-                inputs = ([leaf] if need_hidden else []) + params
-                grads = list(torch.autograd.grad(part, inputs, scale, allow_unused=True))
-                if need_hidden:
-                    grad_hidden[a:b] = grads.pop(0)
-                for i, g in enumerate(grads):
-                    if g is not None:
-                        sums[i] = g if sums[i] is None else sums[i] + g
-        out = iter(sums)
-        param_grads = [next(out) if need else None for need in ctx.needs_input_grad[6:]]
-        return (grad_hidden, None, None, None, None, None, *param_grads)
+        grad_hidden, param_grads = ctx.grads
+        scaled = [None if g is None else g * grad.to(g.dtype) for g in param_grads]
+        if grad_hidden is not None:
+            grad_hidden = grad_hidden * grad.to(grad_hidden.dtype)
+        return (grad_hidden, None, None, None, None, None, *scaled)
 
 
 def causal_lm_loss(
@@ -189,6 +195,7 @@ def causal_lm_loss(
         divisor = torch.as_tensor(num_items_in_batch, device=hidden.device)
     head_call = _HeadCall(head)
     head_call.trainables = [p for p in head.parameters() if p.requires_grad]
+    head_call.grad_enabled = torch.is_grad_enabled()  # a Function's needs_input_grad ignores no_grad
     return ChunkedCrossEntropy.apply(flat, targets, divisor, head_call, chunk, ignore_index, *head_call.trainables)
 
 
