@@ -93,6 +93,30 @@ def spans(total: int, chunk: int) -> List[tuple]:
     return [(start, min(start + chunk, total)) for start in range(0, total, chunk)]
 
 
+def span_gradients(rows, parts, trainables, wanted, run, grad_rows=None) -> List[Optional[torch.Tensor]]:
+    """Gradients taken span by span: for each ``(a, b)`` in ``parts``, ``run(leaf, a, b)``
+    on a detached leaf of ``rows[a:b]`` returns an output and the gradient flowing into it.
+    The rows' gradients fill their spans of ``grad_rows`` when one is given; the
+    ``trainables`` that are ``wanted`` get their gradients summed over the spans in order,
+    one order for streamed and resident runs alike. One entry per trainable (None where
+    not wanted). The loss chunks and the MLP tiles both take their gradients here."""
+    params = [p for p, need in zip(trainables, wanted) if need]
+    sums: List[Optional[torch.Tensor]] = [None] * len(params)
+    with torch.enable_grad():
+        for a, b in parts:
+            leaf = rows[a:b].detach().requires_grad_(grad_rows is not None)
+            out, grad_out = run(leaf, a, b)
+            inputs = ([leaf] if grad_rows is not None else []) + params
+            grads = list(torch.autograd.grad(out, inputs, grad_out, allow_unused=True))
+            if grad_rows is not None:
+                grad_rows[a:b] = grads.pop(0)
+            for i, g in enumerate(grads):
+                if g is not None:
+                    sums[i] = g if sums[i] is None else sums[i] + g
+    summed = iter(sums)
+    return [next(summed) if need else None for need in wanted]
+
+
 # -- the head, as the chunks call it ------------------------------------------------------------
 class _HeadCall:
     """How each chunk computes its logits: the head module itself, or, for a streamed
@@ -132,30 +156,26 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         need_hidden = ctx.needs_input_grad[0] and head_call.grad_enabled
         wanted = [need and head_call.grad_enabled for need in ctx.needs_input_grad[6:]]
-        params = [p for p, need in zip(head_call.trainables, wanted) if need]
         grad_hidden = torch.zeros_like(hidden) if need_hidden else None
-        sums: List[Optional[torch.Tensor]] = [None] * len(params)
         call = head_call.prepare()
-        if not (need_hidden or params):
+        if not (need_hidden or any(wanted)):
             with torch.no_grad():
                 for a, b in active:
                     total = total + _chunk_loss(call(hidden[a:b]), targets[a:b], ignore_index)
+            param_grads = [None] * len(wanted)
         else:
             scale = torch.ones((), dtype=torch.float32, device=hidden.device) / divisor
-            with torch.enable_grad():
-                for a, b in active:
-                    leaf = hidden[a:b].detach().requires_grad_(need_hidden)
-                    part = _chunk_loss(call(leaf), targets[a:b], ignore_index)
-                    inputs = ([leaf] if need_hidden else []) + params
-                    grads = list(torch.autograd.grad(part, inputs, scale, allow_unused=True))
-                    total = total + part.detach()
-                    if need_hidden:
-                        grad_hidden[a:b] = grads.pop(0)
-                    for i, g in enumerate(grads):
-                        if g is not None:
-                            sums[i] = g if sums[i] is None else sums[i] + g
-        out = iter(sums)
-        ctx.grads = (grad_hidden, [next(out) if need else None for need in wanted])
+            losses = []
+
+            def run(leaf, a, b):
+                part = _chunk_loss(call(leaf), targets[a:b], ignore_index)
+                losses.append(part.detach())
+                return part, scale
+
+            param_grads = span_gradients(hidden, active, head_call.trainables, wanted, run, grad_hidden)
+            for part in losses:
+                total = total + part
+        ctx.grads = (grad_hidden, param_grads)
         return total / divisor
 
     @staticmethod

@@ -18,13 +18,13 @@ the same code resident or streamed, so the two agree bit for bit.
 from __future__ import annotations
 
 import contextlib
-from typing import List, Optional
+from typing import List
 
 import torch
 from torch import nn
 
 from . import swap
-from .chunked_loss import autocast_as, autocast_state, refuse_dropout, spans
+from .chunked_loss import autocast_as, autocast_state, refuse_dropout, span_gradients, spans
 from .config import check_tokens
 from .discovery import find_decoder_layers, layer_name
 from .errors import StreamingError
@@ -105,27 +105,17 @@ class TiledFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, *frozen = ctx.stash.saved_tensors if ctx.stash is not None else ctx.saved_tensors
-        offset = 6 + len(frozen)
-        wanted = ctx.needs_input_grad[offset:]
-        params = [p for p, need in zip(ctx.trainables, wanted) if need]
-        need_x = ctx.needs_input_grad[0]
+        wanted = ctx.needs_input_grad[6 + len(frozen) :]
         rows = x.reshape(-1, x.shape[-1])
         grad_rows = grad.reshape(-1, grad.shape[-1])
-        grad_x = torch.empty_like(rows) if need_x else None
-        sums: List[Optional[torch.Tensor]] = [None] * len(params)
-        with _bound(ctx.specs, frozen), torch.enable_grad(), autocast_as(ctx.autocast):
-            for a, b in spans(rows.shape[0], ctx.tile):
-                leaf = rows[a:b].detach().unsqueeze(0).requires_grad_(need_x)
-                out = _plain(ctx.module, leaf)
-                inputs = ([leaf] if need_x else []) + params
-                grads = list(torch.autograd.grad(out, inputs, grad_rows[a:b].unsqueeze(0), allow_unused=True))
-                if need_x:
-                    grad_x[a:b] = grads.pop(0)[0]
-                for i, g in enumerate(grads):
-                    if g is not None:
-                        sums[i] = g if sums[i] is None else sums[i] + g
-        out = iter(sums)
-        param_grads = [next(out) if need else None for need in wanted]
+        grad_x = torch.empty_like(rows) if ctx.needs_input_grad[0] else None
+
+        def run(leaf, a, b):
+            return _plain(ctx.module, leaf.unsqueeze(0)), grad_rows[a:b].unsqueeze(0)
+
+        with _bound(ctx.specs, frozen), autocast_as(ctx.autocast):
+            parts = spans(rows.shape[0], ctx.tile)
+            param_grads = span_gradients(rows, parts, ctx.trainables, wanted, run, grad_x)
         return (
             None if grad_x is None else grad_x.reshape(x.shape),
             *([None] * (5 + len(frozen))),
