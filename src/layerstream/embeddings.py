@@ -342,10 +342,7 @@ class StreamedEnds:
         self.pool = runtime.pool
         self.device = runtime.device
         self.found = found
-        self.records = records
-        self.store = store
-        # id(weight) -> (qualified name, host data pointer): what the calls check
-        self._host = {id(w): (n, w.data_ptr()) for n, w in found.weights()}
+        self._hold(records, store)
         self.head_copies = 0
         self.head_h2d_bytes = 0
         self.embedding_h2d_bytes = 0
@@ -354,6 +351,12 @@ class StreamedEnds:
     @property
     def tied(self) -> bool:
         return self.found.tied
+
+    def _hold(self, records: List[LayerRecord], store: HostStore) -> None:
+        """Keep ``store`` as the ends' host copy, and where each weight's data lives in it:
+        id(weight) -> (qualified name, host data pointer), what the calls check."""
+        self.records, self.store = records, store
+        self._host = {id(w): (n, w.data_ptr()) for n, w in self.found.weights()}
 
     @property
     def dtypes(self) -> set:
@@ -404,16 +407,15 @@ class StreamedEnds:
                     "that other tensor would no longer reach the model. Swap in data of its own (e.g. "
                     ".clone()), or unstream_model first."
                 )
-        records, store = _host_store(self.found, self.runtime.config)
-        old, self.store, self.records = self.store, store, records
+        old = self.store
+        self._hold(*_host_store(self.found, self.runtime.config))
         old.release()
-        self._host = {id(w): (n, w.data_ptr()) for n, w in self.found.weights()}
         logger.warning(
             "layerstream: the streamed %s weight was replaced after stream_model (now %s, e.g. cast by "
             "prepare_model_for_kbit_training); the host copy holds the new value: %.2f GiB.",
             what,
             str(weight.dtype).replace("torch.", ""),
-            store.host_bytes / GiB,
+            self.store.host_bytes / GiB,
         )
 
     def embed(self, module: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
