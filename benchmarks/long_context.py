@@ -393,18 +393,26 @@ def measure(cell: str, seq: int, options: dict, args, searched: bool = True) -> 
     return row
 
 
-def time_at(cells, options: dict, args) -> int:
+def _put_row(rows: list, row: dict, path: str) -> list:
+    """``rows`` with ``row`` in place of the earlier one of its cell (and, for --at rows, of
+    its length), written to ``path``."""
+
+    def key(r):
+        return r["model"], r["quantization"], r["vram_gib"], r.get("tokens")
+
+    rows = [r for r in rows if key(r) != key(row)] + [row]
+    _write(path, rows)
+    return rows
+
+
+def time_at(cells, options: dict, args, rows: list) -> int:
     """--at: each cell timed at one given length against its baseline, no search."""
-    rows = json.load(open(args.out)) if os.path.exists(args.out) else []
     for cell in cells:
         row = measure(cell, args.at, cell_options(cell, options), args, searched=False)
         if "timed_failure" in row:
             print(f"{cell}: {args.at} tokens failed when timed: {row['timed_failure']}", flush=True)
             continue
-        key = (row["model"], row["quantization"], row["vram_gib"], row["tokens"])
-        rows = [r for r in rows if (r["model"], r["quantization"], r["vram_gib"], r.get("tokens")) != key]
-        rows.append(row)
-        _write(args.out, rows)
+        rows = _put_row(rows, row, args.out)
         print(json.dumps(row), flush=True)
     return 0
 
@@ -477,11 +485,11 @@ def main(argv=None) -> int:
     cells = args.cells or DEFAULT_CELLS
     for cell in cells:
         parse_cell(cell)
-    state = json.load(open(args.state)) if os.path.exists(args.state) else {}
     rows = json.load(open(args.out)) if os.path.exists(args.out) else []
-    deadline = time.time() + args.budget_s
     if args.at:
-        return time_at(cells, options, args)
+        return time_at(cells, options, args, rows)
+    state = json.load(open(args.state)) if os.path.exists(args.state) else {}
+    deadline = time.time() + args.budget_s
     for cell in cells:
         settings = cell_options(cell, options)
         bounds = Bounds(**state.get(cell, {"fits": args.lo, "fails": args.hi}))
@@ -504,13 +512,7 @@ def main(argv=None) -> int:
             state[cell] = dataclasses.asdict(Bounds(fits=args.lo, fails=bounds.fits))
             _write(args.state, state)
             continue
-        rows = [
-            r
-            for r in rows
-            if (r["model"], r["quantization"], r["vram_gib"]) != (row["model"], row["quantization"], row["vram_gib"])
-        ]
-        rows.append(row)
-        _write(args.out, rows)
+        rows = _put_row(rows, row, args.out)
         print(json.dumps(row), flush=True)
     return 0
 
