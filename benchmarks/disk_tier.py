@@ -96,9 +96,9 @@ def write_checkpoint(directory: Path, shape: dict, dtype=torch.bfloat16) -> None
 
     directory.mkdir(parents=True, exist_ok=True)
     config, model = _meta_model(shape, dtype)
-    names = {name: (tuple(t.shape), t.dtype) for name, t in model.state_dict().items()}
-    sizes = {name: t.numel() * t.element_size() for name, t in model.state_dict().items()}
-    require_free(directory, sum(sizes.values()), "the checkpoint")
+    state = model.state_dict()
+    names = {name: (tuple(t.shape), t.dtype) for name, t in state.items()}
+    require_free(directory, sum(t.numel() * t.element_size() for t in state.values()), "the checkpoint")
     config.save_pretrained(directory)
     weight_map, one_layer = {}, {}
     resident = {n: v for n, v in names.items() if ".layers." not in n}
