@@ -280,6 +280,7 @@ def disk_fed(directory: Path, args, budget: int, device: str) -> dict:
     model = load(directory, args.quantization, budget, device)
     step, loss = train_step_times(model, device, args.seq, args.steps)
     stats = layerstream.get_runtime(model).stats()
+    tier = layerstream.get_runtime(model).disk
     return {
         "step_s": step,
         "first_loss": loss,
@@ -288,6 +289,10 @@ def disk_fed(directory: Path, args, budget: int, device: str) -> dict:
         "disk_read_gbps": stats["disk_read_gbps"],
         "disk_stall_s_per_step": stats["disk_stall_seconds"] / args.steps,
         "direct_io": stats["direct_io"],
+        "disk_reads_at_once": stats["disk_reads_at_once"],
+        "disk_reads_at_once_changes": stats["disk_reads_at_once_changes"],
+        "disk_gbps_probed_at_load": {str(n): rate / 1e9 for n, rate in tier.probed.items()},
+        "disk_gbps_measured_in_run": {str(n): rate / 1e9 for n, rate in tier.choice.rates.items()},
     }
 
 
@@ -398,11 +403,12 @@ def main(argv=None) -> int:
         "disk_bound_s": measured["read_bytes_per_step"] / (disk_gbps * 1e9),
         "strict_disk_bound_s": measured["read_bytes_per_step"] / (strict_gbps * 1e9),
         "first_loss_equals_ram_fed": measured.pop("first_loss") == state["ram"]["first_loss"],
+        "disk_gbps_by_readers": probes,
         **measured,
     }
     if args.quantization == "nf4":
         row["cache"] = "one quantised random layer's packed bytes as every layer; sparse checkpoint layer files"
-    payload = {"disk_gbps_by_readers": probes, "seq": args.seq, "steps": args.steps}
+    payload = {"seq": args.seq, "steps": args.steps}
     merge_row("disk-tier-dry-run" if args.dry_run else "disk-tier", row, payload)
     return 0
 

@@ -7,6 +7,7 @@ from layerstream.disk_plan import (
     MIN_RING_REGIONS,
     RING_REGIONS,
     ReadAhead,
+    ReaderChoice,
     busy_seconds,
     resolve_host_budget,
     split_tiers,
@@ -119,3 +120,72 @@ def test_plan_prints_the_disk_term_and_measures_a_directory(tmp_path, capsys):
     assert cli.main(["plan", "--measure-disk", str(tmp_path), "--measure-bytes", "16MiB"]) == 0
     out = capsys.readouterr().out
     assert out.count("GB/s sequential read") == 2 and not list(tmp_path.glob(".layerstream-disk-probe"))
+
+
+class _Disk:
+    """A disk whose speed depends on the reads in flight: feeds one layer's read at a time
+    to a ReaderChoice as the tier would, with the times that speed gives."""
+
+    def __init__(self, choice, speed, layer=100, gap=0.0):
+        self.choice, self.speed, self.layer, self.gap = choice, speed, layer, gap
+        self.now, self.used = 0.0, []
+
+    def read(self, layers=1):
+        for _ in range(layers):
+            count = self.choice.current
+            start, self.now = self.now, self.now + self.layer / self.speed[count]
+            self.used.append(count)
+            self.choice.observe(count, self.layer, start, self.now)
+            self.now += self.gap  # the ring stood full: no read in flight
+
+
+@pytest.mark.parametrize("start", [1, 4])
+def test_the_run_keeps_the_count_its_own_reads_find_fastest(start):
+    """Whatever the probe at load chose, the reads measure each count and keep the faster;
+    a wrong start costs one sample."""
+    for fast, slow in ((1, 4), (4, 1)):
+        choice = ReaderChoice((1, 4), start, sample_bytes=300, recheck_bytes=10**9)
+        disk = _Disk(choice, {fast: 2.0, slow: 1.0})
+        disk.read(20)
+        assert choice.current == fast and disk.used[-8:] == [fast] * 8
+        assert choice.rates == pytest.approx({fast: 2.0, slow: 1.0})
+        assert disk.used.count(slow) <= 4  # one sample (3 reads) and the read skipped after the change
+
+
+def test_the_counts_not_in_use_are_measured_again_and_a_drift_is_followed():
+    choice = ReaderChoice((1, 4), 4, sample_bytes=300, recheck_bytes=3000)
+    disk = _Disk(choice, {1: 2.0, 4: 1.0})
+    disk.read(20)
+    assert choice.current == 1
+    disk.speed = {1: 1.0, 4: 3.0}  # the disk changed: several reads in flight now pay
+    disk.read(40)
+    assert choice.current == 4 and choice.rates[4] == pytest.approx(3.0)
+    slow_reads = len(disk.used) - 20 - disk.used[20:].count(4)
+    assert slow_reads < 40  # it did not wait for the end to notice
+    negative = ReaderChoice((1, 4), 4, sample_bytes=300, recheck_bytes=10**9)
+    fixed = _Disk(negative, {1: 2.0, 4: 1.0})
+    fixed.read(20)
+    fixed.speed = {1: 1.0, 4: 3.0}
+    fixed.read(40)
+    assert negative.current == 1, "without a recheck the drift is not seen (control)"
+
+
+def test_time_with_no_read_in_flight_is_not_charged_to_the_disk():
+    """Compute-bound: the ring stands full between reads. The rate is bytes over the time a
+    read was in flight, so a count is not judged slow for the waiting."""
+    choice = ReaderChoice((1, 4), 4, sample_bytes=300, recheck_bytes=10**9)
+    disk = _Disk(choice, {1: 1.0, 4: 2.0}, gap=5.0)
+    disk.read(20)
+    assert choice.current == 4 and choice.rates == pytest.approx({1: 1.0, 4: 2.0})
+
+
+def test_reads_started_at_the_old_count_do_not_count_for_the_new_one():
+    choice = ReaderChoice((1, 4), 4, sample_bytes=200, recheck_bytes=10**9)
+    assert choice.observe(4, 100, 0.0, 1.0) is None
+    assert choice.observe(4, 100, 1.0, 2.0) == 1  # 4 measured; 1 not yet: try it
+    assert choice.observe(4, 100, 2.0, 9.0) is None  # started before the change: ignored
+    assert choice.observe(1, 100, 9.0, 9.5) is None  # queued behind the old reads: skipped
+    assert 1 not in choice.rates
+    assert choice.observe(1, 100, 9.5, 10.0) is None
+    assert choice.observe(1, 100, 10.0, 10.5) is None and choice.rates[1] == pytest.approx(200)
+    assert choice.current == 1 and "1 at once" in str(choice)

@@ -54,6 +54,19 @@ SAFETENSORS_DTYPES = {
     "F32": (32, True),
     "F64": (64, True),
 }
+# safetensors names of the torch dtypes a layer file may hold (the disk tier, the NF4 cache)
+TORCH_DTYPE_NAMES = {
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float32: "F32",
+    torch.float64: "F64",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 PICKLE_SUFFIXES = (".bin", ".pt")  # read only with allow_pickle=True
 PREQUANTIZED_MARKERS = (".weight.absmax", ".weight.quant_map", ".weight.quant_state.")
 

@@ -40,8 +40,8 @@ from torch import nn
 
 from . import checksum as checksum_mod
 from . import cudart, nf4
-from .checkpoint import StoredTensor, read_layout
-from .disk_plan import ReadAhead, Tiers, busy_seconds, pick_readers
+from .checkpoint import TORCH_DTYPE_NAMES, StoredTensor, read_layout
+from .disk_plan import ReadAhead, ReaderChoice, Tiers, busy_seconds, pick_readers
 from .errors import DiskReadError, LoadingError, PinError, StreamingError
 from .store import HostStore, LayerRecord, set_data
 from .units import GiB, MiB
@@ -52,19 +52,6 @@ IO_ALIGN = 4096  # offsets, lengths and buffers of direct reads are multiples of
 CHUNK_BYTES = 8 * MiB  # one read job: large enough for full-speed reads, small enough to spread
 READERS = 4  # reader threads: reads in flight at once, at most
 PROBE_BYTES = 256 * MiB  # read per probe when choosing how many reads run at once
-# safetensors dtype names of the torch dtypes a disk layer may hold
-_DTYPE_NAMES = {
-    torch.bfloat16: "BF16",
-    torch.float16: "F16",
-    torch.float32: "F32",
-    torch.float64: "F64",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
 
 
 @dataclass
@@ -114,6 +101,7 @@ class _Region:
     layer: Optional[int] = None
     futures: List[Future] = field(default_factory=list)
     started: float = 0.0
+    reads_at_once: int = 0  # in force when the read started
     copy_done: Optional[object] = None  # a CUDA event recorded after the copy that read it
 
 
@@ -136,6 +124,7 @@ class DiskTier:
         self.reads_at_once = readers  # at most readers; tune_readers measures the best
         self._in_flight = threading.BoundedSemaphore(readers)
         self.probed: Dict[int, float] = {}  # reads at once -> bytes/s, from tune_readers
+        self.choice = ReaderChoice((1, readers) if readers > 1 else (1,), readers)
         self.regions = [self._region(tiers.region_bytes, pin) for _ in range(tiers.ring_regions)]
         self._where: Dict[int, _Region] = {}  # layer -> the region it is read (or being read) into
         self._last_take: Optional[float] = None
@@ -185,7 +174,9 @@ class DiskTier:
         """A layer file of the NF4 cache (``nf4_cache``) as a source: it holds the layer's
         region byte for byte, so each tensor sits at its region offset. Returns the
         tensor name -> file map ``attach`` takes."""
-        tensors = {e.qualified_name: StoredTensor(path, _DTYPE_NAMES[e.dtype], e.shape, False) for e in record.entries}
+        tensors = {
+            e.qualified_name: StoredTensor(path, TORCH_DTYPE_NAMES[e.dtype], e.shape, False) for e in record.entries
+        }
         offsets = {e.qualified_name: (e.offset, e.offset + e.nbytes) for e in record.entries}
         self._file(path, (tensors, offsets))
         return {name: path for name in tensors}
@@ -235,7 +226,7 @@ class DiskTier:
             record.reference_checksum = checksum_mod.checksum(self._assemble(record))
 
     def _require_same(self, entry, source: _File) -> None:
-        wanted = _DTYPE_NAMES.get(entry.dtype)
+        wanted = TORCH_DTYPE_NAMES.get(entry.dtype)
         stored = source.tensors[entry.qualified_name]
         if wanted is None or stored.dtype != wanted or tuple(stored.shape) != tuple(entry.shape):
             raise LoadingError(
@@ -331,7 +322,7 @@ class DiskTier:
         layer = self.layers[index]
         for source in layer.files:
             source.check(layer.record.name)
-        region.layer, region.started = index, time.perf_counter()
+        region.layer, region.started, region.reads_at_once = index, time.perf_counter(), self.reads_at_once
         region.futures = [self._pool.submit(self._read_chunk, chunk, region.array) for chunk in layer.chunks]
         if layer.gaps:
             for begin, end in layer.gaps:
@@ -371,7 +362,12 @@ class DiskTier:
             self._intervals = self._intervals[-16:]
         record = layer.record
         self.reads += 1
-        self.read_bytes += sum(piece[1] - piece[0] for chunk in layer.chunks for piece in chunk.pieces)
+        nbytes = sum(piece[1] - piece[0] for chunk in layer.chunks for piece in chunk.pieces)
+        self.read_bytes += nbytes
+        changed = self.choice.observe(region.reads_at_once, nbytes, region.started, ended)
+        if changed is not None:
+            self._reads_at_once(changed)
+            logger.info("layerstream: the disk tier now reads %d at a time (%s)", changed, self.choice)
         for source in layer.files:
             try:
                 source.check(record.name)
@@ -449,11 +445,14 @@ class DiskTier:
             timed[count][0] += size
             timed[count][1] += time.perf_counter() - start
         self.probed = {count: size / max(seconds, 1e-9) for count, (size, seconds) in timed.items()}
-        self.reads_at_once = pick_readers(self.probed)
-        self._in_flight = threading.BoundedSemaphore(self.reads_at_once)
+        self._reads_at_once(pick_readers(self.probed))
         rates = ", ".join(f"{count} at once {rate / 1e9:.2f} GB/s" for count, rate in self.probed.items())
         logger.warning("layerstream: the disk tier reads %d at a time (probed: %s)", self.reads_at_once, rates)
         return self.reads_at_once
+
+    def _reads_at_once(self, count: int) -> None:
+        self.reads_at_once = self.choice.current = count
+        self._in_flight = threading.BoundedSemaphore(count)
 
     def _read_chunk(self, chunk: _Chunk, region: np.ndarray, gate=None) -> float:
         """Read one chunk into the region; returns when it finished. The gate (as many reads
@@ -519,6 +518,7 @@ class DiskTier:
             "disk_ring_too_small": self.lookahead.ring_too_small,
             "direct_io": self.direct,
             "disk_reads_at_once": self.reads_at_once,
+            "disk_reads_at_once_changes": self.choice.changes,  # rates: self.probed, self.choice.rates
         }
 
     def describe(self) -> str:

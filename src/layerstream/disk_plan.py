@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from .errors import StreamConfigError
 from .schedule import spread_resident
@@ -166,3 +166,57 @@ def pick_readers(rates: dict) -> int:
     several requests in flight; some disks, virtual ones among them, read slower)."""
     best = max(rates.values())
     return min(count for count, rate in rates.items() if rate * READERS_GAIN >= best)
+
+
+# the reads a measurement of one reads-in-flight count covers, and how much is read before
+# the counts not in use are measured again (the disk's speed can drift: shared, virtual)
+SAMPLE_BYTES = 2 * GiB
+RECHECK_BYTES = 64 * GiB
+
+
+class ReaderChoice:
+    """How many reads to keep in flight, kept right from the run's own reads. A probe at
+    load is short and can mislead (on a virtual disk it rated one reader far below what
+    longer reads then gave), so each count is also measured on the real reads:
+    ``sample_bytes`` at the count in use, then ``sample_bytes`` at each other count, then
+    the fastest by ``pick_readers``; the counts not in use are measured again after every
+    ``recheck_bytes``. A rate is bytes over the time at least one read was in flight, so
+    time the ring stood full (compute was the bound) does not count against the disk."""
+
+    def __init__(self, counts: Sequence[int], start: int, sample_bytes=SAMPLE_BYTES, recheck_bytes=RECHECK_BYTES):
+        self.counts = tuple(counts)
+        self.current = start
+        self.sample_bytes, self.recheck_bytes = sample_bytes, recheck_bytes
+        self.rates: Dict[int, float] = {}  # reads at once -> bytes/s, measured in the run
+        self._measured_at: Dict[int, int] = {}  # total bytes read when each rate was taken
+        self._total = 0
+        self.changes = 0  # how often the run's reads changed the count
+        self._skip = False  # the first read after a change queued behind the old count's
+        self._bytes, self._intervals = 0, []
+
+    def observe(self, count: int, nbytes: int, start: float, end: float) -> Optional[int]:
+        """One layer's read (started at ``count`` reads in flight); returns the count to
+        use from now on when it changes, else None."""
+        self._total += nbytes
+        if count != self.current or self._skip:
+            self._skip = self._skip and count != self.current
+            return None
+        self._bytes += nbytes
+        self._intervals.append((start, end))
+        if self._bytes < self.sample_bytes:
+            return None
+        self.rates[count] = self._bytes / max(busy_seconds(self._intervals), 1e-9)
+        self._measured_at[count] = self._total
+        self._bytes, self._intervals = 0, []
+        due = self._total - self.recheck_bytes
+        stale = [c for c in self.counts if self._measured_at.get(c, due) <= due]
+        wanted = stale[0] if stale else pick_readers(self.rates)
+        if wanted == self.current:
+            return None
+        self.current, self._skip = wanted, True
+        self.changes += 1
+        return wanted
+
+    def __str__(self) -> str:
+        rates = ", ".join(f"{n} at once {rate / 1e9:.2f} GB/s" for n, rate in sorted(self.rates.items()))
+        return f"measured in the run: {rates}"

@@ -72,6 +72,7 @@ def disk_stats(runtime) -> dict:
         "disk_ring_too_small": False,
         "direct_io": False,
         "disk_reads_at_once": 0,
+        "disk_reads_at_once_changes": 0,
     }
 
 
