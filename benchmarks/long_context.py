@@ -382,7 +382,10 @@ def measure(cell: str, seq: int, options: dict, args, searched: bool = True) -> 
         return {"timed_failure": timed["why"], "tokens": seq}
     step = statistics.median(timed["step_s"][args.warmup :])
     row.update(step_s=step, tokens_per_s=seq / step, peak_allocated_gib=timed["peak_allocated_gib"])
-    row.update({k: timed[k] for k in ("peak_reserved_gib", "alloc_retries") if k in timed})
+    # the window takes what the length leaves: below the limit the peak is not the plan's
+    row.update(
+        {k: timed[k] for k in ("peak_reserved_gib", "alloc_retries", "window_changes", "steps_retried") if k in timed}
+    )
     row["alloc_conf"] = timed.get("alloc_conf")  # the allocator setting the timed probe ran under
     for mode in ("resident", "streamed"):  # the best without the long-context settings, full memory
         base = run_probe(cell, seq, mode, {}, args, steps=args.warmup + args.steps, cap=False)

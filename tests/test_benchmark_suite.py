@@ -284,7 +284,8 @@ def test_long_context_at_a_given_length_times_it_without_searching(tmp_path, mon
 
     def fake_probe(cell, seq, mode, options, args, steps, cap):
         calls.append((seq, mode, steps, cap))
-        return {"ok": True, "step_s": [2.0] * steps, "peak_allocated_gib": 1.0, "config": mode}
+        window = {"window_changes": [[22528, 9]]} if cap else {}  # the capped run's own window
+        return {"ok": True, "step_s": [2.0] * steps, "peak_allocated_gib": 1.0, "config": mode, **window}
 
     monkeypatch.setattr(long_context, "run_probe", fake_probe)
     out = tmp_path / "at.json"
@@ -293,6 +294,7 @@ def test_long_context_at_a_given_length_times_it_without_searching(tmp_path, mon
     assert calls == [(22528, "streamed", 4, True), (22528, "resident", 4, False)]
     (row,) = json.loads(out.read_text())
     assert row["tokens"] == 22528 and "max_tokens" not in row
+    assert row["window_changes"] == [[22528, 9]], "below the limit the window takes what is left: said"
     assert not (tmp_path / "s").exists(), "no search state written"
 
 
