@@ -183,3 +183,19 @@ def test_the_plan_stays_within_five_percent_of_the_measured_longest_sequence_und
     assert abs(predicted - row["peak_allocated_gib"]) / row["peak_allocated_gib"] < 0.06, predicted
     assert bounds["fits"] == row["max_tokens"] == 57344 and bounds["fails"] == 59392
     assert bounds["fits"] <= max_seq(dict(args, seq=1)) < 1.05 * bounds["fails"]
+
+
+def test_the_comparison_adds_streamed_ends_where_they_are_what_stops_the_fit(tmp_path, capsys):
+    """Llama-3-70B-shaped QLoRA at 32,768 tokens under 24 GiB: the three long-sequence
+    options alone leave it short (the 3.9 GiB embedding and head), with stream_embeddings
+    it fits; the table says both, and drops the row when the ends already stream."""
+    shape = dict(LLAMA3_8B, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64)
+    path = write_config(tmp_path / "llama3-70b", dict(shape, max_position_embeddings=131072))
+    argv = ["plan", "--model", str(path), "--vram", "24GiB", "--quantization", "nf4", "--seq", "32768"]
+    cli.main(argv + ["--lora-rank", "32", "--max-seq"])
+    rows = {line.split("peak")[0].strip(): line for line in capsys.readouterr().out.splitlines() if " peak " in line}
+    assert "does not fit" in rows["all three"] and " fits " in rows["all three, stream_embeddings"]
+    longest = [int(rows[k].rsplit(":", 1)[1]) for k in ("all three", "all three, stream_embeddings")]
+    assert longest[0] < 32768 <= longest[1]
+    cli.main(argv + ["--lora-rank", "32", "--stream-embeddings"])
+    assert "all three, stream_embeddings" not in capsys.readouterr().out
