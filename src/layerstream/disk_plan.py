@@ -178,10 +178,12 @@ class ReaderChoice:
     """How many reads to keep in flight, kept right from the run's own reads. A probe at
     load is short and can mislead (on a virtual disk it rated one reader far below what
     longer reads then gave), so each count is also measured on the real reads:
-    ``sample_bytes`` at the count in use, then ``sample_bytes`` at each other count, then
-    the fastest by ``pick_readers``; the counts not in use are measured again after every
-    ``recheck_bytes``. A rate is bytes over the time at least one read was in flight, so
-    time the ring stood full (compute was the bound) does not count against the disk."""
+    ``sample_bytes`` at the count in use, then ``sample_bytes`` at each other count; the
+    run then keeps the count in use unless another reads ``READERS_GAIN`` faster (noise
+    does not flip it), and measures the others again after every ``recheck_bytes``.
+    A read is charged only the time after the read before it ended (reads queue behind
+    each other when the disk is the bound), and a rate is bytes over that time, so time
+    the ring stood full (compute was the bound) does not count against the disk."""
 
     def __init__(self, counts: Sequence[int], start: int, sample_bytes=SAMPLE_BYTES, recheck_bytes=RECHECK_BYTES):
         self.counts = tuple(counts)
@@ -191,18 +193,18 @@ class ReaderChoice:
         self._measured_at: Dict[int, int] = {}  # total bytes read when each rate was taken
         self._total = 0
         self.changes = 0  # how often the run's reads changed the count
-        self._skip = False  # the first read after a change queued behind the old count's
+        self._last_end = float("-inf")
         self._bytes, self._intervals = 0, []
 
     def observe(self, count: int, nbytes: int, start: float, end: float) -> Optional[int]:
-        """One layer's read (started at ``count`` reads in flight); returns the count to
-        use from now on when it changes, else None."""
+        """One layer's read, queued at ``start`` with ``count`` reads in flight allowed and
+        done at ``end``; returns the count to use from now on when it changes, else None."""
         self._total += nbytes
-        if count != self.current or self._skip:
-            self._skip = self._skip and count != self.current
+        start, self._last_end = max(start, self._last_end), max(self._last_end, end)
+        if count != self.current:  # queued before the last change
             return None
         self._bytes += nbytes
-        self._intervals.append((start, end))
+        self._intervals.append((start, max(start, end)))
         if self._bytes < self.sample_bytes:
             return None
         self.rates[count] = self._bytes / max(busy_seconds(self._intervals), 1e-9)
@@ -210,10 +212,11 @@ class ReaderChoice:
         self._bytes, self._intervals = 0, []
         due = self._total - self.recheck_bytes
         stale = [c for c in self.counts if self._measured_at.get(c, due) <= due]
-        wanted = stale[0] if stale else pick_readers(self.rates)
+        best = max(self.rates, key=self.rates.get)
+        wanted = stale[0] if stale else best if self.rates[best] > READERS_GAIN * self.rates[count] else count
         if wanted == self.current:
             return None
-        self.current, self._skip = wanted, True
+        self.current = wanted
         self.changes += 1
         return wanted
 
