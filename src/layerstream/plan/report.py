@@ -184,5 +184,5 @@ def format_comparison(rows, seq: int, batch: int) -> str:
         verdict = "fits" if plan.fits else "does not fit"
         host = f"host +{plan.activation_host_bytes / GiB:.2f} GiB" if plan.activation_host_bytes else ""
         tail = f"  longest seq that fits: {longest}" if with_max else ""
-        lines.append(f"  {label:<26} peak {plan.peak_vram_bytes / GiB:8.2f} GiB  {verdict:<13}{host:<18}{tail}")
+        lines.append(f"  {label:<30} peak {plan.peak_vram_bytes / GiB:8.2f} GiB  {verdict:<13}{host:<18}{tail}")
     return "\n".join(lines)
