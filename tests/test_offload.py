@@ -202,6 +202,24 @@ def test_host_memory_for_offloaded_inputs_is_refused_before_any_layer_runs(monke
     assert runtime.visits == 0, "refused before the first layer computed"
 
 
+def test_host_memory_refusal_names_the_host_budget_that_would_make_room(monkeypatch):
+    """Short of host memory by less than the layer store holds: reading some layers from
+    disk (a smaller host_budget) makes room, and the refusal says how small."""
+    streamed, _ = peft_pair("llama", layers=5)
+    stream(streamed, "cpu", offload_activations=True)
+    runtime = layerstream.get_runtime(streamed)
+    store = runtime.store.host_bytes
+    need = offload.ActivationOffloader.pass_bytes(5, torch.zeros(*batch(seq=12).shape, streamed.config.hidden_size))
+    monkeypatch.setattr(offload, "host_memory", lambda: (need - store // 2, 64 << 30))
+    with pytest.raises(HostMemoryError, match=r"host_budget='[0-9]+MiB'\) or less \(--host-budget\)"):
+        train_steps(streamed, 1)
+    monkeypatch.setattr(offload, "host_memory", lambda: (1000, 64 << 30))
+    monkeypatch.setattr(offload.ActivationOffloader, "pass_bytes", staticmethod(lambda *_: 2 * store + 1000))
+    with pytest.raises(HostMemoryError) as refused:
+        train_steps(streamed, 1)
+    assert "host_budget" not in str(refused.value), "short by more than the store: no disk tier helps"
+
+
 def test_the_host_arena_is_one_buffer_reused_across_steps():
     streamed, _ = peft_pair("llama", layers=5)
     stream(streamed, "cpu", offload_activations=True)

@@ -37,7 +37,7 @@ from .checksum import checksum
 from .config import OFFLOAD_KEPT_LAYERS, OFFLOAD_LOOKAHEAD, offloaded_layers
 from .errors import ActivationChecksumError, HostMemoryError, PinError
 from .store import host_memory
-from .units import ALIGN, GiB, aligned
+from .units import ALIGN, GiB, MiB, aligned
 
 logger = logging.getLogger(__name__)
 
@@ -154,6 +154,12 @@ class ActivationOffloader:
             "(--offload-activations false, stream.offload_activations: false) to keep them on the GPU"
         )
         if need > available:
+            room = store_bytes - (need - available)  # what the layer store could keep of host RAM
+            if room > 0:  # reading the other layers from disk each time would make room
+                fixes += (
+                    f", or load with layerstream.from_pretrained(..., host_budget='{room // MiB}MiB') or less "
+                    "(--host-budget): the layers beyond it are then read from disk at each visit"
+                )
             raise HostMemoryError(f"{what}, but only {available / GiB:.2f} GiB is available. {fixes}.")
         keep = max(4 * GiB, total // 10)
         pinned = need + store_bytes + sum(a.nbytes for a in self.arenas if a.pinned)
