@@ -199,3 +199,18 @@ def test_the_comparison_adds_streamed_ends_where_they_are_what_stops_the_fit(tmp
     assert longest[0] < 32768 <= longest[1]
     cli.main(argv + ["--lora-rank", "32", "--stream-embeddings"])
     assert "all three, stream_embeddings" not in capsys.readouterr().out
+
+
+def test_the_host_memory_after_loading_counts_the_offloaded_inputs_on_both_paths(tmp_path, capsys):
+    """While training, the offloaded checkpointed inputs sit in host memory beside the
+    layer store, whichever way the model was loaded: both "after .to(device)" figures
+    include them."""
+    path = write_config(tmp_path / "llama3-8b", LLAMA3_8B)
+    argv = ["plan", "--model", str(path), "--vram", "24GiB", "--quantization", "nf4", "--seq", "65536"]
+    cli.main(argv + ["--offload-activations"])
+    out = capsys.readouterr().out
+    planned = make_plan(config_of(LLAMA3_8B), 65536, 1, 24 * GiB, quantization="nf4", offload_activations=True)
+    steady = [line.rsplit("after .to(device):", 1)[1].split()[0] for line in out.splitlines() if "after .to(d" in line]
+    assert planned.activation_host_bytes > GiB
+    loaded = planned.loader_store_bytes + planned.ends_host_bytes + planned.activation_host_bytes
+    assert steady == [f"{planned.host_steady_bytes / GiB:.2f}", f"{loaded / GiB:.2f}"]

@@ -141,7 +141,7 @@ def format_plan(plan: MemoryPlan) -> str:
     row(
         "host RAM needed: layerstream.from_pretrained",
         plan.loader_ram_bytes,
-        f"after .to(device): {_gib(plan.loader_store_bytes + plan.ends_host_bytes)}",
+        f"after .to(device): {_gib(plan.loader_store_bytes + plan.ends_host_bytes + plan.activation_host_bytes)}",
     )
     lines.append("")
     lines.append("Copies per training step")
