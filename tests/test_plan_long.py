@@ -214,3 +214,29 @@ def test_the_host_memory_after_loading_counts_the_offloaded_inputs_on_both_paths
     assert planned.activation_host_bytes > GiB
     loaded = planned.loader_store_bytes + planned.ends_host_bytes + planned.activation_host_bytes
     assert steady == [f"{planned.host_steady_bytes / GiB:.2f}", f"{loaded / GiB:.2f}"]
+
+
+@pytest.mark.parametrize("seq, offload, ram", [(131072, True, 128), (2048, False, 32)])
+def test_the_plan_says_when_this_host_cannot_hold_it(tmp_path, capsys, monkeypatch, seq, offload, ram):
+    """The GPU verdict alone calls a 70B QLoRA at 131,072 tokens under 80 GiB a fit; on a
+    host with 128 GB it is not (the offloaded inputs), nor at 2048 tokens with 32 GB (the
+    store itself): the plan says so and why, and says fits where the host holds it."""
+    from layerstream import store
+
+    shape = dict(LLAMA3_8B, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64)
+    path = write_config(tmp_path / "llama3-70b", dict(shape, max_position_embeddings=262144))
+    argv = ["plan", "--model", str(path), "--vram", "80GiB", "--quantization", "nf4", "--seq", str(seq)]
+    argv += ["--offload-activations", "--loss-chunk-tokens", "512", "--mlp-tile-tokens", "4096"] if offload else []
+    monkeypatch.setattr(store, "host_memory", lambda: ((ram - 8) * GiB, ram * GiB))
+    status = cli.main(argv)
+    out = " ".join(capsys.readouterr().out.split())
+    assert status == 0, "the GPU verdict: fits"
+    assert f"this machine: {ram - 8:.2f} GiB of host RAM available ({ram:.2f} GiB in all)" in out
+    assert "DOES NOT FIT this host" in out and ("offloaded inputs take 158.00 GiB" in out) is offload
+    monkeypatch.setattr(store, "host_memory", lambda: (1024 * GiB, 1024 * GiB))
+    cli.main(argv)
+    out = capsys.readouterr().out
+    assert "DOES NOT FIT this host" not in out and "the plan needs" in out
+    monkeypatch.setattr(store, "host_memory", lambda: None)
+    cli.main(argv)
+    assert "this machine" not in capsys.readouterr().out, "no /proc/meminfo: no line"

@@ -105,7 +105,8 @@ def _add_plan_parser(sub) -> argparse.ArgumentParser:
 
 def _run_plan(args, parser: argparse.ArgumentParser) -> int:
     from .disk_cli import format_disk_term, measure_disk
-    from .plan import comparison, format_comparison, format_plan, load_config, make_plan, max_seq
+    from .plan import comparison, format_comparison, format_host_check, format_plan, load_config, make_plan, max_seq
+    from .store import host_memory
     from .units import parse_bytes
 
     if args.measure_disk:
@@ -143,6 +144,9 @@ def _run_plan(args, parser: argparse.ArgumentParser) -> int:
     except (ValueError, OSError) as exc:
         parser.error(str(exc))  # exits with status 2
     print(format_plan(plan))
+    memory = host_memory()
+    if memory is not None and not args.host_ram:
+        print(format_host_check(plan, memory))
     if args.host_ram:
         try:
             print(format_disk_term(args, config, plan))

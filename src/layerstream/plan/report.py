@@ -186,3 +186,18 @@ def format_comparison(rows, seq: int, batch: int) -> str:
         tail = f"  longest seq that fits: {longest}" if with_max else ""
         lines.append(f"  {label:<30} peak {plan.peak_vram_bytes / GiB:8.2f} GiB  {verdict:<13}{host:<18}{tail}")
     return "\n".join(lines)
+
+
+def format_host_check(plan: MemoryPlan, memory) -> str:
+    """One line comparing the plan's host RAM (loaded with layerstream.from_pretrained,
+    the lower of the two paths) with this machine's ``(available, total)`` bytes: the GPU
+    verdict alone would call a step that the host cannot hold a fit."""
+    available, total = memory
+    need = plan.loader_ram_bytes
+    head = f"this machine: {_gib(available)} of host RAM available ({_gib(total)} in all), the plan needs {_gib(need)}"
+    if need <= available:
+        return f"{head}: fits"
+    fixes = "read layers from disk (--host-ram) or run where there is more RAM"
+    if plan.activation_host_bytes:
+        fixes = f"the offloaded inputs take {_gib(plan.activation_host_bytes)}: shorten --seq, " + fixes
+    return "\n".join(textwrap.wrap(f"{head}: DOES NOT FIT this host; {fixes}", width=88, subsequent_indent="  "))
