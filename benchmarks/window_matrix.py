@@ -22,7 +22,8 @@ time is the median of all its steps; ``noise`` says how far one size's passes li
 the resolution below which this machine cannot rank sizes. Two ratios are kept: ``auto_vs_best``, the automatic run's own last steps
 against the best hand size, and ``auto_size_vs_best``, the size it chose timed as the hand
 sizes were (the automatic run's steps are the process's first, where a shared machine is
-still settling).
+still settling). Each hand size also records the most memory reserved over its runs and
+its allocator retries: how near the cap a larger window than the automatic one came.
 """
 
 from __future__ import annotations
@@ -178,14 +179,27 @@ def cell(
     print(json.dumps({k: v for k, v in row.items() if k != "auto_times"}), flush=True)
     runtime.meter = None  # the window is set by hand from here on
 
+    memory = {}  # size -> (most reserved GiB, allocator retries) over its runs: how near the cap it came
+
     def timed_at(size: int) -> list:
         optimizer.zero_grad(set_to_none=True)
         gc.collect()
         torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
         runtime.set_window(spread_resident(len(runtime.records), size))
-        return _steps(model, optimizer, ids, timed + 2)[-timed:]
+        try:
+            return _steps(model, optimizer, ids, timed + 2)[-timed:]
+        finally:
+            seen = memory.get(size, (0.0, 0))
+            memory[size] = (
+                max(seen[0], torch.cuda.max_memory_reserved() / 2**30),
+                seen[1] + torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries,
+            )
 
     row.update(sweep(timed_at, row["auto_window"], len(runtime.records), sizes, torch.OutOfMemoryError, rounds))
+    for entry in row["hand"]:
+        entry["peak_reserved_gib"], entry["alloc_retries"] = memory.get(entry["window"], (None, None))
     if "best_hand_step_s" in row:  # the automatic run's own last steps (the process's first)
         row["auto_vs_best"] = row["best_hand_step_s"] / row["auto_step_s"]
     return row
