@@ -382,12 +382,13 @@ def measure(cell: str, seq: int, options: dict, args, searched: bool = True) -> 
         return {"timed_failure": timed["why"], "tokens": seq}
     step = statistics.median(timed["step_s"][args.warmup :])
     row.update(step_s=step, tokens_per_s=seq / step, peak_allocated_gib=timed["peak_allocated_gib"])
+    row.update(timed_steps=args.steps, warmup_steps=args.warmup)  # one cold step is not a speed
     # the window takes what the length leaves: below the limit the peak is not the plan's
     row.update(
         {k: timed[k] for k in ("peak_reserved_gib", "alloc_retries", "window_changes", "steps_retried") if k in timed}
     )
     row["alloc_conf"] = timed.get("alloc_conf")  # the allocator setting the timed probe ran under
-    for mode in ("resident", "streamed"):  # the best without the long-context settings, full memory
+    for mode in ("resident", "streamed") if args.baseline else ():  # the best without them, full memory
         base = run_probe(cell, seq, mode, {}, args, steps=args.warmup + args.steps, cap=False)
         if base["ok"]:
             row.update(baseline_step_s=statistics.median(base["step_s"][args.warmup :]), baseline_config=base["config"])
@@ -457,6 +458,13 @@ def main(argv=None) -> int:
         metavar="DIR",
         help="after each timed run (streamed and baseline), profile one more step and trace\n"
         "the memory alive at another's peak (benchmarks/step_insight.py), into DIR",
+    )
+    parser.add_argument(
+        "--baseline",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time the same length in the GPU's full memory without the long-context settings\n"
+        "(--no-baseline where it cannot fit or a step outlasts the time there is)",
     )
     parser.add_argument("--steps", type=int, default=3, help="timed steps (median)")
     parser.add_argument("--warmup", type=int, default=1)

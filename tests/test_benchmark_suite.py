@@ -295,6 +295,12 @@ def test_long_context_at_a_given_length_times_it_without_searching(tmp_path, mon
     (row,) = json.loads(out.read_text())
     assert row["tokens"] == 22528 and "max_tokens" not in row
     assert row["window_changes"] == [[22528, 9]], "below the limit the window takes what is left: said"
+    calls.clear()
+    assert long_context.main(argv + ["--no-baseline", "--steps", "1", "--warmup", "0"]) == 0
+    assert calls == [(22528, "streamed", 1, True)], "one capped step, nothing else"
+    (row,) = json.loads(out.read_text())
+    assert row["step_s"] == 2.0 and row["baseline_step_s"] is None
+    assert (row["timed_steps"], row["warmup_steps"]) == (1, 0)
     assert not (tmp_path / "s").exists(), "no search state written"
 
 
