@@ -279,8 +279,8 @@ def disk_fed(directory: Path, args, budget: int, device: str) -> dict:
 
     model = load(directory, args.quantization, budget, device)
     step, loss = train_step_times(model, device, args.seq, args.steps)
-    stats = layerstream.get_runtime(model).stats()
-    tier = layerstream.get_runtime(model).disk
+    runtime = layerstream.get_runtime(model)
+    stats, tier = runtime.stats(), runtime.disk
     return {
         "step_s": step,
         "first_loss": loss,

@@ -144,14 +144,13 @@ def _run_plan(args, parser: argparse.ArgumentParser) -> int:
     except (ValueError, OSError) as exc:
         parser.error(str(exc))  # exits with status 2
     print(format_plan(plan))
-    memory = host_memory()
-    if memory is not None and not args.host_ram:
-        print(format_host_check(plan, memory))
-    if args.host_ram:
+    if args.host_ram:  # a disk tier: its own host terms
         try:
             print(format_disk_term(args, config, plan))
         except ValueError as exc:
             parser.error(str(exc))
+    elif (memory := host_memory()) is not None:
+        print(format_host_check(plan, memory))
     print()
     print(format_comparison(rows, seq, args.batch))
     if longest is not None:

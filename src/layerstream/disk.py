@@ -121,9 +121,9 @@ class DiskTier:
         self._lock = threading.Lock()
         self._local = threading.local()
         self._pool = ThreadPoolExecutor(max_workers=readers, thread_name_prefix="layerstream-disk")
-        self.reads_at_once = readers  # at most readers; tune_readers measures the best
         self._in_flight = threading.BoundedSemaphore(readers)
         self.probed: Dict[int, float] = {}  # reads at once -> bytes/s, from tune_readers
+        # how many reads run at once: at most readers; tune_readers, then the run's reads, choose
         self.choice = ReaderChoice((1, readers) if readers > 1 else (1,), readers)
         self.regions = [self._region(tiers.region_bytes, pin) for _ in range(tiers.ring_regions)]
         self._where: Dict[int, _Region] = {}  # layer -> the region it is read (or being read) into
@@ -450,8 +450,12 @@ class DiskTier:
         logger.warning("layerstream: the disk tier reads %d at a time (probed: %s)", self.reads_at_once, rates)
         return self.reads_at_once
 
+    @property
+    def reads_at_once(self) -> int:
+        return self.choice.current
+
     def _reads_at_once(self, count: int) -> None:
-        self.reads_at_once = self.choice.current = count
+        self.choice.current = count
         self._in_flight = threading.BoundedSemaphore(count)
 
     def _read_chunk(self, chunk: _Chunk, region: np.ndarray, gate=None) -> float:

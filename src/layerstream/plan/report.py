@@ -189,9 +189,9 @@ def format_comparison(rows, seq: int, batch: int) -> str:
 
 
 def format_host_check(plan: MemoryPlan, memory) -> str:
-    """One line comparing the plan's host RAM (loaded with layerstream.from_pretrained,
-    the lower of the two paths) with this machine's ``(available, total)`` bytes: the GPU
-    verdict alone would call a step that the host cannot hold a fit."""
+    """One line comparing the plan's host RAM peak with layerstream.from_pretrained (the
+    loader that never holds the whole model) with this machine's ``(available, total)``
+    bytes: the GPU verdict alone would call a step that the host cannot hold a fit."""
     available, total = memory
     need = plan.loader_ram_bytes
     head = f"this machine: {_gib(available)} of host RAM available ({_gib(total)} in all), the plan needs {_gib(need)}"
