@@ -17,13 +17,19 @@ A cell is ``shape:quantization:budget``, optionally followed by ``:key=value+key
 StreamConfig settings the run needs at that size (8B NF4 at 6 GiB needs the chunked loss:
 its full fp32 logits alone take 2.9 GiB). The hand sweep stops at the first size that
 runs out of memory, or after ``--hand-sizes`` sizes; the sizes that fitted are then timed
-in ``--rounds`` passes of alternating direction (drift over the run cancels) and each size's
-time is the median of all its steps; ``noise`` says how far one size's passes lie apart,
-the resolution below which this machine cannot rank sizes. Two ratios are kept: ``auto_vs_best``, the automatic run's own last steps
-against the best hand size, and ``auto_size_vs_best``, the size it chose timed as the hand
-sizes were (the automatic run's steps are the process's first, where a shared machine is
-still settling). Each hand size also records the most memory reserved over its runs and
-its allocator retries: how near the cap a larger window than the automatic one came.
+in ``--rounds`` passes of alternating direction, each visit ``--settle`` untimed steps
+after the window changes, then ``--timed`` timed steps. A size's time is the median of all its steps;
+``noise`` says how far one size's passes lie apart. Where the host drifts by more than the
+differences between sizes (an 8B step is host-bound, and this machine's host moves its step
+time by 10-70% over a minute), only paired figures rank sizes: each pass visits every size
+within a few seconds, so ``auto_size_vs_best_paired`` is the best size's median, over
+passes, of its time divided by the automatic size's time in the same pass (1.0 when the
+automatic size is the best), with ``paired_quartiles`` giving that ratio's spread. Many short
+passes (``--rounds 15 --timed 1``) make it tight. The ratio ``auto_vs_best`` is the automatic
+run's own last steps against the best hand size (they are the process's first, where a
+shared machine is still settling). Each hand size also records the most memory reserved
+over its runs and its allocator retries: how near the cap a larger window than the
+automatic one came.
 """
 
 from __future__ import annotations
@@ -112,7 +118,30 @@ def sweep(timed_at, auto_window: int, layers: int, sizes: int, out_of_memory=Mem
             auto_size_vs_best=best["step_s"] / at_auto[0]["step_s"] if at_auto else None,
             noise=statistics.median(max(h["round_medians"]) / min(h["round_medians"]) - 1 for h in fits),
         )
+        if at_auto:
+            result.update(paired(fits, at_auto[0]))
     return result
+
+
+def paired(fits: list, at_auto: dict) -> dict:
+    """Each size against the automatic size pass by pass: the median over passes of its
+    time over the automatic size's time in the same pass. A pass visits every size within
+    seconds, so drift of the host over the run cancels out of each ratio."""
+    import statistics
+
+    ratios = {
+        h["window"]: [mine / theirs for mine, theirs in zip(h["round_medians"], at_auto["round_medians"])] for h in fits
+    }
+    for entry in fits:
+        entry["paired_vs_auto"] = statistics.median(ratios[entry["window"]])
+    best = min(fits, key=lambda h: h["paired_vs_auto"])
+    spread = sorted(ratios[best["window"]])
+    quartiles = statistics.quantiles(spread, n=4) if len(spread) > 1 else spread * 3
+    return {
+        "paired_best_window": best["window"],
+        "auto_size_vs_best_paired": best["paired_vs_auto"],
+        "paired_quartiles": [quartiles[0], quartiles[2]],
+    }
 
 
 def cell(
@@ -125,6 +154,7 @@ def cell(
     options: dict,
     sizes: int,
     rounds: int = 2,
+    settle: int = 2,
 ) -> dict:
     import statistics
 
@@ -189,7 +219,7 @@ def cell(
         retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
         runtime.set_window(spread_resident(len(runtime.records), size))
         try:
-            return _steps(model, optimizer, ids, timed + 2)[-timed:]
+            return _steps(model, optimizer, ids, settle + timed)[-timed:]
         finally:
             seen = memory.get(size, (0.0, 0))
             memory[size] = (
@@ -213,6 +243,7 @@ def main():
     parser.add_argument("--timed", type=int, default=4)
     parser.add_argument("--hand-sizes", type=int, default=6, help="window sizes timed by hand at most")
     parser.add_argument("--rounds", type=int, default=4, help="passes over the hand sizes, alternating direction")
+    parser.add_argument("--settle", type=int, default=2, help="untimed steps after each window change")
     parser.add_argument("--out", default=str(HERE / "results"))
     parser.add_argument("--cell", default=None, help=argparse.SUPPRESS)  # one cell, in this process
     args = parser.parse_args()
@@ -220,7 +251,16 @@ def main():
         shape, quantization, budget, *extra = args.cell.split(":", 3)
         options = cell_options(extra[0] if extra else "")
         row = cell(
-            shape, quantization, budget, args.seq, args.auto_steps, args.timed, options, args.hand_sizes, args.rounds
+            shape,
+            quantization,
+            budget,
+            args.seq,
+            args.auto_steps,
+            args.timed,
+            options,
+            args.hand_sizes,
+            args.rounds,
+            args.settle,
         )
         print("RESULT " + json.dumps(row))
         return
@@ -243,6 +283,8 @@ def main():
                 str(args.hand_sizes),
                 "--rounds",
                 str(args.rounds),
+                "--settle",
+                str(args.settle),
             ],
             capture_output=True,
             text=True,

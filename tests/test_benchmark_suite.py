@@ -509,6 +509,31 @@ def test_the_window_sweep_times_each_size_twice_and_stops_at_the_first_out_of_me
     assert [h["window"] for h in capped["hand"]] == [0, 1] and capped["auto_size_vs_best"] == 1.0
 
 
+def test_the_paired_window_ratio_cancels_drift_that_the_medians_do_not():
+    """The host turns 1.5x slower once, part way through the sweep. Size 5 is 10% faster
+    than the automatic size 4, but more of its steps fall after the change, so the medians
+    over all steps rank it slower; pass by pass it is 0.9x the automatic size in every pass
+    but the one the change splits."""
+    import window_matrix
+
+    own = {3: 1.0, 4: 1.0, 5: 0.9}
+    calls = []
+
+    def timed_at(size):
+        calls.append(size)
+        return [own[size] * (1.5 if len(calls) > 8 else 1.0)]
+
+    result = window_matrix.sweep(timed_at, auto_window=4, layers=5, sizes=3, rounds=5)
+    assert calls == [3, 4, 5, 5, 4, 3, 3, 4, 5, 5, 4, 3, 3, 4, 5]
+    assert result["auto_size_vs_best"] == 1.0, "the medians miss it (the negative control)"
+    assert result["paired_best_window"] == 5
+    assert result["auto_size_vs_best_paired"] == pytest.approx(0.9)
+    hand = {h["window"]: h for h in result["hand"]}
+    assert hand[4]["paired_vs_auto"] == 1.0 and hand[3]["paired_vs_auto"] == pytest.approx(1.0)
+    even = window_matrix.sweep(lambda size: [1.0], auto_window=4, layers=5, sizes=3, rounds=2)
+    assert even["auto_size_vs_best_paired"] == 1.0, "a tie keeps the automatic size as good as the best"
+
+
 def test_window_matrix_cells_take_stream_settings_as_every_surface_parses_them():
     import window_matrix
 
