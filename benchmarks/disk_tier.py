@@ -2,6 +2,11 @@
 readers), then a streamed LoRA step with most layers read from disk (host_budget) against
 the same model fed from RAM and against the disk bound (bytes read per step / bandwidth).
 
+The bandwidth is probed on a file just written (``disk_bound_s``) and on the tier's own
+files (``files_disk_bound_s``), before and after the disk-fed steps; a cache in front of the
+disk can serve the first faster than bytes written minutes before and read in rounds larger
+than it. The own-file probe runs again while a Python thread keeps the interpreter busy.
+
     python benchmarks/disk_tier.py --dir /nvme/x                                   # 8B bf16
     python benchmarks/disk_tier.py --dir /nvme/x --shape llama3-70b --quantization nf4
     python benchmarks/disk_tier.py --dir DIR ... --phase write|probe|ram|disk|probe_after|row
@@ -28,10 +33,12 @@ benchmarks/results/disk-tier.json ($OUT when set), merged by (model, quantizatio
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -332,9 +339,27 @@ def arguments(argv=None):
     return args
 
 
+@contextlib.contextmanager
+def _interpreter_busy():
+    """A thread that runs Python bytecode until the block ends."""
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            sum(range(1000))
+
+    thread = threading.Thread(target=spin, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
 def main(argv=None) -> int:
     from layerstream.disk import READERS
-    from layerstream.disk_cli import measure_read_gbps
+    from layerstream.disk_cli import measure_files_gbps, measure_read_gbps, stored_layer_files
     from layerstream.units import GiB, parse_bytes
 
     from common import SHAPES
@@ -365,7 +390,23 @@ def main(argv=None) -> int:
         probe = parse_bytes("32MiB" if args.dry_run else args.measure_bytes)
         bandwidth = {str(n): measure_read_gbps(directory, probe, n)[0] for n in (1, READERS)}
         print(f"disk: {bandwidth['1']:.2f} GB/s with 1 reader, {bandwidth[str(READERS)]:.2f} with {READERS}")
-        done(phase, {"disk_gbps_by_readers": bandwidth})
+        # the tier's own files, written minutes before, each read on other layers than any
+        # probe before it: what the disk gives for the bytes the tier reads; then the same
+        # while a Python thread keeps the interpreter busy, as a training step's thread does
+        # (a reader needs the interpreter lock between its reads)
+        files = stored_layer_files(directory)
+        first = 0 if phase == "probe" else 4
+        own, busy = {}, {}
+        for k, n in enumerate((1, READERS)):
+            own[str(n)] = measure_files_gbps(files[first + k :: 8] or files, probe, n)[0]
+            with _interpreter_busy():
+                busy[str(n)] = measure_files_gbps(files[first + 2 + k :: 8] or files, probe, n)[0]
+        print(f"the tier's files: {own['1']:.2f} GB/s with 1 reader, {own[str(READERS)]:.2f} with {READERS}")
+        print(f"  with the interpreter busy: {busy['1']:.2f} and {busy[str(READERS)]:.2f}")
+        done(
+            phase,
+            {"disk_gbps_by_readers": bandwidth, "files_gbps_by_readers": own, "files_busy_gbps_by_readers": busy},
+        )
 
     if "probe" in wanted and "probe" not in state:
         measure_disk("probe")
@@ -392,6 +433,12 @@ def main(argv=None) -> int:
     probes = [state[p]["disk_gbps_by_readers"] for p in ("probe", "probe_after") if p in state]
     disk_gbps = max(sum(p[n] for p in probes) / len(probes) for n in probes[0])
     strict_gbps = max(rate for p in probes for rate in p.values())
+    own = [
+        state[p]["files_gbps_by_readers"]
+        for p in ("probe", "probe_after")
+        if "files_gbps_by_readers" in state.get(p, {})
+    ]
+    files_gbps = max(sum(p[n] for p in own) / len(own) for n in own[0]) if own else None
     measured = dict(state["disk"])
     row = {
         "model": model_name,
@@ -402,6 +449,16 @@ def main(argv=None) -> int:
         "ram_step_s": state["ram"]["ram_step_s"],
         "disk_bound_s": measured["read_bytes_per_step"] / (disk_gbps * 1e9),
         "strict_disk_bound_s": measured["read_bytes_per_step"] / (strict_gbps * 1e9),
+        # the same bound from reads of the tier's own files (a file just written may be served
+        # by a cache in front of the disk that the tier's bytes, read round after round, miss)
+        "files_gbps": files_gbps,
+        "files_disk_bound_s": measured["read_bytes_per_step"] / (files_gbps * 1e9) if files_gbps else None,
+        "files_gbps_by_readers": own,
+        "files_busy_gbps_by_readers": [
+            state[p]["files_busy_gbps_by_readers"]
+            for p in ("probe", "probe_after")
+            if "files_busy_gbps_by_readers" in state.get(p, {})
+        ],
         "first_loss_equals_ram_fed": measured.pop("first_loss") == state["ram"]["first_loss"],
         "disk_gbps_by_readers": probes,
         **measured,

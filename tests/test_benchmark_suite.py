@@ -428,6 +428,9 @@ def test_disk_tier_benchmark_runs_its_whole_harness_on_the_cpu(tmp_path, monkeyp
     before, after = (phases[p]["disk_gbps_by_readers"] for p in ("probe", "probe_after"))
     assert row["disk_gbps"] == pytest.approx(max((before[n] + after[n]) / 2 for n in before)), "probes both sides"
     assert row["strict_disk_bound_s"] <= row["disk_bound_s"]
+    own = [phases[p]["files_gbps_by_readers"] for p in ("probe", "probe_after")]
+    assert row["files_gbps"] == pytest.approx(max((own[0][n] + own[1][n]) / 2 for n in own[0])), "the tier's files"
+    assert row["files_disk_bound_s"] > 0
     if quantization == "nf4":
         layer = tmp_path / "tiny-nf4" / "layer-00003.safetensors"
         assert layer.stat().st_blocks * 512 < layer.stat().st_size  # sparse: the loader never reads it

@@ -122,6 +122,33 @@ def test_plan_prints_the_disk_term_and_measures_a_directory(tmp_path, capsys):
     assert out.count("GB/s sequential read") == 2 and not list(tmp_path.glob(".layerstream-disk-probe"))
 
 
+def test_measure_disk_reads_the_stored_files_where_a_directory_holds_some(tmp_path, capsys):
+    """A checkpoint's or NF4 cache's own files are read, not a file just written (a cache in
+    front of the disk may serve that one faster than the bytes a disk tier reads)."""
+    from layerstream import cli
+    from layerstream.disk_cli import measure_files_gbps, stored_layer_files
+
+    cache = tmp_path / "nf4-cache"
+    cache.mkdir()
+    for index, size in enumerate((3 * 2**20, 5 * 2**20 + 100)):
+        (cache / f"layer-{index:05d}.nf4").write_bytes(bytes([index + 1]) * size)
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 2**20)
+    files = stored_layer_files(tmp_path)
+    assert [f.name for f in files] == ["layer-00001.nf4", "layer-00000.nf4"], "the cache, not the checkpoint"
+    assert measure_files_gbps(files, 2**30, 2, chunk=2**20)[2] == 8 * 2**20 + 100, "every byte, tails included"
+    assert measure_files_gbps(files, 6 * 2**20, 1, chunk=2**20)[2] == 6 * 2**20 + 100, "stops once it has the size"
+    assert cli.main(["plan", "--measure-disk", str(tmp_path), "--measure-bytes", "4MiB"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("stored file(s)") == 2 and not list(tmp_path.glob(".layerstream-disk-probe"))
+    for layer in cache.iterdir():
+        layer.unlink()
+    assert [f.name for f in stored_layer_files(tmp_path)] == ["model.safetensors"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert cli.main(["plan", "--measure-disk", str(empty), "--measure-bytes", "4MiB"]) == 0
+    assert capsys.readouterr().out.count("a file just written") == 2
+
+
 class _Disk:
     """A disk whose speed depends on the reads in flight: feeds one layer's read at a time
     to a ReaderChoice as the tier would, with the times that speed gives."""
