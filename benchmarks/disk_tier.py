@@ -427,18 +427,20 @@ def main(argv=None) -> int:
     missing = [p for p in ("probe", "ram", "disk") if p not in state]
     if missing:
         raise SystemExit(f"phases not run yet: {', '.join(missing)} (run them with --phase)")
+
+    def both_sides(key: str) -> list:  # the probes' rates by reader count, before and after
+        return [state[p][key] for p in ("probe", "probe_after") if key in state.get(p, {})]
+
+    def best_mean(probes: list) -> float:  # the reader count whose mean over the probes is best
+        return max(sum(p[n] for p in probes) / len(probes) for n in probes[0])
+
     # the bound is what the disk gives at its best (one reader beats four on some disks), as
     # the mean of the probes before and after the disk-fed steps where both ran; the strict
     # bound takes the fastest single probe
-    probes = [state[p]["disk_gbps_by_readers"] for p in ("probe", "probe_after") if p in state]
-    disk_gbps = max(sum(p[n] for p in probes) / len(probes) for n in probes[0])
+    probes, own = both_sides("disk_gbps_by_readers"), both_sides("files_gbps_by_readers")
+    disk_gbps = best_mean(probes)
     strict_gbps = max(rate for p in probes for rate in p.values())
-    own = [
-        state[p]["files_gbps_by_readers"]
-        for p in ("probe", "probe_after")
-        if "files_gbps_by_readers" in state.get(p, {})
-    ]
-    files_gbps = max(sum(p[n] for p in own) / len(own) for n in own[0]) if own else None
+    files_gbps = best_mean(own) if own else None
     measured = dict(state["disk"])
     row = {
         "model": model_name,
@@ -454,11 +456,7 @@ def main(argv=None) -> int:
         "files_gbps": files_gbps,
         "files_disk_bound_s": measured["read_bytes_per_step"] / (files_gbps * 1e9) if files_gbps else None,
         "files_gbps_by_readers": own,
-        "files_busy_gbps_by_readers": [
-            state[p]["files_busy_gbps_by_readers"]
-            for p in ("probe", "probe_after")
-            if "files_busy_gbps_by_readers" in state.get(p, {})
-        ],
+        "files_busy_gbps_by_readers": both_sides("files_busy_gbps_by_readers"),
         "first_loss_equals_ram_fed": measured.pop("first_loss") == state["ram"]["first_loss"],
         "disk_gbps_by_readers": probes,
         **measured,
