@@ -17,9 +17,9 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
-from .units import GiB, MiB, parse_bytes
+from .units import GiB, parse_bytes
 
 
 def add_disk_arguments(plan: argparse.ArgumentParser) -> None:
@@ -116,10 +116,14 @@ def format_disk_term(args, config, plan) -> str:
     return "\n".join(lines)
 
 
-def measure_read_gbps(directory, size: int, readers: int, chunk: int = 8 * MiB) -> Tuple[float, bool]:
+def measure_read_gbps(directory, size: int, readers: int, chunk: Optional[int] = None) -> Tuple[float, bool]:
     """Sequential read bandwidth of a file of ``size`` bytes written in ``directory``, read in
     ``chunk``-byte aligned reads by ``readers`` threads; (GB/s, whether O_DIRECT was used).
-    Where O_DIRECT is refused the file's cached pages are dropped first (posix_fadvise)."""
+    Where O_DIRECT is refused the file's cached pages are dropped first (posix_fadvise).
+    ``chunk`` defaults to the disk tier's read size."""
+    from .disk import CHUNK_BYTES
+
+    chunk = chunk or CHUNK_BYTES
     folder = Path(directory)
     if not folder.is_dir():
         raise ValueError(f"--measure-disk {directory}: no such directory")
@@ -140,12 +144,15 @@ def measure_read_gbps(directory, size: int, readers: int, chunk: int = 8 * MiB) 
         path.unlink(missing_ok=True)
 
 
-def measure_files_gbps(paths: Sequence[Path], size: int, readers: int, chunk: int = 8 * MiB) -> Tuple[float, bool, int]:
+def measure_files_gbps(
+    paths: Sequence[Path], size: int, readers: int, chunk: Optional[int] = None
+) -> Tuple[float, bool, int]:
     """Read bandwidth of about ``size`` bytes of existing files (whole chunks), file after file
-    from their start, in ``chunk``-byte aligned reads by ``readers`` threads (the disk tier's
-    read size and concurrency); (GB/s, whether O_DIRECT was used for all, bytes read)."""
-    from .disk import IO_ALIGN
+    from their start, in ``chunk``-byte aligned reads (default: the disk tier's read size) by
+    ``readers`` threads; (GB/s, whether O_DIRECT was used for all, bytes read)."""
+    from .disk import CHUNK_BYTES, IO_ALIGN
 
+    chunk = chunk or CHUNK_BYTES
     jobs: List[Tuple[int, int]] = []  # (descriptor, offset)
     descriptors, direct = [], True
     try:
