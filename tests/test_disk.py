@@ -93,6 +93,25 @@ def test_disk_fed_training_matches_ram_fed_bit_for_bit(checkpoint, device):
     assert "read from disk" in layerstream.get_runtime(fed).summary()
 
 
+def test_reads_cut_into_many_chunks_still_match_ram_fed_bit_for_bit(checkpoint, monkeypatch):
+    """A layer is read in CHUNK_BYTES pieces; with chunks of one alignment unit, tensors
+    straddle chunk boundaries (a piece starts inside one chunk and ends in the next), as the
+    real 32 MiB reads of a real layer's tensors do."""
+    from layerstream import disk
+
+    monkeypatch.setattr(disk, "CHUNK_BYTES", disk.IO_ALIGN)
+    ram = _peft(_load(checkpoint))
+    fed = _peft(_load(checkpoint, _small_budget(checkpoint)))
+    tier = layerstream.get_runtime(fed).disk
+    chunks = [c for layer in tier.layers.values() for c in layer.chunks]
+    assert len(chunks) > 10 * len(tier.layers), "many reads per layer"
+    pieces = sum(len(c.pieces) for c in chunks)
+    tensors = sum(len(layer.record.entries) for layer in tier.layers.values())
+    assert all(c.hi - c.lo <= disk.IO_ALIGN for c in chunks)
+    assert pieces > tensors, "some tensors are cut across chunk boundaries"
+    assert_traces_equal(train_steps(ram, 2), train_steps(fed, 2))
+
+
 def test_disk_fed_generation_matches_ram_fed(checkpoint, device):
     ram, fed = _load(checkpoint, device=device), _load(checkpoint, _small_budget(checkpoint), device=device)
     ids = torch.randint(3, 90, (2, 6), generator=torch.Generator().manual_seed(3)).to(device)
