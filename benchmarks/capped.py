@@ -81,8 +81,65 @@ def _time_trainer_steps(path: str) -> None:
     Trainer.__init__ = __init__
 
 
-def prepare(cap: str, used_first: bool, times) -> None:
-    """The cap, the earlier use of the GPU and the step timer, in this process."""
+def _profile_trainer_steps(folder: str, first: int = 8, count: int = 8) -> None:
+    """Where the host's time goes in steady steps: Python's profiler over ``count`` steps
+    from step ``first`` (by own time and by cumulative time), then torch's profiler over
+    two more (operators by host time, kernel launches, device time). Written to
+    ``folder``; for comparing a plain and a streamed run of the same script."""
+    import cProfile
+    import io
+    import pstats
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import Trainer, TrainerCallback
+
+    os.makedirs(folder, exist_ok=True)
+
+    class StepProfile(TrainerCallback):
+        def __init__(self):
+            self.python, self.torch_prof, self.seen = cProfile.Profile(), None, 0
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            if self.seen == first:
+                self.python.enable()
+            elif self.seen == first + count:
+                activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * torch.cuda.is_available()
+                self.torch_prof = profile(activities=activities)
+                self.torch_prof.__enter__()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.seen += 1
+            if self.seen == first + count:
+                self.python.disable()
+                text = io.StringIO()
+                stats = pstats.Stats(self.python, stream=text)
+                stats.sort_stats("tottime").print_stats(60)
+                stats.sort_stats("cumulative").print_stats(80)
+                with open(os.path.join(folder, "python-profile.txt"), "w") as handle:
+                    handle.write(f"{count} steps from step {first}\n" + text.getvalue())
+            elif self.seen == first + count + 2 and self.torch_prof is not None:
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                self.torch_prof.__exit__(None, None, None)
+                averages = self.torch_prof.key_averages()
+                with open(os.path.join(folder, "torch-profile.txt"), "w") as handle:
+                    handle.write("2 steps\n")
+                    handle.write(averages.table(sort_by="self_cpu_time_total", row_limit=60))
+                    handle.write(averages.table(sort_by="self_device_time_total", row_limit=30))
+                self.torch_prof = None
+
+    original = Trainer.__init__
+
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self.add_callback(StepProfile())
+
+    Trainer.__init__ = __init__
+
+
+def prepare(cap: str, used_first: bool, times, profile_dir=None) -> None:
+    """The cap, the earlier use of the GPU, the step timer and the profiler, in this process."""
     from layerstream.cli import allocator_defaults
     from layerstream.units import parse_bytes
 
@@ -103,6 +160,8 @@ def prepare(cap: str, used_first: bool, times) -> None:
         print("capped: no GPU, no cap (a dry run of the harness)", flush=True)
     if times:
         _time_trainer_steps(times)
+    if profile_dir:
+        _profile_trainer_steps(profile_dir)
 
 
 def main():
@@ -110,10 +169,13 @@ def main():
     parser.add_argument("--cap", required=True, help="GPU memory this process may use, e.g. 12GiB")
     parser.add_argument("--used-first", action="store_true", help="use and free the GPU before the command")
     parser.add_argument("--times", default=None, help="write each Trainer step's time here (JSON)")
+    parser.add_argument(
+        "--profile", default=None, metavar="DIR", help="profile steps 8-15 (Python) and 16-17 (torch) into DIR"
+    )
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    prepare(args.cap, args.used_first, args.times)
+    prepare(args.cap, args.used_first, args.times, args.profile)
     # processes the command starts (``trl sft``, ``accelerate launch``) get the same
     os.environ["CAPPED_CHILD"] = json.dumps(
         {
@@ -121,6 +183,7 @@ def main():
             "cap": args.cap,
             "used_first": args.used_first,
             "times": args.times,
+            "profile": args.profile,
         }
     )
     site = os.path.join(os.path.dirname(os.path.abspath(__file__)), "capped_site")

@@ -160,6 +160,11 @@ def probe(args) -> dict:
             model.enable_input_require_grads()
             model.to(device)
             what = "resident"
+            if "loss_chunk_tokens" in options:  # the chunked loss alone: neither offload nor tiling
+                from layerstream import chunked_loss
+
+                chunked_loss.apply(model, int(options["loss_chunk_tokens"]))
+                what = f"resident, loss_chunk_tokens={options['loss_chunk_tokens']}"
         else:
             # under the cap, "auto" is the capped memory: the run measures what fits instead of
             # an explicit budget's up-front plan refusing what the planner predicts will not
@@ -388,8 +393,11 @@ def measure(cell: str, seq: int, options: dict, args, searched: bool = True) -> 
         {k: timed[k] for k in ("peak_reserved_gib", "alloc_retries", "window_changes", "steps_retried") if k in timed}
     )
     row["alloc_conf"] = timed.get("alloc_conf")  # the allocator setting the timed probe ran under
-    for mode in ("resident", "streamed") if args.baseline else ():  # the best without them, full memory
-        base = run_probe(cell, seq, mode, {}, args, steps=args.warmup + args.steps, cap=False)
+    baselines = [("resident", {}), ("streamed", {})]
+    if args.baseline_loss_chunk:  # lengths whose full fp32 logits do not fit even the whole GPU
+        baselines = [("resident", {"loss_chunk_tokens": options["loss_chunk_tokens"]})]
+    for mode, settings in baselines if args.baseline else ():  # the best without them, full memory
+        base = run_probe(cell, seq, mode, settings, args, steps=args.warmup + args.steps, cap=False)
         if base["ok"]:
             row.update(baseline_step_s=statistics.median(base["step_s"][args.warmup :]), baseline_config=base["config"])
             break
@@ -465,6 +473,12 @@ def main(argv=None) -> int:
         default=True,
         help="also time the same length in the GPU's full memory without the long-context settings\n"
         "(--no-baseline where it cannot fit or a step outlasts the time there is)",
+    )
+    parser.add_argument(
+        "--baseline-loss-chunk",
+        action="store_true",
+        help="the baseline is resident with the cell's chunked loss (no offload, no tiled MLP): for\n"
+        "lengths whose unchunked logits do not fit the whole GPU",
     )
     parser.add_argument("--steps", type=int, default=3, help="timed steps (median)")
     parser.add_argument("--warmup", type=int, default=1)

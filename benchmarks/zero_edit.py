@@ -90,6 +90,12 @@ def write_inputs(work: Path, shapes) -> dict:
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "train.jsonl").write_text("".join(json.dumps(make(r)) + "\n" for r in rows))
         paths[name] = folder
+    # --pair-tokens: the SFT rows repeated, so that packed sequences of a few thousand
+    # tokens fill the timed steps (the embedded set holds about 17k tokens)
+    folder = work / "data-sft-packed"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "train.jsonl").write_text((paths["sft"] / "train.jsonl").read_text() * PACKED_REPEATS)
+    paths["sft-packed"] = folder
     return paths
 
 
@@ -151,11 +157,20 @@ def command(paths, script, shape, quantization, out: Path, steps: int, streamed:
     ]
     if quantization == "4bit":
         args.append("--load_in_4bit")
+    if PAIR_TOKENS and script != "dpo":  # a compute-bound step instead of ~170 tokens
+        args[args.index("--max_length") + 1] = str(PAIR_TOKENS[0])
+        args[args.index("--dataset_name") + 1] = str(paths["sft-packed"])
+        args += ["--packing", "true", "--packing_strategy", "wrapped"]
     args += EXTRA
     if script == "accelerate-sft":
         accelerate = ["accelerate", "launch", "--num_processes", "1", "--mixed_precision", "bf16"]
         return accelerate + (["-m", "layerstream", "run"] if streamed else []) + args
     return ["layerstream", "run"] + args if streamed else [sys.executable] + args
+
+
+PROFILE: list = []  # --profile: the folder each run's step profiles go under
+PAIR_TOKENS: list = []  # --pair-tokens: the pairs' SFT runs pack sequences of this many tokens
+PACKED_REPEATS = 16
 
 
 def run(paths, case, work: Path, steps: int, streamed: bool, tag: str = "") -> dict:
@@ -164,7 +179,9 @@ def run(paths, case, work: Path, steps: int, streamed: bool, tag: str = "") -> d
     out = work / "runs" / name
     (work / "runs").mkdir(parents=True, exist_ok=True)
     times = work / "runs" / f"{name}-times.json"
-    argv = [sys.executable, str(HERE / "capped.py"), "--cap", cap, "--used-first", "--times", str(times), "--"]
+    argv = [sys.executable, str(HERE / "capped.py"), "--cap", cap, "--used-first", "--times", str(times)]
+    argv += ["--profile", str(PROFILE[0] / name)] if PROFILE else []
+    argv += ["--"]
     argv += command(paths, script, shape, quantization, out, steps, streamed)
     start = time.perf_counter()
     done = subprocess.run(argv, capture_output=True, text=True)
@@ -215,7 +232,21 @@ def main():
     parser.add_argument("--parallel", type=int, default=4)
     parser.add_argument("--only", default=None, help="comma list of case names to run (script-shape-quant-cap)")
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU: checks the harness only")
+    parser.add_argument("--profile", default=None, help="profile steps of each run (capped.py --profile) under here")
+    parser.add_argument(
+        "--pair-tokens",
+        type=int,
+        default=0,
+        help="pairs only: SFT packs the (repeated) data into sequences of this many tokens (TRL's\n"
+        "wrapped packing), so a step is bound by the GPU rather than by host work",
+    )
     args = parser.parse_args()
+    if args.profile:
+        PROFILE.append(Path(args.profile))
+    if args.pair_tokens:
+        if args.part != "pairs":
+            raise SystemExit("--pair-tokens applies to the timed pairs: give --part pairs")
+        PAIR_TOKENS.append(args.pair_tokens)
     work = Path(args.work)
     cases = [c for c in CASES if args.only is None or "-".join(c[:4]) in args.only.split(",")]
     if args.dry_run:
@@ -242,6 +273,8 @@ def main():
     LOG_TAILS[0].mkdir(exist_ok=True)
 
     name = {"all": "zero-edit.json", "capped": "zero-edit-capped.json", "pairs": "zero-edit-pairs.json"}[args.part]
+    if args.pair_tokens:
+        name = f"zero-edit-pairs-packed-{args.pair_tokens}.json"
 
     def save(rows, pairs=()):
         (Path(args.out) / name).write_text(

@@ -304,6 +304,46 @@ def test_long_context_at_a_given_length_times_it_without_searching(tmp_path, mon
     assert not (tmp_path / "s").exists(), "no search state written"
 
 
+def test_the_chunked_loss_baseline_is_resident_with_only_the_cells_loss_chunk(tmp_path, monkeypatch):
+    """--baseline-loss-chunk: where the full fp32 logits do not fit even the whole GPU, the
+    baseline is the resident model with the same chunked loss and neither offload nor the
+    tiled MLP; one baseline probe, and the row names it."""
+    import long_context
+
+    calls = []
+
+    def fake_probe(cell, seq, mode, options, args, steps, cap):
+        calls.append((mode, dict(options), cap))
+        config = "resident, loss_chunk_tokens=512" if mode == "resident" and options else mode
+        return {"ok": True, "step_s": [3.0] * steps, "peak_allocated_gib": 1.0, "config": config}
+
+    monkeypatch.setattr(long_context, "run_probe", fake_probe)
+    out = tmp_path / "at.json"
+    argv = ["--cells", "llama3-8b:nf4:24", "--at", "92160", "--out", str(out), "--baseline-loss-chunk"]
+    assert long_context.main(argv) == 0
+    (streamed, baseline) = calls
+    assert streamed[0] == "streamed" and streamed[1]["offload_activations"] == "true" and streamed[2]
+    assert baseline == ("resident", {"loss_chunk_tokens": "512"}, False)
+    (row,) = json.loads(out.read_text())
+    assert row["baseline_config"] == "resident, loss_chunk_tokens=512" and row["baseline_step_s"] == 3.0
+
+
+def test_a_resident_probe_with_a_loss_chunk_computes_the_chunked_loss(tmp_path, monkeypatch, capsys):
+    """The baseline probe itself (tiny model, CPU): resident, and its loss is the chunked one."""
+    import long_context
+
+    from layerstream import chunked_loss
+
+    applied = []
+    monkeypatch.setattr(chunked_loss, "apply", lambda model, tokens: applied.append(tokens) or model)
+    argv = ["--probe", "tiny:none:1", "--seq", "64", "--mode", "resident", "--steps", "1", "--dry-run"]
+    assert long_context.main(argv + ["--options", json.dumps({"loss_chunk_tokens": "32"})]) == 0
+    result = json.loads(capsys.readouterr().out.split("PROBE ")[-1])
+    assert result["ok"] and result["config"] == "resident, loss_chunk_tokens=32" and applied == [32]
+    assert long_context.main(argv + ["--options", "{}"]) == 0
+    assert json.loads(capsys.readouterr().out.split("PROBE ")[-1])["config"] == "resident" and applied == [32]
+
+
 def test_a_length_that_fails_when_timed_is_not_published_and_is_searched_below_again(tmp_path, monkeypatch):
     """The search's probes run fewer steps than the timed run: a length whose timed run
     fails gets no row (its failure is said) and the next run searches below it."""
@@ -681,3 +721,17 @@ def test_long_context_insight_goes_to_timed_probes_only(tmp_path, monkeypatch):
         assert long_context.run_probe("llama3-8b:nf4:12", 2048, "streamed", {}, args, steps, True) == {"ok": True}
     search, timed = commands
     assert "--insight" not in search and timed[timed.index("--insight") + 1] == str(tmp_path)
+
+
+def test_the_host_overhead_benchmark_runs_its_stages_on_the_cpu(tmp_path):
+    """--dry-run: the micro-timings and a few training steps per stage, resident then
+    streamed, written as one row per stage (the page-locking stages need CUDA)."""
+    import host_overhead
+
+    out = tmp_path / "host.json"
+    assert host_overhead.main(["--dry-run", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["stage"] for r in rows] == ["fresh", "resident", "streamed, window"]
+    for row in rows:
+        assert row["launch_us"] > 0 and row["empty_us"] > 0 and row["python_ns_per_turn"] > 0
+    assert all(len(r["step_s"]) == 5 and r["median_step_s"] > 0 for r in rows[1:])

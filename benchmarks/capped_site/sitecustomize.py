@@ -15,4 +15,4 @@ if _settings:
     sys.path.insert(0, _settings["harness"])
     import capped
 
-    capped.prepare(_settings["cap"], _settings["used_first"], _settings["times"])
+    capped.prepare(_settings["cap"], _settings["used_first"], _settings["times"], _settings.get("profile"))
