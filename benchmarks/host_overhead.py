@@ -8,8 +8,9 @@ long (torch's profiler: cudaLaunchKernel, allocator calls, Python alike). This m
 in one process, stage by stage: tiny kernel launches, allocator calls, a pure-Python loop,
 and a resident LoRA training step of the shape; first fresh, then with host memory
 page-locked the way the host store does it (``cudaHostRegister``), after unregistering it,
-with the same bytes from ``cudaHostAlloc`` (torch's ``pin_memory``), and last the same
-shape streamed with every layer in the resident window.
+with the same bytes from ``cudaHostAlloc`` (torch's ``pin_memory``), then the same shape
+streamed with every layer in the resident window; last, the resident and the streamed
+model's steps alternated one by one, which cancels the host's drift between stages.
 
     python benchmarks/host_overhead.py --out results/host-overhead.json
     python benchmarks/host_overhead.py --dry-run      # the harness on the CPU, tiny shape
@@ -88,20 +89,44 @@ def build(shape: str, device: str, streamed: bool):
     return model
 
 
-def steps(model, device: str, count: int, batch: int, seq: int) -> list:
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
-    gen = torch.Generator().manual_seed(0)
-    times = []
-    for _ in range(count):
-        ids = torch.randint(3, model.config.vocab_size, (batch, seq), generator=gen).to(device)
-        _sync(device)
+class Trainer:
+    """Training steps of one model on random batches (its own optimizer and generator)."""
+
+    def __init__(self, model, device: str, batch: int, seq: int):
+        self.model, self.device, self.shape = model, device, (batch, seq)
+        self.opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+        self.gen = torch.Generator().manual_seed(0)
+
+    def step(self) -> float:
+        ids = torch.randint(3, self.model.config.vocab_size, self.shape, generator=self.gen).to(self.device)
+        _sync(self.device)
         start = time.perf_counter()
-        model(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return times
+        self.model(input_ids=ids, labels=ids).loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        _sync(self.device)
+        return time.perf_counter() - start
+
+
+def steps(model, device: str, count: int, batch: int, seq: int) -> list:
+    trainer = Trainer(model, device, batch, seq)
+    return [trainer.step() for _ in range(count)]
+
+
+def interleaved(resident, streamed, device: str, count: int, batch: int, seq: int) -> dict:
+    """Resident and streamed steps alternated one by one, so that the host's drift falls
+    on both alike: the median over pairs of resident step / streamed step (after 4 pairs)."""
+    a, b = Trainer(resident, device, batch, seq), Trainer(streamed, device, batch, seq)
+    pairs = [(a.step(), b.step()) for _ in range(count)]
+    kept = pairs[4:]
+    return {
+        "stage": "interleaved, resident then streamed",
+        "resident_step_s": [x for x, _ in pairs],
+        "streamed_step_s": [y for _, y in pairs],
+        "resident_median_s": statistics.median(x for x, _ in kept),
+        "streamed_median_s": statistics.median(y for _, y in kept),
+        "streamed_speed_vs_resident": statistics.median(x / y for x, y in kept),
+    }
 
 
 def main(argv=None) -> int:
@@ -112,6 +137,7 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=14, help="per stage; the median skips the first 4")
     parser.add_argument("--pinned-gib", type=float, default=5.25, help="host memory page-locked (the 3B store)")
     parser.add_argument("--micro-n", type=int, default=20000)
+    parser.add_argument("--pairs", type=int, default=24, help="alternated resident/streamed steps")
     parser.add_argument("--out", default=os.path.join(HERE, "results", "host-overhead.json"))
     parser.add_argument("--dry-run", action="store_true")
     args = parser.parse_args(argv)
@@ -125,7 +151,7 @@ def main(argv=None) -> int:
             model_type="llama", vocab_size=512, hidden_size=64, intermediate_size=128,
             num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
         )  # fmt: skip
-        args.shape, args.steps, args.micro_n, args.pinned_gib = "tiny", 5, 200, 0.01
+        args.shape, args.steps, args.micro_n, args.pinned_gib, args.pairs = "tiny", 5, 200, 0.01, 6
     rows = []
 
     def stage(name: str, model=None) -> None:
@@ -158,14 +184,13 @@ def main(argv=None) -> int:
             arena.fill_(1)
         stage("resident, host memory from cudaHostAlloc", model)
         del pinned
-    del model
-    if device == "cuda":
-        torch.cuda.empty_cache()
     streamed = build(args.shape, device, streamed=True)
     stage("streamed, window", streamed)
     import layerstream
 
     rows[-1]["window_layers"] = len(layerstream.get_runtime(streamed).window)
+    rows.append(interleaved(model, streamed, device, args.pairs, args.batch, args.seq))
+    print(json.dumps({k: v for k, v in rows[-1].items() if not k.endswith("step_s")}), flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as handle:
         json.dump({"shape": args.shape, "batch": args.batch, "seq": args.seq, "rows": rows}, handle, indent=1)

@@ -731,7 +731,15 @@ def test_the_host_overhead_benchmark_runs_its_stages_on_the_cpu(tmp_path):
     out = tmp_path / "host.json"
     assert host_overhead.main(["--dry-run", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [r["stage"] for r in rows] == ["fresh", "resident", "streamed, window"]
-    for row in rows:
+    assert [r["stage"] for r in rows] == [
+        "fresh",
+        "resident",
+        "streamed, window",
+        "interleaved, resident then streamed",
+    ]
+    for row in rows[:3]:
         assert row["launch_us"] > 0 and row["empty_us"] > 0 and row["python_ns_per_turn"] > 0
-    assert all(len(r["step_s"]) == 5 and r["median_step_s"] > 0 for r in rows[1:])
+    assert all(len(r["step_s"]) == 5 and r["median_step_s"] > 0 for r in rows[1:3])
+    alternated = rows[3]
+    assert len(alternated["resident_step_s"]) == len(alternated["streamed_step_s"]) == 6
+    assert alternated["streamed_speed_vs_resident"] > 0
