@@ -743,3 +743,19 @@ def test_the_host_overhead_benchmark_runs_its_stages_on_the_cpu(tmp_path):
     alternated = rows[3]
     assert len(alternated["resident_step_s"]) == len(alternated["streamed_step_s"]) == 6
     assert alternated["streamed_speed_vs_resident"] > 0
+
+
+def test_packed_pairs_give_trl_long_wrapped_sequences_of_the_repeated_data(monkeypatch, tmp_path):
+    """--pair-tokens: the timed SFT pair packs sequences of that many tokens from the
+    repeated data (a step bound by the GPU, not the host); without it, the short examples."""
+    import zero_edit
+
+    paths = {"llama3.2-3b": tmp_path / "m", "sft": tmp_path / "sft", "sft-packed": tmp_path / "packed"}
+    plain = zero_edit.command(paths, "sft", "llama3.2-3b", "bf16", tmp_path / "o", 4, True)
+    assert plain[plain.index("--max_length") + 1] == "256" and "--packing" not in plain
+    monkeypatch.setattr(zero_edit, "PAIR_TOKENS", [2048])
+    packed = zero_edit.command(paths, "sft", "llama3.2-3b", "bf16", tmp_path / "o", 4, True)
+    assert packed[packed.index("--max_length") + 1] == "2048"
+    assert packed[packed.index("--dataset_name") + 1] == str(tmp_path / "packed")
+    assert packed[packed.index("--packing") :][:4] == ["--packing", "true", "--packing_strategy", "wrapped"]
+    assert packed[:2] == ["layerstream", "run"], "the launcher form is unchanged"
