@@ -250,6 +250,44 @@ def test_the_chunked_loss_scales_its_gradients_by_the_incoming_one():
     torch.testing.assert_close(chunked.lm_head.weight.grad, 2 * head, **CLOSE)
 
 
+def _node_holds_hidden_sized_tensor(node, numel: int) -> bool:
+    def tensors(value):
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (tuple, list)):
+            for item in value:
+                yield from tensors(item)
+
+    held = [t for value in vars(node).values() for t in tensors(value)]
+    try:
+        held += [t for t in node.saved_tensors if t is not None]
+    except RuntimeError:  # released after its backward: what must happen
+        pass
+    return any(t.numel() == numel for t in held)
+
+
+def test_the_chunked_loss_frees_its_hidden_gradient_once_its_backward_ran():
+    """The gradient of the hidden states, taken in the forward, is tokens x hidden: held
+    until the loss tensor is freed, it would sit in memory through every layer's backward
+    (at 92k tokens of an 8B, 0.7 GiB the memory plan does not count). Autograd releases
+    it after the loss's own backward; backward with retain_graph=True still runs twice
+    (negative control: the probe finds the tensor while the graph is retained)."""
+    head = torch.nn.Linear(32, 96, bias=False)
+    hidden = torch.randn(2, SEQ, 32, requires_grad=True)
+    labels = batch(96, size=2, seq=SEQ)
+    loss = chunked_loss.causal_lm_loss(head, hidden, labels, CHUNK)
+    node = loss.grad_fn
+    while not type(node).__name__.startswith("ChunkedCrossEntropy"):
+        node = node.next_functions[0][0]
+    assert _node_holds_hidden_sized_tensor(node, hidden.numel()), "the probe sees it before backward"
+    loss.backward(retain_graph=True)
+    assert _node_holds_hidden_sized_tensor(node, hidden.numel()), "retained for a second backward"
+    first = hidden.grad.clone()
+    loss.backward()
+    torch.testing.assert_close(hidden.grad, 2 * first, rtol=0, atol=0)
+    assert not _node_holds_hidden_sized_tensor(node, hidden.numel()), "released after the last backward"
+
+
 def test_the_chunked_loss_takes_no_gradient_under_no_grad():
     """Gradients are taken in the forward only when autograd is on: under no_grad the
     loss runs the head's product once (a Function sees inputs that require grad as

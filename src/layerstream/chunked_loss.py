@@ -175,12 +175,15 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             param_grads = span_gradients(hidden, active, head_call.trainables, wanted, run, grad_hidden)
             for part in losses:
                 total = total + part
-        ctx.grads = (grad_hidden, param_grads)
+        # saved, not kept as a ctx attribute: autograd releases saved tensors once this
+        # backward has run, while an attribute would hold the tokens x hidden gradient
+        # through every layer's backward, until the loss tensor itself is freed
+        ctx.save_for_backward(grad_hidden, *param_grads)
         return total / divisor
 
     @staticmethod
     def backward(ctx, grad):
-        grad_hidden, param_grads = ctx.grads
+        grad_hidden, *param_grads = ctx.saved_tensors
         scaled = [None if g is None else g * grad.to(g.dtype) for g in param_grads]
         if grad_hidden is not None:
             grad_hidden = grad_hidden * grad.to(grad_hidden.dtype)
