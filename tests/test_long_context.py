@@ -5,6 +5,7 @@ unchunked model they agree within fp32 rounding, since the sums run in another o
 Negative controls prove each comparison can fail."""
 
 import argparse
+import contextlib
 import copy
 import logging
 from types import MethodType
@@ -286,6 +287,48 @@ def test_the_chunked_loss_frees_its_hidden_gradient_once_its_backward_ran():
     loss.backward()
     torch.testing.assert_close(hidden.grad, 2 * first, rtol=0, atol=0)
     assert not _node_holds_hidden_sized_tensor(node, hidden.numel()), "released after the last backward"
+
+
+def _steps_under_copying_hooks(model, steps=2) -> dict:
+    """Training steps inside a saved-tensor hook that, as TRL's activation_offloading does
+    on its way to the host and back, keeps Parameters and views of them and hands back
+    every other saved tensor as a contiguous copy."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def pack(tensor):
+        if isinstance(tensor, torch.nn.Parameter) or tensor.untyped_storage().data_ptr() in params:
+            return tensor
+        return tensor.clone(memory_format=torch.contiguous_format)
+
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    out = {}
+    for step in range(steps):
+        ids = batch(96, size=2, seq=SEQ, seed=step)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+        out[f"{step}:loss"] = loss.detach()
+        out.update({f"{step}:{n}": p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
+        opt.step()
+        opt.zero_grad()
+    return out
+
+
+def _differing(a: dict, b: dict) -> list:
+    return [k for k in a if not torch.equal(a[k], b[k])]
+
+
+def test_saved_tensor_hooks_around_a_step_keep_chunks_and_tiles_exact(monkeypatch):
+    """TRL's activation_offloading wraps forward and backward in saved-tensor hooks that
+    copy every saved tensor but Parameters. The chunks' and tiles' own short-lived graphs
+    are kept from them: with the head streamed (its weight a device copy, not a
+    Parameter), streamed and resident models still agree bit for bit. Negative control:
+    letting the hooks reach those graphs makes the gradients differ."""
+    streamed, resident = _long_pair(stream_embeddings=True)
+    assert not _differing(_steps_under_copying_hooks(streamed), _steps_under_copying_hooks(resident))
+    monkeypatch.setattr(chunked_loss, "_span_graph", contextlib.nullcontext)
+    streamed, resident = _long_pair(stream_embeddings=True)
+    assert _differing(_steps_under_copying_hooks(streamed), _steps_under_copying_hooks(resident))
 
 
 def test_the_chunked_loss_takes_no_gradient_under_no_grad():

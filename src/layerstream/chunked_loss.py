@@ -93,6 +93,19 @@ def spans(total: int, chunk: int) -> List[tuple]:
     return [(start, min(start + chunk, total)) for start in range(0, total, chunk)]
 
 
+def _kept(tensor):
+    return tensor
+
+
+def _span_graph():
+    """Where a span's graph is built: it lives only until its gradients are taken, so
+    saved-tensor hooks around the step (TRL's activation_offloading, save_on_cpu) are
+    shadowed. They would copy each span's logits or MLP activations to the host and back,
+    and hand back as new tensors operands that a resident model passes as Parameters (a
+    streamed head's weight), which took other kernels: gradients differed by ~1e-8."""
+    return torch.autograd.graph.saved_tensors_hooks(_kept, _kept)
+
+
 def span_gradients(rows, parts, trainables, wanted, run, grad_rows=None) -> List[Optional[torch.Tensor]]:
     """Gradients taken span by span: for each ``(a, b)`` in ``parts``, ``run(leaf, a, b)``
     on a detached leaf of ``rows[a:b]`` returns an output and the gradient flowing into it.
@@ -102,7 +115,7 @@ def span_gradients(rows, parts, trainables, wanted, run, grad_rows=None) -> List
     not wanted). The loss chunks and the MLP tiles both take their gradients here."""
     params = [p for p, need in zip(trainables, wanted) if need]
     sums: List[Optional[torch.Tensor]] = [None] * len(params)
-    with torch.enable_grad():
+    with torch.enable_grad(), _span_graph():
         for a, b in parts:
             leaf = rows[a:b].detach().requires_grad_(grad_rows is not None)
             out, grad_out = run(leaf, a, b)
