@@ -44,9 +44,22 @@ def _use_the_gpu_first() -> None:
     print(f"capped: used the GPU first; {torch.cuda.memory_reserved() / 2**30:.2f} GiB stays reserved", flush=True)
 
 
+def _add_to_every_trainer(callback_class) -> None:
+    """Each Trainer made in this process gets a ``callback_class()`` (the script is unchanged)."""
+    from transformers import Trainer
+
+    original = Trainer.__init__
+
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self.add_callback(callback_class())
+
+    Trainer.__init__ = __init__
+
+
 def _time_trainer_steps(path: str) -> None:
     import torch
-    from transformers import Trainer, TrainerCallback
+    from transformers import TrainerCallback
 
     class StepTimes(TrainerCallback):
         def __init__(self):
@@ -72,13 +85,7 @@ def _time_trainer_steps(path: str) -> None:
                     handle,
                 )
 
-    original = Trainer.__init__
-
-    def __init__(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        self.add_callback(StepTimes())
-
-    Trainer.__init__ = __init__
+    _add_to_every_trainer(StepTimes)
 
 
 def _profile_trainer_steps(folder: str, first: int = 8, count: int = 8) -> None:
@@ -92,7 +99,7 @@ def _profile_trainer_steps(folder: str, first: int = 8, count: int = 8) -> None:
 
     import torch
     from torch.profiler import ProfilerActivity, profile
-    from transformers import Trainer, TrainerCallback
+    from transformers import TrainerCallback
 
     os.makedirs(folder, exist_ok=True)
 
@@ -129,13 +136,7 @@ def _profile_trainer_steps(folder: str, first: int = 8, count: int = 8) -> None:
                     handle.write(averages.table(sort_by="self_device_time_total", row_limit=30))
                 self.torch_prof = None
 
-    original = Trainer.__init__
-
-    def __init__(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        self.add_callback(StepProfile())
-
-    Trainer.__init__ = __init__
+    _add_to_every_trainer(StepProfile)
 
 
 def prepare(cap: str, used_first: bool, times, profile_dir=None) -> None:

@@ -90,12 +90,12 @@ def write_inputs(work: Path, shapes) -> dict:
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "train.jsonl").write_text("".join(json.dumps(make(r)) + "\n" for r in rows))
         paths[name] = folder
-    # --pair-tokens: the SFT rows repeated, so that packed sequences of a few thousand
-    # tokens fill the timed steps (the embedded set holds about 17k tokens)
-    folder = work / "data-sft-packed"
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "train.jsonl").write_text((paths["sft"] / "train.jsonl").read_text() * PACKED_REPEATS)
-    paths["sft-packed"] = folder
+    if PAIR_TOKENS:  # the SFT rows repeated, so that packed sequences of a few thousand
+        # tokens fill the timed steps (the embedded set holds about 17k tokens)
+        folder = work / "data-sft-packed"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "train.jsonl").write_text((paths["sft"] / "train.jsonl").read_text() * PACKED_REPEATS)
+        paths["sft-packed"] = folder
     return paths
 
 
