@@ -209,3 +209,88 @@ def test_releasing_a_slot_when_its_call_returns_is_too_early_for_backward(monkey
     monkeypatch.setattr(layer_mod, "call_unstreamed", release_at_return)
     with pytest.raises(AssertionError):
         assert_traces_equal(train_steps(streamed, 3, "cuda", seq=4), train_steps(resident, 3, "cuda", seq=4))
+
+
+# -- offloaded activations: copies back race the recompute that reads them -----------------
+
+
+def _offload_race_pair(monkeypatch, delay_copies=True, attn="eager", **model):
+    from layerstream import offload
+
+    shape = dict(hidden_size=256, intermediate_size=1024, head_dim=64) | model
+    streamed, resident = peft_pair("llama", layers=8, dtype=torch.bfloat16, attn=attn, **shape)
+    stream(streamed, "cuda", slots=2, prefetch=1, offload_activations=True)
+    resident.to("cuda")
+    offloader = layerstream.get_runtime(streamed).offloader
+    if delay_copies:
+        fetch = offload.ActivationOffloader._fetch
+
+        def delayed(self, saved):
+            if saved.device_copy is None:
+                self.stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(self.stream):
+                    torch.cuda._sleep(SLOW_READER_CYCLES)
+            return fetch(self, saved)
+
+        monkeypatch.setattr(offloader, "_fetch", delayed.__get__(offloader))
+    return streamed, resident, offloader
+
+
+def test_offloaded_inputs_copied_back_late_stay_exact(monkeypatch):
+    """Each copy back lands ~20 ms after it is issued and every backward runs late, so the
+    host frees and re-allocates copies far ahead of the GPU: only the stream ordering keeps
+    the recompute reading its own input."""
+    streamed, resident, offloader = _offload_race_pair(monkeypatch)
+    _delay_compute(monkeypatch, backward_too=True)
+    assert_traces_equal(train_steps(streamed, 3, "cuda", seq=16), train_steps(resident, 3, "cuda", seq=16))
+    assert offloader.restored > 0
+
+
+def test_reading_an_offloaded_input_before_its_copy_back_is_caught(monkeypatch):
+    """Negative control: without the wait for the copy back, the late copies are read
+    before they land and the gradients differ."""
+    streamed, resident, offloader = _offload_race_pair(monkeypatch)
+    fetch = offloader._fetch
+
+    def unguarded(saved):
+        fetch(saved)
+        saved.ready = None  # the unpack then does not wait
+
+    monkeypatch.setattr(offloader, "_fetch", unguarded)
+    with pytest.raises(AssertionError):
+        assert_traces_equal(train_steps(streamed, 3, "cuda", seq=16), train_steps(resident, 3, "cuda", seq=16))
+
+
+def _backward_peak_reserved(streamed):
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    train_steps(streamed, 2, "cuda", seq=8192, batch_size=1)
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_reserved()
+
+
+def test_a_used_copy_back_returns_its_memory_without_waiting_for_the_copy_stream(monkeypatch):
+    """A copy back's memory is reusable on the compute stream once the recompute that read
+    it is done. Tying it to the copy stream as well (record_stream, the negative control)
+    keeps it reserved while that stream runs behind the host: a larger peak."""
+    from layerstream import offload
+
+    model = dict(hidden_size=1024, intermediate_size=2048, head_dim=128, num_attention_heads=8, num_key_value_heads=8)
+    streamed, _, offloader = _offload_race_pair(monkeypatch, delay_copies=False, attn="sdpa", **model)
+    _delay_compute(monkeypatch, backward_too=True)
+    _backward_peak_reserved(streamed)  # warm: the arena and the optimizer's state
+    freed_at_once = _backward_peak_reserved(streamed)
+
+    fetch = offload.ActivationOffloader._fetch
+
+    def tied_to_copy_stream(self, saved):
+        fresh = saved.device_copy is None
+        fetch(self, saved)
+        if fresh:
+            saved.device_copy.record_stream(self.stream)
+
+    monkeypatch.setattr(offloader, "_fetch", tied_to_copy_stream.__get__(offloader))
+    deferred = _backward_peak_reserved(streamed)
+    input_bytes = 8192 * 1024 * 2
+    assert deferred >= freed_at_once + input_bytes, (deferred, freed_at_once)

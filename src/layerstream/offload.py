@@ -10,7 +10,12 @@ device memory until the copy is done, ``record_stream``) and autograd keeps the 
 handle instead of the tensor. In backward, the unpack hook of layer i makes the compute
 stream wait for layer i's copy back and issues the copies of the next
 ``OFFLOAD_LOOKAHEAD`` layers in backward order, so they overlap layer i's recompute and
-backward, as the weight copies do. The last ``OFFLOAD_KEPT_LAYERS`` layers' inputs stay
+backward, as the weight copies do. A copy back lands in memory allocated on the compute
+stream, which waits for the copy before any use; so when the copy is freed its block
+returns to the compute stream at once (a ``record_stream`` on the copy stream would keep
+it until that stream passes the next copy, one more input on the device at the peak).
+A copy back that is dropped unused makes the stream it was allocated on wait for it
+first. The last ``OFFLOAD_KEPT_LAYERS`` layers' inputs stay
 on the device: their backward comes right after the loss.
 
 Host side: the bytes go into one large arena (page-locked with ``cudaHostRegister`` on
@@ -84,17 +89,35 @@ class _Arena:
 class _Saved:
     """What autograd keeps for an offloaded input: the host copy and how to bring it back."""
 
-    __slots__ = ("owner", "position", "host", "shape", "dtype", "sum", "device_copy", "ready", "used", "__weakref__")
+    __slots__ = (
+        "owner",
+        "position",
+        "host",
+        "shape",
+        "dtype",
+        "sum",
+        "device_copy",
+        "ready",
+        "home",
+        "used",
+        "__weakref__",
+    )
 
     def __init__(self, owner, position, host, shape, dtype, sum_):
         self.owner, self.position, self.host = owner, position, host
         self.shape, self.dtype, self.sum = shape, dtype, sum_
         self.device_copy: Optional[torch.Tensor] = None
         self.ready = None  # the copy stream's event after the copy back
+        self.home = None  # the stream the copy back's memory was allocated on
         self.used = False  # unpacked by a backward once
 
     def __del__(self):
         self.owner._live -= 1
+        if self.ready is not None and self.home is not None:  # a copy back never unpacked:
+            try:
+                self.home.wait_event(self.ready)  # its memory is reused there only after the copy
+            except RuntimeError:  # CUDA already torn down at interpreter exit: nothing reuses it
+                pass
 
 
 class ActivationOffloader:
@@ -236,13 +259,13 @@ class ActivationOffloader:
             return
         out = torch.empty(saved.shape, dtype=saved.dtype, device=self.device)
         if self.cuda:
-            stream = self.stream
-            stream.wait_stream(torch.cuda.current_stream(self.device))  # the memory's last readers
+            stream, home = self.stream, torch.cuda.current_stream(self.device)
+            stream.wait_stream(home)  # the memory's last readers
             with torch.cuda.stream(stream):
                 out.copy_(saved.host, non_blocking=True)
                 saved.ready = torch.cuda.Event()
                 saved.ready.record(stream)
-            out.record_stream(stream)
+            saved.home = home  # no record_stream: home waits for `ready` before the memory is used or reused
         else:
             out.copy_(saved.host)
         saved.device_copy = out
@@ -271,7 +294,10 @@ class ActivationOffloader:
                 self._fetch(candidate)
         out, saved.device_copy, saved.used = saved.device_copy, None, True
         if saved.ready is not None:
-            torch.cuda.current_stream(self.device).wait_event(saved.ready)
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(saved.ready)
+            if current != saved.home:  # used on another stream than its own: freed only after that use
+                out.record_stream(current)
             saved.ready = None
         self.restored += 1
         if saved.sum is not None:
