@@ -161,7 +161,7 @@ def command(paths, script, shape, quantization, out: Path, steps: int, streamed:
         args[args.index("--max_length") + 1] = str(PAIR_TOKENS[0])
         args[args.index("--dataset_name") + 1] = str(paths["sft-packed"])
         args += ["--packing", "true", "--packing_strategy", "wrapped"]
-    args += EXTRA
+    args += EXTRA + PAIR_EXTRA
     if script == "accelerate-sft":
         accelerate = ["accelerate", "launch", "--num_processes", "1", "--mixed_precision", "bf16"]
         return accelerate + (["-m", "layerstream", "run"] if streamed else []) + args
@@ -170,6 +170,7 @@ def command(paths, script, shape, quantization, out: Path, steps: int, streamed:
 
 PROFILE: list = []  # --profile: the folder each run's step profiles go under
 PAIR_TOKENS: list = []  # --pair-tokens: the pairs' SFT runs pack sequences of this many tokens
+PAIR_EXTRA: list = []  # --full-determinism: arguments both runs of a pair get
 PACKED_REPEATS = 16
 
 
@@ -240,7 +241,17 @@ def main():
         help="pairs only: SFT packs the (repeated) data into sequences of this many tokens (TRL's\n"
         "wrapped packing), so a step is bound by the GPU rather than by host work",
     )
+    parser.add_argument(
+        "--full-determinism",
+        action="store_true",
+        help="pairs only: both runs get the script's own --full_determinism (deterministic kernels,\n"
+        "e.g. attention's backward), so two plain runs, and a plain and a streamed run, can agree bit for bit",
+    )
     args = parser.parse_args()
+    if args.full_determinism:
+        if args.part != "pairs":
+            raise SystemExit("--full-determinism applies to the timed pairs: give --part pairs")
+        PAIR_EXTRA.extend(["--full_determinism", "true"])
     if args.profile:
         PROFILE.append(Path(args.profile))
     if args.pair_tokens:
@@ -275,6 +286,8 @@ def main():
     name = {"all": "zero-edit.json", "capped": "zero-edit-capped.json", "pairs": "zero-edit-pairs.json"}[args.part]
     if args.pair_tokens:
         name = f"zero-edit-pairs-packed-{args.pair_tokens}.json"
+    if args.full_determinism:
+        name = name.replace(".json", "-deterministic.json")
 
     def save(rows, pairs=()):
         (Path(args.out) / name).write_text(
@@ -317,9 +330,12 @@ def compare(case, plains: list, streameds: list) -> dict:
         kind: [t for r in runs for t in r["step_s"][2:]] for kind, runs in (("plain", plains), ("streamed", streameds))
     }
     losses = [r["losses"] for r in plains + streameds]
+    plain_losses = [r["losses"] for r in plains]
     return {
         "case": "-".join(case[:4]),
         "losses_equal": bool(losses[0]) and all(loss == losses[0] for loss in losses),
+        "plain_runs_equal": bool(plain_losses[0]) and all(loss == plain_losses[0] for loss in plain_losses),
+        "max_loss_difference": max((abs(a - b) for run in losses[1:] for a, b in zip(losses[0], run)), default=0.0),
         "speed_vs_plain": statistics.median(ratios) if ratios else None,
         "speed_vs_plain_by_round": per_round,
         "speed_vs_plain_of_medians": statistics.median(pooled["plain"]) / statistics.median(pooled["streamed"])

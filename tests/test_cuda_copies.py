@@ -261,36 +261,59 @@ def test_reading_an_offloaded_input_before_its_copy_back_is_caught(monkeypatch):
         assert_traces_equal(train_steps(streamed, 3, "cuda", seq=16), train_steps(resident, 3, "cuda", seq=16))
 
 
-def _backward_peak_reserved(streamed):
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    train_steps(streamed, 2, "cuda", seq=8192, batch_size=1)
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_reserved()
-
-
-def test_a_used_copy_back_returns_its_memory_without_waiting_for_the_copy_stream(monkeypatch):
-    """A copy back's memory is reusable on the compute stream once the recompute that read
-    it is done. Tying it to the copy stream as well (record_stream, the negative control)
-    keeps it reserved while that stream runs behind the host: a larger peak."""
+def _one_offloaded_input():
     from layerstream import offload
 
-    model = dict(hidden_size=1024, intermediate_size=2048, head_dim=128, num_attention_heads=8, num_key_value_heads=8)
-    streamed, _, offloader = _offload_race_pair(monkeypatch, delay_copies=False, attn="sdpa", **model)
-    _delay_compute(monkeypatch, backward_too=True)
-    _backward_peak_reserved(streamed)  # warm: the arena and the optimizer's state
-    freed_at_once = _backward_peak_reserved(streamed)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # no cached block of the same size elsewhere: reuse is then this block's
+    offloader = offload.ActivationOffloader(torch.device("cuda"), num_layers=4, pin=True, verify=False)
+    hidden = torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16)
+    offloader.start_pass(hidden, store_bytes=0)
+    saved = offloader._pack(hidden)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(offloader.stream):  # the copy back then lands ~20 ms late
+        torch.cuda._sleep(SLOW_READER_CYCLES)
+    return offloader, hidden, saved
 
-    fetch = offload.ActivationOffloader._fetch
 
-    def tied_to_copy_stream(self, saved):
-        fresh = saved.device_copy is None
-        fetch(self, saved)
-        if fresh:
-            saved.device_copy.record_stream(self.stream)
+@pytest.mark.parametrize("tied", [False, True], ids=["own-stream", "negative-control-tied-to-copy-stream"])
+def test_a_copy_backs_memory_is_reusable_once_read_even_while_the_copy_stream_is_behind(monkeypatch, tied):
+    """The compute stream waited for the copy before reading it, so the memory is its own
+    again once the reader frees it. Tied to the copy stream as well (record_stream, the
+    control), the block stays unusable until that stream catches up: one more input held
+    at the peak of every long backward."""
+    offloader, hidden, saved = _one_offloaded_input()
+    if tied:
+        fetch = offloader._fetch
 
-    monkeypatch.setattr(offloader, "_fetch", tied_to_copy_stream.__get__(offloader))
-    deferred = _backward_peak_reserved(streamed)
-    input_bytes = 8192 * 1024 * 2
-    assert deferred >= freed_at_once + input_bytes, (deferred, freed_at_once)
+        def tied_to_copy_stream(saved):
+            fetch(saved)
+            saved.device_copy.record_stream(offloader.stream)
+
+        monkeypatch.setattr(offloader, "_fetch", tied_to_copy_stream)
+    out = offloader._unpack(saved)
+    block = out.data_ptr()
+    del out
+    again = torch.empty_like(hidden)
+    assert (again.data_ptr() == block) is not tied
+    assert torch.equal(offloader._unpack(saved), hidden)  # a second backward (retain_graph) gets it again
+
+
+@pytest.mark.parametrize("waits", [True, False], ids=["waits", "negative-control-without-wait"])
+def test_a_copy_back_dropped_unread_cannot_land_in_reused_memory(monkeypatch, waits):
+    """A copy back issued ahead and then dropped (the graph freed before its backward) frees
+    memory the copy stream is still writing: the stream it belongs to waits for the copy
+    first, or the late copy lands in whatever reused the memory."""
+    from layerstream import offload
+
+    if not waits:
+        monkeypatch.setattr(offload._Saved, "__del__", lambda self: setattr(self.owner, "_live", self.owner._live - 1))
+    offloader, hidden, saved = _one_offloaded_input()
+    offloader._fetch(saved)
+    block = saved.device_copy.data_ptr()
+    del saved
+    reused = torch.empty_like(hidden)
+    assert reused.data_ptr() == block
+    reused.fill_(7)
+    torch.cuda.synchronize()
+    assert torch.equal(reused, torch.full_like(hidden, 7)) is waits
