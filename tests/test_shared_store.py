@@ -241,7 +241,9 @@ def test_two_ranks_share_one_store_and_train_like_one_process(tmp_path):
     args = (2, str(tmp_path / "rendezvous"), str(checkpoint), str(folder), str(out))
     _spawn_ranks(2, args, "two data-parallel processes")
     first, second = (torch.load(f"{out}.{rank}") for rank in range(2))
-    assert first["builder"] and not second["builder"] and first["name"] == second["name"]
+    # the first to arrive builds (usually local rank 0, which the other waits a second for; on
+    # a loaded host rank 1 can still come first, and works the same)
+    assert first["builder"] != second["builder"] and first["name"] == second["name"], "one build, one mapping"
     assert first["shared"] and second["shared"], "each rank's layers lie in the one shared file"
     print("single", single, "two ranks", first["losses"])
     assert torch.allclose(torch.tensor(first["losses"]), torch.tensor(single), rtol=1e-5, atol=1e-6)
@@ -252,14 +254,16 @@ def test_two_ranks_share_one_store_and_train_like_one_process(tmp_path):
 def test_two_nodes_of_two_ranks_build_one_store_per_node_and_train_like_one_process(tmp_path):
     """Multi-node is torchrun's and Accelerate's: four gloo processes stand in for two nodes
     of two ranks, each node with its own shared-memory folder. Each node builds its store
-    once (its local rank 0), its other rank maps it, and the losses are one process's."""
+    once (the first of its ranks to arrive), its other rank maps it, and the losses are one process's."""
     checkpoint, folder = tmp_path / "ckpt", tmp_path / "shm"
     _checkpoint(checkpoint)
     single = data_parallel_losses(_load(checkpoint, "auto"), STEPS, GLOBAL_BATCH)
     out = tmp_path / "result"
     _spawn_ranks(4, (4, str(tmp_path / "rendezvous"), str(checkpoint), str(folder), str(out), 2), "four processes")
     ranks = [torch.load(f"{out}.{rank}") for rank in range(4)]
-    assert [r["builder"] for r in ranks] == [True, False, True, False], "one build per node"
+    assert [ranks[0]["builder"] + ranks[1]["builder"], ranks[2]["builder"] + ranks[3]["builder"]] == [1, 1], (
+        "one build per node"
+    )
     assert ranks[0]["folder"] != ranks[2]["folder"] and ranks[0]["folder"] == ranks[1]["folder"]
     assert all(r["shared"] for r in ranks), "each rank's layers lie in its node's shared file"
     assert all(r["losses"] == ranks[0]["losses"] for r in ranks)
