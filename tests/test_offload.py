@@ -321,3 +321,24 @@ def test_backward_copies_the_first_offloaded_input_back_while_the_last_layer_rec
     train_steps(streamed, 2)
     assert demand == ([] if early else [offloaded_layers(5) - 1] * 2)
     assert layerstream.get_runtime(streamed).stats()["activations_restored"] == 2 * offloaded_layers(5)
+
+
+def test_a_handle_reached_by_its_weak_reference_while_finalised_is_not_copied_back(monkeypatch):
+    """The lookahead reaches handles through weak references, which still resolve while a
+    handle is finalised; a copy back issued then would never be waited for (finalisers run
+    once), so a handle being finalised is never fetched."""
+    streamed, _ = peft_pair("llama", layers=4)
+    stream(streamed, "cpu", offload_activations=True)
+    offloader = layerstream.get_runtime(streamed).offloader
+    fetched_while_finalised = []
+    finalise = offload._Saved.__del__
+
+    def racing_lookahead(saved):  # what another thread's lookahead can do at that moment
+        finalise(saved)
+        offloader._fetch(saved)
+        fetched_while_finalised.append(saved.device_copy is not None)
+
+    monkeypatch.setattr(offload._Saved, "__del__", racing_lookahead)
+    ids = batch(96, seq=8)
+    streamed(input_ids=ids, labels=ids).loss  # the graph and its handles are dropped unused
+    assert fetched_while_finalised == [False] * offloaded_layers(4)

@@ -100,6 +100,7 @@ class _Saved:
         "ready",
         "home",
         "used",
+        "gone",
         "__weakref__",
     )
 
@@ -110,14 +111,16 @@ class _Saved:
         self.ready = None  # the copy stream's event after the copy back
         self.home = None  # the stream the copy back's memory was allocated on
         self.used = False  # unpacked by a backward once
+        self.gone = False  # being finalised: a weak reference may still reach it, never fetch again
 
     def __del__(self):
-        self.owner._live -= 1
+        self.gone = True
         if self.ready is not None and self.home is not None:  # a copy back never unpacked:
             try:
                 self.home.wait_event(self.ready)  # its memory is reused there only after the copy
             except RuntimeError:  # CUDA already torn down at interpreter exit: nothing reuses it
                 pass
+        self.owner._live -= 1
 
 
 class ActivationOffloader:
@@ -255,7 +258,7 @@ class ActivationOffloader:
 
     def _fetch(self, saved: _Saved) -> None:
         """Issue the copy back of one input (on CUDA, on the copy stream)."""
-        if saved.device_copy is not None:
+        if saved.device_copy is not None or saved.gone:  # a finalised handle is not waited for again
             return
         out = torch.empty(saved.shape, dtype=saved.dtype, device=self.device)
         if self.cuda:
