@@ -115,7 +115,7 @@ class _Saved:
 
     def __del__(self):
         self.gone = True
-        if self.ready is not None and self.home is not None:  # a copy back never unpacked:
+        if self.ready is not None:  # a copy back never unpacked (its home is set with it):
             try:
                 self.home.wait_event(self.ready)  # its memory is reused there only after the copy
             except RuntimeError:  # CUDA already torn down at interpreter exit: nothing reuses it
@@ -264,11 +264,11 @@ class ActivationOffloader:
         if self.cuda:
             stream, home = self.stream, torch.cuda.current_stream(self.device)
             stream.wait_stream(home)  # the memory's last readers
+            saved.home = home  # no record_stream: home waits for `ready` before the memory is used or reused
             with torch.cuda.stream(stream):
                 out.copy_(saved.host, non_blocking=True)
                 saved.ready = torch.cuda.Event()
                 saved.ready.record(stream)
-            saved.home = home  # no record_stream: home waits for `ready` before the memory is used or reused
         else:
             out.copy_(saved.host)
         saved.device_copy = out
