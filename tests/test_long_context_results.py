@@ -1,0 +1,77 @@
+"""The committed long-context results: each row is the run its result file recorded, the
+table in docs/performance.md is those rows, and the plot draws them (no GPU)."""
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+ROWS = json.loads((RESULTS / "long-context.json").read_text())
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import plot_long_context  # noqa: E402
+
+KEYS = {"model", "quantization", "vram_gib", "max_tokens", "step_s", "tokens_per_s", "baseline_step_s"}
+
+
+def _label(row: dict) -> str:
+    return f"{plot_long_context.size_of(row)}, {row['vram_gib']:g} GiB"
+
+
+@pytest.mark.parametrize("row", ROWS, ids=_label)
+def test_each_row_is_the_run_its_result_file_recorded(row):
+    assert KEYS <= set(row)
+    assert row["tokens_per_s"] == pytest.approx(row["max_tokens"] / row["step_s"])
+    recorded = json.loads((RESULTS / row["result_file"]).read_text())
+    same = [
+        r
+        for r in recorded
+        if r["vram_gib"] == row["vram_gib"] and r.get("tokens", r.get("max_tokens")) == row["max_tokens"]
+    ]
+    assert same and same[0]["step_s"] == row["step_s"]
+    assert same[0].get("baseline_step_s") in (row["baseline_step_s"], None)
+
+
+def _docs_table() -> dict:
+    page = (ROOT / "docs" / "performance.md").read_text()
+    section = page.split("## Long sequences on a small GPU", 1)[1].split("\n## ", 1)[0]
+    cells = [
+        [c.strip() for c in line.strip("|").split("|")]
+        for line in section.splitlines()
+        if re.match(r"\| (8|70)B, ", line)
+    ]
+    return {c[0]: c for c in cells}
+
+
+def test_the_docs_table_is_the_committed_rows():
+    table = _docs_table()
+    assert set(table) == {_label(row) for row in ROWS}
+    for row in ROWS:
+        _, tokens, _, step, baseline, ratio = table[_label(row)]
+        assert int(tokens.replace(",", "")) == row["max_tokens"]
+        assert step == f"{row['step_s']:.2f}"
+        if row["baseline_step_s"] is None:
+            assert baseline == "none fits" and ratio == ""
+        else:
+            assert baseline == f"{row['baseline_step_s']:.2f}"
+            assert ratio == f"{row['baseline_step_s'] / row['step_s']:.3f}"
+
+
+def test_the_plot_draws_every_row_with_its_speed_against_the_baseline(tmp_path):
+    points = plot_long_context.measured_points(ROWS)
+    assert sum(len(p) for p in points.values()) == len(ROWS)
+    for row in ROWS:
+        (point,) = [p for p in points[plot_long_context.size_of(row)] if p[0] == row["vram_gib"]]
+        base = row["baseline_step_s"]
+        assert point[1] == row["max_tokens"]
+        assert point[2] == (pytest.approx(base / row["step_s"]) if base else None)
+    picture = tmp_path / "long-context.png"
+    assert plot_long_context.main(["--out", str(picture)]) == 0
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    empty = tmp_path / "empty.json"
+    empty.write_text("[]")
+    assert plot_long_context.main(["--results", str(empty), "--out", str(tmp_path / "never.png")]) == 1
+    assert not (tmp_path / "never.png").exists()
