@@ -13,7 +13,7 @@ import torch
 
 import layerstream
 from layerstream import offload
-from layerstream.config import OFFLOAD_KEPT_LAYERS, StreamConfig, offloaded_layers, parse_setting
+from layerstream.config import OFFLOAD_AUTO_MARGIN, OFFLOAD_KEPT_LAYERS, StreamConfig, offloaded_layers, parse_setting
 from layerstream.errors import ActivationChecksumError, HostMemoryError, StreamConfigError
 
 from tiny import assert_traces_equal, batch, peft_pair, stream, train_steps
@@ -165,13 +165,18 @@ def _needed(model, seq, offload_on):
     return layerstream.get_runtime(model).memory_plan(2, seq, offload=offload_on).needed_bytes
 
 
-def test_auto_offloads_only_when_the_plan_does_not_fit_without_it(caplog):
+def test_auto_offloads_when_the_plan_without_it_leaves_less_than_the_margin(caplog):
+    """On where the plan does not fit, and also where it fits with less than the margin to
+    spare (the plan can be under the real peak at long sequences); off beyond the margin."""
     probe, _ = peft_pair("llama", layers=6)
     stream(probe, "cpu")
     seq = 12
     without, with_offload = _needed(probe, seq, False), _needed(probe, seq, True)
     assert with_offload < without
-    for budget, expected in (((without + with_offload) // 2, True), (without + (1 << 30), False)):
+    just_fits = int(without / (1 - OFFLOAD_AUTO_MARGIN)) - 1
+    beyond_margin = int(without / (1 - OFFLOAD_AUTO_MARGIN)) + 1
+    cases = (((without + with_offload) // 2, True), (without + 1, True), (just_fits, True), (beyond_margin, False))
+    for budget, expected in cases:
         streamed, resident = peft_pair("llama", layers=6)
         stream(streamed, "cpu", offload_activations="auto", vram_budget=budget)
         with caplog.at_level("WARNING", logger="layerstream"):

@@ -1,8 +1,8 @@
 """offload_activations at the runtime level: when a pass offloads its checkpointed inputs.
 
 A mixin of ``StreamRuntime``. The copies themselves are ``offload.ActivationOffloader``'s;
-this decides, per step shape, whether to use it ("auto": when the memory plan says the
-step does not fit the VRAM budget without it).
+this decides, per step shape, whether to use it ("auto": when the memory plan without
+it leaves less than ``OFFLOAD_AUTO_MARGIN`` of the VRAM budget free).
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
+from .config import OFFLOAD_AUTO_MARGIN
 from .offload import ActivationOffloader
 from .units import gib
 
@@ -51,13 +52,17 @@ class OffloadPolicy:
         except ValueError as exc:
             logger.warning("layerstream: offload_activations='auto' stays off: the step cannot be planned (%s)", exc)
             return False
-        if not plan.fits:
+        usable = int(budget * (1 - OFFLOAD_AUTO_MARGIN))
+        if plan.needed_bytes > usable:
             logger.warning(
                 "layerstream: offload_activations='auto' is on for batch %d x %d tokens: the plan needs %s "
-                "with the reserve and the budget is %s, so each layer's checkpointed input goes to host memory",
+                "with the reserve and the budget is %s (auto keeps %d%% of it in hand), so each layer's "
+                "checkpointed input goes to host memory",
                 batch,
                 seq,
                 gib(plan.needed_bytes),
                 gib(budget),
+                round(100 * OFFLOAD_AUTO_MARGIN),
             )
-        return not plan.fits
+            return True
+        return False
