@@ -187,6 +187,26 @@ def test_auto_offloads_when_the_plan_without_it_leaves_less_than_the_margin(capl
         caplog.clear()
 
 
+def test_auto_wanted_only_for_the_margin_stays_off_when_the_host_cannot_hold_it(monkeypatch, caplog):
+    """Where the plan fits without offloading and only the margin made "auto" want it, a
+    host that cannot hold the inputs does not stop the step: it runs without offloading,
+    exactly, and says so. Where the plan does not fit, the host's refusal stands."""
+    probe, _ = peft_pair("llama", layers=6)
+    stream(probe, "cpu")
+    without, with_offload = _needed(probe, 12, False), _needed(probe, 12, True)
+    monkeypatch.setattr(offload, "host_memory", lambda: (1000, 64 << 30))
+    streamed, resident = peft_pair("llama", layers=6)
+    stream(streamed, "cpu", offload_activations="auto", vram_budget=int(without / (1 - OFFLOAD_AUTO_MARGIN)) - 1)
+    with caplog.at_level("WARNING", logger="layerstream"):
+        assert_traces_equal(train_steps(streamed, 2, seq=12), train_steps(resident, 2, seq=12))
+    assert layerstream.get_runtime(streamed).stats()["activations_offloaded"] == 0
+    assert caplog.text.count("turns off again") == 1, "said once per step shape"
+    short, _ = peft_pair("llama", layers=6)
+    stream(short, "cpu", offload_activations="auto", vram_budget=(without + with_offload) // 2)
+    with pytest.raises(HostMemoryError, match="offload_activations needs"):
+        train_steps(short, 1, seq=12)
+
+
 def test_a_budget_that_fits_only_with_offload_is_refused_without_it():
     probe, _ = peft_pair("llama", layers=6)
     stream(probe, "cpu")

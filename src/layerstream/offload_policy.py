@@ -11,10 +11,14 @@ import logging
 from typing import Optional
 
 from .config import OFFLOAD_AUTO_MARGIN
+from .errors import HostMemoryError
 from .offload import ActivationOffloader
 from .units import gib
 
 logger = logging.getLogger("layerstream.runtime")
+
+# "auto" wants offloading for a step shape only for the margin: the plan fits without it
+MARGIN_ONLY = "margin only"
 
 
 class OffloadPolicy:
@@ -34,16 +38,17 @@ class OffloadPolicy:
         self._offload_decided.clear()
 
     def _offload_wanted(self, batch: int, seq: int) -> bool:
-        """offload_activations as set; "auto": on when the plan of this step shape does
-        not fit the VRAM budget without it (decided once per shape)."""
+        """offload_activations as set; "auto": on when the plan of this step shape without
+        it leaves less than the margin free (decided once per shape)."""
         if self.config.offload_activations != "auto":
             return bool(self.config.offload_activations)
         decided = self._offload_decided.get((batch, seq))
         if decided is None:
             decided = self._offload_decided[(batch, seq)] = self._offload_needed(batch, seq)
-        return decided
+        return bool(decided)
 
-    def _offload_needed(self, batch: int, seq: int) -> bool:
+    def _offload_needed(self, batch: int, seq: int):
+        """False, True (the plan does not fit without offloading) or MARGIN_ONLY."""
         budget = self.config.budget_bytes()
         if budget is None:
             return False
@@ -53,16 +58,35 @@ class OffloadPolicy:
             logger.warning("layerstream: offload_activations='auto' stays off: the step cannot be planned (%s)", exc)
             return False
         usable = int(budget * (1 - OFFLOAD_AUTO_MARGIN))
-        if plan.needed_bytes > usable:
+        if plan.needed_bytes <= usable:
+            return False
+        logger.warning(
+            "layerstream: offload_activations='auto' is on for batch %d x %d tokens: the plan needs %s "
+            "with the reserve and the budget is %s (auto keeps %d%% of it in hand), so each layer's "
+            "checkpointed input goes to host memory",
+            batch,
+            seq,
+            gib(plan.needed_bytes),
+            gib(budget),
+            round(100 * OFFLOAD_AUTO_MARGIN),
+        )
+        return MARGIN_ONLY if plan.fits else True
+
+    def _start_offloading(self, hidden) -> bool:
+        """Make room in host memory for this pass's checkpointed inputs. When "auto" wants
+        them offloaded only for the margin and the host cannot hold them, the step runs
+        without offloading (said once per shape); otherwise the host's refusal stands."""
+        try:
+            self.offloader.start_pass(hidden, self.store.host_bytes)
+        except HostMemoryError as exc:
+            if self._offload_decided.get(self.last_shape) != MARGIN_ONLY:
+                raise
+            self._offload_decided[self.last_shape] = False
             logger.warning(
-                "layerstream: offload_activations='auto' is on for batch %d x %d tokens: the plan needs %s "
-                "with the reserve and the budget is %s (auto keeps %d%% of it in hand), so each layer's "
-                "checkpointed input goes to host memory",
-                batch,
-                seq,
-                gib(plan.needed_bytes),
-                gib(budget),
-                round(100 * OFFLOAD_AUTO_MARGIN),
+                "layerstream: offload_activations='auto' turns off again for batch %d x %d tokens: the plan "
+                "fits the budget without it, and host memory cannot hold the inputs (%s)",
+                *self.last_shape,
+                exc,
             )
-            return True
-        return False
+            return False
+        return True

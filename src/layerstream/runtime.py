@@ -285,8 +285,7 @@ class StreamRuntime(ResidentWindow, OffloadPolicy):
             return
         self.last_shape = (int(hidden.shape[0]), int(hidden.shape[1]))
         if self.offloader is not None and self._offload_wanted(*self.last_shape):
-            self.offloader.start_pass(hidden, self.store.host_bytes)
-            self.offloading = True
+            self.offloading = self._start_offloading(hidden)
         if isinstance(self.config.vram_budget, int):
             self._check_budget(*self.last_shape)
         if self.meter is not None:
