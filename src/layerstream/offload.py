@@ -150,6 +150,10 @@ class ActivationOffloader:
         """Host bytes one training pass with inputs shaped like ``hidden`` needs."""
         return offloaded_layers(num_layers) * aligned(hidden.numel() * hidden.element_size())
 
+    def idle(self) -> bool:
+        """No pass's inputs are held: the arenas can be released."""
+        return self._live == 0
+
     def start_pass(self, hidden: torch.Tensor, store_bytes: int) -> None:
         """Before layer 0 of a training pass: make room for its inputs, or refuse."""
         need = self.pass_bytes(self.num_layers, hidden)

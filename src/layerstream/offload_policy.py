@@ -7,8 +7,9 @@ it leaves less than ``OFFLOAD_AUTO_MARGIN`` of the VRAM budget free).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from typing import Optional
+from typing import Dict, Optional, Set, Tuple, Union
 
 from .config import OFFLOAD_AUTO_MARGIN
 from .errors import HostMemoryError
@@ -21,8 +22,21 @@ logger = logging.getLogger("layerstream.runtime")
 MARGIN_ONLY = "margin only"
 
 
+@dataclasses.dataclass
+class AutoOffloadMemo:
+    """What offload_activations="auto" has decided and said, per step shape (batch, seq)."""
+
+    decided: Dict[Tuple[int, int], Union[bool, str]] = dataclasses.field(default_factory=dict)
+    needed: Dict[Tuple[int, int], Tuple[int, int]] = dataclasses.field(default_factory=dict)  # plan, budget
+    said_on: Set[Tuple[int, int]] = dataclasses.field(default_factory=set)
+    # the smallest host arena refused for a margin-only shape: larger ones are not tried
+    refused_bytes: Optional[int] = None
+    said_refused: bool = False
+    release_when_idle: bool = False  # an arena kept by a pass under way when a later one was refused
+
+
 class OffloadPolicy:
-    """Expects the runtime's config, records, device and ``memory_plan``."""
+    """Expects the runtime's config, records, device, store, last_shape and ``memory_plan``."""
 
     def _new_offloader(self) -> Optional[ActivationOffloader]:
         if self.config.offload_activations is False:
@@ -35,19 +49,19 @@ class OffloadPolicy:
         if self.offloader is not None:
             self.offloader.release()
         self.offloader = self._new_offloader()
-        self._offload_decided.clear()
+        self._auto_offload = AutoOffloadMemo()
 
     def _offload_wanted(self, batch: int, seq: int) -> bool:
         """offload_activations as set; "auto": on when the plan of this step shape without
         it leaves less than the margin free (decided once per shape)."""
         if self.config.offload_activations != "auto":
             return bool(self.config.offload_activations)
-        decided = self._offload_decided.get((batch, seq))
-        if decided is None:
-            decided = self._offload_decided[(batch, seq)] = self._offload_needed(batch, seq)
-        return bool(decided)
+        memo = self._auto_offload
+        if (batch, seq) not in memo.decided:
+            memo.decided[(batch, seq)] = self._offload_needed(batch, seq)
+        return bool(memo.decided[(batch, seq)])
 
-    def _offload_needed(self, batch: int, seq: int):
+    def _offload_needed(self, batch: int, seq: int) -> Union[bool, str]:
         """False, True (the plan does not fit without offloading) or MARGIN_ONLY."""
         budget = self.config.budget_bytes()
         if budget is None:
@@ -57,36 +71,55 @@ class OffloadPolicy:
         except ValueError as exc:
             logger.warning("layerstream: offload_activations='auto' stays off: the step cannot be planned (%s)", exc)
             return False
-        usable = int(budget * (1 - OFFLOAD_AUTO_MARGIN))
-        if plan.needed_bytes <= usable:
+        if plan.needed_bytes <= int(budget * (1 - OFFLOAD_AUTO_MARGIN)):
             return False
-        logger.warning(
-            "layerstream: offload_activations='auto' is on for batch %d x %d tokens: the plan needs %s "
-            "with the reserve and the budget is %s (auto keeps %d%% of it in hand), so each layer's "
-            "checkpointed input goes to host memory",
-            batch,
-            seq,
-            gib(plan.needed_bytes),
-            gib(budget),
-            round(100 * OFFLOAD_AUTO_MARGIN),
-        )
+        self._auto_offload.needed[(batch, seq)] = (plan.needed_bytes, budget)
         return MARGIN_ONLY if plan.fits else True
 
     def _start_offloading(self, hidden) -> bool:
-        """Make room in host memory for this pass's checkpointed inputs. When "auto" wants
-        them offloaded only for the margin and the host cannot hold them, the step runs
-        without offloading (said once per shape); otherwise the host's refusal stands."""
-        try:
-            self.offloader.start_pass(hidden, self.store.host_bytes)
-        except HostMemoryError as exc:
-            if self._offload_decided.get(self.last_shape) != MARGIN_ONLY:
-                raise
-            self._offload_decided[self.last_shape] = False
-            logger.warning(
-                "layerstream: offload_activations='auto' turns off again for batch %d x %d tokens: the plan "
-                "fits the budget without it, and host memory cannot hold the inputs (%s)",
-                *self.last_shape,
-                exc,
-            )
+        """Whether this training pass offloads its checkpointed inputs; when it does, room is
+        made in host memory first. When "auto" wants them offloaded only for the margin and
+        the host cannot hold them, the pass runs without offloading (said once per run);
+        otherwise the host's refusal stands."""
+        memo, shape = self._auto_offload, self.last_shape
+        if not self._offload_wanted(*shape):
+            if memo.release_when_idle and self.offloader.idle():
+                self.offloader.release()
+                memo.release_when_idle = False
             return False
+        need = ActivationOffloader.pass_bytes(len(self.records), hidden)
+        margin_only = memo.decided.get(shape) == MARGIN_ONLY
+        try:
+            if margin_only and memo.refused_bytes is not None and need >= memo.refused_bytes:
+                raise HostMemoryError("a smaller arena was refused already")
+            self.offloader.start_pass(hidden, self.store.host_bytes)
+        except HostMemoryError:
+            if not margin_only:
+                raise
+            memo.decided[shape] = False
+            memo.release_when_idle |= not self.offloader.idle()
+            memo.refused_bytes = min(need, memo.refused_bytes or need)
+            logger.log(
+                logging.DEBUG if memo.said_refused else logging.WARNING,
+                "layerstream: offload_activations='auto' stays off for batch %d x %d tokens (and for longer "
+                "steps): the plan fits the budget without it, with less than %d%% to spare, and host memory "
+                "cannot hold the %s of checkpointed inputs",
+                *shape,
+                round(100 * OFFLOAD_AUTO_MARGIN),
+                gib(need),
+            )
+            memo.said_refused = True
+            return False
+        if shape in memo.needed and shape not in memo.said_on:
+            memo.said_on.add(shape)
+            needed, budget = memo.needed[shape]
+            logger.warning(
+                "layerstream: offload_activations='auto' is on for batch %d x %d tokens: the plan needs %s "
+                "with the reserve and the budget is %s (auto keeps %d%% of it in hand), so each layer's "
+                "checkpointed input goes to host memory",
+                *shape,
+                gib(needed),
+                gib(budget),
+                round(100 * OFFLOAD_AUTO_MARGIN),
+            )
         return True

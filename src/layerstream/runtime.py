@@ -27,7 +27,7 @@ from .backward_slots import BackwardSlots
 from .config import StreamConfig
 from .errors import StreamingError
 from .meter import CudaMeter, PlannedMeter
-from .offload_policy import OffloadPolicy
+from .offload_policy import AutoOffloadMemo, OffloadPolicy
 from .pool import SlotPool
 from .residency import WINDOW_RESETS, ResidentWindow
 from .schedule import Phase, PrefetchPlanner
@@ -97,7 +97,7 @@ class StreamRuntime(ResidentWindow, OffloadPolicy):
             self._index_modules(record)
         self.offloader = self._new_offloader()
         self.offloading = False  # whether this pass offloads its checkpointed inputs
-        self._offload_decided: Dict[Tuple[int, int], bool] = {}  # offload_activations="auto", per shape
+        self._auto_offload = AutoOffloadMemo()  # offload_activations="auto": decisions per shape
         self.embeddings = None
         if config.stream_embeddings:
             from .embeddings import stream_embeddings
@@ -284,7 +284,7 @@ class StreamRuntime(ResidentWindow, OffloadPolicy):
         if hidden is None or hidden.dim() < 2:
             return
         self.last_shape = (int(hidden.shape[0]), int(hidden.shape[1]))
-        if self.offloader is not None and self._offload_wanted(*self.last_shape):
+        if self.offloader is not None:
             self.offloading = self._start_offloading(hidden)
         if isinstance(self.config.vram_budget, int):
             self._check_budget(*self.last_shape)
