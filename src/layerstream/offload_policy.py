@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Dict, Optional, Set, Tuple, Union
+from typing import Dict, Optional, Tuple, Union
 
 from .config import OFFLOAD_AUTO_MARGIN
 from .errors import HostMemoryError
@@ -27,8 +27,8 @@ class AutoOffloadMemo:
     """What offload_activations="auto" has decided and said, per step shape (batch, seq)."""
 
     decided: Dict[Tuple[int, int], Union[bool, str]] = dataclasses.field(default_factory=dict)
-    needed: Dict[Tuple[int, int], Tuple[int, int]] = dataclasses.field(default_factory=dict)  # plan, budget
-    said_on: Set[Tuple[int, int]] = dataclasses.field(default_factory=set)
+    # (plan, budget) of shapes turned on and not yet said so
+    unsaid: Dict[Tuple[int, int], Tuple[int, int]] = dataclasses.field(default_factory=dict)
     # the smallest host arena refused for a margin-only shape: larger ones are not tried
     refused_bytes: Optional[int] = None
     said_refused: bool = False
@@ -73,7 +73,7 @@ class OffloadPolicy:
             return False
         if plan.needed_bytes <= int(budget * (1 - OFFLOAD_AUTO_MARGIN)):
             return False
-        self._auto_offload.needed[(batch, seq)] = (plan.needed_bytes, budget)
+        self._auto_offload.unsaid[(batch, seq)] = (plan.needed_bytes, budget)
         return MARGIN_ONLY if plan.fits else True
 
     def _start_offloading(self, hidden) -> bool:
@@ -89,13 +89,16 @@ class OffloadPolicy:
             return False
         need = ActivationOffloader.pass_bytes(len(self.records), hidden)
         margin_only = memo.decided.get(shape) == MARGIN_ONLY
-        try:
-            if margin_only and memo.refused_bytes is not None and need >= memo.refused_bytes:
-                raise HostMemoryError("a smaller arena was refused already")
-            self.offloader.start_pass(hidden, self.store.host_bytes)
-        except HostMemoryError:
-            if not margin_only:
-                raise
+        # a margin-only shape needing an arena at least as large as one refused is not tried
+        refused = margin_only and memo.refused_bytes is not None and need >= memo.refused_bytes
+        if not refused:
+            try:
+                self.offloader.start_pass(hidden, self.store.host_bytes)
+            except HostMemoryError:
+                if not margin_only:
+                    raise
+                refused = True
+        if refused:
             memo.decided[shape] = False
             memo.release_when_idle |= not self.offloader.idle()
             memo.refused_bytes = min(need, memo.refused_bytes or need)
@@ -110,16 +113,15 @@ class OffloadPolicy:
             )
             memo.said_refused = True
             return False
-        if shape in memo.needed and shape not in memo.said_on:
-            memo.said_on.add(shape)
-            needed, budget = memo.needed[shape]
+        said = memo.unsaid.pop(shape, None)
+        if said is not None:
             logger.warning(
                 "layerstream: offload_activations='auto' is on for batch %d x %d tokens: the plan needs %s "
                 "with the reserve and the budget is %s (auto keeps %d%% of it in hand), so each layer's "
                 "checkpointed input goes to host memory",
                 *shape,
-                gib(needed),
-                gib(budget),
+                gib(said[0]),
+                gib(said[1]),
                 round(100 * OFFLOAD_AUTO_MARGIN),
             )
         return True
