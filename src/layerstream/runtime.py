@@ -19,7 +19,6 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from . import bindings, changes, checksum, passes, report, swap, timeline
 from . import layer as layer_mod
@@ -243,8 +242,8 @@ class StreamRuntime(ResidentWindow, OffloadPolicy):
 
             if self.offloading and self.offloader.offloads(index) and args and isinstance(args[0], torch.Tensor):
                 with self.offloader.saving(args[0]):  # the input checkpointing saves goes to the host
-                    return checkpoint(checkpointed, *args, use_reentrant=False, **kwargs)
-            return checkpoint(checkpointed, *args, use_reentrant=False, **kwargs)
+                    return passes.checkpoint(checkpointed, *args, **kwargs)
+            return passes.checkpoint(checkpointed, *args, **kwargs)
         except BaseException:
             self._pass = None  # an abandoned pass holds nothing another thread must wait for
             raise
