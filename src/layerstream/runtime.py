@@ -308,12 +308,7 @@ class StreamRuntime(ResidentWindow, OffloadPolicy):
         for record in self.records:
             for entry, host in zip(record.entries, record.host_values):
                 if host.requires_grad:
-                    raise StreamingError(
-                        f"{entry.qualified_name} requires grad, but streamed weights are frozen "
-                        "(gradients for them would have nowhere to live). Freeze the base model, "
-                        "e.g. with peft.get_peft_model(model, LoraConfig(...)), before training; "
-                        "trainable tensors created before stream_model stay resident."
-                    )
+                    raise StreamingError(report.trainable_streamed_tensor(entry.qualified_name))
 
     def _check_budget(self, batch: int, seq: int) -> None:
         """Before the first training step of each batch shape, an explicit vram_budget the
