@@ -490,11 +490,6 @@ def test_what_cannot_be_chunked_or_tiled_is_refused_clearly():
         chunked_loss.apply(tiny_model("gemma2", final_logit_softcapping=30.0), CHUNK)
     with pytest.raises(StreamingError, match="Llama-style MLPs.*mixture of experts"):
         tiled_mlp.apply(tiny_model("mixtral"), TILE)
-    streamed, _ = peft_pair(lora={"lora_dropout": 0.1})
-    stream(streamed, "cpu", mlp_tile_tokens=TILE)
-    ids = batch(96, size=2, seq=SEQ)
-    with pytest.raises(StreamingError, match="lora_dropout=0"):
-        streamed(input_ids=ids, labels=ids)
     for bad in (0, -1, True, 2.5, "4k"):
         with pytest.raises(StreamConfigError, match="loss_chunk_tokens must be an integer >= 1"):
             StreamConfig(device="cpu", loss_chunk_tokens=bad)

@@ -20,6 +20,11 @@ The chunks run the same kernels on the same operands whether the model is stream
 resident, so the two agree bit for bit; against the unchunked loss the sum runs in
 another order (close, not equal). A streamed head (``stream_embeddings``) is copied to
 the device once per step, not once per chunk.
+
+Dropout in the head (``lora_dropout`` with LoRA on ``lm_head``) draws each chunk's masks
+once, in the forward, where that chunk's gradients are taken: nothing is recomputed, so
+there is no random state to replay. The masks are drawn chunk by chunk, so they are not
+those of the unchunked head with the same seed.
 """
 
 from __future__ import annotations
@@ -62,17 +67,6 @@ def warn_liger() -> None:
 
 def applied(model: nn.Module) -> bool:
     return unwrap_peft(model).__dict__.get(_TOKENS) is not None
-
-
-def refuse_dropout(module: nn.Module, what: str, setting: str) -> None:
-    """Recomputing in backward would draw other dropout masks than the forward did."""
-    for name, sub in module.named_modules():
-        if isinstance(sub, nn.Dropout) and sub.p > 0 and sub.training:
-            raise StreamingError(
-                f"{setting} recomputes {what} in backward, but {name or what} is a Dropout(p={sub.p}) "
-                "that would draw other masks than the forward did. Set lora_dropout=0 (or the "
-                f"dropout to 0), or leave {setting} unset."
-            )
 
 
 def autocast_state(device_type: str) -> list:
@@ -223,8 +217,6 @@ def causal_lm_loss(
             f"loss_chunk_tokens: {flat.shape[0]} hidden states but {targets.numel()} labels; "
             "give labels of the input's shape."
         )
-    if torch.is_grad_enabled():
-        refuse_dropout(head, "the output head", "loss_chunk_tokens")
     if num_items_in_batch is None:
         divisor = (targets != ignore_index).sum()
     else:

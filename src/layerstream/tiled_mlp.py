@@ -13,6 +13,11 @@ during each call. So the frozen tensors the tiles read are saved with
 bound again around the backward's tiles; nothing keeps a slot's memory past the call.
 Trainable tensors (LoRA) are resident: their gradients are summed over the tiles in order,
 the same code resident or streamed, so the two agree bit for bit.
+
+Dropout (PEFT's ``lora_dropout``): the backward's tiles run with the random state the
+forward's tiles started from (``ForwardRandomState``), so each tile draws the masks its
+forward drew, as ``torch.utils.checkpoint`` does with ``preserve_rng_state``. The masks are
+drawn tile by tile, so they are not those of an untiled MLP with the same seed.
 """
 
 from __future__ import annotations
@@ -22,9 +27,10 @@ from typing import List
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import get_device_states, set_device_states
 
 from . import swap
-from .chunked_loss import autocast_as, autocast_state, refuse_dropout, span_gradients, spans
+from .chunked_loss import autocast_as, autocast_state, span_gradients, spans
 from .config import check_tokens
 from .discovery import find_decoder_layers, layer_name
 from .errors import StreamingError
@@ -60,6 +66,26 @@ def _plain(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return super(TiledMLP, module).forward(x)
 
 
+class ForwardRandomState:
+    """The random state the forward's tiles start from: the CPU's and that of the device
+    the input is on. Backward runs its tiles in the forward's order inside ``replayed``, so
+    each tile draws the dropout masks its forward drew. ``fork_rng`` puts back the state
+    backward found: the recompute takes no numbers from the stream the rest of the step
+    draws from, so a streamed and a resident run consume the same numbers in one order."""
+
+    def __init__(self, x: torch.Tensor):
+        self.device_type = x.device.type
+        self.cpu = torch.get_rng_state()
+        self.devices, self.states = get_device_states(x)
+
+    @contextlib.contextmanager
+    def replayed(self):
+        with torch.random.fork_rng(devices=self.devices, device_type=self.device_type):
+            torch.set_rng_state(self.cpu)
+            set_device_states(self.devices, self.states, device_type=self.device_type)
+            yield
+
+
 class StashInputs(torch.autograd.Function):
     """Identity on the MLP's input that saves it and the frozen weights for the tiles'
     backward, before any tile runs. A non-reentrant checkpoint's recompute stops once it
@@ -87,6 +113,7 @@ class TiledFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, stash, module, tile, specs, frozen_count, *tensors):
         frozen = tensors[:frozen_count]
+        ctx.random = ForwardRandomState(x)
         rows = x.reshape(-1, x.shape[-1])
         out = None
         with torch.no_grad():  # each tile written into the output: no list of tiles beside it
@@ -113,7 +140,7 @@ class TiledFunction(torch.autograd.Function):
         def run(leaf, a, b):
             return _plain(ctx.module, leaf.unsqueeze(0)), grad_rows[a:b].unsqueeze(0)
 
-        with _bound(ctx.specs, frozen), autocast_as(ctx.autocast):
+        with _bound(ctx.specs, frozen), autocast_as(ctx.autocast), ctx.random.replayed():
             parts = spans(rows.shape[0], ctx.tile)
             param_grads = span_gradients(rows, parts, ctx.trainables, wanted, run, grad_x)
         return (
@@ -130,8 +157,6 @@ class TiledMLP:
         tile = self.__dict__[_TILE]
         if args or kwargs or x.dim() < 2 or x.numel() // x.shape[-1] <= tile:
             return super().forward(x, *args, **kwargs)
-        if torch.is_grad_enabled():
-            refuse_dropout(self, "the MLP", "mlp_tile_tokens")
         specs = _frozen(self)
         frozen = [table[name] for table, name in specs]
         trainables = [p for p in self.parameters() if p.requires_grad]
