@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import layerstream
-from layerstream import cli, embedded
+from layerstream import cli, embedded, tiled_mlp
 from layerstream.integrations import launch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -121,6 +121,28 @@ def test_trl_sft_qlora_under_the_launcher_matches_the_plain_run(files, tmp_path,
     assert (
         cli.main(["run", "--slots", "2", "-m", "trl.scripts.sft"] + _common(files, tmp_path / "streamed") + args) == 0
     )
+    plain, got = _losses(tmp_path / "plain"), _losses(tmp_path / "streamed")
+    assert len(plain) == 3 and got == plain
+
+
+def test_trl_sft_with_its_lora_dropout_trains_under_the_tiled_mlp_as_the_plain_run(files, tmp_path, monkeypatch):
+    """TRL's default lora_dropout (0.05) with --mlp-tile-tokens: the tiles' backward replays
+    the forward's masks, and the launcher's run gives the losses of the plain script whose
+    resident model has the same tiles (tiles draw their own masks: not an untiled run's)."""
+    from transformers import PreTrainedModel
+
+    loading = PreTrainedModel.__dict__["from_pretrained"].__func__
+    replays = []
+    replayed = tiled_mlp.ForwardRandomState.replayed
+    monkeypatch.setattr(tiled_mlp.ForwardRandomState, "replayed", lambda self: replays.append(1) or replayed(self))
+    with monkeypatch.context() as plain:
+        tiled = classmethod(lambda cls, *a, **k: tiled_mlp.apply(loading(cls, *a, **k), 16))
+        plain.setattr(PreTrainedModel, "from_pretrained", tiled)
+        _plain_module("trl.scripts.sft", _common(files, tmp_path / "plain"), monkeypatch)
+    plain_replays = len(replays)
+    streamed = ["run", "--slots", "2", "--mlp-tile-tokens", "16", "-m", "trl.scripts.sft"]
+    assert cli.main(streamed + _common(files, tmp_path / "streamed")) == 0
+    assert plain_replays > 0 and len(replays) == 2 * plain_replays, "each run's tiles replayed their masks"
     plain, got = _losses(tmp_path / "plain"), _losses(tmp_path / "streamed")
     assert len(plain) == 3 and got == plain
 
