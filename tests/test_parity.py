@@ -215,12 +215,11 @@ def _forward_pair(streamed, device):
 def test_training_without_checkpointing_is_caught_by_parity(device, monkeypatch):
     """Without recompute, autograd keeps slot views that later loads overwrite: either the
     gradients differ or autograd's version check on the slot buffer raises."""
-    from layerstream import runtime as runtime_mod
 
-    def no_checkpoint(fn, *args, use_reentrant=None, **kwargs):
+    def no_checkpoint(fn, *args, use_reentrant=None, preserve_rng_state=None, **kwargs):
         return fn(*args, **kwargs)
 
-    monkeypatch.setattr(runtime_mod, "checkpoint", no_checkpoint)
+    monkeypatch.setattr(torch.utils.checkpoint, "checkpoint", no_checkpoint)
     streamed, resident = peft_pair("llama", layers=5, attn=_attn(device))
     stream(streamed, device, slots=2, prefetch=1)
     resident.to(device)

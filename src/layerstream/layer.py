@@ -7,7 +7,8 @@ objects; ``StreamedLayer`` is mixed into its class (``swap``) and changes four t
   ``_parameters``/``_buffers`` tables for the duration of the call, and restores the
   host tensors afterwards. With autograd on, the whole call (fetch, bind, compute) runs
   under non-reentrant activation checkpointing, so backward recomputes it and fetches
-  the weights again: no autograd node keeps slot memory past the layer's call.
+  the weights again: no autograd node keeps slot memory past the layer's call. The
+  recompute replays the forward's random state, so dropout draws the forward's masks.
 - ``gradient_checkpointing`` always reads False: the layer checkpoints itself, and
   transformers' own wrapper (on ``__call__`` up to 5.22, on ``forward`` from 5.23) must
   not checkpoint it a second time. Setting it is accepted and ignored.

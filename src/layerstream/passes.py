@@ -66,8 +66,14 @@ def in_backward(runtime) -> None:
 
 
 def checkpoint(function, *args, **kwargs):
-    """``torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)``,
-    and when ``function`` raises, the checkpoint's saved-tensor hooks are popped at once.
+    """``torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False,
+    preserve_rng_state=True, **kwargs)``, and when ``function`` raises, the checkpoint's
+    saved-tensor hooks are popped at once.
+
+    The recompute runs with the random state the forward found (the CPU's, and that of the
+    devices of the tensors in ``args``: a layer's hidden states), so dropout draws the
+    forward's masks; and it takes no numbers from the stream the step draws from, so a
+    streamed run takes the random numbers a resident run takes, in the same order.
 
     Before torch 2.13 a non-reentrant checkpoint whose function raises leaves its generator
     suspended inside the hooks' ``with``: the hooks stay on autograd's process-wide stack
@@ -77,7 +83,7 @@ def checkpoint(function, *args, **kwargs):
     of shape [0] on the CPU). Closing the generator runs its ``with`` exits now.
     """
     try:
-        return torch_checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)
+        return torch_checkpoint.checkpoint(function, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
     except BaseException as exc:
         _close_checkpoints(exc.__traceback__)
         raise
