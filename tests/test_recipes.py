@@ -72,7 +72,7 @@ def test_long_context_recipe_validates_and_claims_no_figure(path, tmp_path):
     stream, lora = config["stream"], config["lora"]
     assert stream["loss_chunk_tokens"] >= 1 and stream["mlp_tile_tokens"] >= 1
     assert stream["vram_budget"] == "24GiB" and config["model"]["quantization"] == "nf4"
-    assert (lora["r"], lora["target_modules"], lora["dropout"]) == (32, "all-linear", 0.0), "dropout is refused"
+    assert (lora["r"], lora["target_modules"], lora["dropout"]) == (32, "all-linear", 0.0), "measured without dropout"
     text = path.read_text()
     assert "Not yet measured" in text and not re.search(r"GiB allocated|tokens/s|s per step", text)
 
