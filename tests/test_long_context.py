@@ -26,6 +26,7 @@ from tiny import (
     nf4_pair,
     peft_pair,
     portable_cpu_nf4,
+    scale_mlp_outputs,
     stream,
     tiny_model,
     train_steps,
@@ -134,18 +135,6 @@ def _tile_calls(model, steps=1) -> dict:
     return calls
 
 
-def _scale_mlp_outputs(model):
-    """A trainable scale on each MLP's output: an op after the MLP that saves its input, as
-    a norm on the MLP's output does (Gemma's post-feedforward norm)."""
-    from layerstream.discovery import find_decoder_layers
-
-    for layer in find_decoder_layers(model)[1]:
-        mlp = layer.mlp
-        mlp.out_scale = torch.nn.Parameter(torch.full((1,), 1.5))
-        mlp.register_forward_hook(lambda module, args, out: out * module.out_scale)
-    return model
-
-
 def test_the_recompute_skips_the_tiled_mlp_whose_output_it_discards():
     """Five layers of four tiles: the forward runs each tile once and the backward once; the
     checkpoint's recompute stops before the MLP (its output is not needed), so the MLP's
@@ -159,11 +148,11 @@ def test_an_op_saving_the_mlp_output_makes_the_recompute_run_the_tiles():
     tiles run again there, and the gradients stay equal to the resident model's."""
     streamed, resident = _long_pair(chunk=None)
     for model in (streamed, resident):
-        _scale_mlp_outputs(model)
+        scale_mlp_outputs(model)
     assert _tile_calls(streamed) == {"no_grad": 2 * 5 * 4, "grad": 5 * 4}
     streamed, resident = _long_pair(chunk=None)
     for model in (streamed, resident):
-        _scale_mlp_outputs(model)
+        scale_mlp_outputs(model)
     got, expected = train_steps(streamed, STEPS, seq=SEQ), train_steps(resident, STEPS, seq=SEQ)
     assert any(".out_scale" in name for name in got.grads[0]), "the scale must be trained"
     assert_traces_equal(got, expected)
@@ -174,7 +163,7 @@ def test_a_recompute_that_skipped_a_needed_mlp_output_is_caught(monkeypatch):
     that skipped the MLP although its output is saved) breaks the parity above."""
     streamed, resident = _long_pair(chunk=None)
     for model in (streamed, resident):
-        _scale_mlp_outputs(model)
+        scale_mlp_outputs(model)
     forward = tiled_mlp.TiledFunction.forward
 
     def skipping(ctx, x, *args):

@@ -16,7 +16,7 @@ from torch import nn
 import layerstream
 from layerstream import chunked_loss, tiled_mlp
 
-from tiny import assert_traces_equal, peft_pair, stream, train_steps
+from tiny import assert_traces_equal, peft_pair, scale_mlp_outputs, stream, train_steps
 
 STEPS = 3
 SEQ = 24  # 2 x 24 tokens: 4 MLP tiles of 13, 10 loss chunks of 5
@@ -26,6 +26,8 @@ ALL_LINEAR_AND_HEAD = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_
 CASES = {
     "tiled-and-chunked": (LONG, DROPOUT),
     "dropout-on-the-chunked-head": (LONG, dict(DROPOUT, target_modules=ALL_LINEAR_AND_HEAD)),
+    "tiled-with-offloaded-inputs": (dict(LONG, offload_activations=True), DROPOUT),
+    "tiles-run-in-the-layer-recompute": (dict(LONG, scale_mlp_outputs=True), DROPOUT),
     "untiled": ({}, DROPOUT),
 }
 
@@ -69,18 +71,26 @@ class MaskSpy:
         return sum(len(masks) for step in self.redrawn for masks in step.values())
 
     def assert_recomputes_replay(self):
-        """Each module that drew masks again in a step's backward drew the forward's, in order."""
+        """Each module that drew masks again in a step's backward drew the forward's, in
+        order, once per recompute (a layer's recompute and its tiles' backward may both run
+        the MLP)."""
         dropped = [m for step in self.drawn for masks in step.values() for m in masks if not m.all()]
         assert dropped, "dropout must have dropped something"
         for step, (drawn, redrawn) in enumerate(zip(self.drawn, self.redrawn)):
             for name, masks in redrawn.items():
                 forward = drawn.get(name, [])
-                same = len(masks) == len(forward) and all(map(torch.equal, masks, forward))
+                replays = len(masks) // max(len(forward), 1)
+                same = len(masks) == replays * len(forward) and all(map(torch.equal, masks, forward * replays))
                 assert same, f"{name} drew other dropout masks in its recompute than in its forward at step {step}"
 
 
 def _pair(settings: dict, lora: dict, device):
+    settings = dict(settings)
+    scaled = settings.pop("scale_mlp_outputs", False)
     streamed, resident = peft_pair(layers=5, lora=lora)
+    if scaled:
+        scale_mlp_outputs(streamed)
+        scale_mlp_outputs(resident)
     stream(streamed, device, slots=2, prefetch=1, **settings)
     resident.to(device)
     if "loss_chunk_tokens" in settings:

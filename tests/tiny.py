@@ -140,6 +140,19 @@ def stream(model, device="cpu", **config):
     return model.to(device)
 
 
+def scale_mlp_outputs(model):
+    """A trainable scale on each MLP's output: an op after the MLP that saves its input, as
+    a norm on the MLP's output does (Gemma's post-feedforward norm), so a checkpoint's
+    recompute runs the MLP again."""
+    from layerstream.discovery import find_decoder_layers
+
+    for layer in find_decoder_layers(model)[1]:
+        mlp = layer.mlp
+        mlp.out_scale = torch.nn.Parameter(torch.full((1,), 1.5))
+        mlp.register_forward_hook(lambda module, args, out: out * module.out_scale)
+    return model
+
+
 def nf4_pair(tmp_path, family="llama", layers=5, dtype=torch.bfloat16, nested=True, device="cpu", **model_overrides):
     """A streamed and a resident QLoRA model loaded from the same files by transformers
     with BitsAndBytesConfig (NF4), each wrapped by PEFT (lora.Linear4bit), same adapters.
