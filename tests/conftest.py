@@ -31,3 +31,12 @@ def _fresh_accelerate_state():
 
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
+
+
+@pytest.fixture(autouse=True)
+def _no_saved_tensor_hooks_left_behind():
+    """Autograd's saved-tensor hook stack is process-wide: a hook a test leaves pushed
+    changes what every later test's forward saves (a later backward fails or differs)."""
+    yield
+    left = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    assert left is None, f"this test left saved-tensor hooks pushed: {left}"

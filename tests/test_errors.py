@@ -228,3 +228,52 @@ def test_a_step_within_the_vram_budget_runs():
     streamed, resident = peft_pair("llama", layers=4)
     stream(streamed, "cpu", slots=2, vram_budget="2GiB")
     assert_traces_equal(train_steps(streamed, 2), train_steps(resident, 2))
+
+
+def _state(model):
+    return {name: tensor.clone() for name, tensor in model.state_dict().items()}
+
+
+def _unchanged(model, before):
+    after = model.state_dict()
+    assert list(after) == list(before) and all(torch.equal(after[k], before[k]) for k in before)
+    assert not layerstream.is_streamed(model)
+
+
+def test_an_encoder_decoder_is_refused_before_anything_changes():
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    model = T5ForConditionalGeneration(T5Config(vocab_size=96, d_model=32, d_kv=8, d_ff=64, num_layers=3, num_heads=4))
+    classes, before = [type(m) for m in model.modules()], _state(model)
+    with pytest.raises(layerstream.StreamingError, match="T5ForConditionalGeneration is an encoder-decoder"):
+        layerstream.stream_model(model, device="cpu")
+    _unchanged(model, before)
+    assert [type(m) for m in model.modules()] == classes
+
+
+def test_prefix_tuning_is_refused_by_name_before_streaming_and_at_the_first_step_after():
+    from peft import PrefixTuningConfig, get_peft_model
+
+    prefix = PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)
+    model = get_peft_model(tiny_model(layers=3), prefix)
+    before = _state(model)
+    with pytest.raises(layerstream.StreamingError, match="PEFT prefix tuning .* Use prompt tuning"):
+        layerstream.stream_model(model, device="cpu")
+    _unchanged(model, before)
+    later = tiny_model(layers=3)
+    layerstream.stream_model(later, device="cpu")
+    later = get_peft_model(later, prefix)
+    ids = torch.randint(3, 90, (1, 6))
+    with pytest.raises(layerstream.StreamingError, match="prefix tuning .* cannot train streamed"):
+        later(input_ids=ids, labels=ids)
+
+
+def test_bias_training_after_streaming_is_refused_naming_the_bias_setting():
+    from peft import LoraConfig, get_peft_model
+
+    model = tiny_model("qwen2", layers=3)
+    layerstream.stream_model(model, device="cpu")
+    model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear", bias="all"))
+    ids = torch.randint(3, 90, (1, 6))
+    with pytest.raises(layerstream.StreamingError, match=r"bias='all' or bias='lora_only'.*Use bias='none'"):
+        model(input_ids=ids, labels=ids)

@@ -16,6 +16,7 @@ LAYERS = [
         "checksum",
         "cudart",
         "discovery",
+        "computed_buffers",
         "timeline",
         "chunked_loss",
         "tiled_mlp",

@@ -266,3 +266,97 @@ def test_nf4_load_on_the_gpu_equals_transformers_4bit_load(tmp_path, nested):
     ids = torch.randint(3, 90, (2, 8), device="cuda")
     with torch.no_grad():
         assert torch.equal(streamed(input_ids=ids).logits, reference(input_ids=ids).logits)
+
+
+# families whose checkpoints lack some buffer values (Gemma's embedding scale, rotary
+# frequencies under other names) beside families that hold all of theirs
+COMPUTED_BUFFER_FAMILIES = [
+    "llama",
+    "gemma",
+    "gemma2",
+    "gemma3_text",
+    "vaultgemma",
+    "phi3",
+    "qwen3",
+    "olmo2",
+    "granite",
+    "smollm3",
+]
+
+
+def _buffers_and_logits(model, ids):
+    with torch.no_grad():
+        logits = model(ids).logits
+    return {name: buffer.clone() for name, buffer in model.named_buffers()}, logits
+
+
+@pytest.mark.parametrize("family", COMPUTED_BUFFER_FAMILIES)
+def test_buffers_no_checkpoint_holds_get_the_values_transformers_gives_them(tmp_path, family):
+    tiny_model(family, layers=3).save_pretrained(tmp_path)
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path)
+    streamed = layerstream.from_pretrained(tmp_path, stream=CPU)
+    ids = torch.randint(3, 90, (2, 8))
+    want, want_logits = _buffers_and_logits(reference, ids)
+    got, got_logits = _buffers_and_logits(streamed, ids)
+    assert list(got) == list(want)
+    for name in want:
+        assert got[name].dtype == want[name].dtype and torch.equal(got[name], want[name]), name
+    assert torch.equal(got_logits, want_logits)
+
+
+def test_a_loader_that_leaves_computed_buffers_unset_is_caught(tmp_path, monkeypatch):
+    tiny_model("gemma2", layers=3).save_pretrained(tmp_path)
+
+    def zeroed(modules, owners):
+        for module in modules:
+            for name in module._non_persistent_buffers_set:
+                module._buffers[name].zero_()
+
+    monkeypatch.setattr(layerstream.loading, "compute_buffers", zeroed)
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path)
+    streamed = layerstream.from_pretrained(tmp_path, stream=CPU)
+    ids = torch.randint(3, 90, (2, 8))
+    want, want_logits = _buffers_and_logits(reference, ids)
+    got, got_logits = _buffers_and_logits(streamed, ids)
+    assert not torch.equal(got["model.embed_tokens.embed_scale"], want["model.embed_tokens.embed_scale"])
+    assert not torch.equal(got_logits, want_logits)
+
+
+def test_computing_buffers_never_writes_a_loaded_tensor():
+    """An ``_init_weights`` that writes weights in place, unguarded, meets stand-ins."""
+    from transformers import PreTrainedModel
+
+    from layerstream.computed_buffers import compute_buffers
+
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(4))
+            self.register_buffer("stats", torch.ones(4))
+            self.register_buffer("scale", torch.zeros(()), persistent=False)
+
+    class Owner(PreTrainedModel):
+        def _init_weights(self, module):
+            module.weight.data.fill_(7.0)
+            module.stats.fill_(7.0)
+            module.scale.fill_(2.0)
+
+    module = Scaled()
+    compute_buffers([module], {id(module): Owner.__new__(Owner)})
+    assert torch.equal(module.weight.data, torch.ones(4)) and torch.equal(module.stats, torch.ones(4))
+    assert module.scale.item() == 2.0 and not hasattr(module.scale, "_is_hf_initialized")
+
+
+def test_from_pretrained_loads_the_checkpoints_own_dtype_by_default(tmp_path):
+    tiny_model("llama", layers=3, dtype=torch.float32).save_pretrained(tmp_path)
+    assert layerstream.from_pretrained(tmp_path, stream=CPU).dtype == torch.float32
+    assert AutoModelForCausalLM.from_pretrained(tmp_path).dtype == torch.float32
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.pop("dtype", None), config.pop("torch_dtype", None)
+    (tmp_path / "config.json").write_text(json.dumps(config))  # no dtype in the config: the weights' own
+    tiny_model("llama", layers=3, dtype=torch.float16).save_pretrained(tmp_path / "half")
+    half = json.loads((tmp_path / "half" / "config.json").read_text())
+    half.pop("dtype", None), half.pop("torch_dtype", None)
+    (tmp_path / "half" / "config.json").write_text(json.dumps(half))
+    assert layerstream.from_pretrained(tmp_path / "half", stream=CPU).dtype == torch.float16
+    assert layerstream.from_pretrained(tmp_path / "half", stream=CPU, dtype=torch.bfloat16).dtype == torch.bfloat16

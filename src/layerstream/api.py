@@ -117,6 +117,7 @@ def stream_model(model: nn.Module, config: Optional[StreamConfig] = None, **over
             "this model is already streamed; call layerstream.unstream_model(model) before "
             "streaming it again with other settings."
         )
+    _refuse_unsupported(model)
     path, layers = find_decoder_layers(model)
     streamed = _streamed_predicate(model, layers)
     devices = _layer_devices(layers, path, streamed)
@@ -167,6 +168,27 @@ def stream_model(model: nn.Module, config: Optional[StreamConfig] = None, **over
             store_bytes / GiB,
         )
     return attach_runtime(model, path, layers, config, records, store)
+
+
+def _refuse_unsupported(model: nn.Module) -> None:
+    """Models whose streamed results are not exact, refused before anything changes: an
+    encoder-decoder (its encoder and cross-attention stay outside the checks), and PEFT
+    prefix tuning (its virtual tokens reach every layer as a KV cache, which a layer
+    checkpointed under autograd cannot read)."""
+    config = getattr(model, "config", None)
+    if getattr(config, "is_encoder_decoder", False):
+        raise StreamingError(
+            f"{type(model).__name__} is an encoder-decoder model; layerstream streams the decoder layers of "
+            "decoder-only causal LMs (AutoModelForCausalLM) and is not exact for encoder-decoders. Train this "
+            "model without layerstream."
+        )
+    for name, peft_config in (getattr(model, "peft_config", None) or {}).items():
+        if str(getattr(peft_config, "peft_type", "")).endswith("PREFIX_TUNING"):
+            raise StreamingError(
+                f"PEFT prefix tuning (adapter {name!r}) feeds its virtual tokens to every layer as a KV cache, "
+                "which a streamed layer, checkpointed under autograd, cannot read. Use prompt tuning "
+                "(PromptTuningConfig) or LoRA with layerstream, or train prefix tuning without it."
+            )
 
 
 def _automatic_slots(config: StreamConfig, largest_layer: int) -> StreamConfig:

@@ -99,7 +99,8 @@ def without_cache(kwargs: dict, warned: bool):
                 "a KV cache holding past tokens reached a streamed layer with autograd on. "
                 "Streamed layers are checkpointed under autograd and cannot read or extend "
                 "a cache there; run generation and cached inference under torch.no_grad() "
-                "(model.generate does)."
+                "(model.generate does). PEFT prefix tuning passes its virtual tokens this way and "
+                "cannot train streamed: use prompt tuning or LoRA."
             )
         kwargs[name] = None
     if "use_cache" in kwargs:

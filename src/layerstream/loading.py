@@ -38,6 +38,7 @@ from .checkpoint import (
     refuse_prequantized,
     validate_checkpoint,
 )
+from .computed_buffers import compute_buffers, initialisers
 from .config import StreamConfig
 from .discovery import find_decoder_layers, layer_name
 from .disk_plan import Tiers, resolve_host_budget, split_tiers
@@ -223,10 +224,14 @@ def _expected_tensors(model: nn.Module, path: str, layers: nn.ModuleList) -> dic
     return expected
 
 
-def _load_module(module: nn.Module, prefix: str, reader: _Reader, recurse: bool = True) -> list[str]:
-    """Materialise a meta module on the host and fill it; returns names not found."""
+def _load_module(module: nn.Module, prefix: str, reader: _Reader, owners, recurse: bool = True) -> list[str]:
+    """Materialise a meta module on the host and fill it, computing the buffers no
+    checkpoint holds (``owners``: from ``computed_buffers.initialisers``); returns names
+    not found."""
     module.to_empty(device="cpu", recurse=recurse)
-    return reader.fill(_module_tensors(module, prefix, recurse))
+    missing = reader.fill(_module_tensors(module, prefix, recurse))
+    compute_buffers(module.modules() if recurse else [module], owners)
+    return missing
 
 
 def _return_freed_memory() -> None:
@@ -240,15 +245,6 @@ def _return_freed_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: nothing to do
         pass
-
-
-def rebuild_computed_buffers(model: nn.Module) -> None:
-    """Buffers that checkpoints do not hold (rotary frequencies) are computed again."""
-    for module in model.modules():
-        if "inv_freq" in module._buffers and hasattr(module, "config"):
-            fresh = type(module)(module.config)
-            for name, buffer in fresh.named_buffers(recurse=False):
-                module._buffers[name] = buffer
 
 
 def _check_host_memory(config, quantization, dtype, stream: StreamConfig, double_quant: bool, tiers=None) -> None:
@@ -323,17 +319,33 @@ def _nf4_layer_bytes(config, dtype, double_quant: bool, count: int):
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-def resolve_dtype(dtype, config=None) -> torch.dtype:
+def resolve_dtype(dtype, config=None, files=None) -> torch.dtype:
     """A ``dtype=`` as transformers takes it: a torch dtype, its name, or "auto" (the
-    checkpoint's own, from its config; float32 when the config names none)."""
+    checkpoint's own: its config's dtype, else, as transformers 5 does, the dtype of the
+    first floating-point tensor in the first weight file; float32 when neither says)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
         found = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        if found is None and files:
+            found = _stored_dtype(sorted(set(files.values()))[0])
         return resolve_dtype(found) if found is not None else torch.float32
     if isinstance(dtype, str) and dtype.replace("torch.", "") in _DTYPES:
         return _DTYPES[dtype.replace("torch.", "")]
     raise LoadingError(f"dtype={dtype!r}: use a torch dtype, one of {sorted(_DTYPES)}, or 'auto'")
+
+
+_STORED = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+
+
+def _stored_dtype(path: Path) -> Optional[torch.dtype]:
+    """The first floating-point dtype a safetensors file holds, from its header."""
+    if path.suffix != ".safetensors":
+        return None
+    for stored in read_header(path).values():
+        if stored.floating:
+            return _STORED.get(stored.dtype)
+    return None
 
 
 def nf4_settings(quantization_config, dtype: torch.dtype):
@@ -401,7 +413,8 @@ def from_pretrained(
         model as transformers would load it with BitsAndBytesConfig: PEFT wraps it with
         ``lora.Linear4bit`` and the Trainer accepts it for adapter training.
     quantization_config: a transformers BitsAndBytesConfig instead (4-bit NF4 only).
-    dtype: a torch dtype, its name or "auto" (the checkpoint's); default bfloat16.
+    dtype: a torch dtype, its name or "auto" (the checkpoint's own, as transformers 5
+        loads by default); default "auto".
         ``torch_dtype`` is the older spelling of the same argument.
     stream: the StreamConfig (default ``StreamConfig()``).
     model_class: the transformers class to build (default: what AutoModelForCausalLM picks).
@@ -423,7 +436,7 @@ def from_pretrained(
 
     if dtype is not None and torch_dtype is not None and dtype != torch_dtype:
         raise LoadingError(f"dtype={dtype!r} and torch_dtype={torch_dtype!r} disagree; give one (dtype)")
-    dtype = dtype if dtype is not None else torch_dtype if torch_dtype is not None else torch.bfloat16
+    dtype = dtype if dtype is not None else torch_dtype if torch_dtype is not None else "auto"
     if quantization not in (None, "none", "nf4"):
         raise LoadingError(f"quantization={quantization!r}: use None or 'nf4'")
     if quantization == "nf4" and quantization_config is not None:
@@ -439,7 +452,7 @@ def from_pretrained(
         raise _transformers_can_load(exc) from None
     if config is None:
         config = AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
-    torch_dtype = resolve_dtype(dtype, config)
+    torch_dtype = resolve_dtype(dtype, config, files)
     quant_config = None
     if quantization == "nf4":
         from transformers import BitsAndBytesConfig
@@ -491,9 +504,9 @@ def from_pretrained(
 
     # the resident part: every module outside the stack
     missing: list[str] = []
+    owners = initialisers(model)
     for prefix, module in _resident_modules(model, layers):
-        missing += _load_module(module, prefix, reader, recurse=False)
-    rebuild_computed_buffers(model)
+        missing += _load_module(module, prefix, reader, owners, recurse=False)
     if tied_head:
         model.tie_weights()
         missing = [m for m in missing if not m.endswith("lm_head.weight")]
@@ -523,7 +536,7 @@ def from_pretrained(
             if cache is not None:
 
                 def quantise(layer=layer, prefix=prefix):
-                    missing.extend(_load_module(layer, prefix, reader))
+                    missing.extend(_load_module(layer, prefix, reader, owners))
                     nf4.quantise_layer(layer, quant_device, torch_dtype, quant_config)
 
                 record, cached = cache.provide(index, prefix[:-1], layer, quantise)
@@ -538,7 +551,7 @@ def from_pretrained(
                 layer.to_empty(device="cpu")
                 record = HostStore.plan_layer(index, layer_name(path, index), layer, lambda t: True)
             else:
-                missing += _load_module(layer, prefix, reader)
+                missing += _load_module(layer, prefix, reader, owners)
                 if quantization == "nf4":
                     nf4.quantise_layer(layer, quant_device, torch_dtype, quant_config)
                 record = HostStore.plan_layer(index, layer_name(path, index), layer, lambda t: True)

@@ -8,14 +8,19 @@ refused with an error that says what to do. A pass is an inference forward (unti
 last layer returns), or a training forward and its backward (until autograd has queued
 the whole backward: ``queue_callback``); the backward's recompute runs on autograd's own
 threads and is part of the pass.
+
+A pass stopped by an exception leaves nothing behind either (``checkpoint``): no
+saved-tensor hooks of the checkpoint it was inside.
 """
 
 from __future__ import annotations
 
+import inspect
 import threading
 from typing import Optional
 
 import torch
+import torch.utils.checkpoint as torch_checkpoint
 
 from .errors import StreamingError
 
@@ -58,3 +63,32 @@ def in_backward(runtime) -> None:
             runtime._pass = None
 
     torch.autograd.Variable._execution_engine.queue_callback(ended)
+
+
+def checkpoint(function, *args, **kwargs):
+    """``torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)``,
+    and when ``function`` raises, the checkpoint's saved-tensor hooks are popped at once.
+
+    Before torch 2.13 a non-reentrant checkpoint whose function raises leaves its generator
+    suspended inside the hooks' ``with``: the hooks stay on autograd's process-wide stack
+    until the traceback that holds the generator is freed (a caught exception kept alive by
+    a retry loop, a logger or a test), and every forward in the process meanwhile saves its
+    tensors into that dead checkpoint (a later model's backward: CheckpointError, metadata
+    of shape [0] on the CPU). Closing the generator runs its ``with`` exits now.
+    """
+    try:
+        return torch_checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)
+    except BaseException as exc:
+        _close_checkpoints(exc.__traceback__)
+        raise
+
+
+def _close_checkpoints(trace) -> None:
+    """Close the suspended generators of torch's checkpoint frames in ``trace``."""
+    while trace is not None:
+        frame = trace.tb_frame
+        if frame.f_code.co_filename == torch_checkpoint.__file__ and frame.f_code.co_name == "checkpoint":
+            for value in list(frame.f_locals.values()):
+                if inspect.isgenerator(value) and value.gi_frame is not None:
+                    value.close()
+        trace = trace.tb_next

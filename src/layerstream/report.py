@@ -217,3 +217,22 @@ def peak_vram_gib(runtime) -> Optional[float]:
     if not runtime.pool.cuda:
         return None
     return round(torch.cuda.max_memory_allocated(runtime.device) / GiB, 3)
+
+
+def trainable_streamed_tensor(name: str) -> str:
+    """Why a streamed tensor that requires grad cannot train, in the words of what made it
+    trainable: PEFT's bias training and modules_to_save act on tensors already streamed
+    when PEFT comes after streaming (``layerstream run``, ``from_pretrained``)."""
+    if name.endswith(".bias"):
+        return (
+            f"{name} requires grad: PEFT's bias='all' or bias='lora_only' trains the base layers' biases, "
+            "but this model's decoder layers were streamed before PEFT was applied, so their biases are "
+            "frozen copies in host memory. Use bias='none' (PEFT's default), or apply get_peft_model before "
+            "layerstream.stream_model (trainable tensors stay on the GPU)."
+        )
+    return (
+        f"{name} requires grad, but streamed weights are frozen (gradients for them would have nowhere "
+        "to live). Freeze the base model, e.g. with peft.get_peft_model(model, LoraConfig(...)), before "
+        "training; a tensor made trainable after streaming (PEFT's modules_to_save or trainable tokens "
+        "inside a decoder layer) must be made trainable before layerstream.stream_model."
+    )

@@ -19,7 +19,6 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from . import bindings, changes, checksum, passes, report, swap, timeline
 from . import layer as layer_mod
@@ -243,8 +242,8 @@ class StreamRuntime(ResidentWindow, OffloadPolicy):
 
             if self.offloading and self.offloader.offloads(index) and args and isinstance(args[0], torch.Tensor):
                 with self.offloader.saving(args[0]):  # the input checkpointing saves goes to the host
-                    return checkpoint(checkpointed, *args, use_reentrant=False, **kwargs)
-            return checkpoint(checkpointed, *args, use_reentrant=False, **kwargs)
+                    return passes.checkpoint(checkpointed, *args, **kwargs)
+            return passes.checkpoint(checkpointed, *args, **kwargs)
         except BaseException:
             self._pass = None  # an abandoned pass holds nothing another thread must wait for
             raise
@@ -309,12 +308,7 @@ class StreamRuntime(ResidentWindow, OffloadPolicy):
         for record in self.records:
             for entry, host in zip(record.entries, record.host_values):
                 if host.requires_grad:
-                    raise StreamingError(
-                        f"{entry.qualified_name} requires grad, but streamed weights are frozen "
-                        "(gradients for them would have nowhere to live). Freeze the base model, "
-                        "e.g. with peft.get_peft_model(model, LoraConfig(...)), before training; "
-                        "trainable tensors created before stream_model stay resident."
-                    )
+                    raise StreamingError(report.trainable_streamed_tensor(entry.qualified_name))
 
     def _check_budget(self, batch: int, seq: int) -> None:
         """Before the first training step of each batch shape, an explicit vram_budget the
