@@ -38,12 +38,12 @@ def transformers_never_loads(monkeypatch):
     monkeypatch.setattr(autoload, "_plain", refuse)
 
 
-def _plain(path, **kwargs):
+def _plain(path, cls=LlamaForCausalLM, **kwargs):
     """The model as transformers alone loads it (the reference)."""
     from transformers import PreTrainedModel
 
     original = autoload._original or PreTrainedModel.__dict__["from_pretrained"]
-    return original.__func__(LlamaForCausalLM, path, **kwargs)
+    return original.__func__(cls, path, **kwargs)
 
 
 def _logits(model):
@@ -119,10 +119,17 @@ def test_a_saved_adapter_loads_on_the_streamed_base(checkpoint, tmp_path, stream
     assert torch.equal(_logits(streamed), _logits(resident))
 
 
-@pytest.mark.parametrize("kind", ["pickle-only", "pre-quantised"])
+@pytest.mark.parametrize("kind", ["pickle-only", "pre-quantised", "per-expert-moe"])
 def test_what_the_loader_cannot_read_loads_through_transformers_on_the_host(checkpoint, tmp_path, kind, caplog):
+    """Including a mixture-of-experts checkpoint as transformers saves it (one tensor per
+    expert), which the loader refuses when called directly."""
+    from transformers import MixtralForCausalLM
+
     other = tmp_path / kind
-    if kind == "pickle-only":
+    cls = MixtralForCausalLM if kind == "per-expert-moe" else LlamaForCausalLM
+    if kind == "per-expert-moe":
+        embedded.write_checkpoint(other, layers=4, hidden_size=64, model_type="mixtral")
+    elif kind == "pickle-only":
         import shutil
 
         other.mkdir()
@@ -138,7 +145,7 @@ def test_what_the_loader_cannot_read_loads_through_transformers_on_the_host(chec
         launch.disable()
     assert layerstream.is_streamed(model) and model.hf_device_map == {"": "cpu"}
     assert "transformers loads it into host memory" in caplog.text
-    reference = _plain(other, device_map="cpu")
+    reference = _plain(other, cls, device_map="cpu")
     if kind == "pre-quantised":
         portable_cpu_nf4(reference)
     assert torch.equal(_logits(model), _logits(reference))

@@ -241,12 +241,14 @@ def refuse_prequantized(directory: Path, files: dict[str, Path]) -> None:
 def missing_tensors_error(directory: Path, missing: list[str]) -> LoadingError:
     """The error for tensors the model needs that the checkpoint lacks."""
     if any(".experts." in name for name in missing):
-        return LoadingError(
+        error = LoadingError(
             f"{directory} stores mixture-of-experts weights in a layout layerstream's loader "
             "does not convert yet (one tensor per expert; transformers fuses them while "
             "loading). Load with AutoModelForCausalLM.from_pretrained(..., device_map='cpu') "
             "and call layerstream.stream_model instead."
         )
+        error.transformers_can_load = True  # so the launcher loads it that way, on the host, and streams it
+        return error
     more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
     return LoadingError(
         f"{len(missing)} tensors were not found in {directory}: {', '.join(missing[:5])}{more}; {MISMATCH_ADVICE}"

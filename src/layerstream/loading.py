@@ -559,8 +559,7 @@ def from_pretrained(
             store.add(record, expected_bytes=record.nbytes * still)
             _return_freed_memory()
         if missing:  # validate_checkpoint refuses these up front; kept in case the two ever disagree
-            error = missing_tensors_error(directory, missing)
-            raise _transformers_can_load(error) if any(".experts." in name for name in missing) else error
+            raise missing_tensors_error(directory, missing)
         if store.disk is not None:
             store.disk.tune_readers()
     if store.segment is not None:

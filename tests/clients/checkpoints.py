@@ -1,0 +1,57 @@
+"""Tiny random checkpoints of the families people fine-tune, written with save_pretrained
+(and the byte tokenizer) to a directory, as a hub download would leave them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from layerstream.embedded import byte_tokenizer
+
+# family -> (model_type, the config values that give it its real shape)
+FAMILIES = {
+    "llama": ("llama", {}),
+    "qwen2": ("qwen2", {}),
+    # Qwen2.5 is Qwen2's class; its small checkpoints tie the head and use a long rope base
+    "qwen2.5": ("qwen2", dict(tie_word_embeddings=True, rope_theta=1_000_000.0, rms_norm_eps=1e-6)),
+    "qwen3": ("qwen3", {}),
+    "qwen3_moe": ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)),
+    "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "mistral": ("mistral", dict(sliding_window=8)),
+    "gemma2": ("gemma2", dict(sliding_window=8)),
+    "gemma3_text": ("gemma3_text", dict(sliding_window=8, sliding_window_pattern=2)),
+    "phi3": ("phi3", {}),
+    "olmo2": ("olmo2", {}),
+    "granite": ("granite", {}),
+    "smollm3": ("smollm3", {}),
+    "gpt_oss": ("gpt_oss", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=8)),
+}
+
+LAYERS = 4  # more than the two slots the streamed runs use
+
+
+def write(family: str, directory: Path, seed: int = 0) -> Path:
+    """A float32 checkpoint of ``family`` with random weights, and its tokenizer."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_type, shape = FAMILIES[family]
+    tokenizer = byte_tokenizer()
+    values = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=256,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    values.update(shape)
+    config = AutoConfig.for_model(model_type, **values)
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return Path(directory)
