@@ -119,6 +119,7 @@ def summary(runtime) -> str:
         f"  vram budget  {_budget_line(runtime)}",
         f"  window       {len(runtime.window)} layer(s) on the GPU for good",
         f"  backward     {runtime.backward.note(runtime.prefetch.backward_slots, pool.cuda)}",
+        f"  long seq     {runtime.long_settings_line()}",
     ]
     if pool.cuda:
         segments = "on" if expandable_segments() else "off"
