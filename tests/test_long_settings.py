@@ -1,22 +1,27 @@
 """loss_chunk_tokens, mlp_tile_tokens and offload_activations left at "auto" (the default):
 which of them a step of a token count needs under a budget (cheapest first, with the
 margin offloading keeps), the runtime that applies the decision once per token count, and
-what it says. Parity tests use non-zero LoRA B and more layers than slots; each has a
+what it says; and what an out-of-memory explanation says of them. Parity tests use non-zero LoRA B and more layers than slots; each has a
 negative control that proves the comparison can fail."""
 
 import argparse
 import logging
+import re
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import HfArgumentParser
 
 import layerstream
 from layerstream import chunked_loss, cli, swap, tiled_mlp, train
 from layerstream.config import OFFLOAD_AUTO_MARGIN, StreamConfig, parse_setting
+from layerstream.disk_plan import size_text
 from layerstream.integrations import trainer as trainer_integration
 from layerstream.plan import advice, load_config, make_plan, plan_for_model
-from layerstream.plan.long_settings import LONG_ORDER, OFF, decide, decide_for, limit_for
+from layerstream.plan.long_settings import LONG_ORDER, OFF, decide, decide_for, limit_for, oom_advice
+from layerstream.plan.longctx import complete
+from layerstream.plan.memory import _build
 from layerstream.units import GiB
 
 from tiny import assert_traces_equal, peft_pair, train_steps
@@ -204,3 +209,52 @@ def test_what_was_turned_on_is_said_once_per_decision(small_tiles, caplog):
     assert (
         summary.count("auto turned on") == 2 and "loss_chunk_tokens=16, mlp_tile_tokens=16 at batch 2 x 48" in summary
     )
+
+
+# -- out of memory -------------------------------------------------------------------------------
+def _step(seq, **settings):
+    """make_plan's arguments of an 8B QLoRA step as it ran: the settings off unless given."""
+    args = dict(config=load_config(LLAMA3_8B), seq=seq, batch=1, vram_bytes=1 << 50, slots=3, **OFF)
+    args.update(quantization="nf4", lora_rank=32, **settings)
+    return complete(args)
+
+
+def _assert_advice_carries_the_plans_numbers(text, args, budget):
+    """Each setting with what it frees at the step's length, and the longest lengths that
+    fit under the budget, as the planner gives them (found here without oom_advice)."""
+    now = _build(**args).needed_bytes
+    for name in LONG_ORDER:
+        lines = [line for line in text.splitlines() if line.startswith((f"turn on StreamConfig({name}=", name))]
+        assert len(lines) == 1, name
+        other = dict(args, **{name: OFF[name] if args[name] else CANDIDATES[name]})
+        frees = abs(_build(**other).needed_bytes - now)
+        assert f"frees {size_text(frees)} at batch 1 x {args['seq']} tokens" in lines[0]
+    longest = [int(n) for n in re.search(r"fits up to (\d+) tokens .* and (\d+) with all three", text).groups()]
+    for n, settings in zip(longest, ({}, CANDIDATES)):
+        at = dict(args, vram_bytes=budget, **settings)
+        assert _build(**dict(at, seq=n)).fits and not _build(**dict(at, seq=n + 1)).fits
+
+
+def test_an_out_of_memory_explanation_names_what_each_setting_frees_and_the_longest_length_that_fits():
+    budget = 12 * GiB
+    off, chunked = _step(32768), _step(32768, loss_chunk_tokens=512)
+    text = "\n".join(oom_advice(off, budget))
+    _assert_advice_carries_the_plans_numbers(text, off, budget)
+    assert text.count("turn on") == 3
+    chunked_text = "\n".join(oom_advice(chunked, budget))
+    _assert_advice_carries_the_plans_numbers(chunked_text, chunked, budget)
+    assert "loss_chunk_tokens=512 is on: it frees" in chunked_text and chunked_text.count("turn on") == 2
+    with pytest.raises(AssertionError):  # negative control: another length's numbers are not these
+        _assert_advice_carries_the_plans_numbers("\n".join(oom_advice(_step(16384), budget)), off, budget)
+
+
+def test_the_runtime_explains_out_of_memory_with_the_long_sequence_settings(small_tiles):
+    streamed, resident = _pair()
+    runtime = _stream(streamed, 2 * GiB, offload_activations=False, loss_chunk_tokens=0, mlp_tile_tokens=0)
+    train_steps(streamed, 1, seq=48)
+    text = str(runtime.explain_oom(torch.OutOfMemoryError("CUDA out of memory."), "in a training step"))
+    for name in LONG_ORDER:
+        assert f"turn on StreamConfig({name}=" in text and "frees" in text
+    frees = _needed(resident, 48) - _needed(resident, 48, loss_chunk_tokens=16)
+    assert f"(--loss-chunk-tokens 16, stream.loss_chunk_tokens: 16): frees {size_text(frees)} at batch 2 x 48" in text
+    assert re.search(r"fits up to \d+ tokens a sequence at batch 2 under 2.00 GiB", text)

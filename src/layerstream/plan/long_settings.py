@@ -183,3 +183,42 @@ def describe(decision: LongDecision, batch: int, seq: int, offloaded: bool = Tru
         + ", ".join(turned)
         + after
     )
+
+
+def _spelled(name: str, value) -> str:
+    """A setting as each surface spells it turned on."""
+    flag = "--" + name.replace("_", "-")
+    text = "true" if value is True else str(value)
+    return f"StreamConfig({name}={value!r}) ({flag} {text}, stream.{name}: {text})"
+
+
+def oom_advice(args: dict, budget: Optional[int]) -> List[str]:
+    """What the long-sequence settings do for a step that ran out of memory: ``args`` are
+    make_plan's arguments of that step, its settings as it ran (no "auto"). Each setting
+    with the memory it frees at this length (or frees already, when on), and the longest
+    sequence the plan fits under ``budget`` (None: not said), as the step ran and with all
+    three on."""
+    from .longctx import max_seq
+
+    def needed(**settings) -> int:
+        return _build(**complete(dict(args, **settings))).needed_bytes
+
+    now = needed()
+    tokens = f"batch {args['batch']} x {args['seq']} tokens"
+    lines = []
+    for name in LONG_ORDER:
+        if args.get(name):
+            frees = needed(**{name: OFF[name]}) - now
+            lines.append(f"{setting_text(name, args[name])} is on: it frees {size_text(frees)} at {tokens}")
+            continue
+        value = option_value(name, args)
+        frees = now - needed(**{name: value})
+        lines.append(f"turn on {_spelled(name, value)}: frees {size_text(frees)} at {tokens}")
+    if budget is not None:
+        every = {name: args.get(name) or option_value(name, args) for name in LONG_ORDER}
+        as_ran, with_all = max_seq(dict(args, vram_bytes=budget)), max_seq(dict(args, vram_bytes=budget, **every))
+        lines.append(
+            f"the memory plan fits up to {as_ran} tokens a sequence at batch {args['batch']} under "
+            f"{size_text(budget)} with the settings this step ran with, and {with_all} with all three on"
+        )
+    return lines
