@@ -258,3 +258,18 @@ def test_the_runtime_explains_out_of_memory_with_the_long_sequence_settings(smal
     frees = _needed(resident, 48) - _needed(resident, 48, loss_chunk_tokens=16)
     assert f"(--loss-chunk-tokens 16, stream.loss_chunk_tokens: 16): frees {size_text(frees)} at batch 2 x 48" in text
     assert re.search(r"fits up to \d+ tokens a sequence at batch 2 under 2.00 GiB", text)
+
+
+def test_the_plan_command_says_what_a_runs_defaults_turn_on_at_this_length(capsys):
+    argv = ["plan", "--model", str(LLAMA3_8B), "--vram", "16GiB", "--quantization", "nf4", "--lora-rank", "32"]
+    for seq in (2048, 32768):
+        cli.main(argv + ["--slots", "3", "--seq", str(seq)])
+        (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("auto (a run's default)")]
+        args = dict(config=load_config(LLAMA3_8B), seq=seq, batch=1, vram_bytes=16 * GiB, slots=3, **AUTO)
+        decision = decide_for(dict(args, quantization="nf4", lora_rank=32), 16 * GiB)
+        if seq == 2048:
+            assert decision.names == () and "none of the long-sequence settings" in line
+        else:
+            assert decision.names == LONG_ORDER
+            assert "turns on loss_chunk_tokens=512, mlp_tile_tokens=4096, offload_activations" in line
+            assert f"{size_text(decision.needed_without)} without them, {size_text(decision.needed)} with them" in line

@@ -185,6 +185,19 @@ def describe(decision: LongDecision, batch: int, seq: int, offloaded: bool = Tru
     )
 
 
+def plan_line(decision: LongDecision, batch: int, seq: int) -> str:
+    """`layerstream plan`'s line: what a run's defaults ("auto") turn on at this length."""
+    pct = 100 - round(100 * OFFLOAD_AUTO_MARGIN)
+    head = f"auto (a run's default) at batch {batch} x {seq} tokens"
+    if not decision.on:
+        return f"{head}: none of the long-sequence settings (the plan needs at most {pct}% of the budget without them)"
+    turned = ", ".join(setting_text(name, value) for name, value in decision.on)
+    return (
+        f"{head} turns on {turned}: the plan needs {size_text(decision.needed_without)} without them, "
+        f"{size_text(decision.needed)} with them, against {size_text(decision.limit)} ({pct}% of the budget)"
+    )
+
+
 def _spelled(name: str, value) -> str:
     """A setting as each surface spells it turned on."""
     flag = "--" + name.replace("_", "-")
