@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from .memory import MemoryPlan, make_plan
@@ -46,31 +44,7 @@ def model_plan_args(model, seq: int, batch: int, vram_bytes: int = 1 << 50, **se
     )
 
 
-def plan_for_model(
-    model,
-    seq: int,
-    batch: int,
-    slots: Optional[int] = None,
-    vram_bytes: int = 1 << 50,
-    stream_embeddings: bool = False,
-    backward_slots: Optional[int] = 0,
-    offload_activations: bool = False,
-    loss_chunk_tokens: Optional[int] = None,
-    mlp_tile_tokens: Optional[int] = None,
-) -> MemoryPlan:
-    """The plan of a live model (``model_plan_args``); ``stream_embeddings``, the chunked loss
-    and the tiled MLP as the model streams (or would)."""
-    return make_plan(
-        **model_plan_args(
-            model,
-            seq,
-            batch,
-            vram_bytes,
-            slots=slots,
-            stream_embeddings=stream_embeddings,
-            backward_slots=backward_slots,
-            offload_activations=offload_activations,
-            loss_chunk_tokens=loss_chunk_tokens,
-            mlp_tile_tokens=mlp_tile_tokens,
-        )
-    )
+def plan_for_model(model, seq: int, batch: int, vram_bytes: int = 1 << 50, **settings) -> MemoryPlan:
+    """The plan of a live model (``model_plan_args``); ``settings`` are make_plan's others
+    (slots, stream_embeddings, the chunked loss and tiled MLP as the model streams or would)."""
+    return make_plan(**model_plan_args(model, seq, batch, vram_bytes, **settings))
