@@ -479,11 +479,11 @@ def test_what_cannot_be_chunked_or_tiled_is_refused_clearly():
         chunked_loss.apply(tiny_model("gemma2", final_logit_softcapping=30.0), CHUNK)
     with pytest.raises(StreamingError, match="Llama-style MLPs.*mixture of experts"):
         tiled_mlp.apply(tiny_model("mixtral"), TILE)
-    for bad in (0, -1, True, 2.5, "4k"):
+    for bad in (-1, True, 2.5, "4k"):
         with pytest.raises(StreamConfigError, match="loss_chunk_tokens must be an integer >= 1"):
             StreamConfig(device="cpu", loss_chunk_tokens=bad)
     with pytest.raises(StreamConfigError, match="mlp_tile_tokens must be an integer >= 1"):
-        StreamConfig(device="cpu", mlp_tile_tokens=0)
+        StreamConfig(device="cpu", mlp_tile_tokens=-3)
 
 
 def test_unstream_takes_the_chunking_off():
@@ -514,4 +514,4 @@ def test_every_surface_offers_the_settings():
     parser = argparse.ArgumentParser()
     cli.add_setting_flags(parser)
     namespace = parser.parse_args(["--loss-chunk-tokens", "32"])
-    assert namespace.loss_chunk_tokens == "32" and namespace.mlp_tile_tokens is None
+    assert namespace.loss_chunk_tokens == "32" and namespace.mlp_tile_tokens == "auto"

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from layerstream import plan
-from layerstream.train import load
+from layerstream.plan.long_settings import LONG_ORDER
+from layerstream.train import load, stream_config
 
 ROOT = Path(__file__).resolve().parents[1]
 ALL_RECIPES = sorted(p for p in (ROOT / "configs").glob("*.yaml") if p.name != "default.yaml")
@@ -66,11 +67,36 @@ def test_recipe_validates_and_states_planned_and_measured_figures(path, tmp_path
     )
 
 
+def _long_settings_in_effect(config) -> dict:
+    """The long-sequence settings a recipe's steps of max_length run with: as given, or
+    what "auto" decides for that length under its budget."""
+    stream, training = stream_config(config), config["training"]
+    args = dict(
+        config=plan.load_config(config["model"]["config"]),
+        seq=training["max_length"],
+        batch=training["per_device_train_batch_size"],
+        vram_bytes=stream.vram_budget,
+        quantization=config["model"]["quantization"],
+        dtype=config["model"]["dtype"],
+        lora_rank=config["lora"]["r"],
+        slots=stream.slots,
+        **{name: getattr(stream, name) for name in LONG_ORDER},
+    )
+    given = {name: args[name] for name in LONG_ORDER if args[name] not in (None, False, "auto")}
+    return {**given, **dict(plan.decide_for(args, stream.vram_budget).on)}
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
+def test_a_measured_recipe_runs_as_measured_without_the_long_sequence_settings(path, tmp_path):
+    config = load(str(path), [f"training.output_dir={tmp_path / 'never'}", "stream.device=cpu"])
+    assert _long_settings_in_effect(config) == {}, "measured without them: set them off where auto would turn them on"
+
+
 @pytest.mark.parametrize("path", LONG, ids=lambda p: p.stem)
 def test_long_context_recipe_validates_and_claims_no_figure(path, tmp_path):
     config = load(str(path), [f"training.output_dir={tmp_path / 'never'}", "stream.device=cpu"])
     stream, lora = config["stream"], config["lora"]
-    assert stream["loss_chunk_tokens"] >= 1 and stream["mlp_tile_tokens"] >= 1
+    assert set(_long_settings_in_effect(config)) == set(LONG_ORDER), "given, or what auto turns on at max_length"
     assert stream["vram_budget"] == "24GiB" and config["model"]["quantization"] == "nf4"
     assert (lora["r"], lora["target_modules"], lora["dropout"]) == (32, "all-linear", 0.0), "measured without dropout"
     text = path.read_text()

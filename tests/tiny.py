@@ -130,12 +130,17 @@ def peft_pair(family="llama", layers=5, dtype=torch.float32, attn=None, lora=Non
 
 
 def stream(model, device="cpu", **config):
-    """Stream ``model`` the way the tests of the streaming machinery need it: two slots, and
-    no VRAM budget unless one is given (on a GPU a tiny model would otherwise move into the
-    resident window whole after its first step and stream no more)."""
+    """Stream ``model`` the way the tests of the streaming machinery need it: two slots, no
+    VRAM budget unless one is given (on a GPU a tiny model would otherwise move into the
+    resident window whole after its first step and stream no more), and the long-sequence
+    settings off unless given (under the small budgets some tests give, "auto" would turn
+    them on, and the parity tests compare with the plain model)."""
     config.setdefault("slots", 2)
     config.setdefault("prefetch", 1)
     config.setdefault("vram_budget", None)
+    config.setdefault("offload_activations", False)
+    config.setdefault("loss_chunk_tokens", None)
+    config.setdefault("mlp_tile_tokens", None)
     layerstream.stream_model(model, device=device, **config)
     return model.to(device)
 

@@ -8,7 +8,7 @@ from typing import Callable, List, Optional, Union
 import torch
 from torch import nn
 
-from . import changes, chunked_loss, layer, nf4, tiled_mlp
+from . import changes, layer, nf4
 from .config import StreamConfig, resolve_device
 from .discovery import find_decoder_layers, layer_name, unwrap_peft
 from .errors import StreamConfigError, StreamingError
@@ -249,20 +249,11 @@ def attach_runtime(
     for module in nf4.streamed_linear4bit_modules(records):
         nf4.make_streamed(module, runtime)
     layer.guard_ancestors(runtime.guarded, runtime)
-    _apply_long_context(model, config)
+    runtime.install_long_settings(model)
     for callback in list(_ON_STREAM):
         callback(model)
     logger.info(runtime.summary())
     return model
-
-
-def _apply_long_context(model: nn.Module, config: StreamConfig) -> None:
-    """loss_chunk_tokens and mlp_tile_tokens: the same code runs on a resident model
-    (``layerstream.chunked_loss.apply``, ``layerstream.tiled_mlp.apply``)."""
-    if config.loss_chunk_tokens is not None:
-        chunked_loss.apply(model, config.loss_chunk_tokens)
-    if config.mlp_tile_tokens is not None:
-        tiled_mlp.apply(model, config.mlp_tile_tokens)
 
 
 _DDP_IGNORE = "_ddp_params_and_buffers_to_ignore"
@@ -342,10 +333,7 @@ def unstream_model(model: nn.Module, device: Optional[Union[str, torch.device]] 
     if runtime.embeddings is not None:
         runtime.embeddings.restore(target)
     layer.release_ancestors(getattr(runtime, "guarded", []), runtime)
-    if runtime.config.loss_chunk_tokens is not None:
-        chunked_loss.remove(model)
-    if runtime.config.mlp_tile_tokens is not None:
-        tiled_mlp.remove(model)
+    runtime.remove_long_settings(model)
     for record in runtime.records:
         for entry in record.entries:
             if entry.module.__dict__.get(_ATTR) is runtime:

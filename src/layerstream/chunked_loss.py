@@ -66,7 +66,14 @@ def warn_liger() -> None:
 
 
 def applied(model: nn.Module) -> bool:
-    return unwrap_peft(model).__dict__.get(_TOKENS) is not None
+    """Whether ``model``'s loss is computed in chunks now (not when a step left it off)."""
+    return bool(unwrap_peft(model).__dict__.get(_TOKENS))
+
+
+def set_tokens(model: nn.Module, tokens: int) -> None:
+    """The chunk of the next calls of a model ``apply`` prepared; 0: its own forward runs
+    (loss_chunk_tokens="auto" decides per call)."""
+    object.__setattr__(unwrap_peft(model), _TOKENS, tokens)
 
 
 def autocast_state(device_type: str) -> list:
@@ -286,6 +293,8 @@ _MIXINS: dict = {}
 
 def _chunked_forward(self, mixin, signature, varkw, args, kwargs):
     inner = super(mixin, self).forward
+    if not self.__dict__.get(_TOKENS):  # off for this call (loss_chunk_tokens="auto")
+        return inner(*args, **kwargs)
     if _from_liger(getattr(inner, "__func__", inner)):
         warn_liger()
         return inner(*args, **kwargs)

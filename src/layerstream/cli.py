@@ -106,6 +106,7 @@ def _add_plan_parser(sub) -> argparse.ArgumentParser:
 def _run_plan(args, parser: argparse.ArgumentParser) -> int:
     from .disk_cli import format_disk_term, measure_disk
     from .plan import comparison, format_comparison, format_host_check, format_plan, load_config, make_plan, max_seq
+    from .plan.long_settings import LONG_ORDER, decide_for, plan_line
     from .store import host_memory
     from .units import parse_bytes
 
@@ -141,6 +142,8 @@ def _run_plan(args, parser: argparse.ArgumentParser) -> int:
         seq = args.seq if args.seq is not None else max(longest, 1)
         plan = make_plan(seq=seq, **options)
         rows = comparison(dict(options, seq=seq), args.max_seq)
+        unset = {name: "auto" for name in LONG_ORDER if not options[name]}  # a run's default for them
+        auto = plan_line(decide_for(dict(options, seq=seq, **unset), vram), args.batch, seq)
     except (ValueError, OSError) as exc:
         parser.error(str(exc))  # exits with status 2
     print(format_plan(plan))
@@ -153,6 +156,7 @@ def _run_plan(args, parser: argparse.ArgumentParser) -> int:
         print(format_host_check(plan, memory))
     print()
     print(format_comparison(rows, seq, args.batch))
+    print(auto)
     if longest is not None:
         print(f"\nlongest sequence that fits as given: {longest} tokens at batch {args.batch}")
         return 0 if longest > 0 else 1

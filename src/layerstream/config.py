@@ -41,7 +41,7 @@ BUDGET = "size, auto or none"
 DEVICE = "device"
 FLAG = "flag"
 TRISTATE = "true, false or unset"
-TOKENS = "integer or none"
+TOKENS = "integer, auto or none"
 SWITCH = "true, false or auto"
 DIRECTORIES = "directories, comma-separated, or none"
 
@@ -50,11 +50,17 @@ DIRECTORIES = "directories, comma-separated, or none"
 # that needs it; the engine (offload.py) and the planner (plan/) both read these.
 OFFLOAD_LOOKAHEAD = 1  # layers whose inputs are copied back ahead of the recompute under way
 OFFLOAD_KEPT_LAYERS = 1  # the last layers, whose inputs are never offloaded
-# offload_activations="auto": the share of vram_budget kept in hand beyond the memory plan.
-# At long sequences the plan has come out under the measured peak by up to 14% (8B QLoRA at
-# 344,064 tokens under 80 GiB, docs/plan.md), and offloading costs nothing measurable where
-# sequences are long, so "auto" turns it on before the plan's own verdict would.
+# offload_activations, loss_chunk_tokens and mlp_tile_tokens set to "auto": the share of
+# vram_budget kept in hand beyond the memory plan. At long sequences the plan has come out
+# under the measured peak by up to 14% (8B QLoRA at 344,064 tokens under 80 GiB,
+# docs/plan.md), and the three cost little where sequences are long, so "auto" turns them
+# on before the plan's own verdict would (plan/long_settings.py decides which).
 OFFLOAD_AUTO_MARGIN = 0.15
+# what the help of each of the three says "auto" means
+_AUTO_LONG_HELP = (
+    f"auto: on for a step whose memory plan needs more than {100 - round(100 * OFFLOAD_AUTO_MARGIN)}% of "
+    "vram_budget, cheapest first (loss chunks, MLP tiles, offloading) until it needs less; off without a budget"
+)
 
 
 def offloaded_layers(num_layers: int) -> int:
@@ -214,21 +220,22 @@ class StreamConfig:
             "holds, on CUDA with expandable segments and vram_budget none"
         ),
     )
-    loss_chunk_tokens: Optional[int] = _setting(
-        None,
+    loss_chunk_tokens: Optional[Union[int, str]] = _setting(
+        "auto",
         TOKENS,
         (
             "compute the head and cross-entropy this many tokens at a time, so the full fp32 logits "
-            "never exist (long sequences; e.g. 4096). none: off. Liger-Kernel's fused loss, when "
-            "applied, is used instead"
+            "never exist (long sequences; e.g. 4096). none or 0: off. Liger-Kernel's fused loss, when "
+            f"applied, is used instead. {_AUTO_LONG_HELP} (a chunk sized to the vocabulary)"
         ),
     )
-    mlp_tile_tokens: Optional[int] = _setting(
-        None,
+    mlp_tile_tokens: Optional[Union[int, str]] = _setting(
+        "auto",
         TOKENS,
         (
             "run each decoder layer's MLP this many tokens at a time, forward and backward, so one "
-            "layer's tokens x intermediate working set stays bounded (long sequences; e.g. 8192). none: off"
+            "layer's tokens x intermediate working set stays bounded (long sequences; e.g. 8192). "
+            f"none or 0: off. {_AUTO_LONG_HELP} (tiles of 4096)"
         ),
     )
 
@@ -252,13 +259,12 @@ class StreamConfig:
         ),
     )
     offload_activations: Union[bool, str] = _setting(
-        False,
+        "auto",
         SWITCH,
         (
             "copy each layer's checkpointed input to page-locked host memory after its forward "
             "and back ahead of its recompute, so long sequences keep ~2 layers' inputs on the GPU "
-            "instead of all of them. auto: on when the memory plan without it needs more than "
-            f"{100 - round(100 * OFFLOAD_AUTO_MARGIN)}% of vram_budget"
+            f"instead of all of them. {_AUTO_LONG_HELP}"
         ),
     )
 
@@ -278,8 +284,8 @@ class StreamConfig:
         if not isinstance(self.stream_embeddings, bool):
             raise StreamConfigError(f"stream_embeddings must be True or False, got {self.stream_embeddings!r}")
         self.vram_budget = _budget(self.vram_budget)
-        check_tokens("loss_chunk_tokens", self.loss_chunk_tokens)
-        check_tokens("mlp_tile_tokens", self.mlp_tile_tokens)
+        self.loss_chunk_tokens = _tokens_setting("loss_chunk_tokens", self.loss_chunk_tokens)
+        self.mlp_tile_tokens = _tokens_setting("mlp_tile_tokens", self.mlp_tile_tokens)
         self.host_budget = _budget(self.host_budget, "host_budget")
         if isinstance(self.disk_cache_dir, os.PathLike):
             self.disk_cache_dir = os.fspath(self.disk_cache_dir)
@@ -361,6 +367,20 @@ def check_tokens(name: str, value) -> Optional[int]:
     """A setting in tokens: None (off) or an integer >= 1."""
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         raise StreamConfigError(f"{name} must be an integer >= 1 (tokens at a time) or None (off), got {value!r}")
+    return value
+
+
+def _tokens_setting(name: str, value):
+    """loss_chunk_tokens or mlp_tile_tokens as StreamConfig keeps it: "auto", an integer
+    >= 1, or None for off (given as None, 0 or False)."""
+    if isinstance(value, str) and value == "auto":
+        return value
+    if value is None or value is False or (type(value) is int and value == 0):
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise StreamConfigError(
+            f"{name} must be an integer >= 1 (tokens at a time), 'auto', or 0 or None (off), got {value!r}"
+        )
     return value
 
 
@@ -449,14 +469,16 @@ def parse_setting(name: str, value: Any, spelled: Optional[str] = None) -> Any:
         choices = "true, false or auto" if kind == SWITCH else "true or false"
         raise StreamConfigError(f"{spelled} must be {choices}, got {value!r}")
     if kind == TOKENS:
-        if value is None or text in ("", "none", "null", "off"):
+        if value is None or value is False or text in ("", "none", "null", "off", "false"):
             return None
+        if text == "auto":
+            return "auto"
         if isinstance(value, int) and not isinstance(value, bool):
             return value
         try:
             return int(text)
         except (TypeError, ValueError):
-            raise StreamConfigError(f"{spelled} must be an integer (tokens) or none, got {value!r}") from None
+            raise StreamConfigError(f"{spelled} must be an integer (tokens), auto or none, got {value!r}") from None
     if kind == BUDGET and (value is None or text in ("none", "null", "off")):
         return None
     if kind == BUDGET and text == "auto":

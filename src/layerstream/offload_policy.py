@@ -1,8 +1,9 @@
 """offload_activations at the runtime level: when a pass offloads its checkpointed inputs.
 
 A mixin of ``StreamRuntime``. The copies themselves are ``offload.ActivationOffloader``'s;
-this decides, per step shape, whether to use it ("auto": when the memory plan without
-it leaves less than ``OFFLOAD_AUTO_MARGIN`` of the VRAM budget free).
+this decides, per step shape, whether to use it ("auto": when the memory plan, with the
+cheaper long-sequence settings, leaves less than ``OFFLOAD_AUTO_MARGIN`` of the VRAM budget
+free; ``long_policy`` decides and says so).
 """
 
 from __future__ import annotations
@@ -27,8 +28,6 @@ class AutoOffloadMemo:
     """What offload_activations="auto" has decided and said, per step shape (batch, seq)."""
 
     decided: Dict[Tuple[int, int], Union[bool, str]] = dataclasses.field(default_factory=dict)
-    # (plan, budget) of shapes turned on and not yet said so
-    unsaid: Dict[Tuple[int, int], Tuple[int, int]] = dataclasses.field(default_factory=dict)
     # the smallest host arena refused for a margin-only shape: larger ones are not tried
     refused_bytes: Optional[int] = None
     said_refused: bool = False
@@ -50,6 +49,7 @@ class OffloadPolicy:
             self.offloader.release()
         self.offloader = self._new_offloader()
         self._auto_offload = AutoOffloadMemo()
+        self.forget_long_decisions()
 
     def _offload_wanted(self, batch: int, seq: int) -> bool:
         """offload_activations as set; "auto": on when the plan of this step shape without
@@ -62,19 +62,12 @@ class OffloadPolicy:
         return bool(memo.decided[(batch, seq)])
 
     def _offload_needed(self, batch: int, seq: int) -> Union[bool, str]:
-        """False, True (the plan does not fit without offloading) or MARGIN_ONLY."""
-        budget = self.config.budget_bytes()
-        if budget is None:
+        """False, True (the plan does not fit without offloading) or MARGIN_ONLY, as the
+        long-sequence settings' decision for this many tokens has it (``long_policy``)."""
+        decision = self.long_decision(batch * seq)
+        if decision.value("offload_activations") is None:
             return False
-        try:
-            plan = self.memory_plan(batch, seq, vram_bytes=budget, offload=False)
-        except ValueError as exc:
-            logger.warning("layerstream: offload_activations='auto' stays off: the step cannot be planned (%s)", exc)
-            return False
-        if plan.needed_bytes <= int(budget * (1 - OFFLOAD_AUTO_MARGIN)):
-            return False
-        self._auto_offload.unsaid[(batch, seq)] = (plan.needed_bytes, budget)
-        return MARGIN_ONLY if plan.fits else True
+        return MARGIN_ONLY if decision.offload_for_margin_only else True
 
     def _start_offloading(self, hidden) -> bool:
         """Whether this training pass offloads its checkpointed inputs; when it does, room is
@@ -113,15 +106,4 @@ class OffloadPolicy:
             )
             memo.said_refused = True
             return False
-        said = memo.unsaid.pop(shape, None)
-        if said is not None:
-            logger.warning(
-                "layerstream: offload_activations='auto' is on for batch %d x %d tokens: the plan needs %s "
-                "with the reserve and the budget is %s (auto keeps %d%% of it in hand), so each layer's "
-                "checkpointed input goes to host memory",
-                *shape,
-                gib(said[0]),
-                gib(said[1]),
-                round(100 * OFFLOAD_AUTO_MARGIN),
-            )
         return True

@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from .config import expandable_segments
+from .config import expandable_segments, gpu_memory_for_run
 from .errors import StreamingError
 from .units import GiB, MiB, gib
 
@@ -119,6 +119,7 @@ def summary(runtime) -> str:
         f"  vram budget  {_budget_line(runtime)}",
         f"  window       {len(runtime.window)} layer(s) on the GPU for good",
         f"  backward     {runtime.backward.note(runtime.prefetch.backward_slots, pool.cuda)}",
+        f"  long seq     {runtime.long_settings_line()}",
     ]
     if pool.cuda:
         segments = "on" if expandable_segments() else "off"
@@ -193,10 +194,29 @@ def explain_oom(runtime, exc: BaseException, where: str) -> BaseException:
                 f"(--stream-embeddings, stream.stream_embeddings: true) frees {ends_bytes / GiB:.2f} GiB, "
                 "less one head copied in for the loss;"
             )
+    lines += [f"  - {line};" for line in _long_sequence_advice(runtime)]
     lines.append("  - `layerstream plan --model <model> --vram <GPU memory> --seq <tokens>` predicts what fits.")
     explained = type(exc)("\n".join(lines))
     explained._layerstream_explained = True
     return explained
+
+
+def _long_sequence_advice(runtime) -> list:
+    """The long-sequence settings at the shape of the last training step, each with what it
+    frees there, and the longest sequence the plan fits under the budget (the GPU memory
+    this process can reach when there is none); nothing when the model cannot be planned."""
+    from .plan.long_settings import oom_advice
+
+    batch, seq = runtime.last_shape
+    budget = runtime.config.budget_bytes()
+    if budget is None and runtime.pool.cuda:
+        budget = gpu_memory_for_run(runtime.device)
+    settings = runtime.long_settings_for(batch * seq)
+    settings["offload_activations"] = runtime.offloading
+    try:
+        return oom_advice(runtime.plan_args(batch, seq, **settings), budget)
+    except ValueError:
+        return []
 
 
 def budget_refusal(memory, budget: int) -> StreamingError:

@@ -25,6 +25,7 @@ from . import layer as layer_mod
 from .backward_slots import BackwardSlots
 from .config import StreamConfig
 from .errors import StreamingError
+from .long_policy import AutoLongMemo, LongSettingsPolicy
 from .meter import CudaMeter, PlannedMeter
 from .offload_policy import AutoOffloadMemo, OffloadPolicy
 from .pool import SlotPool
@@ -36,7 +37,7 @@ from .window import WindowSizer
 logger = logging.getLogger(__name__)
 
 
-class StreamRuntime(ResidentWindow, OffloadPolicy):
+class StreamRuntime(ResidentWindow, OffloadPolicy, LongSettingsPolicy):
     def __init__(
         self,
         model: nn.Module,
@@ -97,6 +98,7 @@ class StreamRuntime(ResidentWindow, OffloadPolicy):
         self.offloader = self._new_offloader()
         self.offloading = False  # whether this pass offloads its checkpointed inputs
         self._auto_offload = AutoOffloadMemo()  # offload_activations="auto": decisions per shape
+        self._auto_long = AutoLongMemo()  # the long-sequence settings left at "auto": decisions per token count
         self.embeddings = None
         if config.stream_embeddings:
             from .embeddings import stream_embeddings
@@ -283,8 +285,10 @@ class StreamRuntime(ResidentWindow, OffloadPolicy):
         if hidden is None or hidden.dim() < 2:
             return
         self.last_shape = (int(hidden.shape[0]), int(hidden.shape[1]))
+        self.long_decision(self.last_shape[0] * self.last_shape[1])  # the MLP tiles, before any MLP runs
         if self.offloader is not None:
             self.offloading = self._start_offloading(hidden)
+        self._say_long_settings()
         if isinstance(self.config.vram_budget, int):
             self._check_budget(*self.last_shape)
         if self.meter is not None:
@@ -328,24 +332,6 @@ class StreamRuntime(ResidentWindow, OffloadPolicy):
             )
         self._budget_checked = {(b, s) for b, s in self._budget_checked if not (b <= batch and s <= seq)}
         self._budget_checked.add((batch, seq))
-
-    def memory_plan(self, batch: int, seq: int, vram_bytes: int = 1 << 50, backward_slots=0, offload=None):
-        """The memory planner's plan of this model streamed as it is (one call site);
-        ``offload``: offload_activations (None: as this pass runs)."""
-        from .plan import plan_for_model
-
-        return plan_for_model(
-            self.model,
-            seq,
-            batch,
-            slots=self.config.slots,
-            vram_bytes=vram_bytes,
-            stream_embeddings=self.embeddings is not None,
-            backward_slots=backward_slots,
-            offload_activations=self.offloading if offload is None else offload,
-            loss_chunk_tokens=self.config.loss_chunk_tokens,
-            mlp_tile_tokens=self.config.mlp_tile_tokens,
-        )
 
     def _decide_backward_slots(self, hidden: torch.Tensor) -> None:
         streamed = len(self.records) - len(self._window)

@@ -155,7 +155,9 @@ class TiledMLP:
 
     def forward(self, x, *args, **kwargs):
         tile = self.__dict__[_TILE]
-        if args or kwargs or x.dim() < 2 or x.numel() // x.shape[-1] <= tile:
+        if isinstance(tile, dict):  # mlp_tile_tokens="auto": the tile decided for this many tokens
+            tile = tile.get(x.numel() // x.shape[-1]) if x.dim() >= 2 and torch.is_grad_enabled() else None
+        if not tile or args or kwargs or x.dim() < 2 or x.numel() // x.shape[-1] <= tile:
             return super().forward(x, *args, **kwargs)
         specs = _frozen(self)
         frozen = [table[name] for table, name in specs]
@@ -189,6 +191,17 @@ def apply(model: nn.Module, tokens: int) -> nn.Module:
     for mlp in mlps(model):
         swap.swap_in(mlp, TiledMLP)
         object.__setattr__(mlp, _TILE, tokens)
+    return model
+
+
+def apply_per_length(model: nn.Module, tiles: dict) -> nn.Module:
+    """mlp_tile_tokens="auto": each MLP takes the tile ``tiles`` holds for its input's token
+    count (none: untiled), a dict the caller fills as it decides. Keyed by the token count,
+    a checkpoint's recompute runs as its forward did, whatever ran in between. Autograd off
+    (evaluation, generation), the MLPs run untiled."""
+    for mlp in mlps(model):
+        swap.swap_in(mlp, TiledMLP)
+        object.__setattr__(mlp, _TILE, tiles)
     return model
 
 

@@ -410,8 +410,8 @@ def check_fits(config, where: str = "config") -> None:
     targets = config["lora"]["target_modules"]
     targets = targets if isinstance(targets, str) else ",".join(targets)
     try:
-        memory = plan.make_plan(
-            model_config(config),
+        args = dict(
+            config=model_config(config),
             seq=seq,
             batch=batch,
             vram_bytes=budget,
@@ -421,11 +421,13 @@ def check_fits(config, where: str = "config") -> None:
             slots=None if "slots" in stream.automatic else stream.slots,
             lora_targets=targets,
             stream_embeddings=stream.stream_embeddings,
-            # "auto" turns it on where the step would not fit without it
-            offload_activations=stream.offload_activations is not False,
+            offload_activations=stream.offload_activations,
             loss_chunk_tokens=stream.loss_chunk_tokens,
             mlp_tile_tokens=stream.mlp_tile_tokens,
         )
+        # the settings left at "auto" as the run will decide them for this length
+        chosen = dict(plan.decide_for(args, budget).on)
+        memory = plan.make_plan(**plan.long_settings.as_planned(args, chosen))
     except (ValueError, OSError) as exc:
         raise TrainConfigError(
             f"{where}: cannot plan this run: {exc}. Point model.config at the model's config.json "

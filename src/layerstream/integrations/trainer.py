@@ -51,7 +51,8 @@ from ..config import (
 from ..errors import StreamingError
 from ..layer import registrations
 from ..meter import wanted_bytes
-from ..units import gib
+from ..plan.long_settings import LONG_ORDER, setting_text
+from ..units import GiB, gib
 from . import launch
 
 logger = logging.getLogger(__name__)
@@ -67,6 +68,7 @@ class _LogWindow:
         self.runtime = runtime
         self.last = runtime.stats()
         self.last_time = time.perf_counter()
+        self.decisions_logged = 0  # of runtime.long_decisions_said()
 
     def figures(self) -> dict:
         now = self.runtime.stats()
@@ -90,8 +92,25 @@ class _LogWindow:
         peak = report.peak_vram_gib(self.runtime)
         if peak is not None:
             out[PREFIX + "peak_vram_gib"] = peak
+        out.update(self._new_decision())
         self.last, self.last_time = now, time.perf_counter()
         return out
+
+    def _new_decision(self) -> dict:
+        """What "auto" turned on since the last logging step (the latest set, once), and the
+        plan's numbers behind it: the log history keeps each decision once."""
+        said = self.runtime.long_decisions_said()
+        if len(said) == self.decisions_logged:
+            return {}
+        self.decisions_logged = len(said)
+        batch, seq, decision = said[-1]
+        figures = {"auto_long_tokens": batch * seq}
+        for name in LONG_ORDER:
+            value = decision.value(name)
+            figures[name] = int(value or 0)
+        figures["auto_long_plan_without_gib"] = round(decision.needed_without / GiB, 3)
+        figures["auto_long_plan_gib"] = round(decision.needed / GiB, 3)
+        return {PREFIX + key: value for key, value in figures.items()}
 
 
 def _streaming_figures(trainer) -> dict:
@@ -303,7 +322,8 @@ def predicted_vram(model, args) -> str:
     try:
         if seq:
             peak = runtime.memory_plan(batch, int(seq)).peak_vram_bytes
-            return f"  predicted    peak VRAM {gib(peak)} at batch {batch} x {seq} tokens, every layer streamed"
+            line = f"  predicted    peak VRAM {gib(peak)} at batch {batch} x {seq} tokens, every layer streamed"
+            return line + _auto_long_text(runtime.long_decision(batch * int(seq)))
         short, long = (runtime.memory_plan(batch, n).peak_vram_bytes for n in (512, 2048))
         return (
             f"  predicted    peak VRAM {gib(short)} at batch {batch} x 512 tokens, "
@@ -311,6 +331,17 @@ def predicted_vram(model, args) -> str:
         )
     except ValueError as exc:
         return f"  predicted    peak VRAM not planned ({exc}); see `layerstream plan`"
+
+
+def _auto_long_text(decision) -> str:
+    """What "auto" turns on at the predicted length, and why (nothing when none)."""
+    if not decision.on:
+        return ""
+    turned = ", ".join(setting_text(name, value) for name, value in decision.on)
+    return (
+        f", with {turned} (auto: the plan needs {gib(decision.needed_without)} without them, "
+        f"over the {gib(decision.limit)} kept under)"
+    )
 
 
 class StreamStatsCallback(_CallbackBase):

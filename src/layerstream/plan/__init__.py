@@ -33,9 +33,11 @@ plan says so in its notes.
 
 from ..units import ALIGN, GiB, parse_bytes  # noqa: F401  (re-exported)
 from .advice import DEFAULT_LONG_TOKENS, LONG_OPTIONS  # noqa: F401
+from .long_settings import LongDecision, decide, decide_for  # noqa: F401
 from .longctx import comparison, max_seq, option_rows  # noqa: F401
 from .lora import LoraTargets  # noqa: F401
 from .memory import *  # noqa: F401,F403
 from .memory import _build, _copies, _working_bytes  # noqa: F401
+from .model import model_plan_args, plan_for_model  # noqa: F401
 from .report import format_comparison, format_host_check, format_plan, speed_hints  # noqa: F401
 from .shapes import *  # noqa: F401,F403

@@ -542,57 +542,5 @@ def make_plan(
     return plan
 
 
-def plan_for_model(
-    model,
-    seq: int,
-    batch: int,
-    slots: Optional[int] = None,
-    vram_bytes: int = 1 << 50,
-    stream_embeddings: bool = False,
-    backward_slots: Optional[int] = 0,
-    offload_activations: bool = False,
-    loss_chunk_tokens: Optional[int] = None,
-    mlp_tile_tokens: Optional[int] = None,
-) -> MemoryPlan:
-    """The plan of a live (possibly PEFT-wrapped) model: its config, 4-bit state, compute
-    dtype, and LoRA rank and targets; ``stream_embeddings``, the chunked loss and the tiled
-    MLP as the model streams (or would).
-    Reads attributes only; raises ValueError when the adapters cannot be described to the
-    planner (regex targets, several adapters)."""
-    config = getattr(model, "config", None)
-    if config is None:
-        raise ValueError("the model has no transformers config")
-    quantization = "nf4" if getattr(model, "is_loaded_in_4bit", False) else "none"
-    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    dtype = embeddings.weight.dtype if embeddings is not None else torch.bfloat16
-    rank, targets = 0, "all-linear"
-    peft_configs = getattr(model, "peft_config", None) or {}
-    if len(peft_configs) > 1:
-        raise ValueError("several adapters: plan each with `layerstream plan`")
-    for peft_config in peft_configs.values():
-        rank = int(getattr(peft_config, "r", 0))
-        modules = getattr(peft_config, "target_modules", None)
-        if isinstance(modules, str) and modules.lower() != "all-linear":
-            raise ValueError(f"LoRA target_modules is a pattern ({modules!r})")
-        if modules and not isinstance(modules, str):
-            targets = ",".join(sorted(modules))
-    return make_plan(
-        config,
-        seq=seq,
-        batch=batch,
-        vram_bytes=vram_bytes,
-        quantization=quantization,
-        dtype=dtype,
-        lora_rank=rank,
-        slots=slots,
-        lora_targets=targets,
-        stream_embeddings=stream_embeddings,
-        backward_slots=backward_slots,
-        offload_activations=offload_activations,
-        loss_chunk_tokens=loss_chunk_tokens,
-        mlp_tile_tokens=mlp_tile_tokens,
-    )
-
-
 def _gib(nbytes: float) -> str:
     return f"{nbytes / GiB:.2f} GiB"

@@ -1,0 +1,237 @@
+"""Which long-sequence settings a step needs: what "auto" decides.
+
+offload_activations, loss_chunk_tokens and mlp_tile_tokens default to "auto". Before a step
+of a token count not seen before runs, its memory plan decides (``decide``): a step whose
+plan with none of them needs at most the budget less ``OFFLOAD_AUTO_MARGIN`` (the plan has
+come out under the measured peak by up to 14% at long sequences) runs without them, so
+short sequences cost nothing. Otherwise they are turned on in ``LONG_ORDER`` until the plan
+needs no more than that, and then any one that those turned on after it made unneeded is
+turned off again (the costlier first). Where even all of them leave the plan over, every
+one that frees memory stays on.
+
+``LONG_ORDER`` is cheapest first for the memory each frees; what each frees at the step's
+length comes from the plan (``LongDecision.frees``), what each costs is per step:
+
+- loss_chunk_tokens frees the fp32 logits, their log-softmax and gradient, 3 x tokens x
+  vocab x 4 bytes less one chunk's: 1.5 MB a token for a 128k vocabulary, the largest
+  term at long sequences. It adds no arithmetic (each chunk's head product runs once
+  forward and once for its gradient, as without chunks), only a few launches per chunk.
+- mlp_tile_tokens frees one layer's MLP intermediates, about 3 x tokens x intermediate x
+  elem bytes less one tile's. It adds no arithmetic either (backward runs each tile's
+  forward once, where the checkpoint's recompute would have run the whole MLP), but its
+  matmuls are smaller and its launches more.
+- offload_activations frees the checkpointed inputs but two, (layers - 2) x tokens x hidden
+  x elem bytes, by copying (layers - 1) of them to host memory and back every step: PCIe
+  traffic beside the layer stream's own copies, and as much page-locked host memory.
+
+Pure arithmetic on plan numbers: no CUDA and no tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple
+
+from ..config import OFFLOAD_AUTO_MARGIN
+from ..disk_plan import size_text
+from .advice import option_value
+from .longctx import complete
+from .memory import _build
+
+AUTO = "auto"
+LONG_ORDER = ("loss_chunk_tokens", "mlp_tile_tokens", "offload_activations")
+# each setting as it is when off, in make_plan's arguments and StreamConfig alike
+OFF = {"loss_chunk_tokens": None, "mlp_tile_tokens": None, "offload_activations": False}
+
+
+@dataclass(frozen=True)
+class LongDecision:
+    """What "auto" turned on for a step of ``tokens`` tokens, and the plan's numbers behind it."""
+
+    tokens: int
+    budget: int
+    limit: int  # the budget less the margin: what the plan must need at most
+    needed_without: int  # the plan (peak and reserve) with none of the "auto" settings on
+    needed: int  # with those in ``on``
+    on: Tuple[Tuple[str, object], ...] = ()  # (setting, value), cheapest first
+    frees: Tuple[int, ...] = ()  # what each one in ``on`` frees at this length, the others on
+    needed_without_offload: int = 0  # with ``on`` but offload_activations
+
+    @property
+    def names(self) -> Tuple[str, ...]:
+        return tuple(name for name, _ in self.on)
+
+    def value(self, name: str):
+        """The value ``name`` takes for this step: as turned on, or None when it stays off."""
+        return dict(self.on).get(name)
+
+    @property
+    def fits(self) -> bool:
+        return self.needed <= self.limit
+
+    @property
+    def offload_for_margin_only(self) -> bool:
+        """Offloading is on only to keep the margin: the plan fits the budget without it."""
+        return "offload_activations" in self.names and self.needed_without_offload <= self.budget
+
+
+# a step for which nothing was decided (no budget, nothing left at "auto")
+NOTHING = LongDecision(tokens=0, budget=0, limit=0, needed_without=0, needed=0)
+
+
+def limit_for(budget: int, margin: float = OFFLOAD_AUTO_MARGIN) -> int:
+    """What a step's plan may need at most before "auto" turns settings on."""
+    return int(budget * (1 - margin))
+
+
+def decide(
+    tokens: int,
+    budget: int,
+    candidates: Dict[str, object],
+    needed: Callable[[Dict[str, object]], int],
+    margin: float = OFFLOAD_AUTO_MARGIN,
+) -> LongDecision:
+    """Which of ``candidates`` (setting -> its value when on; the ones left at "auto" that
+    the model can take) a step of ``tokens`` tokens needs under ``budget`` bytes.
+    ``needed(on)`` is the plan's peak plus reserve with the settings in ``on`` turned on and
+    the other candidates off; it is asked at most eight times, each set once."""
+    limit = limit_for(budget, margin)
+    order = [name for name in LONG_ORDER if name in candidates]
+    plans: Dict[frozenset, int] = {}
+
+    def need(names: List[str]) -> int:
+        key = frozenset(names)
+        if key not in plans:
+            plans[key] = needed({name: candidates[name] for name in order if name in key})
+        return plans[key]
+
+    on: List[str] = []
+    if need(on) > limit:
+        for name in order:
+            on.append(name)
+            if need(on) <= limit:
+                break
+        for name in reversed(list(on)):
+            rest = [other for other in on if other != name]
+            if need(rest) <= max(limit, need(on)):  # still under, or it freed nothing
+                on = rest
+    without_offload = [name for name in on if name != "offload_activations"]
+    return LongDecision(
+        tokens=tokens,
+        budget=budget,
+        limit=limit,
+        needed_without=need([]),
+        needed=need(on),
+        on=tuple((name, candidates[name]) for name in on),
+        frees=tuple(need([other for other in on if other != name]) - need(on) for name in on),
+        needed_without_offload=need(without_offload),
+    )
+
+
+# -- from make_plan's arguments --------------------------------------------------------------
+def auto_values(args: dict) -> Dict[str, object]:
+    """The value each setting left at "auto" in make_plan-style ``args`` takes when turned
+    on: offloading on, the loss chunk sized to the vocabulary, the default MLP tile."""
+    return {name: option_value(name, dict(args, **{name: OFF[name]})) for name in LONG_ORDER if args.get(name) == AUTO}
+
+
+def as_planned(args: dict, on: Optional[Dict[str, object]] = None) -> dict:
+    """``args`` as make_plan takes them: each setting left at "auto" off, but those in ``on``."""
+    planned = dict(args, **{name: OFF[name] for name in LONG_ORDER if args.get(name) == AUTO})
+    planned.update(on or {})
+    return planned
+
+
+def decide_for(args: dict, budget: int, margin: float = OFFLOAD_AUTO_MARGIN) -> LongDecision:
+    """``decide`` for make_plan-style ``args`` whose long-sequence settings may be "auto"."""
+    candidates = auto_values(args)
+    if not candidates:
+        return NOTHING
+
+    def needed(on: Dict[str, object]) -> int:
+        return _build(**complete(as_planned(args, on))).needed_bytes
+
+    return decide(args["batch"] * args["seq"], budget, candidates, needed, margin)
+
+
+# -- what is said ------------------------------------------------------------------------------
+def setting_text(name: str, value) -> str:
+    """A setting as turned on: ``offload_activations``, ``loss_chunk_tokens=512``."""
+    return name if value is True else f"{name}={value}"
+
+
+def describe(decision: LongDecision, batch: int, seq: int, offloaded: bool = True) -> str:
+    """What "auto" turned on for a step and why, with the plan's numbers; ``offloaded``:
+    whether offloading, when decided, did start (the host may refuse it a margin-only step)."""
+    kept = [
+        (name, value, frees)
+        for (name, value), frees in zip(decision.on, decision.frees)
+        if offloaded or name != "offload_activations"
+    ]
+    turned = [
+        f"{name}='auto' is on" + (f" at {value} tokens" if value is not True else "") + f" (frees {size_text(frees)})"
+        for name, value, frees in kept
+    ]
+    needed = decision.needed if offloaded else decision.needed_without_offload
+    after = f"; the plan then needs {size_text(needed)}"
+    if needed > decision.limit:
+        after += ", still over: the step may run out of memory (shorter sequences or a smaller batch fit)"
+    return (
+        f"layerstream: a training step of batch {batch} x {seq} tokens needs {size_text(decision.needed_without)} by "
+        f"the memory plan (peak and reserve), over the {size_text(decision.limit)} auto keeps it under "
+        f"({100 - round(100 * OFFLOAD_AUTO_MARGIN)}% of vram_budget {size_text(decision.budget)}): "
+        + ", ".join(turned)
+        + after
+    )
+
+
+def plan_line(decision: LongDecision, batch: int, seq: int) -> str:
+    """`layerstream plan`'s line: what a run's defaults ("auto") turn on at this length."""
+    pct = 100 - round(100 * OFFLOAD_AUTO_MARGIN)
+    head = f"auto (a run's default) at batch {batch} x {seq} tokens"
+    if not decision.on:
+        return f"{head}: none of the long-sequence settings (the plan needs at most {pct}% of the budget without them)"
+    turned = ", ".join(setting_text(name, value) for name, value in decision.on)
+    return (
+        f"{head} turns on {turned}: the plan needs {size_text(decision.needed_without)} without them, "
+        f"{size_text(decision.needed)} with them, against {size_text(decision.limit)} ({pct}% of the budget)"
+    )
+
+
+def _spelled(name: str, value) -> str:
+    """A setting as each surface spells it turned on."""
+    flag = "--" + name.replace("_", "-")
+    text = "true" if value is True else str(value)
+    return f"StreamConfig({name}={value!r}) ({flag} {text}, stream.{name}: {text})"
+
+
+def oom_advice(args: dict, budget: Optional[int]) -> List[str]:
+    """What the long-sequence settings do for a step that ran out of memory: ``args`` are
+    make_plan's arguments of that step, its settings as it ran (no "auto"). Each setting
+    with the memory it frees at this length (or frees already, when on), and the longest
+    sequence the plan fits under ``budget`` (None: not said), as the step ran and with all
+    three on."""
+    from .longctx import max_seq
+
+    def needed(**settings) -> int:
+        return _build(**complete(dict(args, **settings))).needed_bytes
+
+    now = needed()
+    tokens = f"batch {args['batch']} x {args['seq']} tokens"
+    lines = []
+    for name in LONG_ORDER:
+        if args.get(name):
+            frees = needed(**{name: OFF[name]}) - now
+            lines.append(f"{setting_text(name, args[name])} is on: it frees {size_text(frees)} at {tokens}")
+            continue
+        value = option_value(name, args)
+        frees = now - needed(**{name: value})
+        lines.append(f"turn on {_spelled(name, value)}: frees {size_text(frees)} at {tokens}")
+    if budget is not None:
+        every = {name: args.get(name) or option_value(name, args) for name in LONG_ORDER}
+        as_ran, with_all = max_seq(dict(args, vram_bytes=budget)), max_seq(dict(args, vram_bytes=budget, **every))
+        lines.append(
+            f"the memory plan fits up to {as_ran} tokens a sequence at batch {args['batch']} under "
+            f"{size_text(budget)} with the settings this step ran with, and {with_all} with all three on"
+        )
+    return lines

@@ -1,0 +1,50 @@
+"""The plan of a live model: make_plan's arguments read from the model itself."""
+
+from __future__ import annotations
+
+import torch
+
+from .memory import MemoryPlan, make_plan
+
+
+def model_plan_args(model, seq: int, batch: int, vram_bytes: int = 1 << 50, **settings) -> dict:
+    """make_plan's arguments for a live (possibly PEFT-wrapped) model: its config, 4-bit
+    state, compute dtype, and LoRA rank and targets; ``settings`` are make_plan's other
+    arguments (slots, stream_embeddings, the long-sequence settings, which may be "auto"
+    here for ``long_settings.decide_for``).
+    Reads attributes only; raises ValueError when the adapters cannot be described to the
+    planner (regex targets, several adapters)."""
+    config = getattr(model, "config", None)
+    if config is None:
+        raise ValueError("the model has no transformers config")
+    quantization = "nf4" if getattr(model, "is_loaded_in_4bit", False) else "none"
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    dtype = embeddings.weight.dtype if embeddings is not None else torch.bfloat16
+    rank, targets = 0, "all-linear"
+    peft_configs = getattr(model, "peft_config", None) or {}
+    if len(peft_configs) > 1:
+        raise ValueError("several adapters: plan each with `layerstream plan`")
+    for peft_config in peft_configs.values():
+        rank = int(getattr(peft_config, "r", 0))
+        modules = getattr(peft_config, "target_modules", None)
+        if isinstance(modules, str) and modules.lower() != "all-linear":
+            raise ValueError(f"LoRA target_modules is a pattern ({modules!r})")
+        if modules and not isinstance(modules, str):
+            targets = ",".join(sorted(modules))
+    return dict(
+        config=config,
+        seq=seq,
+        batch=batch,
+        vram_bytes=vram_bytes,
+        quantization=quantization,
+        dtype=dtype,
+        lora_rank=rank,
+        lora_targets=targets,
+        **settings,
+    )
+
+
+def plan_for_model(model, seq: int, batch: int, vram_bytes: int = 1 << 50, **settings) -> MemoryPlan:
+    """The plan of a live model (``model_plan_args``); ``settings`` are make_plan's others
+    (slots, stream_embeddings, the chunked loss and tiled MLP as the model streams or would)."""
+    return make_plan(**model_plan_args(model, seq, batch, vram_bytes, **settings))

@@ -1,0 +1,275 @@
+"""loss_chunk_tokens, mlp_tile_tokens and offload_activations left at "auto" (the default):
+which of them a step of a token count needs under a budget (cheapest first, with the
+margin offloading keeps), the runtime that applies the decision once per token count, and
+what it says; and what an out-of-memory explanation says of them. Parity tests use non-zero LoRA B and more layers than slots; each has a
+negative control that proves the comparison can fail."""
+
+import argparse
+import logging
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import HfArgumentParser
+
+import layerstream
+from layerstream import chunked_loss, cli, swap, tiled_mlp, train
+from layerstream.config import OFFLOAD_AUTO_MARGIN, StreamConfig, parse_setting
+from layerstream.disk_plan import size_text
+from layerstream.integrations import trainer as trainer_integration
+from layerstream.plan import advice, load_config, make_plan, plan_for_model
+from layerstream.plan.long_settings import LONG_ORDER, OFF, decide, decide_for, limit_for, oom_advice
+from layerstream.plan.longctx import complete
+from layerstream.plan.memory import _build
+from layerstream.units import GiB
+
+from tiny import assert_traces_equal, peft_pair, train_steps
+
+LLAMA3_8B = Path(__file__).resolve().parents[1] / "configs" / "shapes" / "llama-3.1-8b.json"
+AUTO = {name: "auto" for name in LONG_ORDER}
+CANDIDATES = {"loss_chunk_tokens": 512, "mlp_tile_tokens": 4096, "offload_activations": True}
+# a plan made up for the table: 100 bytes that do not grow, and per token 15 bytes of which
+# the chunked loss frees 6, the tiled MLP 2 and offloading 3
+FREES_PER_TOKEN = {"loss_chunk_tokens": 6, "mlp_tile_tokens": 2, "offload_activations": 3}
+
+
+def _made_up_plan(tokens):
+    return lambda on: 100 + tokens * (15 - sum(FREES_PER_TOKEN[name] for name in on))
+
+
+CHUNK, TILE = "loss_chunk_tokens", "mlp_tile_tokens"
+OFFLOAD = "offload_activations"
+
+
+@pytest.mark.parametrize(
+    "tokens, budget, expected",
+    [
+        (50, 1000, ()),  # needs 850, the limit itself: off
+        (51, 1000, (CHUNK,)),  # 865: the loss chunks alone bring it to 559
+        (80, 965, (CHUNK,)),  # chunked, 820: the limit of 965 is 820
+        (80, 964, (CHUNK, TILE)),  # ... and of 964, 819: the MLP tiles too
+        (120, 1000, (CHUNK, OFFLOAD)),  # all three reach 580; without the tiles 820: turned off again
+        (200, 1000, (CHUNK, TILE, OFFLOAD)),  # all three still need 900: each stays on
+        (1000, 10**6, ()),
+    ],
+)
+def test_auto_turns_on_the_cheapest_settings_that_bring_the_plan_under_the_margin(tokens, budget, expected):
+    assert (limit_for(1000), limit_for(965), limit_for(964)) == (850, 820, 819)
+    decision = decide(tokens, budget, CANDIDATES, _made_up_plan(tokens))
+    assert decision.names == expected
+    assert decision.on == tuple((name, CANDIDATES[name]) for name in expected)
+    assert decision.frees == tuple(FREES_PER_TOKEN[name] * tokens for name in expected)
+    assert decision.needed_without == _made_up_plan(tokens)(())
+    assert decision.fits == (tokens != 200)
+
+
+def test_a_setting_not_left_at_auto_is_not_turned_on_and_offload_for_the_margin_is_said():
+    needed = _made_up_plan(120)
+    assert decide(120, 1000, {TILE: 4096, OFFLOAD: True}, needed).names == (TILE, OFFLOAD)
+    only_offload = {OFFLOAD: True}
+    within_budget = decide(60, 1000, only_offload, _made_up_plan(60))  # 1000: fits the budget, not the margin
+    beyond = decide(61, 1000, only_offload, _made_up_plan(61))
+    assert within_budget.names == beyond.names == (OFFLOAD,)
+    assert within_budget.offload_for_margin_only and not beyond.offload_for_margin_only
+
+
+@pytest.mark.parametrize("gib", [12, 24, 80])
+@pytest.mark.parametrize("seq", [2048, 16384, 65536])
+def test_each_setting_auto_turns_on_for_llama3_8b_is_needed_and_short_steps_need_none(gib, seq):
+    args = dict(config=load_config(LLAMA3_8B), seq=seq, batch=1, vram_bytes=gib * GiB, slots=3, **AUTO)
+    args.update(quantization="nf4", lora_rank=32)
+    decision = decide_for(args, gib * GiB)
+    planned = dict(args, **OFF)
+
+    def needed(on):
+        settings = {name: decision.value(name) or CANDIDATES[name] for name in on}
+        return make_plan(**dict(planned, vram_bytes=1 << 50, **settings)).needed_bytes
+
+    assert bool(decision.names) == (needed(()) > decision.limit)
+    if seq == 2048:
+        assert decision.names == (), "a short step needs none of them"
+    if (seq, gib) == (65536, 12):
+        assert decision.names == LONG_ORDER
+    if decision.fits:
+        for name in decision.names:
+            assert needed([n for n in decision.names if n != name]) > decision.limit, f"{name} was not needed"
+    else:
+        assert decision.names == LONG_ORDER
+    assert decision.value(CHUNK) in (None, advice.default_loss_chunk_tokens(128_256))
+
+
+# -- the settings on every surface --------------------------------------------------------------
+def test_the_three_default_to_auto_on_every_surface_and_zero_or_false_is_off():
+    config = StreamConfig(device="cpu")
+    assert all(getattr(config, name) == "auto" for name in LONG_ORDER)
+    (arguments,) = HfArgumentParser(layerstream.StreamingArguments).parse_args_into_dataclasses([])
+    assert all(arguments.settings()[name] == "auto" for name in LONG_ORDER)
+    parser = argparse.ArgumentParser()
+    cli.add_setting_flags(parser)
+    assert all(getattr(parser.parse_args([]), name) == "auto" for name in LONG_ORDER)
+    assert all(train.SECTIONS["stream"][name] == "auto" for name in LONG_ORDER)
+    for off in (0, False, None, "0", "false", "none"):
+        value = parse_setting(CHUNK, off)
+        assert StreamConfig(device="cpu", loss_chunk_tokens=value, mlp_tile_tokens=value).loss_chunk_tokens is None
+    assert StreamConfig(device="cpu", mlp_tile_tokens=parse_setting(TILE, "8192")).mlp_tile_tokens == 8192
+
+
+# -- the runtime ---------------------------------------------------------------------------------
+@pytest.fixture
+def small_tiles(monkeypatch):
+    """Chunks and tiles of 16 tokens when "auto" turns them on (a tiny model's steps are
+    shorter than the defaults, which would free nothing)."""
+    monkeypatch.setattr(advice, "DEFAULT_LONG_TOKENS", 16)
+    monkeypatch.setattr(advice, "MIN_LOSS_CHUNK_TOKENS", 8)
+
+
+def _pair():
+    return peft_pair(layers=5, vocab_size=400)  # the loss outweighs a layer, as in Llama-3
+
+
+def _needed(model, seq, **settings):
+    return plan_for_model(model, seq, 2, slots=2, **settings).needed_bytes
+
+
+def _stream(model, budget, **settings):
+    layerstream.stream_model(model, device="cpu", slots=2, prefetch=1, vram_budget=budget, **settings)
+    return layerstream.get_runtime(model)
+
+
+def test_a_short_step_runs_with_all_three_off_and_equals_the_plain_model_bit_for_bit(small_tiles):
+    streamed, resident = _pair()
+    budget = int(_needed(resident, 12) / (1 - OFFLOAD_AUTO_MARGIN)) + 1
+    runtime = _stream(streamed, budget)
+    assert all(getattr(runtime.config, name) == "auto" for name in LONG_ORDER)
+    assert_traces_equal(train_steps(streamed, 3, seq=12), train_steps(resident, 3, seq=12))
+    assert runtime.long_settings_for(24) == OFF
+    stats = runtime.stats()
+    assert stats["activations_offloaded"] == 0 and stats["layer_loads"] > stats["layers"]
+    inner = streamed.get_base_model()
+    assert swap.behaviours(inner), "the chunked loss is in place, and stayed off"
+    assert not any(swap.has(mlp, tiled_mlp.TiledMLP) for mlp in tiled_mlp.mlps(inner)), "no MLP was tiled"
+
+
+def test_the_short_step_comparison_fails_once_auto_chunks_the_loss(small_tiles):
+    """Negative control: the same comparison, under a budget whose margin the step passes."""
+    streamed, resident = _pair()
+    _stream(streamed, int(_needed(resident, 12) / (1 - OFFLOAD_AUTO_MARGIN)) - 4096)
+    with pytest.raises(AssertionError):
+        assert_traces_equal(train_steps(streamed, 1, seq=12), train_steps(resident, 1, seq=12))
+
+
+def test_a_long_step_under_a_small_budget_turns_all_three_on_and_matches_them_set_by_hand(small_tiles, caplog):
+    streamed, resident = _pair()
+    every = dict(offload_activations=True, loss_chunk_tokens=16, mlp_tile_tokens=16)
+    runtime = _stream(streamed, _needed(resident, 48, **every))  # fits the budget, not the margin
+    chunked_loss.apply(resident, 16)
+    tiled_mlp.apply(resident, 16)
+    with caplog.at_level(logging.WARNING, logger="layerstream"):
+        got = train_steps(streamed, 2, seq=48)
+    assert runtime.long_settings_for(96) == every
+    assert_traces_equal(got, train_steps(resident, 2, seq=48))
+    assert got.logits[0] is None, "the loss was chunked"
+    assert runtime.stats()["activations_offloaded"] > 0
+    assert all(swap.has(mlp, tiled_mlp.TiledMLP) for mlp in tiled_mlp.mlps(streamed))
+    said = [r.message for r in caplog.records if "'auto' is on" in r.message]
+    assert len(said) == 1 and all(f"{name}='auto' is on" in said[0] for name in LONG_ORDER)
+    assert "still over" in said[0]
+
+
+def test_an_explicit_value_wins_over_what_auto_would_decide(small_tiles):
+    streamed, resident = _pair()
+    given = dict(offload_activations=True, loss_chunk_tokens=None, mlp_tile_tokens=7)
+    runtime = _stream(streamed, _needed(resident, 48, **given), loss_chunk_tokens=0, mlp_tile_tokens=7)
+    out = train_steps(streamed, 1, seq=48)
+    assert runtime.long_settings_for(96) == given
+    assert out.logits[0] is not None, "loss_chunk_tokens=0: the model's own loss"
+    assert runtime.long_decision(96).names == (OFFLOAD,)
+
+
+def test_what_was_turned_on_is_said_once_per_decision(small_tiles, caplog):
+    """48 and 56 tokens need the loss chunks, 96 the MLP tiles as well: two messages, one
+    summary line and one set of Trainer figures each, however often each length comes back."""
+    streamed, resident = _pair()
+    chunked = _needed(resident, 28, loss_chunk_tokens=16)
+    budget = int((chunked + 1) / (1 - OFFLOAD_AUTO_MARGIN)) + 1
+    runtime = _stream(streamed, budget, offload_activations=False)
+    window = trainer_integration._LogWindow(runtime)
+    logged = []
+    with caplog.at_level(logging.WARNING, logger="layerstream"):
+        for seq in (24, 28, 24, 48, 28, 48):
+            train_steps(streamed, 1, seq=seq)
+            logged.append(window._new_decision())
+    assert [runtime.long_decision(2 * seq).names for seq in (24, 28, 48)] == [(CHUNK,), (CHUNK,), (CHUNK, TILE)]
+    said = [r.message for r in caplog.records if "'auto' is on" in r.message]
+    assert len(said) == 2 and "batch 2 x 24 tokens" in said[0] and "batch 2 x 48 tokens" in said[1]
+    assert [bool(figures) for figures in logged] == [True, False, False, True, False, False]
+    assert logged[3]["layerstream/mlp_tile_tokens"] == 16 and logged[0]["layerstream/mlp_tile_tokens"] == 0
+    summary = runtime.summary()
+    assert (
+        summary.count("auto turned on") == 2 and "loss_chunk_tokens=16, mlp_tile_tokens=16 at batch 2 x 48" in summary
+    )
+
+
+# -- out of memory -------------------------------------------------------------------------------
+def _step(seq, **settings):
+    """make_plan's arguments of an 8B QLoRA step as it ran: the settings off unless given."""
+    args = dict(config=load_config(LLAMA3_8B), seq=seq, batch=1, vram_bytes=1 << 50, slots=3, **OFF)
+    args.update(quantization="nf4", lora_rank=32, **settings)
+    return complete(args)
+
+
+def _assert_advice_carries_the_plans_numbers(text, args, budget):
+    """Each setting with what it frees at the step's length, and the longest lengths that
+    fit under the budget, as the planner gives them (found here without oom_advice)."""
+    now = _build(**args).needed_bytes
+    for name in LONG_ORDER:
+        lines = [line for line in text.splitlines() if line.startswith((f"turn on StreamConfig({name}=", name))]
+        assert len(lines) == 1, name
+        other = dict(args, **{name: OFF[name] if args[name] else CANDIDATES[name]})
+        frees = abs(_build(**other).needed_bytes - now)
+        assert f"frees {size_text(frees)} at batch 1 x {args['seq']} tokens" in lines[0]
+    longest = [int(n) for n in re.search(r"fits up to (\d+) tokens .* and (\d+) with all three", text).groups()]
+    for n, settings in zip(longest, ({}, CANDIDATES)):
+        at = dict(args, vram_bytes=budget, **settings)
+        assert _build(**dict(at, seq=n)).fits and not _build(**dict(at, seq=n + 1)).fits
+
+
+def test_an_out_of_memory_explanation_names_what_each_setting_frees_and_the_longest_length_that_fits():
+    budget = 12 * GiB
+    off, chunked = _step(32768), _step(32768, loss_chunk_tokens=512)
+    text = "\n".join(oom_advice(off, budget))
+    _assert_advice_carries_the_plans_numbers(text, off, budget)
+    assert text.count("turn on") == 3
+    chunked_text = "\n".join(oom_advice(chunked, budget))
+    _assert_advice_carries_the_plans_numbers(chunked_text, chunked, budget)
+    assert "loss_chunk_tokens=512 is on: it frees" in chunked_text and chunked_text.count("turn on") == 2
+    with pytest.raises(AssertionError):  # negative control: another length's numbers are not these
+        _assert_advice_carries_the_plans_numbers("\n".join(oom_advice(_step(16384), budget)), off, budget)
+
+
+def test_the_runtime_explains_out_of_memory_with_the_long_sequence_settings(small_tiles):
+    streamed, resident = _pair()
+    runtime = _stream(streamed, 2 * GiB, offload_activations=False, loss_chunk_tokens=0, mlp_tile_tokens=0)
+    train_steps(streamed, 1, seq=48)
+    text = str(runtime.explain_oom(torch.OutOfMemoryError("CUDA out of memory."), "in a training step"))
+    for name in LONG_ORDER:
+        assert f"turn on StreamConfig({name}=" in text and "frees" in text
+    frees = _needed(resident, 48) - _needed(resident, 48, loss_chunk_tokens=16)
+    assert f"(--loss-chunk-tokens 16, stream.loss_chunk_tokens: 16): frees {size_text(frees)} at batch 2 x 48" in text
+    assert re.search(r"fits up to \d+ tokens a sequence at batch 2 under 2.00 GiB", text)
+
+
+def test_the_plan_command_says_what_a_runs_defaults_turn_on_at_this_length(capsys):
+    argv = ["plan", "--model", str(LLAMA3_8B), "--vram", "16GiB", "--quantization", "nf4", "--lora-rank", "32"]
+    for seq in (2048, 32768):
+        cli.main(argv + ["--slots", "3", "--seq", str(seq)])
+        (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("auto (a run's default)")]
+        args = dict(config=load_config(LLAMA3_8B), seq=seq, batch=1, vram_bytes=16 * GiB, slots=3, **AUTO)
+        decision = decide_for(dict(args, quantization="nf4", lora_rank=32), 16 * GiB)
+        if seq == 2048:
+            assert decision.names == () and "none of the long-sequence settings" in line
+        else:
+            assert decision.names == LONG_ORDER
+            assert "turns on loss_chunk_tokens=512, mlp_tile_tokens=4096, offload_activations" in line
+            assert f"{size_text(decision.needed_without)} without them, {size_text(decision.needed)} with them" in line
