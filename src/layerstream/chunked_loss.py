@@ -14,7 +14,9 @@ here with the semantics of transformers' ``ForCausalLMLoss``: labels shifted lef
 ``shift_labels`` as given), ``ignore_index``, a sum divided by ``num_items_in_batch`` when
 the Trainer gives it (gradient accumulation), otherwise the mean over counted tokens.
 The output carries the loss and no logits. Without labels, or with autograd off
-(evaluation, generation), the model's own forward runs unchanged.
+(evaluation, generation), the model's own forward runs unchanged; so it does, with a
+warning, when the model's ``loss_function`` is not transformers' ``ForCausalLMLoss`` (one
+the user set): the chunks would compute another loss than the one asked for.
 
 The chunks run the same kernels on the same operands whether the model is streamed or
 resident, so the two agree bit for bit; against the unchunked loss the sum runs in
@@ -284,6 +286,16 @@ def _forward_mixin(cls: type) -> type:
 _MIXINS: dict = {}
 
 
+def _own_loss(model: nn.Module):
+    """The loss the model would compute, where it is not transformers' causal-LM
+    cross-entropy (the one the chunks compute): one set with ``model.loss_function = fn``,
+    a ``loss_type`` or a subclass's own. None for the default."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    function = getattr(model, "loss_function", ForCausalLMLoss)
+    return None if function is ForCausalLMLoss else function
+
+
 def _chunked_forward(self, mixin, signature, varkw, args, kwargs):
     inner = super(mixin, self).forward
     if _from_liger(getattr(inner, "__func__", inner)):
@@ -300,6 +312,16 @@ def _chunked_forward(self, mixin, signature, varkw, args, kwargs):
                 "layerstream: loss_chunk_tokens is set but the model was called without labels, so "
                 "it computes the full logits (a custom compute_loss or label smoothing pops them).",
             )
+        return inner(*args, **kwargs)
+    own = _own_loss(self)
+    if own is not None:
+        _warn_once(
+            f"own-loss:{id(own)}",
+            "layerstream: loss_chunk_tokens is not applied: %s.loss_function is %s, not transformers' "
+            "ForCausalLMLoss, so the model computes that loss itself over the full logits.",
+            type(self).__name__,
+            getattr(own, "__qualname__", repr(own)),
+        )
         return inner(*args, **kwargs)
     keep = values.get("logits_to_keep", 0)
     if not (isinstance(keep, int) and keep == 0):
