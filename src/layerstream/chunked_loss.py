@@ -71,6 +71,19 @@ def applied(model: nn.Module) -> bool:
     return unwrap_peft(model).__dict__.get(_TOKENS) is not None
 
 
+def refuse_second_order(setting: str, what: str) -> None:
+    """Called first in a backward, which autograd runs with grad mode on only under
+    ``create_graph=True`` (gradients of gradients, e.g. a gradient penalty). ``what`` takes
+    its gradients without a graph to differentiate again, so the second derivative would
+    silently miss terms: refused before any gradient is computed."""
+    if torch.is_grad_enabled():
+        raise StreamingError(
+            f"{setting}: a second derivative (backward with create_graph=True, e.g. a gradient penalty) "
+            f"through {what} is not supported: its gradients are computed without a graph, so the "
+            f"second-order gradients would be wrong. Leave {setting} unset to differentiate twice."
+        )
+
+
 def autocast_state(device_type: str) -> list:
     """The autocast settings now, for the device type and the CPU, to re-enter in backward."""
     kinds = {device_type, "cpu"}
@@ -192,6 +205,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        refuse_second_order("loss_chunk_tokens", "the chunked loss")
         grad_hidden, *param_grads = ctx.saved_tensors
         scaled = [None if g is None else g * grad.to(g.dtype) for g in param_grads]
         if grad_hidden is not None:
