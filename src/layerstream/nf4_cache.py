@@ -4,28 +4,40 @@ and a later load of the same checkpoint with the same settings quantises nothing
 
 Each layer is one file holding exactly the bytes the host store would hold for it (its
 region: packed weights and quant-state tensors at the store's aligned offsets). Next to
-them, ``manifest.json`` records what the cache was made from (each safetensors file's
-name, size, mtime and a hash of its header; the quantisation settings; the bitsandbytes
+them, a manifest records what the cache was made from (each safetensors file's name,
+size, mtime and a hash of its header; the quantisation settings; the bitsandbytes
 version and this layout's version) and, for each completed layer, its file, size, CRC32
 and tensor layout (enough to rebuild the layer's Params4bit and QuantState objects).
 
-What is checked: the fingerprint when the cache is opened (a different one: the cache is
-stale, is cleared with one warning and rebuilt); each layer's size and CRC32 when the
-loader reads it, once, before anything uses its bytes (a damaged layer is quantised
-again, with a warning). Crash safety: a layer file is written under a temporary name,
-fsync'd and renamed; the manifest is rewritten the same way after each layer, so an
-interrupted load leaves completed layers that the next load reuses.
+Every file name carries the cache's key, a hash of that fingerprint
+(``layer-00003.<key>.nf4``, ``manifest.<key>.json``): two loads with other checkpoints or
+settings sharing one directory, even at the same time, never read, replace or map each
+other's files. A load holds a shared lock on its key while it runs; files of other keys
+are stale and are cleared with one warning, unless a load holding their lock is under way.
+
+What is checked: each layer's size and CRC32 when the loader reads it, once, before
+anything uses its bytes (a damaged layer is quantised again, with a warning); and that the
+file the disk tier maps is the one that was checked or written (a file another load
+replaced in between is used only if its CRC32 is the same). Crash safety: a layer file is
+written under a temporary name, fsync'd and renamed; the manifest is rewritten the same
+way after each layer, so an interrupted load leaves completed layers that the next load
+reuses.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import json
 import logging
 import os
+import re
 import struct
+import threading
+import weakref
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -38,8 +50,19 @@ from .store import HostStore, LayerRecord
 logger = logging.getLogger(__name__)
 
 LAYOUT_VERSION = 1  # bump when what a layer file or the manifest holds changes
-MANIFEST = "manifest.json"
 DEFAULT_SUBDIRECTORY = ".layerstream-nf4"  # under the checkpoint directory, when it is writable
+# the cache's own files; the key (group 1 or 2) names the fingerprint they were made from
+_CACHE_FILE = re.compile(r"layer-\d{5}\.([0-9a-f]{16})\.nf4|manifest\.([0-9a-f]{16})\.json")
+
+
+def cache_key(source: dict) -> str:
+    """A short hash of a fingerprint: the part of every cache file name that says what the
+    file was made from."""
+    return hashlib.blake2b(json.dumps(source, sort_keys=True).encode(), digest_size=8).hexdigest()
+
+
+def manifest_name(source: dict) -> str:
+    return f"manifest.{cache_key(source)}.json"
 
 
 def header_hash(path: Path) -> str:
@@ -199,8 +222,34 @@ def restore(layer: nn.Module, layout: dict, data: torch.Tensor) -> None:
         module.weight = weight
 
 
-def crc32(data: torch.Tensor) -> int:
-    return zlib.crc32(memoryview(data.numpy())) & 0xFFFFFFFF
+def crc32(data) -> int:
+    """CRC32 of a uint8 tensor, or of anything that offers its bytes (an mmap)."""
+    return zlib.crc32(memoryview(data.numpy()) if isinstance(data, torch.Tensor) else data) & 0xFFFFFFFF
+
+
+def _identity(stat: os.stat_result) -> Tuple[int, int, int, int]:
+    return stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns
+
+
+@dataclass(frozen=True)
+class CachedLayer:
+    """A layer file as the loader checked or wrote it: what the disk tier must map."""
+
+    path: Path
+    identity: Tuple[int, int, int, int]  # device, inode, size, mtime of the checked file
+    crc32: int
+
+    def check(self, opened) -> None:
+        """Refuse the file the disk tier opened (``opened``: its descriptor and memory map)
+        unless it is the one checked, or one with the same bytes (another load with the
+        same settings may have replaced it in between)."""
+        if _identity(os.fstat(opened.buffered_fd)) == self.identity or crc32(opened.mapping) == self.crc32:
+            return
+        raise DiskCacheError(
+            f"the NF4 layer cache file {self.path} was replaced with other bytes while this load used it "
+            "(another process writing the same cache directory). Load again, or give each run its own "
+            "disk_cache_dir."
+        )
 
 
 class LayerCache:
@@ -218,8 +267,55 @@ class LayerCache:
                     f"cannot create the NF4 layer cache directory {directory} ({exc}). Point disk_cache_dir at a "
                     "writable directory, or raise host_budget so every layer stays in host RAM."
                 ) from exc
-        self.manifest_path = self.directories[0] / MANIFEST
+        self.key = cache_key(source)
+        self.manifest_path = self.directories[0] / manifest_name(source)
+        self._lock = self._hold(self.key, fcntl.LOCK_SH)  # while this object lives: until the load ends
+        weakref.finalize(self, os.close, self._lock)
+        self._clear_other_keys()
         self._open()
+
+    def _hold(self, key: str, operation: int) -> Optional[int]:
+        """A lock on ``key`` (shared: a load uses it; exclusive: no load does), or None
+        when a non-blocking one is not granted."""
+        directory = self.directories[0]
+        try:
+            fd = os.open(directory / f".lock.{key}", os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise self._write_error(directory, exc) from exc
+        try:
+            fcntl.flock(fd, operation)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        return fd
+
+    def _clear_other_keys(self) -> None:
+        """Remove the files of other keys (another checkpoint, or other settings): stale,
+        unless a load of that key is under way (it holds its lock), whose files stay."""
+        others: Dict[str, List[Path]] = {}
+        for directory in self.directories:
+            for path in directory.iterdir():
+                match = _CACHE_FILE.fullmatch(path.name)
+                key = match and (match[1] or match[2])
+                if key and key != self.key:
+                    others.setdefault(key, []).append(path)
+        cleared = False
+        for key, paths in others.items():
+            fd = self._hold(key, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if fd is None:
+                continue
+            try:
+                for path in paths:
+                    path.unlink(missing_ok=True)
+            finally:
+                os.close(fd)
+            cleared = True
+        if cleared:
+            logger.warning(
+                "layerstream: the NF4 layer cache in %s was made from another checkpoint or other settings "
+                "(files, quantisation or layout changed); clearing it and quantising again.",
+                ", ".join(map(str, self.directories)),
+            )
 
     def _open(self) -> None:
         try:
@@ -235,36 +331,37 @@ class LayerCache:
             return
         if found.get("source") != self.source:
             logger.warning(
-                "layerstream: the NF4 layer cache in %s was made from another checkpoint or other settings "
-                "(files, quantisation or layout changed); clearing it and quantising again.",
-                ", ".join(map(str, self.directories)),
+                "layerstream: the NF4 layer cache manifest %s does not hold the settings its name says; "
+                "quantising again.",
+                self.manifest_path,
             )
-            for entry in found.get("layers", {}).values():
-                Path(entry.get("file", "")).unlink(missing_ok=True)
-            self.manifest_path.unlink(missing_ok=True)
             return
         self.layers = dict(found.get("layers", {}))
 
     def path(self, index: int) -> Path:
-        return self.directories[index % len(self.directories)] / f"layer-{index:05d}.nf4"
+        return self.directories[index % len(self.directories)] / f"layer-{index:05d}.{self.key}.nf4"
 
-    def read(self, index: int) -> Optional[Tuple[torch.Tensor, dict]]:
-        """A completed layer's bytes and layout, checked against the manifest; None when it
-        is not there or is damaged (said once per layer: it is quantised again)."""
+    def read(self, index: int) -> Optional[Tuple[torch.Tensor, dict, CachedLayer]]:
+        """A completed layer's bytes and layout, checked against the manifest, and the file
+        they were read from; None when it is not there or is damaged (said once per layer:
+        it is quantised again)."""
         entry = self.layers.get(str(index))
         path = self.path(index)
         if entry is None or entry.get("file") != str(path):
             return None
         try:
-            size = os.stat(path).st_size
-            if size != entry["nbytes"]:
-                return self._damaged(index, path, f"it holds {size} bytes, the manifest {entry['nbytes']}")
-            data = torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)
-        except (OSError, RuntimeError) as exc:
+            with open(path, "rb") as handle:
+                identity = _identity(os.fstat(handle.fileno()))
+                if identity[2] != entry["nbytes"]:
+                    return self._damaged(index, path, f"it holds {identity[2]} bytes, the manifest {entry['nbytes']}")
+                data = torch.empty(identity[2], dtype=torch.uint8)
+                if handle.readinto(memoryview(data.numpy())) != identity[2]:
+                    return self._damaged(index, path, "it was cut short while being read")
+        except OSError as exc:
             return self._damaged(index, path, f"it cannot be read ({exc})")
         if crc32(data) != entry["crc32"]:
             return self._damaged(index, path, "its CRC32 differs from the manifest's")
-        return data, entry["layout"]
+        return data, entry["layout"], CachedLayer(path, identity, entry["crc32"])
 
     def _damaged(self, index: int, path: Path, why: str) -> None:
         logger.warning(
@@ -273,23 +370,26 @@ class LayerCache:
         self.layers.pop(str(index), None)
         return None
 
-    def write(self, index: int, data: torch.Tensor, layout: dict) -> Path:
+    def write(self, index: int, data: torch.Tensor, layout: dict) -> CachedLayer:
         """Write one layer's bytes (temp name, fsync, rename), then record it in the manifest."""
         path = self.path(index)
-        temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        temporary = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
-            _write_file(temporary, memoryview(data.numpy()))
+            identity = _write_file(temporary, memoryview(data.numpy()))
             os.replace(temporary, path)
             _fsync_directory(path.parent)
         except OSError as exc:
             temporary.unlink(missing_ok=True)
             raise self._write_error(path.parent, exc) from exc
-        self.layers[str(index)] = {"file": str(path), "nbytes": data.numel(), "crc32": crc32(data), "layout": layout}
+        checksum = crc32(data)
+        self.layers[str(index)] = {"file": str(path), "nbytes": data.numel(), "crc32": checksum, "layout": layout}
         self._save()
-        return path
+        return CachedLayer(path, identity, checksum)
 
     def _save(self) -> None:
-        temporary = self.manifest_path.with_name(f".{MANIFEST}.{os.getpid()}.tmp")
+        temporary = self.manifest_path.with_name(
+            f".{self.manifest_path.name}.{os.getpid()}.{threading.get_ident()}.tmp"
+        )
         text = json.dumps({"source": self.source, "layers": self.layers}, indent=1).encode()
         try:
             _write_file(temporary, memoryview(text))
@@ -311,16 +411,17 @@ class LayerCache:
 
     def provide(
         self, index: int, name: str, layer: nn.Module, quantise: Callable[[], None]
-    ) -> Tuple[LayerRecord, Path]:
+    ) -> Tuple[LayerRecord, CachedLayer]:
         """The quantised layer, from the cache when it holds it intact, else by ``quantise``
-        (which loads and quantises the meta layer in place), written to the cache."""
+        (which loads and quantises the meta layer in place), written to the cache; and the
+        file that holds it."""
         cached = self.read(index)
         if cached is not None:
-            data, layout = cached
+            data, layout, file = cached
             restore(layer, layout, data)
             record = HostStore.plan_layer(index, name, layer, lambda t: True)
             if describe(layer, record) == layout:
-                return record, self.path(index)
+                return record, file
             raise DiskCacheError(  # a bug, not a stale cache: the fingerprint matched
                 f"layer {index} rebuilt from {self.path(index)} does not have the layout it was written with; "
                 f"delete {', '.join(map(str, self.directories))} and load again."
@@ -330,13 +431,15 @@ class LayerCache:
         return record, self.write(index, region_bytes(record), describe(layer, record))
 
 
-def _write_file(path: Path, data: memoryview) -> None:
+def _write_file(path: Path, data: memoryview) -> Tuple[int, int, int, int]:
+    """Write and fsync ``data``; the written file's identity (a rename keeps it)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         done = 0
         while done < len(data):
             done += os.write(fd, data[done:])
         os.fsync(fd)
+        return _identity(os.fstat(fd))
     finally:
         os.close(fd)
 
