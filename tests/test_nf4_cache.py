@@ -101,6 +101,13 @@ def _manifest(cache):
     return json.loads(_manifest_path(cache).read_text())
 
 
+def _write_manifest(cache, manifest, reseal=True):
+    """Write an edited manifest; ``reseal``: with its digest recomputed, as if it were consistent."""
+    if reseal:
+        manifest["digest"] = nf4_cache.digest({"source": manifest["source"], "layers": manifest["layers"]})
+    _manifest_path(cache).write_text(json.dumps(manifest))
+
+
 def _disk_layer_file(model):
     tier = layerstream.get_runtime(model).disk
     return tier.layers[tier.tiers.disk[len(tier.tiers.disk) // 2]].files[0].path
@@ -180,7 +187,42 @@ def test_the_parity_check_fails_when_the_checksum_is_bypassed_negative_control(c
     for entry in manifest["layers"].values():
         if entry["file"] == str(path):
             entry["crc32"] = zlib_crc(path)
-    _manifest_path(fed.cache).write_text(json.dumps(manifest))
+    _write_manifest(fed.cache, manifest)
+    with pytest.raises(AssertionError):
+        assert_traces_equal(train_steps(_peft(_load(checkpoint)), 1), train_steps(_peft(fed()), 1))
+
+
+def _edit_block_size(cache, reseal):
+    manifest = _manifest(cache)
+    quant = manifest["layers"]["0"]["layout"]["quantised"]["self_attn.q_proj"]
+    quant["blocksize"] = quant["state_blocksize"] = 2 * quant["blocksize"]
+    _write_manifest(cache, manifest, reseal)
+
+
+@pytest.mark.parametrize("reseal", [False, True], ids=["edited", "edited-and-resealed"])
+def test_a_hand_edited_block_size_in_the_manifest_is_never_used(checkpoint, fed, counted, caplog, reseal):
+    """Edited alone, the manifest no longer matches its digest: the cache is rebuilt. With the
+    digest recomputed too, the block size disagrees with the absmax the file holds: that layer
+    is quantised again. Either way the run equals a RAM-fed one."""
+    fed()
+    _edit_block_size(fed.cache, reseal)
+    counted.clear()
+    with caplog.at_level(logging.WARNING, logger="layerstream.nf4_cache"):
+        model = _peft(fed())
+    said = " ".join(r.getMessage() for r in caplog.records)
+    if reseal:
+        assert len(counted) == 1 and "blocksize 128 (32 blocks) but 64 absmax values" in said
+    else:
+        assert len(counted) == LAYERS and "was edited or damaged" in said
+    assert_traces_equal(train_steps(_peft(_load(checkpoint)), 1), train_steps(model, 1))
+
+
+def test_a_resealed_block_size_edit_reaches_the_computation_without_the_layout_check_negative_control(
+    checkpoint, fed, monkeypatch
+):
+    fed()
+    _edit_block_size(fed.cache, reseal=True)
+    monkeypatch.setattr(nf4_cache, "layout_problem", lambda *_: None)
     with pytest.raises(AssertionError):
         assert_traces_equal(train_steps(_peft(_load(checkpoint)), 1), train_steps(_peft(fed()), 1))
 

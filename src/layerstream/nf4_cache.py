@@ -15,8 +15,11 @@ settings sharing one directory, even at the same time, never read, replace or ma
 other's files. A load holds a shared lock on its key while it runs; files of other keys
 are stale and are cleared with one warning, unless a load holding their lock is under way.
 
-What is checked: each layer's size and CRC32 when the loader reads it, once, before
-anything uses its bytes (a damaged layer is quantised again, with a warning); and that the
+What is checked: the manifest against its own digest (an edited or damaged manifest is
+not used: the cache is rebuilt); each layer's size and CRC32 when the loader reads it,
+once, before anything uses its bytes, and its layout against the settings and the layer
+(quantisation fields, shapes, the block size against the blocks its absmax holds): a
+damaged or disagreeing layer is quantised again, with a warning; and that the
 file the disk tier maps is the one that was checked or written (a file another load
 replaced in between is used only if its CRC32 is the same). Crash safety: a layer file is
 written under a temporary name, fsync'd and renamed; the manifest is rewritten the same
@@ -31,6 +34,7 @@ import fcntl
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import struct
@@ -63,6 +67,12 @@ def cache_key(source: dict) -> str:
 
 def manifest_name(source: dict) -> str:
     return f"manifest.{cache_key(source)}.json"
+
+
+def digest(body: dict) -> str:
+    """The manifest's seal: a hash of what it says (its source and layers), written beside it,
+    so that a manifest edited by hand or damaged is never used."""
+    return hashlib.blake2b(json.dumps(body, sort_keys=True).encode(), digest_size=16).hexdigest()
 
 
 def header_hash(path: Path) -> str:
@@ -162,6 +172,51 @@ def region_bytes(record: LayerRecord) -> torch.Tensor:
             value = entry.current().detach().contiguous().reshape(-1).view(torch.uint8)
             region[entry.offset : entry.offset + entry.nbytes].copy_(value)
     return region
+
+
+def layout_problem(layout: dict, settings: dict, layer: nn.Module) -> Optional[str]:
+    """Why ``layout`` cannot be what ``settings`` (the fingerprint's quantisation) made of
+    ``layer`` (None: it can be): each 4-bit module's quantisation fields and shape, and its
+    block size against the number of blocks its stored absmax holds."""
+    stored = {
+        (path, name): math.prod(shape) for path, kind, name, _, _, shape, _ in layout["entries"] if kind == "quant"
+    }
+    modules = dict(layer.named_modules())
+    for path, quant in layout["quantised"].items():
+        module = modules.get(path)
+        if module is None or not hasattr(module, "in_features"):
+            return f"it lists {path} as a 4-bit module, which the layer does not have"
+        wrong = _fields_against_settings(quant, settings, module) or _blocks_against_absmax(quant, stored, path)
+        if wrong:
+            return f"its manifest gives {path} " + "; ".join(wrong)
+    return None
+
+
+def _fields_against_settings(quant: dict, settings: dict, module: nn.Module) -> List[str]:
+    expected = {
+        "quant_type": settings["quant_type"],
+        "compress_statistics": settings["double_quant"],
+        "quant_storage": settings["quant_storage"],
+        "state_dtype": settings["dtype"],
+        "shape": [module.out_features, module.in_features],
+        "state_blocksize": quant.get("blocksize"),
+    }
+    wrong = [f"{key} {quant.get(key)!r}, not {value!r}" for key, value in expected.items() if quant.get(key) != value]
+    if (quant.get("state2") is not None) != settings["double_quant"]:
+        wrong.append(f"state2 {quant.get('state2')!r} with double_quant={settings['double_quant']}")
+    return wrong
+
+
+def _blocks_against_absmax(quant: dict, stored: dict, path: str) -> List[str]:
+    """The absmax the file holds has one value per block: a block size that disagrees with
+    its count would dequantise with the wrong scales."""
+    blocks = -(-math.prod(quant["shape"]) // quant["blocksize"])
+    if stored.get((path, "absmax")) != blocks:
+        return [f"blocksize {quant['blocksize']} ({blocks} blocks) but {stored.get((path, 'absmax'))} absmax values"]
+    nested = quant["state2"]
+    if nested is not None and stored.get((path, "state2.absmax")) != -(-blocks // nested["blocksize"]):
+        return [f"a nested blocksize {nested['blocksize']} that disagrees with its stored absmax"]
+    return []
 
 
 def restore(layer: nn.Module, layout: dict, data: torch.Tensor) -> None:
@@ -329,26 +384,33 @@ class LayerCache:
                 exc,
             )
             return
-        if found.get("source") != self.source:
+        body = {"source": found.get("source"), "layers": found.get("layers")}
+        if found.get("digest") != digest(body) or body["source"] != self.source:
             logger.warning(
-                "layerstream: the NF4 layer cache manifest %s does not hold the settings its name says; "
-                "quantising again.",
+                "layerstream: the NF4 layer cache manifest %s was edited or damaged (it does not match its own "
+                "digest, or the settings its name says); not using it: quantising again.",
                 self.manifest_path,
             )
             return
-        self.layers = dict(found.get("layers", {}))
+        self.layers = dict(body["layers"] or {})
 
     def path(self, index: int) -> Path:
         return self.directories[index % len(self.directories)] / f"layer-{index:05d}.{self.key}.nf4"
 
-    def read(self, index: int) -> Optional[Tuple[torch.Tensor, dict, CachedLayer]]:
-        """A completed layer's bytes and layout, checked against the manifest, and the file
-        they were read from; None when it is not there or is damaged (said once per layer:
-        it is quantised again)."""
+    def read(self, index: int, layer: nn.Module) -> Optional[Tuple[torch.Tensor, dict, CachedLayer]]:
+        """A completed layer's bytes and layout, checked against the manifest (and the layout
+        against the settings and ``layer``), and the file they were read from; None when it
+        is not there, is damaged or disagrees (said once per layer: it is quantised again)."""
         entry = self.layers.get(str(index))
         path = self.path(index)
         if entry is None or entry.get("file") != str(path):
             return None
+        try:
+            problem = layout_problem(entry["layout"], self.source["quantization"], layer)
+        except (KeyError, TypeError, ValueError) as exc:
+            problem = f"its manifest entry is malformed ({exc!r})"
+        if problem is not None:
+            return self._damaged(index, path, problem)
         try:
             with open(path, "rb") as handle:
                 identity = _identity(os.fstat(handle.fileno()))
@@ -390,7 +452,8 @@ class LayerCache:
         temporary = self.manifest_path.with_name(
             f".{self.manifest_path.name}.{os.getpid()}.{threading.get_ident()}.tmp"
         )
-        text = json.dumps({"source": self.source, "layers": self.layers}, indent=1).encode()
+        body = {"source": self.source, "layers": self.layers}
+        text = json.dumps({**body, "digest": digest(body)}, indent=1).encode()
         try:
             _write_file(temporary, memoryview(text))
             os.replace(temporary, self.manifest_path)
@@ -415,7 +478,7 @@ class LayerCache:
         """The quantised layer, from the cache when it holds it intact, else by ``quantise``
         (which loads and quantises the meta layer in place), written to the cache; and the
         file that holds it."""
-        cached = self.read(index)
+        cached = self.read(index, layer)
         if cached is not None:
             data, layout, file = cached
             restore(layer, layout, data)
