@@ -172,6 +172,13 @@ def expected_source(directory: Path, dtype) -> dict:
     return nf4_cache.fingerprint(list(files.values()), settings)
 
 
+def _manifest_path(directory: Path, dtype=torch.bfloat16) -> Path:
+    """The manifest the loader looks for: named by the fingerprint of the checkpoint and settings."""
+    from layerstream import nf4_cache
+
+    return directory / CACHE / nf4_cache.manifest_name(expected_source(directory, dtype))
+
+
 def write_nf4_cache(directory: Path, shape: dict, dtype=torch.bfloat16) -> None:
     """The synthetic NF4 case: real non-layer tensors, sparse layer files, and a complete
     NF4 layer cache whose every layer is the packed bytes of one quantised random layer."""
@@ -247,8 +254,7 @@ def load(directory: Path, quantization: str, host_budget, device: str, dtype=tor
     )
     if quantization == "none":
         return layerstream.from_pretrained(directory, stream=config, dtype="auto")
-    manifest = json.loads((directory / CACHE / "manifest.json").read_text())
-    if manifest["source"] != expected_source(directory, dtype):
+    if not _manifest_path(directory, dtype).exists():  # its name is a hash of what it was made from
         raise SystemExit(
             f"the NF4 cache in {directory / CACHE} does not match its checkpoint (files, settings or versions "
             "changed): delete the directory and run --phase write again"
@@ -306,7 +312,8 @@ def disk_fed(directory: Path, args, budget: int, device: str) -> dict:
 def dry_budget(directory: Path, quantization: str) -> int:
     """Five layers' worth (the ring and some RAM layers; the rest on disk) for the tiny model."""
     if quantization == "nf4":
-        return 5 * json.loads((directory / CACHE / "manifest.json").read_text())["layers"]["0"]["nbytes"]
+        manifest = next((directory / CACHE).glob("manifest.*.json"))  # any: a stale one is refused at load
+        return 5 * json.loads(manifest.read_text())["layers"]["0"]["nbytes"]
     return 5 * (directory / "layer-00000.safetensors").stat().st_size
 
 

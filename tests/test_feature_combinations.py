@@ -81,6 +81,29 @@ def test_a_merge_refused_on_a_disk_layer_changes_nothing_and_the_model_runs_on(c
     fed(torch.tensor([[3, 4, 5]]))  # still usable
 
 
+@pytest.mark.parametrize("merge", ["merge_adapter", "merge_and_unload"])
+def test_a_merge_refused_at_a_later_disk_layer_leaves_the_earlier_ram_layer_unmerged(checkpoint, merge):
+    """Adapters on a layer in host RAM (2) and on one after it read from disk (3): the refusal
+    must come before layer 2 is merged, or layer 2 is left merged and its adapters gone."""
+    torch.manual_seed(0)
+    fed = get_peft_model(
+        _load(checkpoint), lora_config(target_modules=["q_proj", "down_proj"], layers_to_transform=[2, 3])
+    )
+    tiers = layerstream.get_runtime(fed).disk.tiers
+    assert 2 in tiers.ram and 3 in tiers.disk
+    ids = torch.tensor([[3, 4, 5, 6]])
+    logits = fed(ids).logits
+    before = {k: v.clone() for k, v in fed.state_dict().items()}
+    with pytest.raises(StreamingError, match="model.layers.3 is read from disk each time"):
+        getattr(fed, merge)()
+    after = fed.state_dict()
+    assert after.keys() == before.keys(), f"the refused merge removed {sorted(before.keys() - after.keys())}"
+    changed = [k for k, v in after.items() if not torch.equal(before[k], v)]
+    assert changed == [], f"the refused merge wrote {changed}"
+    assert not any(getattr(m, "merged_adapters", None) for m in fed.modules())
+    assert torch.equal(fed(ids).logits, logits)
+
+
 def test_unstream_refuses_a_checkpoint_file_changed_in_place(copy_of):
     fed = _load(copy_of)
     _rewrite_in_place(fed)

@@ -450,6 +450,29 @@ def test_liger_fused_loss_is_used_instead_and_said_once(monkeypatch, caplog):
     assert calls == [True]
 
 
+def _scaled_loss(logits, labels, vocab_size, **kwargs):
+    """A user's own loss: not the cross-entropy the chunks compute."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    return 2 * ForCausalLMLoss(logits, labels, vocab_size, **kwargs) + logits.float().square().mean()
+
+
+def test_a_loss_function_set_on_the_model_runs_unchunked_and_exact_and_is_said(caplog):
+    """``model.loss_function = fn`` (an instance attribute) must compute the loss: chunking
+    cross-entropy in its place would train on another loss without a word."""
+    streamed, resident = peft_pair()
+    stream(streamed, "cpu", loss_chunk_tokens=CHUNK)
+    default = train_steps(copy.deepcopy(resident), 1, seq=SEQ)
+    for model in (streamed, resident):
+        layerstream.api.unwrap_peft(model).loss_function = _scaled_loss
+    with caplog.at_level(logging.WARNING, logger="layerstream"):
+        got = train_steps(streamed, 2, seq=SEQ)
+    expected = train_steps(resident, 2, seq=SEQ)
+    assert not torch.equal(default.losses[0], expected.losses[0]), "the custom loss must differ from the default"
+    assert_traces_equal(got, expected)
+    assert sum("loss_chunk_tokens is not applied" in r.message for r in caplog.records) == 1
+
+
 def test_the_trainers_use_liger_kernel_leaves_liger_in_charge_and_says_so(tmp_path, monkeypatch, caplog):
     """use_liger_kernel=True binds Liger's fused forward to the model instance, in front of
     the chunked forward: the Trainer integration says once that Liger computes the loss."""

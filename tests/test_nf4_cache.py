@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -91,8 +92,20 @@ def fed(checkpoint, ram_model_bytes, tmp_path):
     return load
 
 
+def _manifest_path(cache):
+    (path,) = cache.glob("manifest.*.json")
+    return path
+
+
 def _manifest(cache):
-    return json.loads((cache / nf4_cache.MANIFEST).read_text())
+    return json.loads(_manifest_path(cache).read_text())
+
+
+def _write_manifest(cache, manifest, reseal=True):
+    """Write an edited manifest; ``reseal``: with its digest recomputed, as if it were consistent."""
+    if reseal:
+        manifest["digest"] = nf4_cache.digest({"source": manifest["source"], "layers": manifest["layers"]})
+    _manifest_path(cache).write_text(json.dumps(manifest))
 
 
 def _disk_layer_file(model):
@@ -174,7 +187,42 @@ def test_the_parity_check_fails_when_the_checksum_is_bypassed_negative_control(c
     for entry in manifest["layers"].values():
         if entry["file"] == str(path):
             entry["crc32"] = zlib_crc(path)
-    (fed.cache / nf4_cache.MANIFEST).write_text(json.dumps(manifest))
+    _write_manifest(fed.cache, manifest)
+    with pytest.raises(AssertionError):
+        assert_traces_equal(train_steps(_peft(_load(checkpoint)), 1), train_steps(_peft(fed()), 1))
+
+
+def _edit_block_size(cache, reseal):
+    manifest = _manifest(cache)
+    quant = manifest["layers"]["0"]["layout"]["quantised"]["self_attn.q_proj"]
+    quant["blocksize"] = quant["state_blocksize"] = 2 * quant["blocksize"]
+    _write_manifest(cache, manifest, reseal)
+
+
+@pytest.mark.parametrize("reseal", [False, True], ids=["edited", "edited-and-resealed"])
+def test_a_hand_edited_block_size_in_the_manifest_is_never_used(checkpoint, fed, counted, caplog, reseal):
+    """Edited alone, the manifest no longer matches its digest: the cache is rebuilt. With the
+    digest recomputed too, the block size disagrees with the absmax the file holds: that layer
+    is quantised again. Either way the run equals a RAM-fed one."""
+    fed()
+    _edit_block_size(fed.cache, reseal)
+    counted.clear()
+    with caplog.at_level(logging.WARNING, logger="layerstream.nf4_cache"):
+        model = _peft(fed())
+    said = " ".join(r.getMessage() for r in caplog.records)
+    if reseal:
+        assert len(counted) == 1 and "blocksize 128 (32 blocks) but 64 absmax values" in said
+    else:
+        assert len(counted) == LAYERS and "was edited or damaged" in said
+    assert_traces_equal(train_steps(_peft(_load(checkpoint)), 1), train_steps(model, 1))
+
+
+def test_a_resealed_block_size_edit_reaches_the_computation_without_the_layout_check_negative_control(
+    checkpoint, fed, monkeypatch
+):
+    fed()
+    _edit_block_size(fed.cache, reseal=True)
+    monkeypatch.setattr(nf4_cache, "layout_problem", lambda *_: None)
     with pytest.raises(AssertionError):
         assert_traces_equal(train_steps(_peft(_load(checkpoint)), 1), train_steps(_peft(fed()), 1))
 
@@ -206,6 +254,72 @@ def test_other_quantisation_settings_make_the_cache_stale(checkpoint, ram_model_
         model = _load(checkpoint, budget, str(tmp_path), bnb_4bit_use_double_quant=False)
     assert layerstream.get_runtime(model).disk is not None
     assert len(counted) == LAYERS and any("other settings" in r.getMessage() for r in caplog.records)
+    key = nf4_cache.cache_key(_manifest(tmp_path)["source"])
+    assert all(key in p.name for p in tmp_path.glob("*.nf4")), "the other settings' files were cleared"
+
+
+def _logits(model):
+    ids = torch.randint(3, 90, (2, 6), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def test_a_load_with_other_settings_running_in_the_same_directory_meanwhile_maps_none_of_its_files(
+    checkpoint, ram_model_bytes, tmp_path, monkeypatch
+):
+    """Between writing its first layer file and mapping it, a double-quantised load waits for a
+    whole single-quantised load into the same directory, in another thread: each model must
+    read only files of its own settings (before, they shared names and the first mapped the
+    second's file)."""
+    budget, cache = 3 * ram_model_bytes, str(tmp_path)
+    real_write, other = nf4_cache.LayerCache.write, []
+
+    def write_then_load_the_other(self, index, data, layout):
+        written = real_write(self, index, data, layout)
+        if not other:
+            other.append(None)
+            with ThreadPoolExecutor(1) as pool:
+                other[0] = pool.submit(_load, checkpoint, budget, cache, bnb_4bit_use_double_quant=False).result()
+        return written
+
+    monkeypatch.setattr(nf4_cache.LayerCache, "write", write_then_load_the_other)
+    nested = _load(checkpoint, budget, cache)
+    monkeypatch.undo()
+    single = other[0]
+    assert all(layerstream.get_runtime(m).disk.holds(0) for m in (nested, single))
+    ram_nested, ram_single = _load(checkpoint), _load(checkpoint, bnb_4bit_use_double_quant=False)
+    assert not torch.equal(_logits(ram_nested), _logits(ram_single)), "the settings give other numbers"
+    assert torch.equal(_logits(nested), _logits(ram_nested))
+    assert torch.equal(_logits(single), _logits(ram_single))
+
+
+@pytest.mark.parametrize("same_bytes", [True, False], ids=["same-bytes", "other-bytes"])
+def test_a_layer_file_replaced_before_it_is_mapped_is_used_only_with_the_bytes_written(
+    checkpoint, fed, monkeypatch, same_bytes
+):
+    """Another process writing the same cache may replace a layer file between this load's
+    write and its mapping: the same bytes are fine, other bytes are refused naming the file."""
+    real_write = nf4_cache.LayerCache.write
+
+    def write_then_replace(self, index, data, layout):
+        written = real_write(self, index, data, layout)
+        if index == 0:
+            path = self.path(index)
+            replacement = path.with_name("replacement")
+            shutil.copyfile(path, replacement)
+            if not same_bytes:
+                _flip(replacement)
+            os.replace(replacement, path)
+        return written
+
+    monkeypatch.setattr(nf4_cache.LayerCache, "write", write_then_replace)
+    if not same_bytes:
+        with pytest.raises(DiskCacheError, match=r"layer-00000\.[0-9a-f]+\.nf4 was replaced with other bytes"):
+            fed()
+        return
+    model = fed()
+    assert layerstream.get_runtime(model).disk.holds(0)
+    assert torch.equal(_logits(model), _logits(_load(checkpoint)))
 
 
 def test_an_interrupted_load_leaves_completed_layers_that_the_next_load_reuses(checkpoint, fed, counted, monkeypatch):
@@ -246,7 +360,12 @@ def test_a_full_disk_names_the_directory_and_leaves_no_half_written_layer(fed, c
     assert str(fed.cache) in message and "Free space" in message and "disk_cache_dir" in message
     assert "host_budget" in message
     assert sorted(_manifest(fed.cache)["layers"]) == ["0", "1"]
-    assert sorted(p.name for p in fed.cache.iterdir()) == ["layer-00000.nf4", "layer-00001.nf4", "manifest.json"]
+    key = nf4_cache.cache_key(_manifest(fed.cache)["source"])
+    assert sorted(p.name for p in fed.cache.iterdir() if not p.name.startswith(".lock")) == [
+        f"layer-00000.{key}.nf4",
+        f"layer-00001.{key}.nf4",
+        f"manifest.{key}.json",
+    ]
     counted.clear()
     fed()
     assert len(counted) == LAYERS - 2
@@ -255,8 +374,9 @@ def test_a_full_disk_names_the_directory_and_leaves_no_half_written_layer(fed, c
 def test_a_comma_list_stripes_the_layers_over_directories(checkpoint, ram_model_bytes, tmp_path):
     first, second = tmp_path / "a", tmp_path / "b"
     model = _peft(_load(checkpoint, 5 * ram_model_bytes, f"{first},{second}"))
-    assert sorted(p.name for p in second.iterdir()) == [f"layer-{i:05d}.nf4" for i in range(1, LAYERS, 2)]
-    assert (first / nf4_cache.MANIFEST).exists() and not (second / nf4_cache.MANIFEST).exists()
+    key = nf4_cache.cache_key(_manifest(first)["source"])
+    assert sorted(p.name for p in second.iterdir()) == [f"layer-{i:05d}.{key}.nf4" for i in range(1, LAYERS, 2)]
+    assert not list(second.glob("manifest*"))
     assert_traces_equal(train_steps(_peft(_load(checkpoint)), 1), train_steps(model, 1))
 
 

@@ -2,6 +2,7 @@
 frozen layers; the segment goes away with its last user, also after a SIGKILL; two
 processes sharing it train like one process at the same global batch."""
 
+import json
 import os
 import signal
 import subprocess
@@ -289,4 +290,68 @@ def test_a_merge_into_a_shared_store_is_refused_before_anything_changes(tmp_path
         model.merge_adapter()
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, before)
+    shared_store.leave_all()
+
+
+# -- a segment modified by another process --------------------------------------------------------
+def _shared_checkpoint(tmp_path, monkeypatch):
+    checkpoint, folder = tmp_path / "ckpt", tmp_path / "shm"
+    _checkpoint(checkpoint)
+    folder.mkdir()
+    monkeypatch.setenv("LAYERSTREAM_SHM_DIR", str(folder))
+    return checkpoint, folder
+
+
+def _plain(checkpoint, share, checksum=False):
+    config = layerstream.StreamConfig(
+        device="cpu", slots=2, prefetch=1, vram_budget=None, share_host_store=share, checksum=checksum
+    )
+    return layerstream.from_pretrained(checkpoint, dtype=torch.float32, stream=config)
+
+
+def _logits(model):
+    with torch.no_grad():
+        return model(input_ids=batch(96, size=2, seq=8)).logits
+
+
+def _modify_a_layer_in_the_segment(folder, position=1):
+    """Another process of the same user writes into layer ``position``'s bytes in the arena file."""
+    (manifest,) = folder.glob("*.manifest")
+    layout = json.loads(manifest.read_text())["layers"][position]
+    arena = folder / f"{manifest.name[: -len('.manifest')]}.{layout['arena']}.arena"
+    with open(arena, "r+b") as handle:
+        handle.seek(layout["offset"] + 10)
+        value = handle.read(1)[0]
+        handle.seek(layout["offset"] + 10)
+        handle.write(bytes([value ^ 0x40]))
+    return layout["name"]
+
+
+def test_a_rank_joining_with_checksums_refuses_a_segment_another_process_modified(tmp_path, monkeypatch):
+    checkpoint, folder = _shared_checkpoint(tmp_path, monkeypatch)
+    _plain(checkpoint, True)  # the builder
+    name = _modify_a_layer_in_the_segment(folder)
+    with pytest.raises(shared_store.SharedStoreError, match=rf"{name} in the shared host store .* another process"):
+        _plain(checkpoint, True, checksum=True)
+    shared_store.leave_all()
+
+
+def test_without_checksums_a_joining_rank_maps_the_modified_bytes_negative_control(tmp_path, monkeypatch):
+    """What checksum=False does not protect against: the joining rank computes with the bytes
+    another process wrote into the segment."""
+    checkpoint, folder = _shared_checkpoint(tmp_path, monkeypatch)
+    _plain(checkpoint, True)
+    _modify_a_layer_in_the_segment(folder)
+    joined = _plain(checkpoint, True, checksum=False)
+    assert not torch.equal(_logits(joined), _logits(_plain(checkpoint, False)))
+    shared_store.leave_all()
+
+
+def test_a_rank_joining_an_unmodified_segment_with_checksums_computes_exactly(tmp_path, monkeypatch):
+    checkpoint, folder = _shared_checkpoint(tmp_path, monkeypatch)
+    builder = _plain(checkpoint, True)
+    joined = _plain(checkpoint, True, checksum=True)
+    assert not layerstream.get_runtime(joined).store.segment.builder
+    assert torch.equal(_logits(joined), _logits(_plain(checkpoint, False)))
+    assert torch.equal(_logits(builder), _logits(joined))
     shared_store.leave_all()

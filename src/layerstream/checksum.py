@@ -10,6 +10,7 @@ check waits for the device, so this mode is for finding a fault, not for trainin
 
 from __future__ import annotations
 
+import warnings
 from typing import Dict
 
 import torch
@@ -24,6 +25,15 @@ def checksum(region: torch.Tensor) -> int:
     if whole < region.numel():
         total = total + region[whole:].sum(dtype=torch.int64)
     return int(total.item())
+
+
+def checksum_of(buffer, offset: int, nbytes: int) -> int:
+    """``checksum`` of ``nbytes`` bytes of any buffer (a read-only memory map too) from ``offset``."""
+    if not nbytes:
+        return 0
+    with warnings.catch_warnings():  # read only: nothing writes through this view
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return checksum(torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes, offset=offset))
 
 
 class SlotChecker:

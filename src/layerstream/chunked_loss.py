@@ -14,7 +14,9 @@ here with the semantics of transformers' ``ForCausalLMLoss``: labels shifted lef
 ``shift_labels`` as given), ``ignore_index``, a sum divided by ``num_items_in_batch`` when
 the Trainer gives it (gradient accumulation), otherwise the mean over counted tokens.
 The output carries the loss and no logits. Without labels, or with autograd off
-(evaluation, generation), the model's own forward runs unchanged.
+(evaluation, generation), the model's own forward runs unchanged; so it does, with a
+warning, when the model's ``loss_function`` is not transformers' ``ForCausalLMLoss`` (one
+the user set): the chunks would compute another loss than the one asked for.
 
 The chunks run the same kernels on the same operands whether the model is streamed or
 resident, so the two agree bit for bit; against the unchunked loss the sum runs in
@@ -74,6 +76,19 @@ def set_tokens(model: nn.Module, tokens: int) -> None:
     """The chunk of the next calls of a model ``apply`` prepared; 0: its own forward runs
     (loss_chunk_tokens="auto" decides per call)."""
     object.__setattr__(unwrap_peft(model), _TOKENS, tokens)
+
+
+def refuse_second_order(setting: str, what: str) -> None:
+    """Called first in a backward, which autograd runs with grad mode on only under
+    ``create_graph=True`` (gradients of gradients, e.g. a gradient penalty). ``what`` takes
+    its gradients without a graph to differentiate again, so the second derivative would
+    silently miss terms: refused before any gradient is computed."""
+    if torch.is_grad_enabled():
+        raise StreamingError(
+            f"{setting}: a second derivative (backward with create_graph=True, e.g. a gradient penalty) "
+            f"through {what} is not supported: its gradients are computed without a graph, so the "
+            f"second-order gradients would be wrong. Leave {setting} unset to differentiate twice."
+        )
 
 
 def autocast_state(device_type: str) -> list:
@@ -197,6 +212,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        refuse_second_order("loss_chunk_tokens", "the chunked loss")
         grad_hidden, *param_grads = ctx.saved_tensors
         scaled = [None if g is None else g * grad.to(g.dtype) for g in param_grads]
         if grad_hidden is not None:
@@ -291,6 +307,16 @@ def _forward_mixin(cls: type) -> type:
 _MIXINS: dict = {}
 
 
+def _own_loss(model: nn.Module):
+    """The loss the model would compute, where it is not transformers' causal-LM
+    cross-entropy (the one the chunks compute): one set with ``model.loss_function = fn``,
+    a ``loss_type`` or a subclass's own. None for the default."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    function = getattr(model, "loss_function", ForCausalLMLoss)
+    return None if function is ForCausalLMLoss else function
+
+
 def _chunked_forward(self, mixin, signature, varkw, args, kwargs):
     inner = super(mixin, self).forward
     if not self.__dict__.get(_TOKENS):  # off for this call (loss_chunk_tokens="auto")
@@ -309,6 +335,16 @@ def _chunked_forward(self, mixin, signature, varkw, args, kwargs):
                 "layerstream: loss_chunk_tokens is set but the model was called without labels, so "
                 "it computes the full logits (a custom compute_loss or label smoothing pops them).",
             )
+        return inner(*args, **kwargs)
+    own = _own_loss(self)
+    if own is not None:
+        _warn_once(
+            f"own-loss:{id(own)}",
+            "layerstream: loss_chunk_tokens is not applied: %s.loss_function is %s, not transformers' "
+            "ForCausalLMLoss, so the model computes that loss itself over the full logits.",
+            type(self).__name__,
+            getattr(own, "__qualname__", repr(own)),
+        )
         return inner(*args, **kwargs)
     keep = values.get("logits_to_keep", 0)
     if not (isinstance(keep, int) and keep == 0):

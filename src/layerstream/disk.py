@@ -174,15 +174,16 @@ class DiskTier:
         )
         return known
 
-    def add_cache_file(self, path: Path, record: LayerRecord) -> Dict[str, Path]:
-        """A layer file of the NF4 cache (``nf4_cache``) as a source: it holds the layer's
-        region byte for byte, so each tensor sits at its region offset. Returns the
-        tensor name -> file map ``attach`` takes."""
+    def add_cache_file(self, cached, record: LayerRecord) -> Dict[str, Path]:
+        """A layer file of the NF4 cache (``nf4_cache.CachedLayer``: checked as the file the
+        loader read or wrote) as a source: it holds the layer's region byte for byte, so each
+        tensor sits at its region offset. Returns the tensor name -> file map ``attach`` takes."""
+        path = cached.path
         tensors = {
             e.qualified_name: StoredTensor(path, TORCH_DTYPE_NAMES[e.dtype], e.shape, False) for e in record.entries
         }
         offsets = {e.qualified_name: (e.offset, e.offset + e.nbytes) for e in record.entries}
-        self._file(path, (tensors, offsets))
+        cached.check(self._file(path, (tensors, offsets)))
         return {name: path for name in tensors}
 
     def attach(self, store: HostStore, record: LayerRecord, files: Dict[str, Path]) -> None:

@@ -25,6 +25,8 @@ refuses deepcopy and pickling the same way.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -113,6 +115,31 @@ def without_cache(kwargs: dict, warned: bool):
             "checkpointing). Set model.config.use_cache = False for training to silence this."
         )
     return kwargs, True
+
+
+def refuse_second_order(output, layer: nn.Module):
+    """A streamed layer's backward recomputes it on weights bound from a slot that later
+    layers' copies overwrite, so a graph built by that backward (``create_graph=True``:
+    gradients of gradients, e.g. a gradient penalty) would be differentiated on other
+    bytes. A hook on the layer's output sees its gradient before the layer's backward
+    starts, with grad mode on only under ``create_graph``: the refusal comes before any
+    layer recomputes. Returns ``output``."""
+    tensors = output if isinstance(output, (tuple, list)) else (output,)
+    first = next((t for t in tensors if isinstance(t, torch.Tensor) and t.requires_grad), None)
+    if first is not None:
+        first.register_hook(functools.partial(_refuse_create_graph, layer))
+    return output
+
+
+def _refuse_create_graph(layer: nn.Module, grad):
+    if torch.is_grad_enabled():
+        name = layer._layerstream_runtime.records[layer._layerstream_index].name
+        raise StreamingError(
+            f"a second derivative (backward with create_graph=True, e.g. a gradient penalty) through the "
+            f"streamed layer {name} is not supported: its backward reads weights from a GPU slot that later "
+            "layers reuse, so the graph for the second derivative would read other weights. Differentiate "
+            "twice on a model that is not streamed (layerstream.unstream_model(model))."
+        )
 
 
 def call_unstreamed(layer: nn.Module, args, kwargs):

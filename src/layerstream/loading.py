@@ -290,7 +290,7 @@ def _shared_segment(stream: StreamConfig, tiers, files, dtype, quant_config, qua
         "arena_bytes": stream.arena_bytes,
     }
     name = shared_store.PREFIX + shared_store.fingerprint(sorted(set(files.values())), **settings)
-    segment = shared_store.Segment(name).join()
+    segment = shared_store.Segment(name, verify=bool(stream.checksum)).join()
     logger.info(
         "layerstream: %s the shared host store %s", "building" if segment.builder else "mapping", segment.folder / name
     )

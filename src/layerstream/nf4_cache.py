@@ -4,28 +4,44 @@ and a later load of the same checkpoint with the same settings quantises nothing
 
 Each layer is one file holding exactly the bytes the host store would hold for it (its
 region: packed weights and quant-state tensors at the store's aligned offsets). Next to
-them, ``manifest.json`` records what the cache was made from (each safetensors file's
-name, size, mtime and a hash of its header; the quantisation settings; the bitsandbytes
+them, a manifest records what the cache was made from (each safetensors file's name,
+size, mtime and a hash of its header; the quantisation settings; the bitsandbytes
 version and this layout's version) and, for each completed layer, its file, size, CRC32
 and tensor layout (enough to rebuild the layer's Params4bit and QuantState objects).
 
-What is checked: the fingerprint when the cache is opened (a different one: the cache is
-stale, is cleared with one warning and rebuilt); each layer's size and CRC32 when the
-loader reads it, once, before anything uses its bytes (a damaged layer is quantised
-again, with a warning). Crash safety: a layer file is written under a temporary name,
-fsync'd and renamed; the manifest is rewritten the same way after each layer, so an
-interrupted load leaves completed layers that the next load reuses.
+Every file name carries the cache's key, a hash of that fingerprint
+(``layer-00003.<key>.nf4``, ``manifest.<key>.json``): two loads with other checkpoints or
+settings sharing one directory, even at the same time, never read, replace or map each
+other's files. A load holds a shared lock on its key while it runs; files of other keys
+are stale and are cleared with one warning, unless a load holding their lock is under way.
+
+What is checked: the manifest against its own digest (an edited or damaged manifest is
+not used: the cache is rebuilt); each layer's size and CRC32 when the loader reads it,
+once, before anything uses its bytes, and its layout against the settings and the layer
+(quantisation fields, shapes, the block size against the blocks its absmax holds): a
+damaged or disagreeing layer is quantised again, with a warning; and that the
+file the disk tier maps is the one that was checked or written (a file another load
+replaced in between is used only if its CRC32 is the same). Crash safety: a layer file is
+written under a temporary name, fsync'd and renamed; the manifest is rewritten the same
+way after each layer, so an interrupted load leaves completed layers that the next load
+reuses.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import json
 import logging
+import math
 import os
+import re
 import struct
+import threading
+import weakref
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -38,8 +54,25 @@ from .store import HostStore, LayerRecord
 logger = logging.getLogger(__name__)
 
 LAYOUT_VERSION = 1  # bump when what a layer file or the manifest holds changes
-MANIFEST = "manifest.json"
 DEFAULT_SUBDIRECTORY = ".layerstream-nf4"  # under the checkpoint directory, when it is writable
+# the cache's own files; the key (group 1 or 2) names the fingerprint they were made from
+_CACHE_FILE = re.compile(r"layer-\d{5}\.([0-9a-f]{16})\.nf4|manifest\.([0-9a-f]{16})\.json")
+
+
+def cache_key(source: dict) -> str:
+    """A short hash of a fingerprint: the part of every cache file name that says what the
+    file was made from."""
+    return hashlib.blake2b(json.dumps(source, sort_keys=True).encode(), digest_size=8).hexdigest()
+
+
+def manifest_name(source: dict) -> str:
+    return f"manifest.{cache_key(source)}.json"
+
+
+def digest(body: dict) -> str:
+    """The manifest's seal: a hash of what it says (its source and layers), written beside it,
+    so that a manifest edited by hand or damaged is never used."""
+    return hashlib.blake2b(json.dumps(body, sort_keys=True).encode(), digest_size=16).hexdigest()
 
 
 def header_hash(path: Path) -> str:
@@ -141,6 +174,51 @@ def region_bytes(record: LayerRecord) -> torch.Tensor:
     return region
 
 
+def layout_problem(layout: dict, settings: dict, layer: nn.Module) -> Optional[str]:
+    """Why ``layout`` cannot be what ``settings`` (the fingerprint's quantisation) made of
+    ``layer`` (None: it can be): each 4-bit module's quantisation fields and shape, and its
+    block size against the number of blocks its stored absmax holds."""
+    stored = {
+        (path, name): math.prod(shape) for path, kind, name, _, _, shape, _ in layout["entries"] if kind == "quant"
+    }
+    modules = dict(layer.named_modules())
+    for path, quant in layout["quantised"].items():
+        module = modules.get(path)
+        if module is None or not hasattr(module, "in_features"):
+            return f"it lists {path} as a 4-bit module, which the layer does not have"
+        wrong = _fields_against_settings(quant, settings, module) or _blocks_against_absmax(quant, stored, path)
+        if wrong:
+            return f"its manifest gives {path} " + "; ".join(wrong)
+    return None
+
+
+def _fields_against_settings(quant: dict, settings: dict, module: nn.Module) -> List[str]:
+    expected = {
+        "quant_type": settings["quant_type"],
+        "compress_statistics": settings["double_quant"],
+        "quant_storage": settings["quant_storage"],
+        "state_dtype": settings["dtype"],
+        "shape": [module.out_features, module.in_features],
+        "state_blocksize": quant.get("blocksize"),
+    }
+    wrong = [f"{key} {quant.get(key)!r}, not {value!r}" for key, value in expected.items() if quant.get(key) != value]
+    if (quant.get("state2") is not None) != settings["double_quant"]:
+        wrong.append(f"state2 {quant.get('state2')!r} with double_quant={settings['double_quant']}")
+    return wrong
+
+
+def _blocks_against_absmax(quant: dict, stored: dict, path: str) -> List[str]:
+    """The absmax the file holds has one value per block: a block size that disagrees with
+    its count would dequantise with the wrong scales."""
+    blocks = -(-math.prod(quant["shape"]) // quant["blocksize"])
+    if stored.get((path, "absmax")) != blocks:
+        return [f"blocksize {quant['blocksize']} ({blocks} blocks) but {stored.get((path, 'absmax'))} absmax values"]
+    nested = quant["state2"]
+    if nested is not None and stored.get((path, "state2.absmax")) != -(-blocks // nested["blocksize"]):
+        return [f"a nested blocksize {nested['blocksize']} that disagrees with its stored absmax"]
+    return []
+
+
 def restore(layer: nn.Module, layout: dict, data: torch.Tensor) -> None:
     """Give a meta layer the tensors ``layout`` describes, as views of ``data`` (a layer
     file's bytes): the quantised layer as ``nf4.quantise_layer`` left it, without
@@ -199,8 +277,34 @@ def restore(layer: nn.Module, layout: dict, data: torch.Tensor) -> None:
         module.weight = weight
 
 
-def crc32(data: torch.Tensor) -> int:
-    return zlib.crc32(memoryview(data.numpy())) & 0xFFFFFFFF
+def crc32(data) -> int:
+    """CRC32 of a uint8 tensor, or of anything that offers its bytes (an mmap)."""
+    return zlib.crc32(memoryview(data.numpy()) if isinstance(data, torch.Tensor) else data) & 0xFFFFFFFF
+
+
+def _identity(stat: os.stat_result) -> Tuple[int, int, int, int]:
+    return stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns
+
+
+@dataclass(frozen=True)
+class CachedLayer:
+    """A layer file as the loader checked or wrote it: what the disk tier must map."""
+
+    path: Path
+    identity: Tuple[int, int, int, int]  # device, inode, size, mtime of the checked file
+    crc32: int
+
+    def check(self, opened) -> None:
+        """Refuse the file the disk tier opened (``opened``: its descriptor and memory map)
+        unless it is the one checked, or one with the same bytes (another load with the
+        same settings may have replaced it in between)."""
+        if _identity(os.fstat(opened.buffered_fd)) == self.identity or crc32(opened.mapping) == self.crc32:
+            return
+        raise DiskCacheError(
+            f"the NF4 layer cache file {self.path} was replaced with other bytes while this load used it "
+            "(another process writing the same cache directory). Load again, or give each run its own "
+            "disk_cache_dir."
+        )
 
 
 class LayerCache:
@@ -218,8 +322,55 @@ class LayerCache:
                     f"cannot create the NF4 layer cache directory {directory} ({exc}). Point disk_cache_dir at a "
                     "writable directory, or raise host_budget so every layer stays in host RAM."
                 ) from exc
-        self.manifest_path = self.directories[0] / MANIFEST
+        self.key = cache_key(source)
+        self.manifest_path = self.directories[0] / manifest_name(source)
+        self._lock = self._hold(self.key, fcntl.LOCK_SH)  # while this object lives: until the load ends
+        weakref.finalize(self, os.close, self._lock)
+        self._clear_other_keys()
         self._open()
+
+    def _hold(self, key: str, operation: int) -> Optional[int]:
+        """A lock on ``key`` (shared: a load uses it; exclusive: no load does), or None
+        when a non-blocking one is not granted."""
+        directory = self.directories[0]
+        try:
+            fd = os.open(directory / f".lock.{key}", os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise self._write_error(directory, exc) from exc
+        try:
+            fcntl.flock(fd, operation)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        return fd
+
+    def _clear_other_keys(self) -> None:
+        """Remove the files of other keys (another checkpoint, or other settings): stale,
+        unless a load of that key is under way (it holds its lock), whose files stay."""
+        others: Dict[str, List[Path]] = {}
+        for directory in self.directories:
+            for path in directory.iterdir():
+                match = _CACHE_FILE.fullmatch(path.name)
+                key = match and (match[1] or match[2])
+                if key and key != self.key:
+                    others.setdefault(key, []).append(path)
+        cleared = False
+        for key, paths in others.items():
+            fd = self._hold(key, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if fd is None:
+                continue
+            try:
+                for path in paths:
+                    path.unlink(missing_ok=True)
+            finally:
+                os.close(fd)
+            cleared = True
+        if cleared:
+            logger.warning(
+                "layerstream: the NF4 layer cache in %s was made from another checkpoint or other settings "
+                "(files, quantisation or layout changed); clearing it and quantising again.",
+                ", ".join(map(str, self.directories)),
+            )
 
     def _open(self) -> None:
         try:
@@ -233,38 +384,46 @@ class LayerCache:
                 exc,
             )
             return
-        if found.get("source") != self.source:
+        body = {"source": found.get("source"), "layers": found.get("layers")}
+        if found.get("digest") != digest(body) or body["source"] != self.source:
             logger.warning(
-                "layerstream: the NF4 layer cache in %s was made from another checkpoint or other settings "
-                "(files, quantisation or layout changed); clearing it and quantising again.",
-                ", ".join(map(str, self.directories)),
+                "layerstream: the NF4 layer cache manifest %s was edited or damaged (it does not match its own "
+                "digest, or the settings its name says); not using it: quantising again.",
+                self.manifest_path,
             )
-            for entry in found.get("layers", {}).values():
-                Path(entry.get("file", "")).unlink(missing_ok=True)
-            self.manifest_path.unlink(missing_ok=True)
             return
-        self.layers = dict(found.get("layers", {}))
+        self.layers = dict(body["layers"] or {})
 
     def path(self, index: int) -> Path:
-        return self.directories[index % len(self.directories)] / f"layer-{index:05d}.nf4"
+        return self.directories[index % len(self.directories)] / f"layer-{index:05d}.{self.key}.nf4"
 
-    def read(self, index: int) -> Optional[Tuple[torch.Tensor, dict]]:
-        """A completed layer's bytes and layout, checked against the manifest; None when it
-        is not there or is damaged (said once per layer: it is quantised again)."""
+    def read(self, index: int, layer: nn.Module) -> Optional[Tuple[torch.Tensor, dict, CachedLayer]]:
+        """A completed layer's bytes and layout, checked against the manifest (and the layout
+        against the settings and ``layer``), and the file they were read from; None when it
+        is not there, is damaged or disagrees (said once per layer: it is quantised again)."""
         entry = self.layers.get(str(index))
         path = self.path(index)
         if entry is None or entry.get("file") != str(path):
             return None
         try:
-            size = os.stat(path).st_size
-            if size != entry["nbytes"]:
-                return self._damaged(index, path, f"it holds {size} bytes, the manifest {entry['nbytes']}")
-            data = torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)
-        except (OSError, RuntimeError) as exc:
+            problem = layout_problem(entry["layout"], self.source["quantization"], layer)
+        except (KeyError, TypeError, ValueError) as exc:
+            problem = f"its manifest entry is malformed ({exc!r})"
+        if problem is not None:
+            return self._damaged(index, path, problem)
+        try:
+            with open(path, "rb") as handle:
+                identity = _identity(os.fstat(handle.fileno()))
+                if identity[2] != entry["nbytes"]:
+                    return self._damaged(index, path, f"it holds {identity[2]} bytes, the manifest {entry['nbytes']}")
+                data = torch.empty(identity[2], dtype=torch.uint8)
+                if handle.readinto(memoryview(data.numpy())) != identity[2]:
+                    return self._damaged(index, path, "it was cut short while being read")
+        except OSError as exc:
             return self._damaged(index, path, f"it cannot be read ({exc})")
         if crc32(data) != entry["crc32"]:
             return self._damaged(index, path, "its CRC32 differs from the manifest's")
-        return data, entry["layout"]
+        return data, entry["layout"], CachedLayer(path, identity, entry["crc32"])
 
     def _damaged(self, index: int, path: Path, why: str) -> None:
         logger.warning(
@@ -273,24 +432,28 @@ class LayerCache:
         self.layers.pop(str(index), None)
         return None
 
-    def write(self, index: int, data: torch.Tensor, layout: dict) -> Path:
+    def write(self, index: int, data: torch.Tensor, layout: dict) -> CachedLayer:
         """Write one layer's bytes (temp name, fsync, rename), then record it in the manifest."""
         path = self.path(index)
-        temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        temporary = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
-            _write_file(temporary, memoryview(data.numpy()))
+            identity = _write_file(temporary, memoryview(data.numpy()))
             os.replace(temporary, path)
             _fsync_directory(path.parent)
         except OSError as exc:
             temporary.unlink(missing_ok=True)
             raise self._write_error(path.parent, exc) from exc
-        self.layers[str(index)] = {"file": str(path), "nbytes": data.numel(), "crc32": crc32(data), "layout": layout}
+        checksum = crc32(data)
+        self.layers[str(index)] = {"file": str(path), "nbytes": data.numel(), "crc32": checksum, "layout": layout}
         self._save()
-        return path
+        return CachedLayer(path, identity, checksum)
 
     def _save(self) -> None:
-        temporary = self.manifest_path.with_name(f".{MANIFEST}.{os.getpid()}.tmp")
-        text = json.dumps({"source": self.source, "layers": self.layers}, indent=1).encode()
+        temporary = self.manifest_path.with_name(
+            f".{self.manifest_path.name}.{os.getpid()}.{threading.get_ident()}.tmp"
+        )
+        body = {"source": self.source, "layers": self.layers}
+        text = json.dumps({**body, "digest": digest(body)}, indent=1).encode()
         try:
             _write_file(temporary, memoryview(text))
             os.replace(temporary, self.manifest_path)
@@ -311,16 +474,17 @@ class LayerCache:
 
     def provide(
         self, index: int, name: str, layer: nn.Module, quantise: Callable[[], None]
-    ) -> Tuple[LayerRecord, Path]:
+    ) -> Tuple[LayerRecord, CachedLayer]:
         """The quantised layer, from the cache when it holds it intact, else by ``quantise``
-        (which loads and quantises the meta layer in place), written to the cache."""
-        cached = self.read(index)
+        (which loads and quantises the meta layer in place), written to the cache; and the
+        file that holds it."""
+        cached = self.read(index, layer)
         if cached is not None:
-            data, layout = cached
+            data, layout, file = cached
             restore(layer, layout, data)
             record = HostStore.plan_layer(index, name, layer, lambda t: True)
             if describe(layer, record) == layout:
-                return record, self.path(index)
+                return record, file
             raise DiskCacheError(  # a bug, not a stale cache: the fingerprint matched
                 f"layer {index} rebuilt from {self.path(index)} does not have the layout it was written with; "
                 f"delete {', '.join(map(str, self.directories))} and load again."
@@ -330,13 +494,15 @@ class LayerCache:
         return record, self.write(index, region_bytes(record), describe(layer, record))
 
 
-def _write_file(path: Path, data: memoryview) -> None:
+def _write_file(path: Path, data: memoryview) -> Tuple[int, int, int, int]:
+    """Write and fsync ``data``; the written file's identity (a rename keeps it)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         done = 0
         while done < len(data):
             done += os.write(fd, data[done:])
         os.fsync(fd)
+        return _identity(os.fstat(fd))
     finally:
         os.close(fd)
 

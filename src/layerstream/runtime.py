@@ -240,7 +240,7 @@ class StreamRuntime(ResidentWindow, OffloadPolicy, LongSettingsPolicy):
                     self._in_backward()
                     if self.offloading and index == len(self.records) - 1:
                         self.offloader.prefetch_newest()  # the kept last layer: backward starts
-                return self.run_layer(layer, index, phase, a, k)
+                return layer_mod.refuse_second_order(self.run_layer(layer, index, phase, a, k), layer)
 
             if self.offloading and self.offloader.offloads(index) and args and isinstance(args[0], torch.Tensor):
                 with self.offloader.saving(args[0]):  # the input checkpointing saves goes to the host

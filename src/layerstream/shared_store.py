@@ -11,7 +11,12 @@ decides its bytes (checkpoint files, dtype, quantisation, layerstream's layout):
     layerstream-<fp>.manifest   the layout, renamed into place when the build is complete
 
 The other ranks wait for the manifest, map the same pages read-only and check that the
-layout they compute is the manifest's. Lifetime rests on the kernel's flock bookkeeping,
+layout they compute is the manifest's. The manifest also holds each layer's checksum of
+the bytes the builder wrote; a rank that joins with ``checksum=True`` checks every layer's
+mapped bytes against it and refuses a segment that was modified since. With
+``checksum=False`` a joining rank trusts the segment: any process of the same user can
+write its files, and the name fingerprints the checkpoint and settings, not the bytes.
+Lifetime rests on the kernel's flock bookkeeping,
 which a crash or SIGKILL cannot skip: a segment whose lock file can be locked LOCK_EX has
 no user left and is removed, by each rank as it leaves and by every new run before it
 starts (``sweep``); a rank that finds the builder's pid dead before the manifest exists
@@ -31,6 +36,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from .checksum import checksum_of
 from .errors import StreamingError
 
 PREFIX = "layerstream-"
@@ -131,10 +137,13 @@ def sweep(folder: Optional[Path] = None) -> List[str]:
 class Segment:
     """This process's use of one shared segment: built here (``builder``) or mapped."""
 
-    def __init__(self, name: str, folder: Optional[Path] = None, wait_seconds: float = WAIT_SECONDS):
+    def __init__(
+        self, name: str, folder: Optional[Path] = None, wait_seconds: float = WAIT_SECONDS, verify: bool = False
+    ):
         self.folder = folder or directory()
         self.name = name
         self.wait_seconds = wait_seconds
+        self.verify = verify  # a joining rank checks each layer's bytes against the builder's checksums
         self.builder = False
         self.manifest: Optional[dict] = None
         self._lock_fd: Optional[int] = None
@@ -235,7 +244,8 @@ class Segment:
         return self._writers.get(index)
 
     def check_layer(self, position: int, layout: dict) -> None:
-        """A follower's layer must be where, and laid out as, the builder put it."""
+        """A follower's layer must be where, and laid out as, the builder put it (and, with
+        ``verify``, hold the bytes it wrote)."""
         if self.builder:
             return
         layers = self.manifest["layers"]
@@ -246,6 +256,16 @@ class Segment:
                 f"{self.name} ({layout} here, {theirs} there): the ranks load different models or "
                 "settings. Give every rank the same arguments."
             )
+        if self.verify and self._checksum(layout) != self.manifest["checksums"][position]:
+            raise SharedStoreError(
+                f"layer {layout['name']} in the shared host store {self.name} ({self.folder}) does not hold the "
+                "bytes the building rank wrote (its checksum differs): another process modified the segment. "
+                f"Stop every rank of this run, remove {self.folder / self.name}.*, and run again."
+            )
+
+    def _checksum(self, layout: dict) -> int:
+        """The checksum of a layer's bytes as mapped here (the debug checksums' sum of words)."""
+        return checksum_of(self._maps[layout["arena"]], layout["offset"], layout["nbytes"])
 
     def complete(self, layers: List[dict]) -> None:
         """The builder publishes the layout: the others may map the arenas from now on."""
@@ -260,7 +280,8 @@ class Segment:
             writer.flush()
             writer.close()
         self._writers.clear()
-        manifest = {"name": self.name, "arenas": self.arena_sizes, "layers": layers}
+        checksums = [self._checksum(layout) for layout in layers]  # what a joining rank with verify checks
+        manifest = {"name": self.name, "arenas": self.arena_sizes, "layers": layers, "checksums": checksums}
         temporary = self.path(f"manifest.{os.getpid()}.tmp")
         temporary.write_text(json.dumps(manifest))
         os.replace(temporary, self.path("manifest"))

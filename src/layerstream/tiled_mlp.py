@@ -30,7 +30,7 @@ from torch import nn
 from torch.utils.checkpoint import get_device_states, set_device_states
 
 from . import swap
-from .chunked_loss import autocast_as, autocast_state, span_gradients, spans
+from .chunked_loss import autocast_as, autocast_state, refuse_second_order, span_gradients, spans
 from .config import check_tokens
 from .discovery import find_decoder_layers, layer_name
 from .errors import StreamingError
@@ -131,6 +131,7 @@ class TiledFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        refuse_second_order("mlp_tile_tokens", "the tiled MLP")  # before the saved tensors recompute
         x, *frozen = ctx.stash.saved_tensors if ctx.stash is not None else ctx.saved_tensors
         wanted = ctx.needs_input_grad[6 + len(frozen) :]
         rows = x.reshape(-1, x.shape[-1])

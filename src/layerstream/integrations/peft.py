@@ -13,6 +13,12 @@ on it unchanged (the same kernels as on a resident model, so the same bits), and
 result is written back into the host store, whose device copies are then refreshed. If
 PEFT raises, the host store is left as it was. Wrapped once, on every PEFT tuner layer
 class, when the first model streams; layers whose base does not stream are untouched.
+
+A whole-model merge (``merge_adapter``, ``merge_and_unload``) walks the layers one by one;
+a layer whose weights cannot be written (read from disk each time, or in a node-shared
+store) would be refused only when its turn came, after the layers before it were merged
+(and, under ``merge_and_unload``, their adapters dropped). So every layer is checked
+before the first one merges.
 """
 
 from __future__ import annotations
@@ -33,12 +39,14 @@ logger = logging.getLogger(__name__)
 _installed = False
 
 
-def _tuner_classes():
+def _tuner_classes(base: str = "BaseTunerLayer"):
+    """``base`` (a class of peft.tuners.tuners_utils) and every subclass of it loaded."""
     try:
-        from peft.tuners.tuners_utils import BaseTunerLayer
+        from peft.tuners import tuners_utils
     except ImportError:  # pragma: no cover - peft is a dependency
         return []
-    seen, todo = [], [BaseTunerLayer]
+    root = getattr(tuners_utils, base)
+    seen, todo = [root], [root]
     while todo:
         cls = todo.pop()
         for sub in cls.__subclasses__():
@@ -57,7 +65,33 @@ def install() -> None:
             method = cls.__dict__.get(name)
             if method is not None and not getattr(method, "_layerstream", False):
                 setattr(cls, name, _materialising(method))
+    for cls in _tuner_classes("BaseTuner"):
+        for name in ("merge_adapter", "merge_and_unload"):
+            method = cls.__dict__.get(name)
+            if method is not None and not getattr(method, "_layerstream", False):
+                setattr(cls, name, _checked_first(method))
     _installed = True
+
+
+def _checked_first(method):
+    @functools.wraps(method)
+    def wrapped(self, *args, **kwargs):
+        refuse_unwritable_layers(self.model)
+        return method(self, *args, **kwargs)
+
+    wrapped._layerstream = True
+    return wrapped
+
+
+def refuse_unwritable_layers(model: nn.Module) -> None:
+    """Raise, before anything is merged, if any tuner layer of ``model`` has a streamed base
+    whose weights cannot be written (the same refusal its own merge would raise later)."""
+    for module in model.modules():
+        base = module.get_base_layer() if hasattr(module, "get_base_layer") else None
+        runtime = getattr(base, "__dict__", {}).get("_layerstream_runtime") if base is not None else None
+        found = runtime.entries_of(base) if runtime is not None else None
+        if found:
+            runtime.refuse_host_write(found[0].index, "a merge")
 
 
 def _materialising(method):
