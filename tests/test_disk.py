@@ -16,7 +16,7 @@ import layerstream
 from layerstream import disk
 from layerstream.errors import DiskReadError, LoadingError, StreamConfigError, StreamingError
 
-from tiny import assert_traces_equal, lora_config, tiny_model, train_steps
+from tiny import assert_traces_equal, batch, lora_config, tiny_model, train_steps
 
 LAYERS = 6
 SLOTS = 2
@@ -168,6 +168,34 @@ def test_a_read_error_names_the_file_and_what_to_check(checkpoint, monkeypatch):
     with pytest.raises(DiskReadError, match="Input/output error") as caught:
         train_steps(fed, 1)
     assert ".safetensors" in str(caught.value) and "Check the disk" in str(caught.value)
+
+
+@pytest.mark.parametrize("during", ["forward", "backward"])
+def test_after_a_failed_read_the_next_steps_equal_an_uninterrupted_run(checkpoint, monkeypatch, during):
+    """A read that fails once (a transient I/O error) stops its step with the disk tier's
+    error; what the slot schedule had planned for the read is forgotten with it, so the
+    next steps load on demand and train exactly as a run that never failed."""
+    ram, fed = _peft(_load(checkpoint)), _peft(_load(checkpoint, _small_budget(checkpoint)))
+    assert_traces_equal(train_steps(ram, 1), train_steps(fed, 1))
+    failing, read = [], disk.DiskTier._read_chunk
+
+    def read_chunk(self, chunk, region, gate=None):
+        if failing:
+            raise OSError(errno.EIO, "Input/output error")
+        return read(self, chunk, region, gate)
+
+    monkeypatch.setattr(disk.DiskTier, "_read_chunk", read_chunk)
+    ids = batch(96)
+    with pytest.raises(DiskReadError, match="Input/output error"):
+        failing.append(during == "forward")
+        loss = fed(input_ids=ids, labels=ids).loss
+        failing.append(True)
+        loss.backward()
+    failing.clear()
+    fed.zero_grad(set_to_none=True)
+    runtime = layerstream.get_runtime(fed)
+    assert runtime.prefetch.owner == runtime.pool.owner, "planner and pool agree on what the slots hold"
+    assert_traces_equal(train_steps(ram, 2), train_steps(fed, 2))
 
 
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
