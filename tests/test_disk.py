@@ -158,6 +158,63 @@ def test_a_file_changed_under_the_run_is_refused(copy_of):
     assert str(path) in str(caught.value) and "Restore the file" in str(caught.value)
 
 
+TRUNCATED_THEN_READ = """
+import json, os, sys, torch, layerstream
+from layerstream.errors import DiskReadError
+directory, budget = sys.argv[1], int(sys.argv[2])
+config = layerstream.StreamConfig(device="cpu", slots=2, host_budget=budget, vram_budget=None)
+model = layerstream.from_pretrained(directory, dtype=torch.float32, stream=config)
+runtime = layerstream.get_runtime(model)
+ids = torch.tensor([[3, 4, 5, 6]])
+with torch.no_grad():
+    model(ids)
+layer = runtime.disk.layers[runtime.disk.tiers.disk[1]]
+weight = layer.record.host_values[0]
+path = layer.chunks[0].file.path
+os.truncate(path, 4096)
+reads = {
+    "a step": lambda: model(ids),
+    "a weight's values": lambda: weight.sum(),
+    "its .data": lambda: weight.data,
+    "its text": lambda: repr(weight),
+    "state_dict": lambda: model.state_dict(),
+}
+refused = {}
+for what, read in reads.items():
+    try:
+        with torch.no_grad():
+            read()
+    except DiskReadError as exc:
+        refused[what] = str(exc)
+print(json.dumps({"path": str(path), "refused": refused}))
+"""
+
+
+def test_a_file_truncated_between_steps_is_named_when_a_disk_layers_weight_is_read(copy_of):
+    """A disk layer's host tensors map the checkpoint's file: a page past the end of a file
+    truncated since would kill the process with SIGBUS when read. Each read (the next step,
+    the weight's values, ``.data``, its text, ``state_dict``) raises instead, naming the file
+    and what to do. In a child process: without the check the read kills it."""
+    import json
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.path.join(os.path.dirname(__file__), "..", "src"))
+    done = subprocess.run(
+        [sys.executable, "-c", TRUNCATED_THEN_READ, str(copy_of), str(_small_budget(copy_of))],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, f"the child died (status {done.returncode}; -7: SIGBUS): {done.stderr[-2000:]}"
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert sorted(result["refused"]) == sorted(["a step", "a weight's values", "its .data", "its text", "state_dict"])
+    for message in result["refused"].values():
+        assert result["path"] in message and "changed while the run used it" in message
+        assert "Restore the file, or restart the run" in message
+
+
 def test_a_read_error_names_the_file_and_what_to_check(checkpoint, monkeypatch):
     fed = _peft(_load(checkpoint, _small_budget(checkpoint)))
 

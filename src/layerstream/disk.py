@@ -38,8 +38,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from . import changes, cudart, disk_files, nf4
 from . import checksum as checksum_mod
-from . import cudart, nf4
 from .checkpoint import TORCH_DTYPE_NAMES, StoredTensor, read_layout
 from .disk_files import SourceFile, read_fully, short_read
 from .disk_plan import ReadAhead, ReaderChoice, Tiers, busy_seconds, pick_readers
@@ -207,6 +207,9 @@ class DiskTier:
         self._hooks.append(record.module.register_state_dict_pre_hook(lambda *_: self._check_layer(layer)))
         if self.verify:
             record.reference_checksum = checksum_mod.checksum(self._assemble(record))
+        changes.watch(record)  # before the guard: FileBacked's .data then comes first in the class
+        for host in record.host_values:  # and any other read of them: a truncated file would be SIGBUS
+            disk_files.guard(host, lambda: self._check_layer(layer))
 
     def _require_same(self, entry, source: SourceFile) -> None:
         wanted = TORCH_DTYPE_NAMES.get(entry.dtype)
@@ -522,6 +525,9 @@ class DiskTier:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        for layer in self.layers.values():
+            for host in layer.record.host_values:
+                disk_files.unguard(host)
         self._pool.shutdown(wait=True)
         for source in self._files.values():
             if source.fd != source.buffered_fd:

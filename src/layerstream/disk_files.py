@@ -1,6 +1,16 @@
-"""The files the disk tier reads: their descriptors, their fingerprint at load (checked
-before each read), their private memory map (which a disk layer's host tensors are views
-of), and reads that must return every byte asked for.
+"""The files the disk tier reads, and the host tensors that map them.
+
+A disk layer's host tensors (what ``state_dict``, ``save_pretrained``, PEFT and the user
+see) are views of a private memory map of the checkpoint's files. A map cannot stop
+another process from truncating a file under it: reading a page past the file's new end
+kills the process with SIGBUS, and a map cannot be made to fail more gently. So the disk
+tier checks a file's size and modification time against those it had at load before
+each read it makes (``SourceFile.check``), and each of those host tensors gets
+``FileBacked`` mixed into its class: a torch function that reads one of them checks its
+layer's files first and raises ``DiskReadError`` naming the file instead. Reading
+metadata (shape, dtype, ``requires_grad``, the version counter) reads no bytes and is not
+checked; nothing on the streamed step's path reads these tensors (the layers compute from
+device copies of the bytes the disk tier read).
 """
 
 from __future__ import annotations
@@ -9,8 +19,13 @@ import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Tuple
+from typing import Callable, Dict, Iterator, Tuple
 
+import torch
+from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+from . import swap
 from .checkpoint import StoredTensor
 from .errors import DiskReadError
 
@@ -53,3 +68,60 @@ def short_read(source: SourceFile, offset: int, wanted: int, got: int) -> DiskRe
         "when it was loaded (truncated or replaced). Nothing was copied to the GPU; restore the checkpoint and "
         "restart the run."
     )
+
+
+# -- reads of the host tensors ---------------------------------------------------------------
+_CHECKS = WeakIdKeyDictionary()  # host tensor of a disk layer -> the check of its layer's files
+# attribute getters that return a view of the bytes (the others read metadata only)
+_VIEW_GETTERS = frozenset({"data", "T", "mT", "H", "mH", "real", "imag"})
+
+
+class FileBacked:
+    """Mixed into the class of a disk layer's host tensor: reading it checks the files first."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if _reads_bytes(func):
+            for value in _tensors(args, kwargs):
+                check = _CHECKS.get(value)
+                if check is not None:
+                    check()
+        if not issubclass(cls, nn.Parameter):  # a buffer or quant-state tensor: results stay plain tensors
+            return torch._C._disabled_torch_function_impl(func, types, args, kwargs or {})
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+    @property
+    def data(self):
+        """``.data`` reads through an alias: checked like any other read."""
+        check = _CHECKS.get(self)
+        if check is not None:
+            check()
+        return super().data
+
+    @data.setter
+    def data(self, value):
+        super(FileBacked, type(self)).data.__set__(self, value)
+
+
+def _reads_bytes(func) -> bool:
+    if getattr(func, "__name__", None) != "__get__":
+        return True
+    return getattr(getattr(func, "__self__", None), "__name__", None) in _VIEW_GETTERS
+
+
+def _tensors(args, kwargs) -> Iterator[torch.Tensor]:
+    for value in (*args, *(kwargs or {}).values()):
+        for item in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(item, torch.Tensor):
+                yield item
+
+
+def guard(tensor: torch.Tensor, check: Callable[[], None]) -> None:
+    """Check the files (``check``) before each read of ``tensor``."""
+    _CHECKS[tensor] = check
+    swap.swap_in(tensor, FileBacked)
+
+
+def unguard(tensor: torch.Tensor) -> None:
+    _CHECKS.pop(tensor, None)
+    swap.swap_out(tensor, FileBacked)

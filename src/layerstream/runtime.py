@@ -309,10 +309,11 @@ class StreamRuntime(ResidentWindow, OffloadPolicy):
             )
 
     def _check_trainable(self) -> None:
-        for record in self.records:
-            for entry, host in zip(record.entries, record.host_values):
-                if host.requires_grad:
-                    raise StreamingError(report.trainable_streamed_tensor(entry.qualified_name))
+        with torch._C.DisableTorchFunctionSubclass():  # flags only: no Python dispatch (disk_files) per tensor
+            for record in self.records:
+                for entry, host in zip(record.entries, record.host_values):
+                    if host.requires_grad:
+                        raise StreamingError(report.trainable_streamed_tensor(entry.qualified_name))
 
     def _check_budget(self, batch: int, seq: int) -> None:
         """Before the first training step of each batch shape, an explicit vram_budget the
