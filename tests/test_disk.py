@@ -328,6 +328,62 @@ def test_a_change_to_a_disk_layer_weight_is_refused(checkpoint):
         fed(torch.tensor([[3, 4, 5]]))
 
 
+def _written_pages_kib(directory) -> int:
+    """KiB of this process's private copies of pages mapped from files in ``directory``: a
+    write into a private map copies the page into anonymous memory (RAM)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5:  # a mapping's first line
+                inside = len(fields) >= 6 and fields[5].startswith(str(directory))
+            elif inside and fields[0] == "Anonymous:":
+                total += int(fields[1])
+    return total
+
+
+def test_a_load_state_dict_of_the_values_it_holds_is_taken_without_writing_and_training_stays_exact(checkpoint):
+    """``model.load_state_dict(model.state_dict())``, and the same values in other tensors (a
+    checkpoint's), into a model with disk layers: accepted, no key reported missing, nothing
+    written into the files' map, and the next steps equal a RAM-fed run's."""
+    ram, fed = _peft(_load(checkpoint)), _peft(_load(checkpoint, _small_budget(checkpoint)))
+    assert_traces_equal(train_steps(ram, 1), train_steps(fed, 1))
+    written = _written_pages_kib(checkpoint)
+    for model in (ram, fed):
+        result = model.load_state_dict(model.state_dict())
+        assert not result.missing_keys and not result.unexpected_keys
+    result = fed.load_state_dict({key: value.clone() for key, value in fed.state_dict().items()})
+    assert not result.missing_keys and not result.unexpected_keys
+    assert _written_pages_kib(checkpoint) == written, "the load wrote into the checkpoint's pages"
+    assert_traces_equal(train_steps(ram, 2), train_steps(fed, 2))
+
+
+def test_a_load_state_dict_that_changes_a_disk_layer_is_refused_before_anything_changes(checkpoint):
+    """A load that would change a disk layer's weight (whose new value could never reach the
+    GPU) is refused naming the tensor and the file, before any tensor changed (the embedding,
+    a RAM layer and an adapter in the same state dict, loaded before that layer, included);
+    the model then trains as a RAM-fed one."""
+    ram, fed = _peft(_load(checkpoint)), _peft(_load(checkpoint, _small_budget(checkpoint)))
+    tier = layerstream.get_runtime(fed).disk
+    before = {key: value.clone() for key, value in fed.state_dict().items()}
+    layer, path = tier.tiers.disk[-1], tier.layers[tier.tiers.disk[-1]].files[0].path
+    weight = f"base_model.model.model.layers.{layer}.mlp.down_proj.base_layer.weight"
+    earlier = [
+        "base_model.model.model.embed_tokens.weight",
+        f"base_model.model.model.layers.{tier.tiers.ram[0]}.mlp.up_proj.base_layer.weight",
+        f"base_model.model.model.layers.{layer}.mlp.up_proj.lora_A.default.weight",
+    ]
+    changed = dict(before)
+    for key in [weight, *earlier]:
+        changed[key] = before[key] + 1
+    with pytest.raises(StreamingError, match="Nothing was loaded") as caught:
+        fed.load_state_dict(changed)
+    assert weight in str(caught.value) and str(path) in str(caught.value) and "host_budget" in str(caught.value)
+    after = fed.state_dict()
+    assert all(torch.equal(after[key], value) for key, value in before.items())
+    assert_traces_equal(train_steps(ram, 2), train_steps(fed, 2))
+
+
 def test_the_lookahead_is_measured_and_the_ring_reused(checkpoint):
     fed = _peft(_load(checkpoint, _small_budget(checkpoint)))
     tier = layerstream.get_runtime(fed).disk

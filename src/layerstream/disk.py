@@ -211,6 +211,13 @@ class DiskTier:
         for host in record.host_values:  # and any other read of them: a truncated file would be SIGBUS
             disk_files.guard(host, lambda: self._check_layer(layer))
 
+    def guard_loads(self, ancestors: Sequence[nn.Module]) -> None:
+        """``load_state_dict`` into the disk layers (``disk_files.LoadGuard``), from the modules
+        above them (``ancestors``) and from each module in them."""
+        layers = list(self.layers.values())
+        modules = [*ancestors, *(module for layer in layers for module in layer.record.module.modules())]
+        self._hooks += disk_files.LoadGuard(layers).install(modules)
+
     def _require_same(self, entry, source: SourceFile) -> None:
         wanted = TORCH_DTYPE_NAMES.get(entry.dtype)
         stored = source.tensors[entry.qualified_name]

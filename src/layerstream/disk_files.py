@@ -11,6 +11,9 @@ layer's files first and raises ``DiskReadError`` naming the file instead. Readin
 metadata (shape, dtype, ``requires_grad``, the version counter) reads no bytes and is not
 checked; nothing on the streamed step's path reads these tensors (the layers compute from
 device copies of the bytes the disk tier read).
+
+Nor can a value written into those tensors reach the device: ``LoadGuard`` leaves out of a
+``load_state_dict`` the values equal to what the layer holds, and refuses any other.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import swap
 from .checkpoint import StoredTensor
-from .errors import DiskReadError
+from .errors import DiskReadError, StreamingError
 
 
 @dataclass
@@ -125,3 +128,68 @@ def guard(tensor: torch.Tensor, check: Callable[[], None]) -> None:
 def unguard(tensor: torch.Tensor) -> None:
     _CHECKS.pop(tensor, None)
     swap.swap_out(tensor, FileBacked)
+
+
+# -- loads into the host tensors -------------------------------------------------------------
+class LoadGuard:
+    """``load_state_dict`` into disk layers. Their host tensors map the checkpoint's files
+    and the layers compute from what the disk tier reads from those files, so a value
+    written into them would never reach the device. A value equal to the layer's, byte for
+    byte (``model.load_state_dict(model.state_dict())``), is left out of the load: nothing is
+    written (a write would also copy the mapped pages into RAM) and the key is not reported
+    missing. Any other value is refused, at the first module of the load that holds a disk
+    layer's tensor, before any tensor under it is loaded."""
+
+    def __init__(self, layers):
+        self.layers = layers  # disk.py's _Layer objects: record, files
+        self._left_out: Tuple[list, set] = ([], set())  # (the load's missing_keys, keys left out)
+
+    def install(self, modules) -> list:
+        handles = []
+        for module in {id(m): m for m in modules}.values():
+            handles.append(module.register_load_state_dict_pre_hook(self._before))
+            handles.append(module.register_load_state_dict_post_hook(self._after))
+        return handles
+
+    def _before(self, module, state_dict, prefix, local_metadata, strict, missing_keys, *_) -> None:
+        paths = {id(m): name for name, m in module.named_modules(remove_duplicate=False)}
+        equal, changed = [], []
+        for layer in self.layers:
+            for entry, host in zip(layer.record.entries, layer.record.host_values):
+                path = paths.get(id(entry.module))
+                key = None if path is None or not entry.bound else f"{prefix}{path}{'.' if path else ''}{entry.name}"
+                value = state_dict.get(key) if key is not None else None
+                if value is None or tuple(value.shape) != tuple(host.shape):  # a shape torch itself refuses
+                    continue
+                (equal if value is host or _same_bytes(value, host) else changed).append((key, layer))
+        if changed:
+            raise _load_refused(changed)
+        if self._left_out[0] is not missing_keys:  # a new load_state_dict call
+            self._left_out = (missing_keys, set())
+        for key, _ in equal:
+            del state_dict[key]
+            self._left_out[1].add(key)
+
+    def _after(self, module, incompatible) -> None:
+        missing, left_out = self._left_out
+        if missing is incompatible.missing_keys and left_out:
+            missing[:] = [key for key in missing if key not in left_out]
+
+
+def _same_bytes(value: torch.Tensor, host: torch.Tensor) -> bool:
+    """Whether ``host.copy_(value)`` would leave ``host``'s bytes as they are."""
+    with torch.no_grad():
+        new = value.detach().to(device="cpu", dtype=host.dtype).contiguous().reshape(-1)
+        return torch.equal(new.view(torch.uint8), host.detach().reshape(-1).view(torch.uint8))
+
+
+def _load_refused(changed) -> StreamingError:
+    keys = ", ".join(key for key, _ in changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
+    layers = sorted({layer.record.name for _, layer in changed})
+    files = sorted({str(f.path) for _, layer in changed for f in layer.files})
+    return StreamingError(
+        f"load_state_dict would change {keys}: the disk tier reads {', '.join(layers)} from {', '.join(files)} "
+        "each time (host_budget), so new values would never reach the GPU. Nothing was loaded. Load them into a "
+        "model that keeps the layers in host RAM (host_budget unset or larger), or save them as a checkpoint "
+        "(save_pretrained) and load that with host_budget."
+    )
