@@ -267,36 +267,6 @@ def _check_host_memory(config, quantization, dtype, stream: StreamConfig, double
     check_host_memory(store + resident + unquantised, store + ends, bool(stream.pin), "loading this model")
 
 
-def _shared_segment(stream: StreamConfig, tiers, files, dtype, quant_config, quant_device):
-    """The node's shared segment for this load (joined: built here or waited for), or None
-    when each rank keeps its own store."""
-    if not shared_store.wanted(stream.share_host_store):
-        return None
-    if tiers is not None:
-        if stream.share_host_store is True:
-            raise LoadingError(
-                "share_host_store=True with host_budget: the disk tier is per rank; leave "
-                "host_budget unset to share the host store, or share_host_store unset."
-            )
-        logger.warning(
-            "layerstream: share_host_store is off because host_budget puts layers on disk: every "
-            "rank of this node builds its own host store (host RAM grows with the number of ranks)."
-        )
-        return None
-    settings = {
-        "dtype": str(dtype),
-        "quantization": quant_config.to_dict() if quant_config is not None else None,
-        "quantize_on": quant_device.type,
-        "arena_bytes": stream.arena_bytes,
-    }
-    name = shared_store.PREFIX + shared_store.fingerprint(sorted(set(files.values())), **settings)
-    segment = shared_store.Segment(name).join()
-    logger.info(
-        "layerstream: %s the shared host store %s", "building" if segment.builder else "mapping", segment.folder / name
-    )
-    return segment
-
-
 def _nf4_layer_bytes(config, dtype, double_quant: bool, count: int):
     """Each layer's packed NF4 bytes as the planner computes them: what the disk tier plans
     its staging ring and the host-RAM layers with, before any layer is quantised."""
@@ -519,7 +489,17 @@ def from_pretrained(
     if quant_device.type == "cuda" and not torch.cuda.is_available():
         quant_device = torch.device("cpu")
     store = HostStore(config_stream.arena_bytes, pin=bool(config_stream.pin))
-    store.segment = _shared_segment(config_stream, tiers, files, torch_dtype, quant_config, quant_device)
+    store.segment = shared_store.join_for_load(
+        config_stream.share_host_store,
+        tiers is not None,
+        files.values(),
+        {
+            "dtype": str(torch_dtype),
+            "quantization": quant_config.to_dict() if quant_config is not None else None,
+            "quantize_on": quant_device.type,
+            "arena_bytes": config_stream.arena_bytes,
+        },
+    )
     follower = store.segment is not None and not store.segment.builder
     with _closed_on_failure(store):  # a load that fails leaves no open files behind
         cache = None

@@ -25,18 +25,21 @@ import errno
 import fcntl
 import hashlib
 import json
+import logging
 import mmap
 import os
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, Iterable, List, Optional
 
-from .errors import StreamingError
+from .errors import LoadingError, StreamingError
 
 PREFIX = "layerstream-"
 LAYOUT_VERSION = 1  # bump whenever the arena layout (alignment, packing) changes
 WAIT_SECONDS = 600.0  # how long a rank waits for another to build the segment
 _POLL_SECONDS = 0.05
+
+logger = logging.getLogger(__name__)
 
 
 class SharedStoreError(StreamingError):
@@ -281,6 +284,32 @@ class Segment:
         if self in _JOINED:
             _JOINED.remove(self)
         _remove_if_unused(self.path("lock"))
+
+
+def join_for_load(setting, on_disk: bool, files: Iterable[Path], settings: dict) -> Optional[Segment]:
+    """The node's segment for a load (joined: built here, or waited for until another rank
+    built it), or None when each rank keeps its own store. ``setting``: share_host_store;
+    ``on_disk``: host_budget puts layers on disk (the disk tier is per rank); ``settings``:
+    what decides the bytes besides the files (dtype, quantisation, arena size)."""
+    if not wanted(setting):
+        return None
+    if on_disk:
+        if setting is True:
+            raise LoadingError(
+                "share_host_store=True with host_budget: the disk tier is per rank; leave "
+                "host_budget unset to share the host store, or share_host_store unset."
+            )
+        logger.warning(
+            "layerstream: share_host_store is off because host_budget puts layers on disk: every "
+            "rank of this node builds its own host store (host RAM grows with the number of ranks)."
+        )
+        return None
+    name = PREFIX + fingerprint(sorted(set(files)), **settings)
+    segment = Segment(name).join()
+    logger.info(
+        "layerstream: %s the shared host store %s", "building" if segment.builder else "mapping", segment.folder / name
+    )
+    return segment
 
 
 _JOINED: List[Segment] = []
