@@ -247,10 +247,11 @@ def _return_freed_memory() -> None:
         pass
 
 
-def _check_host_memory(config, quantization, dtype, stream: StreamConfig, double_quant: bool, tiers=None) -> None:
+def _check_host_memory(config, quantization, dtype, stream: StreamConfig, double_quant: bool, tiers=None):
     """Before reading any weight: will the host hold the store, the resident part and one
     unquantised layer (the loader's peak), and may the store be page-locked? With a disk
-    tier (``tiers``) the store is the host-RAM layers and the staging ring."""
+    tier (``tiers``) the store is the host-RAM layers and the staging ring. Returns the
+    layer store's bytes (None: a layout the planner cannot size)."""
     from . import plan
 
     try:
@@ -260,11 +261,12 @@ def _check_host_memory(config, quantization, dtype, stream: StreamConfig, double
         # streamed embedding and head: a store of their own, page-locked with the layers'
         ends = plan.embedding_bytes(config, dtype) if stream.stream_embeddings else 0
     except (ValueError, AttributeError, TypeError):
-        return  # a layout the planner cannot size: loading reports its own problems
+        return None  # a layout the planner cannot size: loading reports its own problems
     if tiers is not None:
         sizes = [sizes[i] for i in tiers.ram]
     store = plan.loader_arena_bytes(sizes, stream.arena_bytes) + (tiers.ring_bytes if tiers is not None else 0)
     check_host_memory(store + resident + unquantised, store + ends, bool(stream.pin), "loading this model")
+    return store
 
 
 def _nf4_layer_bytes(config, dtype, double_quant: bool, count: int):
@@ -469,7 +471,7 @@ def from_pretrained(
     if quantization == "nf4" and config_stream.host_budget is not None:
         packed = _nf4_layer_bytes(config, torch_dtype, bnb_4bit_use_double_quant, len(layers))
     tiers = plan_tiers(config_stream, layers, path, packed)
-    _check_host_memory(config, quantization, torch_dtype, config_stream, bnb_4bit_use_double_quant, tiers)
+    store_bytes = _check_host_memory(config, quantization, torch_dtype, config_stream, bnb_4bit_use_double_quant, tiers)
     reader = _Reader(files)
 
     # the resident part: every module outside the stack
@@ -499,6 +501,7 @@ def from_pretrained(
             "quantize_on": quant_device.type,
             "arena_bytes": config_stream.arena_bytes,
         },
+        needed=store_bytes,
     )
     follower = store.segment is not None and not store.segment.builder
     with _closed_on_failure(store):  # a load that fails leaves no open files behind
@@ -570,10 +573,13 @@ def plan_tiers(stream, layers: nn.ModuleList, path: str, sizes: Optional[list] =
 
 @contextlib.contextmanager
 def _closed_on_failure(store: HostStore):
-    """Close the disk tier's files if the load stops (a read error, a missing tensor)."""
+    """Close the disk tier's files, and leave the shared segment (the last user removes it),
+    if the load stops (a read error, a missing tensor, no room for the shared store)."""
     try:
         yield
     except BaseException:
         if store.disk is not None:
             store.disk.close()
+        if store.segment is not None:
+            store.segment.leave()
         raise

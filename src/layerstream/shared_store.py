@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Dict, Iterable, List, Optional
 
 from .errors import LoadingError, StreamingError
+from .units import GiB, size_text
 
 PREFIX = "layerstream-"
 LAYOUT_VERSION = 1  # bump whenever the arena layout (alignment, packing) changes
@@ -49,6 +50,12 @@ class SharedStoreError(StreamingError):
 def directory() -> Path:
     """Where segments live: LAYERSTREAM_SHM_DIR, else /dev/shm."""
     return Path(os.environ.get("LAYERSTREAM_SHM_DIR") or "/dev/shm")
+
+
+def free_bytes(folder: Path) -> int:
+    """The bytes new files in ``folder`` can still take."""
+    stat = os.statvfs(folder)
+    return stat.f_bavail * stat.f_frsize
 
 
 def wanted(setting, local_world_size: Optional[int] = None) -> bool:
@@ -139,6 +146,7 @@ class Segment:
         self.name = name
         self.wait_seconds = wait_seconds
         self.builder = False
+        self.needed: Optional[int] = None  # the store's planned bytes, when known
         self.manifest: Optional[dict] = None
         self._lock_fd: Optional[int] = None
         self._maps: Dict[int, mmap.mmap] = {}  # arena -> read-only mapping
@@ -152,8 +160,9 @@ class Segment:
         return self.path(f"{index}.arena")
 
     # -- joining ------------------------------------------------------------------------------
-    def join(self) -> "Segment":
-        """Hold the segment's lock, then build it (first to claim) or wait until it is built."""
+    def join(self, needed: Optional[int] = None) -> "Segment":
+        """Hold the segment's lock, then build it (first to claim) or wait until it is built.
+        The builder refuses a store of ``needed`` bytes that the folder has no room for."""
         self.folder.mkdir(parents=True, exist_ok=True)
         sweep(self.folder)
         lock = self.path("lock")
@@ -176,8 +185,23 @@ class Segment:
         else:
             os.write(claim, str(os.getpid()).encode())
             os.close(claim)
-            self.builder = True
+            self.builder, self.needed = True, needed
+            free = free_bytes(self.folder)
+            if needed is not None and needed > free:
+                self.leave()
+                raise self._no_room(needed, free)
         return self
+
+    def _no_room(self, needed: int, free: int, why: str = "") -> SharedStoreError:
+        """Writing a page a full tmpfs cannot back kills the writer with SIGBUS: refused instead."""
+        return SharedStoreError(
+            f"the shared host store {self.name} needs {size_text(needed)} in {self.folder}, which has "
+            f"{size_text(free)} free{why}, so it is refused before a page is written (one the folder cannot "
+            "back would kill this process with SIGBUS). Give it room: start the container with "
+            f"--shm-size={-(-needed // GiB) + 1}g or more (Docker's /dev/shm is 64 MiB by default), point "
+            "LAYERSTREAM_SHM_DIR at a larger tmpfs, or pass share_host_store=False so each rank keeps its own "
+            "store in its own memory."
+        )
 
     def _wait(self) -> None:
         deadline = time.monotonic() + self.wait_seconds
@@ -215,7 +239,7 @@ class Segment:
         if self.builder:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             try:
-                os.ftruncate(fd, size)
+                self._reserve(fd, index, size)
                 self._writers[index] = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             finally:
                 os.close(fd)
@@ -232,6 +256,16 @@ class Segment:
         finally:
             os.close(fd)
         return self._maps[index]
+
+    def _reserve(self, fd: int, index: int, size: int) -> None:
+        """Allocate the arena's pages now, rather than as the builder writes them: a page of
+        a sparse file that the folder cannot back kills the writing process with SIGBUS."""
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as exc:
+            self.arena_path(index).unlink(missing_ok=True)
+            free = free_bytes(self.folder)
+            raise self._no_room(max(self.needed or 0, sum(self.arena_sizes) + size), free, f" ({exc})") from exc
 
     def writable(self, index: int) -> Optional[mmap.mmap]:
         """The builder's writable mapping of arena ``index``; None on the other ranks."""
@@ -286,11 +320,14 @@ class Segment:
         _remove_if_unused(self.path("lock"))
 
 
-def join_for_load(setting, on_disk: bool, files: Iterable[Path], settings: dict) -> Optional[Segment]:
+def join_for_load(
+    setting, on_disk: bool, files: Iterable[Path], settings: dict, needed: Optional[int] = None
+) -> Optional[Segment]:
     """The node's segment for a load (joined: built here, or waited for until another rank
     built it), or None when each rank keeps its own store. ``setting``: share_host_store;
     ``on_disk``: host_budget puts layers on disk (the disk tier is per rank); ``settings``:
-    what decides the bytes besides the files (dtype, quantisation, arena size)."""
+    what decides the bytes besides the files (dtype, quantisation, arena size); ``needed``:
+    the store's bytes, which the builder refuses when the folder has no room for them."""
     if not wanted(setting):
         return None
     if on_disk:
@@ -305,7 +342,7 @@ def join_for_load(setting, on_disk: bool, files: Iterable[Path], settings: dict)
         )
         return None
     name = PREFIX + fingerprint(sorted(set(files)), **settings)
-    segment = Segment(name).join()
+    segment = Segment(name).join(needed=needed)
     logger.info(
         "layerstream: %s the shared host store %s", "building" if segment.builder else "mapping", segment.folder / name
     )
