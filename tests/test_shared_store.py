@@ -358,3 +358,17 @@ def test_an_arena_the_shared_memory_cannot_back_is_refused_and_its_segment_remov
         _load(checkpoint, True)
     assert "--shm-size=" in str(refused.value) and "share_host_store=False" in str(refused.value)
     assert _segment_files(folder) == []
+
+
+def test_a_shared_memory_folder_that_cannot_be_written_is_named_before_any_layer_loads(
+    tmp_path, monkeypatch, read_only
+):
+    """A read-only LAYERSTREAM_SHM_DIR (or /dev/shm) stops the load with the folder and what to
+    do, not a bare OSError, before any layer is read."""
+    checkpoint, folder, stored = _segment_refused(tmp_path, monkeypatch)
+    read_only(folder)
+    with pytest.raises(shared_store.SharedStoreError, match="Read-only file system") as refused:
+        _load(checkpoint, True)
+    message = str(refused.value)
+    assert str(folder) in message and "LAYERSTREAM_SHM_DIR" in message and "share_host_store=False" in message
+    assert stored == [] and _segment_files(folder) == []

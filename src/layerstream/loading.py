@@ -512,7 +512,7 @@ def from_pretrained(
                 settings = nf4_cache.quant_settings(quant_config, torch_dtype, quant_device)
                 source = nf4_cache.fingerprint(list(files.values()), settings)
                 cache = nf4_cache.LayerCache(
-                    nf4_cache.cache_directories(config_stream.disk_cache_dir, directory), source
+                    nf4_cache.cache_directories(config_stream.disk_cache_dir, directory), source, len(layers)
                 )
         for index, layer in enumerate(layers):
             prefix = f"{layer_name(path, index)}."

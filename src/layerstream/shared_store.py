@@ -21,6 +21,7 @@ raises instead of waiting.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import errno
 import fcntl
 import hashlib
@@ -163,6 +164,28 @@ class Segment:
     def join(self, needed: Optional[int] = None) -> "Segment":
         """Hold the segment's lock, then build it (first to claim) or wait until it is built.
         The builder refuses a store of ``needed`` bytes that the folder has no room for."""
+        try:
+            claimed = self._hold_and_claim()
+        except OSError as exc:  # a folder that cannot be written (read-only, not ours, full)
+            with contextlib.suppress(OSError):
+                self.leave()
+            raise SharedStoreError(
+                f"cannot create the shared host store {self.name} in {self.folder} ({exc}). Nothing was loaded. "
+                "Point LAYERSTREAM_SHM_DIR at a writable directory on a tmpfs (such as /dev/shm), or pass "
+                "share_host_store=False so each rank keeps its own store."
+            ) from exc
+        if not claimed:
+            self._wait()
+            return self
+        self.builder, self.needed = True, needed
+        free = free_bytes(self.folder)
+        if needed is not None and needed > free:
+            self.leave()
+            raise self._no_room(needed, free)
+        return self
+
+    def _hold_and_claim(self) -> bool:
+        """Hold the segment's lock, then claim its build; False when another rank has it."""
         self.folder.mkdir(parents=True, exist_ok=True)
         sweep(self.folder)
         lock = self.path("lock")
@@ -181,16 +204,12 @@ class Segment:
         try:
             claim = os.open(self.path("build"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         except FileExistsError:
-            self._wait()
-        else:
+            return False
+        try:
             os.write(claim, str(os.getpid()).encode())
+        finally:
             os.close(claim)
-            self.builder, self.needed = True, needed
-            free = free_bytes(self.folder)
-            if needed is not None and needed > free:
-                self.leave()
-                raise self._no_room(needed, free)
-        return self
+        return True
 
     def _no_room(self, needed: int, free: int, why: str = "") -> SharedStoreError:
         """Writing a page a full tmpfs cannot back kills the writer with SIGBUS: refused instead."""
