@@ -40,3 +40,40 @@ def _no_saved_tensor_hooks_left_behind():
     yield
     left = torch._C._autograd._top_saved_tensors_default_hooks(True)
     assert left is None, f"this test left saved-tensor hooks pushed: {left}"
+
+
+@pytest.fixture
+def read_only(monkeypatch):
+    """Makes directories read-only to this process, as a read-only mount would (the tests may
+    run as root, whom permission bits do not stop): creating, opening for writing, renaming
+    or removing a file in one fails with EROFS. Returns the function that adds a directory."""
+    import errno
+    import os
+
+    folders = []
+    real = {name: getattr(os, name) for name in ("open", "mkdir", "unlink", "replace", "rename")}
+
+    def inside(path) -> bool:
+        path = os.path.abspath(os.fspath(path))
+        return any(path == folder or path.startswith(folder + os.sep) for folder in folders)
+
+    def refused(path):
+        return OSError(errno.EROFS, "Read-only file system", os.fspath(path))
+
+    def open_(path, flags, *args, **kwargs):
+        if flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT) and inside(path):
+            raise refused(path)
+        return real["open"](path, flags, *args, **kwargs)
+
+    def writing(name):
+        def call(path, *args, **kwargs):
+            if inside(path) or (name in ("replace", "rename") and inside(args[0])):
+                raise refused(path)
+            return real[name](path, *args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(os, "open", open_)
+    for name in ("mkdir", "unlink", "replace", "rename"):
+        monkeypatch.setattr(os, name, writing(name))
+    return lambda folder: folders.append(os.path.abspath(folder))

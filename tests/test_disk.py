@@ -16,7 +16,7 @@ import layerstream
 from layerstream import disk
 from layerstream.errors import DiskReadError, LoadingError, StreamConfigError, StreamingError
 
-from tiny import assert_traces_equal, lora_config, tiny_model, train_steps
+from tiny import assert_traces_equal, batch, lora_config, tiny_model, train_steps
 
 LAYERS = 6
 SLOTS = 2
@@ -158,6 +158,63 @@ def test_a_file_changed_under_the_run_is_refused(copy_of):
     assert str(path) in str(caught.value) and "Restore the file" in str(caught.value)
 
 
+TRUNCATED_THEN_READ = """
+import json, os, sys, torch, layerstream
+from layerstream.errors import DiskReadError
+directory, budget = sys.argv[1], int(sys.argv[2])
+config = layerstream.StreamConfig(device="cpu", slots=2, host_budget=budget, vram_budget=None)
+model = layerstream.from_pretrained(directory, dtype=torch.float32, stream=config)
+runtime = layerstream.get_runtime(model)
+ids = torch.tensor([[3, 4, 5, 6]])
+with torch.no_grad():
+    model(ids)
+layer = runtime.disk.layers[runtime.disk.tiers.disk[1]]
+weight = layer.record.host_values[0]
+path = layer.chunks[0].file.path
+os.truncate(path, 4096)
+reads = {
+    "a step": lambda: model(ids),
+    "a weight's values": lambda: weight.sum(),
+    "its .data": lambda: weight.data,
+    "its text": lambda: repr(weight),
+    "state_dict": lambda: model.state_dict(),
+}
+refused = {}
+for what, read in reads.items():
+    try:
+        with torch.no_grad():
+            read()
+    except DiskReadError as exc:
+        refused[what] = str(exc)
+print(json.dumps({"path": str(path), "refused": refused}))
+"""
+
+
+def test_a_file_truncated_between_steps_is_named_when_a_disk_layers_weight_is_read(copy_of):
+    """A disk layer's host tensors map the checkpoint's file: a page past the end of a file
+    truncated since would kill the process with SIGBUS when read. Each read (the next step,
+    the weight's values, ``.data``, its text, ``state_dict``) raises instead, naming the file
+    and what to do. In a child process: without the check the read kills it."""
+    import json
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.path.join(os.path.dirname(__file__), "..", "src"))
+    done = subprocess.run(
+        [sys.executable, "-c", TRUNCATED_THEN_READ, str(copy_of), str(_small_budget(copy_of))],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, f"the child died (status {done.returncode}; -7: SIGBUS): {done.stderr[-2000:]}"
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert sorted(result["refused"]) == sorted(["a step", "a weight's values", "its .data", "its text", "state_dict"])
+    for message in result["refused"].values():
+        assert result["path"] in message and "changed while the run used it" in message
+        assert "Restore the file, or restart the run" in message
+
+
 def test_a_read_error_names_the_file_and_what_to_check(checkpoint, monkeypatch):
     fed = _peft(_load(checkpoint, _small_budget(checkpoint)))
 
@@ -168,6 +225,34 @@ def test_a_read_error_names_the_file_and_what_to_check(checkpoint, monkeypatch):
     with pytest.raises(DiskReadError, match="Input/output error") as caught:
         train_steps(fed, 1)
     assert ".safetensors" in str(caught.value) and "Check the disk" in str(caught.value)
+
+
+@pytest.mark.parametrize("during", ["forward", "backward"])
+def test_after_a_failed_read_the_next_steps_equal_an_uninterrupted_run(checkpoint, monkeypatch, during):
+    """A read that fails once (a transient I/O error) stops its step with the disk tier's
+    error; what the slot schedule had planned for the read is forgotten with it, so the
+    next steps load on demand and train exactly as a run that never failed."""
+    ram, fed = _peft(_load(checkpoint)), _peft(_load(checkpoint, _small_budget(checkpoint)))
+    assert_traces_equal(train_steps(ram, 1), train_steps(fed, 1))
+    failing, read = [], disk.DiskTier._read_chunk
+
+    def read_chunk(self, chunk, region, gate=None):
+        if failing:
+            raise OSError(errno.EIO, "Input/output error")
+        return read(self, chunk, region, gate)
+
+    monkeypatch.setattr(disk.DiskTier, "_read_chunk", read_chunk)
+    ids = batch(96)
+    with pytest.raises(DiskReadError, match="Input/output error"):
+        failing.append(during == "forward")
+        loss = fed(input_ids=ids, labels=ids).loss
+        failing.append(True)
+        loss.backward()
+    failing.clear()
+    fed.zero_grad(set_to_none=True)
+    runtime = layerstream.get_runtime(fed)
+    assert runtime.prefetch.owner == runtime.pool.owner, "planner and pool agree on what the slots hold"
+    assert_traces_equal(train_steps(ram, 2), train_steps(fed, 2))
 
 
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
@@ -241,6 +326,62 @@ def test_a_change_to_a_disk_layer_weight_is_refused(checkpoint):
         fed.model.layers[index].mlp.up_proj.weight.mul_(2)
     with pytest.raises(StreamingError, match="read from disk each time"):
         fed(torch.tensor([[3, 4, 5]]))
+
+
+def _written_pages_kib(directory) -> int:
+    """KiB of this process's private copies of pages mapped from files in ``directory``: a
+    write into a private map copies the page into anonymous memory (RAM)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5:  # a mapping's first line
+                inside = len(fields) >= 6 and fields[5].startswith(str(directory))
+            elif inside and fields[0] == "Anonymous:":
+                total += int(fields[1])
+    return total
+
+
+def test_a_load_state_dict_of_the_values_it_holds_is_taken_without_writing_and_training_stays_exact(checkpoint):
+    """``model.load_state_dict(model.state_dict())``, and the same values in other tensors (a
+    checkpoint's), into a model with disk layers: accepted, no key reported missing, nothing
+    written into the files' map, and the next steps equal a RAM-fed run's."""
+    ram, fed = _peft(_load(checkpoint)), _peft(_load(checkpoint, _small_budget(checkpoint)))
+    assert_traces_equal(train_steps(ram, 1), train_steps(fed, 1))
+    written = _written_pages_kib(checkpoint)
+    for model in (ram, fed):
+        result = model.load_state_dict(model.state_dict())
+        assert not result.missing_keys and not result.unexpected_keys
+    result = fed.load_state_dict({key: value.clone() for key, value in fed.state_dict().items()})
+    assert not result.missing_keys and not result.unexpected_keys
+    assert _written_pages_kib(checkpoint) == written, "the load wrote into the checkpoint's pages"
+    assert_traces_equal(train_steps(ram, 2), train_steps(fed, 2))
+
+
+def test_a_load_state_dict_that_changes_a_disk_layer_is_refused_before_anything_changes(checkpoint):
+    """A load that would change a disk layer's weight (whose new value could never reach the
+    GPU) is refused naming the tensor and the file, before any tensor changed (the embedding,
+    a RAM layer and an adapter in the same state dict, loaded before that layer, included);
+    the model then trains as a RAM-fed one."""
+    ram, fed = _peft(_load(checkpoint)), _peft(_load(checkpoint, _small_budget(checkpoint)))
+    tier = layerstream.get_runtime(fed).disk
+    before = {key: value.clone() for key, value in fed.state_dict().items()}
+    layer, path = tier.tiers.disk[-1], tier.layers[tier.tiers.disk[-1]].files[0].path
+    weight = f"base_model.model.model.layers.{layer}.mlp.down_proj.base_layer.weight"
+    earlier = [
+        "base_model.model.model.embed_tokens.weight",
+        f"base_model.model.model.layers.{tier.tiers.ram[0]}.mlp.up_proj.base_layer.weight",
+        f"base_model.model.model.layers.{layer}.mlp.up_proj.lora_A.default.weight",
+    ]
+    changed = dict(before)
+    for key in [weight, *earlier]:
+        changed[key] = before[key] + 1
+    with pytest.raises(StreamingError, match="Nothing was loaded") as caught:
+        fed.load_state_dict(changed)
+    assert weight in str(caught.value) and str(path) in str(caught.value) and "host_budget" in str(caught.value)
+    after = fed.state_dict()
+    assert all(torch.equal(after[key], value) for key, value in before.items())
+    assert_traces_equal(train_steps(ram, 2), train_steps(fed, 2))
 
 
 def test_the_lookahead_is_measured_and_the_ring_reused(checkpoint):

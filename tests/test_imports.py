@@ -32,6 +32,7 @@ LAYERS = [
         "checkpoint",
         "residency",
         "disk",
+        "disk_files",
         "nf4_cache",
         "offload_policy",
         "long_policy",

@@ -397,3 +397,26 @@ def test_disk_cache_dir_is_a_setting_on_every_surface(tmp_path):
     assert layerstream.StreamConfig(device="cpu", disk_cache_dir=tmp_path).disk_cache_dir == str(tmp_path)
     with pytest.raises(StreamConfigError, match="disk_cache_dir"):
         layerstream.StreamConfig(device="cpu", disk_cache_dir=" , ")
+
+
+def test_a_read_only_cache_directory_is_refused_before_any_layer_is_quantised(fed, counted, read_only):
+    """A cache directory the load cannot write (a read-only mount) is named, with what to do,
+    before any layer is quantised, not after the first layer's work with a bare OSError. A
+    cache that already holds every layer (the control) is read from such a directory."""
+    fed.cache.mkdir()
+    read_only(fed.cache)
+    with pytest.raises(DiskCacheError, match="cannot be written") as refused:
+        fed()
+    message = str(refused.value)
+    assert str(fed.cache) in message and "disk_cache_dir" in message and "host_budget" in message
+    assert counted == [] and list(fed.cache.iterdir()) == []
+
+
+def test_a_complete_cache_is_read_from_a_read_only_directory(checkpoint, fed, counted, read_only):
+    """The control of the refusal above: nothing needs writing, so nothing is refused."""
+    fed()
+    read_only(fed.cache)
+    counted.clear()
+    reading = _peft(fed())
+    assert counted == []
+    assert_traces_equal(train_steps(_peft(_load(checkpoint)), 2), train_steps(reading, 2))

@@ -299,6 +299,10 @@ def _shared_checkpoint(tmp_path, monkeypatch):
     _checkpoint(checkpoint)
     folder.mkdir()
     monkeypatch.setenv("LAYERSTREAM_SHM_DIR", str(folder))
+    checkpoint, folder = tmp_path / "ckpt", tmp_path / "shm"
+    _checkpoint(checkpoint)
+    folder.mkdir()
+    monkeypatch.setenv("LAYERSTREAM_SHM_DIR", str(folder))
     return checkpoint, folder
 
 
@@ -355,3 +359,85 @@ def test_a_rank_joining_an_unmodified_segment_with_checksums_computes_exactly(tm
     assert torch.equal(_logits(joined), _logits(_plain(checkpoint, False)))
     assert torch.equal(_logits(builder), _logits(joined))
     shared_store.leave_all()
+
+
+# -- a shared-memory folder too small for the store ------------------------------------------
+def _segment_refused(tmp_path, monkeypatch):
+    """A checkpoint, an empty shared-memory folder, and the layers the load stores."""
+    from layerstream.store import HostStore
+
+    checkpoint, folder = tmp_path / "ckpt", tmp_path / "shm"
+    _checkpoint(checkpoint)
+    folder.mkdir()
+    monkeypatch.setenv("LAYERSTREAM_SHM_DIR", str(folder))
+    stored, add = [], HostStore.add
+
+    def counted(self, record, *args, **kwargs):
+        stored.append(record)
+        return add(self, record, *args, **kwargs)
+
+    monkeypatch.setattr(HostStore, "add", counted)
+    return checkpoint, folder, stored
+
+
+def test_a_store_larger_than_the_free_shared_memory_is_refused_before_any_layer_loads(tmp_path, monkeypatch):
+    """Docker gives a container 64 MiB of /dev/shm: a store that does not fit would be killed by
+    SIGBUS part way through its build, leaving its segment behind. It is refused before any
+    layer is read, saying what it needs, what is free and what to do, and leaves nothing; the
+    same load with room (the control) shares its store and computes as an unshared one."""
+    from types import SimpleNamespace
+
+    checkpoint, folder, stored = _segment_refused(tmp_path, monkeypatch)
+    statvfs = os.statvfs
+    monkeypatch.setattr(
+        os,
+        "statvfs",
+        lambda where: SimpleNamespace(f_bavail=16, f_frsize=4096) if str(where) == str(folder) else statvfs(where),
+    )
+    with pytest.raises(shared_store.SharedStoreError) as refused:
+        _load(checkpoint, True)
+    message = str(refused.value)
+    assert str(folder) in message and "64.00 KiB free" in message and "SIGBUS" in message
+    assert "--shm-size=" in message and "LAYERSTREAM_SHM_DIR" in message and "share_host_store=False" in message
+    assert stored == [] and _segment_files(folder) == []
+    monkeypatch.undo()  # the folder's real free space from here on
+    monkeypatch.setenv("LAYERSTREAM_SHM_DIR", str(folder))
+    shared, alone = _load(checkpoint, True), _load(checkpoint, False)
+    assert layerstream.get_runtime(shared).store.segment is not None
+    ids = batch(96, size=2, seq=8)
+    with torch.no_grad():
+        assert torch.equal(shared(input_ids=ids).logits, alone(input_ids=ids).logits)
+    shared_store.leave_all()
+    assert _segment_files(folder) == []
+
+
+def test_an_arena_the_shared_memory_cannot_back_is_refused_and_its_segment_removed(tmp_path, monkeypatch):
+    """The space check passed but the allocation of an arena fails (another process filled
+    /dev/shm meanwhile): the arena's pages are allocated before any is written, so the load
+    stops with the same error instead of SIGBUS, and its segment is removed."""
+    import errno
+
+    checkpoint, folder, _ = _segment_refused(tmp_path, monkeypatch)
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(shared_store.SharedStoreError, match="No space left on device") as refused:
+        _load(checkpoint, True)
+    assert "--shm-size=" in str(refused.value) and "share_host_store=False" in str(refused.value)
+    assert _segment_files(folder) == []
+
+
+def test_a_shared_memory_folder_that_cannot_be_written_is_named_before_any_layer_loads(
+    tmp_path, monkeypatch, read_only
+):
+    """A read-only LAYERSTREAM_SHM_DIR (or /dev/shm) stops the load with the folder and what to
+    do, not a bare OSError, before any layer is read."""
+    checkpoint, folder, stored = _segment_refused(tmp_path, monkeypatch)
+    read_only(folder)
+    with pytest.raises(shared_store.SharedStoreError, match="Read-only file system") as refused:
+        _load(checkpoint, True)
+    message = str(refused.value)
+    assert str(folder) in message and "LAYERSTREAM_SHM_DIR" in message and "share_host_store=False" in message
+    assert stored == [] and _segment_files(folder) == []

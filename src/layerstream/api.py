@@ -249,6 +249,8 @@ def attach_runtime(
     for module in nf4.streamed_linear4bit_modules(records):
         nf4.make_streamed(module, runtime)
     layer.guard_ancestors(runtime.guarded, runtime)
+    if store.disk is not None:
+        store.disk.guard_loads(runtime.guarded)
     runtime.install_long_settings(model)
     for callback in list(_ON_STREAM):
         callback(model)

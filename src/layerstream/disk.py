@@ -38,9 +38,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from . import changes, cudart, disk_files, nf4
 from . import checksum as checksum_mod
-from . import cudart, nf4
 from .checkpoint import TORCH_DTYPE_NAMES, StoredTensor, read_layout
+from .disk_files import SourceFile, read_fully, short_read
 from .disk_plan import ReadAhead, ReaderChoice, Tiers, busy_seconds, pick_readers
 from .errors import DiskReadError, LoadingError, PinError, StreamingError
 from .store import HostStore, LayerRecord, set_data
@@ -59,32 +60,10 @@ PROBE_BYTES = 256 * MiB  # read per probe when choosing how many reads run at on
 
 
 @dataclass
-class _File:
-    path: Path
-    fd: int  # the descriptor reads use (O_DIRECT when allowed)
-    buffered_fd: int
-    fingerprint: Tuple[int, int]  # (size, mtime in ns) at load
-    tensors: Dict[str, StoredTensor]
-    offsets: Dict[str, Tuple[int, int]]
-    mapping: mmap.mmap
-
-    def check(self, layer: str) -> None:
-        """Refuse a file that changed since it was loaded (what was read would be other bytes)."""
-        stat = os.fstat(self.buffered_fd)
-        now = (stat.st_size, stat.st_mtime_ns)
-        if now != self.fingerprint:
-            raise DiskReadError(
-                f"{self.path} changed while the run used it (size/mtime {self.fingerprint} at load, {now} now), "
-                f"so {layer} can no longer be read from it as it was loaded. Restore the file, or restart the "
-                "run on an unchanged checkpoint (copy it first if something rewrites it)."
-            )
-
-
-@dataclass
 class _Chunk:
     """One read job: file bytes [lo, hi) and where the tensors in it go in the region."""
 
-    file: _File
+    file: SourceFile
     lo: int
     hi: int
     pieces: List[Tuple[int, int, int]]  # (file begin, file end, region offset)
@@ -93,7 +72,7 @@ class _Chunk:
 @dataclass
 class _Layer:
     record: LayerRecord
-    files: List[_File]
+    files: List[SourceFile]
     chunks: List[_Chunk]
     gaps: List[Tuple[int, int]]  # region bytes between tensors: zeroed, so checksums agree
 
@@ -120,7 +99,7 @@ class DiskTier:
         self.pinned = False
         self.lookahead = ReadAhead(tiers.ring_regions)
         self.layers: Dict[int, _Layer] = {}
-        self._files: Dict[Path, _File] = {}
+        self._files: Dict[Path, SourceFile] = {}
         self._hooks: list = []  # state_dict checks on the disk layers, removed at close
         self._lock = threading.Lock()
         self._local = threading.local()
@@ -156,7 +135,7 @@ class DiskTier:
                 )
         return _Region(data, data.numpy())
 
-    def _file(self, path: Path, layout=None) -> _File:
+    def _file(self, path: Path, layout=None) -> SourceFile:
         known = self._files.get(path)
         if known is not None:
             return known
@@ -169,7 +148,7 @@ class DiskTier:
                 self._fall_back(f"opening {path} with O_DIRECT failed: {exc}")
         stat = os.fstat(buffered)
         mapping = mmap.mmap(buffered, 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        known = self._files[path] = _File(
+        known = self._files[path] = SourceFile(
             path, fd, buffered, (stat.st_size, stat.st_mtime_ns), *(layout or read_layout(path)), mapping
         )
         return known
@@ -198,7 +177,7 @@ class DiskTier:
                 "ring's regions were planned for; raise host_budget so this layer stays in host RAM."
             )
         views: Dict[int, torch.Tensor] = {}
-        spans: List[Tuple[_File, int, int, int]] = []  # (file, begin, end, region offset)
+        spans: List[Tuple[SourceFile, int, int, int]] = []  # (file, begin, end, region offset)
         record.arena_views, record.host_values = [], []
         for entry in record.entries:
             if entry.offset not in views:
@@ -229,8 +208,18 @@ class DiskTier:
         self._hooks.append(record.module.register_state_dict_pre_hook(lambda *_: self._check_layer(layer)))
         if self.verify:
             record.reference_checksum = checksum_mod.checksum(self._assemble(record))
+        changes.watch(record)  # before the guard: FileBacked's .data then comes first in the class
+        for host in record.host_values:  # and any other read of them: a truncated file would be SIGBUS
+            disk_files.guard(host, lambda: self._check_layer(layer))
 
-    def _require_same(self, entry, source: _File) -> None:
+    def guard_loads(self, ancestors: Sequence[nn.Module]) -> None:
+        """``load_state_dict`` into the disk layers (``disk_files.LoadGuard``), from the modules
+        above them (``ancestors``) and from each module in them."""
+        layers = list(self.layers.values())
+        modules = [*ancestors, *(module for layer in layers for module in layer.record.module.modules())]
+        self._hooks += disk_files.LoadGuard(layers).install(modules)
+
+    def _require_same(self, entry, source: SourceFile) -> None:
         wanted = TORCH_DTYPE_NAMES.get(entry.dtype)
         stored = source.tensors[entry.qualified_name]
         if wanted is None or stored.dtype != wanted or tuple(stored.shape) != tuple(entry.shape):
@@ -244,7 +233,7 @@ class DiskTier:
     def _chunks(self, spans) -> List[_Chunk]:
         """Runs of tensors contiguous in a file, cut into aligned chunks of CHUNK_BYTES."""
         chunks: List[_Chunk] = []
-        runs: List[List[Tuple[_File, int, int, int]]] = []
+        runs: List[List[Tuple[SourceFile, int, int, int]]] = []
         for span in sorted(spans, key=lambda s: (str(s[0].path), s[1])):
             if runs and runs[-1][-1][0] is span[0] and runs[-1][-1][2] == span[1]:
                 runs[-1].append(span)
@@ -485,7 +474,7 @@ class DiskTier:
                     raise
                 self._fall_back(f"a direct read of {chunk.file.path} was refused: {exc}")
         for begin, end, at in chunk.pieces:
-            _read_fully(chunk.file, chunk.file.buffered_fd, memoryview(region[at : at + end - begin]), begin)
+            read_fully(chunk.file, chunk.file.buffered_fd, memoryview(region[at : at + end - begin]), begin)
         return None
 
     def _read_direct(self, chunk: _Chunk) -> np.ndarray:
@@ -494,7 +483,7 @@ class DiskTier:
         needed = max(end for _, end, _ in chunk.pieces) - chunk.lo
         got = os.preadv(chunk.file.fd, [memoryview(buffer)[:length]], chunk.lo)
         if got < needed:  # direct reads end early only at the end of the file
-            raise _short(chunk.file, chunk.lo, needed, got)
+            raise short_read(chunk.file, chunk.lo, needed, got)
         return array
 
     def _fall_back(self, reason: str) -> None:
@@ -544,6 +533,9 @@ class DiskTier:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        for layer in self.layers.values():
+            for host in layer.record.host_values:
+                disk_files.unguard(host)
         self._pool.shutdown(wait=True)
         for source in self._files.values():
             if source.fd != source.buffered_fd:
@@ -571,24 +563,6 @@ def _point_at(entry, view: torch.Tensor) -> torch.Tensor:
 
 def _align_up(value: int) -> int:
     return -(-value // IO_ALIGN) * IO_ALIGN
-
-
-def _read_fully(source: _File, fd: int, target: memoryview, offset: int) -> None:
-    """pread until ``target`` is full; a read that returns nothing is a short file."""
-    done, wanted = 0, len(target)
-    while done < wanted:
-        got = os.preadv(fd, [target[done:]], offset + done)
-        if got <= 0:
-            raise _short(source, offset, wanted, done)
-        done += got
-
-
-def _short(source: _File, offset: int, wanted: int, got: int) -> DiskReadError:
-    return DiskReadError(
-        f"a read of {wanted} bytes at offset {offset} of {source.path} returned {got}: the file is shorter than "
-        "when it was loaded (truncated or replaced). Nothing was copied to the GPU; restore the checkpoint and "
-        "restart the run."
-    )
 
 
 def _done(event) -> bool:

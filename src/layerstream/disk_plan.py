@@ -15,7 +15,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from .errors import StreamConfigError
 from .schedule import spread_resident
-from .units import GiB, KiB, MiB
+from .units import GiB, size_text
 
 # a few layer-sized staging regions: one being copied to the device, the rest being read
 RING_REGIONS = 4
@@ -25,14 +25,6 @@ MIN_SYSTEM_RESERVE = 4 * GiB
 SYSTEM_RESERVE_FRACTION = 0.10
 # how quickly the measured read and visit times follow a change (exponential average)
 SMOOTHING = 0.25
-
-
-def size_text(nbytes: int) -> str:
-    """A byte count in the largest unit that keeps it above one: '1.50 GiB', '34.0 KiB'."""
-    for unit, name in ((GiB, "GiB"), (MiB, "MiB"), (KiB, "KiB")):
-        if nbytes >= unit:
-            return f"{nbytes / unit:.2f} {name}"
-    return f"{nbytes} B"
 
 
 def system_reserve(total: int) -> int:

@@ -247,10 +247,11 @@ def _return_freed_memory() -> None:
         pass
 
 
-def _check_host_memory(config, quantization, dtype, stream: StreamConfig, double_quant: bool, tiers=None) -> None:
+def _check_host_memory(config, quantization, dtype, stream: StreamConfig, double_quant: bool, tiers=None):
     """Before reading any weight: will the host hold the store, the resident part and one
     unquantised layer (the loader's peak), and may the store be page-locked? With a disk
-    tier (``tiers``) the store is the host-RAM layers and the staging ring."""
+    tier (``tiers``) the store is the host-RAM layers and the staging ring. Returns the
+    layer store's bytes (None: a layout the planner cannot size)."""
     from . import plan
 
     try:
@@ -260,41 +261,12 @@ def _check_host_memory(config, quantization, dtype, stream: StreamConfig, double
         # streamed embedding and head: a store of their own, page-locked with the layers'
         ends = plan.embedding_bytes(config, dtype) if stream.stream_embeddings else 0
     except (ValueError, AttributeError, TypeError):
-        return  # a layout the planner cannot size: loading reports its own problems
+        return None  # a layout the planner cannot size: loading reports its own problems
     if tiers is not None:
         sizes = [sizes[i] for i in tiers.ram]
     store = plan.loader_arena_bytes(sizes, stream.arena_bytes) + (tiers.ring_bytes if tiers is not None else 0)
     check_host_memory(store + resident + unquantised, store + ends, bool(stream.pin), "loading this model")
-
-
-def _shared_segment(stream: StreamConfig, tiers, files, dtype, quant_config, quant_device):
-    """The node's shared segment for this load (joined: built here or waited for), or None
-    when each rank keeps its own store."""
-    if not shared_store.wanted(stream.share_host_store):
-        return None
-    if tiers is not None:
-        if stream.share_host_store is True:
-            raise LoadingError(
-                "share_host_store=True with host_budget: the disk tier is per rank; leave "
-                "host_budget unset to share the host store, or share_host_store unset."
-            )
-        logger.warning(
-            "layerstream: share_host_store is off because host_budget puts layers on disk: every "
-            "rank of this node builds its own host store (host RAM grows with the number of ranks)."
-        )
-        return None
-    settings = {
-        "dtype": str(dtype),
-        "quantization": quant_config.to_dict() if quant_config is not None else None,
-        "quantize_on": quant_device.type,
-        "arena_bytes": stream.arena_bytes,
-    }
-    name = shared_store.PREFIX + shared_store.fingerprint(sorted(set(files.values())), **settings)
-    segment = shared_store.Segment(name, verify=bool(stream.checksum)).join()
-    logger.info(
-        "layerstream: %s the shared host store %s", "building" if segment.builder else "mapping", segment.folder / name
-    )
-    return segment
+    return store
 
 
 def _nf4_layer_bytes(config, dtype, double_quant: bool, count: int):
@@ -499,7 +471,7 @@ def from_pretrained(
     if quantization == "nf4" and config_stream.host_budget is not None:
         packed = _nf4_layer_bytes(config, torch_dtype, bnb_4bit_use_double_quant, len(layers))
     tiers = plan_tiers(config_stream, layers, path, packed)
-    _check_host_memory(config, quantization, torch_dtype, config_stream, bnb_4bit_use_double_quant, tiers)
+    store_bytes = _check_host_memory(config, quantization, torch_dtype, config_stream, bnb_4bit_use_double_quant, tiers)
     reader = _Reader(files)
 
     # the resident part: every module outside the stack
@@ -519,7 +491,19 @@ def from_pretrained(
     if quant_device.type == "cuda" and not torch.cuda.is_available():
         quant_device = torch.device("cpu")
     store = HostStore(config_stream.arena_bytes, pin=bool(config_stream.pin))
-    store.segment = _shared_segment(config_stream, tiers, files, torch_dtype, quant_config, quant_device)
+    store.segment = shared_store.join_for_load(
+        config_stream.share_host_store,
+        tiers is not None,
+        files.values(),
+        {
+            "dtype": str(torch_dtype),
+            "quantization": quant_config.to_dict() if quant_config is not None else None,
+            "quantize_on": quant_device.type,
+            "arena_bytes": config_stream.arena_bytes,
+        },
+        needed=store_bytes,
+        verify=bool(config_stream.checksum),
+    )
     follower = store.segment is not None and not store.segment.builder
     with _closed_on_failure(store):  # a load that fails leaves no open files behind
         cache = None
@@ -529,7 +513,7 @@ def from_pretrained(
                 settings = nf4_cache.quant_settings(quant_config, torch_dtype, quant_device)
                 source = nf4_cache.fingerprint(list(files.values()), settings)
                 cache = nf4_cache.LayerCache(
-                    nf4_cache.cache_directories(config_stream.disk_cache_dir, directory), source
+                    nf4_cache.cache_directories(config_stream.disk_cache_dir, directory), source, len(layers)
                 )
         for index, layer in enumerate(layers):
             prefix = f"{layer_name(path, index)}."
@@ -590,10 +574,13 @@ def plan_tiers(stream, layers: nn.ModuleList, path: str, sizes: Optional[list] =
 
 @contextlib.contextmanager
 def _closed_on_failure(store: HostStore):
-    """Close the disk tier's files if the load stops (a read error, a missing tensor)."""
+    """Close the disk tier's files, and leave the shared segment (the last user removes it),
+    if the load stops (a read error, a missing tensor, no room for the shared store)."""
     try:
         yield
     except BaseException:
         if store.disk is not None:
             store.disk.close()
+        if store.segment is not None:
+            store.segment.leave()
         raise

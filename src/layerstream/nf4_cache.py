@@ -29,6 +29,7 @@ reuses.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import hashlib
@@ -38,6 +39,7 @@ import math
 import os
 import re
 import struct
+import tempfile
 import threading
 import weakref
 import zlib
@@ -310,7 +312,10 @@ class CachedLayer:
 class LayerCache:
     """One checkpoint's cache: the manifest, and each layer's file."""
 
-    def __init__(self, directories: Sequence[Path], source: dict):
+    def __init__(self, directories: Sequence[Path], source: dict, layers: Optional[int] = None):
+        """``layers``: how many the model has (None: unknown). Unless the cache holds them all,
+        the load writes some: a directory that cannot be written is refused now, before any
+        layer is quantised."""
         self.directories = list(directories)
         self.source = source
         self.layers: Dict[str, dict] = {}
@@ -328,6 +333,9 @@ class LayerCache:
         weakref.finalize(self, os.close, self._lock)
         self._clear_other_keys()
         self._open()
+        if layers is None or any(str(index) not in self.layers for index in range(layers)):
+            for directory in self.directories:
+                _require_writable(directory)
 
     def _hold(self, key: str, operation: int) -> Optional[int]:
         """A lock on ``key`` (shared: a load uses it; exclusive: no load does), or None
@@ -441,7 +449,7 @@ class LayerCache:
             os.replace(temporary, path)
             _fsync_directory(path.parent)
         except OSError as exc:
-            temporary.unlink(missing_ok=True)
+            _remove(temporary)
             raise self._write_error(path.parent, exc) from exc
         checksum = crc32(data)
         self.layers[str(index)] = {"file": str(path), "nbytes": data.numel(), "crc32": checksum, "layout": layout}
@@ -458,7 +466,7 @@ class LayerCache:
             _write_file(temporary, memoryview(text))
             os.replace(temporary, self.manifest_path)
         except OSError as exc:
-            temporary.unlink(missing_ok=True)
+            _remove(temporary)
             raise self._write_error(self.manifest_path.parent, exc) from exc
 
     @staticmethod
@@ -492,6 +500,26 @@ class LayerCache:
         quantise()
         record = HostStore.plan_layer(index, name, layer, lambda t: True)
         return record, self.write(index, region_bytes(record), describe(layer, record))
+
+
+def _require_writable(directory: Path) -> None:
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".layerstream-probe-", dir=directory)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise DiskCacheError(
+            f"the NF4 layer cache directory {directory} cannot be written ({exc}), and this load must write "
+            "quantised layers there; it stops before quantising any. Point disk_cache_dir at a writable directory, "
+            "make this one writable, or raise host_budget so every layer stays in host RAM. (A cache that already "
+            "holds every layer for this checkpoint and these settings is read from a read-only directory.)"
+        ) from exc
+
+
+def _remove(path: Path) -> None:
+    """Remove a temporary file, if the directory lets us (the error that brought us here is the one to raise)."""
+    with contextlib.suppress(OSError):
+        path.unlink(missing_ok=True)
 
 
 def _write_file(path: Path, data: memoryview) -> Tuple[int, int, int, int]:

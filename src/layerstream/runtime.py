@@ -151,8 +151,12 @@ class StreamRuntime(ResidentWindow, OffloadPolicy, LongSettingsPolicy):
                 for layer, slot in loads
                 if slot < pool.ring_slots or pool.allocated(slot) or self.backward.borrow(pool, self.prefetch, slot)
             ]
-        for layer, slot in loads:
-            self._load(layer, slot, compute)
+        try:
+            for layer, slot in loads:
+                self._load(layer, slot, compute)
+        except BaseException:  # a read failed: the planner placed layers no copy brought
+            self.reset_slots()
+            raise
         if self.disk is not None:
             self._read_ahead(index, phase)
         checker = self._checker
@@ -309,10 +313,11 @@ class StreamRuntime(ResidentWindow, OffloadPolicy, LongSettingsPolicy):
             )
 
     def _check_trainable(self) -> None:
-        for record in self.records:
-            for entry, host in zip(record.entries, record.host_values):
-                if host.requires_grad:
-                    raise StreamingError(report.trainable_streamed_tensor(entry.qualified_name))
+        with torch._C.DisableTorchFunctionSubclass():  # flags only: no Python dispatch (disk_files) per tensor
+            for record in self.records:
+                for entry, host in zip(record.entries, record.host_values):
+                    if host.requires_grad:
+                        raise StreamingError(report.trainable_streamed_tensor(entry.qualified_name))
 
     def _check_budget(self, batch: int, seq: int) -> None:
         """Before the first training step of each batch shape, an explicit vram_budget the
@@ -425,7 +430,8 @@ class StreamRuntime(ResidentWindow, OffloadPolicy, LongSettingsPolicy):
                 self.pool.owner[slot] = None
 
     def _rebuild_pool(self) -> None:
-        """New slots for a layer that grew (its tensors changed dtype): between passes."""
+        """New slots (for a layer that grew, its tensors changed dtype; on another device):
+        between passes."""
         self.pool.release()
         self._bindings.clear()
         self._last_slot = None
@@ -531,26 +537,18 @@ class StreamRuntime(ResidentWindow, OffloadPolicy, LongSettingsPolicy):
         if device == self.device:
             return
         self.set_window([])
-        self.pool.release()
-        self._bindings.clear()
         self.config = self.config.replace(device=device, pin=self.config.pin and device.type == "cuda")
         self.device = device
         self.backward = BackwardSlots(self.config)
-        self.pool = SlotPool(
-            device, self.config.slots, self.store.largest_layer_bytes, backward_slots=self.backward.capacity
-        )
-        if self._checker is not None:
-            self._checker = checksum.SlotChecker(self.pool, self.records)
-        self.prefetch = self._new_prefetch(len(self._layer_of))
-        self.sizer = WindowSizer(len(self.records), self.store.largest_layer_bytes)
+        self._rebuild_pool()
         self.meter = self._new_meter()
         if self.offloader is not None:
             self.offloader.release()
         self.offloader = self._new_offloader()
-        self._measured_tokens, self._last_slot = None, None
+        self._measured_tokens = None
         self._placed_at = 0  # adapters follow at the next pass
         if self.embeddings is not None:
-            self.embeddings.pool, self.embeddings.device = self.pool, device
+            self.embeddings.device = device
 
     def close(self) -> None:
         """Release slots and host arenas (after the model's tensors were copied out)."""

@@ -26,23 +26,28 @@ raises instead of waiting.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import errno
 import fcntl
 import hashlib
 import json
+import logging
 import mmap
 import os
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, Iterable, List, Optional
 
 from .checksum import checksum_of
-from .errors import StreamingError
+from .errors import LoadingError, StreamingError
+from .units import GiB, size_text
 
 PREFIX = "layerstream-"
 LAYOUT_VERSION = 1  # bump whenever the arena layout (alignment, packing) changes
 WAIT_SECONDS = 600.0  # how long a rank waits for another to build the segment
 _POLL_SECONDS = 0.05
+
+logger = logging.getLogger(__name__)
 
 
 class SharedStoreError(StreamingError):
@@ -52,6 +57,12 @@ class SharedStoreError(StreamingError):
 def directory() -> Path:
     """Where segments live: LAYERSTREAM_SHM_DIR, else /dev/shm."""
     return Path(os.environ.get("LAYERSTREAM_SHM_DIR") or "/dev/shm")
+
+
+def free_bytes(folder: Path) -> int:
+    """The bytes new files in ``folder`` can still take."""
+    stat = os.statvfs(folder)
+    return stat.f_bavail * stat.f_frsize
 
 
 def wanted(setting, local_world_size: Optional[int] = None) -> bool:
@@ -145,6 +156,7 @@ class Segment:
         self.wait_seconds = wait_seconds
         self.verify = verify  # a joining rank checks each layer's bytes against the builder's checksums
         self.builder = False
+        self.needed: Optional[int] = None  # the store's planned bytes, when known
         self.manifest: Optional[dict] = None
         self._lock_fd: Optional[int] = None
         self._maps: Dict[int, mmap.mmap] = {}  # arena -> read-only mapping
@@ -158,8 +170,31 @@ class Segment:
         return self.path(f"{index}.arena")
 
     # -- joining ------------------------------------------------------------------------------
-    def join(self) -> "Segment":
-        """Hold the segment's lock, then build it (first to claim) or wait until it is built."""
+    def join(self, needed: Optional[int] = None) -> "Segment":
+        """Hold the segment's lock, then build it (first to claim) or wait until it is built.
+        The builder refuses a store of ``needed`` bytes that the folder has no room for."""
+        try:
+            claimed = self._hold_and_claim()
+        except OSError as exc:  # a folder that cannot be written (read-only, not ours, full)
+            with contextlib.suppress(OSError):
+                self.leave()
+            raise SharedStoreError(
+                f"cannot create the shared host store {self.name} in {self.folder} ({exc}). Nothing was loaded. "
+                "Point LAYERSTREAM_SHM_DIR at a writable directory on a tmpfs (such as /dev/shm), or pass "
+                "share_host_store=False so each rank keeps its own store."
+            ) from exc
+        if not claimed:
+            self._wait()
+            return self
+        self.builder, self.needed = True, needed
+        free = free_bytes(self.folder)
+        if needed is not None and needed > free:
+            self.leave()
+            raise self._no_room(needed, free)
+        return self
+
+    def _hold_and_claim(self) -> bool:
+        """Hold the segment's lock, then claim its build; False when another rank has it."""
         self.folder.mkdir(parents=True, exist_ok=True)
         sweep(self.folder)
         lock = self.path("lock")
@@ -178,12 +213,23 @@ class Segment:
         try:
             claim = os.open(self.path("build"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         except FileExistsError:
-            self._wait()
-        else:
+            return False
+        try:
             os.write(claim, str(os.getpid()).encode())
+        finally:
             os.close(claim)
-            self.builder = True
-        return self
+        return True
+
+    def _no_room(self, needed: int, free: int, why: str = "") -> SharedStoreError:
+        """Writing a page a full tmpfs cannot back kills the writer with SIGBUS: refused instead."""
+        return SharedStoreError(
+            f"the shared host store {self.name} needs {size_text(needed)} in {self.folder}, which has "
+            f"{size_text(free)} free{why}, so it is refused before a page is written (one the folder cannot "
+            "back would kill this process with SIGBUS). Give it room: start the container with "
+            f"--shm-size={-(-needed // GiB) + 1}g or more (Docker's /dev/shm is 64 MiB by default), point "
+            "LAYERSTREAM_SHM_DIR at a larger tmpfs, or pass share_host_store=False so each rank keeps its own "
+            "store in its own memory."
+        )
 
     def _wait(self) -> None:
         deadline = time.monotonic() + self.wait_seconds
@@ -221,7 +267,7 @@ class Segment:
         if self.builder:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             try:
-                os.ftruncate(fd, size)
+                self._reserve(fd, index, size)
                 self._writers[index] = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             finally:
                 os.close(fd)
@@ -238,6 +284,16 @@ class Segment:
         finally:
             os.close(fd)
         return self._maps[index]
+
+    def _reserve(self, fd: int, index: int, size: int) -> None:
+        """Allocate the arena's pages now, rather than as the builder writes them: a page of
+        a sparse file that the folder cannot back kills the writing process with SIGBUS."""
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as exc:
+            self.arena_path(index).unlink(missing_ok=True)
+            free = free_bytes(self.folder)
+            raise self._no_room(max(self.needed or 0, sum(self.arena_sizes) + size), free, f" ({exc})") from exc
 
     def writable(self, index: int) -> Optional[mmap.mmap]:
         """The builder's writable mapping of arena ``index``; None on the other ranks."""
@@ -302,6 +358,41 @@ class Segment:
         if self in _JOINED:
             _JOINED.remove(self)
         _remove_if_unused(self.path("lock"))
+
+
+def join_for_load(
+    setting,
+    on_disk: bool,
+    files: Iterable[Path],
+    settings: dict,
+    needed: Optional[int] = None,
+    verify: bool = False,
+) -> Optional[Segment]:
+    """The node's segment for a load (joined: built here, or waited for until another rank
+    built it), or None when each rank keeps its own store. ``setting``: share_host_store;
+    ``on_disk``: host_budget puts layers on disk (the disk tier is per rank); ``settings``:
+    what decides the bytes besides the files (dtype, quantisation, arena size); ``needed``:
+    the store's bytes, which the builder refuses when the folder has no room for them;
+    ``verify``: a joining rank checks each layer against the builder's checksums."""
+    if not wanted(setting):
+        return None
+    if on_disk:
+        if setting is True:
+            raise LoadingError(
+                "share_host_store=True with host_budget: the disk tier is per rank; leave "
+                "host_budget unset to share the host store, or share_host_store unset."
+            )
+        logger.warning(
+            "layerstream: share_host_store is off because host_budget puts layers on disk: every "
+            "rank of this node builds its own host store (host RAM grows with the number of ranks)."
+        )
+        return None
+    name = PREFIX + fingerprint(sorted(set(files)), **settings)
+    segment = Segment(name, verify=verify).join(needed=needed)
+    logger.info(
+        "layerstream: %s the shared host store %s", "building" if segment.builder else "mapping", segment.folder / name
+    )
+    return segment
 
 
 _JOINED: List[Segment] = []

@@ -99,7 +99,7 @@ class LayerRecord:
     # counter: a plain tensor reads it three times faster than a Parameter subclass does
     watch: List[tuple] = field(default_factory=list)
     # the same for the quant-state tensors riding on 4-bit weights, and the QuantState
-    # objects themselves (version None: identity only), checked once per pass
+    # objects themselves (alias None: identity only), checked once per pass
     watch_deep: List[tuple] = field(default_factory=list)
     # a disk-tier layer (no host region) in debug mode: the checksum of its bytes at load
     reference_checksum: Optional[int] = None
@@ -128,8 +128,8 @@ class LayerRecord:
         """``fresh``, and the 4-bit weights' quant states too."""
         if not self.fresh():
             return False
-        for table, name, obj, version in self.watch_deep:
-            if table.get(name) is not obj or (version is not None and obj._version != version):
+        for table, name, obj, alias, version in self.watch_deep:
+            if table.get(name) is not obj or (alias is not None and alias._version != version):
                 return False
         return True
 
@@ -146,8 +146,9 @@ class LayerRecord:
             state = weight.quant_state
             if id(state) not in states:
                 states[id(state)] = state
-                deep.append((weight.__dict__, "quant_state", state, None))
-            deep.append((_quant_holder(state, entry.quant_path).__dict__, entry.quant_path[-1], view, view._version))
+                deep.append((weight.__dict__, "quant_state", state, None, None))
+            holder = _quant_holder(state, entry.quant_path).__dict__
+            deep.append((holder, entry.quant_path[-1], view, _alias(view), view._version))
         self.watch_deep = deep
 
 

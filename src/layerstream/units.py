@@ -42,6 +42,14 @@ def next_arena(nbytes: int, expected: int, arena_bytes: int) -> int:
     return max(min(whole_layers, max(expected, nbytes)), nbytes, ALIGN)
 
 
+def size_text(nbytes: int) -> str:
+    """A byte count in the largest unit that keeps it above one: '1.50 GiB', '34.0 KiB'."""
+    for unit, name in ((GiB, "GiB"), (MiB, "MiB"), (KiB, "KiB")):
+        if nbytes >= unit:
+            return f"{nbytes / unit:.2f} {name}"
+    return f"{nbytes} B"
+
+
 def gib(nbytes: float) -> str:
     """A byte count as people read it in logs: '12.34 GiB'."""
     return f"{nbytes / GiB:.2f} GiB"
