@@ -299,10 +299,6 @@ def _shared_checkpoint(tmp_path, monkeypatch):
     _checkpoint(checkpoint)
     folder.mkdir()
     monkeypatch.setenv("LAYERSTREAM_SHM_DIR", str(folder))
-    checkpoint, folder = tmp_path / "ckpt", tmp_path / "shm"
-    _checkpoint(checkpoint)
-    folder.mkdir()
-    monkeypatch.setenv("LAYERSTREAM_SHM_DIR", str(folder))
     return checkpoint, folder
 
 
