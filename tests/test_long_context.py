@@ -94,6 +94,18 @@ def test_streamed_parity_fails_when_a_copy_is_corrupted():
         assert_traces_equal(train_steps(streamed, STEPS, seq=SEQ), train_steps(resident, STEPS, seq=SEQ))
 
 
+def test_a_refused_torch_compile_leaves_the_chunked_loss_training_exactly():
+    """torch.compile stops at the first streamed layer while it traces the model's forward,
+    inside the chunked loss's capture of the head: the capture is undone, so the model then
+    trains bit for bit as one never compiled (a capture left on made every later loss read
+    empty logits)."""
+    streamed, resident = _long_pair(layers=3)
+    ids = batch(96, size=2, seq=SEQ)
+    with pytest.raises(Exception, match="torch.compile cannot trace a streamed"):
+        torch.compile(streamed, backend="eager")(input_ids=ids, labels=ids)
+    assert_traces_equal(train_steps(streamed, 2, seq=SEQ), train_steps(resident, 2, seq=SEQ))
+
+
 def test_the_tiled_backward_reads_the_slot_its_recompute_bound():
     """On the CPU a host weight and its slot copy hold the same values, so read from where
     the tiles' backward takes its frozen weights: the slot memory, never the host store."""

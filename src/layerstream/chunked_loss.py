@@ -284,6 +284,13 @@ def _forward_mixin(cls: type) -> type:
 _MIXINS: dict = {}
 
 
+# torch.compile runs this frame eagerly and compiles the model's forward under it: traced, the
+# head capture's reset would be part of the trace, and a compilation refused or failed inside
+# (a streamed layer is refused there) would leave the head capturing for every later call
+@torch.compiler.disable(
+    recursive=False,
+    reason="loss_chunk_tokens runs its head capture eagerly; compile without fullgraph=True",
+)
 def _chunked_forward(self, mixin, signature, varkw, args, kwargs):
     inner = super(mixin, self).forward
     if _from_liger(getattr(inner, "__func__", inner)):
