@@ -95,7 +95,7 @@ class StreamRuntime(ResidentWindow, OffloadPolicy):
             changes.watch(record)
             self._index_modules(record)
         self.offloader = self._new_offloader()
-        self.offloading = False  # whether this pass offloads its checkpointed inputs
+        self.pass_offloader = None  # the offloader of the training pass under way, or None
         self._auto_offload = AutoOffloadMemo()  # offload_activations="auto": decisions per shape
         self.embeddings = None
         if config.stream_embeddings:
@@ -229,6 +229,7 @@ class StreamRuntime(ResidentWindow, OffloadPolicy):
             if not training:
                 return self.run_layer(layer, index, Phase.INFERENCE, args, kwargs)
             kwargs = self._drop_cache(kwargs)
+            offloader = self.pass_offloader  # this layer's backward uses it, whatever was switched since
             calls = [0]
 
             def checkpointed(*a, **k):
@@ -236,12 +237,12 @@ class StreamRuntime(ResidentWindow, OffloadPolicy):
                 calls[0] += 1
                 if phase is Phase.BACKWARD:
                     self._in_backward()
-                    if self.offloading and index == len(self.records) - 1:
-                        self.offloader.prefetch_newest()  # the kept last layer: backward starts
+                    if offloader is not None and index == len(self.records) - 1:
+                        offloader.prefetch_newest()  # the kept last layer: backward starts
                 return self.run_layer(layer, index, phase, a, k)
 
-            if self.offloading and self.offloader.offloads(index) and args and isinstance(args[0], torch.Tensor):
-                with self.offloader.saving(args[0]):  # the input checkpointing saves goes to the host
+            if offloader is not None and offloader.offloads(index) and args and isinstance(args[0], torch.Tensor):
+                with offloader.saving(args[0]):  # the input checkpointing saves goes to the host
                     return passes.checkpoint(checkpointed, *args, **kwargs)
             return passes.checkpoint(checkpointed, *args, **kwargs)
         except BaseException:
@@ -276,15 +277,14 @@ class StreamRuntime(ResidentWindow, OffloadPolicy):
                 self._refresh(record.index, Phase.TRAIN_FORWARD, pass_start=True)
         if self._placed_at != layer_mod.registrations():  # adapters may have come since
             self._place_resident_tensors()
-        self.offloading = False
+        self.pass_offloader = None
         if not training:
             return
         self._check_trainable()
         if hidden is None or hidden.dim() < 2:
             return
         self.last_shape = (int(hidden.shape[0]), int(hidden.shape[1]))
-        if self.offloader is not None:
-            self.offloading = self._start_offloading(hidden)
+        self.pass_offloader = self._pass_offloader(hidden)
         if isinstance(self.config.vram_budget, int):
             self._check_budget(*self.last_shape)
         if self.meter is not None:
@@ -342,7 +342,7 @@ class StreamRuntime(ResidentWindow, OffloadPolicy):
             vram_bytes=vram_bytes,
             stream_embeddings=self.embeddings is not None,
             backward_slots=backward_slots,
-            offload_activations=self.offloading if offload is None else offload,
+            offload_activations=self.pass_offloader is not None if offload is None else offload,
             loss_chunk_tokens=self.config.loss_chunk_tokens,
             mlp_tile_tokens=self.config.mlp_tile_tokens,
         )
