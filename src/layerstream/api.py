@@ -128,6 +128,7 @@ def stream_model(model: nn.Module, config: Optional[StreamConfig] = None, **over
         config = StreamConfig(**overrides)
     elif overrides:
         config = config.replace(**overrides)
+    check_long_context(model, config)
     records = [HostStore.plan_layer(i, layer_name(path, i), module, streamed) for i, module in enumerate(layers)]
     if all(not r.entries for r in records):
         raise StreamingError(
@@ -254,6 +255,15 @@ def attach_runtime(
         callback(model)
     logger.info(runtime.summary())
     return model
+
+
+def check_long_context(model: nn.Module, config: StreamConfig) -> None:
+    """loss_chunk_tokens and mlp_tile_tokens this model cannot run exactly are refused before
+    a layer is streamed (or loaded): the model is left as it was."""
+    if config.loss_chunk_tokens is not None:
+        chunked_loss.check(model, config.loss_chunk_tokens)
+    if config.mlp_tile_tokens is not None:
+        tiled_mlp.check(model, config.mlp_tile_tokens)
 
 
 def _apply_long_context(model: nn.Module, config: StreamConfig) -> None:

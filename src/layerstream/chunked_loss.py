@@ -41,7 +41,7 @@ from torch import nn
 
 from . import swap
 from .config import check_tokens
-from .discovery import unwrap_peft
+from .discovery import describe_family, unwrap_peft
 from .errors import StreamingError
 
 logger = logging.getLogger(__name__)
@@ -249,21 +249,31 @@ def _from_liger(function) -> bool:
     return (getattr(function, "__module__", "") or "").startswith("liger_kernel")
 
 
-def _check_forward(cls: type) -> None:
+def _check_forward(model: nn.Module, cls: type) -> None:
     """Only a forward that feeds the head's output straight into ``self.loss_function``
     (Llama, Mistral, Qwen2/3, Phi-3 and most others) can have its loss chunked: a scaling
-    or softcap of the logits between the two would be skipped."""
+    or softcap of the logits between the two would be skipped, and so would a loss added
+    to it afterwards (a mixture of experts' router loss)."""
     source = inspect.getsource(inspect.unwrap(cls.forward))
     lines = [line.strip() for line in source.splitlines()]
     head = [i for i, line in enumerate(lines) if line.startswith("logits = self.lm_head(")]
     loss = [i for i, line in enumerate(lines) if "self.loss_function(" in line and "logits=logits" in line]
     between = lines[head[0] + 1 : loss[0]] if head and loss and head[0] < loss[0] else None
-    if between is None or any("logits" in line for line in between):
-        raise StreamingError(
-            f"loss_chunk_tokens: {cls.__name__}.forward does not pass the head's output straight to "
-            "self.loss_function (it transforms the logits, or computes its own loss), so its loss "
-            "cannot be chunked exactly. Leave loss_chunk_tokens unset for this model."
-        )
+    if between is not None and not any("logits" in line for line in between) and "aux_loss" not in source:
+        return
+    if "aux_loss" in source:
+        why = "a mixture of experts: its forward adds the router's load-balancing loss to the cross-entropy"
+    elif "logits = logits / self.config.final_logit_softcapping" in lines:
+        why = "its forward softcaps the logits (final_logit_softcapping) between the head and the loss"
+    else:
+        why = "its forward does not pass the head's output straight to self.loss_function"
+    raise StreamingError(
+        f"loss_chunk_tokens cannot chunk the loss of {describe_family(model)}: {why}, so a chunked "
+        "loss would not be this model's loss. Nothing was changed. Leave loss_chunk_tokens unset for "
+        "this model (StreamConfig(loss_chunk_tokens=None); no --loss-chunk-tokens, "
+        "--layer_stream_loss_chunk_tokens or stream.loss_chunk_tokens); offload_activations still "
+        "lowers the memory of long sequences."
+    )
 
 
 def _forward_mixin(cls: type) -> type:
@@ -342,18 +352,34 @@ def _chunked_forward(self, mixin, signature, varkw, args, kwargs):
     return type(out)(**fields)
 
 
-def apply(model: nn.Module, tokens: int) -> nn.Module:
-    """Compute ``model``'s training loss ``tokens`` tokens at a time (a plain or PEFT-wrapped
-    transformers causal LM, streamed or not). Returns the same model."""
+def _liger_bound(inner: nn.Module) -> bool:
+    """Liger-Kernel bound its fused forward to the model instance."""
+    return inner.__dict__.get("forward") is not None and _from_liger(getattr(inner.forward, "__func__", None))
+
+
+def check(model: nn.Module, tokens: int) -> None:
+    """Refuse what ``apply`` cannot chunk exactly, before anything changes (``stream_model``
+    and ``from_pretrained`` call it before they stream a layer)."""
     check_tokens("loss_chunk_tokens", tokens)
     inner = unwrap_peft(model)
     cls = swap.original_class(inner)
-    if inner.__dict__.get("forward") is not None and _from_liger(getattr(inner.forward, "__func__", None)):
-        warn_liger()
-    elif not _from_liger(cls.forward):
-        _check_forward(cls)
+    if not _liger_bound(inner) and not _from_liger(cls.forward):
+        _check_forward(model, cls)
     if getattr(inner, "get_output_embeddings", lambda: None)() is None:
-        raise StreamingError(f"loss_chunk_tokens: {cls.__name__} has no output head (get_output_embeddings).")
+        raise StreamingError(
+            f"loss_chunk_tokens: {describe_family(model)} has no output head (get_output_embeddings). "
+            "Nothing was changed. Leave loss_chunk_tokens unset for this model."
+        )
+
+
+def apply(model: nn.Module, tokens: int) -> nn.Module:
+    """Compute ``model``'s training loss ``tokens`` tokens at a time (a plain or PEFT-wrapped
+    transformers causal LM, streamed or not). Returns the same model."""
+    check(model, tokens)
+    inner = unwrap_peft(model)
+    if _liger_bound(inner):
+        warn_liger()
+    cls = swap.original_class(inner)
     mixin = _MIXINS.get(cls) or _MIXINS.setdefault(cls, _forward_mixin(cls))
     swap.swap_in(inner, mixin)
     object.__setattr__(inner, _TOKENS, tokens)
