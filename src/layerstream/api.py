@@ -14,7 +14,7 @@ from .discovery import find_decoder_layers, layer_name, unwrap_peft
 from .errors import StreamConfigError, StreamingError
 from .runtime import StreamRuntime
 from .store import LAYOUT, HostStore, check_host_memory
-from .units import GiB, gib
+from .units import GiB, gib, size
 
 logger = logging.getLogger(__name__)
 
@@ -213,8 +213,8 @@ def _check_slots_fit_budget(config: StreamConfig, largest_layer: int) -> None:
         f"use slots={fitting}" if fitting >= 2 else "load the model in NF4 (quantization='nf4'), or raise the budget"
     )
     raise StreamConfigError(
-        f"{config.slots} slots of the largest layer ({largest_layer / GiB:.2f} GiB each) need "
-        f"{config.slots * largest_layer / GiB:.2f} GiB, more than vram_budget={budget / GiB:.2f} GiB "
+        f"{config.slots} slots of the largest layer ({size(largest_layer)} each) need "
+        f"{size(config.slots * largest_layer)}, more than vram_budget={size(budget)} "
         f"before anything else is on the GPU: {advice}."
     )
 

@@ -9,7 +9,7 @@ import torch
 
 from .config import expandable_segments
 from .errors import StreamingError
-from .units import GiB, MiB, gib
+from .units import GiB, MiB, gib, size
 
 
 def stats(runtime) -> dict:
@@ -201,15 +201,19 @@ def explain_oom(runtime, exc: BaseException, where: str) -> BaseException:
 
 def budget_refusal(memory, budget: int) -> StreamingError:
     """A training step the planner says an explicit vram_budget cannot hold, even with
-    every layer streamed: said before anything is computed."""
+    every layer streamed: said before anything is computed, in units that show each part
+    (a tiny model's step takes kilobytes), with what is short and why."""
     advice = "\n".join(f"  - {line}" for line in memory.advice[1:])
+    reserve = f"{size(memory.reserve_bytes)} kept in reserve (CUDA context, cuBLAS workspaces, allocator slack)"
+    if memory.reserve_bytes >= budget:
+        reserve += ", which alone takes the whole budget"
     return StreamingError(
         f"a training step of batch {memory.batch} x {memory.seq} tokens does not fit vram_budget="
-        f"{budget / GiB:.2f} GiB: the memory planner predicts a peak of "
-        f"{memory.peak_vram_bytes / GiB:.2f} GiB plus {memory.reserve_bytes / GiB:.1f} GiB reserve "
-        f"(resident part {memory.resident_bytes / GiB:.2f} GiB, {memory.slots} slots "
-        f"{memory.slot_bytes / GiB:.2f} GiB, activations {memory.activation_bytes / GiB:.2f} GiB). "
-        f"Nothing has been computed yet. What would fit:\n{advice}"
+        f"{size(budget)}: it needs {size(memory.needed_bytes - budget)} more. Nothing has "
+        f"been computed yet. The memory planner predicts a peak of {size(memory.peak_vram_bytes)} (resident "
+        f"part {size(memory.resident_bytes)}, {memory.slots} slots {size(memory.slot_bytes)}, activations "
+        f"{size(memory.activation_bytes)}) beside {reserve}; vram_budget={size(memory.needed_bytes, round_up=True)} "
+        f"or more holds it. What else would fit:\n{advice}"
     )
 
 
