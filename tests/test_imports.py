@@ -34,6 +34,7 @@ LAYERS = [
         "disk",
         "nf4_cache",
         "offload_policy",
+        "budget_check",
     },
     {"runtime"},
     {"api", "loading"},

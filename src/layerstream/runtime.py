@@ -23,6 +23,7 @@ from torch import nn
 from . import bindings, changes, checksum, passes, report, swap, timeline
 from . import layer as layer_mod
 from .backward_slots import BackwardSlots
+from .budget_check import BudgetCheck
 from .config import StreamConfig
 from .errors import StreamingError
 from .meter import CudaMeter, PlannedMeter
@@ -88,7 +89,7 @@ class StreamRuntime(ResidentWindow, OffloadPolicy):
         self._placed_at = 0  # layer.registrations() when tensors were last placed
         self.nf4_counts = {"nf4_function_calls": 0, "nf4_dequant_calls": 0}
         self._recording = None  # timeline.Recording while a step is recorded
-        self._budget_checked: set = set()  # the largest (batch, seq) shapes checked against an explicit vram_budget
+        self.budget_check = BudgetCheck()  # an explicit vram_budget, checked per step shape
         self._checker = checksum.SlotChecker(self.pool, records) if config.checksum else None
         self._by_module: Dict[int, Tuple[LayerRecord, List[int]]] = {}
         for record in records:
@@ -286,7 +287,7 @@ class StreamRuntime(ResidentWindow, OffloadPolicy):
         self.last_shape = (int(hidden.shape[0]), int(hidden.shape[1]))
         self.pass_offloader = self._pass_offloader(hidden)
         if isinstance(self.config.vram_budget, int):
-            self._check_budget(*self.last_shape)
+            self.budget_check.check(self, *self.last_shape)
         if self.meter is not None:
             self._size_window(self.last_shape[0] * self.last_shape[1], hidden.numel() * hidden.element_size())
         if self.backward.auto:
@@ -309,25 +310,6 @@ class StreamRuntime(ResidentWindow, OffloadPolicy):
             for entry, host in zip(record.entries, record.host_values):
                 if host.requires_grad:
                     raise StreamingError(report.trainable_streamed_tensor(entry.qualified_name))
-
-    def _check_budget(self, batch: int, seq: int) -> None:
-        """Before the first training step of each batch shape, an explicit vram_budget the
-        memory planner says the step cannot fit (every layer streamed) is refused. A shape no
-        larger in batch and sequence than one that passed needs no plan (batches padded to
-        their longest sequence come in a new shape at nearly every step)."""
-        if any(batch <= b and seq <= s for b, s in self._budget_checked):
-            return
-        budget = self.config.vram_budget
-        try:
-            memory = self.memory_plan(batch, seq, vram_bytes=budget)
-            if not memory.fits:  # not recorded: a smaller shape is planned again
-                raise report.budget_refusal(memory, budget)
-        except ValueError as exc:
-            logger.warning(
-                "layerstream: vram_budget is not checked for this model: its memory cannot be predicted (%s)", exc
-            )
-        self._budget_checked = {(b, s) for b, s in self._budget_checked if not (b <= batch and s <= seq)}
-        self._budget_checked.add((batch, seq))
 
     def memory_plan(self, batch: int, seq: int, vram_bytes: int = 1 << 50, backward_slots=0, offload=None):
         """The memory planner's plan of this model streamed as it is (one call site);
