@@ -331,8 +331,21 @@ def unstream_model(model: nn.Module, device: Optional[Union[str, torch.device]] 
     on CUDA), or to ``device`` when given. Names, values and Parameter objects are kept.
     Every copy is made before the model is changed, so a failure (out of memory, an
     interrupt) while copying leaves it streamed as it was; calling again finishes the job.
+    The changes that follow are assignments and class swaps, each safe to make twice: if
+    they are interrupted, what cannot be right on the half-changed model (a forward through
+    a layer still streamed, a cast or move, a merge into the store) is refused, saying so,
+    until ``unstream_model`` is called again and finishes them from the same copies.
     """
     runtime = get_runtime(model)
+    if runtime.unstreaming is None:
+        runtime.unstreaming = _copies_out(model, runtime, device)  # from here on, the model changes
+    _commit_unstream(model, runtime, *runtime.unstreaming)
+    return model
+
+
+def _copies_out(model: nn.Module, runtime: StreamRuntime, device) -> tuple:
+    """Every streamed tensor's value, copied where the unstreamed model will hold it; the
+    model is not changed."""
     target = resolve_device(device) if device is not None else _resident_device(model, runtime)
     runtime.pool.settle()
     if runtime.disk is not None:  # the disk layers' tensors map the files: refuse changed bytes
@@ -341,26 +354,32 @@ def unstream_model(model: nn.Module, device: Optional[Union[str, torch.device]] 
         if not record.fresh_deep() and runtime.store.sync(record) == LAYOUT:
             runtime.store.repack(record)
     copies = [runtime.store.copies_out(record, target) for record in runtime.records]
-    # the commit: plain assignments and class swaps, nothing that allocates
+    ends = runtime.embeddings.copies_out(target) if runtime.embeddings is not None else None
+    return copies, ends
+
+
+def _commit_unstream(model: nn.Module, runtime: StreamRuntime, copies: list, ends) -> None:
+    """Point the model at the copies and take every streamed behaviour off: plain
+    assignments and class swaps, nothing that allocates. A layer still streamed refuses to
+    run until the last is plain, and the modules above refuse a move until released."""
     for record, values in zip(runtime.records, copies):
         changes.unwatch(record)
         HostStore.restore(record, values)
     for module in nf4.streamed_linear4bit_modules(runtime.records):
         nf4.make_plain(module)
-    for module in runtime.layers:
-        layer.make_plain(module)
     if runtime.embeddings is not None:
-        runtime.embeddings.restore(target)
-    layer.release_ancestors(getattr(runtime, "guarded", []), runtime)
+        runtime.embeddings.restore(ends)
     if runtime.config.loss_chunk_tokens is not None:
         chunked_loss.remove(model)
     if runtime.config.mlp_tile_tokens is not None:
         tiled_mlp.remove(model)
+    for module in runtime.layers:
+        layer.make_plain(module)
     for record in runtime.records:
         for entry in record.entries:
             if entry.module.__dict__.get(_ATTR) is runtime:
                 entry.module.__dict__.pop(_ATTR, None)
-    runtime.close()
+    layer.release_ancestors(getattr(runtime, "guarded", []), runtime)  # the model holds the runtime no more
     _holder(model).__dict__.pop(_ATTR, None)
     _holder(model).__dict__.pop(_DDP_IGNORE, None)
-    return model
+    runtime.close()  # interrupted, the slots and arenas go when the runtime is collected

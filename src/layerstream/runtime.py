@@ -78,6 +78,7 @@ class StreamRuntime(ResidentWindow, OffloadPolicy):
         self._bindings: Dict[Tuple[int, int], list] = {}
         self._streamed_dtypes = {e.dtype for r in records for e in r.entries}
         self._pass = None  # passes.Pass: the pass under way, and whose
+        self.unstreaming = None  # unstream_model's copies while it changes the model (api)
         self.visits = 0
         self.demand_loads = 0
         self.peak_resident_layers = 0
@@ -215,6 +216,7 @@ class StreamRuntime(ResidentWindow, OffloadPolicy):
                 recording.computes.append((index, slot, phase, begin, recording.now()))
 
     def call_layer(self, layer: nn.Module, args, kwargs):
+        self.refuse_half_unstreamed("run a forward")
         index = layer._layerstream_index
         if args and isinstance(args[0], torch.Tensor) and args[0].device != self.device:
             raise StreamingError(
@@ -386,6 +388,7 @@ class StreamRuntime(ResidentWindow, OffloadPolicy):
     def refuse_host_write(self, index: int, change: str) -> None:
         """A write into a disk layer would not reach the GPU, one into a node-shared store
         would write other ranks' read-only pages: refused before anything is written."""
+        self.refuse_half_unstreamed("take a write into its weights")
         name = self.records[index].name
         if self.store.segment is not None:
             raise StreamingError(
@@ -397,6 +400,16 @@ class StreamRuntime(ResidentWindow, OffloadPolicy):
                 f"{name} is read from disk each time (host_budget: the checkpoint's files, or the NF4 layer "
                 f"cache): {change} would not reach the GPU. Change or merge weights only of layers in host "
                 "RAM: raise host_budget or leave it unset."
+            )
+
+    def refuse_half_unstreamed(self, what: str) -> None:
+        """An unstream_model interrupted after its copies were made left some modules plain
+        and others streamed: what would compute or write through the streamed ones is refused."""
+        if self.unstreaming is not None:
+            raise StreamingError(
+                "layerstream.unstream_model(model) was interrupted while it changed this model: some "
+                f"modules are plain again and others still streamed, so it cannot {what}. Call "
+                "layerstream.unstream_model(model) again: it finishes from the copies it already made."
             )
 
     def refresh_after_write(self, index: int, device_copy_current: bool = False) -> None:
@@ -445,6 +458,7 @@ class StreamRuntime(ResidentWindow, OffloadPolicy):
         """Refuse a .to()/.half()/.cuda() that would change streamed weights' dtype or device.
         ``dtypes``: the streamed dtypes to check (default: the decoder layers' and the
         streamed embedding's)."""
+        self.refuse_half_unstreamed("be cast or moved")
         if dtypes is None:
             dtypes = self._streamed_dtypes | (self.embeddings.dtypes if self.embeddings is not None else set())
         for dtype in dtypes:
