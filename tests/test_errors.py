@@ -1,11 +1,14 @@
 """Bad input fails early with a message that says what to do."""
 
+import re
+
 import pytest
 import torch
 from torch import nn
 
 import layerstream
-from layerstream import StreamConfig, StreamConfigError
+from layerstream import StreamConfig, StreamConfigError, units
+from layerstream.units import GiB, MiB
 
 from tiny import assert_traces_equal, batch, peft_pair, stream, tiny_model, train_steps
 
@@ -147,7 +150,8 @@ def test_kv_cache_with_past_tokens_under_autograd():
 def test_slots_larger_than_the_vram_budget_are_refused_before_any_copy():
     streamed, _ = peft_pair("llama", layers=4)
     with pytest.raises(
-        layerstream.StreamConfigError, match=r"3 slots of the largest layer .* more than vram_budget=0.00 GiB"
+        layerstream.StreamConfigError,
+        match=r"3 slots of the largest layer \(37.00 KiB each\) need 111.00 KiB, more than vram_budget=100.00 KiB",
     ):
         layerstream.stream_model(streamed, device="cpu", slots=3, vram_budget="100KiB")
     assert not layerstream.is_streamed(streamed)
@@ -163,6 +167,32 @@ def test_a_step_that_cannot_fit_the_vram_budget_is_refused_before_it_computes():
     ):
         streamed(input_ids=ids, labels=ids)
     assert layerstream.get_runtime(streamed).visits == 0
+
+
+def test_sizes_are_written_in_the_unit_that_shows_them():
+    written = [units.size(n) for n in (int(12.5 * GiB), int(0.98 * GiB), 999 * MiB, 111 * 1024, 3584, 999)]
+    assert written == ["12.50 GiB", "0.98 GiB", "999.00 MiB", "111.00 KiB", "3.50 KiB", "999 B"]
+    assert units.size(GiB + 53_555) == "1.00 GiB"
+    assert units.size(GiB + 53_555, round_up=True) == "1.01 GiB", "a least amount is never shown below what it is"
+    assert units.size(int(1.1 * GiB), round_up=True) == "1.10 GiB"
+
+
+def test_a_tiny_models_step_refused_by_the_budget_says_what_is_short_at_its_scale():
+    """A tiny model's step takes kilobytes beside the planner's 1 GiB reserve: the refusal
+    shows each part in a unit that shows it (never '0.00 GiB' or a negative saving), what is
+    short, that the reserve alone takes the budget, and the budget that would hold the step."""
+    streamed, _ = peft_pair("llama", layers=4)
+    stream(streamed, "cpu", slots=2, vram_budget="1GiB")
+    memory = layerstream.get_runtime(streamed).memory_plan(2, 16, vram_bytes=GiB)
+    ids = batch(96, size=2, seq=16)
+    with pytest.raises(layerstream.StreamingError) as refused:
+        streamed(input_ids=ids, labels=ids)
+    text = str(refused.value)
+    assert "0.00 GiB" not in text and "-0." not in text, text
+    assert re.search(r"a peak of \d+\.\d\d (KiB|MiB) \(resident part \d+\.\d\d KiB, 2 slots \d+\.\d\d KiB", text), text
+    assert f"it needs {units.size(memory.needed_bytes - GiB)} more" in text
+    assert "1.00 GiB kept in reserve (CUDA context, cuBLAS workspaces, allocator slack), which alone takes" in text
+    assert "vram_budget=1.01 GiB or more holds it" in text
 
 
 def test_the_budget_check_plans_the_chunked_loss_the_model_runs_with():

@@ -36,6 +36,7 @@ LAYERS = [
         "nf4_cache",
         "offload_policy",
         "long_policy",
+        "budget_check",
     },
     {"runtime"},
     {"api", "loading"},

@@ -94,6 +94,18 @@ def test_streamed_parity_fails_when_a_copy_is_corrupted():
         assert_traces_equal(train_steps(streamed, STEPS, seq=SEQ), train_steps(resident, STEPS, seq=SEQ))
 
 
+def test_a_refused_torch_compile_leaves_the_chunked_loss_training_exactly():
+    """torch.compile stops at the first streamed layer while it traces the model's forward,
+    inside the chunked loss's capture of the head: the capture is undone, so the model then
+    trains bit for bit as one never compiled (a capture left on made every later loss read
+    empty logits)."""
+    streamed, resident = _long_pair(layers=3)
+    ids = batch(96, size=2, seq=SEQ)
+    with pytest.raises(Exception, match="torch.compile cannot trace a streamed"):
+        torch.compile(streamed, backend="eager")(input_ids=ids, labels=ids)
+    assert_traces_equal(train_steps(streamed, 2, seq=SEQ), train_steps(resident, 2, seq=SEQ))
+
+
 def test_the_tiled_backward_reads_the_slot_its_recompute_bound():
     """On the CPU a host weight and its slot copy hold the same values, so read from where
     the tiles' backward takes its frozen weights: the slot memory, never the host store."""
@@ -498,15 +510,92 @@ def test_the_trainers_use_liger_kernel_leaves_liger_in_charge_and_says_so(tmp_pa
 
 
 def test_what_cannot_be_chunked_or_tiled_is_refused_clearly():
-    with pytest.raises(StreamingError, match="softcap|transforms the logits"):
-        chunked_loss.apply(tiny_model("gemma2", final_logit_softcapping=30.0), CHUNK)
-    with pytest.raises(StreamingError, match="Llama-style MLPs.*mixture of experts"):
+    with pytest.raises(StreamingError, match="mixture of experts"):
+        chunked_loss.apply(tiny_model("mixtral"), CHUNK)
+    with pytest.raises(StreamingError, match="gate, up and down projections.*mixture of experts"):
         tiled_mlp.apply(tiny_model("mixtral"), TILE)
     for bad in (-1, True, 2.5, "4k"):
         with pytest.raises(StreamConfigError, match="loss_chunk_tokens must be an integer >= 1"):
             StreamConfig(device="cpu", loss_chunk_tokens=bad)
     with pytest.raises(StreamConfigError, match="mlp_tile_tokens must be an integer >= 1"):
         StreamConfig(device="cpu", mlp_tile_tokens=-3)
+
+
+REFUSED_FAMILIES = {
+    "mixtral-loss": (
+        "mixtral",
+        "loss_chunk_tokens",
+        r"MixtralForCausalLM \(model type 'mixtral'\).*mixture of experts",
+    ),
+    "mixtral-mlp": ("mixtral", "mlp_tile_tokens", r"MixtralSparseMoeBlock \(a mixture of experts"),
+    "qwen3_moe-loss": ("qwen3_moe", "loss_chunk_tokens", r"model type 'qwen3_moe'.*load-balancing loss"),
+    "qwen3_moe-mlp": ("qwen3_moe", "mlp_tile_tokens", r"model type 'qwen3_moe'.*mixture of experts"),
+}
+
+
+def _classes_and_storage(model) -> list:
+    return [(name, type(m)) for name, m in model.named_modules()] + [
+        (name, t.data_ptr()) for name, t in model.state_dict(keep_vars=True).items()
+    ]
+
+
+@pytest.mark.parametrize("case", REFUSED_FAMILIES, ids=list(REFUSED_FAMILIES))
+def test_a_setting_a_family_cannot_run_is_refused_before_the_model_changes(case):
+    """Refused with the setting, the family and what to do, before stream_model swaps a class
+    or packs a layer: the model is untouched and computes what it did."""
+    family, setting, family_match = REFUSED_FAMILIES[case]
+    model, _ = peft_pair(family, layers=3)
+    ids = batch(96, size=2, seq=SEQ)
+    before, expected = _classes_and_storage(model), model(input_ids=ids, labels=ids).loss
+    with pytest.raises(StreamingError, match=f"{setting}.*{family_match}.*Nothing was changed.*Leave {setting} unset"):
+        layerstream.stream_model(model, device="cpu", slots=2, **{setting: 5})
+    assert not layerstream.is_streamed(model)
+    assert _classes_and_storage(model) == before, "no class swapped, no tensor moved into a store"
+    assert torch.equal(model(input_ids=ids, labels=ids).loss, expected)
+
+
+def test_a_setting_a_family_cannot_run_is_refused_by_from_pretrained_before_loading(tmp_path, monkeypatch):
+    tiny_model("mixtral", layers=3).save_pretrained(tmp_path)
+    monkeypatch.setattr(layerstream.loading, "_load_module", lambda *a, **k: pytest.fail("a weight was read"))
+    with pytest.raises(StreamingError, match="mlp_tile_tokens.*mixture of experts.*Nothing was changed"):
+        layerstream.from_pretrained(tmp_path, stream=StreamConfig(device="cpu", mlp_tile_tokens=5))
+
+
+def test_gemma2_softcapped_logits_chunked_match_resident_bit_for_bit_and_the_model_closely(monkeypatch):
+    """Gemma-2 softcaps its logits before the loss, and so do the chunks: streamed and
+    resident agree bit for bit, and both are within fp32 rounding of the unchunked model
+    (a cap of 0.5 bends these logits hard). Negative control: chunks without the cap are not."""
+    streamed, resident = peft_pair("gemma2", layers=3, final_logit_softcapping=0.5)
+    stream(streamed, "cpu", loss_chunk_tokens=CHUNK)
+    chunked_loss.apply(resident, CHUNK)
+    _, plain = peft_pair("gemma2", layers=3, final_logit_softcapping=0.5)
+    got = train_steps(streamed, 2, seq=SEQ)
+    assert_traces_equal(got, train_steps(resident, 2, seq=SEQ))
+    _assert_close_traces(got, train_steps(plain, 2, seq=SEQ))
+    uncapped, plain = peft_pair("gemma2", layers=3, final_logit_softcapping=0.5)
+    chunked_loss.apply(uncapped, CHUNK)
+    monkeypatch.setattr(chunked_loss, "softcapped", lambda logits, cap: logits)
+    with pytest.raises(AssertionError):
+        _assert_close_traces(train_steps(uncapped, 1, seq=SEQ), train_steps(plain, 1, seq=SEQ))
+
+
+def test_phi3_fused_mlp_tiled_streamed_matches_resident_bit_for_bit(monkeypatch):
+    """Phi-3 fuses the gate and up projections (gate_up_proj): its MLP is per token, so it
+    tiles like Llama's, streamed and resident alike (LoRA on the fused projection)."""
+    streamed, resident = peft_pair("phi3", layers=3, lora={"target_modules": ["gate_up_proj", "down_proj"]})
+    stream(streamed, "cpu", mlp_tile_tokens=TILE)
+    tiled_mlp.apply(resident, TILE)
+    tiles, plain = [], tiled_mlp._plain
+    monkeypatch.setattr(
+        tiled_mlp, "_plain", lambda module, x: tiles.append(torch.is_grad_enabled()) or plain(module, x)
+    )
+    got = train_steps(streamed, 2, seq=SEQ)
+    assert tiles.count(True) == 2 * 3 * 4, "every layer's four tiles ran in each backward"
+    assert_traces_equal(got, train_steps(resident, 2, seq=SEQ))
+    runtime = layerstream.get_runtime(streamed)
+    corrupt_copies(runtime, lambda layer, slot: runtime.records[0].host_region if layer == 2 else None)
+    with pytest.raises(AssertionError):  # negative control: the same comparison sees a wrong layer
+        assert_traces_equal(train_steps(streamed, 1, seq=SEQ), train_steps(resident, 1, seq=SEQ))
 
 
 def test_unstream_takes_the_chunking_off():

@@ -119,6 +119,50 @@ def test_two_forwards_before_one_backward_and_a_retained_graph_stay_exact():
         assert torch.equal(results[0][name], results[1][name]), name
 
 
+def _set_by_method(runtime, value):
+    runtime.set_offload_activations(value)
+
+
+def _set_in_config(runtime, value):
+    runtime.config.offload_activations = value
+
+
+@pytest.mark.parametrize(
+    "switch,start,then",
+    [(_set_by_method, True, False), (_set_by_method, True, "auto"), (_set_in_config, False, True)],
+    ids=["method-off", "method-auto", "config-on"],
+)
+def test_offload_switched_between_a_forward_and_its_backward_applies_from_the_next_pass(
+    monkeypatch, switch, start, then
+):
+    """The pass under way finishes with the setting it started with (its backward brings its
+    inputs back through the offloader it began with); the next pass runs with the new one
+    ("auto" without a budget: off). Every gradient equals the resident model's."""
+    streamed, resident = peft_pair("llama", layers=3)
+    stream(streamed, "cpu", offload_activations=start)
+    runtime = layerstream.get_runtime(streamed)
+    packed = []
+    pack = offload.ActivationOffloader._pack
+    monkeypatch.setattr(offload.ActivationOffloader, "_pack", lambda self, t: packed.append(1) or pack(self, t))
+    for step, setting in enumerate((start, then)):
+        ids = batch(seq=12, seed=step)
+        loss = streamed(input_ids=ids, labels=ids).loss
+        if step == 0:
+            switch(runtime, then)
+        loss.backward()
+        resident(input_ids=ids, labels=ids).loss.backward()
+        assert len(packed) == (offloaded_layers(3) if setting is True else 0), (step, setting)
+        packed.clear()
+        for (name, got), (_, expected) in zip(_grads(streamed), _grads(resident)):
+            assert torch.equal(got, expected), f"gradient of {name} differs at step {step}"
+        streamed.zero_grad(set_to_none=True)
+        resident.zero_grad(set_to_none=True)
+
+
+def _grads(model):
+    return [(n, p.grad) for n, p in model.named_parameters() if p.requires_grad]
+
+
 def test_offload_through_the_trainer_matches_the_plain_model(tmp_path):
     from datasets import Dataset
     from transformers import Trainer, TrainingArguments

@@ -55,7 +55,7 @@ def _write(tmp_path, text):
         ("data: {path: /nonexistent/data.jsonl}\n", r"dataset file /nonexistent/data.jsonl does not exist"),
         ("training: {eval_strategy: sometimes}\nstream: {device: cpu}\n", r"training: .*sometimes"),
         ("stream: {device: cpu, vram_budget: 16 gigs}\n", r"stream.vram_budget: unknown unit .gigs."),
-        ("stream: {device: cpu, vram_budget: 900MiB}\n", r"does not fit in 0.88 GiB .* even when streamed"),
+        ("stream: {device: cpu, vram_budget: 900MiB}\n", r"does not fit in 900.00 MiB .* even when streamed"),
         (
             "stream: {device: cpu, backward_slots: -1}\n",
             r"stream: stream.backward_slots must be an integer >= 0 or 'auto'",

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import layerstream
+from layerstream import swap
 
 from tiny import assert_traces_equal, batch, peft_pair, stream, train_steps
 
@@ -315,3 +316,66 @@ def test_an_interrupted_unstream_leaves_a_working_streamed_model_and_can_be_fini
     layerstream.unstream_model(streamed)
     assert not layerstream.is_streamed(streamed)
     assert_traces_equal(train_steps(streamed, 1), train_steps(resident, 1))
+
+
+def _interrupt_call(monkeypatch, owner, name, at):
+    """KeyboardInterrupt at the ``at``-th call of ``owner.name`` (before it changes anything)."""
+    original, calls = getattr(owner, name), []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == at:
+            raise KeyboardInterrupt
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, interrupted)
+
+
+def _commit_steps():
+    """Where unstream_model changes the model once its copies are made: (what is
+    interrupted, at which call) for each kind of change."""
+    from layerstream import api
+    from layerstream.embeddings import StreamedEnds
+    from layerstream.runtime import StreamRuntime
+    from layerstream.store import HostStore
+
+    return {
+        "restoring-a-layers-tensors": (HostStore, "restore", 2),
+        "restoring-the-streamed-embeddings": (StreamedEnds, "restore", 1),
+        "making-a-layer-plain": (api.layer, "make_plain", 2),
+        "releasing-the-modules-above": (api.layer, "release_ancestors", 1),
+        "releasing-the-store": (StreamRuntime, "close", 1),
+    }
+
+
+@pytest.mark.parametrize("step", list(_commit_steps()))
+def test_an_unstream_interrupted_while_changing_the_model_says_so_and_is_finished_when_called_again(monkeypatch, step):
+    """An interrupt after the copies are made leaves some modules plain and others streamed.
+    What cannot be right on such a model is refused, saying that unstream_model was
+    interrupted and to call it again: a forward or a merge while a layer still streams, a
+    cast or move until the modules above the layers are released. Called again, it finishes
+    the job and the model trains exactly as the resident one."""
+    owner, name, at = _commit_steps()[step]
+    streamed, resident = peft_pair("llama", layers=3, tie_word_embeddings=False)
+    stream(streamed, "cpu", slots=2, stream_embeddings=True)
+    _interrupt_call(monkeypatch, owner, name, at)
+    with pytest.raises(KeyboardInterrupt):
+        layerstream.unstream_model(streamed)
+    monkeypatch.undo()
+    half = r"unstream_model\(model\) was interrupted.*Call layerstream.unstream_model\(model\) again"
+    layers = streamed.base_model.model.model.layers
+    uses = []
+    if any(map(swap.behaviours, layers)):
+        uses += [lambda: _logits(streamed), lambda: train_steps(streamed, 1), streamed.merge_adapter]
+    if swap.behaviours(streamed.base_model.model):
+        uses.append(lambda: streamed.to(torch.float64))
+    assert uses or not layerstream.is_streamed(streamed), "a half-unstreamed model must refuse something"
+    for use in uses:
+        with pytest.raises(layerstream.StreamingError, match=half):
+            use()
+    if layerstream.is_streamed(streamed):
+        layerstream.unstream_model(streamed)
+    assert not layerstream.is_streamed(streamed)
+    assert not any(swap.behaviours(module) for module in streamed.modules()), "every class is the model's own"
+    assert all(p.dtype == torch.float32 for p in streamed.parameters()), "a refused cast changed nothing"
+    assert_traces_equal(train_steps(streamed, 2), train_steps(resident, 2))

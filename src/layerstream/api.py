@@ -14,7 +14,7 @@ from .discovery import find_decoder_layers, layer_name, unwrap_peft
 from .errors import StreamConfigError, StreamingError
 from .runtime import StreamRuntime
 from .store import LAYOUT, HostStore, check_host_memory
-from .units import GiB, gib
+from .units import GiB, gib, size
 
 logger = logging.getLogger(__name__)
 
@@ -128,6 +128,7 @@ def stream_model(model: nn.Module, config: Optional[StreamConfig] = None, **over
         config = StreamConfig(**overrides)
     elif overrides:
         config = config.replace(**overrides)
+    check_long_context(model, config)
     records = [HostStore.plan_layer(i, layer_name(path, i), module, streamed) for i, module in enumerate(layers)]
     if all(not r.entries for r in records):
         raise StreamingError(
@@ -212,8 +213,8 @@ def _check_slots_fit_budget(config: StreamConfig, largest_layer: int) -> None:
         f"use slots={fitting}" if fitting >= 2 else "load the model in NF4 (quantization='nf4'), or raise the budget"
     )
     raise StreamConfigError(
-        f"{config.slots} slots of the largest layer ({largest_layer / GiB:.2f} GiB each) need "
-        f"{config.slots * largest_layer / GiB:.2f} GiB, more than vram_budget={budget / GiB:.2f} GiB "
+        f"{config.slots} slots of the largest layer ({size(largest_layer)} each) need "
+        f"{size(config.slots * largest_layer)}, more than vram_budget={size(budget)} "
         f"before anything else is on the GPU: {advice}."
     )
 
@@ -256,6 +257,16 @@ def attach_runtime(
         callback(model)
     logger.info(runtime.summary())
     return model
+
+
+def check_long_context(model: nn.Module, config: StreamConfig) -> None:
+    """loss_chunk_tokens and mlp_tile_tokens set to a number this model cannot run exactly
+    are refused before a layer is streamed (or loaded): the model is left as it was. Left at
+    "auto", a setting the model cannot run stays off (``long_policy``)."""
+    if isinstance(config.loss_chunk_tokens, int) and config.loss_chunk_tokens:
+        chunked_loss.check(model, config.loss_chunk_tokens)
+    if isinstance(config.mlp_tile_tokens, int) and config.mlp_tile_tokens:
+        tiled_mlp.check(model, config.mlp_tile_tokens)
 
 
 _DDP_IGNORE = "_ddp_params_and_buffers_to_ignore"
@@ -314,8 +325,21 @@ def unstream_model(model: nn.Module, device: Optional[Union[str, torch.device]] 
     on CUDA), or to ``device`` when given. Names, values and Parameter objects are kept.
     Every copy is made before the model is changed, so a failure (out of memory, an
     interrupt) while copying leaves it streamed as it was; calling again finishes the job.
+    The changes that follow are assignments and class swaps, each safe to make twice: if
+    they are interrupted, what cannot be right on the half-changed model (a forward through
+    a layer still streamed, a cast or move, a merge into the store) is refused, saying so,
+    until ``unstream_model`` is called again and finishes them from the same copies.
     """
     runtime = get_runtime(model)
+    if runtime.unstreaming is None:
+        runtime.unstreaming = _copies_out(model, runtime, device)  # from here on, the model changes
+    _commit_unstream(model, runtime, *runtime.unstreaming)
+    return model
+
+
+def _copies_out(model: nn.Module, runtime: StreamRuntime, device) -> tuple:
+    """Every streamed tensor's value, copied where the unstreamed model will hold it; the
+    model is not changed."""
     target = resolve_device(device) if device is not None else _resident_device(model, runtime)
     runtime.pool.settle()
     if runtime.disk is not None:  # the disk layers' tensors map the files: refuse changed bytes
@@ -324,23 +348,29 @@ def unstream_model(model: nn.Module, device: Optional[Union[str, torch.device]] 
         if not record.fresh_deep() and runtime.store.sync(record) == LAYOUT:
             runtime.store.repack(record)
     copies = [runtime.store.copies_out(record, target) for record in runtime.records]
-    # the commit: plain assignments and class swaps, nothing that allocates
+    ends = runtime.embeddings.copies_out(target) if runtime.embeddings is not None else None
+    return copies, ends
+
+
+def _commit_unstream(model: nn.Module, runtime: StreamRuntime, copies: list, ends) -> None:
+    """Point the model at the copies and take every streamed behaviour off: plain
+    assignments and class swaps, nothing that allocates. A layer still streamed refuses to
+    run until the last is plain, and the modules above refuse a move until released."""
     for record, values in zip(runtime.records, copies):
         changes.unwatch(record)
         HostStore.restore(record, values)
     for module in nf4.streamed_linear4bit_modules(runtime.records):
         nf4.make_plain(module)
+    if runtime.embeddings is not None:
+        runtime.embeddings.restore(ends)
+    runtime.remove_long_settings(model)
     for module in runtime.layers:
         layer.make_plain(module)
-    if runtime.embeddings is not None:
-        runtime.embeddings.restore(target)
-    layer.release_ancestors(getattr(runtime, "guarded", []), runtime)
-    runtime.remove_long_settings(model)
     for record in runtime.records:
         for entry in record.entries:
             if entry.module.__dict__.get(_ATTR) is runtime:
                 entry.module.__dict__.pop(_ATTR, None)
-    runtime.close()
+    layer.release_ancestors(getattr(runtime, "guarded", []), runtime)  # the model holds the runtime no more
     _holder(model).__dict__.pop(_ATTR, None)
     _holder(model).__dict__.pop(_DDP_IGNORE, None)
-    return model
+    runtime.close()  # interrupted, the slots and arenas go when the runtime is collected

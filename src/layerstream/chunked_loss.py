@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import inspect
 import logging
 from typing import List, Optional
@@ -43,12 +44,13 @@ from torch import nn
 
 from . import swap
 from .config import check_tokens
-from .discovery import unwrap_peft
+from .discovery import describe_family, unwrap_peft
 from .errors import StreamingError
 
 logger = logging.getLogger(__name__)
 
 _TOKENS = "_layerstream_loss_chunk_tokens"
+_SOFTCAPS = "_layerstream_loss_softcaps"  # the forward softcaps its logits (Gemma-2, Gemma-3)
 _capturing: contextvars.ContextVar = contextvars.ContextVar("layerstream_head_capture", default=None)
 _warned: set = set()
 
@@ -150,19 +152,27 @@ def span_gradients(rows, parts, trainables, wanted, run, grad_rows=None) -> List
 class _HeadCall:
     """How each chunk computes its logits: the head module itself, or, for a streamed
     plain ``nn.Linear`` head, ``F.linear`` on one device copy of its weight for all chunks
-    (the resident head runs the same ``F.linear``)."""
+    (the resident head runs the same ``F.linear``); then the model's softcap, if it has one."""
 
-    def __init__(self, head: nn.Module):
-        self.head = head
+    def __init__(self, head: nn.Module, softcap: Optional[float] = None):
+        self.head, self.softcap = head, softcap
         ends = head.__dict__.get("_layerstream_ends")
         plain_linear = swap.original_class(head).forward is nn.Linear.forward
         self.ends = ends if plain_linear and hasattr(ends, "head_weight") else None
 
     def prepare(self):
-        if self.ends is None:
-            return self.head
-        weight, bias = self.ends.head_weight(self.head), self.head.bias
-        return lambda x: F.linear(x, weight, bias)
+        call = self.head
+        if self.ends is not None:
+            call = functools.partial(F.linear, weight=self.ends.head_weight(self.head), bias=self.head.bias)
+        cap = self.softcap
+        return call if cap is None else lambda x: softcapped(call(x), cap)
+
+
+def softcapped(logits: torch.Tensor, cap: float) -> torch.Tensor:
+    """final_logit_softcapping, the operations of Gemma-2's and Gemma-3's forward in their order."""
+    logits = logits / cap
+    logits = torch.tanh(logits)
+    return logits * cap
 
 
 def _chunk_loss(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
@@ -228,8 +238,10 @@ def causal_lm_loss(
     num_items_in_batch=None,
     ignore_index: int = -100,
     shift_labels: Optional[torch.Tensor] = None,
+    softcap: Optional[float] = None,
 ) -> torch.Tensor:
-    """transformers' ForCausalLMLoss(head(hidden), labels, ...) computed ``chunk`` tokens at a time."""
+    """transformers' ForCausalLMLoss(head(hidden), labels, ...) computed ``chunk`` tokens at a
+    time; ``softcap``: the logits softcapped first, as the model's forward does."""
     if shift_labels is None:
         padded = F.pad(labels, (0, 1), value=ignore_index)
         shift_labels = padded[..., 1:]
@@ -244,7 +256,7 @@ def causal_lm_loss(
         divisor = (targets != ignore_index).sum()
     else:
         divisor = torch.as_tensor(num_items_in_batch, device=hidden.device)
-    head_call = _HeadCall(head)
+    head_call = _HeadCall(head, softcap)
     head_call.trainables = [p for p in head.parameters() if p.requires_grad]
     head_call.grad_enabled = torch.is_grad_enabled()  # a Function's needs_input_grad ignores no_grad
     return ChunkedCrossEntropy.apply(flat, targets, divisor, head_call, chunk, ignore_index, *head_call.trainables)
@@ -272,21 +284,47 @@ def _from_liger(function) -> bool:
     return (getattr(function, "__module__", "") or "").startswith("liger_kernel")
 
 
-def _check_forward(cls: type) -> None:
+# Gemma-2's and Gemma-3's softcap between the head and the loss, which the chunks apply too
+_SOFTCAP_LINES = [
+    "if self.config.final_logit_softcapping is not None:",
+    "logits = logits / self.config.final_logit_softcapping",
+    "logits = torch.tanh(logits)",
+    "logits = logits * self.config.final_logit_softcapping",
+]
+
+
+def _check_forward(model: nn.Module, cls: type) -> bool:
     """Only a forward that feeds the head's output straight into ``self.loss_function``
-    (Llama, Mistral, Qwen2/3, Phi-3 and most others) can have its loss chunked: a scaling
-    or softcap of the logits between the two would be skipped."""
+    (Llama, Mistral, Qwen2/3, Phi-3 and most others), or through Gemma-2's and Gemma-3's
+    softcap (which the chunks apply the same way), can have its loss chunked: another
+    transformation of the logits between the two would be skipped, and so would a loss
+    added afterwards (a mixture of experts' router loss). Returns whether it softcaps."""
     source = inspect.getsource(inspect.unwrap(cls.forward))
     lines = [line.strip() for line in source.splitlines()]
     head = [i for i, line in enumerate(lines) if line.startswith("logits = self.lm_head(")]
-    loss = [i for i, line in enumerate(lines) if "self.loss_function(" in line and "logits=logits" in line]
+    loss = [
+        i
+        for i, line in enumerate(lines)
+        if "self.loss_function(" in line
+        and ("logits=logits" in line or line.startswith("loss = self.loss_function(logits, labels,"))
+    ]
     between = lines[head[0] + 1 : loss[0]] if head and loss and head[0] < loss[0] else None
-    if between is None or any("logits" in line for line in between):
-        raise StreamingError(
-            f"loss_chunk_tokens: {cls.__name__}.forward does not pass the head's output straight to "
-            "self.loss_function (it transforms the logits, or computes its own loss), so its loss "
-            "cannot be chunked exactly. Leave loss_chunk_tokens unset for this model."
-        )
+    if between is not None and "aux_loss" not in source:
+        if "logits=logits" in lines[loss[0]] and not any("logits" in line for line in between):
+            return False
+        if [line for line in between if "logit" in line] == _SOFTCAP_LINES:
+            return True
+    if "aux_loss" in source:
+        why = "a mixture of experts: its forward adds the router's load-balancing loss to the cross-entropy"
+    else:
+        why = "its forward does not pass the head's output straight to self.loss_function"
+    raise StreamingError(
+        f"loss_chunk_tokens cannot chunk the loss of {describe_family(model)}: {why}, so a chunked "
+        "loss would not be this model's loss. Nothing was changed. Leave loss_chunk_tokens unset for "
+        "this model (StreamConfig(loss_chunk_tokens=None); no --loss-chunk-tokens, "
+        "--layer_stream_loss_chunk_tokens or stream.loss_chunk_tokens); offload_activations still "
+        "lowers the memory of long sequences."
+    )
 
 
 def _forward_mixin(cls: type) -> type:
@@ -317,6 +355,13 @@ def _own_loss(model: nn.Module):
     return None if function is ForCausalLMLoss else function
 
 
+# torch.compile runs this frame eagerly and compiles the model's forward under it: traced, the
+# head capture's reset would be part of the trace, and a compilation refused or failed inside
+# (a streamed layer is refused there) would leave the head capturing for every later call
+@torch.compiler.disable(
+    recursive=False,
+    reason="loss_chunk_tokens runs its head capture eagerly; compile without fullgraph=True",
+)
 def _chunked_forward(self, mixin, signature, varkw, args, kwargs):
     inner = super(mixin, self).forward
     if not self.__dict__.get(_TOKENS):  # off for this call (loss_chunk_tokens="auto")
@@ -374,27 +419,48 @@ def _chunked_forward(self, mixin, signature, varkw, args, kwargs):
         extra.get("num_items_in_batch"),
         extra.get("ignore_index", -100),
         shift_labels,
+        self.config.final_logit_softcapping if self.__dict__.get(_SOFTCAPS) else None,
     )
     fields = {k: v for k, v in out.items() if k != "logits"}
     fields["loss"] = loss
     return type(out)(**fields)
 
 
-def apply(model: nn.Module, tokens: int) -> nn.Module:
-    """Compute ``model``'s training loss ``tokens`` tokens at a time (a plain or PEFT-wrapped
-    transformers causal LM, streamed or not). Returns the same model."""
+def _liger_bound(inner: nn.Module) -> bool:
+    """Liger-Kernel bound its fused forward to the model instance."""
+    return inner.__dict__.get("forward") is not None and _from_liger(getattr(inner.forward, "__func__", None))
+
+
+def check(model: nn.Module, tokens: int) -> bool:
+    """Refuse what ``apply`` cannot chunk exactly, before anything changes (``stream_model``
+    and ``from_pretrained`` call it before they stream a layer). Returns whether the
+    model's forward softcaps its logits (the chunks do it too)."""
     check_tokens("loss_chunk_tokens", tokens)
     inner = unwrap_peft(model)
     cls = swap.original_class(inner)
-    if inner.__dict__.get("forward") is not None and _from_liger(getattr(inner.forward, "__func__", None)):
-        warn_liger()
-    elif not _from_liger(cls.forward):
-        _check_forward(cls)
+    softcaps = False
+    if not _liger_bound(inner) and not _from_liger(cls.forward):
+        softcaps = _check_forward(model, cls)
     if getattr(inner, "get_output_embeddings", lambda: None)() is None:
-        raise StreamingError(f"loss_chunk_tokens: {cls.__name__} has no output head (get_output_embeddings).")
+        raise StreamingError(
+            f"loss_chunk_tokens: {describe_family(model)} has no output head (get_output_embeddings). "
+            "Nothing was changed. Leave loss_chunk_tokens unset for this model."
+        )
+    return softcaps
+
+
+def apply(model: nn.Module, tokens: int) -> nn.Module:
+    """Compute ``model``'s training loss ``tokens`` tokens at a time (a plain or PEFT-wrapped
+    transformers causal LM, streamed or not). Returns the same model."""
+    softcaps = check(model, tokens)
+    inner = unwrap_peft(model)
+    if _liger_bound(inner):
+        warn_liger()
+    cls = swap.original_class(inner)
     mixin = _MIXINS.get(cls) or _MIXINS.setdefault(cls, _forward_mixin(cls))
     swap.swap_in(inner, mixin)
     object.__setattr__(inner, _TOKENS, tokens)
+    object.__setattr__(inner, _SOFTCAPS, softcaps)
     return model
 
 
@@ -405,6 +471,7 @@ def remove(model: nn.Module) -> nn.Module:
     if mixin is not None:
         swap.swap_out(inner, mixin)
     inner.__dict__.pop(_TOKENS, None)
+    inner.__dict__.pop(_SOFTCAPS, None)
     head = inner.get_output_embeddings()
     if head is not None:
         swap.swap_out(head, CapturingHead)

@@ -33,6 +33,15 @@ def unwrap_peft(model: nn.Module) -> nn.Module:
     return model
 
 
+def describe_family(model: nn.Module) -> str:
+    """The model's class and transformers model type, as a refusal names them:
+    "MixtralForCausalLM (model type 'mixtral')"."""
+    inner = unwrap_peft(model)
+    model_type = getattr(getattr(inner, "config", None), "model_type", None)
+    name = type(inner).__name__  # a class swapped in by layerstream keeps the model's class name
+    return f"{name} (model type {model_type!r})" if model_type else name
+
+
 def _no_split_names(model: nn.Module) -> set:
     names = set()
     for module in model.modules():

@@ -484,9 +484,13 @@ class StreamedEnds:
         copies = "" if head is None else "; the head is copied to the device for each forward and backward"
         return f"{what}, {self.host_bytes / GiB:.3f} GiB in host memory{copies}"
 
-    def restore(self, target: torch.device) -> None:
-        """Give each weight memory of its own on ``target`` and restore the modules' classes."""
-        copies = [weight.detach().to(target, copy=True) for _, weight in self.found.weights()]
+    def copies_out(self, target: torch.device) -> List[torch.Tensor]:
+        """A copy of each weight on ``target``, memory of its own (``restore`` takes them)."""
+        return [weight.detach().to(target, copy=True) for _, weight in self.found.weights()]
+
+    def restore(self, copies: List[torch.Tensor]) -> None:
+        """Point each weight at its copy and restore the modules' classes: assignments and
+        class swaps only, each safe to make twice (an interrupted unstream_model, again)."""
         for (_, weight), copy in zip(self.found.weights(), copies):
             set_data(weight, copy)
         _make_plain(self.found.embedding, StreamedEmbedding)

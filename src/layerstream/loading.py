@@ -404,7 +404,7 @@ def from_pretrained(
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from .api import attach_runtime
+    from .api import attach_runtime, check_long_context
 
     if dtype is not None and torch_dtype is not None and dtype != torch_dtype:
         raise LoadingError(f"dtype={dtype!r} and torch_dtype={torch_dtype!r} disagree; give one (dtype)")
@@ -459,6 +459,7 @@ def from_pretrained(
         nf4.set_unquantised_dtype(model, torch_dtype)
     bnb_4bit_use_double_quant = quant_config.bnb_4bit_use_double_quant if quant_config is not None else True
     path, layers = find_decoder_layers(model)
+    check_long_context(model, config_stream)  # before any weight is read
     tied_head = getattr(config, "tie_word_embeddings", False)
     expected = _expected_tensors(model, path, layers)
     validate_checkpoint(

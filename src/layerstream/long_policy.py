@@ -65,7 +65,7 @@ def _input_tokens(args, kwargs) -> int:
 
 
 class LongSettingsPolicy:
-    """Expects the runtime's model, config, embeddings, offloader, offloading and last_shape."""
+    """Expects the runtime's model, config, embeddings, offloader, pass_offloader and last_shape."""
 
     # -- at stream time, at unstream ------------------------------------------------------
     def install_long_settings(self, model: torch.nn.Module) -> None:
@@ -198,7 +198,7 @@ class LongSettingsPolicy:
         decision = memo.decided.get(batch * seq)
         if decision is None:
             return
-        offloaded = self.offloading or "offload_activations" not in decision.names
+        offloaded = self.pass_offloader is not None or "offload_activations" not in decision.names
         names = tuple(name for name in decision.names if offloaded or name != "offload_activations")
         if not names or names in memo.said:
             return
@@ -254,5 +254,5 @@ class LongSettingsPolicy:
         from .plan import make_plan
 
         settings = self.long_settings_for(batch * seq)
-        settings["offload_activations"] = self.offloading if offload is None else offload
+        settings["offload_activations"] = self.pass_offloader is not None if offload is None else offload
         return make_plan(**self.plan_args(batch, seq, vram_bytes, backward_slots, **settings))

@@ -43,13 +43,25 @@ class OffloadPolicy:
         return ActivationOffloader(self.device, len(self.records), pin=self.config.pin, verify=self.config.checksum)
 
     def set_offload_activations(self, value) -> None:
-        """Change offload_activations between steps (a benchmark compares both on one model)."""
+        """Change offload_activations from the next pass on (a benchmark compares both on one
+        model). A pass under way finishes as it started: its backward brings its inputs back
+        through the offloader it began with, whose host arena is released once idle."""
         self.config = self.config.replace(offload_activations=value)
-        if self.offloader is not None:
-            self.offloader.release()
-        self.offloader = self._new_offloader()
         self._auto_offload = AutoOffloadMemo()
         self.forget_long_decisions()
+        if value is False and self.offloader is not None:
+            if self.offloader.idle():
+                self.offloader.release()
+            self.offloader = None
+
+    def _pass_offloader(self, hidden) -> Optional[ActivationOffloader]:
+        """The offloader of a training pass starting now, or None: offload_activations as it
+        is set when the pass starts (by ``set_offload_activations`` or in the runtime's config)."""
+        if self.config.offload_activations is False:
+            return None
+        if self.offloader is None:
+            self.offloader = self._new_offloader()
+        return self.offloader if self._start_offloading(hidden) else None
 
     def _offload_wanted(self, batch: int, seq: int) -> bool:
         """offload_activations as set; "auto": on when the plan of this step shape without

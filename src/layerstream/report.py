@@ -9,7 +9,7 @@ import torch
 
 from .config import expandable_segments, gpu_memory_for_run
 from .errors import StreamingError
-from .units import GiB, MiB, gib
+from .units import GiB, MiB, gib, size
 
 
 def stats(runtime) -> dict:
@@ -212,7 +212,7 @@ def _long_sequence_advice(runtime) -> list:
     if budget is None and runtime.pool.cuda:
         budget = gpu_memory_for_run(runtime.device)
     settings = runtime.long_settings_for(batch * seq)
-    settings["offload_activations"] = runtime.offloading
+    settings["offload_activations"] = runtime.pass_offloader is not None
     try:
         return oom_advice(runtime.plan_args(batch, seq, **settings), budget)
     except ValueError:
@@ -221,15 +221,19 @@ def _long_sequence_advice(runtime) -> list:
 
 def budget_refusal(memory, budget: int) -> StreamingError:
     """A training step the planner says an explicit vram_budget cannot hold, even with
-    every layer streamed: said before anything is computed."""
+    every layer streamed: said before anything is computed, in units that show each part
+    (a tiny model's step takes kilobytes), with what is short and why."""
     advice = "\n".join(f"  - {line}" for line in memory.advice[1:])
+    reserve = f"{size(memory.reserve_bytes)} kept in reserve (CUDA context, cuBLAS workspaces, allocator slack)"
+    if memory.reserve_bytes >= budget:
+        reserve += ", which alone takes the whole budget"
     return StreamingError(
         f"a training step of batch {memory.batch} x {memory.seq} tokens does not fit vram_budget="
-        f"{budget / GiB:.2f} GiB: the memory planner predicts a peak of "
-        f"{memory.peak_vram_bytes / GiB:.2f} GiB plus {memory.reserve_bytes / GiB:.1f} GiB reserve "
-        f"(resident part {memory.resident_bytes / GiB:.2f} GiB, {memory.slots} slots "
-        f"{memory.slot_bytes / GiB:.2f} GiB, activations {memory.activation_bytes / GiB:.2f} GiB). "
-        f"Nothing has been computed yet. What would fit:\n{advice}"
+        f"{size(budget)}: it needs {size(memory.needed_bytes - budget)} more. Nothing has "
+        f"been computed yet. The memory planner predicts a peak of {size(memory.peak_vram_bytes)} (resident "
+        f"part {size(memory.resident_bytes)}, {memory.slots} slots {size(memory.slot_bytes)}, activations "
+        f"{size(memory.activation_bytes)}) beside {reserve}; vram_budget={size(memory.needed_bytes, round_up=True)} "
+        f"or more holds it. What else would fit:\n{advice}"
     )
 
 

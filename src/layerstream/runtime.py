@@ -23,6 +23,7 @@ from torch import nn
 from . import bindings, changes, checksum, passes, report, swap, timeline
 from . import layer as layer_mod
 from .backward_slots import BackwardSlots
+from .budget_check import BudgetCheck
 from .config import StreamConfig
 from .errors import StreamingError
 from .long_policy import AutoLongMemo, LongSettingsPolicy
@@ -78,6 +79,7 @@ class StreamRuntime(ResidentWindow, OffloadPolicy, LongSettingsPolicy):
         self._bindings: Dict[Tuple[int, int], list] = {}
         self._streamed_dtypes = {e.dtype for r in records for e in r.entries}
         self._pass = None  # passes.Pass: the pass under way, and whose
+        self.unstreaming = None  # unstream_model's copies while it changes the model (api)
         self.visits = 0
         self.demand_loads = 0
         self.peak_resident_layers = 0
@@ -89,14 +91,14 @@ class StreamRuntime(ResidentWindow, OffloadPolicy, LongSettingsPolicy):
         self._placed_at = 0  # layer.registrations() when tensors were last placed
         self.nf4_counts = {"nf4_function_calls": 0, "nf4_dequant_calls": 0}
         self._recording = None  # timeline.Recording while a step is recorded
-        self._budget_checked: set = set()  # the largest (batch, seq) shapes checked against an explicit vram_budget
+        self.budget_check = BudgetCheck()  # an explicit vram_budget, checked per step shape
         self._checker = checksum.SlotChecker(self.pool, records) if config.checksum else None
         self._by_module: Dict[int, Tuple[LayerRecord, List[int]]] = {}
         for record in records:
             changes.watch(record)
             self._index_modules(record)
         self.offloader = self._new_offloader()
-        self.offloading = False  # whether this pass offloads its checkpointed inputs
+        self.pass_offloader = None  # the offloader of the training pass under way, or None
         self._auto_offload = AutoOffloadMemo()  # offload_activations="auto": decisions per shape
         self._auto_long = AutoLongMemo()  # the long-sequence settings left at "auto": decisions per token count
         self.embeddings = None
@@ -220,6 +222,7 @@ class StreamRuntime(ResidentWindow, OffloadPolicy, LongSettingsPolicy):
                 recording.computes.append((index, slot, phase, begin, recording.now()))
 
     def call_layer(self, layer: nn.Module, args, kwargs):
+        self.refuse_half_unstreamed("run a forward")
         index = layer._layerstream_index
         if args and isinstance(args[0], torch.Tensor) and args[0].device != self.device:
             raise StreamingError(
@@ -235,6 +238,7 @@ class StreamRuntime(ResidentWindow, OffloadPolicy, LongSettingsPolicy):
             if not training:
                 return self.run_layer(layer, index, Phase.INFERENCE, args, kwargs)
             kwargs = self._drop_cache(kwargs)
+            offloader = self.pass_offloader  # this layer's backward uses it, whatever was switched since
             calls = [0]
 
             def checkpointed(*a, **k):
@@ -242,12 +246,12 @@ class StreamRuntime(ResidentWindow, OffloadPolicy, LongSettingsPolicy):
                 calls[0] += 1
                 if phase is Phase.BACKWARD:
                     self._in_backward()
-                    if self.offloading and index == len(self.records) - 1:
-                        self.offloader.prefetch_newest()  # the kept last layer: backward starts
+                    if offloader is not None and index == len(self.records) - 1:
+                        offloader.prefetch_newest()  # the kept last layer: backward starts
                 return layer_mod.refuse_second_order(self.run_layer(layer, index, phase, a, k), layer)
 
-            if self.offloading and self.offloader.offloads(index) and args and isinstance(args[0], torch.Tensor):
-                with self.offloader.saving(args[0]):  # the input checkpointing saves goes to the host
+            if offloader is not None and offloader.offloads(index) and args and isinstance(args[0], torch.Tensor):
+                with offloader.saving(args[0]):  # the input checkpointing saves goes to the host
                     return passes.checkpoint(checkpointed, *args, **kwargs)
             return passes.checkpoint(checkpointed, *args, **kwargs)
         except BaseException:
@@ -282,7 +286,7 @@ class StreamRuntime(ResidentWindow, OffloadPolicy, LongSettingsPolicy):
                 self._refresh(record.index, Phase.TRAIN_FORWARD, pass_start=True)
         if self._placed_at != layer_mod.registrations():  # adapters may have come since
             self._place_resident_tensors()
-        self.offloading = False
+        self.pass_offloader = None
         if not training:
             return
         self._check_trainable()
@@ -290,11 +294,10 @@ class StreamRuntime(ResidentWindow, OffloadPolicy, LongSettingsPolicy):
             return
         self.last_shape = (int(hidden.shape[0]), int(hidden.shape[1]))
         self.long_decision(self.last_shape[0] * self.last_shape[1])  # the MLP tiles, before any MLP runs
-        if self.offloader is not None:
-            self.offloading = self._start_offloading(hidden)
+        self.pass_offloader = self._pass_offloader(hidden)
         self._say_long_settings()
         if isinstance(self.config.vram_budget, int):
-            self._check_budget(*self.last_shape)
+            self.budget_check.check(self, *self.last_shape)
         if self.meter is not None:
             self._size_window(self.last_shape[0] * self.last_shape[1], hidden.numel() * hidden.element_size())
         if self.backward.auto:
@@ -318,25 +321,6 @@ class StreamRuntime(ResidentWindow, OffloadPolicy, LongSettingsPolicy):
                 for entry, host in zip(record.entries, record.host_values):
                     if host.requires_grad:
                         raise StreamingError(report.trainable_streamed_tensor(entry.qualified_name))
-
-    def _check_budget(self, batch: int, seq: int) -> None:
-        """Before the first training step of each batch shape, an explicit vram_budget the
-        memory planner says the step cannot fit (every layer streamed) is refused. A shape no
-        larger in batch and sequence than one that passed needs no plan (batches padded to
-        their longest sequence come in a new shape at nearly every step)."""
-        if any(batch <= b and seq <= s for b, s in self._budget_checked):
-            return
-        budget = self.config.vram_budget
-        try:
-            memory = self.memory_plan(batch, seq, vram_bytes=budget)
-            if not memory.fits:  # not recorded: a smaller shape is planned again
-                raise report.budget_refusal(memory, budget)
-        except ValueError as exc:
-            logger.warning(
-                "layerstream: vram_budget is not checked for this model: its memory cannot be predicted (%s)", exc
-            )
-        self._budget_checked = {(b, s) for b, s in self._budget_checked if not (b <= batch and s <= seq)}
-        self._budget_checked.add((batch, seq))
 
     def _decide_backward_slots(self, hidden: torch.Tensor) -> None:
         streamed = len(self.records) - len(self._window)
@@ -395,6 +379,7 @@ class StreamRuntime(ResidentWindow, OffloadPolicy, LongSettingsPolicy):
     def refuse_host_write(self, index: int, change: str) -> None:
         """A write into a disk layer would not reach the GPU, one into a node-shared store
         would write other ranks' read-only pages: refused before anything is written."""
+        self.refuse_half_unstreamed("take a write into its weights")
         name = self.records[index].name
         if self.store.segment is not None:
             raise StreamingError(
@@ -406,6 +391,16 @@ class StreamRuntime(ResidentWindow, OffloadPolicy, LongSettingsPolicy):
                 f"{name} is read from disk each time (host_budget: the checkpoint's files, or the NF4 layer "
                 f"cache): {change} would not reach the GPU. Change or merge weights only of layers in host "
                 "RAM: raise host_budget or leave it unset."
+            )
+
+    def refuse_half_unstreamed(self, what: str) -> None:
+        """An unstream_model interrupted after its copies were made left some modules plain
+        and others streamed: what would compute or write through the streamed ones is refused."""
+        if self.unstreaming is not None:
+            raise StreamingError(
+                "layerstream.unstream_model(model) was interrupted while it changed this model: some "
+                f"modules are plain again and others still streamed, so it cannot {what}. Call "
+                "layerstream.unstream_model(model) again: it finishes from the copies it already made."
             )
 
     def refresh_after_write(self, index: int, device_copy_current: bool = False) -> None:
@@ -455,6 +450,7 @@ class StreamRuntime(ResidentWindow, OffloadPolicy, LongSettingsPolicy):
         """Refuse a .to()/.half()/.cuda() that would change streamed weights' dtype or device.
         ``dtypes``: the streamed dtypes to check (default: the decoder layers' and the
         streamed embedding's)."""
+        self.refuse_half_unstreamed("be cast or moved")
         if dtypes is None:
             dtypes = self._streamed_dtypes | (self.embeddings.dtypes if self.embeddings is not None else set())
         for dtype in dtypes:

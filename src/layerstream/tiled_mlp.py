@@ -32,7 +32,7 @@ from torch.utils.checkpoint import get_device_states, set_device_states
 from . import swap
 from .chunked_loss import autocast_as, autocast_state, refuse_second_order, span_gradients, spans
 from .config import check_tokens
-from .discovery import find_decoder_layers, layer_name
+from .discovery import describe_family, find_decoder_layers, layer_name
 from .errors import StreamingError
 
 _TILE = "_layerstream_mlp_tile_tokens"
@@ -170,26 +170,47 @@ class TiledMLP:
         return TiledFunction.apply(x, stash, self, tile, specs, len(frozen), *frozen, *trainables)
 
 
+def _tileable(mlp) -> bool:
+    """A per-token MLP of projections: Llama-style (gate_proj, up_proj, down_proj) or with the
+    gate and up projections fused (Phi-3's gate_up_proj). A mixture of experts is not: its
+    block routes tokens and returns more than the MLP's output."""
+    if mlp is None or hasattr(mlp, "experts") or not hasattr(mlp, "down_proj"):
+        return False
+    return all(hasattr(mlp, name) for name in _PROJECTIONS) or hasattr(mlp, "gate_up_proj")
+
+
 def mlps(model: nn.Module) -> List[nn.Module]:
-    """Each decoder layer's Llama-style MLP, or an error naming the one that is not."""
+    """Each decoder layer's MLP, or an error naming the one that cannot be tiled."""
     path, layers = find_decoder_layers(model)
     found = []
     for index, layer in enumerate(layers):
         mlp = getattr(layer, "mlp", None)
-        if mlp is None or not all(hasattr(mlp, name) for name in _PROJECTIONS):
+        if not _tileable(mlp):
             what = "no mlp" if mlp is None else f"an mlp of type {type(mlp).__name__}"
+            if hasattr(mlp, "experts"):
+                what += " (a mixture of experts, which routes each token to some of its experts)"
             raise StreamingError(
-                f"mlp_tile_tokens tiles Llama-style MLPs (gate_proj, up_proj, down_proj), but "
-                f"{layer_name(path, index)} has {what} (a mixture of experts?). Leave mlp_tile_tokens unset."
+                f"mlp_tile_tokens tiles MLPs of gate, up and down projections (Llama, Mistral, Qwen, "
+                f"Gemma, Phi-3), but {layer_name(path, index)} of {describe_family(model)} has {what}. "
+                "Nothing was changed. Leave mlp_tile_tokens unset for this model (StreamConfig("
+                "mlp_tile_tokens=None); no --mlp-tile-tokens, --layer_stream_mlp_tile_tokens or "
+                "stream.mlp_tile_tokens); offload_activations still lowers the memory of long sequences."
             )
         found.append(mlp)
     return found
 
 
+def check(model: nn.Module, tokens: int) -> None:
+    """Refuse what ``apply`` cannot tile, before anything changes (``stream_model`` and
+    ``from_pretrained`` call it before they stream a layer)."""
+    check_tokens("mlp_tile_tokens", tokens)
+    mlps(model)
+
+
 def apply(model: nn.Module, tokens: int) -> nn.Module:
     """Run each decoder layer's MLP ``tokens`` tokens at a time. Returns the same model."""
     check_tokens("mlp_tile_tokens", tokens)
-    for mlp in mlps(model):
+    for mlp in mlps(model):  # every layer's, or a refusal before any changes
         swap.swap_in(mlp, TiledMLP)
         object.__setattr__(mlp, _TILE, tokens)
     return model

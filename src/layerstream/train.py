@@ -21,7 +21,7 @@ import yaml
 
 from .config import StreamConfig, config_from_settings, resolve_device, setting_default_text, settings
 from .errors import StreamConfigError, TrainConfigError
-from .units import gib
+from .units import size
 
 SECTIONS: Dict[str, Dict[str, Any]] = {
     "model": {
@@ -436,9 +436,9 @@ def check_fits(config, where: str = "config") -> None:
     if not memory.fits:
         advice = "\n".join(f"  - {_config_names(line)}" for line in memory.advice)
         raise TrainConfigError(
-            f"{where}: this run does not fit in {gib(budget)} of GPU memory even when streamed: "
-            f"the planner predicts a peak of {gib(memory.peak_vram_bytes)} plus "
-            f"{gib(memory.reserve_bytes)} reserve at batch {batch} x {seq} tokens "
+            f"{where}: this run does not fit in {size(budget)} of GPU memory even when streamed: "
+            f"the planner predicts a peak of {size(memory.peak_vram_bytes)} plus "
+            f"{size(memory.reserve_bytes)} reserve at batch {batch} x {seq} tokens "
             f"with {memory.slots} slots. What would make it fit:\n{advice}"
         )
 

@@ -3,6 +3,7 @@ the alignment of tensors inside a layer's region, and parsing sizes written by p
 
 from __future__ import annotations
 
+import math
 import re
 from typing import List, Union
 
@@ -53,6 +54,21 @@ def size_text(nbytes: int) -> str:
 def gib(nbytes: float) -> str:
     """A byte count as people read it in logs: '12.34 GiB'."""
     return f"{nbytes / GiB:.2f} GiB"
+
+
+_SIZE_UNITS = ((GiB, "GiB"), (MiB, "MiB"), (KiB, "KiB"))
+
+
+def size(nbytes: float, round_up: bool = False) -> str:
+    """A byte count in the unit that shows it, at most three digits before the point:
+    '12.34 GiB', '0.98 GiB', '51.20 MiB', '111.00 KiB', '100 B' (a tiny model's kilobytes
+    never read '0.00 GiB'). ``round_up``: for a least amount, never shown below what it is
+    ('at least 1.01 GiB' for 1 GiB and 52 KiB, not '1.00 GiB', which would not be enough)."""
+    for unit, name in _SIZE_UNITS:
+        if abs(nbytes) >= unit * 1000 // 1024:
+            value = -(-math.ceil(nbytes) * 100 // unit) / 100 if round_up else nbytes / unit
+            return f"{value:.2f} {name}"
+    return f"{math.ceil(nbytes) if round_up else int(nbytes)} B"
 
 
 _UNITS = {

@@ -254,7 +254,7 @@ def check_activation_offloading(runtime, training_args) -> None:
         "layerstream: offload_activations='auto' stays off: TRL's activation_offloading already moves the "
         "streamed layers' checkpointed inputs to host memory"
     )
-    runtime.offloader = None
+    runtime.set_offload_activations(False)
 
 
 def install() -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import List
 
-from ..units import GiB
-from .memory import MemoryPlan, _build, _gib
+from ..units import GiB, size
+from .memory import MemoryPlan, _build
 from .shapes import (
     LOSS_LOGIT_COPIES,
     STREAM_EMBEDDINGS_ADVICE,
@@ -71,8 +71,8 @@ def _long_sequence_advice(plan: MemoryPlan, args: dict, verdict) -> List[str]:
         saved = plan.peak_vram_bytes - other.peak_vram_bytes
         if saved > 0:
             spelled = flag if name == "offload_activations" else flag.replace("N", str(value))
-            extra = f", {_gib(other.activation_host_bytes)} of host memory" if other.activation_host_bytes else ""
-            out.append(f"use {spelled} ({what}): saves {_gib(saved)}{extra} ({verdict(saved)})")
+            extra = f", {size(other.activation_host_bytes)} of host memory" if other.activation_host_bytes else ""
+            out.append(f"use {spelled} ({what}): saves {size(saved)}{extra} ({verdict(saved)})")
     return out
 
 
@@ -80,33 +80,33 @@ def advice(plan: MemoryPlan, args: dict) -> List[str]:
     """What would make ``plan`` fit, each with what it saves and whether it is enough."""
     short = -plan.headroom_bytes
     out = [
-        f"short by {_gib(short)}: predicted peak {_gib(plan.peak_vram_bytes)} + reserve "
-        f"{_gib(plan.reserve_bytes)} > budget {_gib(plan.vram_bytes)}"
+        f"short by {size(short)}: predicted peak {size(plan.peak_vram_bytes)} + reserve "
+        f"{size(plan.reserve_bytes)} > budget {size(plan.vram_bytes)}"
     ]
 
     def verdict(saved: int) -> str:
-        return "enough on its own" if saved >= short else f"not enough alone, still {_gib(short - saved)} short"
+        return "enough on its own" if saved >= short else f"not enough alone, still {size(short - saved)} short"
 
-    if plan.quantization == "none":
-        nf4 = _build(**dict(args, quantization="nf4", slots=plan.slots))
-        saved = plan.peak_vram_bytes - nf4.peak_vram_bytes
+    nf4 = _build(**dict(args, quantization="nf4", slots=plan.slots)) if plan.quantization == "none" else None
+    saved = plan.peak_vram_bytes - nf4.peak_vram_bytes if nf4 is not None else 0
+    if saved > 0:  # NF4 blocks of a tiny layer can take more than its bytes
         out.append(
-            f"use --quantization nf4: layers shrink from {_gib(plan.max_layer_bytes)} to "
-            f"{_gib(nf4.max_layer_bytes)}, saving {_gib(saved)} over {plan.slots} slots "
+            f"use --quantization nf4: layers shrink from {size(plan.max_layer_bytes)} to "
+            f"{size(nf4.max_layer_bytes)}, saving {size(saved)} over {plan.slots} slots "
             f"({verdict(saved)})"
         )
     if plan.slots > 2:
         saved = (plan.slots - 2) * plan.max_layer_bytes
-        out.append(f"use fewer slots: --slots 2 saves {_gib(saved)} ({verdict(saved)})")
+        out.append(f"use fewer slots: --slots 2 saves {size(saved)} ({verdict(saved)})")
     ends = embedding_bytes(args["config"], args["dtype"])
     if not plan.stream_embeddings and ends >= STREAM_EMBEDDINGS_ADVICE_SHARE * plan.static_bytes:
         streamed = _build(**dict(args, stream_embeddings=True, slots=plan.slots))
         saved = plan.peak_vram_bytes - streamed.peak_vram_bytes
         if saved > 0:
             out.append(
-                f"{STREAM_EMBEDDINGS_ADVICE}: the input embedding and head ({_gib(ends)}) stay in "
-                f"host memory, saving {_gib(saved)} ({verdict(saved)}); the head "
-                f"({_gib(streamed.head_copy_bytes)}) is then copied to the GPU twice per step"
+                f"{STREAM_EMBEDDINGS_ADVICE}: the input embedding and head ({size(ends)}) stay in "
+                f"host memory, saving {size(saved)} ({verdict(saved)}); the head "
+                f"({size(streamed.head_copy_bytes)}) is then copied to the GPU twice per step"
             )
     out.extend(_long_sequence_advice(plan, args, verdict))
     # activations grow linearly with batch x seq; find the largest that fits
@@ -114,15 +114,15 @@ def advice(plan: MemoryPlan, args: dict) -> List[str]:
     if max_tokens // plan.batch >= 1:
         out.append(
             f"reduce --seq to {max_tokens // plan.batch} or less: activations and logits take "
-            f"{_gib(plan.activation_bytes)} at seq {plan.seq} x batch {plan.batch}"
+            f"{size(plan.activation_bytes)} at seq {plan.seq} x batch {plan.batch}"
         )
     if plan.batch > 1 and plan.largest_batch >= 1:
         out.append(f"reduce --batch to {plan.largest_batch} or less at seq {plan.seq}")
     if max_tokens < plan.batch:
         out.append(
             f"everything but the activations already takes "
-            f"{_gib(plan.peak_vram_bytes - plan.activation_bytes + plan.reserve_bytes)} "
+            f"{size(plan.peak_vram_bytes - plan.activation_bytes + plan.reserve_bytes)} "
             "with the reserve: no seq or batch fits without other changes"
         )
-    out.append(f"or use a GPU with at least {_gib(plan.needed_bytes)} for this plan as it is")
+    out.append(f"or use a GPU with at least {size(plan.needed_bytes, round_up=True)} for this plan as it is")
     return out
