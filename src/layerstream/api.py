@@ -8,7 +8,7 @@ from typing import Callable, List, Optional, Union
 import torch
 from torch import nn
 
-from . import changes, layer, nf4
+from . import changes, chunked_loss, layer, nf4, tiled_mlp
 from .config import StreamConfig, resolve_device
 from .discovery import find_decoder_layers, layer_name, unwrap_peft
 from .errors import StreamConfigError, StreamingError
