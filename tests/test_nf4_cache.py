@@ -277,3 +277,20 @@ def test_disk_cache_dir_is_a_setting_on_every_surface(tmp_path):
     assert layerstream.StreamConfig(device="cpu", disk_cache_dir=tmp_path).disk_cache_dir == str(tmp_path)
     with pytest.raises(StreamConfigError, match="disk_cache_dir"):
         layerstream.StreamConfig(device="cpu", disk_cache_dir=" , ")
+
+
+def test_clearing_a_stale_cache_deletes_only_its_own_layer_files(tmp_path):
+    """A cache directory copied from another cache (or a hand-edited manifest) names files
+    elsewhere; finding it stale must not delete them."""
+    elsewhere = tmp_path / "other-cache" / "layer-00000.nf4"
+    elsewhere.parent.mkdir()
+    elsewhere.write_bytes(b"another run's layer")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    own = cache / "layer-00001.nf4"
+    own.write_bytes(b"stale layer")
+    entries = {"0": {"file": str(elsewhere)}, "1": {"file": str(own)}}
+    (cache / nf4_cache.MANIFEST).write_text(json.dumps({"source": {"old": 1}, "layers": entries}))
+    nf4_cache.LayerCache([cache], {"new": 1})
+    assert elsewhere.read_bytes() == b"another run's layer"
+    assert not own.exists() and not (cache / nf4_cache.MANIFEST).exists()

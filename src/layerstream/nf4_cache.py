@@ -239,8 +239,11 @@ class LayerCache:
                 "(files, quantisation or layout changed); clearing it and quantising again.",
                 ", ".join(map(str, self.directories)),
             )
-            for entry in found.get("layers", {}).values():
-                Path(entry.get("file", "")).unlink(missing_ok=True)
+            # delete this cache's own layer files, never a path read from the manifest: a
+            # manifest copied from another cache (or edited) names files that are not ours
+            for index in found.get("layers", {}):
+                if str(index).isdigit():
+                    self.path(int(index)).unlink(missing_ok=True)
             self.manifest_path.unlink(missing_ok=True)
             return
         self.layers = dict(found.get("layers", {}))
