@@ -554,3 +554,34 @@ def test_the_run_measures_its_own_reads_and_leaves_a_wrong_probe_choice(checkpoi
     assert tier.choice.rates[1] > 1.5 * tier.choice.rates[disk.READERS]
     assert "now reads 1 at a time (measured in the run" in caplog.text
     assert_traces_equal(got, train_steps(resident, steps=3))
+
+
+def test_a_forked_child_running_a_disk_fed_model_is_refused_instead_of_hanging(checkpoint):
+    """A DataLoader worker is a fork: it has none of the tier's reader threads, so a read it
+    started would never complete; a prefetch left by the parent's step would be waited on
+    forever."""
+    import multiprocessing
+
+    fed = _peft(_load(checkpoint, _small_budget(checkpoint)))
+    train_steps(fed, 1)  # the parent's reader threads exist and reads are in flight
+    ids = batch(seed=0)
+
+    def child(queue):
+        torch.set_num_threads(1)  # as a DataLoader worker does: torch's parent thread pool is gone
+        try:
+            with torch.no_grad():
+                fed(input_ids=ids)
+            queue.put("ran")
+        except Exception as exc:  # the child reports what it raised
+            queue.put(f"{type(exc).__name__}: {exc}")
+
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    process = context.Process(target=child, args=(queue,))
+    process.start()
+    process.join(60)
+    if process.is_alive():
+        process.kill()
+    assert not queue.empty(), "the forked child hung"
+    said = queue.get()
+    assert said.startswith("ForkedChildError") and "num_workers=0" in said and str(os.getpid()) in said

@@ -627,3 +627,36 @@ def test_every_surface_offers_the_settings():
     cli.add_setting_flags(parser)
     namespace = parser.parse_args(["--loss-chunk-tokens", "32"])
     assert namespace.loss_chunk_tokens == "32" and namespace.mlp_tile_tokens == "auto"
+
+
+def _forwards_with_evaluation_and_generation_before_one_backward(model):
+    """Two training forwards, then an evaluation forward and a generation, then one backward."""
+    torch.manual_seed(5)
+    model.train()
+    a, b = batch(seq=SEQ, seed=3), batch(seq=SEQ - 5, seed=4)
+    losses = [model(input_ids=a, labels=a).loss, model(input_ids=b, labels=b).loss]
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=batch(seq=9, seed=11)).logits
+    prompt = batch(seq=6, seed=7)
+    tokens = model.generate(
+        input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=3, do_sample=False, pad_token_id=0
+    )
+    model.train()
+    sum(losses).backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    return [loss.detach() for loss in losses] + [logits, tokens], grads
+
+
+def test_evaluation_and_generation_between_forwards_and_their_backward_stay_exact():
+    """With dropout, offloaded inputs, chunks and tiles, the passes in between draw no masks
+    and free nothing the pending backward needs (the control above shows the comparison fails)."""
+    streamed, resident = peft_pair(lora={"lora_dropout": 0.1})
+    stream(streamed, "cpu", offload_activations=True, loss_chunk_tokens=CHUNK, mlp_tile_tokens=TILE)
+    tiled_mlp.apply(chunked_loss.apply(resident, CHUNK), TILE)
+    got, got_grads = _forwards_with_evaluation_and_generation_before_one_backward(streamed)
+    assert layerstream.get_runtime(streamed).stats()["activations_offloaded"] > 0
+    want, want_grads = _forwards_with_evaluation_and_generation_before_one_backward(resident)
+    assert all(torch.equal(x, y) for x, y in zip(got, want))
+    assert got_grads.keys() == want_grads.keys()
+    assert all(torch.equal(got_grads[name], want_grads[name]) for name in got_grads)

@@ -420,3 +420,19 @@ def test_a_complete_cache_is_read_from_a_read_only_directory(checkpoint, fed, co
     reading = _peft(fed())
     assert counted == []
     assert_traces_equal(train_steps(_peft(_load(checkpoint)), 2), train_steps(reading, 2))
+
+
+def test_a_stale_manifest_naming_files_elsewhere_deletes_none_of_them(tmp_path):
+    """A cache directory copied from another cache (or a hand-edited manifest) names files
+    elsewhere; finding it stale must not delete them: only this directory's own cache files
+    (by name) are ever removed."""
+    elsewhere = tmp_path / "other-cache" / "layer-00000.nf4"
+    elsewhere.parent.mkdir()
+    elsewhere.write_bytes(b"another run's layer")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    entries = {"0": {"file": str(elsewhere)}}
+    source = {"new": 1}
+    (cache / nf4_cache.manifest_name(source)).write_text(json.dumps({"source": {"old": 1}, "layers": entries}))
+    nf4_cache.LayerCache([cache], source)
+    assert elsewhere.read_bytes() == b"another run's layer"

@@ -104,6 +104,7 @@ class DiskTier:
         self._lock = threading.Lock()
         self._local = threading.local()
         self._pool = ThreadPoolExecutor(max_workers=readers, thread_name_prefix="layerstream-disk")
+        self.owner_pid = os.getpid()  # the reader threads live in this process, not in its forks
         self._in_flight = threading.BoundedSemaphore(readers)
         self.probed: Dict[int, float] = {}  # reads at once -> bytes/s, from tune_readers
         # how many reads run at once: at most readers; tune_readers, then the run's reads, choose

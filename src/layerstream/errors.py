@@ -7,6 +7,8 @@ for a host that cannot hold the store) or ``LayerstreamError`` for any of them.
 
 from __future__ import annotations
 
+import os
+
 
 class LayerstreamError(Exception):
     """Base of every layerstream error."""
@@ -60,3 +62,16 @@ class ActivationChecksumError(LayerstreamError, RuntimeError):
 class DiskCacheError(LoadingError):
     """The NF4 layer cache cannot be written or used (a full disk, a directory that cannot
     be written); the message names the directory and what to change."""
+
+
+class ForkedChildError(StreamingError):
+    """A fork of the process that loaded a disk-tier model (a DataLoader worker) ran it: the
+    child has none of the disk tier's reader threads, so its reads would never complete."""
+
+    def __init__(self, owner_pid: int):
+        super().__init__(
+            f"this model reads its disk layers (host_budget) on threads of process {owner_pid}; process "
+            f"{os.getpid()} is a fork of it (a DataLoader worker, a multiprocessing child) and has none of them. "
+            "Run the model in the process that loaded it (num_workers=0 for a Dataset or collate_fn that runs "
+            "it), or load a model in the child."
+        )

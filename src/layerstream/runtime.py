@@ -15,6 +15,7 @@ start-up summary and out-of-memory advice are in ``report``.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -25,7 +26,7 @@ from . import layer as layer_mod
 from .backward_slots import BackwardSlots
 from .budget_check import BudgetCheck
 from .config import StreamConfig
-from .errors import StreamingError
+from .errors import ForkedChildError, StreamingError
 from .long_policy import AutoLongMemo, LongSettingsPolicy
 from .meter import CudaMeter, PlannedMeter
 from .offload_policy import AutoOffloadMemo, OffloadPolicy
@@ -181,6 +182,8 @@ class StreamRuntime(ResidentWindow, OffloadPolicy, LongSettingsPolicy):
         if record.host_region is not None:
             self.pool.load(record, slot, compute)
             return
+        if os.getpid() != self.disk.owner_pid:
+            raise ForkedChildError(self.disk.owner_pid)
         self.pool.load(record, slot, compute, source=self.disk.take(layer))  # a disk layer
         self.disk.copied(layer, self.pool.copy_stream if self.pool.cuda else None)
 
