@@ -330,7 +330,8 @@ class LayerCache:
         self.key = cache_key(source)
         self.manifest_path = self.directories[0] / manifest_name(source)
         self._lock = self._hold(self.key, fcntl.LOCK_SH)  # while this object lives: until the load ends
-        weakref.finalize(self, os.close, self._lock)
+        if self._lock is not None:
+            weakref.finalize(self, os.close, self._lock)
         self._clear_other_keys()
         self._open()
         if layers is None or any(str(index) not in self.layers for index in range(layers)):
@@ -339,12 +340,20 @@ class LayerCache:
 
     def _hold(self, key: str, operation: int) -> Optional[int]:
         """A lock on ``key`` (shared: a load uses it; exclusive: no load does), or None
-        when a non-blocking one is not granted."""
+        when a non-blocking one is not granted or the directory cannot be written (no load
+        writes there then: a complete cache is read without one, a load that must write is
+        refused by ``_require_writable``)."""
         directory = self.directories[0]
+        lock = directory / f".lock.{key}"
         try:
-            fd = os.open(directory / f".lock.{key}", os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
-            raise self._write_error(directory, exc) from exc
+            if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+                raise self._write_error(directory, exc) from exc
+            try:
+                fd = os.open(lock, os.O_RDONLY)
+            except OSError:
+                return None
         try:
             fcntl.flock(fd, operation)
         except BlockingIOError:
