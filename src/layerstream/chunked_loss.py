@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import inspect
-import logging
 from typing import List, Optional
 
 import torch
@@ -38,8 +37,9 @@ from . import swap
 from .config import check_tokens
 from .discovery import unwrap_peft
 from .errors import StreamingError
+from .log import get_logger
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 _TOKENS = "_layerstream_loss_chunk_tokens"
 _capturing: contextvars.ContextVar = contextvars.ContextVar("layerstream_head_capture", default=None)

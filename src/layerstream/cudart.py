@@ -19,6 +19,8 @@ from typing import Optional
 
 import torch
 
+from .log import get_logger
+
 _H2D = 1  # cudaMemcpyHostToDevice
 _NOT_READY = 600  # cudaErrorNotReady
 
@@ -144,9 +146,9 @@ def register_host(tensor: torch.Tensor, read_only: bool = False) -> None:
 def unregister_host(tensor: torch.Tensor) -> None:
     """Undo ``register_host`` (before the memory is freed: a later registration of the same
     pages would fail)."""
-    import logging
-
     code = int(torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr()))
     if code != 0:
         clear_error()
-        logging.getLogger(__name__).warning("layerstream: cudaHostUnregister failed with CUDA error %d", code)
+        get_logger(__name__).warning(
+            "layerstream: cudaHostUnregister failed with CUDA error %d", code, main_process_only=False
+        )

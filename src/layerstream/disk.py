@@ -23,7 +23,6 @@ checksummed against the bytes the layer had at load.
 from __future__ import annotations
 
 import errno
-import logging
 import mmap
 import os
 import threading
@@ -43,10 +42,11 @@ from . import cudart, nf4
 from .checkpoint import TORCH_DTYPE_NAMES, StoredTensor, read_layout
 from .disk_plan import ReadAhead, ReaderChoice, Tiers, busy_seconds, pick_readers
 from .errors import DiskReadError, LoadingError, PinError, StreamingError
+from .log import get_logger
 from .store import HostStore, LayerRecord, set_data
 from .units import GiB, MiB
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 IO_ALIGN = 4096  # offsets, lengths and buffers of direct reads are multiples of this
 # one read job. A reader thread needs the interpreter lock between its reads, and the training
@@ -153,6 +153,7 @@ class DiskTier:
                     "layerstream: could not page-lock the disk tier's staging ring (%s); copies from it "
                     "to the GPU are pageable (about 8x slower) and do not overlap compute.",
                     exc,
+                    main_process_only=False,
                 )
         return _Region(data, data.numpy())
 
@@ -371,7 +372,9 @@ class DiskTier:
         changed = self.choice.observe(region.reads_at_once, nbytes, region.started, ended)
         if changed is not None:
             self._reads_at_once(changed)
-            logger.info("layerstream: the disk tier now reads %d at a time (%s)", changed, self.choice)
+            logger.info(
+                "layerstream: the disk tier now reads %d at a time (%s)", changed, self.choice, main_process_only=False
+            )
         for source in layer.files:
             try:
                 source.check(record.name)
@@ -451,7 +454,12 @@ class DiskTier:
         self.probed = {count: size / max(seconds, 1e-9) for count, (size, seconds) in timed.items()}
         self._reads_at_once(pick_readers(self.probed))
         rates = ", ".join(f"{count} at once {rate / 1e9:.2f} GB/s" for count, rate in self.probed.items())
-        logger.warning("layerstream: the disk tier reads %d at a time (probed: %s)", self.reads_at_once, rates)
+        logger.warning(
+            "layerstream: the disk tier reads %d at a time (probed: %s)",
+            self.reads_at_once,
+            rates,
+            main_process_only=False,
+        )
         return self.reads_at_once
 
     @property

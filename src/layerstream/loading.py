@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import logging
 import os
 from collections import defaultdict
 from pathlib import Path
@@ -41,9 +40,10 @@ from .checkpoint import (
 from .config import StreamConfig
 from .discovery import find_decoder_layers, layer_name
 from .disk_plan import Tiers, resolve_host_budget, split_tiers
+from .log import get_logger
 from .store import HostStore, check_host_memory, host_memory
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 def _transformers_can_load(error: LoadingError) -> LoadingError:
@@ -296,7 +296,10 @@ def _shared_segment(stream: StreamConfig, tiers, files, dtype, quant_config, qua
     name = shared_store.PREFIX + shared_store.fingerprint(sorted(set(files.values())), **settings)
     segment = shared_store.Segment(name).join()
     logger.info(
-        "layerstream: %s the shared host store %s", "building" if segment.builder else "mapping", segment.folder / name
+        "layerstream: %s the shared host store %s",
+        "building" if segment.builder else "mapping",
+        segment.folder / name,
+        main_process_only=False,
     )
     return segment
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
-import logging
 import os
 import struct
 import zlib
@@ -33,9 +32,10 @@ import torch
 from torch import nn
 
 from .errors import DiskCacheError
+from .log import get_logger
 from .store import HostStore, LayerRecord
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 LAYOUT_VERSION = 1  # bump when what a layer file or the manifest holds changes
 MANIFEST = "manifest.json"

@@ -14,7 +14,6 @@ start-up summary and out-of-memory advice are in ``report``.
 
 from __future__ import annotations
 
-import logging
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -26,6 +25,7 @@ from . import layer as layer_mod
 from .backward_slots import BackwardSlots
 from .config import StreamConfig
 from .errors import StreamingError
+from .log import get_logger
 from .meter import CudaMeter, PlannedMeter
 from .offload_policy import AutoOffloadMemo, OffloadPolicy
 from .pool import SlotPool
@@ -34,7 +34,7 @@ from .schedule import Phase, PrefetchPlanner
 from .store import LAYOUT, SAME, HostStore, LayerRecord
 from .window import WindowSizer
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 class StreamRuntime(ResidentWindow, OffloadPolicy):

@@ -19,7 +19,6 @@ power of two, which can cost close to double the host RAM.
 
 from __future__ import annotations
 
-import logging
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -31,9 +30,10 @@ from torch._C import TensorBase
 
 from . import cudart, nf4
 from .errors import HostMemoryError, PinError, StreamingError
+from .log import get_logger
 from .units import ALIGN, GiB, aligned, next_arena
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 SAME, VALUES, LAYOUT = "same", "values", "layout"  # what sync found
 
@@ -328,6 +328,7 @@ class HostStore:
                 "instead of ~55 GB/s) and will not overlap compute. Raise the locked-memory limit "
                 "(ulimit -l) or free host RAM to get pinned copies back.",
                 exc,
+                main_process_only=False,
             )
             return False
         self._registered.append(arena)
