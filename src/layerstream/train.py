@@ -510,7 +510,7 @@ def run(config: Dict[str, Dict[str, Any]]):
     from peft import LoraConfig, get_peft_model
     from trl import SFTConfig, SFTTrainer
 
-    from . import api, embedded
+    from . import api, embedded, integrations  # noqa: F401  (integrations: register before streaming)
     from .loading import from_pretrained
 
     model_section, lora = config["model"], config["lora"]
