@@ -267,7 +267,7 @@ def _run_target(args, rest, parser) -> int:
     from importlib import metadata
 
     from .config import parse_setting, settings
-    from .errors import StreamConfigError
+    from .errors import REFUSALS, StreamConfigError
     from .integrations import launch
 
     target = args.module or args.target
@@ -294,6 +294,9 @@ def _run_target(args, rest, parser) -> int:
         sys.argv = [target] + list(rest)
         if args.module:
             sys.path.insert(0, os.getcwd())
+            missing = _missing_module(args.module)
+            if missing:
+                parser.error(missing)
             runpy.run_module(args.module, run_name="__main__", alter_sys=True)
         elif entry is None:
             sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
@@ -304,12 +307,45 @@ def _run_target(args, rest, parser) -> int:
     except SystemExit as exc:
         code = exc.code
         return code if isinstance(code, int) else (0 if code is None else 1)
+    except (*REFUSALS, OSError) as exc:
+        return _refused(exc)
     finally:
         launch.disable()
         sys.argv, sys.path[:] = saved_argv, saved_path
         os.environ.clear()
         os.environ.update(saved_env)
     return 0
+
+
+def _missing_module(module: str) -> str:
+    """Why ``python -m module`` would not start (no such module, a package without
+    ``__main__``), or "" when it would."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec(module)
+        if spec is not None and spec.submodule_search_locations is not None:
+            if importlib.util.find_spec(f"{module}.__main__") is None:
+                return f"-m {module}: {module} is a package without __main__; name the module in it to run"
+    except (ImportError, ValueError) as exc:  # a parent package that is not there
+        return f"-m {module}: {exc}"
+    if spec is None:
+        return f"-m {module}: no module named {module!r} in this Python ({sys.executable}); is it installed?"
+    return ""
+
+
+def _refused(exc: BaseException) -> int:
+    """A refusal's message alone, on stderr (it says what to do; a traceback would bury it),
+    and exit status 1. An OSError only where it stands for a mistyped local path (which
+    transformers sent to the hub); any other is raised again."""
+    from .errors import REFUSALS
+    from .paths import missing_directory_behind
+
+    message = str(exc) if isinstance(exc, REFUSALS) else missing_directory_behind(exc)
+    if message is None:
+        raise exc
+    print(f"layerstream: error: {message}", file=sys.stderr)
+    return 1
 
 
 def _inherit(values) -> None:
@@ -348,13 +384,17 @@ def _add_train_arguments(train: argparse.ArgumentParser) -> None:
 
 
 def _run_train(args, parser) -> int:
+    from .errors import REFUSALS
     from .train import TrainConfigError, load, run
 
     try:
         config = load(args.config, args.set)
     except TrainConfigError as exc:
         parser.error(str(exc))  # exits with status 2, before any work
-    run(config)
+    try:
+        run(config)
+    except (*REFUSALS, OSError) as exc:
+        return _refused(exc)
     return 0
 
 

@@ -383,8 +383,9 @@ def resolve_device(device) -> torch.device:
         if not torch.cuda.is_available():
             raise StreamConfigError(
                 "no CUDA device is available and StreamConfig.device was not given. "
-                "Pass device='cpu' to run the streaming machinery on the host "
-                "(host-to-host copies), or run on a machine with a GPU."
+                "Pass device='cpu' (from_pretrained(..., device='cpu'), stream_model(model, "
+                "device='cpu') or StreamConfig(device='cpu')) to run the streaming machinery on "
+                "the host (host-to-host copies), or run on a machine with a GPU."
             )
         return torch.device("cuda", torch.cuda.current_device())
     try:

@@ -60,3 +60,8 @@ class ActivationChecksumError(LayerstreamError, RuntimeError):
 class DiskCacheError(LoadingError):
     """The NF4 layer cache cannot be written or used (a full disk, a directory that cannot
     be written); the message names the directory and what to change."""
+
+
+# errors raised before anything changed, whose message says what to do: a command prints the
+# message alone (no traceback) and exits with status 1
+REFUSALS = (LoadingError, StreamConfigError, TrainConfigError, HostMemoryError, NoDecoderStackError)

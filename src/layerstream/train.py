@@ -21,6 +21,7 @@ import yaml
 
 from .config import StreamConfig, config_from_settings, resolve_device, setting_default_text, settings
 from .errors import StreamConfigError, TrainConfigError
+from .paths import looks_local
 from .units import gib
 
 SECTIONS: Dict[str, Dict[str, Any]] = {
@@ -191,7 +192,7 @@ def _check_model(config, given: dict[str, Any], where: str) -> None:
                 f"{where}: model.{ignored[0]} shapes the embedded tiny model only; "
                 f"{name}'s own config sets its shape: remove it"
             )
-        if name.startswith(("/", "./", "../", "~")) or name in (".", "..") or name.count("/") > 1:
+        if looks_local(name):
             local = Path(name).expanduser()  # a path, never a hub id: do not ask the hub for it
             if not local.is_dir():
                 raise TrainConfigError(f"{where}: model.name={name!r}: no such directory")
