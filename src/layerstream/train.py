@@ -21,6 +21,7 @@ import yaml
 
 from .config import StreamConfig, config_from_settings, resolve_device, setting_default_text, settings
 from .errors import StreamConfigError, TrainConfigError
+from .log import get_logger
 from .paths import looks_local
 from .units import gib
 
@@ -47,6 +48,8 @@ _RENAMED = {
     "'none' streams every layer)",
 }
 DTYPES = ("float32", "bfloat16", "float16")
+
+logger = get_logger(__name__)
 
 
 def _training_fields() -> set:
@@ -470,6 +473,22 @@ def stream_config(config, where: str = "config") -> StreamConfig:
     return config_from_settings(values, lambda name: f"stream.{name}", device=_device(config))
 
 
+def say_where_it_trains(config, stream: StreamConfig) -> None:
+    """stream.device "auto" on a machine without CUDA trains on the CPU: fine for the embedded
+    model, hours per step for a recipe written for a GPU; either way the user is told first."""
+    if config["stream"]["device"] != "auto" or stream.device.type != "cpu":
+        return
+    name = config["model"]["name"]
+    slow = (
+        "" if name == "embedded-tiny" else f"; {name} on the CPU is far slower than on the GPU its config was made for"
+    )
+    logger.warning(
+        "layerstream: no CUDA device is visible, so this run trains on the CPU (stream.device: auto, "
+        "host-to-host copies)%s. Set stream.device: cuda to require a GPU.",
+        slow,
+    )
+
+
 def read_rows(path: str) -> list[str]:
     """Training texts from a JSON-lines file of {instruction, response} or {text} rows."""
     from .embedded import data_path
@@ -517,6 +536,7 @@ def run(config: Dict[str, Dict[str, Any]]):
     model_section, lora = config["model"], config["lora"]
     dtype = getattr(torch, model_section["dtype"])
     stream = stream_config(config)
+    say_where_it_trains(config, stream)
     if model_section["name"] == "embedded-tiny":
         from transformers import AutoModelForCausalLM
 
