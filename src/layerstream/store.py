@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch._C import TensorBase
 
-from . import cudart, nf4
+from . import cudart, memory_limits, nf4
 from .errors import HostMemoryError, PinError, StreamingError
 from .log import get_logger
 from .units import ALIGN, GiB, aligned, next_arena
@@ -164,13 +164,10 @@ def _quant_holder(state, path):
 
 
 def host_memory() -> Optional[Tuple[int, int]]:
-    """(MemAvailable, MemTotal) in bytes from /proc/meminfo; None where there is none."""
-    try:
-        with open("/proc/meminfo") as handle:
-            fields = dict(line.split(":", 1) for line in handle if ":" in line)
-        return (int(fields["MemAvailable"].split()[0]) * 1024, int(fields["MemTotal"].split()[0]) * 1024)
-    except (OSError, KeyError, ValueError):
-        return None
+    """(available, total) bytes of host memory this process may use: /proc/meminfo's
+    MemAvailable and MemTotal, lowered to its container's cgroup limit where that is lower
+    (``memory_limits``); None where there is no /proc/meminfo."""
+    return memory_limits.host_memory()
 
 
 def check_host_memory(new_bytes: int, store_bytes: int, pin: bool, what: str) -> None:
