@@ -21,6 +21,7 @@ LAYERS = [
         "tiled_mlp",
         "disk_plan",
         "shared_store",
+        "progress",
     },
     {"store", "pool", "nf4", "meter", "changes", "bindings", "passes", "plan", "offload"},
     {

@@ -266,3 +266,32 @@ def test_nf4_load_on_the_gpu_equals_transformers_4bit_load(tmp_path, nested):
     ids = torch.randint(3, 90, (2, 8), device="cuda")
     with torch.no_grad():
         assert torch.equal(streamed(input_ids=ids).logits, reference(input_ids=ids).logits)
+
+
+def _load_with_progress(checkpoint, capsys, **kwargs):
+    capsys.readouterr()
+    layerstream.from_pretrained(checkpoint, dtype=torch.float32, device="cpu", **kwargs)
+    return capsys.readouterr().err
+
+
+def test_loading_shows_one_bar_counting_layers_and_bytes(checkpoint, capsys):
+    bar = _load_with_progress(checkpoint, capsys)
+    assert "layerstream: loading layers" in bar
+    assert "4/4" in bar and "MiB" in bar
+    nf4 = _load_with_progress(checkpoint, capsys, quantization="nf4")
+    assert "layerstream: loading and quantising layers to NF4" in nf4 and "4/4" in nf4
+
+
+def test_the_bar_follows_transformers_switch_and_shows_on_the_main_process_only(checkpoint, capsys, monkeypatch):
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    try:
+        assert "layerstream: loading layers" not in _load_with_progress(checkpoint, capsys)
+    finally:
+        hf_logging.enable_progress_bar()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    assert "layerstream: loading layers" not in _load_with_progress(checkpoint, capsys)
+    monkeypatch.setenv("RANK", "0")
+    assert "layerstream: loading layers" in _load_with_progress(checkpoint, capsys), "rank 0 shows it"

@@ -26,7 +26,7 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
-from . import disk, nf4, nf4_cache, shared_store
+from . import disk, nf4, nf4_cache, progress, shared_store
 from .checkpoint import (
     PICKLE_SUFFIXES,
     LoadingError,
@@ -506,7 +506,9 @@ def from_pretrained(
                 cache = nf4_cache.LayerCache(
                     nf4_cache.cache_directories(config_stream.disk_cache_dir, directory), source
                 )
-        for index, layer in enumerate(layers):
+        what = "loading layers" if quantization != "nf4" else "loading and quantising layers to NF4"
+        stored = lambda: sum(record.nbytes for record in store.records)
+        for index, layer in progress.each_layer(enumerate(layers), len(layers), what, stored):
             prefix = f"{layer_name(path, index)}."
             if cache is not None:
 
