@@ -118,7 +118,10 @@ def test_the_tightest_limit_on_the_way_up_counts(tmp_path):
     "cgroup, files",
     [
         ("0::/job\n", {"job/memory.max": "max\n", "job/memory.current": "1024\n"}),
-        ("4:memory:/\n", {"memory/memory.limit_in_bytes": "9223372036854771712\n", "memory/memory.usage_in_bytes": "1\n"}),
+        (
+            "4:memory:/\n",
+            {"memory/memory.limit_in_bytes": "9223372036854771712\n", "memory/memory.usage_in_bytes": "1\n"},
+        ),
         ("0::/job\n", {"job/memory.max": f"{128 * GiB}\n", "job/memory.current": "0\n"}),
         ("0::/job\n", {}),
     ],

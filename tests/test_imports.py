@@ -8,7 +8,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "layerstream"
 
 # lowest first; a module may import from its own layer and the ones before it
 LAYERS = [
-    {"errors", "units", "swap", "embedded", "log", "paths", "memory_limits"},
+    {"errors", "units", "swap", "embedded", "log", "paths", "memory_limits", "versions"},
     {
         "config",
         "schedule",
