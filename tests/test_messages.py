@@ -134,3 +134,12 @@ def test_the_scan_finds_a_message_that_bypasses_the_logger(tmp_path):
     module = tmp_path / "module.py"
     module.write_text('import logging, warnings\nlogging.getLogger("x").warning("a")\nwarnings.warn("b")\nprint("c")\n')
     assert [what for _, what in sorted(_message_calls(module))] == ["logging.getLogger", "warnings.warn", "print"]
+
+
+def test_a_logger_of_rank_facts_says_each_on_every_rank_with_its_rank(monkeypatch, caplog):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    with caplog.at_level(logging.INFO, logger="layerstream.test"):
+        get_logger("layerstream.test", main_process_only=False).warning("probed %d", 3)
+        get_logger("layerstream.test", main_process_only=False).info("shared", main_process_only=True)
+    assert [r.getMessage() for r in caplog.records] == ["[rank 1] probed 3"]

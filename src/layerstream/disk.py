@@ -47,6 +47,7 @@ from .store import HostStore, LayerRecord, set_data
 from .units import GiB, MiB
 
 logger = get_logger(__name__)
+rank_logger = get_logger(__name__, main_process_only=False)  # facts of this rank's disk and memory
 
 IO_ALIGN = 4096  # offsets, lengths and buffers of direct reads are multiples of this
 # one read job. A reader thread needs the interpreter lock between its reads, and the training
@@ -149,11 +150,10 @@ class DiskTier:
                 weakref.finalize(data, cudart.unregister_host, data)
                 self.pinned = True
             except PinError as exc:
-                logger.warning(
+                rank_logger.warning(
                     "layerstream: could not page-lock the disk tier's staging ring (%s); copies from it "
                     "to the GPU are pageable (about 8x slower) and do not overlap compute.",
                     exc,
-                    main_process_only=False,
                 )
         return _Region(data, data.numpy())
 
@@ -372,9 +372,7 @@ class DiskTier:
         changed = self.choice.observe(region.reads_at_once, nbytes, region.started, ended)
         if changed is not None:
             self._reads_at_once(changed)
-            logger.info(
-                "layerstream: the disk tier now reads %d at a time (%s)", changed, self.choice, main_process_only=False
-            )
+            rank_logger.info("layerstream: the disk tier now reads %d at a time (%s)", changed, self.choice)
         for source in layer.files:
             try:
                 source.check(record.name)
@@ -454,12 +452,7 @@ class DiskTier:
         self.probed = {count: size / max(seconds, 1e-9) for count, (size, seconds) in timed.items()}
         self._reads_at_once(pick_readers(self.probed))
         rates = ", ".join(f"{count} at once {rate / 1e9:.2f} GB/s" for count, rate in self.probed.items())
-        logger.warning(
-            "layerstream: the disk tier reads %d at a time (probed: %s)",
-            self.reads_at_once,
-            rates,
-            main_process_only=False,
-        )
+        rank_logger.warning("layerstream: the disk tier reads %d at a time (probed: %s)", self.reads_at_once, rates)
         return self.reads_at_once
 
     @property

@@ -6,7 +6,8 @@ printed once per rank: eight identical lines on eight GPUs. Every module takes i
 from ``get_logger``, whose messages the main process alone says. A message about a fact of
 one rank (its GPU ran out of memory, its host memory could not be page-locked) is said by
 every rank with its rank in front, ``[rank 3] layerstream: ...``: pass
-``main_process_only=False``.
+``main_process_only=False`` to the call, or take a logger whose calls all do so
+(``get_logger(name, main_process_only=False)``).
 
 The rank is torch.distributed's once a process group exists, else the launcher's RANK and
 WORLD_SIZE (Accelerate and torchrun set them before the script runs). A single process,
@@ -43,7 +44,13 @@ class RankLogger(logging.LoggerAdapter):
     """A logger whose messages the main process alone says, unless a call passes
     ``main_process_only=False`` (then every rank says it, its rank in front)."""
 
-    def log(self, level, msg, *args, main_process_only: bool = True, **kwargs):
+    def __init__(self, logger: logging.Logger, main_process_only: bool = True):
+        super().__init__(logger, {})
+        self.main_process_only = main_process_only
+
+    def log(self, level, msg, *args, main_process_only: Optional[bool] = None, **kwargs):
+        if main_process_only is None:
+            main_process_only = self.main_process_only
         if not self.isEnabledFor(level):
             return
         rank = process_rank()
@@ -55,7 +62,8 @@ class RankLogger(logging.LoggerAdapter):
         self.logger.log(level, msg, *args, **kwargs)
 
 
-def get_logger(name: str) -> RankLogger:
+def get_logger(name: str, main_process_only: bool = True) -> RankLogger:
     """The logger of module ``name`` (``logging.getLogger(name)``, so its level and handlers
-    are configured as usual), speaking on the main process only."""
-    return RankLogger(logging.getLogger(name), {})
+    are configured as usual), speaking on the main process only, or on every rank with its
+    rank in front (``main_process_only=False``)."""
+    return RankLogger(logging.getLogger(name), main_process_only)
