@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import statistics
 import time
 
@@ -138,14 +137,12 @@ def median(values):
 
 
 def machine() -> dict:
-    info = {"python": platform.python_version(), "torch": torch.__version__}
+    """The library versions (``layerstream.versions``) and the GPU, if there is one."""
+    from layerstream.versions import versions
+
+    info = versions()
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
-    for name in ("transformers", "peft", "bitsandbytes"):
-        try:
-            info[name] = __import__(name).__version__
-        except ImportError:
-            pass
     return info
 
 

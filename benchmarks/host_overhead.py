@@ -193,7 +193,10 @@ def main(argv=None) -> int:
     print(json.dumps({k: v for k, v in rows[-1].items() if not k.endswith("step_s")}), flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as handle:
-        json.dump({"shape": args.shape, "batch": args.batch, "seq": args.seq, "rows": rows}, handle, indent=1)
+        from layerstream.versions import versions
+
+        payload = {"shape": args.shape, "batch": args.batch, "seq": args.seq, "rows": rows, "versions": versions()}
+        json.dump(payload, handle, indent=1)
     return 0
 
 

@@ -412,7 +412,9 @@ def _put_row(rows: list, row: dict, path: str) -> list:
     def key(r):
         return r["model"], r["quantization"], r["vram_gib"], r.get("tokens")
 
-    rows = [r for r in rows if key(r) != key(row)] + [row]
+    from layerstream.versions import versions
+
+    rows = [r for r in rows if key(r) != key(row)] + [dict(row, versions=versions())]
     _write(path, rows)
     return rows
 

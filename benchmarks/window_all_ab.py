@@ -24,6 +24,7 @@ from peft import LoraConfig, get_peft_model
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import layerstream  # noqa: E402
+from layerstream.versions import versions  # noqa: E402
 
 import checkpoints  # noqa: E402,F401  (adds the 3B shape to common.SHAPES)
 from common import build_random  # noqa: E402
@@ -84,7 +85,7 @@ def main():
         pstats.Stats(profile).sort_stats("tottime").print_stats(14)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / f"window-all-{args.shape}-{'expandable' if result['allocator'] else 'default'}.json").write_text(
-        json.dumps({**result, "times": rows}, indent=1)
+        json.dumps({**result, "times": rows, "versions": versions()}, indent=1)
     )
 
 

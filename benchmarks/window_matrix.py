@@ -301,7 +301,9 @@ def main():
         if row.get("failed"):
             print(row["tail"], flush=True)
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "window-matrix.json").write_text(json.dumps({"rows": rows}, indent=1))
+        from layerstream.versions import versions
+
+        (Path(args.out) / "window-matrix.json").write_text(json.dumps({"rows": rows, "versions": versions()}, indent=1))
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "layerstream"
 
 # lowest first; a module may import from its own layer and the ones before it
 LAYERS = [
-    {"errors", "units", "swap", "embedded"},
+    {"errors", "units", "swap", "embedded", "log", "paths", "memory_limits", "versions"},
     {
         "config",
         "schedule",
@@ -22,6 +22,7 @@ LAYERS = [
         "tiled_mlp",
         "disk_plan",
         "shared_store",
+        "progress",
     },
     {"store", "pool", "nf4", "meter", "changes", "bindings", "passes", "plan", "offload"},
     {

@@ -360,3 +360,32 @@ def test_from_pretrained_loads_the_checkpoints_own_dtype_by_default(tmp_path):
     (tmp_path / "half" / "config.json").write_text(json.dumps(half))
     assert layerstream.from_pretrained(tmp_path / "half", stream=CPU).dtype == torch.float16
     assert layerstream.from_pretrained(tmp_path / "half", stream=CPU, dtype=torch.bfloat16).dtype == torch.bfloat16
+
+
+def _load_with_progress(checkpoint, capsys, **kwargs):
+    capsys.readouterr()
+    layerstream.from_pretrained(checkpoint, dtype=torch.float32, device="cpu", **kwargs)
+    return capsys.readouterr().err
+
+
+def test_loading_shows_one_bar_counting_layers_and_bytes(checkpoint, capsys):
+    bar = _load_with_progress(checkpoint, capsys)
+    assert "layerstream: loading layers" in bar
+    assert "4/4" in bar and "MiB" in bar
+    nf4 = _load_with_progress(checkpoint, capsys, quantization="nf4")
+    assert "layerstream: loading and quantising layers to NF4" in nf4 and "4/4" in nf4
+
+
+def test_the_bar_follows_transformers_switch_and_shows_on_the_main_process_only(checkpoint, capsys, monkeypatch):
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    try:
+        assert "layerstream: loading layers" not in _load_with_progress(checkpoint, capsys)
+    finally:
+        hf_logging.enable_progress_bar()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    assert "layerstream: loading layers" not in _load_with_progress(checkpoint, capsys)
+    monkeypatch.setenv("RANK", "0")
+    assert "layerstream: loading layers" in _load_with_progress(checkpoint, capsys), "rank 0 shows it"

@@ -295,3 +295,37 @@ def test_good_values_in_the_same_keys_still_validate(tmp_path):
     assert len(config["rows"]) == 3
     load(str(DEFAULT), [f"training.output_dir={out}", "stream.device=cpu", r"lora.target_modules='.*\.(q|v)_proj'"])
     assert not out.exists()
+
+
+RECIPE_8GB = DEFAULT.parent / "llama-3.1-8b-qlora-8gb.yaml"
+
+
+def _trains_until_the_tokenizer(path, monkeypatch, caplog, *overrides):
+    """Run ``layerstream train`` as far as loading the tokenizer (the first download); what it said."""
+    import logging
+
+    import torch
+    import transformers
+
+    from layerstream.train import run
+
+    def offline(*args, **kwargs):
+        raise RuntimeError("stopped at the download")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", offline)
+    config = load(str(path), ["training.output_dir=unused", *overrides])
+    with caplog.at_level(logging.WARNING, logger="layerstream.train"), pytest.raises(RuntimeError, match="stopped"):
+        run(config)
+    return caplog.text
+
+
+def test_a_gpu_recipe_on_a_machine_without_cuda_says_it_trains_on_the_cpu_before_loading(monkeypatch, caplog):
+    said = _trains_until_the_tokenizer(RECIPE_8GB, monkeypatch, caplog)
+    assert "no CUDA device is visible, so this run trains on the CPU" in said
+    assert "meta-llama/Llama-3.1-8B on the CPU is far slower" in said
+
+
+def test_a_run_told_to_use_the_cpu_is_not_warned_about_it(monkeypatch, caplog):
+    """Negative control: stream.device: cpu is a choice, not a surprise."""
+    assert "trains on the CPU" not in _trains_until_the_tokenizer(RECIPE_8GB, monkeypatch, caplog, "stream.device=cpu")

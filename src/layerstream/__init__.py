@@ -2,45 +2,56 @@
 
 Fine-tune (LoRA, QLoRA) and run models larger than the GPU: frozen layer weights live in
 pinned host memory and are copied into a few GPU slots just before each layer runs.
+
+The names below are imported when first used, so that ``import layerstream`` and the
+``layerstream`` command's ``--help`` and argument errors do not wait for torch and
+transformers. Using any of them first loads the integrations (PEFT merges, the Trainer),
+which register with the streaming core.
 """
 
-from .api import get_runtime, is_streamed, stream_model, unstream_model
-from .config import StreamConfig
-from .errors import (
-    HostMemoryError,
-    LayerstreamError,
-    LoadingError,
-    NoDecoderStackError,
-    SlotChecksumError,
-    SlotOwnerError,
-    StreamConfigError,
-    StreamingError,
-    TrainConfigError,
-)
-from .integrations import peft as _peft_integration  # noqa: F401  (registers the PEFT merge integration)
-from .integrations.trainer import StreamingArguments, StreamStatsCallback
-from .loading import from_pretrained
-from .runtime import StreamRuntime
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "StreamConfig",
-    "StreamConfigError",
-    "StreamRuntime",
-    "StreamingError",
-    "LayerstreamError",
-    "HostMemoryError",
-    "NoDecoderStackError",
-    "StreamingArguments",
-    "StreamStatsCallback",
-    "LoadingError",
-    "TrainConfigError",
-    "from_pretrained",
-    "SlotChecksumError",
-    "SlotOwnerError",
-    "get_runtime",
-    "is_streamed",
-    "stream_model",
-    "unstream_model",
-]
+# public name -> the module that defines it
+_EXPORTS = {
+    "StreamConfig": "config",
+    "get_runtime": "api",
+    "is_streamed": "api",
+    "stream_model": "api",
+    "unstream_model": "api",
+    "from_pretrained": "loading",
+    "StreamRuntime": "runtime",
+    "StreamingArguments": "integrations.trainer",
+    "StreamStatsCallback": "integrations.trainer",
+    **{
+        name: "errors"
+        for name in (
+            "HostMemoryError",
+            "LayerstreamError",
+            "LoadingError",
+            "NoDecoderStackError",
+            "SlotChecksumError",
+            "SlotOwnerError",
+            "StreamConfigError",
+            "StreamingError",
+            "TrainConfigError",
+        )
+    },
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'layerstream' has no attribute {name!r}")
+    importlib.import_module(".integrations", __name__)  # they register before any model streams
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from typing import Callable, List, Optional, Union
 
 import torch
@@ -12,11 +11,12 @@ from . import changes, chunked_loss, layer, nf4, tiled_mlp
 from .config import StreamConfig, resolve_device
 from .discovery import find_decoder_layers, layer_name, unwrap_peft
 from .errors import StreamConfigError, StreamingError
+from .log import get_logger
 from .runtime import StreamRuntime
 from .store import LAYOUT, HostStore, check_host_memory
 from .units import GiB, gib, size
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 _ATTR = "_layerstream_runtime"
 _ON_STREAM: List[Callable[[nn.Module], None]] = []  # integrations that want to know

@@ -11,16 +11,16 @@ peak so far (a fused loss leaves no such room).
 
 from __future__ import annotations
 
-import logging
 from typing import Dict, Optional, Tuple
 
 import torch
 
 from . import plan
 from .config import StreamConfig, expandable_segments
+from .log import get_logger
 from .units import GiB
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 class BackwardSlots:
@@ -131,6 +131,7 @@ class BackwardSlots:
                 "silences this.",
                 slot - ring,
                 why,
+                main_process_only=False,
             )
 
     def note(self, planner_count: int, cuda: bool) -> str:

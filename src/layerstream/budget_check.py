@@ -4,12 +4,12 @@ refused before any layer runs (``report.budget_refusal`` says what would fit).""
 
 from __future__ import annotations
 
-import logging
 from typing import Set, Tuple
 
 from . import report
+from .log import get_logger
 
-logger = logging.getLogger("layerstream.runtime")
+logger = get_logger("layerstream.runtime")
 
 
 class BudgetCheck:

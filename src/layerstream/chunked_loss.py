@@ -35,7 +35,6 @@ import contextlib
 import contextvars
 import functools
 import inspect
-import logging
 from typing import List, Optional
 
 import torch
@@ -46,8 +45,9 @@ from . import swap
 from .config import check_tokens
 from .discovery import describe_family, unwrap_peft
 from .errors import StreamingError
+from .log import get_logger
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 _TOKENS = "_layerstream_loss_chunk_tokens"
 _SOFTCAPS = "_layerstream_loss_softcaps"  # the forward softcaps its logits (Gemma-2, Gemma-3)

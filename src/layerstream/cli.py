@@ -12,15 +12,18 @@ def _count_or_auto(text: str):
     return parse_setting("backward_slots", text, "--backward-slots")
 
 
-def _add_plan_parser(sub) -> argparse.ArgumentParser:
-    from .plan import DEFAULT_BANDWIDTH_GBPS, QUANTIZATIONS
-
-    plan = sub.add_parser(
+def _plan_parser(sub) -> argparse.ArgumentParser:
+    return sub.add_parser(
         "plan",
         help="predict GPU memory, host RAM and copy time of streamed LoRA training",
         description="Predict whether streamed LoRA training of a model fits a GPU, from its "
         "config alone (no weights, no GPU). Exits 0 when it fits, 1 when it does not.",
     )
+
+
+def _add_plan_arguments(plan: argparse.ArgumentParser) -> None:
+    from .plan import DEFAULT_BANDWIDTH_GBPS, QUANTIZATIONS
+
     plan.add_argument("--model", help="hub id, local model directory, or path to a config.json file")
     plan.add_argument("--vram", help="GPU memory budget, e.g. 16GiB, 24GB, 80GiB (required unless --measure-disk)")
     plan.add_argument(
@@ -100,7 +103,6 @@ def _add_plan_parser(sub) -> argparse.ArgumentParser:
         action="store_true",
         help="also find the longest sequence that fits, with and without each long-sequence option",
     )
-    return plan
 
 
 def _run_plan(args, parser: argparse.ArgumentParser) -> int:
@@ -202,8 +204,8 @@ def add_setting_flags(parser: argparse.ArgumentParser) -> None:
             )
 
 
-def _add_run_parser(sub) -> argparse.ArgumentParser:
-    run = sub.add_parser(
+def _run_parser(sub) -> argparse.ArgumentParser:
+    return sub.add_parser(
         "run",
         help="run an unchanged training script with every model it loads or trains streamed",
         usage="layerstream run [options] (SCRIPT.py | -m MODULE | COMMAND) [its arguments]",
@@ -213,10 +215,12 @@ def _add_run_parser(sub) -> argparse.ArgumentParser:
         "streaming its model. Options before the target are layerstream's; the rest are "
         "the target's own.",
     )
+
+
+def _add_run_arguments(run: argparse.ArgumentParser) -> None:
     add_setting_flags(run)
     run.add_argument("-m", dest="module", metavar="MODULE", help="run a module, as python -m does")
     run.add_argument("target", nargs="?", help="SCRIPT.py or an installed command")
-    return run
 
 
 def split_run_arguments(parser: argparse.ArgumentParser, argv):
@@ -267,7 +271,7 @@ def _run_target(args, rest, parser) -> int:
     from importlib import metadata
 
     from .config import parse_setting, settings
-    from .errors import StreamConfigError
+    from .errors import REFUSALS, StreamConfigError
     from .integrations import launch
 
     target = args.module or args.target
@@ -294,6 +298,9 @@ def _run_target(args, rest, parser) -> int:
         sys.argv = [target] + list(rest)
         if args.module:
             sys.path.insert(0, os.getcwd())
+            missing = _missing_module(args.module)
+            if missing:
+                parser.error(missing)
             runpy.run_module(args.module, run_name="__main__", alter_sys=True)
         elif entry is None:
             sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
@@ -304,12 +311,45 @@ def _run_target(args, rest, parser) -> int:
     except SystemExit as exc:
         code = exc.code
         return code if isinstance(code, int) else (0 if code is None else 1)
+    except (*REFUSALS, OSError) as exc:
+        return _refused(exc)
     finally:
         launch.disable()
         sys.argv, sys.path[:] = saved_argv, saved_path
         os.environ.clear()
         os.environ.update(saved_env)
     return 0
+
+
+def _missing_module(module: str) -> str:
+    """Why ``python -m module`` would not start (no such module, a package without
+    ``__main__``), or "" when it would."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec(module)
+        if spec is not None and spec.submodule_search_locations is not None:
+            if importlib.util.find_spec(f"{module}.__main__") is None:
+                return f"-m {module}: {module} is a package without __main__; name the module in it to run"
+    except (ImportError, ValueError) as exc:  # a parent package that is not there
+        return f"-m {module}: {exc}"
+    if spec is None:
+        return f"-m {module}: no module named {module!r} in this Python ({sys.executable}); is it installed?"
+    return ""
+
+
+def _refused(exc: BaseException) -> int:
+    """A refusal's message alone, on stderr (it says what to do; a traceback would bury it),
+    and exit status 1. An OSError only where it stands for a mistyped local path (which
+    transformers sent to the hub); any other is raised again."""
+    from .errors import REFUSALS
+    from .paths import missing_directory_behind
+
+    message = str(exc) if isinstance(exc, REFUSALS) else missing_directory_behind(exc)
+    if message is None:
+        raise exc
+    print(f"layerstream: error: {message}", file=sys.stderr)
+    return 1
 
 
 def _inherit(values) -> None:
@@ -328,12 +368,15 @@ def _inherit(values) -> None:
         os.environ["PYTHONPATH"] = site + (os.pathsep + path if path else "")
 
 
-def _add_train_parser(sub) -> argparse.ArgumentParser:
-    train = sub.add_parser(
+def _train_parser(sub) -> argparse.ArgumentParser:
+    return sub.add_parser(
         "train",
         help="LoRA/QLoRA SFT from a YAML config (TRL SFTTrainer), streamed",
         description="Train as CONFIG says. The config is checked whole before anything is built or written.",
     )
+
+
+def _add_train_arguments(train: argparse.ArgumentParser) -> None:
     train.add_argument("config", help="a YAML file, e.g. configs/default.yaml")
     train.add_argument(
         "--set",
@@ -342,17 +385,20 @@ def _add_train_parser(sub) -> argparse.ArgumentParser:
         metavar="SECTION.KEY=VALUE",
         help="override one config value (repeatable), e.g. --set training.max_steps=10",
     )
-    return train
 
 
 def _run_train(args, parser) -> int:
+    from .errors import REFUSALS
     from .train import TrainConfigError, load, run
 
     try:
         config = load(args.config, args.set)
     except TrainConfigError as exc:
         parser.error(str(exc))  # exits with status 2, before any work
-    run(config)
+    try:
+        run(config)
+    except (*REFUSALS, OSError) as exc:
+        return _refused(exc)
     return 0
 
 
@@ -360,12 +406,19 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="layerstream", description="Stream decoder layers from host memory.")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("demo", help="LoRA-train a tiny streamed model on the embedded data (no download)", add_help=False)
-    plan_parser = _add_plan_parser(sub)
-    _add_run_parser(sub)
-    train_parser = _add_train_parser(sub)
+    plan_parser, run_parser, train_parser = _plan_parser(sub), _run_parser(sub), _train_parser(sub)
     argv = list(sys.argv[1:] if argv is None else argv)
+    # only the chosen command's options are built: building them imports torch, which
+    # `layerstream --help` and a mistyped command need not wait for
+    options = {
+        "plan": (plan_parser, _add_plan_arguments),
+        "run": (run_parser, _add_run_arguments),
+        "train": (train_parser, _add_train_arguments),
+    }
+    if argv and argv[0] in options:
+        command_parser, add_options = options[argv[0]]
+        add_options(command_parser)
     if argv and argv[0] == "run":  # everything after the target belongs to the target
-        run_parser = sub.choices["run"]
         ours, rest = split_run_arguments(run_parser, argv[1:])
         args = run_parser.parse_args(ours)
         return _run_target(args, rest, run_parser)

@@ -11,7 +11,6 @@ is copied or pinned, with a message that says what to change.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Union
@@ -19,6 +18,7 @@ from typing import Any, Dict, List, Optional, Union
 import torch
 
 from .errors import StreamConfigError
+from .log import get_logger
 from .units import GiB, parse_bytes
 
 DEFAULT_ARENA_BYTES = GiB  # few enough arenas to pin cheaply, small enough to place
@@ -31,7 +31,7 @@ AUTO_SLOTS = 3
 # (other processes; this process's own CUDA context is about half a GiB of it)
 FOREIGN_MEMORY_WARN_BYTES = GiB
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 _warned_foreign_memory: set = set()  # devices whose auto budget warning was given
 
 # the kinds of value a setting takes, as text on a command line or in YAML
@@ -106,6 +106,7 @@ def gpu_memory_for_run(device: torch.device) -> int:
             usable / GiB,
             total / GiB,
             foreign / GiB,
+            main_process_only=False,
         )
     return usable
 
@@ -402,8 +403,9 @@ def resolve_device(device) -> torch.device:
         if not torch.cuda.is_available():
             raise StreamConfigError(
                 "no CUDA device is available and StreamConfig.device was not given. "
-                "Pass device='cpu' to run the streaming machinery on the host "
-                "(host-to-host copies), or run on a machine with a GPU."
+                "Pass device='cpu' (from_pretrained(..., device='cpu'), stream_model(model, "
+                "device='cpu') or StreamConfig(device='cpu')) to run the streaming machinery on "
+                "the host (host-to-host copies), or run on a machine with a GPU."
             )
         return torch.device("cuda", torch.cuda.current_device())
     try:

@@ -10,14 +10,28 @@ belong to the driver's primary context.
 
 Where no shared ``libcudart`` is loaded (a statically linked build), ``runtime()``
 returns None and callers use the torch calls instead.
+
+The runtime bound is the one torch uses: a process can hold several (cupy's, a cu12 wheel
+beside a cu13 one), and binding the wrong one would issue copies through another runtime
+than torch's. Of the ``libcudart`` files mapped into the process, the one whose soname
+major (``libcudart.so.13``) is torch's CUDA major (``torch.version.cuda``) is chosen, and
+``cudaRuntimeGetVersion`` must agree. Where no file, or more than one, qualifies, nothing
+is bound: torch's events and copies are used (a few microseconds more per layer visit), and
+one warning says why.
 """
 
 from __future__ import annotations
 
 import ctypes
-from typing import Optional
+import os
+import re
+from typing import List, Optional, Sequence, Tuple
 
 import torch
+
+from .log import get_logger
+
+logger = get_logger(__name__)
 
 _H2D = 1  # cudaMemcpyHostToDevice
 _NOT_READY = 600  # cudaErrorNotReady
@@ -27,17 +41,72 @@ class CudaRuntimeError(RuntimeError):
     """A direct CUDA runtime call failed (the message names the call and the error code)."""
 
 
-def _find_library() -> Optional[ctypes.CDLL]:
+def _maps() -> List[str]:
     try:
         with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if "libcudart.so" in line}
+            return maps.readlines()
+    except OSError:
+        return []
+
+
+_SONAME_MAJOR = re.compile(r"libcudart\.so\.(\d+)")
+
+
+def cuda_major(version: Optional[str]) -> Optional[int]:
+    """The major of a CUDA version as torch spells it ("13.0"), or None."""
+    return int(version.split(".")[0]) if version and version.split(".")[0].isdigit() else None
+
+
+def choose_runtime(maps: Sequence[str], torch_cuda: Optional[str]) -> Tuple[Optional[str], str]:
+    """(path of the libcudart torch uses, "") from the lines of /proc/self/maps, or (None,
+    why not) where no mapped file, or more than one, has torch's CUDA major in its soname;
+    (None, "") where there is nothing to choose (no shared libcudart, a CPU build)."""
+    paths = sorted({line.split()[-1] for line in maps if "libcudart.so" in line})
+    want = cuda_major(torch_cuda)
+    if not paths or want is None:
+        return None, ""
+    majors = {path: _SONAME_MAJOR.search(os.path.basename(path)) for path in paths}
+    same = [path for path, found in majors.items() if found and int(found.group(1)) == want]
+    if len(same) == 1:
+        return same[0], ""
+    if not same:
+        return None, f"no CUDA runtime mapped into this process is torch's CUDA {want} ({', '.join(paths)})"
+    return None, f"several CUDA runtimes mapped into this process could be torch's CUDA {want} ({', '.join(same)})"
+
+
+def _open(path: str) -> Optional[ctypes.CDLL]:
+    try:
+        return ctypes.CDLL(path)
     except OSError:
         return None
-    for path in sorted(paths):
-        try:
-            return ctypes.CDLL(path)
-        except OSError:
-            continue
+
+
+def _runtime_version(lib) -> Optional[int]:
+    """cudaRuntimeGetVersion of ``lib`` (13000 for 13.0), or None where it fails."""
+    version = ctypes.c_int()
+    try:
+        code = lib.cudaRuntimeGetVersion(ctypes.byref(version))
+    except AttributeError:
+        return None
+    return version.value if code == 0 else None
+
+
+def _find_library() -> Optional[ctypes.CDLL]:
+    """The libcudart torch uses, checked with cudaRuntimeGetVersion; None (one warning
+    where there were runtimes but none could be told to be torch's)."""
+    path, doubt = choose_runtime(_maps(), torch.version.cuda)
+    if path is not None:
+        lib = _open(path)
+        version = _runtime_version(lib) if lib is not None else None
+        if version is not None and version // 1000 == cuda_major(torch.version.cuda):
+            return lib
+        doubt = f"{path} reports CUDA runtime {version}, torch was built with CUDA {torch.version.cuda}"
+    if doubt:
+        logger.warning(
+            "layerstream: copies and events go through torch's own calls, not the CUDA runtime directly "
+            "(a few microseconds more per layer visit): %s.",
+            doubt,
+        )
     return None
 
 
@@ -144,9 +213,7 @@ def register_host(tensor: torch.Tensor, read_only: bool = False) -> None:
 def unregister_host(tensor: torch.Tensor) -> None:
     """Undo ``register_host`` (before the memory is freed: a later registration of the same
     pages would fail)."""
-    import logging
-
     code = int(torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr()))
     if code != 0:
         clear_error()
-        logging.getLogger(__name__).warning("layerstream: cudaHostUnregister failed with CUDA error %d", code)
+        logger.warning("layerstream: cudaHostUnregister failed with CUDA error %d", code, main_process_only=False)

@@ -90,6 +90,9 @@ def main(argv=None) -> dict:
     import layerstream
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    from .versions import versions
+
+    print(f"layerstream demo on {device}: " + ", ".join(f"{k} {v}" for k, v in versions().items()), flush=True)
     examples = load_examples()
     model = get_peft_model(
         build_model(args.layers),

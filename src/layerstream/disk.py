@@ -23,7 +23,6 @@ checksummed against the bytes the layer had at load.
 from __future__ import annotations
 
 import errno
-import logging
 import mmap
 import os
 import threading
@@ -44,10 +43,12 @@ from .checkpoint import TORCH_DTYPE_NAMES, StoredTensor, read_layout
 from .disk_files import SourceFile, read_fully, short_read
 from .disk_plan import ReadAhead, ReaderChoice, Tiers, busy_seconds, pick_readers
 from .errors import DiskReadError, LoadingError, PinError, StreamingError
+from .log import get_logger
 from .store import HostStore, LayerRecord, set_data
 from .units import GiB, MiB
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
+rank_logger = get_logger(__name__, main_process_only=False)  # facts of this rank's disk and memory
 
 IO_ALIGN = 4096  # offsets, lengths and buffers of direct reads are multiples of this
 # one read job. A reader thread needs the interpreter lock between its reads, and the training
@@ -129,7 +130,7 @@ class DiskTier:
                 weakref.finalize(data, cudart.unregister_host, data)
                 self.pinned = True
             except PinError as exc:
-                logger.warning(
+                rank_logger.warning(
                     "layerstream: could not page-lock the disk tier's staging ring (%s); copies from it "
                     "to the GPU are pageable (about 8x slower) and do not overlap compute.",
                     exc,
@@ -362,7 +363,7 @@ class DiskTier:
         changed = self.choice.observe(region.reads_at_once, nbytes, region.started, ended)
         if changed is not None:
             self._reads_at_once(changed)
-            logger.info("layerstream: the disk tier now reads %d at a time (%s)", changed, self.choice)
+            rank_logger.info("layerstream: the disk tier now reads %d at a time (%s)", changed, self.choice)
         for source in layer.files:
             try:
                 source.check(record.name)
@@ -442,7 +443,7 @@ class DiskTier:
         self.probed = {count: size / max(seconds, 1e-9) for count, (size, seconds) in timed.items()}
         self._reads_at_once(pick_readers(self.probed))
         rates = ", ".join(f"{count} at once {rate / 1e9:.2f} GB/s" for count, rate in self.probed.items())
-        logger.warning("layerstream: the disk tier reads %d at a time (probed: %s)", self.reads_at_once, rates)
+        rank_logger.warning("layerstream: the disk tier reads %d at a time (probed: %s)", self.reads_at_once, rates)
         return self.reads_at_once
 
     @property

@@ -27,7 +27,6 @@ per forward. ``StreamConfig(stream_embeddings=True)`` keeps both in (pinned) hos
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
@@ -40,10 +39,11 @@ from torch.autograd.function import once_differentiable
 from . import swap
 from .discovery import unwrap_peft
 from .errors import StreamingError
+from .log import get_logger
 from .store import HostStore, LayerRecord, set_data
 from .units import GiB
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 _FIX = (
     "freeze it (PEFT does, unless modules_to_save or target_modules name it), or stream "

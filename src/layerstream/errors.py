@@ -75,3 +75,8 @@ class ForkedChildError(StreamingError):
             "Run the model in the process that loaded it (num_workers=0 for a Dataset or collate_fn that runs "
             "it), or load a model in the child."
         )
+
+
+# errors raised before anything changed, whose message says what to do: a command prints the
+# message alone (no traceback) and exits with status 1
+REFUSALS = (LoadingError, StreamConfigError, TrainConfigError, HostMemoryError, NoDecoderStackError)

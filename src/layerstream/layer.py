@@ -32,6 +32,7 @@ from torch import nn
 
 from . import swap
 from .errors import StreamingError
+from .log import get_logger
 
 _COPY = (
     "copy.deepcopy and pickling of a streamed model are not supported: its weights live in "
@@ -89,8 +90,6 @@ def without_cache(kwargs: dict, warned: bool):
     """A checkpointed layer must not write a KV cache (the recompute would write it twice):
     an empty cache is dropped, as transformers does under gradient checkpointing (one
     warning), and one holding past tokens is refused. Returns (kwargs, warned)."""
-    import logging
-
     names = [name for name in CACHE_KWARGS if kwargs.get(name) is not None]
     if not names:
         return kwargs, warned
@@ -109,7 +108,7 @@ def without_cache(kwargs: dict, warned: bool):
     if "use_cache" in kwargs:
         kwargs["use_cache"] = False
     if not warned:
-        logging.getLogger("layerstream.runtime").warning(
+        get_logger("layerstream.runtime").warning(
             "layerstream: streamed layers are checkpointed while autograd is on, so they do "
             "not fill the KV cache passed to them (as with transformers' gradient "
             "checkpointing). Set model.config.use_cache = False for training to silence this."

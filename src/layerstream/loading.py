@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import logging
 import os
 from collections import defaultdict
 from pathlib import Path
@@ -27,7 +26,7 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
-from . import disk, nf4, nf4_cache, shared_store
+from . import disk, nf4, nf4_cache, progress, shared_store
 from .checkpoint import (
     PICKLE_SUFFIXES,
     LoadingError,
@@ -42,9 +41,11 @@ from .computed_buffers import compute_buffers, initialisers
 from .config import StreamConfig
 from .discovery import find_decoder_layers, layer_name
 from .disk_plan import Tiers, resolve_host_budget, split_tiers
+from .log import get_logger
+from .paths import missing_directory
 from .store import HostStore, check_host_memory, host_memory
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 def _transformers_can_load(error: LoadingError) -> LoadingError:
@@ -57,36 +58,15 @@ def _transformers_can_load(error: LoadingError) -> LoadingError:
 __all__ = ["LoadingError", "from_pretrained"]
 
 
-def _looks_local(model_id: str | os.PathLike) -> bool:
-    """Whether ``model_id`` can only mean a local path: a hub id is ``name`` or ``org/name``.
-
-    A path object, an absolute path, one starting with ``./``, ``../`` or ``~``, one with a
-    backslash or more than one ``/``, or one whose first component is a local directory.
-    Such a path that does not exist is a typo, not something to look up on the hub.
-    """
-    if isinstance(model_id, os.PathLike):
-        return True
-    text = str(model_id)
-    return (
-        Path(text).is_absolute()
-        or text.startswith(("./", "../", "~"))
-        or "\\" in text
-        or text.count("/") > 1
-        or Path(text.split("/", 1)[0]).is_dir()
-    )
-
-
 def _resolve(model_id: str | os.PathLike, revision: str | None, allow_pickle: bool = False) -> Path:
     path = Path(model_id).expanduser()
     if path.is_dir():
         return path
     if path.exists():
         raise LoadingError(f"{model_id} is a file; pass the directory that holds config.json and the weights")
-    if _looks_local(model_id):
-        raise LoadingError(
-            f"no such directory: {model_id}; pass a directory that holds config.json and the "
-            "weights, or a hub id like org/name"
-        )
+    missing = missing_directory(model_id)
+    if missing is not None:
+        raise LoadingError(missing)
     try:
         from huggingface_hub import snapshot_download
     except ImportError as exc:  # pragma: no cover - a transformers dependency
@@ -377,6 +357,7 @@ def from_pretrained(
     model_class=None,
     config=None,
     host_budget=None,
+    device=None,
 ):
     """Load ``model_id`` (a local directory or a hub id) as a streamed causal LM.
 
@@ -392,6 +373,8 @@ def from_pretrained(
     model_class: the transformers class to build (default: what AutoModelForCausalLM picks).
     config: the model's transformers config, when the caller has it (default: read from the
         checkpoint, as transformers does).
+    device: where the layers run (``StreamConfig.device``): "cuda", "cuda:1", or "cpu" on a
+        machine without CUDA; default the current CUDA device.
     host_budget: the host RAM the layer store may use (``StreamConfig.host_budget``: a size,
         "auto"); the layers beyond it are read from the checkpoint's files each time.
     quantize_on: where NF4 quantisation runs; default the stream device.
@@ -413,7 +396,9 @@ def from_pretrained(
         raise LoadingError(f"quantization={quantization!r}: use None or 'nf4'")
     if quantization == "nf4" and quantization_config is not None:
         raise LoadingError("give quantization='nf4' or quantization_config, not both")
-    config_stream = stream if stream is not None else StreamConfig()
+    config_stream = stream if stream is not None else StreamConfig(device=device)
+    if device is not None and stream is not None:
+        config_stream = config_stream.replace(device=device)
     if host_budget is not None:
         config_stream = config_stream.replace(host_budget=host_budget)
     directory = _resolve(model_id, revision, allow_pickle)
@@ -516,7 +501,9 @@ def from_pretrained(
                 cache = nf4_cache.LayerCache(
                     nf4_cache.cache_directories(config_stream.disk_cache_dir, directory), source, len(layers)
                 )
-        for index, layer in enumerate(layers):
+        what = "loading layers" if quantization != "nf4" else "loading and quantising layers to NF4"
+        stored = lambda: sum(record.nbytes for record in store.records)
+        for index, layer in progress.each_layer(enumerate(layers), len(layers), what, stored):
             prefix = f"{layer_name(path, index)}."
             if cache is not None:
 

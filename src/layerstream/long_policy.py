@@ -20,7 +20,6 @@ summary.
 from __future__ import annotations
 
 import dataclasses
-import logging
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -30,10 +29,11 @@ from .config import OFFLOAD_AUTO_MARGIN
 from .discovery import unwrap_peft
 from .disk_plan import size_text
 from .errors import StreamingError
+from .log import get_logger
 from .plan.long_settings import AUTO, LONG_ORDER, NOTHING, OFF, LongDecision, decide_for, describe, setting_text
 from .plan.model import model_plan_args
 
-logger = logging.getLogger("layerstream.runtime")
+logger = get_logger("layerstream.runtime")
 
 
 @dataclasses.dataclass

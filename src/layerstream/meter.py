@@ -15,17 +15,17 @@ runs, deterministically, where there is no GPU to measure.
 
 from __future__ import annotations
 
-import logging
 import re
 from typing import Optional
 
 import torch
 
 from .config import gpu_memory_for_run
+from .log import get_logger
 from .units import parse_bytes
 from .window import Reading
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 _TRIED = re.compile(r"Tried to allocate ([0-9.]+) (B|KiB|MiB|GiB|TiB)")
 

@@ -23,7 +23,6 @@ Both give the same bits as an unpatched resident bitsandbytes model.
 
 from __future__ import annotations
 
-import logging
 from typing import Optional, Sequence, Tuple
 
 import torch
@@ -31,8 +30,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import swap
+from .log import get_logger
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 # quant-state tensors, as attribute paths on a QuantState
 QUANT_PATHS: Tuple[Tuple[str, ...], ...] = (

@@ -34,7 +34,6 @@ import errno
 import fcntl
 import hashlib
 import json
-import logging
 import math
 import os
 import re
@@ -51,9 +50,10 @@ import torch
 from torch import nn
 
 from .errors import DiskCacheError
+from .log import get_logger
 from .store import HostStore, LayerRecord
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 LAYOUT_VERSION = 1  # bump when what a layer file or the manifest holds changes
 DEFAULT_SUBDIRECTORY = ".layerstream-nf4"  # under the checkpoint directory, when it is writable

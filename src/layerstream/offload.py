@@ -30,7 +30,6 @@ every input is checksummed when it leaves the device and again when it is back.
 from __future__ import annotations
 
 import contextlib
-import logging
 import weakref
 from typing import List, Optional
 
@@ -41,10 +40,11 @@ from . import cudart
 from .checksum import checksum
 from .config import OFFLOAD_KEPT_LAYERS, OFFLOAD_LOOKAHEAD, offloaded_layers
 from .errors import ActivationChecksumError, HostMemoryError, PinError
+from .log import get_logger
 from .store import host_memory
 from .units import ALIGN, GiB, MiB, aligned
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 class _Arena:
@@ -65,6 +65,7 @@ class _Arena:
                     "the locked-memory limit (ulimit -l) or free host RAM.",
                     nbytes / GiB,
                     exc,
+                    main_process_only=False,
                 )
             else:
                 self.pinned = True

@@ -14,10 +14,11 @@ from typing import Dict, Optional, Tuple, Union
 
 from .config import OFFLOAD_AUTO_MARGIN
 from .errors import HostMemoryError
+from .log import get_logger
 from .offload import ActivationOffloader
 from .units import gib
 
-logger = logging.getLogger("layerstream.runtime")
+logger = get_logger("layerstream.runtime")
 
 # "auto" wants offloading for a step shape only for the margin: the plan fits without it
 MARGIN_ONLY = "margin only"

@@ -8,15 +8,15 @@ the window so that the Trainer can run the step again.
 
 from __future__ import annotations
 
-import logging
 from typing import List
 
 import torch
 
 from . import report, schedule
 from .layer import registrations
+from .log import get_logger
 
-logger = logging.getLogger("layerstream.runtime")
+logger = get_logger("layerstream.runtime")
 
 WINDOW_RESETS = 3  # steps measured from a reset peak after the window is set or changes
 

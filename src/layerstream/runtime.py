@@ -14,7 +14,6 @@ start-up summary and out-of-memory advice are in ``report``.
 
 from __future__ import annotations
 
-import logging
 import os
 from typing import Dict, List, Optional, Tuple
 
@@ -27,6 +26,7 @@ from .backward_slots import BackwardSlots
 from .budget_check import BudgetCheck
 from .config import StreamConfig
 from .errors import ForkedChildError, StreamingError
+from .log import get_logger
 from .long_policy import AutoLongMemo, LongSettingsPolicy
 from .meter import CudaMeter, PlannedMeter
 from .offload_policy import AutoOffloadMemo, OffloadPolicy
@@ -36,7 +36,7 @@ from .schedule import Phase, PrefetchPlanner
 from .store import LAYOUT, SAME, HostStore, LayerRecord
 from .window import WindowSizer
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 class StreamRuntime(ResidentWindow, OffloadPolicy, LongSettingsPolicy):

@@ -31,7 +31,6 @@ import errno
 import fcntl
 import hashlib
 import json
-import logging
 import mmap
 import os
 import time
@@ -40,6 +39,7 @@ from typing import Dict, Iterable, List, Optional
 
 from .checksum import checksum_of
 from .errors import LoadingError, StreamingError
+from .log import get_logger
 from .units import GiB, size_text
 
 PREFIX = "layerstream-"
@@ -47,7 +47,7 @@ LAYOUT_VERSION = 1  # bump whenever the arena layout (alignment, packing) change
 WAIT_SECONDS = 600.0  # how long a rank waits for another to build the segment
 _POLL_SECONDS = 0.05
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 class SharedStoreError(StreamingError):
@@ -390,7 +390,10 @@ def join_for_load(
     name = PREFIX + fingerprint(sorted(set(files)), **settings)
     segment = Segment(name, verify=verify).join(needed=needed)
     logger.info(
-        "layerstream: %s the shared host store %s", "building" if segment.builder else "mapping", segment.folder / name
+        "layerstream: %s the shared host store %s",
+        "building" if segment.builder else "mapping",
+        segment.folder / name,
+        main_process_only=False,
     )
     return segment
 

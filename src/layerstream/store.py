@@ -19,7 +19,6 @@ power of two, which can cost close to double the host RAM.
 
 from __future__ import annotations
 
-import logging
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -29,11 +28,12 @@ import torch
 from torch import nn
 from torch._C import TensorBase
 
-from . import cudart, nf4
+from . import cudart, memory_limits, nf4
 from .errors import HostMemoryError, PinError, StreamingError
+from .log import get_logger
 from .units import ALIGN, GiB, aligned, next_arena
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 SAME, VALUES, LAYOUT = "same", "values", "layout"  # what sync found
 
@@ -165,13 +165,10 @@ def _quant_holder(state, path):
 
 
 def host_memory() -> Optional[Tuple[int, int]]:
-    """(MemAvailable, MemTotal) in bytes from /proc/meminfo; None where there is none."""
-    try:
-        with open("/proc/meminfo") as handle:
-            fields = dict(line.split(":", 1) for line in handle if ":" in line)
-        return (int(fields["MemAvailable"].split()[0]) * 1024, int(fields["MemTotal"].split()[0]) * 1024)
-    except (OSError, KeyError, ValueError):
-        return None
+    """(available, total) bytes of host memory this process may use: /proc/meminfo's
+    MemAvailable and MemTotal, lowered to its container's cgroup limit where that is lower
+    (``memory_limits``); None where there is no /proc/meminfo."""
+    return memory_limits.host_memory()
 
 
 def check_host_memory(new_bytes: int, store_bytes: int, pin: bool, what: str) -> None:
@@ -329,6 +326,7 @@ class HostStore:
                 "instead of ~55 GB/s) and will not overlap compute. Raise the locked-memory limit "
                 "(ulimit -l) or free host RAM to get pinned copies back.",
                 exc,
+                main_process_only=False,
             )
             return False
         self._registered.append(arena)

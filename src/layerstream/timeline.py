@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import os
 import time
 from dataclasses import dataclass
@@ -21,7 +20,9 @@ from typing import List, Optional
 
 import torch
 
-logger = logging.getLogger(__name__)
+from .log import get_logger
+
+logger = get_logger(__name__)
 
 TRACE_NAME = "layerstream-trace.json"
 PLOT_NAME = "layerstream-timeline.png"

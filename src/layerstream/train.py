@@ -21,6 +21,8 @@ import yaml
 
 from .config import StreamConfig, config_from_settings, resolve_device, setting_default_text, settings
 from .errors import StreamConfigError, TrainConfigError
+from .log import get_logger
+from .paths import looks_local
 from .units import size
 
 SECTIONS: Dict[str, Dict[str, Any]] = {
@@ -46,6 +48,8 @@ _RENAMED = {
     "'none' streams every layer)",
 }
 DTYPES = ("float32", "bfloat16", "float16")
+
+logger = get_logger(__name__)
 
 
 def _training_fields() -> set:
@@ -191,7 +195,7 @@ def _check_model(config, given: dict[str, Any], where: str) -> None:
                 f"{where}: model.{ignored[0]} shapes the embedded tiny model only; "
                 f"{name}'s own config sets its shape: remove it"
             )
-        if name.startswith(("/", "./", "../", "~")) or name in (".", "..") or name.count("/") > 1:
+        if looks_local(name):
             local = Path(name).expanduser()  # a path, never a hub id: do not ask the hub for it
             if not local.is_dir():
                 raise TrainConfigError(f"{where}: model.name={name!r}: no such directory")
@@ -471,6 +475,22 @@ def stream_config(config, where: str = "config") -> StreamConfig:
     return config_from_settings(values, lambda name: f"stream.{name}", device=_device(config))
 
 
+def say_where_it_trains(config, stream: StreamConfig) -> None:
+    """stream.device "auto" on a machine without CUDA trains on the CPU: fine for the embedded
+    model, hours per step for a recipe written for a GPU; either way the user is told first."""
+    if config["stream"]["device"] != "auto" or stream.device.type != "cpu":
+        return
+    name = config["model"]["name"]
+    slow = (
+        "" if name == "embedded-tiny" else f"; {name} on the CPU is far slower than on the GPU its config was made for"
+    )
+    logger.warning(
+        "layerstream: no CUDA device is visible, so this run trains on the CPU (stream.device: auto, "
+        "host-to-host copies)%s. Set stream.device: cuda to require a GPU.",
+        slow,
+    )
+
+
 def read_rows(path: str) -> list[str]:
     """Training texts from a JSON-lines file of {instruction, response} or {text} rows."""
     from .embedded import data_path
@@ -512,12 +532,13 @@ def run(config: Dict[str, Dict[str, Any]]):
     from peft import LoraConfig, get_peft_model
     from trl import SFTConfig, SFTTrainer
 
-    from . import api, embedded
+    from . import api, embedded, integrations  # noqa: F401  (integrations: register before streaming)
     from .loading import from_pretrained
 
     model_section, lora = config["model"], config["lora"]
     dtype = getattr(torch, model_section["dtype"])
     stream = stream_config(config)
+    say_where_it_trains(config, stream)
     if model_section["name"] == "embedded-tiny":
         from transformers import AutoModelForCausalLM
 

@@ -17,15 +17,15 @@ files, arguments it does not know) is loaded by transformers itself, on the host
 
 from __future__ import annotations
 
-import logging
 from typing import Optional
 
 import torch
 
 from ..errors import LoadingError
+from ..log import get_logger
 from . import launch
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 _original = None  # PreTrainedModel.__dict__["from_pretrained"] before install
 # arguments the loader takes, and arguments that only say how transformers should fetch or

@@ -25,16 +25,16 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 
 import torch
 from torch import nn
 
 from .. import nf4
 from ..api import on_stream
+from ..log import get_logger
 from ..store import set_data
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 _installed = False
 

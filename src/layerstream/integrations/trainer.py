@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 import time
 import weakref
 from typing import Optional
@@ -50,12 +49,13 @@ from ..config import (
 )
 from ..errors import StreamingError
 from ..layer import registrations
+from ..log import get_logger
 from ..meter import wanted_bytes
 from ..plan.long_settings import LONG_ORDER, setting_text
 from ..units import GiB, gib
 from . import launch
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 PREFIX = "layerstream/"
 _installed = False
@@ -221,6 +221,7 @@ def _training_step_with_retry(original, trainer, model, args, kwargs):
             "layerstream: a training step ran out of memory; the resident window shrank to %d "
             "layers and the step runs again from where it started.",
             len(runtime.window),
+            main_process_only=False,
         )
         state.restore(runtime.device)
 

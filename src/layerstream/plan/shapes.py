@@ -11,6 +11,7 @@ from typing import List, Tuple, Union
 
 import torch
 
+from ..paths import missing_directory
 from ..units import GiB, aligned
 
 QUANTIZATIONS = ("none", "nf4")
@@ -328,4 +329,7 @@ def load_config(model: Union[str, os.PathLike]):
         return AutoConfig.from_pretrained(path)
     if path.endswith(".json"):
         raise FileNotFoundError(f"no such config file: {path}")
+    missing = missing_directory(path)
+    if missing is not None:  # a mistyped path: the hub would answer with a repo id error
+        raise FileNotFoundError(missing)
     return AutoConfig.from_pretrained(path)
