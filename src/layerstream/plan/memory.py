@@ -12,14 +12,13 @@ from ..config import DEFAULT_ARENA_BYTES, auto_slots, offload_device_layers, off
 from ..schedule import usable_backward_slots
 from ..units import GiB, aligned, arena_sizes
 from ..window import margin_bytes
-from .lora import LoraTargets, _lora_targets
+from .lora import LoraTargets, _lora_targets, plan_notes
 from .shapes import (
     _QK_NORM_FAMILIES,
     ADAMW_STATES,
     BACKWARD_SLOTS_MAX,
     DEFAULT_BANDWIDTH_GBPS,
     DEFAULT_RESERVE_BYTES,
-    KNOWN_FAMILIES,
     LORA_BYTES,
     LOSS_LOGIT_COPIES,
     LayerShape,
@@ -302,39 +301,6 @@ def _check_arguments(
         raise ValueError(f"stream_embeddings must be True or False, got {stream_embeddings!r}")
 
 
-def _notes(model_type, shapes, adapted, lora_rank, lora_targets, quantization) -> List[str]:
-    """What a reader of the plan should know about how it was made."""
-    notes: List[str] = []
-    if model_type not in KNOWN_FAMILIES:
-        notes.append(
-            f"model_type {model_type!r} is not one the planner spells out "
-            f"({', '.join(KNOWN_FAMILIES)}): its layers were sized as Llama-style "
-            "layers (q/k/v/o, gated MLP, two RMSNorms)"
-        )
-    expert_lora = sum(
-        layer.params_count(lora_rank) - LoraTargets(layer.linears).params_count(lora_rank) for layer in adapted
-    )
-    if expert_lora:
-        notes.append(
-            f"PEFT adapts the fused experts and routers under lora_targets={lora_targets!r} "
-            f"({expert_lora / 1e6:.1f}M of the LoRA parameters), and each recomputed layer "
-            "holds its merged expert weights; name attention modules only (e.g. "
-            "'q_proj,k_proj,v_proj,o_proj') to leave the experts frozen"
-        )
-    if quantization == "nf4" and any(shape.sparse for shape in shapes):
-        notes.append(
-            "MoE expert weights and routers stay in the compute dtype under NF4: "
-            "bitsandbytes quantises nn.Linear modules only"
-        )
-    if quantization == "nf4":
-        notes.append(
-            "NF4 host RAM assumes layers are quantised as they load: "
-            "layerstream.from_pretrained(quantization='nf4'), or transformers with "
-            "BitsAndBytesConfig and device_map='cpu'"
-        )
-    return notes
-
-
 def _build(
     config,
     seq: int,
@@ -412,7 +378,7 @@ def _build(
     loader_store = loader_arena_bytes(sizes, arena_bytes)
     unquantised = max(layer_bytes(config, "none", dtype)) if quantization != "none" else max_layer
 
-    notes = _notes(model_type, shapes, adapted, lora_rank, lora_targets, quantization)
+    notes = plan_notes(model_type, shapes, adapted, lora_rank, lora_targets, quantization)
 
     return MemoryPlan(
         model_type=model_type,
