@@ -18,6 +18,7 @@ LAYERS = [
         "discovery",
         "timeline",
         "chunked_loss",
+        "trl_head",
         "tiled_mlp",
         "disk_plan",
         "shared_store",

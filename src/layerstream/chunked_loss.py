@@ -61,7 +61,12 @@ def warn_liger() -> None:
 
 
 def applied(model: nn.Module) -> bool:
-    return unwrap_peft(model).__dict__.get(_TOKENS) is not None
+    return chunk_tokens(model) is not None
+
+
+def chunk_tokens(model: nn.Module) -> Optional[int]:
+    """The tokens per chunk ``apply`` set on ``model``; None where the model's own loss runs."""
+    return unwrap_peft(model).__dict__.get(_TOKENS)
 
 
 def refuse_dropout(module: nn.Module, what: str, setting: str) -> None:
@@ -255,6 +260,14 @@ class CapturingHead:
 
 def _from_liger(function) -> bool:
     return (getattr(function, "__module__", "") or "").startswith("liger_kernel")
+
+
+def liger_computes(model: nn.Module) -> bool:
+    """Whether Liger-Kernel's fused linear cross-entropy is the model's forward (bound to the
+    model by the Trainer's use_liger_kernel, or patched into its class): its loss runs."""
+    inner = unwrap_peft(model)
+    bound = getattr(inner.__dict__.get("forward"), "__func__", None)
+    return _from_liger(bound) or _from_liger(swap.original_class(inner).forward)
 
 
 def _check_forward(cls: type) -> None:

@@ -8,6 +8,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from .. import trl_head
 from ..config import DEFAULT_ARENA_BYTES, auto_slots, offload_device_layers, offloaded_layers
 from ..schedule import usable_backward_slots
 from ..units import GiB, aligned, arena_sizes
@@ -90,6 +91,7 @@ class MemoryPlan:
     activation_host_bytes: int = 0  # their host arena (in host_steady_bytes and the RAM peaks)
     loss_chunk_tokens: Optional[int] = None  # the head and loss run this many tokens at a time
     mlp_tile_tokens: Optional[int] = None  # the MLP runs this many tokens at a time
+    trl_fused_head: bool = False  # TRL's fused log-prob head computes the loss (no loss chunks then)
     vocab_size: int = 0  # the head's outputs (the loss chunk's default depends on it)
     advice: List[str] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)
@@ -320,6 +322,7 @@ def _build(
     offload_activations: bool = False,
     loss_chunk_tokens: Optional[int] = None,
     mlp_tile_tokens: Optional[int] = None,
+    trl_fused_head: bool = False,
 ) -> MemoryPlan:
     """A plan without advice (advice itself is computed from alternative plans)."""
     config = _text_config(config)
@@ -356,8 +359,10 @@ def _build(
         _working_bytes(config, shape, layer, tokens, elem, quantization == "nf4", mlp_tile_tokens)
         for shape, layer in zip(shapes, adapted)
     )
-    loss_tokens = min(tokens, loss_chunk_tokens) if loss_chunk_tokens else tokens
-    loss = LOSS_LOGIT_COPIES * loss_tokens * vocab * 4
+    if trl_fused_head:  # its own tiles, whatever loss_chunk_tokens says
+        loss, loss_chunk_tokens = trl_head.footprint_bytes(tokens, hidden, elem), None
+    else:
+        loss = LOSS_LOGIT_COPIES * (min(tokens, loss_chunk_tokens) if loss_chunk_tokens else tokens) * vocab * 4
     max_layer = max(sizes)
     # everything but the slots; gradients are counted for the whole step (they outlive
     # backward when gradients accumulate over micro-batches)
@@ -432,6 +437,7 @@ def _build(
         activation_host_bytes=activation_host,
         loss_chunk_tokens=loss_chunk_tokens,
         mlp_tile_tokens=mlp_tile_tokens,
+        trl_fused_head=trl_fused_head,
         vocab_size=vocab,
     )
 
@@ -455,6 +461,7 @@ def make_plan(
     offload_activations: bool = False,
     loss_chunk_tokens: Optional[int] = None,
     mlp_tile_tokens: Optional[int] = None,
+    trl_fused_head: bool = False,
 ) -> MemoryPlan:
     """Plan a streamed LoRA training step of ``batch`` x ``seq`` tokens on a GPU of
     ``vram_bytes``.
@@ -477,6 +484,8 @@ def make_plan(
         but ~2 in host memory (``activation_host_bytes``).
     loss_chunk_tokens, mlp_tile_tokens: the chunked head and loss, the sequence-tiled MLP
         (None: off): their terms hold a chunk (tile) of tokens instead of all of them.
+    trl_fused_head: TRL's trainers compute the loss with their fused log-prob head
+        (``trl_head``): its tiles instead of the logits, and loss_chunk_tokens does not apply.
 
     A plan that does not fit carries ``advice``: what to change, and by how much.
     """
@@ -501,6 +510,7 @@ def make_plan(
         offload_activations=offload_activations,
         loss_chunk_tokens=loss_chunk_tokens,
         mlp_tile_tokens=mlp_tile_tokens,
+        trl_fused_head=trl_fused_head,
     )
     plan = _build(**args)
     if not plan.fits:
@@ -522,7 +532,7 @@ def plan_for_model(
 ) -> MemoryPlan:
     """The plan of a live (possibly PEFT-wrapped) model: its config, 4-bit state, compute
     dtype, and LoRA rank and targets; ``stream_embeddings``, the chunked loss and the tiled
-    MLP as the model streams (or would).
+    MLP as the model streams (or would), and TRL's fused loss where a TRL trainer added it.
     Reads attributes only; raises ValueError when the adapters cannot be described to the
     planner (regex targets, several adapters)."""
     config = getattr(model, "config", None)
@@ -557,6 +567,7 @@ def plan_for_model(
         offload_activations=offload_activations,
         loss_chunk_tokens=loss_chunk_tokens,
         mlp_tile_tokens=mlp_tile_tokens,
+        trl_fused_head=trl_head.installed(model),
     )
 
 

@@ -1,0 +1,101 @@
+"""TRL's fused log-prob head computes the loss of TRL >= 1.16's trainers (SFT, DPO, GRPO,
+RLOO, KTO) instead of the model's forward: a loss_chunk_tokens setting is said to be
+bypassed and the summary names TRL's loss, and the memory planner counts TRL's footprint."""
+
+import trl.trainer.utils as trl_utils
+from datasets import Dataset
+from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
+
+import layerstream
+from layerstream import embedded, trl_head
+from layerstream.plan import LOSS_LOGIT_COPIES, plan_for_model
+
+from tiny import peft_pair, stream, tiny_model
+
+SFT_ROWS = [{"input_ids": [3, 4, 5, 6, 7, 8, 9, 10]}] * 8
+DPO_ROWS = [{"prompt": "Q: hi\nA:", "chosen": " yes", "rejected": " no."}] * 4
+
+
+def _losses(trainer) -> list:
+    trainer.train()
+    return [e["loss"] for e in trainer.state.log_history if "loss" in e]
+
+
+def _arguments(config_class, out, device, steps=2):
+    return config_class(
+        output_dir=str(out),
+        use_cpu=device == "cpu",
+        report_to=[],
+        max_steps=steps,
+        logging_steps=1,
+        per_device_train_batch_size=4,
+        save_strategy="no",
+        learning_rate=1e-2,
+    )
+
+
+def _sft(model, out, device="cpu", steps=2) -> list:
+    args = _arguments(SFTConfig, out, device, steps)
+    data, tokenizer = Dataset.from_list(SFT_ROWS), embedded.byte_tokenizer()
+    return _losses(SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer))
+
+
+def _trl_head_records(caplog) -> list:
+    """The warnings layerstream's TRL integration gave (the summary's lines are others)."""
+    return [r for r in caplog.records if r.name == "layerstream.trl_head"]
+
+
+def test_loss_chunk_tokens_under_trl_sft_is_said_to_be_bypassed(tmp_path, caplog):
+    model, _ = peft_pair("llama", layers=4)
+    stream(model, loss_chunk_tokens=4)
+    with caplog.at_level("WARNING", logger="layerstream"):
+        _sft(model, tmp_path, steps=1)
+    bypassed = [r.getMessage() for r in _trl_head_records(caplog)]
+    assert len(bypassed) == 1 and "loss_chunk_tokens=4 is not applied" in bypassed[0]
+    loss_line = caplog.text.split("  loss         ")[1].splitlines()[0]
+    assert loss_line.startswith("TRL's fused log-prob head") and "loss_chunk_tokens=4 is not applied" in loss_line
+
+
+def test_loss_chunk_tokens_under_trl_dpo_is_said_to_be_bypassed(tmp_path, caplog):
+    model, _ = peft_pair("llama", layers=4, vocab_size=300)  # the byte tokenizer's ids
+    stream(model, loss_chunk_tokens=4)
+    args, data = _arguments(DPOConfig, tmp_path, "cpu", steps=1), Dataset.from_list(DPO_ROWS)
+    trainer = DPOTrainer(model=model, args=args, train_dataset=data, processing_class=embedded.byte_tokenizer())
+    with caplog.at_level("WARNING", logger="layerstream"):
+        _losses(trainer)
+    assert any("loss_chunk_tokens=4 is not applied" in r.getMessage() for r in _trl_head_records(caplog))
+    assert "  loss         TRL's fused log-prob head" in caplog.text
+
+
+def test_the_summary_names_layerstreams_chunked_loss_where_it_runs():
+    model, _ = peft_pair("llama", layers=4)
+    stream(model, loss_chunk_tokens=4)
+    assert "  loss         layerstream's chunked loss, 4 tokens at a time" in layerstream.get_runtime(model).summary()
+    trl_utils.add_fused_lm_head(model.get_base_model())
+    assert "  loss         TRL's fused log-prob head" in layerstream.get_runtime(model).summary()
+
+
+def test_the_planner_counts_trls_fused_loss_where_a_trl_trainer_added_it():
+    model = tiny_model("llama", layers=2)
+    own = plan_for_model(model, seq=64, batch=2, loss_chunk_tokens=8)
+    assert not own.trl_fused_head and own.loss_chunk_tokens == 8
+    assert own.loss_bytes == LOSS_LOGIT_COPIES * 8 * 96 * 4
+    trl_utils.add_fused_lm_head(model)
+    fused = plan_for_model(model, seq=64, batch=2, loss_chunk_tokens=8)
+    assert fused.trl_fused_head and fused.loss_chunk_tokens is None, "loss_chunk_tokens does not apply"
+    assert fused.loss_bytes == trl_head.footprint_bytes(128, 32, 4) != own.loss_bytes
+
+
+def test_the_tiles_the_planner_counts_are_trls():
+    from trl.kernels import chunked_logprob
+
+    assert trl_head.TOKEN_TILE == chunked_logprob.TOKEN_CHUNK_SIZE
+    assert trl_head.VOCAB_TILE == trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE
+
+
+def test_a_model_without_trls_head_is_not_taken_for_one():
+    model = tiny_model("llama", layers=2)
+    model.forward = model.forward  # an instance forward of the model's own
+    assert not trl_head.installed(model)
+    trl_utils.add_fused_lm_head(model)
+    assert trl_head.installed(model)
