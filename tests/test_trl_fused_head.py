@@ -1,7 +1,9 @@
 """TRL's fused log-prob head computes the loss of TRL >= 1.16's trainers (SFT, DPO, GRPO,
 RLOO, KTO) instead of the model's forward: a loss_chunk_tokens setting is said to be
-bypassed and the summary names TRL's loss, and the memory planner counts TRL's footprint."""
+bypassed and the summary names TRL's loss, the memory planner counts TRL's footprint, and
+a streamed head reaches TRL's kernel as a device copy, not as its host weight."""
 
+import pytest
 import trl.trainer.utils as trl_utils
 from datasets import Dataset
 from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
@@ -45,6 +47,21 @@ def _trl_head_records(caplog) -> list:
     return [r for r in caplog.records if r.name == "layerstream.trl_head"]
 
 
+def _spy_on_trls_kernel(monkeypatch) -> list:
+    """Where TRL's fused forward hands its kernel the hidden states and the head weight:
+    (hidden device, weight device, weight data pointer) per call."""
+    calls, kernel = [], trl_utils._ChunkedLogProbFunction
+
+    class Spy:
+        @staticmethod
+        def apply(hidden, weight, *rest):
+            calls.append((hidden.device.type, weight.device.type, weight.data_ptr()))
+            return kernel.apply(hidden, weight, *rest)
+
+    monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", Spy)
+    return calls
+
+
 def test_loss_chunk_tokens_under_trl_sft_is_said_to_be_bypassed(tmp_path, caplog):
     model, _ = peft_pair("llama", layers=4)
     stream(model, loss_chunk_tokens=4)
@@ -73,6 +90,39 @@ def test_the_summary_names_layerstreams_chunked_loss_where_it_runs():
     assert "  loss         layerstream's chunked loss, 4 tokens at a time" in layerstream.get_runtime(model).summary()
     trl_utils.add_fused_lm_head(model.get_base_model())
     assert "  loss         TRL's fused log-prob head" in layerstream.get_runtime(model).summary()
+
+
+def test_trls_fused_loss_computes_with_the_fetched_head_copy_not_the_host_weight(tmp_path, monkeypatch):
+    calls = _spy_on_trls_kernel(monkeypatch)
+    streamed, resident = peft_pair("llama", layers=4)
+    plain = _sft(resident, tmp_path / "plain")
+    own = resident.get_base_model().lm_head.weight.data_ptr()
+    assert calls and all(ptr == own for _, _, ptr in calls), "a resident head hands TRL its own weight"
+    calls.clear()
+    stream(streamed, stream_embeddings=True)
+    runtime = layerstream.get_runtime(streamed)
+    before = runtime.stats()["head_copies"]
+    got = _sft(streamed, tmp_path / "streamed")
+    host = streamed.get_base_model().lm_head.weight
+    assert host.device.type == "cpu" and host.data_ptr() == runtime.embeddings._host[id(host)][1]
+    assert calls and all(ptr != host.data_ptr() for _, _, ptr in calls), "TRL computed with the host weight"
+    assert runtime.stats()["head_copies"] - before == len(calls), "one fetch per fused call"
+    assert "the streamed head is fetched to the device for it" in runtime.summary()
+    assert len(plain) == 2 and got == plain
+
+
+@pytest.mark.gpu
+def test_on_cuda_trls_fused_loss_runs_on_the_gpu_with_the_streamed_head(tmp_path, monkeypatch):
+    calls = _spy_on_trls_kernel(monkeypatch)
+    streamed, resident = peft_pair("llama", layers=4)
+    plain = _sft(resident.to("cuda"), tmp_path / "plain", device="cuda")
+    assert calls and all(call[:2] == ("cuda", "cuda") for call in calls)
+    calls.clear()
+    stream(streamed, device="cuda", stream_embeddings=True)
+    got = _sft(streamed, tmp_path / "streamed", device="cuda")
+    assert streamed.get_base_model().lm_head.weight.device.type == "cpu", "the head streams"
+    assert calls and all(call[:2] == ("cuda", "cuda") for call in calls), f"TRL's loss ran on {calls}"
+    assert len(plain) == 2 and got == plain
 
 
 def test_the_planner_counts_trls_fused_loss_where_a_trl_trainer_added_it():

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
@@ -37,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from . import swap
+from . import swap, trl_head
 from .discovery import unwrap_peft
 from .errors import StreamingError
 from .store import HostStore, LayerRecord, set_data
@@ -129,6 +130,14 @@ class ComputeDevice:
     @property
     def device(self) -> torch.device:
         return self._layerstream_ends.device
+
+    def get_output_embeddings(self):
+        """The head; to TRL's fused loss, which reads the head's weight itself instead of
+        calling the head, a stand-in holding a device copy of the weight (``trl_head``)."""
+        head, ends = super().get_output_embeddings(), self._layerstream_ends
+        if head is not None and head is ends.found.head and trl_head.reads_head_itself(sys._getframe(1)):
+            return trl_head.DeviceHead(head, ends.head_weight)
+        return head
 
 
 def _transformers_models(model: nn.Module) -> List[nn.Module]:

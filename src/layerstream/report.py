@@ -147,9 +147,10 @@ def _loss_line(runtime) -> str:
     model, chunk = runtime.model, chunked_loss.chunk_tokens(runtime.model)
     bypassed = f"; loss_chunk_tokens={chunk} is not applied" if chunk else ""
     if trl_head.installed(model):
+        head = "; the streamed head is fetched to the device for it" if runtime.embeddings is not None else ""
         return (
             f"TRL's fused log-prob head, {trl_head.TOKEN_TILE} tokens x {trl_head.VOCAB_TILE} "
-            f"vocabulary columns at a time{bypassed}"
+            f"vocabulary columns at a time{head}{bypassed}"
         )
     if chunked_loss.liger_computes(model):
         return f"Liger-Kernel's fused linear cross-entropy{bypassed}"

@@ -6,21 +6,28 @@ TRL >= 1.16's trainers of a causal LM (SFT, DPO, GRPO, RLOO, KTO) call
 ``fused_lm_head=True``, runs the backbone and computes the per-token log-probabilities
 itself, in tiles of ``TOKEN_TILE`` tokens x ``VOCAB_TILE`` vocabulary columns
 (``trl.kernels.chunked_logprob``), from ``get_output_embeddings().weight`` read directly.
-The model's own forward does not run then, so a ``loss_chunk_tokens`` forward in front
-of it is bypassed.
+Neither the model's own forward nor the head module's forward runs then: a
+``loss_chunk_tokens`` forward in front of the model's is bypassed, and a streamed head
+(``stream_embeddings``), which is fetched to the GPU in its module's forward, would hand
+TRL its host weight, so TRL would move the hidden states to the host and compute there.
 
 TRL's loss stays in charge: it is the loss the plain script computes (the same kernel on
 the same operands, so the losses are equal), it never holds more than one tile of logits
 whatever the vocabulary, and it returns what DPO, GRPO and KTO need beside the loss
 (per-token log-probabilities, entropies), which a cross-entropy does not. So layerstream
-says that loss_chunk_tokens is not applied and plans TRL's footprint (``footprint_bytes``).
+says that loss_chunk_tokens is not applied, plans TRL's footprint (``footprint_bytes``),
+and, for a streamed head, ``get_output_embeddings()`` answers TRL's fused forward (and only
+it: ``reads_head_itself``) with a stand-in whose weight is a device copy, fetched once per
+call like any other use of the streamed head (``DeviceHead``). Recognising the caller needs
+no step at which TRL's head must already be there: TRL adds it after ``Trainer.__init__``,
+and DPO computes reference log-probabilities before the first training step.
 """
 
 from __future__ import annotations
 
 import logging
 import weakref
-from typing import List
+from typing import Callable, List
 
 from torch import nn
 
@@ -90,3 +97,30 @@ def warn_bypassed(model: nn.Module, loss_chunk_tokens: int) -> None:
         VOCAB_TILE,
         loss_chunk_tokens,
     )
+
+
+# -- a streamed head for TRL's loss ---------------------------------------------------------
+def reads_head_itself(frame) -> bool:
+    """Whether ``frame`` (the caller of ``get_output_embeddings``) is TRL's fused forward,
+    which reads the head's weight itself instead of calling the head."""
+    return _is_fused_code(frame.f_code, frame.f_globals)
+
+
+class DeviceHead:
+    """What ``get_output_embeddings()`` hands TRL's fused forward for a streamed head: the
+    head's bias, and its weight as one device copy, fetched at the first read and reused
+    for the rest of the call (TRL reads it three times). TRL's kernel keeps it for its
+    backward, which runs right after the loss: one head on the GPU through the loss phase."""
+
+    def __init__(self, head: nn.Module, fetch: Callable[[nn.Module], object]):
+        self.head, self._fetch, self._weight = head, fetch, None
+
+    @property
+    def weight(self):
+        if self._weight is None:
+            self._weight = self._fetch(self.head)
+        return self._weight
+
+    @property
+    def bias(self):
+        return self.head.bias
