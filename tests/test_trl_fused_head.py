@@ -3,17 +3,21 @@ RLOO, KTO) instead of the model's forward: a loss_chunk_tokens setting is said t
 bypassed and the summary names TRL's loss, the memory planner counts TRL's footprint, and
 a streamed head reaches TRL's kernel as a device copy, not as its host weight."""
 
+from pathlib import Path
+
 import pytest
 import trl.trainer.utils as trl_utils
 from datasets import Dataset
 from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
 
 import layerstream
-from layerstream import embedded, trl_head
+from layerstream import cli, embedded, trl_head
 from layerstream.plan import LOSS_LOGIT_COPIES, plan_for_model
+from layerstream.train import TrainConfigError, load
 
 from tiny import peft_pair, stream, tiny_model
 
+ROOT = Path(__file__).resolve().parents[1]
 SFT_ROWS = [{"input_ids": [3, 4, 5, 6, 7, 8, 9, 10]}] * 8
 DPO_ROWS = [{"prompt": "Q: hi\nA:", "chosen": " yes", "rejected": " no."}] * 4
 
@@ -136,11 +140,62 @@ def test_the_planner_counts_trls_fused_loss_where_a_trl_trainer_added_it():
     assert fused.loss_bytes == trl_head.footprint_bytes(128, 32, 4) != own.loss_bytes
 
 
+def test_layerstream_plan_with_trls_fused_head_offers_no_loss_chunk(capsys):
+    shape = str(ROOT / "configs" / "shapes" / "llama-3.1-8b.json")
+    args = ["plan", "--model", shape, "--vram", "24GiB", "--quantization", "nf4", "--seq", "32768"]
+    assert cli.main(args + ["--offload-activations", "--trl-fused-head"]) == 0
+    out = capsys.readouterr().out
+    assert "loss: TRL's fused head" in out and "\n  both " in out and "loss_chunk_tokens=" not in out
+    cli.main(args + ["--offload-activations"])
+    assert "loss_chunk_tokens=512" in capsys.readouterr().out, "without TRL's head a loss chunk is an option"
+
+
 def test_the_tiles_the_planner_counts_are_trls():
     from trl.kernels import chunked_logprob
 
     assert trl_head.TOKEN_TILE == chunked_logprob.TOKEN_CHUNK_SIZE
     assert trl_head.VOCAB_TILE == trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE
+
+
+def test_layerstream_train_plans_trls_loss_not_the_full_logits(tmp_path):
+    """`layerstream train` runs TRL's SFTTrainer: 8B QLoRA at 32,768 tokens fits 24 GiB with
+    TRL's fused loss, where the full fp32 logits alone would take 47 GiB."""
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        f"model: {{name: meta-llama/Llama-3.1-8B, config: {ROOT / 'configs/shapes/llama-3.1-8b.json'}, "
+        "dtype: bfloat16, quantization: nf4}\n"
+        "stream: {device: cpu, vram_budget: 24GiB, slots: 3, offload_activations: true, mlp_tile_tokens: 4096}\n"
+        "training: {max_length: 32768, per_device_train_batch_size: 1}\n"
+    )
+    load(str(config), [f"training.output_dir={tmp_path / 'never'}"])
+    too_long = config.read_text().replace("max_length: 32768", "max_length: 262144")
+    config.write_text(too_long)
+    with pytest.raises(TrainConfigError) as error:
+        load(str(config), [f"training.output_dir={tmp_path / 'never'}"])
+    assert "does not fit" in str(error.value) and "loss_chunk_tokens" not in str(error.value)
+
+
+def test_layerstream_train_says_trl_computes_the_loss_a_config_chunks(tmp_path, caplog):
+    with caplog.at_level("WARNING", logger="layerstream"):
+        code = cli.main(
+            [
+                "train",
+                str(ROOT / "configs" / "default.yaml"),
+                "--set",
+                f"training.output_dir={tmp_path}",
+                "--set",
+                "training.max_steps=1",
+                "--set",
+                "training.eval_strategy=no",
+                "--set",
+                "stream.device=cpu",
+                "--set",
+                "stream.loss_chunk_tokens=64",
+            ]
+        )
+    assert code == 0
+    assert any("loss_chunk_tokens=64 is not applied" in r.getMessage() for r in _trl_head_records(caplog))
+    assert "  loss         TRL's fused log-prob head" in caplog.text
 
 
 def test_a_model_without_trls_head_is_not_taken_for_one():

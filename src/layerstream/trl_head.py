@@ -73,6 +73,15 @@ def installed(model: nn.Module) -> bool:
     return bool(_fused_modules(model))
 
 
+def sft_trainer_fuses_head() -> bool:
+    """Whether the installed TRL's SFTTrainer (what ``layerstream train`` runs) adds the fused head."""
+    try:
+        from trl.trainer import sft_trainer
+    except ImportError:
+        return False
+    return hasattr(sft_trainer, "add_fused_lm_head")
+
+
 def footprint_bytes(tokens: int, hidden: int, elem: int) -> int:
     """What TRL's fused loss holds at its peak, in its backward, beside the hidden states it
     is given, for ``tokens`` counted tokens in a compute dtype of ``elem`` bytes: its tile
