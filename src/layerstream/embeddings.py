@@ -12,7 +12,8 @@ per forward. ``StreamConfig(stream_embeddings=True)`` keeps both in (pinned) hos
   autograd runs for ``F.linear``, so the gradient is bit for bit a resident head's. No
   device copy outlives the call: the cost is one head of transient device memory and
   two head copies per training step. A head tied to the embedding streams from the
-  embedding's single host copy.
+  embedding's single host copy. TRL's fused loss, which reads the head's weight itself
+  instead of calling the head, is handed a device copy too (``trl_head``).
 - Both stay the model's own module objects (hooks registered on them run, e.g. PEFT's
   ``enable_input_require_grads``). Their class is swapped for a subclass that replaces
   ``nn.Embedding.forward`` / ``nn.Linear.forward`` *below* any forward of the module's
