@@ -19,6 +19,7 @@ LAYERS = [
         "computed_buffers",
         "timeline",
         "chunked_loss",
+        "trl_head",
         "tiled_mlp",
         "disk_plan",
         "shared_store",

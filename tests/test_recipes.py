@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 
 from layerstream import plan
 from layerstream.plan.long_settings import LONG_ORDER
@@ -97,6 +98,8 @@ def test_long_context_recipe_validates_and_claims_no_figure(path, tmp_path):
     config = load(str(path), [f"training.output_dir={tmp_path / 'never'}", "stream.device=cpu"])
     stream, lora = config["stream"], config["lora"]
     assert set(_long_settings_in_effect(config)) == set(LONG_ORDER), "given, or what auto turns on at max_length"
+    # layerstream train runs TRL's SFTTrainer, whose fused log-prob head bypasses a loss chunk
+    assert "loss_chunk_tokens" not in yaml.safe_load(path.read_text())["stream"]
     assert stream["vram_budget"] == "24GiB" and config["model"]["quantization"] == "nf4"
     assert (lora["r"], lora["target_modules"], lora["dropout"]) == (32, "all-linear", 0.0), "measured without dropout"
     text = path.read_text()

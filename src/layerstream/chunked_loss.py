@@ -71,7 +71,13 @@ def warn_liger() -> None:
 
 def applied(model: nn.Module) -> bool:
     """Whether ``model``'s loss is computed in chunks now (not when a step left it off)."""
-    return bool(unwrap_peft(model).__dict__.get(_TOKENS))
+    return bool(chunk_tokens(model))
+
+
+def chunk_tokens(model: nn.Module) -> Optional[int]:
+    """The tokens per chunk ``apply`` set on ``model``; None (or 0, a step "auto" left off)
+    where the model's own loss runs."""
+    return unwrap_peft(model).__dict__.get(_TOKENS)
 
 
 def set_tokens(model: nn.Module, tokens: int) -> None:
@@ -291,6 +297,14 @@ _SOFTCAP_LINES = [
     "logits = torch.tanh(logits)",
     "logits = logits * self.config.final_logit_softcapping",
 ]
+
+
+def liger_computes(model: nn.Module) -> bool:
+    """Whether Liger-Kernel's fused linear cross-entropy is the model's forward (bound to the
+    model by the Trainer's use_liger_kernel, or patched into its class): its loss runs."""
+    inner = unwrap_peft(model)
+    bound = getattr(inner.__dict__.get("forward"), "__func__", None)
+    return _from_liger(bound) or _from_liger(swap.original_class(inner).forward)
 
 
 def _check_forward(model: nn.Module, cls: type) -> bool:

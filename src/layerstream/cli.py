@@ -93,6 +93,12 @@ def _add_plan_arguments(plan: argparse.ArgumentParser) -> None:
         help="the head and cross-entropy run this many tokens at a time (loss_chunk_tokens)",
     )
     plan.add_argument(
+        "--trl-fused-head",
+        action="store_true",
+        help="TRL's trainers (>= 1.16) compute the loss with their fused log-prob head: plan its "
+        "footprint instead of the logits (--loss-chunk-tokens does not apply then)",
+    )
+    plan.add_argument(
         "--mlp-tile-tokens",
         type=int,
         default=None,
@@ -139,6 +145,7 @@ def _run_plan(args, parser: argparse.ArgumentParser) -> int:
             offload_activations=args.offload_activations,
             loss_chunk_tokens=args.loss_chunk_tokens,
             mlp_tile_tokens=args.mlp_tile_tokens,
+            trl_fused_head=args.trl_fused_head,
         )
         longest = max_seq(dict(options, seq=1)) if args.max_seq else None
         seq = args.seq if args.seq is not None else max(longest, 1)

@@ -12,7 +12,8 @@ per forward. ``StreamConfig(stream_embeddings=True)`` keeps both in (pinned) hos
   autograd runs for ``F.linear``, so the gradient is bit for bit a resident head's. No
   device copy outlives the call: the cost is one head of transient device memory and
   two head copies per training step. A head tied to the embedding streams from the
-  embedding's single host copy.
+  embedding's single host copy. TRL's fused loss, which reads the head's weight itself
+  instead of calling the head, is handed a device copy too (``trl_head``).
 - Both stay the model's own module objects (hooks registered on them run, e.g. PEFT's
   ``enable_input_require_grads``). Their class is swapped for a subclass that replaces
   ``nn.Embedding.forward`` / ``nn.Linear.forward`` *below* any forward of the module's
@@ -28,6 +29,7 @@ per forward. ``StreamConfig(stream_embeddings=True)`` keeps both in (pinned) hos
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
@@ -36,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from . import swap
+from . import swap, trl_head
 from .discovery import unwrap_peft
 from .errors import StreamingError
 from .log import get_logger
@@ -129,6 +131,14 @@ class ComputeDevice:
     @property
     def device(self) -> torch.device:
         return self._layerstream_ends.device
+
+    def get_output_embeddings(self):
+        """The head; to TRL's fused loss, which reads the head's weight itself instead of
+        calling the head, a stand-in holding a device copy of the weight (``trl_head``)."""
+        head, ends = super().get_output_embeddings(), self._layerstream_ends
+        if head is not None and head is ends.found.head and trl_head.reads_head_itself(sys._getframe(1)):
+            return trl_head.DeviceHead(head, ends.head_weight)
+        return head
 
 
 def _transformers_models(model: nn.Module) -> List[nn.Module]:

@@ -7,6 +7,7 @@ from typing import Optional
 
 import torch
 
+from . import chunked_loss, trl_head
 from .config import expandable_segments, gpu_memory_for_run
 from .errors import StreamingError
 from .units import GiB, MiB, gib, size
@@ -137,7 +138,26 @@ def summary(runtime) -> str:
             "  embeddings   resident (stream_embeddings=False)",
             "  resident     embeddings, final norm, head, and every trainable tensor",
         ]
+    lines.append(f"  loss         {_loss_line(runtime)}")
     return "\n".join(lines)
+
+
+def _loss_line(runtime) -> str:
+    """Which code computes the training loss: a fused loss (TRL's head, Liger's) replaces the
+    model's forward, and with it a loss_chunk_tokens forward in front of it."""
+    model, chunk = runtime.model, chunked_loss.chunk_tokens(runtime.model)
+    bypassed = f"; loss_chunk_tokens={chunk} is not applied" if chunk else ""
+    if trl_head.installed(model):
+        head = "; the streamed head is fetched to the device for it" if runtime.embeddings is not None else ""
+        return (
+            f"TRL's fused log-prob head, {trl_head.TOKEN_TILE} tokens x {trl_head.VOCAB_TILE} "
+            f"vocabulary columns at a time{head}{bypassed}"
+        )
+    if chunked_loss.liger_computes(model):
+        return f"Liger-Kernel's fused linear cross-entropy{bypassed}"
+    if chunk:
+        return f"layerstream's chunked loss, {chunk} tokens at a time (loss_chunk_tokens)"
+    return "the model's own forward, full logits (loss_chunk_tokens unset)"
 
 
 def _tiers_line(runtime) -> str:

@@ -402,7 +402,7 @@ def _config_names(advice: str) -> str:
 def check_fits(config, where: str = "config") -> None:
     """Refuse, before anything is loaded or written, a run the memory planner says will
     not fit in stream.vram_budget even when streamed; the message carries the planner's advice."""
-    from . import plan
+    from . import plan, trl_head
 
     stream = stream_config(config, where)
     budget = stream.budget_bytes()
@@ -428,6 +428,7 @@ def check_fits(config, where: str = "config") -> None:
             offload_activations=stream.offload_activations,
             loss_chunk_tokens=stream.loss_chunk_tokens,
             mlp_tile_tokens=stream.mlp_tile_tokens,
+            trl_fused_head=trl_head.sft_trainer_fuses_head(),  # then loss_chunk_tokens does not apply
         )
         # the settings left at "auto" as the run will decide them for this length
         chosen = dict(plan.decide_for(args, budget).on)

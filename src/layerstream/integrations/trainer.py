@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .. import chunked_loss, report, timeline
+from .. import chunked_loss, report, timeline, trl_head
 from ..api import get_runtime, is_streamed, on_stream, stream_model
 from ..config import (
     BUDGET,
@@ -199,6 +199,9 @@ class _StepState:
 
 
 def _training_step_with_retry(original, trainer, model, args, kwargs):
+    if not trainer.__dict__.get("_layerstream_loss_checked"):
+        trainer._layerstream_loss_checked = True
+        warn_fused_loss(trainer)
     runtime = get_runtime(trainer.model) if trainer.model is not None and is_streamed(trainer.model) else None
     if runtime is None:
         return original(trainer, model, *args, **kwargs)
@@ -256,6 +259,16 @@ def check_activation_offloading(runtime, training_args) -> None:
         "streamed layers' checkpointed inputs to host memory"
     )
     runtime.set_offload_activations(False)
+
+
+def warn_fused_loss(trainer) -> None:
+    """TRL's trainers give their models a fused log-prob head (``trl_head``) after
+    ``Trainer.__init__``, and its loss is the one that runs: a loss_chunk_tokens setting is
+    said to be bypassed, once, at the first training step."""
+    for model in (trainer.model, getattr(trainer, "ref_model", None)):
+        tokens = chunked_loss.chunk_tokens(model) if isinstance(model, nn.Module) else None
+        if tokens is not None and trl_head.installed(model):
+            trl_head.warn_bypassed(model, tokens)
 
 
 def install() -> None:

@@ -37,16 +37,18 @@ def option_label(name: str, value) -> str:
 
 def option_rows(args: dict) -> List[Tuple[str, dict]]:
     """(label, plan arguments): none of the options, each alone, and all of them; an option's
-    value is the one given or the planner's default chunk."""
+    value is the one given or the planner's default chunk. Where TRL's fused head computes
+    the loss (``trl_fused_head``), a loss chunk is no option."""
     base = _without(args)
     rows = [("none of them", base)]
-    for name, _, _ in LONG_OPTIONS:
+    names = [name for name, _, _ in LONG_OPTIONS if not (name == "loss_chunk_tokens" and args.get("trl_fused_head"))]
+    for name in names:
         value = option_value(name, args)
         rows.append((option_label(name, value), dict(base, **{name: value})))
-    every = dict(base, **{name: option_value(name, args) for name, _, _ in LONG_OPTIONS})
-    rows.append(("all three", every))
+    every = dict(base, **{name: option_value(name, args) for name in names})
+    rows.append(("all three" if len(names) == 3 else "both", every))
     if not args.get("stream_embeddings"):
-        rows.append(("all three, stream_embeddings", dict(every, stream_embeddings=True)))
+        rows.append((f"{rows[-1][0]}, stream_embeddings", dict(every, stream_embeddings=True)))
     return rows
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Sequence, Tuple
 
-from .shapes import LayerShape, LinearShape, ParamShape, _get, _text_config  # noqa: F401
+from .shapes import KNOWN_FAMILIES, LayerShape, LinearShape, ParamShape, _get, _text_config  # noqa: F401
 
 
 @dataclass
@@ -102,3 +102,36 @@ def _lora_targets(config, shapes: Sequence[LayerShape], targets: str) -> List[Lo
                     f"their linear layers are: {', '.join(every)}"
                 )
     return chosen
+
+
+def plan_notes(model_type, shapes, adapted, lora_rank, lora_targets, quantization) -> List[str]:
+    """What a reader of the plan should know about how it was made."""
+    notes: List[str] = []
+    if model_type not in KNOWN_FAMILIES:
+        notes.append(
+            f"model_type {model_type!r} is not one the planner spells out "
+            f"({', '.join(KNOWN_FAMILIES)}): its layers were sized as Llama-style "
+            "layers (q/k/v/o, gated MLP, two RMSNorms)"
+        )
+    expert_lora = sum(
+        layer.params_count(lora_rank) - LoraTargets(layer.linears).params_count(lora_rank) for layer in adapted
+    )
+    if expert_lora:
+        notes.append(
+            f"PEFT adapts the fused experts and routers under lora_targets={lora_targets!r} "
+            f"({expert_lora / 1e6:.1f}M of the LoRA parameters), and each recomputed layer "
+            "holds its merged expert weights; name attention modules only (e.g. "
+            "'q_proj,k_proj,v_proj,o_proj') to leave the experts frozen"
+        )
+    if quantization == "nf4" and any(shape.sparse for shape in shapes):
+        notes.append(
+            "MoE expert weights and routers stay in the compute dtype under NF4: "
+            "bitsandbytes quantises nn.Linear modules only"
+        )
+    if quantization == "nf4":
+        notes.append(
+            "NF4 host RAM assumes layers are quantised as they load: "
+            "layerstream.from_pretrained(quantization='nf4'), or transformers with "
+            "BitsAndBytesConfig and device_map='cpu'"
+        )
+    return notes

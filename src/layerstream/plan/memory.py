@@ -8,18 +8,18 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from .. import trl_head
 from ..config import DEFAULT_ARENA_BYTES, auto_slots, offload_device_layers, offloaded_layers
 from ..schedule import usable_backward_slots
 from ..units import GiB, aligned, arena_sizes
 from ..window import margin_bytes
-from .lora import LoraTargets, _lora_targets
+from .lora import LoraTargets, _lora_targets, plan_notes
 from .shapes import (
     _QK_NORM_FAMILIES,
     ADAMW_STATES,
     BACKWARD_SLOTS_MAX,
     DEFAULT_BANDWIDTH_GBPS,
     DEFAULT_RESERVE_BYTES,
-    KNOWN_FAMILIES,
     LORA_BYTES,
     LOSS_LOGIT_COPIES,
     LayerShape,
@@ -91,6 +91,7 @@ class MemoryPlan:
     activation_host_bytes: int = 0  # their host arena (in host_steady_bytes and the RAM peaks)
     loss_chunk_tokens: Optional[int] = None  # the head and loss run this many tokens at a time
     mlp_tile_tokens: Optional[int] = None  # the MLP runs this many tokens at a time
+    trl_fused_head: bool = False  # TRL's fused log-prob head computes the loss (no loss chunks then)
     vocab_size: int = 0  # the head's outputs (the loss chunk's default depends on it)
     advice: List[str] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)
@@ -302,39 +303,6 @@ def _check_arguments(
         raise ValueError(f"stream_embeddings must be True or False, got {stream_embeddings!r}")
 
 
-def _notes(model_type, shapes, adapted, lora_rank, lora_targets, quantization) -> List[str]:
-    """What a reader of the plan should know about how it was made."""
-    notes: List[str] = []
-    if model_type not in KNOWN_FAMILIES:
-        notes.append(
-            f"model_type {model_type!r} is not one the planner spells out "
-            f"({', '.join(KNOWN_FAMILIES)}): its layers were sized as Llama-style "
-            "layers (q/k/v/o, gated MLP, two RMSNorms)"
-        )
-    expert_lora = sum(
-        layer.params_count(lora_rank) - LoraTargets(layer.linears).params_count(lora_rank) for layer in adapted
-    )
-    if expert_lora:
-        notes.append(
-            f"PEFT adapts the fused experts and routers under lora_targets={lora_targets!r} "
-            f"({expert_lora / 1e6:.1f}M of the LoRA parameters), and each recomputed layer "
-            "holds its merged expert weights; name attention modules only (e.g. "
-            "'q_proj,k_proj,v_proj,o_proj') to leave the experts frozen"
-        )
-    if quantization == "nf4" and any(shape.sparse for shape in shapes):
-        notes.append(
-            "MoE expert weights and routers stay in the compute dtype under NF4: "
-            "bitsandbytes quantises nn.Linear modules only"
-        )
-    if quantization == "nf4":
-        notes.append(
-            "NF4 host RAM assumes layers are quantised as they load: "
-            "layerstream.from_pretrained(quantization='nf4'), or transformers with "
-            "BitsAndBytesConfig and device_map='cpu'"
-        )
-    return notes
-
-
 def _build(
     config,
     seq: int,
@@ -354,6 +322,7 @@ def _build(
     offload_activations: bool = False,
     loss_chunk_tokens: Optional[int] = None,
     mlp_tile_tokens: Optional[int] = None,
+    trl_fused_head: bool = False,
 ) -> MemoryPlan:
     """A plan without advice (advice itself is computed from alternative plans)."""
     config = _text_config(config)
@@ -390,8 +359,10 @@ def _build(
         _working_bytes(config, shape, layer, tokens, elem, quantization == "nf4", mlp_tile_tokens)
         for shape, layer in zip(shapes, adapted)
     )
-    loss_tokens = min(tokens, loss_chunk_tokens) if loss_chunk_tokens else tokens
-    loss = LOSS_LOGIT_COPIES * loss_tokens * vocab * 4
+    if trl_fused_head:  # its own tiles, whatever loss_chunk_tokens says
+        loss, loss_chunk_tokens = trl_head.footprint_bytes(tokens, hidden, elem), None
+    else:
+        loss = LOSS_LOGIT_COPIES * (min(tokens, loss_chunk_tokens) if loss_chunk_tokens else tokens) * vocab * 4
     max_layer = max(sizes)
     # everything but the slots; gradients are counted for the whole step (they outlive
     # backward when gradients accumulate over micro-batches)
@@ -412,7 +383,7 @@ def _build(
     loader_store = loader_arena_bytes(sizes, arena_bytes)
     unquantised = max(layer_bytes(config, "none", dtype)) if quantization != "none" else max_layer
 
-    notes = _notes(model_type, shapes, adapted, lora_rank, lora_targets, quantization)
+    notes = plan_notes(model_type, shapes, adapted, lora_rank, lora_targets, quantization)
 
     return MemoryPlan(
         model_type=model_type,
@@ -466,6 +437,7 @@ def _build(
         activation_host_bytes=activation_host,
         loss_chunk_tokens=loss_chunk_tokens,
         mlp_tile_tokens=mlp_tile_tokens,
+        trl_fused_head=trl_fused_head,
         vocab_size=vocab,
     )
 
@@ -489,6 +461,7 @@ def make_plan(
     offload_activations: bool = False,
     loss_chunk_tokens: Optional[int] = None,
     mlp_tile_tokens: Optional[int] = None,
+    trl_fused_head: bool = False,
 ) -> MemoryPlan:
     """Plan a streamed LoRA training step of ``batch`` x ``seq`` tokens on a GPU of
     ``vram_bytes``.
@@ -511,6 +484,8 @@ def make_plan(
         but ~2 in host memory (``activation_host_bytes``).
     loss_chunk_tokens, mlp_tile_tokens: the chunked head and loss, the sequence-tiled MLP
         (None: off): their terms hold a chunk (tile) of tokens instead of all of them.
+    trl_fused_head: TRL's trainers compute the loss with their fused log-prob head
+        (``trl_head``): its tiles instead of the logits, and loss_chunk_tokens does not apply.
 
     A plan that does not fit carries ``advice``: what to change, and by how much.
     """
@@ -535,6 +510,7 @@ def make_plan(
         offload_activations=offload_activations,
         loss_chunk_tokens=loss_chunk_tokens,
         mlp_tile_tokens=mlp_tile_tokens,
+        trl_fused_head=trl_fused_head,
     )
     plan = _build(**args)
     if not plan.fits:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import trl_head
 from .memory import MemoryPlan, make_plan
 
 
@@ -11,7 +12,8 @@ def model_plan_args(model, seq: int, batch: int, vram_bytes: int = 1 << 50, **se
     """make_plan's arguments for a live (possibly PEFT-wrapped) model: its config, 4-bit
     state, compute dtype, and LoRA rank and targets; ``settings`` are make_plan's other
     arguments (slots, stream_embeddings, the long-sequence settings, which may be "auto"
-    here for ``long_settings.decide_for``).
+    here for ``long_settings.decide_for``); TRL's fused loss is planned where a TRL trainer
+    gave the model its head.
     Reads attributes only; raises ValueError when the adapters cannot be described to the
     planner (regex targets, several adapters)."""
     config = getattr(model, "config", None)
@@ -40,7 +42,7 @@ def model_plan_args(model, seq: int, batch: int, vram_bytes: int = 1 << 50, **se
         dtype=dtype,
         lora_rank=rank,
         lora_targets=targets,
-        **settings,
+        **{"trl_fused_head": trl_head.installed(model), **settings},
     )
 
 

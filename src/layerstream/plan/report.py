@@ -6,6 +6,7 @@ from __future__ import annotations
 import textwrap
 from typing import List, Optional
 
+from .. import trl_head
 from ..config import offload_device_layers, offloaded_layers
 from ..units import GiB
 from .memory import MemoryPlan, _gib, backward_slot_count
@@ -104,10 +105,10 @@ def format_plan(plan: MemoryPlan) -> str:
     # the loss and a layer's recompute happen at different moments: only the larger counts
     loss_peak = plan.loss_phase_bytes >= plan.layer_working_bytes
     chunk = f", chunks of {plan.loss_chunk_tokens} tokens" if plan.loss_chunk_tokens else ""
-    row(
-        f"loss: fp32 logits x{LOSS_LOGIT_COPIES}{chunk}" + ("" if loss_peak else " (not at the peak)"),
-        plan.loss_bytes,
-    )
+    what = f"fp32 logits x{LOSS_LOGIT_COPIES}{chunk}"
+    if plan.trl_fused_head:
+        what = f"TRL's fused head, {trl_head.TOKEN_TILE} x {trl_head.VOCAB_TILE} tile, hidden-state copies"
+    row(f"loss: {what}" + ("" if loss_peak else " (not at the peak)"), plan.loss_bytes)
     if plan.head_copy_bytes:
         row("head weight copied in for the loss" + ("" if loss_peak else " (not at the peak)"), plan.head_copy_bytes)
     tile = f", MLP tiles of {plan.mlp_tile_tokens} tokens" if plan.mlp_tile_tokens else ""
