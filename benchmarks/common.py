@@ -186,7 +186,7 @@ def build_random_nf4(
     from transformers.quantizers import AutoHfQuantizer
 
     from layerstream.discovery import find_decoder_layers
-    from layerstream.loading import rebuild_computed_buffers
+    from layerstream.computed_buffers import compute_buffers, initialisers
     from layerstream.nf4 import quantise_layer
 
     config = shape_config(shape, layers)
@@ -219,11 +219,13 @@ def build_random_nf4(
                     param.copy_(values.normal_(0.0, 0.02, generator=gen))
 
     in_stack = {id(m) for layer in stack for m in layer.modules()}
+    owners = initialisers(model)
     for module in model.modules():
         if id(module) not in in_stack and module is not stack:
             fill(module, recurse=False)
-    rebuild_computed_buffers(model)
+            compute_buffers([module], owners)
     fill(stack[0], recurse=True)
+    compute_buffers(stack[0].modules(), owners)
     quantise_layer(stack[0], torch.device(fill_device), dtype, quant_config)
     source = dict(stack[0].named_modules())
     for layer in list(stack)[1:]:
