@@ -185,8 +185,8 @@ def build_random_nf4(
     from transformers import BitsAndBytesConfig
     from transformers.quantizers import AutoHfQuantizer
 
-    from layerstream.discovery import find_decoder_layers
     from layerstream.computed_buffers import compute_buffers, initialisers
+    from layerstream.discovery import find_decoder_layers
     from layerstream.nf4 import quantise_layer
 
     config = shape_config(shape, layers)
