@@ -25,15 +25,15 @@ and DPO computes reference log-probabilities before the first training step.
 
 from __future__ import annotations
 
-import logging
 import weakref
 from typing import Callable, List
 
 from torch import nn
 
 from .discovery import unwrap_peft
+from .log import get_logger
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 TOKEN_TILE = 4096  # trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE
 VOCAB_TILE = 32768  # trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE
