@@ -362,10 +362,7 @@ def _segment_refused(tmp_path, monkeypatch):
     """A checkpoint, an empty shared-memory folder, and the layers the load stores."""
     from layerstream.store import HostStore
 
-    checkpoint, folder = tmp_path / "ckpt", tmp_path / "shm"
-    _checkpoint(checkpoint)
-    folder.mkdir()
-    monkeypatch.setenv("LAYERSTREAM_SHM_DIR", str(folder))
+    checkpoint, folder = _shared_checkpoint(tmp_path, monkeypatch)
     stored, add = [], HostStore.add
 
     def counted(self, record, *args, **kwargs):
