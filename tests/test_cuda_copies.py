@@ -17,20 +17,20 @@ pytestmark = pytest.mark.gpu
 DELAY_CYCLES = 2_000_000  # ~1 ms on an H200: far longer than a tiny layer's compute
 
 
-def _delay_copies(runtime, monkeypatch):
+def _delay_copies(runtime, monkeypatch, cycles=DELAY_CYCLES):
     pool = runtime.pool
     original = pool.load
 
     def delayed(record, slot, compute=None, source=None):
         with torch.cuda.stream(pool.copy_stream):
             pool.copy_stream.wait_stream(torch.cuda.current_stream(pool.device))
-            torch.cuda._sleep(DELAY_CYCLES)
+            torch.cuda._sleep(cycles)
         return original(record, slot, compute, source)
 
     monkeypatch.setattr(pool, "load", delayed)
 
 
-def _race_pair(dtype, monkeypatch, layers=8, route="direct"):
+def _race_pair(dtype, monkeypatch, layers=8, route="direct", delay=DELAY_CYCLES):
     streamed, resident = peft_pair(
         "llama", layers=layers, dtype=dtype, attn="eager", hidden_size=256, intermediate_size=1024, head_dim=64
     )
@@ -39,7 +39,7 @@ def _race_pair(dtype, monkeypatch, layers=8, route="direct"):
     runtime = layerstream.get_runtime(streamed)
     if route == "torch":  # the path taken where no shared CUDA runtime can be called
         runtime.pool._rt = None
-    _delay_copies(runtime, monkeypatch)
+    _delay_copies(runtime, monkeypatch, delay)
     return streamed, resident
 
 
@@ -71,7 +71,9 @@ def test_delayed_copies_stay_exact_in_inference(route, monkeypatch):
 
 
 def test_skipping_the_ready_wait_is_caught(monkeypatch):
-    streamed, resident = _race_pair(torch.bfloat16, monkeypatch)
+    # ten times the delay: with another process sharing the GPU (a suite run in parallel),
+    # the compute stream can stall long enough for a short delayed copy to land in time
+    streamed, resident = _race_pair(torch.bfloat16, monkeypatch, delay=10 * DELAY_CYCLES)
     pool = layerstream.get_runtime(streamed).pool
 
     def acquire_without_wait(slot, layer, compute=None):

@@ -2,13 +2,16 @@
 forward computes with them exactly as the resident model does, or they are refused
 before anything is computed from stale device copies."""
 
+import copy
+
 import pytest
 import torch
+from peft import get_peft_model
 
 import layerstream
 from layerstream import swap
 
-from tiny import assert_traces_equal, batch, peft_pair, stream, train_steps
+from tiny import assert_traces_equal, batch, lora_config, peft_pair, stream, tiny_model, train_steps
 
 
 def _streamed(layers=5, slots=2, window=None, device="cpu", **pair):
@@ -166,6 +169,39 @@ def test_merge_adapter_and_unmerge_adapter_match_the_resident_model(device):
     for model in (streamed, resident):
         model.unmerge_adapter()
     assert torch.equal(_logits(streamed, device), _logits(resident, device))
+    assert_traces_equal(train_steps(streamed, 2, device), train_steps(resident, 2, device))
+
+
+def _magnitudes(model):
+    return {n: p.detach().cpu() for n, p in model.named_parameters() if "lora_magnitude_vector" in n}
+
+
+def test_dora_added_after_streaming_starts_from_the_resident_magnitudes(device):
+    """As under ``layerstream run``: the client's get_peft_model meets layers already
+    streamed. DoRA's magnitudes (the base rows' norms) must be the ones a resident model
+    takes on the same device, and training from there equal bit for bit."""
+    base = tiny_model("llama", 5, hidden_size=256, intermediate_size=1024, head_dim=64)
+    resident = copy.deepcopy(base).to(device)
+    stream(base, device, slots=2, prefetch=1)
+    before = {n: p.detach().clone() for n, p in base.named_parameters()}
+    torch.manual_seed(0)
+    streamed = get_peft_model(base, lora_config(use_dora=True)).to(device)  # non-zero B
+    torch.manual_seed(0)
+    resident = get_peft_model(resident, lora_config(use_dora=True))
+    want, got = _magnitudes(resident), _magnitudes(streamed)
+    assert want.keys() == got.keys() and want
+    assert all(torch.equal(want[n], got[n]) for n in want), [n for n in want if not torch.equal(want[n], got[n])]
+    after = {n.replace("base_model.model.", "").replace(".base_layer", ""): p for n, p in streamed.named_parameters()}
+    assert all(torch.equal(before[n].cpu(), after[n].detach().cpu()) for n in before), "the host store changed"
+    if device == "cuda":  # the control: the same norms taken on the host differ, so the check can fail
+        on_host = {}
+        for name, module in resident.named_modules():
+            if hasattr(module, "lora_magnitude_vector") and module.lora_magnitude_vector:
+                weight = module.get_base_layer().weight.detach().cpu()
+                delta = module.lora_B["default"].weight.detach().cpu() @ module.lora_A["default"].weight.detach().cpu()
+                norm = torch.linalg.norm(weight + module.scaling["default"] * delta, dim=1)
+                on_host[f"{name}.lora_magnitude_vector.default.weight"] = norm
+        assert any(not torch.equal(on_host[n], want[n]) for n in want), "host and device norms agree: no control"
     assert_traces_equal(train_steps(streamed, 2, device), train_steps(resident, 2, device))
 
 

@@ -19,6 +19,14 @@ a layer whose weights cannot be written (read from disk each time, or in a node-
 store) would be refused only when its turn came, after the layers before it were merged
 (and, under ``merge_and_unload``, their adapters dropped). So every layer is checked
 before the first one merges.
+
+DoRA reads the base weight when an adapter is added: its magnitude vector starts as the
+norm of each row of the base weight. A resident model added to on a GPU takes that norm
+there; under ``layerstream run`` the layers are already streamed when the client's
+``get_peft_model`` runs, with their weights in the host store, so PEFT would take it on
+the CPU, whose reduction rounds differently in the last bits. So DoRA's initialisation
+reads device copies of the base weights (and of the adapters it combines with them),
+as a resident model on that device would, and leaves the host store untouched.
 """
 
 from __future__ import annotations
@@ -65,6 +73,10 @@ def install() -> None:
             method = cls.__dict__.get(name)
             if method is not None and not getattr(method, "_layerstream", False):
                 setattr(cls, name, _materialising(method))
+    for cls in _dora_layer_classes():
+        method = cls.__dict__.get("update_layer")
+        if method is not None and not getattr(method, "_layerstream", False):
+            setattr(cls, "update_layer", _initialising_on_device(method))
     for cls in _tuner_classes("BaseTuner"):
         for name in ("merge_adapter", "merge_and_unload"):
             method = cls.__dict__.get(name)
@@ -108,18 +120,53 @@ def _materialising(method):
     return wrapped
 
 
-@contextlib.contextmanager
-def materialised(runtime, module: nn.Module):
-    """``module``'s streamed weights as device copies for the block; what the block left
-    in them is written into the host store afterwards (nothing, if it raised)."""
-    found = runtime.entries_of(module)
-    if not found:
-        yield
-        return
-    record, positions = found
-    runtime.refuse_host_write(record.index, "a merge")
+def _dora_layer_classes():
+    """PEFT's DoRA layers, whose ``update_layer`` takes the base weight's norm."""
+    try:
+        from peft.tuners.lora import dora
+    except ImportError:  # pragma: no cover - peft is a dependency
+        return []
+    return [cls for cls in vars(dora).values() if isinstance(cls, type) and cls.__name__.startswith("Dora")]
+
+
+def _initialising_on_device(method):
+    """DoRA's ``update_layer`` with the base weights, and the adapters it combines with
+    them, on the streaming device: where a resident model's would be."""
+
+    @functools.wraps(method)
+    def wrapped(self, *, base_layer, lora_A, lora_B, scaling, **kwargs):
+        runtime = getattr(base_layer, "__dict__", {}).get("_layerstream_runtime")
+        if (
+            runtime is None
+            or runtime.device.type == "cpu"
+            or getattr(base_layer, "_layerstream_materialised", False)
+            or not runtime.entries_of(base_layer)
+        ):
+            return method(self, base_layer=base_layer, lora_A=lora_A, lora_B=lora_B, scaling=scaling, **kwargs)
+        home = lora_A.device  # where PEFT leaves the magnitude: with the adapters
+        with device_copies(runtime, base_layer):
+            result = method(
+                self,
+                base_layer=base_layer,
+                lora_A=lora_A.to(runtime.device),
+                lora_B=lora_B.to(runtime.device),
+                scaling=scaling,
+                **kwargs,
+            )
+        magnitude = getattr(self, "weight", None)
+        if isinstance(magnitude, nn.Parameter) and magnitude.device != home and not kwargs.get("place_on_cpu"):
+            self.weight = nn.Parameter(magnitude.detach().to(home), requires_grad=magnitude.requires_grad)
+        return result
+
+    wrapped._layerstream = True
+    return wrapped
+
+
+def _bind_device_copies(runtime, record, positions) -> dict:
+    """Give each of the layer's weights that holds its host tensor a device copy; return
+    position -> the tensor the table held (a slot view while the layer runs)."""
     device = runtime.device
-    bound = {}  # position -> the tensor the table held (a slot view while the layer runs)
+    bound = {}
     for position in positions:
         entry = record.entries[position]
         if not entry.bound:
@@ -132,6 +179,38 @@ def materialised(runtime, module: nn.Module):
                 entry.table[entry.name] = nf4.device_weight(host, device)
             else:
                 set_data(host, record.arena_views[position].to(device, copy=True))
+    return bound
+
+
+@contextlib.contextmanager
+def device_copies(runtime, module: nn.Module):
+    """``module``'s streamed weights as device copies for the block, for code that only
+    reads them; the host tensors are bound again afterwards and nothing is written."""
+    found = runtime.entries_of(module)
+    if not found:
+        yield
+        return
+    record, positions = found
+    bound = _bind_device_copies(runtime, record, positions)
+    object.__setattr__(module, "_layerstream_materialised", True)
+    try:
+        yield
+    finally:
+        _put_back(record, positions, bound)
+        module.__dict__.pop("_layerstream_materialised", None)
+
+
+@contextlib.contextmanager
+def materialised(runtime, module: nn.Module):
+    """``module``'s streamed weights as device copies for the block; what the block left
+    in them is written into the host store afterwards (nothing, if it raised)."""
+    found = runtime.entries_of(module)
+    if not found:
+        yield
+        return
+    record, positions = found
+    runtime.refuse_host_write(record.index, "a merge")
+    bound = _bind_device_copies(runtime, record, positions)
     object.__setattr__(module, "_layerstream_materialised", True)
     try:
         yield
