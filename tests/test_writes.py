@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from peft import get_peft_model
+from peft import LoraConfig, get_peft_model
 
 import layerstream
 from layerstream import swap
@@ -203,6 +203,34 @@ def test_dora_added_after_streaming_starts_from_the_resident_magnitudes(device):
                 on_host[f"{name}.lora_magnitude_vector.default.weight"] = norm
         assert any(not torch.equal(on_host[n], want[n]) for n in want), "host and device norms agree: no control"
     assert_traces_equal(train_steps(streamed, 2, device), train_steps(resident, 2, device))
+
+
+def _lora_after_streaming(device, init):
+    base = tiny_model("llama", 5, hidden_size=256, intermediate_size=1024, head_dim=64)
+    resident = copy.deepcopy(base).to(device)
+    stream(base, device, slots=2, prefetch=1)
+    config = dict(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=init)
+    torch.manual_seed(0)
+    streamed = get_peft_model(base, LoraConfig(**config)).to(device)
+    torch.manual_seed(0)
+    return streamed, get_peft_model(resident, LoraConfig(**config))
+
+
+@pytest.mark.parametrize("init", ["pissa", "olora"])
+def test_an_init_that_rewrites_the_base_after_streaming_gives_the_resident_model(device, init, monkeypatch):
+    """PiSSA and OLoRA split the base weight into the adapters and a residual left in the
+    base layer; on streamed layers they run on device copies, as on a resident model,
+    and the residual goes into the host store."""
+    streamed, resident = _lora_after_streaming(device, init)
+    assert torch.equal(_logits(streamed, device), _logits(resident, device))
+    assert_traces_equal(train_steps(streamed, 2, device), train_steps(resident, 2, device))
+    if device == "cuda":  # the control: the same init run where the host store is differs
+        from peft.tuners.lora.layer import LoraLayer
+
+        method = f"{init}_init"
+        monkeypatch.setattr(LoraLayer, method, getattr(LoraLayer, method).__wrapped__)
+        on_host, resident = _lora_after_streaming(device, init)
+        assert not torch.equal(_logits(on_host, device), _logits(resident, device))
 
 
 def test_a_merge_that_raises_leaves_the_host_store_as_it_was(monkeypatch):

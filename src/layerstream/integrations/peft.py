@@ -46,14 +46,24 @@ logger = get_logger(__name__)
 
 _installed = False
 
+# LoRA initialisations that take the base weight apart (PiSSA, OLoRA, CorDA, LoftQ keep
+# its residual in the base layer) or only read it (MiCA, LoRA-GA); PEFT runs them where the
+# base weight lives, so on a streamed layer they get device copies, as on a resident GPU
+_INITS_WRITING_THE_BASE = ("pissa_init", "olora_init", "corda_init", "loftq_init")
+_INITS_READING_THE_BASE = ("mica_init", "lora_ga_init")
+
 
 def _tuner_classes(base: str = "BaseTunerLayer"):
-    """``base`` (a class of peft.tuners.tuners_utils) and every subclass of it loaded."""
+    """``base`` (a class of peft.tuners.tuners_utils, or LoraLayer) and every subclass of it loaded."""
     try:
-        from peft.tuners import tuners_utils
+        if base == "LoraLayer":
+            from peft.tuners.lora.layer import LoraLayer as root
+        else:
+            from peft.tuners import tuners_utils
+
+            root = getattr(tuners_utils, base)
     except ImportError:  # pragma: no cover - peft is a dependency
         return []
-    root = getattr(tuners_utils, base)
     seen, todo = [root], [root]
     while todo:
         cls = todo.pop()
@@ -73,6 +83,12 @@ def install() -> None:
             method = cls.__dict__.get(name)
             if method is not None and not getattr(method, "_layerstream", False):
                 setattr(cls, name, _materialising(method))
+    for cls in _tuner_classes("LoraLayer"):
+        for name in _INITS_WRITING_THE_BASE + _INITS_READING_THE_BASE:
+            method = cls.__dict__.get(name)
+            if method is not None and not getattr(method, "_layerstream", False):
+                writes = name in _INITS_WRITING_THE_BASE
+                setattr(cls, name, _materialising(method, f"PEFT's {name}", write_back=writes))
     for cls in _dora_layer_classes():
         method = cls.__dict__.get("update_layer")
         if method is not None and not getattr(method, "_layerstream", False):
@@ -106,14 +122,17 @@ def refuse_unwritable_layers(model: nn.Module) -> None:
             runtime.refuse_host_write(found[0].index, "a merge")
 
 
-def _materialising(method):
+def _materialising(method, change: str = "a merge", write_back: bool = True):
+    """``method`` of a tuner layer run with its streamed base as device copies: what it
+    leaves in them is written into the host store (``write_back``), else they are dropped."""
+
     @functools.wraps(method)
     def wrapped(self, *args, **kwargs):
         base = self.get_base_layer() if hasattr(self, "get_base_layer") else None
         runtime = getattr(base, "__dict__", {}).get("_layerstream_runtime") if base is not None else None
         if runtime is None or getattr(base, "_layerstream_materialised", False):
             return method(self, *args, **kwargs)
-        with materialised(runtime, base):
+        with materialised(runtime, base, change) if write_back else device_copies(runtime, base):
             return method(self, *args, **kwargs)
 
     wrapped._layerstream = True
@@ -201,15 +220,16 @@ def device_copies(runtime, module: nn.Module):
 
 
 @contextlib.contextmanager
-def materialised(runtime, module: nn.Module):
+def materialised(runtime, module: nn.Module, change: str = "a merge"):
     """``module``'s streamed weights as device copies for the block; what the block left
-    in them is written into the host store afterwards (nothing, if it raised)."""
+    in them is written into the host store afterwards (nothing, if it raised). A store
+    that cannot be written is refused first, naming ``change``."""
     found = runtime.entries_of(module)
     if not found:
         yield
         return
     record, positions = found
-    runtime.refuse_host_write(record.index, "a merge")
+    runtime.refuse_host_write(record.index, change)
     bound = _bind_device_copies(runtime, record, positions)
     object.__setattr__(module, "_layerstream_materialised", True)
     try:
