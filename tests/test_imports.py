@@ -20,6 +20,8 @@ LAYERS = [
         "timeline",
         "chunked_loss",
         "trl_head",
+        "tiles",
+        "tiled_norm",
         "tiled_mlp",
         "disk_plan",
         "shared_store",

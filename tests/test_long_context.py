@@ -15,7 +15,7 @@ import torch
 from transformers import HfArgumentParser, Trainer, TrainingArguments
 
 import layerstream
-from layerstream import chunked_loss, cli, nf4, tiled_mlp
+from layerstream import chunked_loss, cli, loading, nf4, tiled_mlp
 from layerstream.config import StreamConfig, parse_setting
 from layerstream.errors import StreamConfigError, StreamingError
 
@@ -556,7 +556,7 @@ def test_a_setting_a_family_cannot_run_is_refused_before_the_model_changes(case)
 
 def test_a_setting_a_family_cannot_run_is_refused_by_from_pretrained_before_loading(tmp_path, monkeypatch):
     tiny_model("mixtral", layers=3).save_pretrained(tmp_path)
-    monkeypatch.setattr(layerstream.loading, "_load_module", lambda *a, **k: pytest.fail("a weight was read"))
+    monkeypatch.setattr(loading, "_load_module", lambda *a, **k: pytest.fail("a weight was read"))
     with pytest.raises(StreamingError, match="mlp_tile_tokens.*mixture of experts.*Nothing was changed"):
         layerstream.from_pretrained(tmp_path, stream=StreamConfig(device="cpu", mlp_tile_tokens=5))
 

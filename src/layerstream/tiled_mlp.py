@@ -29,37 +29,15 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import get_device_states, set_device_states
 
-from . import swap
+from . import swap, tiled_norm
 from .chunked_loss import autocast_as, autocast_state, refuse_second_order, span_gradients, spans
 from .config import check_tokens
 from .discovery import describe_family, find_decoder_layers, layer_name
 from .errors import StreamingError
+from .tiles import bound_to, frozen_tensors
 
 _TILE = "_layerstream_mlp_tile_tokens"
 _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
-
-
-def _frozen(module: nn.Module) -> List[tuple]:
-    """(table, name) of every tensor the module tree reads that takes no gradient, now."""
-    found = []
-    for sub in module.modules():
-        for table in (sub._parameters, sub._buffers):
-            for name, tensor in table.items():
-                if tensor is not None and not tensor.requires_grad:
-                    found.append((table, name))
-    return found
-
-
-@contextlib.contextmanager
-def _bound(specs: List[tuple], tensors) -> None:
-    saved = [table[name] for table, name in specs]
-    for (table, name), tensor in zip(specs, tensors):
-        table[name] = tensor
-    try:
-        yield
-    finally:
-        for (table, name), tensor in zip(specs, saved):
-            table[name] = tensor
 
 
 def _plain(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -141,7 +119,7 @@ class TiledFunction(torch.autograd.Function):
         def run(leaf, a, b):
             return _plain(ctx.module, leaf.unsqueeze(0)), grad_rows[a:b].unsqueeze(0)
 
-        with _bound(ctx.specs, frozen), autocast_as(ctx.autocast), ctx.random.replayed():
+        with bound_to(ctx.specs, frozen), autocast_as(ctx.autocast), ctx.random.replayed():
             parts = spans(rows.shape[0], ctx.tile)
             param_grads = span_gradients(rows, parts, ctx.trainables, wanted, run, grad_x)
         return (
@@ -160,7 +138,7 @@ class TiledMLP:
             tile = tile.get(x.numel() // x.shape[-1]) if x.dim() >= 2 and torch.is_grad_enabled() else None
         if not tile or args or kwargs or x.dim() < 2 or x.numel() // x.shape[-1] <= tile:
             return super().forward(x, *args, **kwargs)
-        specs = _frozen(self)
+        specs = frozen_tensors(self)
         frozen = [table[name] for table, name in specs]
         trainables = [p for p in self.parameters() if p.requires_grad]
         stash = None
@@ -208,12 +186,13 @@ def check(model: nn.Module, tokens: int) -> None:
 
 
 def apply(model: nn.Module, tokens: int) -> nn.Module:
-    """Run each decoder layer's MLP ``tokens`` tokens at a time. Returns the same model."""
+    """Run each decoder layer's MLP ``tokens`` tokens at a time, and differentiate its norms
+    as many at a time (``tiled_norm``). Returns the same model."""
     check_tokens("mlp_tile_tokens", tokens)
     for mlp in mlps(model):  # every layer's, or a refusal before any changes
         swap.swap_in(mlp, TiledMLP)
         object.__setattr__(mlp, _TILE, tokens)
-    return model
+    return tiled_norm.apply(model, tokens)
 
 
 def apply_per_length(model: nn.Module, tiles: dict) -> nn.Module:
@@ -224,7 +203,7 @@ def apply_per_length(model: nn.Module, tiles: dict) -> nn.Module:
     for mlp in mlps(model):
         swap.swap_in(mlp, TiledMLP)
         object.__setattr__(mlp, _TILE, tiles)
-    return model
+    return tiled_norm.apply(model, tiles)
 
 
 def remove(model: nn.Module) -> nn.Module:
@@ -235,4 +214,4 @@ def remove(model: nn.Module) -> nn.Module:
         if mlp is not None and swap.has(mlp, TiledMLP):
             swap.swap_out(mlp, TiledMLP)
             mlp.__dict__.pop(_TILE, None)
-    return model
+    return tiled_norm.remove(model)

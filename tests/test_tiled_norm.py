@@ -1,0 +1,129 @@
+"""The decoder layers' norms differentiated in tiles (with mlp_tile_tokens): the same bits as
+the untiled norms, streamed and resident, with only the norm's input kept for backward."""
+
+import copy
+import logging
+
+import pytest
+import torch
+
+from layerstream import tiled_mlp, tiled_norm
+from layerstream.tiled_norm import TiledNormFunction
+
+from tiny import assert_traces_equal, batch, peft_pair, stream, tiny_model, train_steps
+
+SEQ, TILE = 24, 7  # 2 x 24 tokens in tiles of 7: the last tile is short
+
+
+def _counting(monkeypatch):
+    calls = {"backward": 0}
+    original = TiledNormFunction.backward
+
+    def counted(ctx, grad):
+        calls["backward"] += 1
+        return original(ctx, grad)
+
+    monkeypatch.setattr(TiledNormFunction, "backward", staticmethod(counted))
+    return calls
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "phi3"])
+def test_tiled_norms_give_the_untiled_models_bits(family, monkeypatch):
+    calls = _counting(monkeypatch)
+    tiled, plain = peft_pair(family, layers=3, dtype=torch.bfloat16)
+    tiled_norm.apply(tiled, TILE)
+    assert_traces_equal(train_steps(tiled, 3, seq=SEQ), train_steps(plain, 3, seq=SEQ))
+    per_layer = 4 if family == "gemma3_text" else 2  # Gemma 3 has norms before and after each block
+    # every norm of every layer but the first one, whose input (the frozen embedding's) takes no gradient
+    assert calls["backward"] == 3 * (3 * per_layer - 1), "every norm took its tiled backward"
+
+
+def test_float32_inputs_run_the_norms_own_backward(monkeypatch):
+    """A float32 input is read by the norm's operations directly; their gradients and the
+    residual branch's are summed in an order tiling would change, so it runs untiled."""
+    calls = _counting(monkeypatch)
+    tiled, plain = peft_pair("llama", layers=3)
+    tiled_norm.apply(tiled, TILE)
+    assert_traces_equal(train_steps(tiled, 2, seq=SEQ), train_steps(plain, 2, seq=SEQ))
+    assert calls["backward"] == 0
+
+
+def test_the_comparison_catches_a_tile_left_out(monkeypatch):
+    """Negative control: a backward that skips the last tile gives other gradients."""
+    tiled, plain = peft_pair("llama", layers=3, dtype=torch.bfloat16)
+    tiled_norm.apply(tiled, TILE)
+
+    def all_but_the_last(total, tile):
+        return [(a, min(a + tile, total)) for a in range(0, total - tile, tile)]
+
+    monkeypatch.setattr(tiled_norm, "spans", all_but_the_last)
+    with pytest.raises(AssertionError):
+        assert_traces_equal(train_steps(tiled, 2, seq=SEQ), train_steps(plain, 2, seq=SEQ))
+
+
+def test_streamed_tiled_norms_match_the_resident_ones(monkeypatch):
+    calls = _counting(monkeypatch)
+    streamed, resident = peft_pair("llama", layers=5, dtype=torch.bfloat16)
+    stream(streamed, "cpu", mlp_tile_tokens=TILE)
+    tiled_mlp.apply(resident, TILE)
+    assert_traces_equal(train_steps(streamed, 3, seq=SEQ), train_steps(resident, 3, seq=SEQ))
+    assert calls["backward"] > 0
+
+
+def _saved_bytes(norm, x):
+    saved = []
+
+    def pack(tensor):
+        saved.append(tensor.numel() * tensor.element_size())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        norm(x)
+    return sum(saved)
+
+
+def test_a_tiled_norm_keeps_only_its_input_in_the_compute_dtype():
+    model = tiny_model("llama", layers=1, dtype=torch.bfloat16).requires_grad_(False)  # frozen, as under LoRA
+    norm = model.model.layers[0].post_attention_layernorm
+    x = torch.randn(2, SEQ, model.config.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    untiled = _saved_bytes(norm, x)
+    tiled_norm.apply(model, TILE)
+    tiled = _saved_bytes(norm, x)
+    weight = norm.weight.numel() * norm.weight.element_size()
+    assert tiled == x.numel() * x.element_size() + weight, "the input and the (frozen) weight, nothing else"
+    assert untiled >= 2 * x.numel() * 4, "untiled, autograd keeps float32 copies of the input"
+
+
+def test_a_norm_with_a_trainable_weight_runs_untiled_and_says_so(monkeypatch, caplog):
+    monkeypatch.setattr(tiled_norm, "_said_trainable", False)
+    calls = _counting(monkeypatch)
+    model = tiny_model("llama", layers=2, dtype=torch.bfloat16)
+    plain = copy.deepcopy(model)
+    for m in (model, plain):  # the norms and the embedding train, nothing else
+        for name, p in m.named_parameters():
+            p.requires_grad_("norm" in name or "embed_tokens" in name)
+    tiled_norm.apply(model, TILE)
+    with caplog.at_level(logging.WARNING, logger="layerstream"):
+        assert_traces_equal(train_steps(model, 2, seq=SEQ), train_steps(plain, 2, seq=SEQ))
+    assert calls["backward"] == 0
+    assert sum("trainable weight" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_short_inputs_evaluation_and_generation_run_the_norms_own_forward(monkeypatch):
+    calls = _counting(monkeypatch)
+    tiled, plain = peft_pair("llama", layers=2, dtype=torch.bfloat16)
+    tiled_norm.apply(tiled, TILE)
+    ids = batch(96, size=1, seq=5)
+    kwargs = dict(max_new_tokens=4, do_sample=False, attention_mask=torch.ones_like(ids), pad_token_id=0)
+    assert torch.equal(tiled.generate(input_ids=ids, **kwargs), plain.generate(input_ids=ids, **kwargs))
+    assert_traces_equal(train_steps(tiled, 1, seq=3, batch_size=1), train_steps(plain, 1, seq=3, batch_size=1))
+    assert calls["backward"] == 0, "3 tokens fit one tile: nothing to tile"
+
+
+def test_removing_the_tiles_restores_the_norms_classes():
+    model = tiny_model("llama", layers=2)
+    classes = [type(n) for n in tiled_norm.norms(model)]
+    tiled_norm.apply(model, TILE)
+    assert all(type(n) is not c for n, c in zip(tiled_norm.norms(model), classes))
+    tiled_norm.remove(model)
+    assert [type(n) for n in tiled_norm.norms(model)] == classes
