@@ -28,11 +28,12 @@ def _counting(monkeypatch):
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3_text", "phi3"])
-def test_tiled_norms_give_the_untiled_models_bits(family, monkeypatch):
+def test_tiled_norms_give_the_untiled_models_bits(family, device, monkeypatch):
     calls = _counting(monkeypatch)
     tiled, plain = peft_pair(family, layers=3, dtype=torch.bfloat16)
+    tiled.to(device), plain.to(device)
     tiled_norm.apply(tiled, TILE)
-    assert_traces_equal(train_steps(tiled, 3, seq=SEQ), train_steps(plain, 3, seq=SEQ))
+    assert_traces_equal(train_steps(tiled, 3, device, seq=SEQ), train_steps(plain, 3, device, seq=SEQ))
     per_layer = 4 if family == "gemma3_text" else 2  # Gemma 3 has norms before and after each block
     # every norm of every layer but the first one, whose input (the frozen embedding's) takes no gradient
     assert calls["backward"] == 3 * (3 * per_layer - 1), "every norm took its tiled backward"
@@ -127,3 +128,24 @@ def test_removing_the_tiles_restores_the_norms_classes():
     assert all(type(n) is not c for n, c in zip(tiled_norm.norms(model), classes))
     tiled_norm.remove(model)
     assert [type(n) for n in tiled_norm.norms(model)] == classes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_at_an_8b_width_a_tiled_norms_input_gradient_has_the_untiled_bits(family):
+    """On CUDA a reduction's kernel is chosen by its sizes: the row sums of a 4,096-token
+    tile must be taken as in the whole 16,384-token norm, at Llama-3-8B's width."""
+    config = dict(hidden_size=4096, intermediate_size=64, num_attention_heads=32, num_key_value_heads=8, head_dim=128)
+    model = tiny_model(family, layers=1, dtype=torch.bfloat16, **config).requires_grad_(False).cuda()
+    norm = model.model.layers[0].post_attention_layernorm
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(1, 16384, 4096, device="cuda", dtype=torch.bfloat16, generator=gen)
+    grad = torch.randn(1, 16384, 4096, device="cuda", dtype=torch.bfloat16, generator=gen)
+    plain_x = x.clone().requires_grad_(True)
+    norm(plain_x).backward(grad)
+    tiled_norm.apply(model, 4096)
+    tiled_x = x.clone().requires_grad_(True)
+    out = norm(tiled_x)
+    assert type(out.grad_fn).__name__ == "TiledNormFunctionBackward", "the tiled norm ran"
+    out.backward(grad)
+    assert torch.equal(tiled_x.grad, plain_x.grad)
