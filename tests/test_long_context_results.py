@@ -14,7 +14,17 @@ ROWS = json.loads((RESULTS / "long-context.json").read_text())
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import plot_long_context  # noqa: E402
 
-KEYS = {"model", "quantization", "vram_gib", "max_tokens", "step_s", "tokens_per_s", "baseline_step_s"}
+KEYS = {
+    "model",
+    "quantization",
+    "vram_gib",
+    "max_tokens",
+    "step_s",
+    "tokens_per_s",
+    "baseline_step_s",
+    "client",
+    "command",
+}
 
 
 def _label(row: dict) -> str:
@@ -24,6 +34,9 @@ def _label(row: dict) -> str:
 @pytest.mark.parametrize("row", ROWS, ids=_label)
 def test_each_row_is_the_run_its_result_file_recorded(row):
     assert KEYS <= set(row)
+    # which command produced the row: the project's harness is labelled as such
+    assert row["command"].startswith(("python ", "layerstream ", "accelerate ", "trl "))
+    assert row["client"].startswith("harness") == ("benchmarks/" in row["command"])
     assert row["tokens_per_s"] == pytest.approx(row["max_tokens"] / row["step_s"])
     recorded = json.loads((RESULTS / row["result_file"]).read_text())
     same = [
