@@ -328,3 +328,20 @@ def test_mixed_precision_training_matches_the_plain_run(tmp_path, monkeypatch, p
     assert cli.main(["run", "--slots", "2", "--device", device, SCRIPT] + args(tmp_path / "streamed")) == 0
     plain, streamed = _losses(_history(tmp_path / "plain")), _losses(_history(tmp_path / "streamed"))
     assert len(plain) == 4 and streamed == plain
+
+
+@pytest.mark.parametrize("use_vllm", [True, False], ids=["vllm", "transformers-generate"])
+def test_vllm_generation_is_refused_for_a_streamed_model_before_the_trainer_starts(tmp_path, use_vllm):
+    """TRL's online trainers with use_vllm=True would load a full copy of the weights into
+    vLLM; the refusal comes in the Trainer's __init__, before vLLM starts or a step runs.
+    (The Trainer itself: TRL's GRPOTrainer first checks that vLLM is installed.)"""
+    from trl import GRPOConfig
+
+    model, _ = peft_pair("llama", layers=3)
+    layerstream.stream_model(model, device="cpu", slots=2)
+    args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=1, use_vllm=use_vllm)
+    if use_vllm:
+        with pytest.raises(layerstream.StreamingError, match="use_vllm=True.*Set use_vllm=False"):
+            Trainer(model=model, args=args)
+    else:
+        Trainer(model=model, args=args)

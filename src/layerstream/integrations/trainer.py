@@ -261,6 +261,20 @@ def check_activation_offloading(runtime, training_args) -> None:
     runtime.set_offload_activations(False)
 
 
+def check_generation_backend(training_args) -> None:
+    """TRL's online trainers (GRPO, RLOO, ...) can generate with vLLM (``use_vllm=True``),
+    which loads its own copy of every weight onto a GPU and does not stream: a model that
+    needs streaming does not fit it, and its weights would not be the streamed ones.
+    Refused in the Trainer's ``__init__``, before vLLM starts or a step runs."""
+    if getattr(training_args, "use_vllm", False):
+        raise StreamingError(
+            "use_vllm=True generates with vLLM, which loads its own full copy of the model's weights onto "
+            "a GPU and does not stream layers, so a model that needs layerstream does not fit it. Set "
+            "use_vllm=False (--use_vllm false): generation then runs through transformers' generate on the "
+            "streamed model, each layer copied once per token step for the whole batch."
+        )
+
+
 def warn_fused_loss(trainer) -> None:
     """TRL's trainers give their models a fused log-prob head (``trl_head``) after
     ``Trainer.__init__``, and its loss is the one that runs: a loss_chunk_tokens setting is
@@ -287,6 +301,7 @@ def install() -> None:
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         _auto_stream(model, training_args)
         if isinstance(model, nn.Module) and is_streamed(model):
+            check_generation_backend(training_args)
             check_activation_offloading(get_runtime(model), training_args)
         original_init(self, *args, **kwargs)
         if self.model is not None and self.args.use_liger_kernel and chunked_loss.applied(self.model):
