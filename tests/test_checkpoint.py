@@ -229,11 +229,6 @@ def test_a_head_tied_to_the_embeddings_may_be_absent(tmp_path, loads):
     assert model.lm_head.weight is model.model.embed_tokens.weight
 
 
-def test_per_expert_moe_checkpoints_are_refused_before_any_layer_loads(tmp_path, loads):
-    tiny_model("mixtral", layers=2).save_pretrained(tmp_path)
-    _refused(tmp_path, loads, "mixture-of-experts.*stream_model")
-
-
 @pytest.fixture
 def prequantized(tmp_path):
     base, quantised = tmp_path / "base", tmp_path / "nf4"

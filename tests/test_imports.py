@@ -17,6 +17,7 @@ LAYERS = [
         "cudart",
         "discovery",
         "computed_buffers",
+        "conversion",
         "timeline",
         "chunked_loss",
         "trl_head",

@@ -202,13 +202,6 @@ def test_trainer_accepts_a_loaded_4bit_model_with_adapters(checkpoint, tmp_path)
     assert [e["loss"] for e in trainer.state.log_history if "loss" in e]
 
 
-def test_per_expert_moe_checkpoints_get_a_clear_error(tmp_path):
-    directory = tmp_path / "moe"
-    tiny_model("mixtral", layers=2).save_pretrained(directory)
-    with pytest.raises(layerstream.LoadingError, match="mixture-of-experts.*stream_model"):
-        layerstream.from_pretrained(directory, stream=CPU)
-
-
 def test_equal_layers_fill_their_arenas_without_gaps(checkpoint):
     store = layerstream.get_runtime(
         layerstream.from_pretrained(

@@ -242,10 +242,10 @@ def missing_tensors_error(directory: Path, missing: list[str]) -> LoadingError:
     """The error for tensors the model needs that the checkpoint lacks."""
     if any(".experts." in name for name in missing):
         error = LoadingError(
-            f"{directory} stores mixture-of-experts weights in a layout layerstream's loader "
-            "does not convert yet (one tensor per expert; transformers fuses them while "
-            "loading). Load with AutoModelForCausalLM.from_pretrained(..., device_map='cpu') "
-            "and call layerstream.stream_model instead."
+            f"{directory} stores mixture-of-experts weights in a layout that transformers' conversion "
+            "mapping for this model does not map to the model's experts. Load with "
+            "AutoModelForCausalLM.from_pretrained(..., device_map='cpu') and call layerstream.stream_model "
+            "instead."
         )
         error.transformers_can_load = True  # so the launcher loads it that way, on the host, and streams it
         return error
@@ -255,16 +255,37 @@ def missing_tensors_error(directory: Path, missing: list[str]) -> LoadingError:
     )
 
 
+def _stored(stored: dict[Path, dict[str, StoredTensor]], files: dict[str, Path], name: str) -> StoredTensor:
+    found = stored[files[name]].get(name)
+    if found is None:
+        raise LoadingError(
+            f"the index puts {name} in {files[name]}, which does not hold it (the index and "
+            f"the shards come from different saves); {FETCH_AGAIN}"
+        )
+    return found
+
+
 def validate_checkpoint(
-    directory: Path, files: dict[str, Path], expected: dict[str, torch.Tensor], may_be_missing: Collection[str] = ()
+    directory: Path,
+    files: dict[str, Path],
+    expected: dict[str, torch.Tensor],
+    may_be_missing: Collection[str] = (),
+    conversion=None,
 ) -> None:
     """Refuse the checkpoint unless every expected tensor can be loaded as it is.
 
     files: tensor name -> file, as the loader will read them. expected: tensor name -> the
     (meta) tensor it fills, with the exact shape and dtype the model has. may_be_missing:
-    names the model can do without (a head tied to the embeddings). Each file's header is
-    read once; no tensor data is read.
+    names the model can do without (a head tied to the embeddings). conversion: where
+    transformers' mapping renames or converts (``layerstream.conversion``), a renamed
+    tensor is checked under its checkpoint name, and a converted one is checked for its
+    sources here and for its shape once converted. Each file's header is read once; no
+    tensor data is read.
     """
+    converted: dict[str, torch.Tensor] = {}
+    if conversion is not None:
+        converted = {name: tensor for name, tensor in expected.items() if name in conversion.produced}
+        expected = {conversion.source.get(name, name): t for name, t in expected.items() if name not in converted}
     by_file: dict[Path, list[str]] = defaultdict(list)
     for name, path in files.items():
         by_file[path].append(name)
@@ -299,6 +320,8 @@ def validate_checkpoint(
                 f"{name} in {found.file.name} is stored as {found.dtype}, the model expects "
                 f"{kind} tensor ({str(target.dtype).replace('torch.', '')})"
             )
+    if converted:
+        problems += conversion.check(converted, lambda key: _stored(stored, files, key).shape)
     if problems:
         more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
         raise LoadingError(f"{directory} does not fit the model: {'; '.join(problems[:5])}{more}; {MISMATCH_ADVICE}")

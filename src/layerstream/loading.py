@@ -39,6 +39,7 @@ from .checkpoint import (
 )
 from .computed_buffers import compute_buffers, initialisers
 from .config import StreamConfig
+from .conversion import Conversion, for_checkpoint
 from .discovery import find_decoder_layers, layer_name
 from .disk_plan import Tiers, resolve_host_budget, split_tiers
 from .log import get_logger
@@ -120,29 +121,55 @@ class _Reader:
     """Reads named tensors from the safetensors files; each file is opened (mapped) only
     while the tensors of one module are read, so mapped pages do not pile up."""
 
-    def __init__(self, files: dict[str, Path]):
+    def __init__(self, files: dict[str, Path], conversion: Optional[Conversion] = None):
         self.files = files
+        self.conversion = conversion
 
     def fill(self, targets: dict[str, torch.Tensor]) -> list[str]:
         """Copy each named tensor into its target, one at a time; returns names not found.
+        With a ``conversion``, a model name is read from the checkpoint name it maps to,
+        and converted groups (fused experts) through transformers' operations.
 
         A file or tensor that fails to read (changed or damaged since it was checked)
         raises LoadingError naming both."""
+        conversion = self.conversion
+        converted = conversion.converted(targets) if conversion is not None else []
+        plain = {
+            (conversion.source.get(name, name) if conversion is not None else name): (name, targets[name])
+            for name in targets
+            if name not in converted
+        }
+        missing = [name for key, (name, _) in plain.items() if key not in self.files]
+        found = {key: value for key, value in plain.items() if key in self.files}
+
+        def copy_in(key, value, path):
+            name, target = found[key]
+            _copy_into(target, value, name, path)
+
+        self._each(list(found), copy_in)
+        if converted:
+            conversion.fill({name: targets[name] for name in converted}, self.read)
+        return missing
+
+    def read(self, keys: list[str]) -> dict[str, torch.Tensor]:
+        """The named checkpoint tensors, as stored."""
+        out: dict[str, torch.Tensor] = {}
+        self._each(keys, lambda key, value, path: out.__setitem__(key, value))
+        return out
+
+    def _each(self, keys: list[str], take) -> None:
+        """``take(key, tensor, path)`` for each checkpoint name, file by file."""
         from safetensors import SafetensorError, safe_open
 
         by_file: dict[Path, list[str]] = defaultdict(list)
-        missing = []
-        for name in targets:
-            if name in self.files:
-                by_file[self.files[name]].append(name)
-            else:
-                missing.append(name)
+        for key in keys:
+            by_file[self.files[key]].append(key)
         with torch.no_grad():
             for path, names in by_file.items():
                 if path.suffix in PICKLE_SUFFIXES:  # allow_pickle=True
                     tensors = load_pickle(path)
                     for name in names:
-                        _copy_into(targets[name], tensors[name], name, path)
+                        take(name, tensors[name], path)
                     del tensors
                     continue
                 try:
@@ -155,9 +182,8 @@ class _Reader:
                             value = handle.get_tensor(name)
                         except (SafetensorError, OSError, RuntimeError) as exc:
                             raise _unreadable(name, path, exc) from exc
-                        _copy_into(targets[name], value, name, path)
+                        take(name, value, path)
                         del value
-        return missing
 
 
 def _unreadable(name: str, path: Path, exc: BaseException) -> LoadingError:
@@ -447,18 +473,27 @@ def from_pretrained(
     check_long_context(model, config_stream)  # before any weight is read
     tied_head = getattr(config, "tie_word_embeddings", False)
     expected = _expected_tensors(model, path, layers)
+    conversion = for_checkpoint(model, files)  # transformers' renames and fused experts, per layer
     validate_checkpoint(
         directory,
         files,
         expected,
         may_be_missing=[name for name in expected if tied_head and name.endswith("lm_head.weight")],
+        conversion=conversion,
     )
     packed = None
     if quantization == "nf4" and config_stream.host_budget is not None:
         packed = _nf4_layer_bytes(config, torch_dtype, bnb_4bit_use_double_quant, len(layers))
     tiers = plan_tiers(config_stream, layers, path, packed)
     store_bytes = _check_host_memory(config, quantization, torch_dtype, config_stream, bnb_4bit_use_double_quant, tiers)
-    reader = _Reader(files)
+    if conversion is not None and tiers is not None and tiers.disk:
+        raise LoadingError(
+            f"{directory} stores some tensors in another layout than the model holds them (transformers "
+            "converts them while loading: renamed keys or one tensor per expert), so the disk tier, which "
+            "reads the model's bytes straight from the files, cannot read its layers. Raise host_budget (or "
+            "leave it unset), or save the model with save_pretrained from a loaded model and stream that."
+        )
+    reader = _Reader(files, conversion)
 
     # the resident part: every module outside the stack
     missing: list[str] = []
