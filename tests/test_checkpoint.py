@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
 import layerstream
-from layerstream import checkpoint, loading
+from layerstream import checkpoint, loading, tensor_reader
 
 from tiny import tiny_model
 
@@ -174,7 +174,7 @@ def test_copy_into_refuses_a_shape_it_would_broadcast():
         match=r"q.weight in shard.safetensors has shape \[1, 4\], "
         r"the model expects \[4, 4\]",
     ):
-        loading._copy_into(target, torch.ones(1, 4), "q.weight", "shard.safetensors")
+        tensor_reader.copy_into(target, torch.ones(1, 4), "q.weight", "shard.safetensors")
     assert not target.any(), "nothing may have been copied"
 
 

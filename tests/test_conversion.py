@@ -135,3 +135,20 @@ def test_a_checkpoint_in_the_models_own_names_converts_nothing(tmp_path):
     model = tiny_model("llama", layers=2)
     model.save_pretrained(tmp_path)
     assert for_checkpoint(model, _keys(tmp_path)) is None
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "llama"])
+def test_nf4_says_once_which_weights_stay_unquantised(family, tmp_path, caplog):
+    """bitsandbytes quantises nn.Linear weights only (as transformers applies it): fused
+    experts stay in the compute dtype, said once with their share; a dense model says nothing."""
+    tiny_model(family, layers=2, hidden_size=64, intermediate_size=128, head_dim=16).save_pretrained(tmp_path)
+    with caplog.at_level("WARNING", logger="layerstream"):
+        layerstream.from_pretrained(
+            tmp_path, quantization="nf4", stream=layerstream.StreamConfig(device="cpu", slots=2)
+        )
+    said = [r.getMessage() for r in caplog.records if "plain Parameters" in r.getMessage()]
+    if family == "llama":
+        assert not said
+        return
+    assert len(said) == 1
+    assert "model.layers.0.mlp.experts.gate_up_proj and 2 more per layer" in said[0] and "stay in float32" in said[0]

@@ -42,10 +42,10 @@ def test_pageable_stores_may_use_most_of_the_host(monkeypatch):
 def test_loading_checks_host_memory_before_reading_weights(tmp_path, monkeypatch):
     directory = tmp_path / "ckpt"
     tiny_model("llama", layers=3, dtype=torch.bfloat16).save_pretrained(directory)
-    from layerstream import loading
+    from layerstream import tensor_reader
 
     read = []
-    monkeypatch.setattr(loading._Reader, "__init__", lambda self, files: read.append(files))
+    monkeypatch.setattr(tensor_reader.TensorReader, "__init__", lambda self, *args: read.append(args))
     _host(monkeypatch, available=1024, total=64 * GiB)
     with pytest.raises(HostMemoryError, match="loading this model needs"):
         layerstream.from_pretrained(

@@ -35,6 +35,7 @@ LAYERS = [
         "backward_slots",
         "report",
         "checkpoint",
+        "tensor_reader",
         "residency",
         "disk",
         "disk_files",

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
-from collections import defaultdict
 from pathlib import Path
 from typing import Optional, Union
 
@@ -28,7 +27,6 @@ from torch import nn
 
 from . import disk, nf4, nf4_cache, progress, shared_store
 from .checkpoint import (
-    PICKLE_SUFFIXES,
     LoadingError,
     load_pickle,
     missing_tensors_error,
@@ -39,12 +37,13 @@ from .checkpoint import (
 )
 from .computed_buffers import compute_buffers, initialisers
 from .config import StreamConfig
-from .conversion import Conversion, for_checkpoint
+from .conversion import for_checkpoint
 from .discovery import find_decoder_layers, layer_name
 from .disk_plan import Tiers, resolve_host_budget, split_tiers
 from .log import get_logger
 from .paths import missing_directory
 from .store import HostStore, check_host_memory, host_memory
+from .tensor_reader import TensorReader
 
 logger = get_logger(__name__)
 
@@ -117,91 +116,6 @@ def _weight_files(directory: Path, allow_pickle: bool = False) -> dict[str, Path
     raise LoadingError(f"no safetensors weights (model.safetensors or its index) in {directory}")
 
 
-class _Reader:
-    """Reads named tensors from the safetensors files; each file is opened (mapped) only
-    while the tensors of one module are read, so mapped pages do not pile up."""
-
-    def __init__(self, files: dict[str, Path], conversion: Optional[Conversion] = None):
-        self.files = files
-        self.conversion = conversion
-
-    def fill(self, targets: dict[str, torch.Tensor]) -> list[str]:
-        """Copy each named tensor into its target, one at a time; returns names not found.
-        With a ``conversion``, a model name is read from the checkpoint name it maps to,
-        and converted groups (fused experts) through transformers' operations.
-
-        A file or tensor that fails to read (changed or damaged since it was checked)
-        raises LoadingError naming both."""
-        conversion = self.conversion
-        converted = conversion.converted(targets) if conversion is not None else []
-        plain = {
-            (conversion.source.get(name, name) if conversion is not None else name): (name, targets[name])
-            for name in targets
-            if name not in converted
-        }
-        missing = [name for key, (name, _) in plain.items() if key not in self.files]
-        found = {key: value for key, value in plain.items() if key in self.files}
-
-        def copy_in(key, value, path):
-            name, target = found[key]
-            _copy_into(target, value, name, path)
-
-        self._each(list(found), copy_in)
-        if converted:
-            conversion.fill({name: targets[name] for name in converted}, self.read)
-        return missing
-
-    def read(self, keys: list[str]) -> dict[str, torch.Tensor]:
-        """The named checkpoint tensors, as stored."""
-        out: dict[str, torch.Tensor] = {}
-        self._each(keys, lambda key, value, path: out.__setitem__(key, value))
-        return out
-
-    def _each(self, keys: list[str], take) -> None:
-        """``take(key, tensor, path)`` for each checkpoint name, file by file."""
-        from safetensors import SafetensorError, safe_open
-
-        by_file: dict[Path, list[str]] = defaultdict(list)
-        for key in keys:
-            by_file[self.files[key]].append(key)
-        with torch.no_grad():
-            for path, names in by_file.items():
-                if path.suffix in PICKLE_SUFFIXES:  # allow_pickle=True
-                    tensors = load_pickle(path)
-                    for name in names:
-                        take(name, tensors[name], path)
-                    del tensors
-                    continue
-                try:
-                    handle = safe_open(str(path), framework="pt")
-                except (SafetensorError, OSError, RuntimeError) as exc:
-                    raise _unreadable(names[0], path, exc) from exc
-                with handle:
-                    for name in names:
-                        try:
-                            value = handle.get_tensor(name)
-                        except (SafetensorError, OSError, RuntimeError) as exc:
-                            raise _unreadable(name, path, exc) from exc
-                        take(name, value, path)
-                        del value
-
-
-def _unreadable(name: str, path: Path, exc: BaseException) -> LoadingError:
-    return LoadingError(
-        f"{name} in {path} cannot be read ({exc}); the file was damaged or changed after "
-        "it was checked: download or save the checkpoint again"
-    )
-
-
-def _copy_into(target: torch.Tensor, value: torch.Tensor, name: str = "a tensor", path: Path | None = None) -> None:
-    """Floating-point values are cast to the target's dtype; any other shape than the
-    target's is refused, since copy_ would broadcast a [1, n] value into every row."""
-    if value.shape != target.shape:
-        where = f" in {path}" if path is not None else ""
-        raise LoadingError(f"{name}{where} has shape {list(value.shape)}, the model expects {list(target.shape)}")
-    target.copy_(value.to(target.dtype) if value.is_floating_point() else value)
-
-
 def _module_tensors(module: nn.Module, prefix: str, recurse: bool = True) -> dict[str, torch.Tensor]:
     """checkpoint name -> tensor, for each parameter and persistent buffer the loader fills."""
     wanted = {f"{prefix}{name}": tensor for name, tensor in module.named_parameters(recurse=recurse)}
@@ -230,7 +144,7 @@ def _expected_tensors(model: nn.Module, path: str, layers: nn.ModuleList) -> dic
     return expected
 
 
-def _load_module(module: nn.Module, prefix: str, reader: _Reader, owners, recurse: bool = True) -> list[str]:
+def _load_module(module: nn.Module, prefix: str, reader: TensorReader, owners, recurse: bool = True) -> list[str]:
     """Materialise a meta module on the host and fill it, computing the buffers no
     checkpoint holds (``owners``: from ``computed_buffers.initialisers``); returns names
     not found."""
@@ -273,6 +187,40 @@ def _check_host_memory(config, quantization, dtype, stream: StreamConfig, double
     store = plan.loader_arena_bytes(sizes, stream.arena_bytes) + (tiers.ring_bytes if tiers is not None else 0)
     check_host_memory(store + resident + unquantised, store + ends, bool(stream.pin), "loading this model")
     return store
+
+
+def _say_unquantised_weights(layers: nn.ModuleList, path: str, dtype: torch.dtype) -> None:
+    """bitsandbytes' 4-bit, as transformers applies it, quantises nn.Linear weights only; a
+    fused expert stack or a router is a plain Parameter and stays in the compute dtype (so
+    does transformers' own 4-bit load). For a mixture of experts that is most of each layer:
+    said once, with its share, so a "QLoRA" run's host memory is no surprise."""
+    worst = None
+    for index, layer in enumerate(layers):
+        kept = [
+            (f"{layer_name(path, index)}.{name}.{param_name}" if name else f"{layer_name(path, index)}.{param_name}", p)
+            for name, module in layer.named_modules()
+            if not isinstance(module, nn.Linear)
+            for param_name, p in module.named_parameters(recurse=False)
+            if p.dim() >= 2 and p.is_floating_point()
+        ]
+        total = sum(p.numel() for p in layer.parameters())
+        share = sum(p.numel() for _, p in kept) / total if total else 0.0
+        if kept and (worst is None or share > worst[0]):
+            worst = (share, kept)
+    if worst is None:
+        return
+    share, kept = worst
+    more = f" and {len(kept) - 1} more per layer" if len(kept) > 1 else ""
+    logger.warning(
+        "layerstream: quantization='nf4' quantises nn.Linear weights, as transformers and bitsandbytes do; "
+        "%s%s are plain Parameters (fused experts, a router) and stay in %s, %.0f%% of the weights of such a "
+        "layer (transformers' own 4-bit load keeps them the same way). The host memory check and "
+        "`layerstream plan` count them so.",
+        kept[0][0],
+        more,
+        str(dtype).replace("torch.", ""),
+        100 * share,
+    )
 
 
 def _nf4_layer_bytes(config, dtype, double_quant: bool, count: int):
@@ -471,6 +419,8 @@ def from_pretrained(
     bnb_4bit_use_double_quant = quant_config.bnb_4bit_use_double_quant if quant_config is not None else True
     path, layers = find_decoder_layers(model)
     check_long_context(model, config_stream)  # before any weight is read
+    if quantization == "nf4":
+        _say_unquantised_weights(layers, path, torch_dtype)
     tied_head = getattr(config, "tie_word_embeddings", False)
     expected = _expected_tensors(model, path, layers)
     conversion = for_checkpoint(model, files)  # transformers' renames and fused experts, per layer
@@ -493,7 +443,7 @@ def from_pretrained(
             "reads the model's bytes straight from the files, cannot read its layers. Raise host_budget (or "
             "leave it unset), or save the model with save_pretrained from a loaded model and stream that."
         )
-    reader = _Reader(files, conversion)
+    reader = TensorReader(files, conversion)
 
     # the resident part: every module outside the stack
     missing: list[str] = []
