@@ -345,3 +345,57 @@ def test_vllm_generation_is_refused_for_a_streamed_model_before_the_trainer_star
             Trainer(model=model, args=args)
     else:
         Trainer(model=model, args=args)
+
+
+class _GeneratingTrainer(Trainer):
+    """As an online RL trainer does: generate inside the training step, then train."""
+
+    generate_tokens = 0
+
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        if self.generate_tokens:
+            import torch
+
+            with torch.no_grad():
+                model.generate(
+                    input_ids=inputs["input_ids"][:, :3],
+                    attention_mask=torch.ones_like(inputs["input_ids"][:, :3]),
+                    max_new_tokens=self.generate_tokens,
+                    do_sample=False,
+                    pad_token_id=0,
+                )
+        return super().compute_loss(model, inputs, *args, **kwargs)
+
+
+def _generating_run(tmp_path, generate_tokens):
+    from datasets import Dataset
+
+    model, _ = peft_pair("llama", layers=4)
+    layerstream.stream_model(model, device="cpu", slots=2)
+    data = Dataset.from_list([{"input_ids": [3, 4, 5, 6, 7, 8], "labels": [3, 4, 5, 6, 7, 8]}] * 8)
+    args = TrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=2, logging_steps=1, save_strategy="no"
+    )
+    trainer = _GeneratingTrainer(model=model, args=args, train_dataset=data)
+    trainer.generate_tokens = generate_tokens
+    at_start = layerstream.get_runtime(model).stats()["layer_loads"]
+    trainer.train()
+    loads = layerstream.get_runtime(model).stats()["layer_loads"] - at_start
+    return [e for e in trainer.state.log_history if "loss" in e], loads
+
+
+def test_generation_inside_a_training_step_is_logged_apart_from_training(tmp_path):
+    plain, _ = _generating_run(tmp_path / "plain", 0)
+    generating, loads = _generating_run(tmp_path / "generating", 4)
+    assert all("layerstream/generate_layer_loads" not in entry for entry in plain)
+    # every copy is counted once, as training's or as generation's
+    split = sum(e["layerstream/layer_loads"] + e["layerstream/generate_layer_loads"] for e in generating)
+    assert split == loads
+    for without, entry in zip(plain, generating):
+        # training copies what it did without generation, give or take the two slots generation left filled
+        assert abs(entry["layerstream/layer_loads"] - without["layerstream/layer_loads"]) <= 2
+        assert entry["layerstream/generate_calls"] == 1
+        # four new tokens: a prefill and three decoding steps, each visiting the four streamed layers
+        assert entry["layerstream/generate_layer_loads"] >= 4 * 4 - 2
+        assert entry["layerstream/generate_seconds"] > 0
+        assert entry["layerstream/generate_window_layers"] == 0

@@ -53,7 +53,7 @@ from ..log import get_logger
 from ..meter import wanted_bytes
 from ..plan.long_settings import LONG_ORDER, setting_text
 from ..units import GiB, gib
-from . import launch
+from . import generation, launch
 
 logger = get_logger(__name__)
 
@@ -67,22 +67,32 @@ class _LogWindow:
     def __init__(self, runtime):
         self.runtime = runtime
         self.last = runtime.stats()
+        self.last_generation = generation.counters(runtime).snapshot()
         self.last_time = time.perf_counter()
         self.decisions_logged = 0  # of runtime.long_decisions_said()
 
     def figures(self) -> dict:
+        """Training's copies and stalls since the last log, without generation's (counted
+        by ``integrations.generation``), which follow under ``generate_*`` when it ran."""
         now = self.runtime.stats()
-        wall = max(time.perf_counter() - self.last_time, 1e-9)
-        copied = now["h2d_bytes"] - self.last["h2d_bytes"]
-        seconds = now["h2d_seconds"] - self.last["h2d_seconds"]
+        totals = generation.counters(self.runtime)
+        made = totals.snapshot()
+        gen = {name: made[name] - self.last_generation[name] for name in made}
+        wall = max(time.perf_counter() - self.last_time - gen["seconds"], 1e-9)
+        copied = now["h2d_bytes"] - self.last["h2d_bytes"] - gen["h2d_bytes"]
+        seconds = now["h2d_seconds"] - self.last["h2d_seconds"] - gen["h2d_seconds"]
+        stalled = now["stall_seconds"] - self.last["stall_seconds"] - gen["stall_seconds"]
         out = {
             PREFIX + "h2d_gbps": round(copied / seconds / 1e9, 3) if seconds > 0 else 0.0,
-            PREFIX + "stall_fraction": round((now["stall_seconds"] - self.last["stall_seconds"]) / wall, 4),
-            PREFIX + "layer_loads": now["layer_loads"] - self.last["layer_loads"],
+            PREFIX + "stall_fraction": round(stalled / wall, 4),
+            PREFIX + "layer_loads": now["layer_loads"] - self.last["layer_loads"] - gen["layer_loads"],
             PREFIX + "peak_resident_layers": now["peak_resident_layers"],
             PREFIX + "window_layers": now["window_layers"],
             PREFIX + "oom_retries": now["oom_retries"],
         }
+        if gen["calls"]:
+            out.update(_generation_figures(gen, totals.window_layers))
+        self.last_generation = made
         if now["disk_layers"]:
             read = now["disk_read_bytes"] - self.last["disk_read_bytes"]
             busy = now["disk_read_seconds"] - self.last["disk_read_seconds"]
@@ -111,6 +121,19 @@ class _LogWindow:
         figures["auto_long_plan_without_gib"] = round(decision.needed_without / GiB, 3)
         figures["auto_long_plan_gib"] = round(decision.needed / GiB, 3)
         return {PREFIX + key: value for key, value in figures.items()}
+
+
+def _generation_figures(gen: dict, window_layers: int) -> dict:
+    """What the ``generate`` calls since the last log copied, stalled and took."""
+    seconds = gen["h2d_seconds"]
+    return {
+        PREFIX + "generate_calls": gen["calls"],
+        PREFIX + "generate_seconds": round(gen["seconds"], 3),
+        PREFIX + "generate_layer_loads": gen["layer_loads"],
+        PREFIX + "generate_h2d_gbps": round(gen["h2d_bytes"] / seconds / 1e9, 3) if seconds > 0 else 0.0,
+        PREFIX + "generate_stall_fraction": round(gen["stall_seconds"] / max(gen["seconds"], 1e-9), 4),
+        PREFIX + "generate_window_layers": window_layers,
+    }
 
 
 def _streaming_figures(trainer) -> dict:

@@ -1,0 +1,88 @@
+"""What generation streams, counted apart from training.
+
+An online RL trainer (TRL's GRPO, RLOO) generates completions inside its training step, so
+the runtime's counters mix the two: a token step of decoding copies every streamed layer for
+a few tokens of compute, a training pass for thousands. ``generate`` on a streamed model
+(transformers' ``GenerationMixin.generate``, wrapped once when the first model streams) adds
+what it copied, stalled and took to a ``GenerationCounters`` of the runtime; the Trainer's
+logs show those figures next to training's, and training's without them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+
+from ..api import get_runtime, is_streamed, on_stream
+
+_ATTR = "_layerstream_generation"
+_installed = False
+COUNTED = ("layer_loads", "h2d_bytes", "h2d_seconds", "stall_seconds")
+
+
+@dataclasses.dataclass
+class GenerationCounters:
+    """Totals over every ``generate`` call on one streamed model since it streamed."""
+
+    calls: int = 0
+    seconds: float = 0.0
+    layer_loads: int = 0
+    h2d_bytes: int = 0
+    h2d_seconds: float = 0.0
+    stall_seconds: float = 0.0
+    window_layers: int = 0  # the resident window when the last call ended
+    active: bool = False  # inside a call (a nested generate counts once)
+
+    def snapshot(self) -> dict:
+        return {name: getattr(self, name) for name in ("calls", "seconds", *COUNTED)}
+
+
+def counters(runtime) -> GenerationCounters:
+    """The runtime's generation counters (zeros before its first ``generate``)."""
+    found = runtime.__dict__.get(_ATTR)
+    if found is None:
+        found = GenerationCounters()
+        runtime.__dict__[_ATTR] = found
+    return found
+
+
+def _counted(original):
+    @functools.wraps(original)
+    def generate(self, *args, **kwargs):
+        if not is_streamed(self):
+            return original(self, *args, **kwargs)
+        runtime = get_runtime(self)
+        totals = counters(runtime)
+        if totals.active:
+            return original(self, *args, **kwargs)
+        before, start = runtime.stats(), time.perf_counter()
+        totals.active = True
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            totals.active = False
+            after = runtime.stats()
+            totals.calls += 1
+            totals.seconds += time.perf_counter() - start
+            for name in COUNTED:
+                setattr(totals, name, getattr(totals, name) + after[name] - before[name])
+            totals.window_layers = after["window_layers"]
+
+    generate._layerstream = True
+    return generate
+
+
+def install() -> None:
+    """Wrap transformers' ``generate`` once (idempotent)."""
+    global _installed
+    if _installed:
+        return
+    from transformers.generation.utils import GenerationMixin
+
+    if not getattr(GenerationMixin.generate, "_layerstream", False):
+        GenerationMixin.generate = _counted(GenerationMixin.generate)
+    _installed = True
+
+
+on_stream(lambda model: install())
