@@ -163,6 +163,7 @@ def _run_plan(args, parser: argparse.ArgumentParser) -> int:
             parser.error(str(exc))
     elif (memory := host_memory()) is not None:
         print(format_host_check(plan, memory))
+    print(_decode_lines(args, config, plan))
     print()
     print(format_comparison(rows, seq, args.batch))
     print(auto)
@@ -170,6 +171,15 @@ def _run_plan(args, parser: argparse.ArgumentParser) -> int:
         print(f"\nlongest sequence that fits as given: {longest} tokens at batch {args.batch}")
         return 0 if longest > 0 else 1
     return 0 if plan.fits else 1
+
+
+def _decode_lines(args, config, plan) -> str:
+    from .plan import layer_shapes
+    from .plan.decode import active_params, decode_term
+    from .plan.report import format_decode_term
+
+    params = active_params(layer_shapes(config))
+    return format_decode_term(plan, decode_term(plan.layer_bytes, plan.slots, plan.bandwidth_gbps, params, args.tflops))
 
 
 def flag_name(setting_name: str) -> str:

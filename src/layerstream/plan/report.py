@@ -202,3 +202,24 @@ def format_host_check(plan: MemoryPlan, memory) -> str:
     if plan.activation_host_bytes:
         fixes = f"the offloaded inputs take {_gib(plan.activation_host_bytes)}: shorten --seq, " + fixes
     return "\n".join(textwrap.wrap(f"{head}: DOES NOT FIT this host; {fixes}", width=88, subsequent_indent="  "))
+
+
+def format_decode_term(plan: MemoryPlan, term) -> str:
+    """Generation's lines: one token step's copies and copy bound, and the batch from which
+    the frozen layers' compute hides them (``plan.decode.decode_term``)."""
+    lines = ["", "Generation: one token step of decoding (the whole batch at once, every layer streamed)"]
+    copies = (
+        f"{term.layers_copied} layer copies ({plan.num_layers} - {plan.slots} slots)"
+        if term.layers_copied
+        else "0 layer copies (every layer stays in a slot)"
+    )
+    timing = f"{term.copy_seconds * 1e3:.1f} ms at {plan.bandwidth_gbps:g} GB/s"
+    lines.append(f"  {copies:<52}{_gib(term.copy_bytes):>10}  {timing}")
+    if term.compute_bound_batch is not None:
+        lines.append(
+            f"  compute-bound from batch {term.compute_bound_batch}: 2 x {term.params / 1e9:.2f}B frozen "
+            "parameters per sequence take as long as the copies"
+        )
+    else:
+        lines.append("  --tflops T: the batch from which decoding is compute-bound rather than copy-bound")
+    return "\n".join(lines)

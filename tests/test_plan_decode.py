@@ -1,0 +1,61 @@
+"""The planner's decode term: one token step's copies and copy bound, and the batch from
+which the frozen layers' compute hides them, pinned against hand computations."""
+
+import math
+
+from test_plan import LLAMA3_8B, LLAMA3_8B_LAYER_BF16, config_of, write_config
+
+from layerstream import cli
+from layerstream.plan import layer_bytes, layer_shapes
+from layerstream.plan.decode import active_params, decode_term
+
+# Llama-3-8B bf16: 32 layers of 436,224,000 bytes, 218,103,808 linear parameters each
+LAYER_LINEAR_PARAMS = 218_103_808
+
+
+def test_a_token_step_copies_every_layer_but_the_slots_once_for_the_whole_batch():
+    sizes = [LLAMA3_8B_LAYER_BF16] * 32
+    term = decode_term(sizes, slots=3, bandwidth_gbps=55, params=32 * LAYER_LINEAR_PARAMS, tflops=400)
+    assert term.layers_copied == 29 and term.copy_bytes == 29 * LLAMA3_8B_LAYER_BF16
+    assert term.copy_seconds == 29 * LLAMA3_8B_LAYER_BF16 / 55e9  # 0.230 s
+    per_sequence = 2 * 32 * LAYER_LINEAR_PARAMS / 400e12  # 34.9 microseconds
+    assert term.compute_bound_batch == math.ceil(term.copy_seconds / per_sequence) == 6592  # 6,591.3 rounded up
+
+
+def test_uneven_layers_count_the_largest_as_copied_and_no_tflops_gives_no_batch():
+    term = decode_term([10, 30, 20, 40], slots=2, bandwidth_gbps=1, params=1)
+    assert term.copy_bytes == 30 + 40 and term.compute_bound_batch is None
+    assert decode_term([10, 20], slots=3, bandwidth_gbps=1, params=1).layers_copied == 0
+
+
+def test_a_mixture_of_experts_computes_with_the_experts_a_token_is_routed_to():
+    qwen3_moe = dict(
+        model_type="qwen3_moe",
+        vocab_size=1000,
+        hidden_size=64,
+        intermediate_size=256,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+    )
+    shapes = layer_shapes(config_of(qwen3_moe))
+    attention = (64 * 64 + 2 * 64 * 32 + 64 * 64) * 2  # q, k, v, o in both layers
+    router = 8 * 64 * 2
+    experts = (8 * 64 * 64 + 8 * 32 * 64) * 2  # gate_up and down stacks, both layers
+    assert active_params(shapes) == attention + router + experts * 2 // 8
+
+
+def test_plan_prints_the_decode_step(tmp_path, capsys):
+    path = write_config(tmp_path, LLAMA3_8B)
+    assert layer_bytes(config_of(LLAMA3_8B), "none", __import__("torch").bfloat16)[0] == LLAMA3_8B_LAYER_BF16
+    cli.main(["plan", "--model", str(path), "--vram", "80GiB", "--seq", "2048", "--slots", "3", "--tflops", "400"])
+    out = capsys.readouterr().out
+    assert "Generation: one token step of decoding" in out
+    assert "29 layer copies (32 - 3 slots)" in out and "230.0 ms at 55 GB/s" in out
+    assert "compute-bound from batch 6592" in out
+    cli.main(["plan", "--model", str(path), "--vram", "80GiB", "--seq", "2048", "--slots", "3"])
+    assert "--tflops T: the batch from which decoding is compute-bound" in capsys.readouterr().out
