@@ -11,7 +11,16 @@ from peft import LoraConfig, get_peft_model
 import layerstream
 from layerstream import swap
 
-from tiny import assert_traces_equal, batch, lora_config, peft_pair, stream, tiny_model, train_steps
+from tiny import (
+    assert_traces_equal,
+    batch,
+    lora_config,
+    peft_pair,
+    portable_cpu_nf4,
+    stream,
+    tiny_model,
+    train_steps,
+)
 
 
 def _streamed(layers=5, slots=2, window=None, device="cpu", **pair):
@@ -203,6 +212,31 @@ def test_dora_added_after_streaming_starts_from_the_resident_magnitudes(device):
                 on_host[f"{name}.lora_magnitude_vector.default.weight"] = norm
         assert any(not torch.equal(on_host[n], want[n]) for n in want), "host and device norms agree: no control"
     assert_traces_equal(train_steps(streamed, 2, device), train_steps(resident, 2, device))
+
+
+def test_qlora_dora_added_after_streaming_trains_as_the_resident_model(tmp_path):
+    """QLoRA with DoRA as under the launcher (`--load_in_4bit --use_dora`): PEFT deep-copies a
+    4-bit base layer to take its norms, which a streamed layer refuses; DoRA's init reads
+    the weight alone instead, and training equals the resident QLoRA DoRA model."""
+    from transformers import BitsAndBytesConfig
+
+    tiny_model("llama", 4, dtype=torch.bfloat16, hidden_size=64, intermediate_size=128, head_dim=16).save_pretrained(
+        tmp_path
+    )
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
+    from transformers import AutoModelForCausalLM
+
+    resident = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=quant, dtype=torch.bfloat16)
+    streamed = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=quant, dtype=torch.bfloat16)
+    portable_cpu_nf4(resident), portable_cpu_nf4(streamed)
+    stream(streamed, "cpu", slots=2, prefetch=1)
+    torch.manual_seed(0)
+    streamed = get_peft_model(streamed, lora_config(use_dora=True))
+    torch.manual_seed(0)
+    resident = get_peft_model(resident, lora_config(use_dora=True))
+    want, got = _magnitudes(resident), _magnitudes(streamed)
+    assert want and all(torch.equal(want[n], got[n]) for n in want)
+    assert_traces_equal(train_steps(streamed, 2), train_steps(resident, 2))
 
 
 def _lora_after_streaming(device, init):

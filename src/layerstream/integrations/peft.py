@@ -148,25 +148,35 @@ def _dora_layer_classes():
     return [cls for cls in vars(dora).values() if isinstance(cls, type) and cls.__name__.startswith("Dora")]
 
 
+class _BaseWeight(nn.Module):
+    """The base layer's weight alone, as DoRA's initialisation reads it. PEFT deep-copies a
+    4-bit base layer before dequantising it, and a streamed layer does not deep-copy (its
+    weights are in the host store); this stand-in holds the same weight and copies."""
+
+    def __init__(self, weight):
+        super().__init__()
+        self.weight = weight
+
+
 def _initialising_on_device(method):
-    """DoRA's ``update_layer`` with the base weights, and the adapters it combines with
-    them, on the streaming device: where a resident model's would be."""
+    """DoRA's ``update_layer`` reading the streamed base weight where a resident model's
+    would be: on the streaming device, with the adapters it combines with it there."""
 
     @functools.wraps(method)
     def wrapped(self, *, base_layer, lora_A, lora_B, scaling, **kwargs):
         runtime = getattr(base_layer, "__dict__", {}).get("_layerstream_runtime")
         if (
             runtime is None
-            or runtime.device.type == "cpu"
             or getattr(base_layer, "_layerstream_materialised", False)
             or not runtime.entries_of(base_layer)
         ):
             return method(self, base_layer=base_layer, lora_A=lora_A, lora_B=lora_B, scaling=scaling, **kwargs)
         home = lora_A.device  # where PEFT leaves the magnitude: with the adapters
-        with device_copies(runtime, base_layer):
+        on_device = runtime.device.type != "cpu"
+        with device_copies(runtime, base_layer) if on_device else contextlib.nullcontext():
             result = method(
                 self,
-                base_layer=base_layer,
+                base_layer=_BaseWeight(base_layer.weight),
                 lora_A=lora_A.to(runtime.device),
                 lora_B=lora_B.to(runtime.device),
                 scaling=scaling,
