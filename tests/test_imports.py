@@ -117,8 +117,84 @@ def test_there_are_no_import_cycles():
     assert not cycles, cycles
 
 
+def _dotted_of(path: Path) -> str:
+    """The module's dotted name inside the package (a subpackage's ``__init__`` is the package)."""
+    parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _resolve(parts) -> str:
+    """The longest module of the package that ``parts`` (a dotted path inside it) names."""
+    for end in range(len(parts), 0, -1):
+        candidate = PACKAGE.joinpath(*parts[:end])
+        if candidate.with_suffix(".py").is_file() or (candidate / "__init__.py").is_file():
+            return ".".join(parts[:end])
+    return ""
+
+
+def _dotted_imports(path: Path):
+    """Every module of the package ``path`` imports, by dotted name (``from .plan import
+    memory`` names ``plan.memory``; ``from .plan.memory import X`` too)."""
+    tree = ast.parse(path.read_text())
+    package = list(path.relative_to(PACKAGE).parts[:-1])
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("layerstream")):
+            if node.level:
+                base = package[: len(package) - node.level + 1] + (node.module.split(".") if node.module else [])
+            else:
+                base = node.module.split(".")[1:]
+            for alias in node.names:
+                found = _resolve(base + [alias.name]) or _resolve(base)
+                if found:
+                    yield found
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("layerstream."):
+                    found = _resolve(alias.name.split(".")[1:])
+                    if found:
+                        yield found
+
+
+def _cycles(graph) -> list:
+    state, cycles = {}, []
+
+    def visit(node, stack):
+        state[node] = "open"
+        for target in sorted(graph.get(node, ())):
+            if state.get(target) == "open":
+                cycles.append(stack[stack.index(target) :] + [target])
+            elif target not in state:
+                visit(target, stack + [target])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    return cycles
+
+
+def test_there_are_no_import_cycles_between_files():
+    """The same at file level, by dotted name: a subpackage's modules (``plan.memory``,
+    ``integrations.trainer``) may not import each other in a circle either. A package's
+    ``__init__`` importing its own modules is how a package exports, not a cycle."""
+    graph = {}
+    for path in PACKAGE.rglob("*.py"):
+        if path == PACKAGE / "__init__.py":
+            continue
+        name = _dotted_of(path)
+        targets = {t for t in _dotted_imports(path) if t != name}
+        if path.name == "__init__.py":
+            targets = {t for t in targets if not t.startswith(name + ".")}
+        graph.setdefault(name, set()).update(targets)
+    assert "plan.memory" in graph and "integrations.trainer" in graph
+    assert not _cycles(graph), _cycles(graph)
+
+
 def test_the_checks_above_can_fail():
     """Negative control: a made-up upward import is found."""
     rank = {module: i for i, layer in enumerate(LAYERS) for module in layer}
     graph = {"store": {"runtime"}}
     assert [f"{a} -> {b}" for a, t in graph.items() for b in t if rank[b] > rank[a]] == ["store -> runtime"]
+    assert _cycles({"plan.memory": {"plan.shapes"}, "plan.shapes": {"plan.memory"}}) == [
+        ["plan.memory", "plan.shapes", "plan.memory"]
+    ]

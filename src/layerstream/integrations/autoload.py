@@ -204,3 +204,6 @@ def _place(model, target: Optional[torch.device]) -> None:
         return
     model.to(target)
     model.hf_device_map = {"": target.index if target.type == "cuda" else target.type}
+
+
+launch.on_enable(install, uninstall)

@@ -14,13 +14,23 @@ GPU) moves the streamed model there unless ``--device`` was given.
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from ..config import StreamConfig, config_from_settings
 
 _settings: Optional[Dict[str, Any]] = None  # the launcher's values, as parse_setting returns them
+# (turn on, turn off) of what auto-streaming changes: registered by ``autoload`` (the loader
+# behind from_pretrained) and ``trainer`` (the Trainer's hooks), which the package's
+# ``__init__`` imports before this module can be used; this module, which they read the
+# settings from, imports neither
+_switches: List[Tuple[Callable[[], None], Optional[Callable[[], None]]]] = []
+
+
+def on_enable(turn_on: Callable[[], None], turn_off: Optional[Callable[[], None]] = None) -> None:
+    """Call ``turn_on`` at every ``enable`` and ``turn_off`` at every ``disable``."""
+    _switches.append((turn_on, turn_off))
 
 
 def enable(settings: Dict[str, Any]) -> None:
@@ -31,18 +41,16 @@ def enable(settings: Dict[str, Any]) -> None:
     check["device"] = check.get("device") or "cpu"  # the device is chosen later; check the rest
     StreamConfig(**check)
     _settings = dict(settings)
-    from . import autoload, trainer
-
-    trainer.install()
-    autoload.install()
+    for turn_on, _ in _switches:
+        turn_on()
 
 
 def disable() -> None:
     global _settings
     _settings = None
-    from . import autoload
-
-    autoload.uninstall()
+    for _, turn_off in _switches:
+        if turn_off is not None:
+            turn_off()
 
 
 def active() -> bool:

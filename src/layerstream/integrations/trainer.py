@@ -359,6 +359,7 @@ def install() -> None:
 
 
 on_stream(lambda model: install())
+launch.on_enable(install)
 
 try:
     from transformers import TrainerCallback as _CallbackBase

@@ -39,5 +39,6 @@ from .lora import LoraTargets  # noqa: F401
 from .memory import *  # noqa: F401,F403
 from .memory import _build, _copies, _working_bytes  # noqa: F401
 from .model import model_plan_args, plan_for_model  # noqa: F401
+from .planner import make_plan  # noqa: F401
 from .report import format_comparison, format_host_check, format_plan, speed_hints  # noqa: F401
 from .shapes import *  # noqa: F401,F403

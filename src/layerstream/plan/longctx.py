@@ -19,7 +19,7 @@ def complete(args: dict) -> dict:
     """``make_plan``'s keyword arguments with its defaults filled in (``_build`` takes them all)."""
     import inspect
 
-    from .memory import make_plan
+    from .planner import make_plan
 
     defaults = {
         name: p.default for name, p in inspect.signature(make_plan).parameters.items() if p.default is not p.empty

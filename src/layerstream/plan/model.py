@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from .. import trl_head
-from .memory import MemoryPlan, make_plan
+from .memory import MemoryPlan
+from .planner import make_plan
 
 
 def model_plan_args(model, seq: int, batch: int, vram_bytes: int = 1 << 50, **settings) -> dict:
