@@ -161,7 +161,7 @@ def probe(args) -> dict:
             model.to(device)
             what = "resident"
             if "loss_chunk_tokens" in options:  # the chunked loss alone: neither offload nor tiling
-                from layerstream import chunked_loss
+                from layerstream.long import chunked_loss
 
                 chunked_loss.apply(model, int(options["loss_chunk_tokens"]))
                 what = f"resident, loss_chunk_tokens={options['loss_chunk_tokens']}"

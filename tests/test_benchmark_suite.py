@@ -332,7 +332,7 @@ def test_a_resident_probe_with_a_loss_chunk_computes_the_chunked_loss(tmp_path, 
     """The baseline probe itself (tiny model, CPU): resident, and its loss is the chunked one."""
     import long_context
 
-    from layerstream import chunked_loss
+    from layerstream.long import chunked_loss
 
     applied = []
     monkeypatch.setattr(chunked_loss, "apply", lambda model, tokens: applied.append(tokens) or model)

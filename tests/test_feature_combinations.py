@@ -9,8 +9,8 @@ import torch
 from peft import get_peft_model
 
 import layerstream
-from layerstream import chunked_loss, tiled_mlp
 from layerstream.errors import DiskReadError, StreamingError
+from layerstream.long import chunked_loss, tiled_mlp
 
 from tiny import assert_traces_equal, batch, lora_config, peft_pair, stream, tiny_model, train_steps
 

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 import layerstream
-from layerstream import cli, embedded, tiled_mlp
+from layerstream import cli, embedded
 from layerstream.integrations import launch
+from layerstream.long import tiled_mlp
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -15,9 +15,10 @@ import torch
 from transformers import HfArgumentParser, Trainer, TrainingArguments
 
 import layerstream
-from layerstream import chunked_loss, cli, loading, nf4, tiled_mlp
+from layerstream import cli, loading, nf4
 from layerstream.config import StreamConfig, parse_setting
 from layerstream.errors import StreamConfigError, StreamingError
+from layerstream.long import chunked_loss, tiled_mlp
 
 from tiny import (
     assert_traces_equal,

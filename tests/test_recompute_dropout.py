@@ -14,7 +14,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 import layerstream
-from layerstream import chunked_loss, tiled_mlp
+from layerstream.long import chunked_loss, tiled_mlp
 
 from tiny import assert_traces_equal, peft_pair, scale_mlp_outputs, stream, train_steps
 

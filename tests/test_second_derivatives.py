@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import layerstream
-from layerstream import chunked_loss, tiled_mlp
 from layerstream.errors import StreamingError
+from layerstream.long import chunked_loss, tiled_mlp
 
 from tiny import batch, peft_pair, stream, train_steps
 

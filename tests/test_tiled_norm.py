@@ -7,8 +7,8 @@ import logging
 import pytest
 import torch
 
-from layerstream import tiled_mlp, tiled_norm
-from layerstream.tiled_norm import TiledNormFunction
+from layerstream.long import tiled_mlp, tiled_norm
+from layerstream.long.tiled_norm import TiledNormFunction
 
 from tiny import assert_traces_equal, batch, peft_pair, stream, tiny_model, train_steps
 

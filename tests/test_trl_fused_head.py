@@ -11,7 +11,8 @@ from datasets import Dataset
 from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
 
 import layerstream
-from layerstream import cli, embedded, trl_head
+from layerstream import cli, embedded
+from layerstream.long import trl_head
 from layerstream.plan import LOSS_LOGIT_COPIES, plan_for_model
 from layerstream.train import TrainConfigError, load
 
@@ -48,7 +49,7 @@ def _sft(model, out, device="cpu", steps=2) -> list:
 
 def _trl_head_records(caplog) -> list:
     """The warnings layerstream's TRL integration gave (the summary's lines are others)."""
-    return [r for r in caplog.records if r.name == "layerstream.trl_head"]
+    return [r for r in caplog.records if r.name == "layerstream.long.trl_head"]
 
 
 def _spy_on_trls_kernel(monkeypatch) -> list:

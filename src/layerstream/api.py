@@ -7,11 +7,12 @@ from typing import Callable, List, Optional, Union
 import torch
 from torch import nn
 
-from . import changes, chunked_loss, layer, nf4, tiled_mlp
+from . import changes, layer, nf4
 from .config import StreamConfig, resolve_device
 from .discovery import find_decoder_layers, layer_name, unwrap_peft
 from .errors import StreamConfigError, StreamingError
 from .log import get_logger
+from .long import chunked_loss, tiled_mlp
 from .runtime import StreamRuntime
 from .store import LAYOUT, HostStore, check_host_memory
 from .units import GiB, gib, size

@@ -38,10 +38,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from . import swap, trl_head
+from . import swap
 from .discovery import unwrap_peft
 from .errors import StreamingError
 from .log import get_logger
+from .long import trl_head
 from .store import HostStore, LayerRecord, set_data
 from .units import GiB
 

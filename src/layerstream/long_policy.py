@@ -24,12 +24,12 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from . import chunked_loss, tiled_mlp
 from .config import OFFLOAD_AUTO_MARGIN
 from .discovery import unwrap_peft
 from .disk_plan import size_text
 from .errors import StreamingError
 from .log import get_logger
+from .long import chunked_loss, tiled_mlp
 from .plan.long_settings import AUTO, LONG_ORDER, NOTHING, OFF, LongDecision, decide_for, describe, setting_text
 from .plan.model import model_plan_args
 

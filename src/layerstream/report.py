@@ -7,9 +7,9 @@ from typing import Optional
 
 import torch
 
-from . import chunked_loss, trl_head
 from .config import expandable_segments, gpu_memory_for_run
 from .errors import StreamingError
+from .long import chunked_loss, trl_head
 from .units import GiB, MiB, gib, size
 
 

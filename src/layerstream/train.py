@@ -402,7 +402,8 @@ def _config_names(advice: str) -> str:
 def check_fits(config, where: str = "config") -> None:
     """Refuse, before anything is loaded or written, a run the memory planner says will
     not fit in stream.vram_budget even when streamed; the message carries the planner's advice."""
-    from . import plan, trl_head
+    from . import plan
+    from .long import trl_head
 
     stream = stream_config(config, where)
     budget = stream.budget_bytes()

@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .. import chunked_loss, report, timeline, trl_head
+from .. import report, timeline
 from ..api import get_runtime, is_streamed, on_stream, stream_model
 from ..config import (
     BUDGET,
@@ -50,6 +50,7 @@ from ..config import (
 from ..errors import StreamingError
 from ..layer import registrations
 from ..log import get_logger
+from ..long import chunked_loss, trl_head
 from ..meter import wanted_bytes
 from ..plan.long_settings import LONG_ORDER, setting_text
 from ..units import GiB, gib

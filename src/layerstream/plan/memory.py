@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
-from .. import trl_head
 from ..config import auto_slots, offload_device_layers, offloaded_layers
+from ..long import trl_head
 from ..schedule import usable_backward_slots
 from ..units import GiB, aligned, arena_sizes
 from ..window import margin_bytes

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import trl_head
+from ..long import trl_head
 from .memory import MemoryPlan
 from .planner import make_plan
 

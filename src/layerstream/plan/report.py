@@ -6,8 +6,8 @@ from __future__ import annotations
 import textwrap
 from typing import List, Optional
 
-from .. import trl_head
 from ..config import offload_device_layers, offloaded_layers
+from ..long import trl_head
 from ..units import GiB
 from .memory import MemoryPlan, _gib, backward_slot_count
 from .shapes import LOSS_LOGIT_COPIES

@@ -29,11 +29,12 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import get_device_states, set_device_states
 
-from . import swap, tiled_norm
+from .. import swap
+from ..config import check_tokens
+from ..discovery import describe_family, find_decoder_layers, layer_name
+from ..errors import StreamingError
+from . import tiled_norm
 from .chunked_loss import autocast_as, autocast_state, refuse_second_order, span_gradients, spans
-from .config import check_tokens
-from .discovery import describe_family, find_decoder_layers, layer_name
-from .errors import StreamingError
 from .tiles import bound_to, frozen_tensors
 
 _TILE = "_layerstream_mlp_tile_tokens"

@@ -35,10 +35,10 @@ from typing import List
 import torch
 from torch import nn
 
-from . import swap
+from .. import swap
+from ..discovery import find_decoder_layers
+from ..log import get_logger
 from .chunked_loss import autocast_as, autocast_state, refuse_second_order, span_gradients, spans
-from .discovery import find_decoder_layers
-from .log import get_logger
 from .tiles import bound_to, frozen_tensors
 
 logger = get_logger(__name__)
