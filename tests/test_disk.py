@@ -255,6 +255,31 @@ def test_after_a_failed_read_the_next_steps_equal_an_uninterrupted_run(checkpoin
     assert_traces_equal(train_steps(ram, 2), train_steps(fed, 2))
 
 
+def test_a_read_ahead_that_failed_with_the_read_in_use_is_not_handed_to_the_next_step(checkpoint, monkeypatch):
+    """A transient error fails every read under way at that moment: the read the step was
+    waiting for raises, and a read ahead for another layer failed beside it. That one must
+    be dropped too, or the next step, long after the disk recovered, fails on it."""
+    fed = _load(checkpoint, _small_budget(checkpoint))
+    tier = layerstream.get_runtime(fed).disk
+    first, second = sorted(tier.layers)[:2]
+    failing, read = [True], disk.DiskTier._read_chunk
+
+    def read_chunk(self, chunk, region, gate=None):
+        if failing:
+            raise OSError(errno.EIO, "Input/output error")
+        return read(self, chunk, region, gate)
+
+    monkeypatch.setattr(disk.DiskTier, "_read_chunk", read_chunk)
+    monkeypatch.setattr(type(tier.lookahead), "depth", property(lambda self: 2))  # read both ahead
+    tier.read_ahead([first, second])
+    with pytest.raises(DiskReadError, match="Input/output error"):
+        tier.take(first)
+    failing.clear()
+    staged = tier.take(second)  # read again on demand, now that the disk answers
+    assert staged.numel() == tier.layers[second].record.nbytes
+    tier.copied(second)
+
+
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
 def test_a_short_read_is_refused(checkpoint, monkeypatch, direct):
     fed = _peft(_load(checkpoint, _small_budget(checkpoint)))

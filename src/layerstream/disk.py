@@ -340,10 +340,10 @@ class DiskTier:
             for future in region.futures:
                 ended = max(ended, future.result())
         except OSError as exc:
-            self._drop(index, region)
+            self._drop_all()
             raise self._read_error(layer, exc) from exc
         except DiskReadError:
-            self._drop(index, region)
+            self._drop_all()
             raise
         done = time.perf_counter()
         stall = done - now
@@ -393,6 +393,13 @@ class DiskTier:
             event = torch.cuda.Event()
             event.record(stream)
             region.copy_done = event
+
+    def _drop_all(self) -> None:
+        """After a failed read: every read under way is waited for and dropped, so a read
+        for another layer that failed in the same moment (a transient error hits them all)
+        is not handed to the next step; the next step reads what it needs again."""
+        for index, region in list(self._where.items()):
+            self._drop(index, region)
 
     def _drop(self, index: int, region: _Region) -> None:
         for future in region.futures:
