@@ -95,21 +95,7 @@ def test_no_module_imports_from_a_layer_above_it():
 
 
 def test_there_are_no_import_cycles():
-    graph = _graph()
-    state, cycles = {}, []
-
-    def visit(node, stack):
-        state[node] = "open"
-        for target in sorted(graph.get(node, ())):
-            if state.get(target) == "open":
-                cycles.append(stack[stack.index(target) :] + [target])
-            elif target not in state:
-                visit(target, stack + [target])
-        state[node] = "done"
-
-    for node in sorted(graph):
-        if node not in state:
-            visit(node, [node])
+    cycles = _cycles(_graph())
     assert not cycles, cycles
 
 

@@ -304,12 +304,7 @@ def validate_checkpoint(
     for name, target in expected.items():
         if name not in files:
             continue
-        found = stored[files[name]].get(name)
-        if found is None:
-            raise LoadingError(
-                f"the index puts {name} in {files[name]}, which does not hold it (the index and "
-                f"the shards come from different saves); {FETCH_AGAIN}"
-            )
+        found = _stored(stored, files, name)
         if found.shape != tuple(target.shape):
             problems.append(
                 f"{name} in {found.file.name} has shape {list(found.shape)}, the model expects {list(target.shape)}"

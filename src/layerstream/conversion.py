@@ -16,7 +16,7 @@ tensor is read: a tensor the model needs that no checkpoint name maps to is refu
 from __future__ import annotations
 
 import copy
-from typing import Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -107,34 +107,23 @@ class Conversion:
             ]
         return problems
 
-    def fill(self, targets: Dict[str, torch.Tensor], read: Callable[[List[str]], Dict[str, torch.Tensor]]) -> None:
-        """Fill the converted ``targets`` (model name -> tensor): each group's checkpoint
-        tensors are read (``read``: names -> tensors), converted by transformers' operations,
-        and copied in; a group's output another module owns is refused as a bug."""
-        firsts = []
-        for name in targets:
-            first = self.produced.get(name)
-            if first is not None and first not in firsts:
-                firsts.append(first)
-        for first in firsts:
+    def converted_values(
+        self, names: Iterable[str], read: Callable[[List[str]], Dict[str, torch.Tensor]]
+    ) -> Iterator[Tuple[str, torch.Tensor, str]]:
+        """(model name, value, what it was converted from) for the converted ``names``: each
+        group's checkpoint tensors are read (``read``: names -> tensors) and converted by
+        transformers' operations, once per group; an output outside ``names`` is refused."""
+        names = set(names)
+        for first in dict.fromkeys(self.produced[name] for name in names if name in self.produced):
             _, sources = self.groups[first]
-            out = self._convert(first, read([key for _, key in sources]))
-            for name, value in out.items():
-                target = targets.get(name)
-                if target is None:
+            origin = f"converted from {sources[0][1]} and {len(sources) - 1} more"
+            for name, value in self._convert(first, read([key for _, key in sources])).items():
+                if name not in names:
                     raise LoadingError(
-                        f"converting the checkpoint's {sources[0][1]} and {len(sources) - 1} more gave {name}, "
-                        "which the layer being loaded does not hold; load with transformers "
+                        f"{name} ({origin}) is not held by the layer being loaded; load with transformers "
                         "(AutoModelForCausalLM.from_pretrained) and call layerstream.stream_model"
                     )
-                if tuple(value.shape) != tuple(target.shape):
-                    raise LoadingError(
-                        f"converting the checkpoint's {sources[0][1]} and {len(sources) - 1} more gave {name} of "
-                        f"shape {list(value.shape)}; the model expects {list(target.shape)}"
-                    )
-                with torch.no_grad():
-                    target.copy_(value.to(target.dtype) if value.is_floating_point() else value)
-            del out
+                yield name, value, origin
 
 
 def for_checkpoint(model: nn.Module, checkpoint_names: Iterable[str]) -> Optional[Conversion]:

@@ -45,7 +45,9 @@ class TensorReader:
 
         self._each(list(found), copy_in)
         if converted:
-            conversion.fill({name: targets[name] for name in converted}, self.read)
+            with torch.no_grad():
+                for name, value, origin in conversion.converted_values(converted, self.read):
+                    copy_into(targets[name], value, f"{name} ({origin})")
         return missing
 
     def read(self, keys: list[str]) -> dict[str, torch.Tensor]:

@@ -111,12 +111,17 @@ def _checked_first(method):
     return wrapped
 
 
+def _runtime_of(module) -> object:
+    """The runtime streaming ``module`` (a base layer), or None."""
+    return getattr(module, "__dict__", {}).get("_layerstream_runtime") if module is not None else None
+
+
 def refuse_unwritable_layers(model: nn.Module) -> None:
     """Raise, before anything is merged, if any tuner layer of ``model`` has a streamed base
     whose weights cannot be written (the same refusal its own merge would raise later)."""
     for module in model.modules():
         base = module.get_base_layer() if hasattr(module, "get_base_layer") else None
-        runtime = getattr(base, "__dict__", {}).get("_layerstream_runtime") if base is not None else None
+        runtime = _runtime_of(base)
         found = runtime.entries_of(base) if runtime is not None else None
         if found:
             runtime.refuse_host_write(found[0].index, "a merge")
@@ -129,7 +134,7 @@ def _materialising(method, change: str = "a merge", write_back: bool = True):
     @functools.wraps(method)
     def wrapped(self, *args, **kwargs):
         base = self.get_base_layer() if hasattr(self, "get_base_layer") else None
-        runtime = getattr(base, "__dict__", {}).get("_layerstream_runtime") if base is not None else None
+        runtime = _runtime_of(base)
         if runtime is None or getattr(base, "_layerstream_materialised", False):
             return method(self, *args, **kwargs)
         with materialised(runtime, base, change) if write_back else device_copies(runtime, base):
@@ -164,7 +169,7 @@ def _initialising_on_device(method):
 
     @functools.wraps(method)
     def wrapped(self, *, base_layer, lora_A, lora_B, scaling, **kwargs):
-        runtime = getattr(base_layer, "__dict__", {}).get("_layerstream_runtime")
+        runtime = _runtime_of(base_layer)
         if (
             runtime is None
             or getattr(base_layer, "_layerstream_materialised", False)

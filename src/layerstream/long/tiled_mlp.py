@@ -35,7 +35,7 @@ from ..discovery import describe_family, find_decoder_layers, layer_name
 from ..errors import StreamingError
 from . import tiled_norm
 from .chunked_loss import autocast_as, autocast_state, refuse_second_order, span_gradients, spans
-from .tiles import bound_to, frozen_tensors
+from .tiles import bound_to, frozen_tensors, tile_for
 
 _TILE = "_layerstream_mlp_tile_tokens"
 _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -134,9 +134,7 @@ class TiledMLP:
     """Mixed in front of the MLP's class: inputs longer than the tile run tile by tile."""
 
     def forward(self, x, *args, **kwargs):
-        tile = self.__dict__[_TILE]
-        if isinstance(tile, dict):  # mlp_tile_tokens="auto": the tile decided for this many tokens
-            tile = tile.get(x.numel() // x.shape[-1]) if x.dim() >= 2 and torch.is_grad_enabled() else None
+        tile = tile_for(self.__dict__[_TILE], x)
         if not tile or args or kwargs or x.dim() < 2 or x.numel() // x.shape[-1] <= tile:
             return super().forward(x, *args, **kwargs)
         specs = frozen_tensors(self)

@@ -39,7 +39,7 @@ from .. import swap
 from ..discovery import find_decoder_layers
 from ..log import get_logger
 from .chunked_loss import autocast_as, autocast_state, refuse_second_order, span_gradients, spans
-from .tiles import bound_to, frozen_tensors
+from .tiles import bound_to, frozen_tensors, tile_for
 
 logger = get_logger(__name__)
 
@@ -87,9 +87,7 @@ class TiledNorm:
     tile by tile (its forward is the norm's own)."""
 
     def forward(self, x, *args, **kwargs):
-        tile = self.__dict__[_TILE]
-        if isinstance(tile, dict):  # mlp_tile_tokens="auto": the tile decided for this many tokens
-            tile = tile.get(x.numel() // x.shape[-1]) if x.dim() >= 2 and torch.is_grad_enabled() else None
+        tile = tile_for(self.__dict__[_TILE], x)
         if (
             not tile
             or args
