@@ -291,8 +291,13 @@ def test_a_short_read_is_refused(checkpoint, monkeypatch, direct):
         return min(got, 16) if offset == 0 or got > 16 else 0
 
     monkeypatch.setattr(os, "preadv", short)
-    with pytest.raises(DiskReadError, match="the file is shorter than when it was loaded"):
+    with pytest.raises(DiskReadError, match="the file is shorter than when it was loaded") as caught:
         train_steps(fed, 1)
+    # a read under way when the file is truncated meets this error, not the check's: it
+    # must name the file and what to do the same way
+    message = str(caught.value)
+    assert ".safetensors changed while the run used it" in message
+    assert "Restore the file, or restart the run" in message
 
 
 def test_direct_io_refused_by_the_file_system_falls_back_to_buffered_reads_loudly(checkpoint, monkeypatch, caplog):

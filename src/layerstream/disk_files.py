@@ -66,10 +66,14 @@ def read_fully(source: SourceFile, fd: int, target: memoryview, offset: int) -> 
 
 
 def short_read(source: SourceFile, offset: int, wanted: int, got: int) -> DiskReadError:
+    """A read that came back short: the file shrank after it was loaded (its check, made
+    before the read started, passed). Worded like ``SourceFile.check``'s refusal, since it
+    is the same event seen from a read already under way."""
     return DiskReadError(
-        f"a read of {wanted} bytes at offset {offset} of {source.path} returned {got}: the file is shorter than "
-        "when it was loaded (truncated or replaced). Nothing was copied to the GPU; restore the checkpoint and "
-        "restart the run."
+        f"{source.path} changed while the run used it: a read of {wanted} bytes at offset {offset} returned "
+        f"{got}, so the file is shorter than when it was loaded (truncated or replaced). Nothing was copied to "
+        "the GPU. Restore the file, or restart the run on an unchanged checkpoint (copy it first if something "
+        "rewrites it)."
     )
 
 
