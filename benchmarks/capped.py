@@ -141,7 +141,7 @@ def _profile_trainer_steps(folder: str, first: int = 8, count: int = 8) -> None:
 
 def prepare(cap: str, used_first: bool, times, profile_dir=None) -> None:
     """The cap, the earlier use of the GPU, the step timer and the profiler, in this process."""
-    from layerstream.cli import allocator_defaults
+    from layerstream.commands.cli import allocator_defaults
     from layerstream.units import parse_bytes
 
     allocator_defaults()
@@ -190,7 +190,7 @@ def main():
     site = os.path.join(os.path.dirname(os.path.abspath(__file__)), "capped_site")
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (site, os.environ.get("PYTHONPATH")) if p)
     if command[:1] == ["layerstream"]:
-        from layerstream.cli import main as layerstream_main
+        from layerstream.commands.cli import main as layerstream_main
 
         sys.exit(layerstream_main(command[1:]))
     if command[:1] in (["python"], [sys.executable]) and command[1:2] == ["-m"]:

@@ -43,7 +43,7 @@ SHARD_BYTES = 2 << 30
 
 
 def write(shape: str, out: Path, dtype=torch.bfloat16, layers: int | None = None, seed: int = 0) -> Path:
-    from layerstream.embedded import byte_tokenizer
+    from layerstream.data import byte_tokenizer
 
     config = shape_config(shape, layers)
     config.dtype = dtype

@@ -137,8 +137,8 @@ def median(values):
 
 
 def machine() -> dict:
-    """The library versions (``layerstream.versions``) and the GPU, if there is one."""
-    from layerstream.versions import versions
+    """The library versions (``layerstream.system.versions``) and the GPU, if there is one."""
+    from layerstream.system.versions import versions
 
     info = versions()
     if torch.cuda.is_available():
@@ -185,9 +185,9 @@ def build_random_nf4(
     from transformers import BitsAndBytesConfig
     from transformers.quantizers import AutoHfQuantizer
 
-    from layerstream.computed_buffers import compute_buffers, initialisers
-    from layerstream.discovery import find_decoder_layers
-    from layerstream.nf4 import quantise_layer
+    from layerstream.checkpoints.computed_buffers import compute_buffers, initialisers
+    from layerstream.modules.discovery import find_decoder_layers
+    from layerstream.modules.nf4 import quantise_layer
 
     config = shape_config(shape, layers)
     config.use_cache = False

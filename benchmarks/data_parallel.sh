@@ -6,10 +6,10 @@
 set -euo pipefail
 out=${OUT:-benchmarks/results}/data-parallel
 common=(--max_steps 8 --logging_steps 1 --report_to none --save_strategy no --seed 0 --learning_rate 1e-3)
-CUDA_VISIBLE_DEVICES=0 python3 -m layerstream.cli run --slots 2 examples/train_trainer.py \
+CUDA_VISIBLE_DEVICES=0 python3 -m layerstream.commands.cli run --slots 2 examples/train_trainer.py \
   --output_dir "$out/one-process" --per_device_train_batch_size 8 "${common[@]}"
 python3 -m accelerate.commands.launch --num_processes 2 --multi_gpu --num_machines 1 --mixed_precision no \
-  --dynamo_backend no -m layerstream.cli run --slots 2 examples/train_trainer.py \
+  --dynamo_backend no -m layerstream.commands.cli run --slots 2 examples/train_trainer.py \
   --output_dir "$out/two-processes" --per_device_train_batch_size 4 "${common[@]}"
 python3 - "$out" <<'PY'
 import json, sys

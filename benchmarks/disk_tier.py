@@ -164,8 +164,8 @@ def quant_device() -> torch.device:
 
 def expected_source(directory: Path, dtype) -> dict:
     """The fingerprint the loader computes for this checkpoint and from_pretrained's settings."""
-    from layerstream import nf4_cache
-    from layerstream.checkpoint import read_index
+    from layerstream.checkpoints.stored import read_index
+    from layerstream.tiers import nf4_cache
 
     files = read_index(directory / "model.safetensors.index.json")
     settings = nf4_cache.quant_settings(_quant_config(dtype), dtype, quant_device())
@@ -174,7 +174,7 @@ def expected_source(directory: Path, dtype) -> dict:
 
 def _manifest_path(directory: Path, dtype=torch.bfloat16) -> Path:
     """The manifest the loader looks for: named by the fingerprint of the checkpoint and settings."""
-    from layerstream import nf4_cache
+    from layerstream.tiers import nf4_cache
 
     return directory / CACHE / nf4_cache.manifest_name(expected_source(directory, dtype))
 
@@ -184,9 +184,9 @@ def write_nf4_cache(directory: Path, shape: dict, dtype=torch.bfloat16) -> None:
     NF4 layer cache whose every layer is the packed bytes of one quantised random layer."""
     from safetensors.torch import save_file
 
-    from layerstream import nf4_cache
-    from layerstream.discovery import find_decoder_layers, layer_name
-    from layerstream.store import HostStore
+    from layerstream.modules.discovery import find_decoder_layers, layer_name
+    from layerstream.tiers import nf4_cache
+    from layerstream.tiers.store import HostStore
 
     from common import build_random_nf4
 
@@ -247,7 +247,7 @@ def train_step_times(model, device: str, seq: int, steps: int) -> tuple:
 def load(directory: Path, quantization: str, host_budget, device: str, dtype=torch.bfloat16):
     """The streamed model as a user loads it; NF4 from the cache only (quantising is an error)."""
     import layerstream
-    from layerstream import nf4
+    from layerstream.modules import nf4
 
     config = layerstream.StreamConfig(
         device=device, host_budget=host_budget, vram_budget=None, disk_cache_dir=str(directory / CACHE)
@@ -365,8 +365,8 @@ def _interpreter_busy():
 
 
 def main(argv=None) -> int:
-    from layerstream.disk import READERS
-    from layerstream.disk_cli import measure_files_gbps, measure_read_gbps, stored_layer_files
+    from layerstream.commands.disk import measure_files_gbps, measure_read_gbps, stored_layer_files
+    from layerstream.tiers.disk import READERS
     from layerstream.units import GiB, parse_bytes
 
     from common import SHAPES

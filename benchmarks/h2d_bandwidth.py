@@ -15,7 +15,7 @@ import argparse
 
 import torch
 
-from layerstream.cudart import register_host, unregister_host  # page-locks as the engine's store does
+from layerstream.system.cudart import register_host, unregister_host  # page-locks as the engine's store does
 
 from common import cuda_timer, median, write_result
 

@@ -166,7 +166,7 @@ def main(argv=None) -> int:
     model = build(args.shape, device, streamed=False)
     stage("resident", model)
     if device == "cuda":  # the page-locking stages
-        from layerstream.cudart import register_host, unregister_host
+        from layerstream.system.cudart import register_host, unregister_host
 
         nbytes = int(args.pinned_gib * GiB)
         arenas = [torch.empty(nbytes // 6, dtype=torch.uint8) for _ in range(6)]
@@ -193,7 +193,7 @@ def main(argv=None) -> int:
     print(json.dumps({k: v for k, v in rows[-1].items() if not k.endswith("step_s")}), flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as handle:
-        from layerstream.versions import versions
+        from layerstream.system.versions import versions
 
         payload = {"shape": args.shape, "batch": args.batch, "seq": args.seq, "rows": rows, "versions": versions()}
         json.dump(payload, handle, indent=1)

@@ -212,7 +212,7 @@ def _step_or_shrink(model, opt, ids) -> bool:
     import torch
 
     import layerstream
-    from layerstream.meter import wanted_bytes
+    from layerstream.runtime.meter import wanted_bytes
 
     try:
         model(input_ids=ids, labels=ids).loss.backward()
@@ -412,7 +412,7 @@ def _put_row(rows: list, row: dict, path: str) -> list:
     def key(r):
         return r["model"], r["quantization"], r["vram_gib"], r.get("tokens")
 
-    from layerstream.versions import versions
+    from layerstream.system.versions import versions
 
     rows = [r for r in rows if key(r) != key(row)] + [dict(row, versions=versions())]
     _write(path, rows)

@@ -32,7 +32,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import layerstream
-from layerstream import layer as layer_mod
+from layerstream.modules import layer as layer_mod
 
 from common import cuda_timer, median, parse_streamed_config, write_result
 
@@ -127,7 +127,7 @@ def ab(resident_step, streamed_step, iters, warmup):
 def change_check_ab(base, ids, iters: int, warmup: int, layers: int) -> dict:
     """Training and inference steps, alternately with the per-visit change check as shipped
     and replaced by a constant (median difference per visit), plus the check's own time."""
-    from layerstream.store import LayerRecord
+    from layerstream.tiers.store import LayerRecord
 
     model = copy.deepcopy(base)
     layerstream.stream_model(model, slots=3, prefetch=2, vram_budget=None)

@@ -1,6 +1,6 @@
 """Predict a streamed training step's time from the engine's own planner and measured pieces.
 
-No GPU: the planner (``layerstream.schedule.PrefetchPlanner``) decides every copy as it does
+No GPU: the planner (``layerstream.decisions.schedule.PrefetchPlanner``) decides every copy as it does
 in a run, and two queues play it out. The compute queue runs each visit for a measured
 time (a layer's forward, its recompute and backward, the model's ends at the turnaround,
 the optimizer step at the step's end), after the copy of its layer has finished. The copy
@@ -35,7 +35,7 @@ import argparse
 import json
 from pathlib import Path
 
-from layerstream.schedule import Phase, PrefetchPlanner
+from layerstream.decisions.schedule import Phase, PrefetchPlanner
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -77,7 +77,7 @@ def memory_at_peak(step: Callable[[], None], path: str, max_entries: int = 400_0
     device = torch.cuda.current_device()
     result = live_at_peak(snapshot["device_traces"][device], start)
     result["measured_peak_bytes"] = torch.cuda.max_memory_allocated()
-    from layerstream.versions import versions
+    from layerstream.system.versions import versions
 
     result["versions"] = versions()
     with open(path, "w") as handle:

@@ -195,7 +195,7 @@ def main():
                 continue
             print(cell, run_cell(cell, out_dir, args.configs, args.steps, args.timeout, args.trace), flush=True)
     merged = merge(out_dir, cells)
-    from layerstream.versions import versions
+    from layerstream.system.versions import versions
 
     (out_dir / "suite.json").write_text(json.dumps(dict(merged, versions=versions()), indent=1))
     (out_dir / "suite.md").write_text(table(merged) + "\n")

@@ -30,9 +30,9 @@ from transformers import Trainer, TrainerCallback  # noqa: E402
 from trl import SFTTrainer  # noqa: E402
 
 mark("import trl, datasets, SFTTrainer")
-from layerstream import cli  # noqa: E402
-from layerstream import train as train_module  # noqa: E402
-from layerstream.versions import versions  # noqa: E402
+from layerstream.commands import cli  # noqa: E402
+from layerstream.commands import train as train_module  # noqa: E402
+from layerstream.system.versions import versions  # noqa: E402
 
 steps = []
 

@@ -24,7 +24,7 @@ from peft import LoraConfig, get_peft_model
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import layerstream  # noqa: E402
-from layerstream.versions import versions  # noqa: E402
+from layerstream.system.versions import versions  # noqa: E402
 
 import checkpoints  # noqa: E402,F401  (adds the 3B shape to common.SHAPES)
 from common import build_random  # noqa: E402

@@ -163,8 +163,8 @@ def cell(
 
     sys.path.insert(0, str(HERE))
     import layerstream
-    from layerstream.cli import allocator_defaults
-    from layerstream.schedule import spread_resident
+    from layerstream.commands.cli import allocator_defaults
+    from layerstream.decisions.schedule import spread_resident
     from layerstream.units import parse_bytes
 
     from capped import _use_the_gpu_first
@@ -301,7 +301,7 @@ def main():
         if row.get("failed"):
             print(row["tail"], flush=True)
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        from layerstream.versions import versions
+        from layerstream.system.versions import versions
 
         (Path(args.out) / "window-matrix.json").write_text(json.dumps({"rows": rows, "versions": versions()}, indent=1))
 

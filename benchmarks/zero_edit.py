@@ -62,7 +62,7 @@ CASES = [
 
 def write_inputs(work: Path, shapes) -> dict:
     sys.path.insert(0, str(HERE))
-    from layerstream import embedded
+    from layerstream import data as embedded
 
     import checkpoints  # noqa: E402  (the harness runs as a script)
 

@@ -15,7 +15,7 @@ from accelerate import Accelerator
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from layerstream.embedded import byte_tokenizer, data_path, tiny_config
+from layerstream.data import byte_tokenizer, data_path, tiny_config
 
 TOKENIZER = byte_tokenizer()
 

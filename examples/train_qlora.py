@@ -7,7 +7,7 @@ model larger than the GPU with it, run it unchanged under the launcher:
     layerstream run examples/train_qlora.py --model_name_or_path DIR --load_in_4bit --output_dir out --max_steps 20
 
 DIR is a checkpoint directory (config.json, safetensors, tokenizer), e.g. one written by
-``layerstream.embedded.write_checkpoint``.
+``layerstream.data.write_checkpoint``.
 """
 
 import json
@@ -26,7 +26,7 @@ from transformers import (
     TrainingArguments,
 )
 
-from layerstream.embedded import data_path  # the instruction data shipped with layerstream
+from layerstream.data import data_path  # the instruction data shipped with layerstream
 
 
 @dataclass

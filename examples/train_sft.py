@@ -1,6 +1,6 @@
 """A plain TRL SFTTrainer script: LoRA SFT of a tiny model built from a config on the
 instruction data shipped in this repository, with the embedded byte-level tokenizer
-(``layerstream.embedded``: made in code, no download). It knows nothing of layerstream; stream it unchanged with:
+(``layerstream.data``: made in code, no download). It knows nothing of layerstream; stream it unchanged with:
 
     layerstream run --slots 2 --device cpu examples/train_sft.py --output_dir out --max_steps 20
 """
@@ -13,7 +13,7 @@ from peft import LoraConfig
 from transformers import AutoModelForCausalLM, HfArgumentParser
 from trl import SFTConfig, SFTTrainer
 
-from layerstream.embedded import byte_tokenizer, data_path, tiny_config
+from layerstream.data import byte_tokenizer, data_path, tiny_config
 
 
 def main():

@@ -14,7 +14,7 @@ from datasets import Dataset
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, HfArgumentParser, Trainer, TrainingArguments
 
-from layerstream.embedded import byte_tokenizer, data_path, tiny_config
+from layerstream.data import byte_tokenizer, data_path, tiny_config
 
 TOKENIZER = byte_tokenizer()  # byte-level, made in code: no download
 PAD, BOS, EOS = TOKENIZER.pad_token_id, TOKENIZER.bos_token_id, TOKENIZER.eos_token_id

@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaForCausalLM
 
 import layerstream
-from layerstream import embedded
+from layerstream import data as embedded
 from layerstream.integrations import autoload, launch
 
 from tiny import assert_traces_equal, batch, lora_config, portable_cpu_nf4, train_steps

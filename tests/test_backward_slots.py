@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import layerstream
-from layerstream import backward_slots as backward_mod
 from layerstream import config as config_mod
+from layerstream.runtime import backward_slots as backward_mod
 
 from tiny import assert_traces_equal, peft_pair, stream, train_steps
 
@@ -146,8 +146,8 @@ def test_a_backward_slot_without_memory_is_dropped_once_loudly_and_training_stay
 
 
 def test_the_summary_says_why_auto_takes_no_backward_slots(monkeypatch):
-    from layerstream.backward_slots import BackwardSlots
     from layerstream.config import StreamConfig
+    from layerstream.runtime.backward_slots import BackwardSlots
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)

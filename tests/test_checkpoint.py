@@ -14,7 +14,9 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
 import layerstream
-from layerstream import checkpoint, loading, tensor_reader
+from layerstream import loading
+from layerstream.checkpoints import reader as tensor_reader
+from layerstream.checkpoints import stored as checkpoint
 
 from tiny import tiny_model
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from layerstream import cli
-from layerstream.paths import missing_directory_behind
+from layerstream.checkpoints.paths import missing_directory_behind
+from layerstream.commands import cli
 
 from tiny import tiny_model
 
@@ -23,7 +23,7 @@ def test_help_and_a_mistyped_command_answer_without_importing_torch(argv):
     probe = textwrap.dedent(
         f"""
         import sys
-        from layerstream import cli
+        from layerstream.commands import cli
         try:
             cli.main({argv!r})
         except SystemExit:
@@ -43,7 +43,7 @@ def test_help_and_a_mistyped_command_answer_without_importing_torch(argv):
 
 def test_the_import_probe_sees_a_heavy_import():
     """Negative control: the subcommand whose options need torch imports it."""
-    probe = "import sys\nfrom layerstream import cli\ntry:\n    cli.main(['run', '--help'])\nexcept SystemExit:\n    pass\nprint('torch' in sys.modules)"
+    probe = "import sys\nfrom layerstream.commands import cli\ntry:\n    cli.main(['run', '--help'])\nexcept SystemExit:\n    pass\nprint('torch' in sys.modules)"
     done = subprocess.run(
         [sys.executable, "-c", probe],
         env=dict(os.environ, PYTHONPATH=str(ROOT / "src")),

@@ -130,7 +130,7 @@ def test_the_disk_tier_refuses_a_converted_layout_clearly(tmp_path):
 
 
 def test_a_checkpoint_in_the_models_own_names_converts_nothing(tmp_path):
-    from layerstream.conversion import for_checkpoint
+    from layerstream.checkpoints.conversion import for_checkpoint
 
     model = tiny_model("llama", layers=2)
     model.save_pretrained(tmp_path)

@@ -97,7 +97,7 @@ def test_streamed_host_store_is_pinned():
 
 
 def test_refused_pinning_falls_back_loudly_and_clears_the_cuda_error(monkeypatch, caplog):
-    from layerstream import cudart
+    from layerstream.system import cudart
 
     original = cudart.register_host
 
@@ -149,7 +149,7 @@ SLOW_READER_CYCLES = 40_000_000
 def _delay_compute(monkeypatch, backward_too=False):
     """Queue a sleep before every layer's kernels (and, optionally, before its backward
     kernels), so the kernels reading a slot run long after the host issued them."""
-    from layerstream import layer as layer_mod
+    from layerstream.modules import layer as layer_mod
 
     original = layer_mod.call_unstreamed
 
@@ -194,7 +194,7 @@ def test_skipping_the_released_wait_is_caught(monkeypatch):
 def test_releasing_a_slot_when_its_call_returns_is_too_early_for_backward(monkeypatch):
     """Backward kernels that read a slot are queued after the recompute returns; a release
     at the end of the call (instead of at the next visit) must give wrong gradients."""
-    from layerstream import layer as layer_mod
+    from layerstream.modules import layer as layer_mod
 
     streamed, resident = _slow_compute_pair(monkeypatch, backward_too=True)
     runtime = layerstream.get_runtime(streamed)
@@ -217,7 +217,7 @@ def test_releasing_a_slot_when_its_call_returns_is_too_early_for_backward(monkey
 
 
 def _offload_race_pair(monkeypatch, delay_copies=True, attn="eager", **model):
-    from layerstream import offload
+    from layerstream.long import offload
 
     shape = dict(hidden_size=256, intermediate_size=1024, head_dim=64) | model
     streamed, resident = peft_pair("llama", layers=8, dtype=torch.bfloat16, attn=attn, **shape)
@@ -264,7 +264,7 @@ def test_reading_an_offloaded_input_before_its_copy_back_is_caught(monkeypatch):
 
 
 def _one_offloaded_input():
-    from layerstream import offload
+    from layerstream.long import offload
 
     torch.cuda.synchronize()
     torch.cuda.empty_cache()  # no cached block of the same size elsewhere: reuse is then this block's
@@ -306,7 +306,7 @@ def test_a_copy_back_dropped_unread_cannot_land_in_reused_memory(monkeypatch, wa
     """A copy back issued ahead and then dropped (the graph freed before its backward) frees
     memory the copy stream is still writing: the stream it belongs to waits for the copy
     first, or the late copy lands in whatever reused the memory."""
-    from layerstream import offload
+    from layerstream.long import offload
 
     if not waits:
         monkeypatch.setattr(offload._Saved, "__del__", lambda self: setattr(self.owner, "_live", self.owner._live - 1))

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from layerstream import cudart
+from layerstream.system import cudart
 
 
 def _maps(*paths):
@@ -55,7 +55,7 @@ def fresh(monkeypatch):
 
 def test_a_runtime_whose_version_disagrees_is_not_bound_and_said_once(fresh, monkeypatch, caplog):
     monkeypatch.setattr(cudart, "_runtime_version", lambda lib: 12080)
-    with caplog.at_level(logging.WARNING, logger="layerstream.cudart"):
+    with caplog.at_level(logging.WARNING, logger="layerstream.system.cudart"):
         assert cudart.runtime() is None
         assert cudart.runtime() is None
     assert fresh == [TORCH]
@@ -68,6 +68,6 @@ def test_a_runtime_whose_version_agrees_is_bound(fresh, monkeypatch, caplog):
     bound = []
     monkeypatch.setattr(cudart, "_runtime_version", lambda lib: 13000)
     monkeypatch.setattr(cudart, "Runtime", lambda lib: bound.append(lib) or "runtime")
-    with caplog.at_level(logging.WARNING, logger="layerstream.cudart"):
+    with caplog.at_level(logging.WARNING, logger="layerstream.system.cudart"):
         assert cudart.runtime() == "runtime"
     assert fresh == [TORCH] and len(bound) == 1 and not caplog.records

@@ -1,4 +1,4 @@
-from layerstream import demo
+from layerstream.commands import demo
 
 
 def test_demo_trains_a_streamed_model_and_its_loss_falls(capsys):
@@ -14,7 +14,7 @@ def test_demo_trains_a_streamed_model_and_its_loss_falls(capsys):
 def test_result_versions_name_each_library_installed():
     from importlib import metadata
 
-    from layerstream.versions import versions
+    from layerstream.system.versions import versions
 
     found = versions()
     assert found["torch"] == metadata.version("torch") and found["cpus"] >= 1

@@ -5,7 +5,7 @@ from peft import get_peft_model
 from torch import nn
 from transformers import AutoConfig, LlavaConfig, LlavaForConditionalGeneration
 
-from layerstream.discovery import find_decoder_layers
+from layerstream.modules.discovery import find_decoder_layers
 
 from tiny import FAMILIES, lora_config, tiny_model
 

@@ -13,8 +13,8 @@ import torch
 from peft import get_peft_model
 
 import layerstream
-from layerstream import disk
 from layerstream.errors import DiskReadError, LoadingError, StreamConfigError, StreamingError
+from layerstream.tiers import disk
 
 from tiny import assert_traces_equal, batch, lora_config, tiny_model, train_steps
 
@@ -97,7 +97,7 @@ def test_reads_cut_into_many_chunks_still_match_ram_fed_bit_for_bit(checkpoint, 
     """A layer is read in CHUNK_BYTES pieces; with chunks of one alignment unit, tensors
     straddle chunk boundaries (a piece starts inside one chunk and ends in the next), as the
     real 32 MiB reads of a real layer's tensors do."""
-    from layerstream import disk
+    from layerstream.tiers import disk
 
     monkeypatch.setattr(disk, "CHUNK_BYTES", disk.IO_ALIGN)
     ram = _peft(_load(checkpoint))
@@ -309,7 +309,7 @@ def test_direct_io_refused_by_the_file_system_falls_back_to_buffered_reads_loudl
         return real_open(path, flags, *args)
 
     monkeypatch.setattr(os, "open", no_direct)
-    with caplog.at_level(logging.WARNING, logger="layerstream.disk"):
+    with caplog.at_level(logging.WARNING, logger="layerstream.tiers.disk"):
         fed = _peft(_load(checkpoint, _small_budget(checkpoint)))
     monkeypatch.setattr(os, "open", real_open)
     warnings = [r for r in caplog.records if "buffered I/O instead of direct I/O" in r.getMessage()]
@@ -332,7 +332,7 @@ def test_a_direct_read_refused_mid_run_falls_back_and_stays_exact(checkpoint, mo
         return real(fd, buffers, offset)
 
     monkeypatch.setattr(os, "preadv", refuse_direct)
-    with caplog.at_level(logging.WARNING, logger="layerstream.disk"):
+    with caplog.at_level(logging.WARNING, logger="layerstream.tiers.disk"):
         trace = train_steps(fed, 2)
     assert sum("buffered I/O instead" in r.getMessage() for r in caplog.records) == 1
     assert_traces_equal(train_steps(_peft(_load(checkpoint)), 2), trace)
@@ -443,7 +443,7 @@ def test_stream_model_of_a_model_beyond_host_budget_is_refused_with_what_to_do()
 
 
 def test_reads_in_flight_are_the_fewest_within_reach_of_the_fastest():
-    from layerstream.disk_plan import pick_readers
+    from layerstream.decisions.disk import pick_readers
 
     assert pick_readers({1: 2.39e9, 4: 1.30e9}) == 1  # the GPU machine's disk: one reader is faster
     assert pick_readers({1: 1.0e9, 4: 3.2e9}) == 4  # an NVMe drive wants several

@@ -3,7 +3,7 @@ host RAM, the staging ring, and the lookahead from measured read and visit times
 
 import pytest
 
-from layerstream.disk_plan import (
+from layerstream.decisions.disk import (
     MIN_RING_REGIONS,
     RING_REGIONS,
     ReadAhead,
@@ -105,7 +105,7 @@ def test_the_disk_term_bounds_the_step_and_says_from_how_many_tokens_it_hides():
 def test_plan_prints_the_disk_term_and_measures_a_directory(tmp_path, capsys):
     from transformers import LlamaConfig
 
-    from layerstream import cli
+    from layerstream.commands import cli
 
     LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=8, num_attention_heads=4).save_pretrained(
         tmp_path
@@ -125,8 +125,8 @@ def test_plan_prints_the_disk_term_and_measures_a_directory(tmp_path, capsys):
 def test_measure_disk_reads_the_stored_files_where_a_directory_holds_some(tmp_path, capsys):
     """A checkpoint's or NF4 cache's own files are read, not a file just written (a cache in
     front of the disk may serve that one faster than the bytes a disk tier reads)."""
-    from layerstream import cli
-    from layerstream.disk_cli import measure_files_gbps, stored_layer_files
+    from layerstream.commands import cli
+    from layerstream.commands.disk import measure_files_gbps, stored_layer_files
 
     cache = tmp_path / "nf4-cache"
     cache.mkdir()

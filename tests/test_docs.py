@@ -93,7 +93,7 @@ def test_the_plan_example_is_the_tools_output():
     import contextlib
     import io
 
-    from layerstream import cli
+    from layerstream.commands import cli
 
     page = (ROOT / "docs" / "plan.md").read_text()
     shown = page.split("## Reading the plan", 1)[1].split("```\n", 2)[1].split("```", 1)[0]

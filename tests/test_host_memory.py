@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import layerstream
-from layerstream import store as store_mod
-from layerstream.store import HostMemoryError, check_host_memory
+from layerstream.tiers import store as store_mod
+from layerstream.tiers.store import HostMemoryError, check_host_memory
 
 from tiny import peft_pair, tiny_model
 
@@ -42,7 +42,7 @@ def test_pageable_stores_may_use_most_of_the_host(monkeypatch):
 def test_loading_checks_host_memory_before_reading_weights(tmp_path, monkeypatch):
     directory = tmp_path / "ckpt"
     tiny_model("llama", layers=3, dtype=torch.bfloat16).save_pretrained(directory)
-    from layerstream import tensor_reader
+    from layerstream.checkpoints import reader as tensor_reader
 
     read = []
     monkeypatch.setattr(tensor_reader.TensorReader, "__init__", lambda self, *args: read.append(args))
@@ -69,7 +69,7 @@ def _fake_root(tmp_path, cgroup: str, files: dict, meminfo=(60 * GiB, 64 * GiB))
 
 
 def test_a_cgroup_v2_limit_below_the_hosts_is_what_the_process_may_use(tmp_path):
-    from layerstream.memory_limits import host_memory
+    from layerstream.system.memory_limits import host_memory
 
     root = _fake_root(
         tmp_path,
@@ -84,7 +84,7 @@ def test_a_cgroup_v2_limit_below_the_hosts_is_what_the_process_may_use(tmp_path)
 
 
 def test_a_cgroup_v1_limit_is_read_where_the_container_sees_only_its_own_subtree(tmp_path):
-    from layerstream.memory_limits import host_memory
+    from layerstream.system.memory_limits import host_memory
 
     root = _fake_root(
         tmp_path,
@@ -99,7 +99,7 @@ def test_a_cgroup_v1_limit_is_read_where_the_container_sees_only_its_own_subtree
 
 
 def test_the_tightest_limit_on_the_way_up_counts(tmp_path):
-    from layerstream.memory_limits import host_memory
+    from layerstream.system.memory_limits import host_memory
 
     root = _fake_root(
         tmp_path,
@@ -129,7 +129,7 @@ def test_the_tightest_limit_on_the_way_up_counts(tmp_path):
 )
 def test_without_a_lower_limit_the_hosts_memory_stands(tmp_path, cgroup, files):
     """Negative control: the same reader keeps /proc/meminfo's numbers where no limit is lower."""
-    from layerstream.memory_limits import host_memory
+    from layerstream.system.memory_limits import host_memory
 
     assert host_memory(_fake_root(tmp_path, cgroup, files)) == (60 * GiB, 64 * GiB)
 
@@ -137,7 +137,7 @@ def test_without_a_lower_limit_the_hosts_memory_stands(tmp_path, cgroup, files):
 def test_page_locking_is_checked_against_the_containers_limit(tmp_path, monkeypatch):
     """A 1 GiB store any host allows is refused in a container of 2 GiB, through the
     reader of /proc/meminfo and the cgroup that every host-memory check uses."""
-    from layerstream import memory_limits
+    from layerstream.system import memory_limits
 
     root = _fake_root(tmp_path, "0::/\n", {"memory.max": f"{2 * GiB}\n", "memory.current": f"{GiB // 2}\n"})
     reader = memory_limits.host_memory

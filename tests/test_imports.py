@@ -6,43 +6,18 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "layerstream"
 
-# lowest first; a module may import from its own layer and the ones before it
+# lowest first; a module may import from its own layer and the ones before it. A folder is
+# one entry: its files may import each other (without cycles, checked below by file).
 LAYERS = [
-    {"errors", "units", "swap", "embedded", "log", "paths", "memory_limits", "versions"},
-    {
-        "config",
-        "schedule",
-        "window",
-        "checksum",
-        "cudart",
-        "discovery",
-        "computed_buffers",
-        "conversion",
-        "timeline",
-        "long",
-        "disk_plan",
-        "shared_store",
-        "progress",
-    },
-    {"store", "pool", "nf4", "meter", "changes", "bindings", "passes", "plan", "offload"},
-    {
-        "embeddings",
-        "layer",
-        "backward_slots",
-        "report",
-        "checkpoint",
-        "tensor_reader",
-        "residency",
-        "disk",
-        "disk_files",
-        "nf4_cache",
-        "offload_policy",
-        "long_policy",
-        "budget_check",
-    },
+    {"errors", "units", "system"},
+    {"config", "decisions", "checkpoints", "data"},
+    {"modules"},
+    {"tiers"},
+    {"long"},
+    {"plan"},
     {"runtime"},
     {"api", "loading"},
-    {"integrations", "train", "cli", "demo", "__main__", "_site", "disk_cli"},
+    {"integrations", "commands", "__main__", "_site"},
 ]
 
 
@@ -172,11 +147,28 @@ def test_there_are_no_import_cycles_between_files():
     assert not _cycles(graph), _cycles(graph)
 
 
+# the modules at the top of the package: its front doors (the rest lives in a folder per concept)
+FRONT_DOORS = {"__init__", "__main__", "api", "loading", "config", "errors", "units"}
+
+
+def test_the_top_of_the_package_holds_only_its_front_doors():
+    assert {p.stem for p in PACKAGE.glob("*.py")} == FRONT_DOORS, "put a new module in the folder of its concept"
+
+
+def test_each_folder_says_in_one_line_what_it_holds():
+    folders = [p for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").is_file()]
+    assert len(folders) >= 10
+    for folder in folders:
+        doc = ast.get_docstring(ast.parse((folder / "__init__.py").read_text())) or ""
+        summary = doc.split("\n\n")[0]
+        assert summary and "\n" not in summary, f"{folder.name}/__init__.py: first, one line saying what it holds"
+
+
 def test_the_checks_above_can_fail():
     """Negative control: a made-up upward import is found."""
     rank = {module: i for i, layer in enumerate(LAYERS) for module in layer}
-    graph = {"store": {"runtime"}}
-    assert [f"{a} -> {b}" for a, t in graph.items() for b in t if rank[b] > rank[a]] == ["store -> runtime"]
+    graph = {"tiers": {"runtime"}}
+    assert [f"{a} -> {b}" for a, t in graph.items() for b in t if rank[b] > rank[a]] == ["tiers -> runtime"]
     assert _cycles({"plan.memory": {"plan.shapes"}, "plan.shapes": {"plan.memory"}}) == [
         ["plan.memory", "plan.shapes", "plan.memory"]
     ]

@@ -29,7 +29,7 @@ RUNNER = textwrap.dedent(f"""
         self.add_callback(Slow())
     Trainer.__init__ = __init__
 
-    from layerstream import cli
+    from layerstream.commands import cli
     sys.exit(cli.main(["run", "--slots", "2", "--device", "cpu", {str(SCRIPT)!r}] + sys.argv[1:]))
 """)
 

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 import layerstream
-from layerstream import cli, embedded
+from layerstream import data as embedded
+from layerstream.commands import cli
 from layerstream.integrations import launch
 from layerstream.long import tiled_mlp
 
@@ -218,9 +219,9 @@ def test_the_settings_are_one_definition_on_every_surface():
     and a YAML stream key, with the same default."""
     import dataclasses
 
+    from layerstream.commands.train import SECTIONS
     from layerstream.config import argparse_help, setting_default_text, settings
     from layerstream.integrations.trainer import argument_name
-    from layerstream.train import SECTIONS
 
     parser = cli.argparse.ArgumentParser()
     cli.add_setting_flags(parser)

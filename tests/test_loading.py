@@ -319,7 +319,7 @@ def test_computing_buffers_never_writes_a_loaded_tensor():
     """An ``_init_weights`` that writes weights in place, unguarded, meets stand-ins."""
     from transformers import PreTrainedModel
 
-    from layerstream.computed_buffers import compute_buffers
+    from layerstream.checkpoints.computed_buffers import compute_buffers
 
     class Scaled(torch.nn.Module):
         def __init__(self):

@@ -15,10 +15,12 @@ import torch
 from transformers import HfArgumentParser, Trainer, TrainingArguments
 
 import layerstream
-from layerstream import cli, loading, nf4
+from layerstream import loading
+from layerstream.commands import cli
 from layerstream.config import StreamConfig, parse_setting
 from layerstream.errors import StreamConfigError, StreamingError
 from layerstream.long import chunked_loss, tiled_mlp
+from layerstream.modules import nf4
 
 from tiny import (
     assert_traces_equal,

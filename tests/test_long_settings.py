@@ -14,11 +14,12 @@ import torch
 from transformers import HfArgumentParser
 
 import layerstream
-from layerstream import cli, swap, train
+from layerstream.commands import cli, train
 from layerstream.config import OFFLOAD_AUTO_MARGIN, StreamConfig, parse_setting
-from layerstream.disk_plan import size_text
+from layerstream.decisions.disk import size_text
 from layerstream.integrations import trainer as trainer_integration
 from layerstream.long import chunked_loss, tiled_mlp
+from layerstream.modules import swap
 from layerstream.plan import advice, load_config, make_plan, plan_for_model
 from layerstream.plan.long_settings import LONG_ORDER, OFF, decide, decide_for, limit_for, oom_advice
 from layerstream.plan.longctx import complete

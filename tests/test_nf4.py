@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import layerstream
-from layerstream import nf4
-from layerstream.schedule import PrefetchPlanner
+from layerstream.decisions.schedule import PrefetchPlanner
+from layerstream.modules import nf4
 
 from tiny import assert_traces_equal, nearest_valid_victim, nf4_pair, portable_cpu_nf4, stream, tiny_model, train_steps
 

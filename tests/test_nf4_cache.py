@@ -15,8 +15,9 @@ import torch
 from peft import get_peft_model
 
 import layerstream
-from layerstream import nf4, nf4_cache
 from layerstream.errors import DiskCacheError, StreamConfigError
+from layerstream.modules import nf4
+from layerstream.tiers import nf4_cache
 
 from tiny import assert_traces_equal, lora_config, tiny_model, train_steps
 
@@ -158,7 +159,7 @@ def test_a_flipped_byte_in_a_layer_file_is_caught_at_open_and_the_layer_quantise
     path = _disk_layer_file(fed(device=device))
     _flip(path)
     counted.clear()
-    with caplog.at_level(logging.WARNING, logger="layerstream.nf4_cache"):
+    with caplog.at_level(logging.WARNING, logger="layerstream.tiers.nf4_cache"):
         model = _peft(fed(device=device), device)
     assert len(counted) == 1
     assert [r for r in caplog.records if "damaged" in r.getMessage() and str(path) in r.getMessage()]
@@ -173,7 +174,7 @@ def test_a_truncated_layer_file_is_caught_and_quantised_again(fed, counted, capl
     path = _disk_layer_file(fed())
     os.truncate(path, os.path.getsize(path) - 512)
     counted.clear()
-    with caplog.at_level(logging.WARNING, logger="layerstream.nf4_cache"):
+    with caplog.at_level(logging.WARNING, logger="layerstream.tiers.nf4_cache"):
         fed()
     assert len(counted) == 1 and any("bytes, the manifest" in r.getMessage() for r in caplog.records)
 
@@ -207,7 +208,7 @@ def test_a_hand_edited_block_size_in_the_manifest_is_never_used(checkpoint, fed,
     fed()
     _edit_block_size(fed.cache, reseal)
     counted.clear()
-    with caplog.at_level(logging.WARNING, logger="layerstream.nf4_cache"):
+    with caplog.at_level(logging.WARNING, logger="layerstream.tiers.nf4_cache"):
         model = _peft(fed())
     said = " ".join(r.getMessage() for r in caplog.records)
     if reseal:
@@ -239,7 +240,7 @@ def test_a_changed_checkpoint_makes_the_cache_stale_with_one_warning(checkpoint,
     fed(source)
     _save(source, seed=1)  # other weights, same names and shapes
     counted.clear()
-    with caplog.at_level(logging.WARNING, logger="layerstream.nf4_cache"):
+    with caplog.at_level(logging.WARNING, logger="layerstream.tiers.nf4_cache"):
         model = _peft(fed(source))
     assert len(counted) == LAYERS
     assert sum("another checkpoint or other settings" in r.getMessage() for r in caplog.records) == 1
@@ -250,7 +251,7 @@ def test_other_quantisation_settings_make_the_cache_stale(checkpoint, ram_model_
     budget = 3 * ram_model_bytes  # below either load's layers (single quantisation packs fewer bytes here)
     _load(checkpoint, budget, str(tmp_path))
     counted.clear()
-    with caplog.at_level(logging.WARNING, logger="layerstream.nf4_cache"):
+    with caplog.at_level(logging.WARNING, logger="layerstream.tiers.nf4_cache"):
         model = _load(checkpoint, budget, str(tmp_path), bnb_4bit_use_double_quant=False)
     assert layerstream.get_runtime(model).disk is not None
     assert len(counted) == LAYERS and any("other settings" in r.getMessage() for r in caplog.records)

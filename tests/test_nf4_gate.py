@@ -15,7 +15,7 @@ import bitsandbytes as bnb
 import pytest
 import torch
 
-from layerstream import nf4
+from layerstream.modules import nf4
 
 CUDA_OPS = Path(bnb.__file__).parent / "backends" / "cuda" / "ops.py"
 
@@ -45,7 +45,7 @@ def test_bitsandbytes_still_exposes_the_names_the_gate_reads():
         if isinstance(t, ast.Name)
     }
     missing = [name for name in nf4.GATE_NAMES if name not in assigned]
-    assert not missing, f"bitsandbytes moved {missing}: update layerstream.nf4.fused_kernel_would_run"
+    assert not missing, f"bitsandbytes moved {missing}: update layerstream.modules.nf4.fused_kernel_would_run"
     _dispatch_function()
 
 

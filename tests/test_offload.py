@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import layerstream
-from layerstream import offload
 from layerstream.config import OFFLOAD_AUTO_MARGIN, OFFLOAD_KEPT_LAYERS, StreamConfig, offloaded_layers, parse_setting
 from layerstream.errors import ActivationChecksumError, HostMemoryError, StreamConfigError
+from layerstream.long import offload
 
 from tiny import assert_traces_equal, batch, peft_pair, stream, train_steps
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import layerstream
-from layerstream.schedule import PrefetchPlanner
+from layerstream.decisions.schedule import PrefetchPlanner
 
 from tiny import (
     FAMILIES,

@@ -72,7 +72,7 @@ def test_adapters_of_streamed_layers_follow_the_layers_device():
     """The selection: adapters move, the streamed weights stay in the host store."""
     import torch
 
-    from layerstream.layer import tensors_off_device
+    from layerstream.modules.layer import tensors_off_device
 
     streamed, _ = _adapters_added_after_streaming("cpu")
     records = layerstream.get_runtime(streamed).records
@@ -96,7 +96,7 @@ def test_placement_is_checked_again_only_after_tensors_were_registered(monkeypat
     each pass walk every module; registering an adapter must."""
     from peft import get_peft_model
 
-    from layerstream import layer
+    from layerstream.modules import layer
 
     from tiny import lora_config, tiny_model
 

@@ -13,7 +13,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from layerstream import cli
+from layerstream.commands import cli
+from layerstream.decisions.schedule import Phase, PrefetchPlanner
 from layerstream.plan import (
     BACKWARD_SLOTS_MAX,
     GiB,
@@ -27,8 +28,7 @@ from layerstream.plan import (
     resident_bytes,
     speed_hints,
 )
-from layerstream.schedule import Phase, PrefetchPlanner
-from layerstream.store import HostStore
+from layerstream.tiers.store import HostStore
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 
@@ -305,7 +305,7 @@ def test_llama3_8b_plan_terms():
 def test_nf4_working_set_counts_the_dequantised_weights_autograd_keeps():
     import bitsandbytes as bnb
 
-    from layerstream import nf4
+    from layerstream.modules import nf4
 
     # what a streamed NF4 projection keeps for backward at training sizes: the
     # dequantised weight, in the compute dtype
@@ -848,7 +848,7 @@ def test_cli_plan_bad_input_exits_2(tmp_path, capsys, argv):
 
 
 def test_cli_demo_still_receives_its_arguments(monkeypatch):
-    from layerstream import demo
+    from layerstream.commands import demo
 
     seen = []
     monkeypatch.setattr(demo, "main", lambda argv: seen.append(argv))
@@ -866,8 +866,8 @@ def test_the_planned_window_is_the_one_the_runtime_keeps():
     from tiny import peft_pair, train_steps
 
     streamed, _ = peft_pair("llama", layers=8)
+    from layerstream.decisions.window import margin_bytes
     from layerstream.plan import plan_for_model
-    from layerstream.window import margin_bytes
 
     probe = plan_for_model(streamed, 12, 2, slots=2)  # no budget: the peak alone
     budget = probe.needed_bytes + 3 * probe.max_layer_bytes + probe.max_layer_bytes // 2

@@ -5,7 +5,7 @@ import math
 
 from test_plan import LLAMA3_8B, LLAMA3_8B_LAYER_BF16, config_of, write_config
 
-from layerstream import cli
+from layerstream.commands import cli
 from layerstream.plan import layer_bytes, layer_shapes
 from layerstream.plan.decode import active_params, decode_term
 

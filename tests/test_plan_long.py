@@ -8,7 +8,8 @@ import pytest
 from test_plan import LLAMA3_8B, LLAMA3_8B_LAYER_BF16, config_of, write_config
 
 import layerstream
-from layerstream import cli, plan
+from layerstream import plan
+from layerstream.commands import cli
 from layerstream.plan import make_plan, max_seq
 from layerstream.plan.advice import default_loss_chunk_tokens, option_value
 from layerstream.plan.longctx import complete, fits
@@ -221,7 +222,7 @@ def test_the_plan_says_when_this_host_cannot_hold_it(tmp_path, capsys, monkeypat
     """The GPU verdict alone calls a 70B QLoRA at 131,072 tokens under 80 GiB a fit; on a
     host with 128 GB it is not (the offloaded inputs), nor at 2048 tokens with 32 GB (the
     store itself): the plan says so and why, and says fits where the host holds it."""
-    from layerstream import store
+    from layerstream.tiers import store
 
     shape = dict(LLAMA3_8B, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64)
     path = write_config(tmp_path / "llama3-70b", dict(shape, max_position_embeddings=262144))

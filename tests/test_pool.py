@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from layerstream.errors import SlotOwnerError
-from layerstream.pool import SlotPool
-from layerstream.store import HostStore
+from layerstream.tiers.pool import SlotPool
+from layerstream.tiers.store import HostStore
 
 from tiny import tiny_model
 

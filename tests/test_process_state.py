@@ -14,8 +14,8 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 
 import layerstream
-from layerstream import passes
 from layerstream.errors import DiskReadError
+from layerstream.runtime import passes
 
 from tiny import assert_traces_equal, lora_config, peft_pair, tiny_model, train_steps
 

@@ -10,8 +10,8 @@ import pytest
 import yaml
 
 from layerstream import plan
+from layerstream.commands.train import load, stream_config
 from layerstream.plan.long_settings import LONG_ORDER
-from layerstream.train import load, stream_config
 
 ROOT = Path(__file__).resolve().parents[1]
 ALL_RECIPES = sorted(p for p in (ROOT / "configs").glob("*.yaml") if p.name != "default.yaml")

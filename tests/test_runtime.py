@@ -3,7 +3,7 @@
 import torch
 
 import layerstream
-from layerstream import swap
+from layerstream.modules import swap
 
 from tiny import assert_traces_equal, batch, peft_pair, stream, train_steps
 

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from layerstream.schedule import Phase, PrefetchPlanner
+from layerstream.decisions.schedule import Phase, PrefetchPlanner
 
 GRID = [(layers, slots, prefetch) for layers in (1, 2, 3, 5, 8) for slots in (2, 3, 4) for prefetch in range(1, slots)]
 
@@ -140,7 +140,7 @@ def test_remembered_plans_are_reused_in_steady_state():
 
 @pytest.mark.parametrize("layers", [1, 2, 5, 8, 32, 80])
 def test_resident_layers_are_spread_so_streamed_ones_are_evenly_spaced(layers):
-    from layerstream.schedule import spread_resident
+    from layerstream.decisions.schedule import spread_resident
 
     for count in range(0, layers + 2):
         resident = spread_resident(layers, count)

@@ -19,8 +19,8 @@ import torch.multiprocessing as mp
 from peft import get_peft_model
 
 import layerstream
-from layerstream import shared_store
 from layerstream.errors import StreamConfigError, StreamingError
+from layerstream.tiers import shared_store
 
 from tiny import batch, data_parallel_losses, lora_config, tiny_model
 
@@ -38,7 +38,7 @@ def _spawn(folder, code):
         f"""
         import os, sys, time
         from pathlib import Path
-        from layerstream import shared_store
+        from layerstream.tiers import shared_store
         segment = shared_store.Segment("layerstream-test", Path({str(folder)!r}), wait_seconds=30)
         """
     ) + textwrap.dedent(code)
@@ -360,7 +360,7 @@ def test_a_rank_joining_an_unmodified_segment_with_checksums_computes_exactly(tm
 # -- a shared-memory folder too small for the store ------------------------------------------
 def _segment_refused(tmp_path, monkeypatch):
     """A checkpoint, an empty shared-memory folder, and the layers the load stores."""
-    from layerstream.store import HostStore
+    from layerstream.tiers.store import HostStore
 
     checkpoint, folder = _shared_checkpoint(tmp_path, monkeypatch)
     stored, add = [], HostStore.add

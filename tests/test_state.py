@@ -8,7 +8,7 @@ from peft import PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
 import layerstream
-from layerstream.pool import TIMED_COPY_EVERY
+from layerstream.tiers.pool import TIMED_COPY_EVERY
 
 from tiny import assert_traces_equal, lora_config, peft_pair, stream, tiny_model, train_steps
 

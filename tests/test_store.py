@@ -4,7 +4,7 @@ changes, and its inverse."""
 import pytest
 import torch
 
-from layerstream.store import LAYOUT, SAME, VALUES, HostStore
+from layerstream.tiers.store import LAYOUT, SAME, VALUES, HostStore
 from layerstream.units import ALIGN, arena_sizes
 
 from tiny import tiny_model

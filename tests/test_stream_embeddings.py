@@ -15,10 +15,10 @@ from torch import nn
 from transformers import HfArgumentParser, Trainer, TrainingArguments
 
 import layerstream
-from layerstream import embeddings as ends_mod
-from layerstream.embeddings import HeadLinear
+from layerstream.commands.train import TrainConfigError, load, stream_config
 from layerstream.integrations import launch
-from layerstream.train import TrainConfigError, load, stream_config
+from layerstream.runtime import embeddings as ends_mod
+from layerstream.runtime.embeddings import HeadLinear
 
 from tiny import assert_traces_equal, batch, lora_config, peft_pair, stream, tiny_model, train_steps
 
@@ -462,7 +462,7 @@ def test_yaml_launcher_and_trainer_flags_accept_stream_embeddings(tmp_path, monk
 
     from test_train_config import DEFAULT
 
-    from layerstream import cli
+    from layerstream.commands import cli
 
     config = load(
         str(DEFAULT),

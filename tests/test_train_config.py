@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from layerstream import cli
-from layerstream.train import TrainConfigError, load
+from layerstream.commands import cli
+from layerstream.commands.train import TrainConfigError, load
 
 DEFAULT = Path(__file__).resolve().parents[1] / "configs" / "default.yaml"
 
@@ -157,7 +157,7 @@ def test_a_vram_budget_keeps_the_layers_that_fit(tmp_path):
     )
     assert code == 0
     logged = [e for e in json.loads((out / "trainer_state.json").read_text())["log_history"] if "loss" in e]
-    from layerstream.train import model_config
+    from layerstream.commands.train import model_config
 
     layers = model_config(load(str(DEFAULT), [f"training.output_dir={out}"])).num_hidden_layers
     assert logged[-1]["layerstream/window_layers"] == layers
@@ -165,8 +165,8 @@ def test_a_vram_budget_keeps_the_layers_that_fit(tmp_path):
 
 
 def test_the_stream_section_has_every_streamconfig_setting_under_its_own_name():
+    from layerstream.commands.train import SECTIONS
     from layerstream.config import settings
-    from layerstream.train import SECTIONS
 
     assert set(SECTIONS["stream"]) == {s.name for s in settings()}
 
@@ -307,7 +307,7 @@ def _trains_until_the_tokenizer(path, monkeypatch, caplog, *overrides):
     import torch
     import transformers
 
-    from layerstream.train import run
+    from layerstream.commands.train import run
 
     def offline(*args, **kwargs):
         raise RuntimeError("stopped at the download")
@@ -315,7 +315,10 @@ def _trains_until_the_tokenizer(path, monkeypatch, caplog, *overrides):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", offline)
     config = load(str(path), ["training.output_dir=unused", *overrides])
-    with caplog.at_level(logging.WARNING, logger="layerstream.train"), pytest.raises(RuntimeError, match="stopped"):
+    with (
+        caplog.at_level(logging.WARNING, logger="layerstream.commands.train"),
+        pytest.raises(RuntimeError, match="stopped"),
+    ):
         run(config)
     return caplog.text
 

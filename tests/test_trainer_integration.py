@@ -10,7 +10,7 @@ import pytest
 from transformers import HfArgumentParser, Trainer, TrainingArguments
 
 import layerstream
-from layerstream import cli
+from layerstream.commands import cli
 from layerstream.integrations import launch
 
 from tiny import peft_pair

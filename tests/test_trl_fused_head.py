@@ -11,10 +11,11 @@ from datasets import Dataset
 from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
 
 import layerstream
-from layerstream import cli, embedded
+from layerstream import data as embedded
+from layerstream.commands import cli
+from layerstream.commands.train import TrainConfigError, load
 from layerstream.long import trl_head
 from layerstream.plan import LOSS_LOGIT_COPIES, plan_for_model
-from layerstream.train import TrainConfigError, load
 
 from tiny import peft_pair, stream, tiny_model
 

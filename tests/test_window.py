@@ -6,7 +6,7 @@ import torch
 
 import layerstream
 from layerstream import plan
-from layerstream.schedule import spread_resident
+from layerstream.decisions.schedule import spread_resident
 
 from tiny import assert_traces_equal, batch, nf4_pair, peft_pair, stream, train_steps
 
@@ -58,7 +58,7 @@ def test_nf4_window_layers_stay_exact(tmp_path):
 def _budget_for(model, extra_layers, seq=12, batch_size=2, slots=2):
     """A budget whose room, beside the planned step and the window's margin, holds
     ``extra_layers`` layers and half a layer more."""
-    from layerstream.window import margin_bytes
+    from layerstream.decisions.window import margin_bytes
 
     memory = plan.plan_for_model(model, seq, batch_size, slots=slots)
     largest = layerstream.get_runtime(model).store.largest_layer_bytes
@@ -144,7 +144,7 @@ def test_an_auto_budget_leaves_out_memory_other_processes_hold(monkeypatch, capl
 
 def test_stream_config_and_yaml_resolve_an_auto_budget_the_same_way(monkeypatch):
     from layerstream import config as config_mod
-    from layerstream import train
+    from layerstream.commands import train
 
     monkeypatch.setattr(config_mod, "gpu_memory_for_run", lambda device: 7 * 2**30)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -2,7 +2,7 @@
 
 import dataclasses
 
-from layerstream.window import Reading, WindowSizer, margin_bytes
+from layerstream.decisions.window import Reading, WindowSizer, margin_bytes
 
 GiB = 1 << 30
 LAYER = GiB // 2
@@ -255,7 +255,7 @@ def test_the_cuda_meter_reads_a_steps_own_peak_and_what_it_left_allocated(monkey
     inputs, the next step's inputs, and whether the peak is the step's own."""
     import torch
 
-    from layerstream.meter import CudaMeter
+    from layerstream.runtime.meter import CudaMeter
 
     stats = {"allocated_bytes.all.current": 4 * GiB, "allocated_bytes.all.peak": 4 * GiB}
     stats.update({"reserved_bytes.all.peak": 5 * GiB, "num_alloc_retries": 0})

@@ -9,7 +9,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 import layerstream
-from layerstream import swap
+from layerstream.modules import swap
 
 from tiny import (
     assert_traces_equal,
@@ -394,7 +394,7 @@ def test_a_thread_may_use_the_model_once_a_training_step_has_finished():
 
 # -- unstreaming -----------------------------------------------------------------------------
 def test_an_interrupted_unstream_leaves_a_working_streamed_model_and_can_be_finished(monkeypatch):
-    from layerstream.store import HostStore
+    from layerstream.tiers.store import HostStore
 
     streamed, resident = _streamed()
     original, calls = HostStore.copies_out, []
@@ -433,9 +433,9 @@ def _commit_steps():
     """Where unstream_model changes the model once its copies are made: (what is
     interrupted, at which call) for each kind of change."""
     from layerstream import api
-    from layerstream.embeddings import StreamedEnds
-    from layerstream.runtime import StreamRuntime
-    from layerstream.store import HostStore
+    from layerstream.runtime.core import StreamRuntime
+    from layerstream.runtime.embeddings import StreamedEnds
+    from layerstream.tiers.store import HostStore
 
     return {
         "restoring-a-layers-tensors": (HostStore, "restore", 2),

@@ -149,7 +149,7 @@ def scale_mlp_outputs(model):
     """A trainable scale on each MLP's output: an op after the MLP that saves its input, as
     a norm on the MLP's output does (Gemma's post-feedforward norm), so a checkpoint's
     recompute runs the MLP again."""
-    from layerstream.discovery import find_decoder_layers
+    from layerstream.modules.discovery import find_decoder_layers
 
     for layer in find_decoder_layers(model)[1]:
         mlp = layer.mlp

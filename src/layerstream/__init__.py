@@ -21,7 +21,7 @@ _EXPORTS = {
     "stream_model": "api",
     "unstream_model": "api",
     "from_pretrained": "loading",
-    "StreamRuntime": "runtime",
+    "StreamRuntime": "runtime.core",
     "StreamingArguments": "integrations.trainer",
     "StreamStatsCallback": "integrations.trainer",
     **{

@@ -7,14 +7,14 @@ from typing import Callable, List, Optional, Union
 import torch
 from torch import nn
 
-from . import changes, layer, nf4
 from .config import StreamConfig, resolve_device
-from .discovery import find_decoder_layers, layer_name, unwrap_peft
 from .errors import StreamConfigError, StreamingError
-from .log import get_logger
 from .long import chunked_loss, tiled_mlp
-from .runtime import StreamRuntime
-from .store import LAYOUT, HostStore, check_host_memory
+from .modules import changes, layer, nf4
+from .modules.discovery import find_decoder_layers, layer_name, unwrap_peft
+from .runtime.core import StreamRuntime
+from .system.log import get_logger
+from .tiers.store import LAYOUT, HostStore, check_host_memory
 from .units import GiB, gib, size
 
 logger = get_logger(__name__)
@@ -103,7 +103,7 @@ def stream_model(model: nn.Module, config: Optional[StreamConfig] = None, **over
     A model already on a GPU is streamed too: its layer weights move into the host store
     (freeing their GPU memory), and without a ``device`` it streams to that GPU. With
     ``stream_embeddings=True`` the input embedding and output head stay in host memory
-    too (see ``layerstream.embeddings``). Call ``model.to(device)`` afterwards to place a
+    too (see ``layerstream.runtime.embeddings``). Call ``model.to(device)`` afterwards to place a
     resident part that is still on the host.
     """
     if not isinstance(model, nn.Module):
@@ -142,7 +142,7 @@ def stream_model(model: nn.Module, config: Optional[StreamConfig] = None, **over
     store_bytes = sum(r.nbytes for r in records)
     if config.stream_embeddings:
         # checked whole before any copy; the host must hold and may page-lock both stores
-        from .embeddings import find_ends
+        from .runtime.embeddings import find_ends
 
         ends_bytes = [w.numel() * w.element_size() for _, w in find_ends(model).weights()]
         check_host_memory(
@@ -223,8 +223,8 @@ def _check_slots_fit_budget(config: StreamConfig, largest_layer: int) -> None:
 def _check_host_budget(config: StreamConfig, store_bytes: int) -> None:
     """stream_model holds every layer in host RAM (its weights are already in memory, and
     no checkpoint file is known to read them from): a store beyond host_budget is refused."""
-    from .disk_plan import resolve_host_budget
-    from .store import host_memory
+    from .decisions.disk import resolve_host_budget
+    from .tiers.store import host_memory
 
     budget = resolve_host_budget(config.host_budget, host_memory()) if config.host_budget is not None else None
     if budget is not None and store_bytes > budget:

@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional, Union
 import torch
 
 from .errors import StreamConfigError
-from .log import get_logger
+from .system.log import get_logger
 from .units import GiB, parse_bytes
 
 DEFAULT_ARENA_BYTES = GiB  # few enough arenas to pin cheaply, small enough to place

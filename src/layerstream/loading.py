@@ -25,8 +25,12 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
-from . import disk, nf4, nf4_cache, progress, shared_store
-from .checkpoint import (
+from .checkpoints import progress
+from .checkpoints.computed_buffers import compute_buffers, initialisers
+from .checkpoints.conversion import for_checkpoint
+from .checkpoints.paths import missing_directory
+from .checkpoints.reader import TensorReader
+from .checkpoints.stored import (
     LoadingError,
     load_pickle,
     missing_tensors_error,
@@ -35,15 +39,13 @@ from .checkpoint import (
     refuse_prequantized,
     validate_checkpoint,
 )
-from .computed_buffers import compute_buffers, initialisers
 from .config import StreamConfig
-from .conversion import for_checkpoint
-from .discovery import find_decoder_layers, layer_name
-from .disk_plan import Tiers, resolve_host_budget, split_tiers
-from .log import get_logger
-from .paths import missing_directory
-from .store import HostStore, check_host_memory, host_memory
-from .tensor_reader import TensorReader
+from .decisions.disk import Tiers, resolve_host_budget, split_tiers
+from .modules import nf4
+from .modules.discovery import find_decoder_layers, layer_name
+from .system.log import get_logger
+from .tiers import disk, nf4_cache, shared_store
+from .tiers.store import HostStore, check_host_memory, host_memory
 
 logger = get_logger(__name__)
 
@@ -357,7 +359,7 @@ def from_pretrained(
 
     Raises LoadingError, before any layer is read, for a path that does not exist, a
     pre-quantised checkpoint, a missing or damaged shard or index, and tensors that are
-    missing or do not have exactly the model's shape (see ``layerstream.checkpoint``).
+    missing or do not have exactly the model's shape (see ``layerstream.checkpoints.stored``).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -454,7 +456,7 @@ def from_pretrained(
         model.tie_weights()
         missing = [m for m in missing if not m.endswith("lm_head.weight")]
     if config_stream.stream_embeddings:  # refused now rather than after every layer is read
-        from .embeddings import find_ends
+        from .runtime.embeddings import find_ends
 
         find_ends(model)
 
@@ -520,7 +522,7 @@ def from_pretrained(
         if store.disk is not None:
             store.disk.tune_readers()
     if store.segment is not None:
-        from .store import layer_layout
+        from .tiers.store import layer_layout
 
         store.segment.complete([layer_layout(r) for r in store.records])
     if quantizer is not None:

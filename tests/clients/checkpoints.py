@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from layerstream.embedded import byte_tokenizer
+from layerstream.data import byte_tokenizer
 
 # family -> (model_type, the config values that give it its real shape)
 FAMILIES = {

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from layerstream.embedded import data_path
+from layerstream.data import data_path
 
 ROWS = 16
 

@@ -20,7 +20,7 @@ from typing import List
 import torch
 from safetensors.torch import load_file
 
-from layerstream import cli
+from layerstream.commands import cli
 
 CLIENT = Path(__file__).with_name("client.py")
 STEPS = 3

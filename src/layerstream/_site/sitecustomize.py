@@ -35,7 +35,7 @@ if os.environ.get("LAYERSTREAM_AUTOSTREAM"):
     try:
         _enable()
     except Exception as exc:  # noqa: BLE001 - a start-up hook must not stop the program; say why
-        from layerstream.log import get_logger
+        from layerstream.system.log import get_logger
 
         get_logger("layerstream.launch").warning(
             "layerstream: auto-streaming is off in this process: %s", exc, main_process_only=False

@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 
 from ..errors import LoadingError
-from ..log import get_logger
+from ..system.log import get_logger
 from . import launch
 
 logger = get_logger(__name__)

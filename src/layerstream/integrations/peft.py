@@ -37,10 +37,10 @@ import functools
 import torch
 from torch import nn
 
-from .. import nf4
 from ..api import on_stream
-from ..log import get_logger
-from ..store import set_data
+from ..modules import nf4
+from ..system.log import get_logger
+from ..tiers.store import set_data
 
 logger = get_logger(__name__)
 

@@ -30,7 +30,6 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .. import report, timeline
 from ..api import get_runtime, is_streamed, on_stream, stream_model
 from ..config import (
     BUDGET,
@@ -48,11 +47,12 @@ from ..config import (
     settings,
 )
 from ..errors import StreamingError
-from ..layer import registrations
-from ..log import get_logger
 from ..long import chunked_loss, trl_head
-from ..meter import wanted_bytes
+from ..modules.layer import registrations
 from ..plan.long_settings import LONG_ORDER, setting_text
+from ..runtime import report, timeline
+from ..runtime.meter import wanted_bytes
+from ..system.log import get_logger
 from ..units import GiB, gib
 from . import generation, launch
 

@@ -41,11 +41,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import swap
 from ..config import check_tokens
-from ..discovery import describe_family, unwrap_peft
 from ..errors import StreamingError
-from ..log import get_logger
+from ..modules import swap
+from ..modules.discovery import describe_family, unwrap_peft
+from ..system.log import get_logger
 
 logger = get_logger(__name__)
 

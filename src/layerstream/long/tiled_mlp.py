@@ -29,10 +29,10 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import get_device_states, set_device_states
 
-from .. import swap
 from ..config import check_tokens
-from ..discovery import describe_family, find_decoder_layers, layer_name
 from ..errors import StreamingError
+from ..modules import swap
+from ..modules.discovery import describe_family, find_decoder_layers, layer_name
 from . import tiled_norm
 from .chunked_loss import autocast_as, autocast_state, refuse_second_order, span_gradients, spans
 from .tiles import bound_to, frozen_tensors, tile_for

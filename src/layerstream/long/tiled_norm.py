@@ -35,9 +35,9 @@ from typing import List
 import torch
 from torch import nn
 
-from .. import swap
-from ..discovery import find_decoder_layers
-from ..log import get_logger
+from ..modules import swap
+from ..modules.discovery import find_decoder_layers
+from ..system.log import get_logger
 from .chunked_loss import autocast_as, autocast_state, refuse_second_order, span_gradients, spans
 from .tiles import bound_to, frozen_tensors, tile_for
 

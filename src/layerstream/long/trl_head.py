@@ -30,8 +30,8 @@ from typing import Callable, List
 
 from torch import nn
 
-from ..discovery import unwrap_peft
-from ..log import get_logger
+from ..modules.discovery import unwrap_peft
+from ..system.log import get_logger
 
 logger = get_logger(__name__)
 

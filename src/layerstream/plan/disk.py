@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from ..disk_plan import Tiers, split_tiers
+from ..decisions.disk import Tiers, split_tiers
 
 # frozen-weight FLOPs per token and parameter of a checkpointed LoRA step: the forward,
 # its recompute in backward, and the backward to the activations (2 each; frozen weights

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
 from ..config import OFFLOAD_AUTO_MARGIN
-from ..disk_plan import size_text
+from ..decisions.disk import size_text
 from .advice import option_value
 from .longctx import complete
 from .memory import _build

@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
 from ..config import auto_slots, offload_device_layers, offloaded_layers
+from ..decisions.schedule import usable_backward_slots
+from ..decisions.window import margin_bytes
 from ..long import trl_head
-from ..schedule import usable_backward_slots
 from ..units import GiB, aligned, arena_sizes
-from ..window import margin_bytes
 from .lora import LoraTargets, _lora_targets, plan_notes
 from .shapes import (
     _QK_NORM_FAMILIES,
@@ -135,7 +135,7 @@ class MemoryPlan:
     def window_copies(self) -> Tuple[int, int]:
         """(layers, bytes) copied per step with that window; its layers are the ones
         ``schedule.spread_resident`` picks."""
-        from ..schedule import spread_resident
+        from ..decisions.schedule import spread_resident
 
         kept = set(spread_resident(self.num_layers, self.window_layers))
         streamed = [size for index, size in enumerate(self.layer_bytes) if index not in kept]

@@ -11,7 +11,7 @@ from typing import List, Tuple, Union
 
 import torch
 
-from ..paths import missing_directory
+from ..checkpoints.paths import missing_directory
 from ..units import GiB, aligned
 
 QUANTIZATIONS = ("none", "nf4")

@@ -1,0 +1,1 @@
+"""Checkpoints on disk: stored tensors, transformers' conversions, reading, computed buffers, paths, progress."""

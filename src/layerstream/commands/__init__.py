@@ -1,0 +1,1 @@
+"""The layerstream command: one module per subcommand."""

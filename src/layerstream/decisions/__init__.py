@@ -1,0 +1,1 @@
+"""Pure decisions, no CUDA: the prefetch schedule, the resident window's size, the disk tier's split."""

@@ -1,0 +1,424 @@
+"""bitsandbytes NF4 weights in streamed layers: packing, slot views, routing, gate.
+
+A streamed ``Linear4bit`` keeps its packed uint8 weight and every quant-state tensor
+(absmax; with double quantisation the uint8 absmax, ``state2.absmax``, ``state2.code``
+and ``offset``; the code table) in the layer's host region, and so in the slot. The host
+weight keeps its own QuantState (the "host master", pointing at arena views); each slot
+gets a Params4bit and a QuantState over slot memory, built once per (slot, layer).
+
+A streamed projection never goes through bitsandbytes' ``MatMul4Bit``: that Function
+keeps the packed weight on ``ctx`` rather than in ``save_for_backward``, so under
+checkpointing its backward reads whatever the slot holds by then. Instead:
+
+- where bitsandbytes itself would run its fused ``gemm_4bit`` kernel for this call
+  (decided by :func:`fused_kernel_would_run`, which reads bitsandbytes' own dispatch
+  names at call time), the projection runs through :class:`NF4Matmul`, a checkpoint-
+  visible Function that saves the packed tensors, runs the same ``gemm_4bit`` op in
+  forward and dequantises in backward, as ``MatMul4Bit`` does;
+- everywhere else it runs ``dequantize_4bit`` + ``F.linear`` as plain autograd ops inside
+  the checkpointed region, the same computation bitsandbytes' unfused fallback does.
+
+Both give the same bits as an unpatched resident bitsandbytes model.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..system.log import get_logger
+from . import swap
+
+logger = get_logger(__name__)
+
+# quant-state tensors, as attribute paths on a QuantState
+QUANT_PATHS: Tuple[Tuple[str, ...], ...] = (
+    ("absmax",),
+    ("code",),
+    ("offset",),
+    ("state2", "absmax"),
+    ("state2", "code"),
+)
+
+# names bitsandbytes' CUDA gemm_4bit dispatch uses to pick its fused kernel
+GATE_NAMES = ("_gemm_4bit_custom_max_m", "_gemm_4bit_use_custom_fn")
+
+_warned_gate = False
+
+
+MIN_BNB = "0.50.2"  # the oldest bitsandbytes whose dispatch and QuantState layout we test
+
+
+def bnb_available() -> bool:
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def require_bnb(what: str) -> None:
+    """Raise ImportError with the install command unless a tested bitsandbytes is there."""
+    from packaging.version import Version
+
+    if not bnb_available():
+        raise ImportError(f"{what} needs bitsandbytes: pip install 'bitsandbytes>={MIN_BNB},<0.51'")
+    import bitsandbytes
+
+    found = getattr(bitsandbytes, "__version__", "0")
+    if Version(found) < Version(MIN_BNB):
+        raise ImportError(
+            f"{what} needs bitsandbytes >= {MIN_BNB} (its 4-bit dispatch and QuantState layout are "
+            f"what layerstream reads), found {found}: pip install -U 'bitsandbytes>={MIN_BNB},<0.51'"
+        )
+
+
+def is_linear4bit(module) -> bool:
+    if not bnb_available():
+        return False
+    import bitsandbytes as bnb
+
+    return isinstance(module, bnb.nn.Linear4bit)
+
+
+def quant_tensors(state) -> list:
+    """(path, tensor) for each tensor a QuantState holds."""
+    out = []
+    for path in QUANT_PATHS:
+        obj = state
+        for part in path:
+            obj = getattr(obj, part, None) if obj is not None else None
+        if isinstance(obj, torch.Tensor):
+            out.append((path, obj))
+    return out
+
+
+def set_quant_tensor(state, path: Sequence[str], tensor: torch.Tensor) -> None:
+    obj = state
+    for part in path[:-1]:
+        obj = getattr(obj, part)
+    setattr(obj, path[-1], tensor)
+
+
+def clone_state(state, tensors: dict):
+    """A QuantState like ``state`` whose tensors are ``tensors[path]``."""
+    from bitsandbytes.functional import QuantState
+
+    state2 = None
+    if state.nested:
+        s2 = state.state2
+        state2 = QuantState(
+            absmax=tensors[("state2", "absmax")],
+            code=tensors[("state2", "code")],
+            blocksize=s2.blocksize,
+            quant_type=s2.quant_type,
+            dtype=s2.dtype,
+        )
+    return QuantState(
+        absmax=tensors[("absmax",)],
+        shape=state.shape,
+        code=tensors.get(("code",)),
+        blocksize=state.blocksize,
+        quant_type=state.quant_type,
+        dtype=state.dtype,
+        offset=tensors.get(("offset",)),
+        state2=state2,
+    )
+
+
+def slot_weight(host_weight, data: torch.Tensor, state):
+    """A Params4bit over slot memory, mirroring the host weight's settings."""
+    from bitsandbytes.nn import Params4bit
+
+    return Params4bit(
+        data,
+        requires_grad=False,
+        quant_state=state,
+        blocksize=host_weight.blocksize,
+        compress_statistics=host_weight.compress_statistics,
+        quant_type=host_weight.quant_type,
+        quant_storage=host_weight.quant_storage,
+        bnb_quantized=True,
+    )
+
+
+# -- the gate ----------------------------------------------------------------------------
+def _cuda_ops():
+    try:
+        from bitsandbytes.backends.cuda import ops
+    except Exception:  # CPU-only torch builds cannot import it
+        return None
+    return ops
+
+
+def _warn_gate_once(reason: str) -> None:
+    global _warned_gate
+    if not _warned_gate:
+        _warned_gate = True
+        logger.warning(
+            "layerstream: cannot read bitsandbytes' gemm_4bit dispatch (%s); every streamed NF4 "
+            "projection on CUDA now goes through layerstream's checkpoint-visible Function. "
+            "Results stay exact; training-sized calls may be slower. Pin bitsandbytes to a "
+            "tested version (0.50.x) to restore the usual routing.",
+            reason,
+        )
+
+
+def fused_kernel_would_run(x: torch.Tensor, shape: Sequence[int], blocksize: int, ops=None) -> bool:
+    """Would bitsandbytes' gemm_4bit op run its fused kernel for this call?
+
+    Mirrors the CUDA dispatch of bitsandbytes 0.50: M = numel // K; above
+    ``_gemm_4bit_custom_max_m`` or with K not a multiple of the blocksize it falls back to
+    dequantize + linear, else ``_gemm_4bit_use_custom_fn(device, dtype, M, N, K)`` decides.
+    On the CPU gemm_4bit is always dequantize + linear. Where the names are missing the
+    answer is True: the Function is correct in every case, only possibly slower.
+    """
+    if x.device.type != "cuda" and ops is None:
+        return False
+    if ops is None:
+        ops = _cuda_ops()
+        if ops is None:
+            _warn_gate_once("bitsandbytes.backends.cuda.ops does not import")
+            return True
+    max_m = getattr(ops, GATE_NAMES[0], None)
+    use_custom = getattr(ops, GATE_NAMES[1], None)
+    if max_m is None or use_custom is None:
+        _warn_gate_once(f"{', '.join(GATE_NAMES)} not found")
+        return True
+    K = x.shape[-1]
+    M = x.numel() // K if K else 0
+    N = shape[0]
+    if M > max_m:
+        return False
+    if K % blocksize != 0:
+        return False
+    return bool(use_custom(x.device.index, x.dtype, M, N, K))
+
+
+# -- the two routes ------------------------------------------------------------------------
+def _gemm_4bit(x, packed, state, bias):
+    """bitsandbytes' gemm_4bit op, called exactly as MatMul4Bit.forward calls it."""
+    if not state.nested:
+        return torch.ops.bitsandbytes.gemm_4bit.default(
+            x, packed, state.shape, state.absmax, state.blocksize, state.quant_type, bias=bias
+        )
+    if state.state2.blocksize != 256:
+        raise NotImplementedError("nested quantization with state2.blocksize != 256 is not supported")
+    return torch.ops.bitsandbytes.gemm_4bit.default(
+        x,
+        packed,
+        state.shape,
+        state.state2.absmax,
+        state.blocksize,
+        state.quant_type,
+        bias=bias,
+        absmax_8bit=state.absmax,
+        absmax_code=state.state2.code,
+        absmax_offset=state.offset,
+    )
+
+
+def dequantized_linear(x, packed, state, bias):
+    """dequantize_4bit + F.linear, as bitsandbytes' unfused gemm_4bit fallback computes it."""
+    absmax = state.absmax
+    if state.nested:
+        absmax = (
+            torch.ops.bitsandbytes.dequantize_blockwise.default(
+                state.absmax, state.state2.absmax, state.state2.code, 256, torch.float32
+            )
+            + state.offset
+        )
+    weight = torch.ops.bitsandbytes.dequantize_4bit.default(
+        packed, absmax, state.blocksize, state.quant_type, state.shape, x.dtype
+    )
+    return F.linear(x, weight, bias)
+
+
+class NF4Matmul(torch.autograd.Function):
+    """The fused projection, with its packed tensors visible to checkpointing.
+
+    Everything backward needs goes through ``save_for_backward``, so activation
+    checkpointing recomputes it (from the slot the recompute fetched) instead of keeping a
+    reference into a slot that later copies overwrite. Backward checks that the slot still
+    belongs to the layer before reading it.
+    """
+
+    @staticmethod
+    def forward(ctx, x, packed, absmax, code, offset, absmax2, code2, bias, state, owner):
+        out = _gemm_4bit(x, packed.view(-1, 1), state, bias)
+        ctx.state = _StateTemplate(state)
+        ctx.owner = owner
+        ctx.grad_dtype_bias = None if bias is None else bias.dtype
+        ctx.save_for_backward(packed, absmax, code, offset, absmax2, code2)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grads = [None] * 10
+        need_x, need_bias = ctx.needs_input_grad[0], ctx.needs_input_grad[7]
+        if not (need_x or need_bias):
+            return tuple(grads)
+        packed, absmax, code, offset, absmax2, code2 = ctx.saved_tensors
+        if ctx.owner is not None:
+            ctx.owner(packed)
+        if need_bias:
+            grads[7] = grad_output.sum(0, dtype=ctx.grad_dtype_bias)
+        if need_x:
+            from bitsandbytes.functional import dequantize_4bit
+
+            state = ctx.state.build(absmax, code, offset, absmax2, code2)
+            grads[0] = torch.matmul(grad_output, dequantize_4bit(packed.view(-1, 1), state).to(grad_output.dtype))
+        return tuple(grads)
+
+
+class _StateTemplate:
+    """The non-tensor fields of a QuantState (no reference to slot memory is kept)."""
+
+    def __init__(self, state):
+        self.shape, self.blocksize, self.quant_type, self.dtype = (
+            state.shape,
+            state.blocksize,
+            state.quant_type,
+            state.dtype,
+        )
+        self.nested = state.nested
+        s2 = state.state2 if state.nested else None
+        self.state2 = None if s2 is None else (s2.blocksize, s2.quant_type, s2.dtype)
+
+    def build(self, absmax, code, offset, absmax2, code2):
+        from bitsandbytes.functional import QuantState
+
+        state2 = None
+        if self.nested:
+            blocksize, quant_type, dtype = self.state2
+            state2 = QuantState(absmax=absmax2, code=code2, blocksize=blocksize, quant_type=quant_type, dtype=dtype)
+        return QuantState(
+            absmax=absmax,
+            shape=self.shape,
+            code=code,
+            blocksize=self.blocksize,
+            quant_type=self.quant_type,
+            dtype=self.dtype,
+            offset=offset,
+            state2=state2,
+        )
+
+
+def streamed_nf4_forward(module, x: torch.Tensor, owner=None, counters: Optional[dict] = None):
+    """Linear4bit.forward for a streamed weight: same dtype handling, routed as above.
+
+    bitsandbytes' CPU inference repacking (AVX512-BF16) is not applied: it rewrites the
+    weight in place, which would rewrite the host store.
+    """
+    weight = module.weight
+    state = weight.quant_state
+    if not module.compute_type_is_set:
+        module.set_compute_type(x)
+        module.compute_type_is_set = True
+    inp_dtype = x.dtype
+    if module.compute_dtype is not None:
+        x = x.to(module.compute_dtype)
+    bias = module.bias
+    if bias is not None:
+        bias = bias.to(x.dtype).to(module.compute_dtype) if module.compute_dtype is not None else bias.to(x.dtype)
+    if fused_kernel_would_run(x, state.shape, state.blocksize):
+        if counters is not None:
+            counters["nf4_function_calls"] += 1
+        nested = state.nested
+        out = NF4Matmul.apply(
+            x,
+            weight.data,
+            state.absmax,
+            state.code,
+            state.offset if nested else None,
+            state.state2.absmax if nested else None,
+            state.state2.code if nested else None,
+            bias,
+            state,
+            owner,
+        )
+    else:
+        if counters is not None:
+            counters["nf4_dequant_calls"] += 1
+        out = dequantized_linear(x, weight.data.view(-1, 1), state, bias)
+    return out.to(inp_dtype)
+
+
+# -- the streamed projection, and quantising on load -------------------------------------
+class StreamedLinear4bit:
+    """Mixed in front of a bitsandbytes Linear4bit whose weight streams: routes its
+    matmul around MatMul4Bit (above)."""
+
+    def forward(self, x):
+        weight = self.weight
+        return streamed_nf4_forward(
+            self, x, getattr(weight, "_layerstream_owner", None), self._layerstream_runtime.nf4_counts
+        )
+
+
+def streamed_linear4bit_modules(records) -> list:
+    """The Linear4bit modules whose packed weight streams."""
+    modules = {id(e.module): e.module for r in records for e in r.entries if e.kind == "quant"}
+    return list(modules.values())
+
+
+def make_streamed(module: nn.Module, runtime) -> None:
+    swap.swap_in(module, StreamedLinear4bit)
+    object.__setattr__(module, "_layerstream_runtime", runtime)
+
+
+def make_plain(module: nn.Module) -> None:
+    swap.swap_out(module, StreamedLinear4bit)
+    module.__dict__.pop("_layerstream_runtime", None)
+
+
+def set_unquantised_dtype(model: nn.Module, dtype: torch.dtype) -> None:
+    """After transformers' quantizer swapped in Linear4bit skeletons: their weights arrive
+    unquantised in ``dtype`` (checkpoint values), not in the fp32 the skeleton made."""
+    for module in model.modules():
+        if is_linear4bit(module):
+            module.weight.data = torch.empty_like(module.weight.data, dtype=dtype)
+
+
+def quantise_layer(layer: nn.Module, device: torch.device, dtype: torch.dtype, quant_config) -> None:
+    """Quantise every Linear4bit weight of a host layer (on ``device``), back on the host,
+    with the settings transformers would use for ``quant_config`` (a BitsAndBytesConfig)."""
+    import bitsandbytes as bnb
+
+    settings = dict(
+        quant_type=quant_config.bnb_4bit_quant_type,
+        compress_statistics=quant_config.bnb_4bit_use_double_quant,
+        quant_storage=quant_config.bnb_4bit_quant_storage,
+    )
+    for module in layer.modules():
+        if isinstance(module, bnb.nn.Linear4bit) and not getattr(module.weight, "bnb_quantized", False):
+            quantised = bnb.nn.Params4bit(module.weight.data.to(dtype), requires_grad=False, **settings)
+            quantised = quantised.to(device)
+            if device.type != "cpu":
+                quantised.quant_state.to("cpu")
+                quantised = bnb.nn.Params4bit(
+                    quantised.data.cpu(),
+                    requires_grad=False,
+                    quant_state=quantised.quant_state,
+                    blocksize=quantised.blocksize,
+                    compress_statistics=quantised.compress_statistics,
+                    quant_type=quantised.quant_type,
+                    quant_storage=quantised.quant_storage,
+                    bnb_quantized=True,
+                )
+            quantised.module = module
+            module.weight = quantised
+
+
+def device_weight(host_weight, device: torch.device):
+    """A copy of a streamed host Params4bit on ``device``, with a QuantState of its own
+    (what a resident 4-bit weight looks like, for code that needs one: PEFT's merges)."""
+    state = host_weight.quant_state
+    tensors = {path: tensor.to(device, copy=True) for path, tensor in quant_tensors(state)}
+    packed = host_weight.data.to(device, copy=True)
+    weight = slot_weight(host_weight, packed, clone_state(state, tensors))
+    weight.module = getattr(host_weight, "module", None)
+    return weight

@@ -1,0 +1,1 @@
+"""The streaming runtime: the hot path, passes, the resident window, policies, reports."""

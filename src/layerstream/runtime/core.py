@@ -1,0 +1,578 @@
+"""StreamRuntime: ties the store, the slot pool and the prefetch schedule to a model's layers.
+
+One runtime per streamed model, reachable with ``layerstream.get_runtime(model)``.
+The per-visit path (``call_layer`` -> ``run_layer`` -> ``_enter``) is the hot path: it checks
+the layer's tensors are the ones its device copies were made from (``LayerRecord.fresh``),
+asks the schedule for the slot and the copies to issue, makes the compute stream wait,
+swaps dictionary entries, and calls the layer. It allocates nothing per visit beyond the
+schedule's small lists, and never waits on the host.
+
+The runtime also keeps the resident window (layers held on the GPU for good; ``residency``), sized from
+measured memory at training-step boundaries (``window``, ``meter``). Counters, the
+start-up summary and out-of-memory advice are in ``report``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from ..config import StreamConfig
+from ..decisions.schedule import Phase, PrefetchPlanner
+from ..decisions.window import WindowSizer
+from ..errors import ForkedChildError, StreamingError
+from ..modules import bindings, changes, swap
+from ..modules import layer as layer_mod
+from ..system.log import get_logger
+from ..tiers import checksum
+from ..tiers.pool import SlotPool
+from ..tiers.store import LAYOUT, SAME, HostStore, LayerRecord
+from . import passes, report, timeline
+from .backward_slots import BackwardSlots
+from .budget_check import BudgetCheck
+from .long_policy import AutoLongMemo, LongSettingsPolicy
+from .meter import CudaMeter, PlannedMeter
+from .offload_policy import AutoOffloadMemo, OffloadPolicy
+from .residency import WINDOW_RESETS, ResidentWindow
+
+logger = get_logger(__name__)
+
+
+class StreamRuntime(ResidentWindow, OffloadPolicy, LongSettingsPolicy):
+    def __init__(
+        self,
+        model: nn.Module,
+        layers: nn.ModuleList,
+        layers_path: str,
+        config: StreamConfig,
+        records: List[LayerRecord],
+        store: HostStore,
+    ):
+        self.model = model
+        self.layers = layers
+        self.layers_path = layers_path
+        self.config = config
+        self.device = config.device
+        self.records = records
+        self.store = store
+        self.disk = store.disk  # the layers read from disk each time (disk.DiskTier), or None
+        self.backward = BackwardSlots(config)
+        self.pool = SlotPool(
+            config.device, config.slots, store.largest_layer_bytes, backward_slots=self.backward.capacity
+        )
+        self.prefetch = self._new_prefetch(len(records))
+        # the resident window: layers kept on the device for good, and the dense numbering
+        # of the layers that still stream (the prefetch schedule sees only those)
+        self._window: Dict[int, list] = {}
+        self._window_buffers: Dict[int, torch.Tensor] = {}
+        self._dense: List[Optional[int]] = list(range(len(records)))
+        self._layer_of: List[int] = list(range(len(records)))
+        self.sizer = WindowSizer(len(records), store.largest_layer_bytes)
+        self.meter = self._new_meter()
+        self._measured_tokens: Optional[int] = None  # tokens of the step being measured
+        self._backward_ran = False
+        self._trainable, self._trainable_at, self._trainable_age = [], None, 0  # _gradients_held
+        self._resets_left = WINDOW_RESETS
+        self.last_shape: Tuple[int, int] = (1, 1)
+        self._last_slot: Optional[int] = None  # the slot of the previous streamed visit
+        # (slot, layer) -> [(table, name, slot tensor)], built on first use, then reused
+        self._bindings: Dict[Tuple[int, int], list] = {}
+        self._streamed_dtypes = {e.dtype for r in records for e in r.entries}
+        self._pass = None  # passes.Pass: the pass under way, and whose
+        self.unstreaming = None  # unstream_model's copies while it changes the model (api)
+        self.visits = 0
+        self.demand_loads = 0
+        self.peak_resident_layers = 0
+        self.refreshed_layers = 0  # device copies dropped because the model's tensors changed
+        self.window_changes: List[Tuple[int, int]] = []  # (tokens, window) at each change
+        self.oom_retries = 0
+        self._warned_cache = False
+        self._warned_placed = False
+        self._placed_at = 0  # layer.registrations() when tensors were last placed
+        self.nf4_counts = {"nf4_function_calls": 0, "nf4_dequant_calls": 0}
+        self._recording = None  # timeline.Recording while a step is recorded
+        self.budget_check = BudgetCheck()  # an explicit vram_budget, checked per step shape
+        self._checker = checksum.SlotChecker(self.pool, records) if config.checksum else None
+        self._by_module: Dict[int, Tuple[LayerRecord, List[int]]] = {}
+        for record in records:
+            changes.watch(record)
+            self._index_modules(record)
+        self.offloader = self._new_offloader()
+        self.pass_offloader = None  # the offloader of the training pass under way, or None
+        self._auto_offload = AutoOffloadMemo()  # offload_activations="auto": decisions per shape
+        self._auto_long = AutoLongMemo()  # the long-sequence settings left at "auto": decisions per token count
+        self.embeddings = None
+        if config.stream_embeddings:
+            from .embeddings import stream_embeddings
+
+            self.embeddings = stream_embeddings(model, self)
+        if self._checker is not None:
+            logger.warning("layerstream: debug checksums on (checksum=True, LAYERSTREAM_CHECKSUM=1): every copy waits")
+
+    def _new_meter(self):
+        budget = self.config.vram_budget
+        if budget is None:
+            return None
+        if self.pool.cuda:
+            return CudaMeter(self.device, budget)
+        return PlannedMeter(self, budget)
+
+    def _new_prefetch(self, streamed_layers: int) -> PrefetchPlanner:
+        return PrefetchPlanner(
+            max(streamed_layers, 1), self.config.slots, self.config.prefetch, backward_slots=self.backward.count
+        )
+
+    # -- binding -------------------------------------------------------------------
+    def _binding(self, slot: int, index: int) -> list:
+        key = (slot, index)
+        binding = self._bindings.get(key)
+        if binding is None:
+            binding = self._bindings[key] = self._make_binding(self.pool.buffers[slot], index, self._owner_check(index))
+        return binding
+
+    def _make_binding(self, buffer: torch.Tensor, index: int, owner_check) -> list:
+        return bindings.make(self.records[index], buffer, owner_check)
+
+    def _owner_check(self, index: int):
+        return bindings.owner_check(self.pool, index, self.records[index].name)
+
+    # -- the hot path --------------------------------------------------------------
+    def _enter(self, index: int, phase: Phase) -> int:
+        pool = self.pool
+        compute = pool.compute_stream()
+        if self._last_slot is not None:
+            # every kernel of the previous visit (its backward ones too) is queued by now
+            pool.mark_released(self._last_slot, compute)
+        visit = self.prefetch.visit(self._dense[index], phase)
+        for slot in visit.drop:
+            self._free_backward_slot(slot)
+        loads = [(self._layer_of[dense], slot) for dense, slot in visit.loads]
+        if self.backward.count:
+            loads = [
+                (layer, slot)
+                for layer, slot in loads
+                if slot < pool.ring_slots or pool.allocated(slot) or self.backward.borrow(pool, self.prefetch, slot)
+            ]
+        try:
+            for layer, slot in loads:
+                self._load(layer, slot, compute)
+        except BaseException:  # a read failed: the planner placed layers no copy brought
+            self.reset_slots()
+            raise
+        if self.disk is not None:
+            self._read_ahead(index, phase)
+        checker = self._checker
+        if checker is not None:
+            for layer, slot in loads:
+                checker.after_copy(layer, slot)
+        pool.acquire(visit.slot, index, compute)
+        if checker is not None:
+            checker.before_use(index, visit.slot)
+        self._last_slot = visit.slot
+        if visit.demand:
+            self.demand_loads += 1
+        resident = len(self.prefetch.slot_of)
+        if resident > self.peak_resident_layers:
+            self.peak_resident_layers = resident
+        return visit.slot
+
+    def _load(self, layer: int, slot: int, compute) -> None:
+        record = self.records[layer]
+        if record.host_region is not None:
+            self.pool.load(record, slot, compute)
+            return
+        if os.getpid() != self.disk.owner_pid:
+            raise ForkedChildError(self.disk.owner_pid)
+        self.pool.load(record, slot, compute, source=self.disk.take(layer))  # a disk layer
+        self.disk.copied(layer, self.pool.copy_stream if self.pool.cuda else None)
+
+    def _read_ahead(self, index: int, phase: Phase) -> None:
+        """Start disk reads for the layers the schedule will load next (not those in slots)."""
+        prefetch = self.prefetch
+        upcoming = prefetch.upcoming(self._dense[index], phase, self.disk.horizon)
+        self.disk.read_ahead([self._layer_of[dense] for dense in upcoming if dense not in prefetch.slot_of])
+
+    def _free_backward_slot(self, slot: int) -> None:
+        for key in [key for key in self._bindings if key[0] == slot]:
+            del self._bindings[key]  # bindings hold views of the slot's memory
+        self.pool.free(slot)
+
+    def run_layer(self, layer: nn.Module, index: int, phase: Phase, args, kwargs):
+        record = self.records[index]
+        if not record.fresh():
+            self._refresh(index, phase)
+        self.visits += 1
+        binding = self._window.get(index)
+        if binding is None:
+            slot = self._enter(index, phase)
+            binding = self._binding(slot, index)
+        else:  # kept on the device for good (resident window): no copy, no slot
+            slot = -1
+        for table, name, tensor in binding:
+            table[name] = tensor
+        recording = self._recording
+        if recording is not None:
+            begin = recording.now()
+        try:
+            return layer_mod.call_unstreamed(layer, args, kwargs)
+        except torch.OutOfMemoryError as exc:
+            raise report.explain_oom(self, exc, f"in streamed layer {record.name}") from exc
+        finally:
+            for table, name, host in record.host_binding:
+                table[name] = host
+            if recording is not None:
+                recording.computes.append((index, slot, phase, begin, recording.now()))
+
+    def call_layer(self, layer: nn.Module, args, kwargs):
+        self.refuse_half_unstreamed("run a forward")
+        index = layer._layerstream_index
+        if args and isinstance(args[0], torch.Tensor) and args[0].device != self.device:
+            raise StreamingError(
+                f"streamed layer {self.records[index].name} computes on {self.device} but its "
+                f"input is on {args[0].device}. Move the model's resident part with "
+                f"model.to('{self.device}') after stream_model (and after get_peft_model)."
+            )
+        training = torch.is_grad_enabled()
+        self._claim(index, "train" if training else "inference")
+        try:
+            if index == 0:
+                self._start_pass(args[0] if args else None, training)
+            if not training:
+                return self.run_layer(layer, index, Phase.INFERENCE, args, kwargs)
+            kwargs = self._drop_cache(kwargs)
+            offloader = self.pass_offloader  # this layer's backward uses it, whatever was switched since
+            calls = [0]
+
+            def checkpointed(*a, **k):
+                phase = Phase.TRAIN_FORWARD if calls[0] == 0 else Phase.BACKWARD
+                calls[0] += 1
+                if phase is Phase.BACKWARD:
+                    self._in_backward()
+                    if offloader is not None and index == len(self.records) - 1:
+                        offloader.prefetch_newest()  # the kept last layer: backward starts
+                return layer_mod.refuse_second_order(self.run_layer(layer, index, phase, a, k), layer)
+
+            if offloader is not None and offloader.offloads(index) and args and isinstance(args[0], torch.Tensor):
+                with offloader.saving(args[0]):  # the input checkpointing saves goes to the host
+                    return passes.checkpoint(checkpointed, *args, **kwargs)
+            return passes.checkpoint(checkpointed, *args, **kwargs)
+        except BaseException:
+            self._pass = None  # an abandoned pass holds nothing another thread must wait for
+            raise
+        finally:
+            if not training and index == len(self.records) - 1:
+                self._pass = None
+
+    def _claim(self, index: int, kind: str) -> None:
+        self._pass = passes.claim(self._pass, index, kind)
+
+    def _in_backward(self) -> None:
+        passes.in_backward(self)
+        self._backward_ran = True  # the step being measured reached its backward
+
+    # -- at the start of each pass -----------------------------------------------------
+    def _start_pass(self, hidden: Optional[torch.Tensor], training: bool) -> None:
+        if torch.compiler.is_compiling():
+            raise StreamingError(
+                "torch.compile cannot trace a streamed layer: its weights change place on "
+                "every call. Compile the model before stream_model is not supported either; "
+                "run streamed layers eagerly (compile submodules that do not stream)."
+            )
+        if self.pool.cuda and torch.cuda.is_current_stream_capturing():
+            raise StreamingError(
+                "CUDA graph capture of a streamed model is not supported: a graph would "
+                "freeze one slot assignment and its copies. Capture only resident parts."
+            )
+        for record in self.records:  # changes made between passes, quant states included
+            if not record.fresh_deep():
+                self._refresh(record.index, Phase.TRAIN_FORWARD, pass_start=True)
+        if self._placed_at != layer_mod.registrations():  # adapters may have come since
+            self._place_resident_tensors()
+        self.pass_offloader = None
+        if not training:
+            return
+        self._check_trainable()
+        if hidden is None or hidden.dim() < 2:
+            return
+        self.last_shape = (int(hidden.shape[0]), int(hidden.shape[1]))
+        self.long_decision(self.last_shape[0] * self.last_shape[1])  # the MLP tiles, before any MLP runs
+        self.pass_offloader = self._pass_offloader(hidden)
+        self._say_long_settings()
+        if isinstance(self.config.vram_budget, int):
+            self.budget_check.check(self, *self.last_shape)
+        if self.meter is not None:
+            self._size_window(self.last_shape[0] * self.last_shape[1], hidden.numel() * hidden.element_size())
+        if self.backward.auto:
+            self._decide_backward_slots(hidden)
+
+    def _place_resident_tensors(self) -> None:
+        self._placed_at = layer_mod.registrations()
+        moved = layer_mod.place_resident_tensors(self.records, self.device)
+        if moved and not self._warned_placed:
+            self._warned_placed = True
+            logger.warning(
+                "layerstream: moved %d tensors of streamed layers (adapters added after streaming) "
+                "from the host to %s, where the layers run",
+                moved,
+                self.device,
+            )
+
+    def _check_trainable(self) -> None:
+        with torch._C.DisableTorchFunctionSubclass():  # flags only: no Python dispatch (disk_files) per tensor
+            for record in self.records:
+                for entry, host in zip(record.entries, record.host_values):
+                    if host.requires_grad:
+                        raise StreamingError(report.trainable_streamed_tensor(entry.qualified_name))
+
+    def _decide_backward_slots(self, hidden: torch.Tensor) -> None:
+        streamed = len(self.records) - len(self._window)
+        if self.backward.decide(self, hidden, streamed) is not None:
+            self._forget_slots()
+            self.prefetch = self._new_prefetch(len(self._layer_of))
+
+    # -- the model's tensors changed -------------------------------------------------------
+    def _refresh(self, index: int, phase: Phase, pass_start: bool = False) -> None:
+        """The layer's tensors changed since its device copies were made: take the change
+        into the host store and drop (or refresh) the copies; refused where it would mix
+        weights within one computation."""
+        record = self.records[index]
+        if phase is Phase.BACKWARD:
+            raise StreamingError(
+                f"a weight of {record.name} changed between its forward and its backward; its "
+                "backward would differ from the forward it differentiates (autograd refuses the "
+                "same for a resident weight it saved). Change weights between steps."
+            )
+        self.refuse_host_write(index, "a change to its weights")
+        outcome = self.store.sync(record)
+        if outcome == SAME:
+            return
+        if outcome == LAYOUT:
+            if not pass_start:
+                raise StreamingError(
+                    f"a weight of {record.name} changed shape or dtype during a forward pass; do it "
+                    "between passes, or unstream_model first."
+                )
+            self.store.repack(record)
+            self._streamed_dtypes = {e.dtype for r in self.records for e in r.entries}
+            if record.nbytes > self.pool.slot_bytes:
+                self._rebuild_pool()
+        changes.watch(record)
+        self._index_modules(record)
+        self.refreshed_layers += 1
+        for key in [key for key in self._bindings if key[1] == index]:
+            del self._bindings[key]
+        if self._checker is not None:
+            self._checker.forget(index)
+        self._drop_device_copy(index)
+
+    def _index_modules(self, record: LayerRecord) -> None:
+        """Which entries each module of the layer owns (PEFT merges ask), and a way back from
+        the module to this runtime."""
+        for key in [k for k, (r, _) in self._by_module.items() if r is record]:
+            del self._by_module[key]
+        for position, entry in enumerate(record.entries):
+            self._by_module.setdefault(id(entry.module), (record, []))[1].append(position)
+            object.__setattr__(entry.module, "_layerstream_runtime", self)
+
+    def entries_of(self, module: nn.Module) -> Optional[Tuple[LayerRecord, List[int]]]:
+        """The record of the layer ``module`` belongs to and the positions of its entries."""
+        return self._by_module.get(id(module))
+
+    def refuse_host_write(self, index: int, change: str) -> None:
+        """A write into a disk layer would not reach the GPU, one into a node-shared store
+        would write other ranks' read-only pages: refused before anything is written."""
+        self.refuse_half_unstreamed("take a write into its weights")
+        name = self.records[index].name
+        if self.store.segment is not None:
+            raise StreamingError(
+                f"{name} is in a host store shared by this node's ranks (share_host_store), mapped read-only: "
+                f"{change} is not possible. Change or merge weights in one process with share_host_store=False."
+            )
+        if self.disk is not None and self.disk.holds(index):
+            raise StreamingError(
+                f"{name} is read from disk each time (host_budget: the checkpoint's files, or the NF4 layer "
+                f"cache): {change} would not reach the GPU. Change or merge weights only of layers in host "
+                "RAM: raise host_budget or leave it unset."
+            )
+
+    def refuse_half_unstreamed(self, what: str) -> None:
+        """An unstream_model interrupted after its copies were made left some modules plain
+        and others streamed: what would compute or write through the streamed ones is refused."""
+        if self.unstreaming is not None:
+            raise StreamingError(
+                "layerstream.unstream_model(model) was interrupted while it changed this model: some "
+                f"modules are plain again and others still streamed, so it cannot {what}. Call "
+                "layerstream.unstream_model(model) again: it finishes from the copies it already made."
+            )
+
+    def refresh_after_write(self, index: int, device_copy_current: bool = False) -> None:
+        """layerstream itself wrote new values into a layer's host region (a PEFT merge):
+        the device copies follow (``device_copy_current``: the copy in use was written too)."""
+        self.refuse_host_write(index, "a write into it")
+        record = self.records[index]
+        record.snapshot()
+        self.refreshed_layers += 1
+        if self._checker is not None:
+            self._checker.forget(index)
+        if not device_copy_current:
+            self._drop_device_copy(index)
+
+    def _drop_device_copy(self, index: int) -> None:
+        if index in self._window:
+            self._keep_on_device(index)
+        elif self._dense[index] is not None:
+            slot = self.prefetch.slot_of.get(self._dense[index])
+            if slot is not None:
+                self.prefetch.drop(self._dense[index])
+                self.pool.owner[slot] = None
+
+    def _rebuild_pool(self) -> None:
+        """New slots (for a layer that grew, its tensors changed dtype; on another device):
+        between passes."""
+        self.pool.release()
+        self._bindings.clear()
+        self._last_slot = None
+        self.pool = SlotPool(
+            self.device, self.config.slots, self.store.largest_layer_bytes, backward_slots=self.backward.capacity
+        )
+        if self._checker is not None:
+            self._checker = checksum.SlotChecker(self.pool, self.records)
+        self.prefetch = self._new_prefetch(len(self._layer_of))
+        self.sizer = WindowSizer(len(self.records), self.store.largest_layer_bytes)
+        if self.embeddings is not None:
+            self.embeddings.pool = self.pool
+
+    # -- checks --------------------------------------------------------------------
+    def _drop_cache(self, kwargs):
+        kwargs, warned = layer_mod.without_cache(kwargs, self._warned_cache)
+        self._warned_cache = warned
+        return kwargs
+
+    def check_apply(self, fn, dtypes=None) -> None:
+        """Refuse a .to()/.half()/.cuda() that would change streamed weights' dtype or device.
+        ``dtypes``: the streamed dtypes to check (default: the decoder layers' and the
+        streamed embedding's)."""
+        self.refuse_half_unstreamed("be cast or moved")
+        if dtypes is None:
+            dtypes = self._streamed_dtypes | (self.embeddings.dtypes if self.embeddings is not None else set())
+        for dtype in dtypes:
+            probe = fn(torch.empty(0, dtype=dtype))
+            if probe.dtype != dtype:
+                raise StreamingError(
+                    f"this call would cast streamed weights from {dtype} to {probe.dtype}. Nothing "
+                    "was changed. Streamed weights keep the dtype they were streamed with: cast the "
+                    "model before stream_model, or unstream_model, cast, and stream again."
+                )
+            if probe.device.type == "cuda" and probe.device != self.device:
+                raise StreamingError(
+                    f"the model streams to {self.device}; moving it to {probe.device} is not "
+                    "supported (nothing was changed). Stream with StreamConfig(device=...) set to "
+                    "the device you want."
+                )
+            if probe.device.type not in ("cpu", "cuda"):
+                raise StreamingError(
+                    f"a streamed model cannot move to {probe.device} (nothing was changed); unstream_model first."
+                )
+
+    def hidden_from_apply(self, index: int):
+        """Hide a layer's streamed tensors from ``nn.Module._apply`` while it runs."""
+        tables: Dict[int, Tuple[dict, set]] = {}
+        for entry in self.records[index].entries:
+            if entry.bound:
+                tables.setdefault(id(entry.table), (entry.table, set()))[1].add(entry.name)
+        return swap.tensors_hidden(tables.values())
+
+    # -- timeline ------------------------------------------------------------------
+    @property
+    def timeline_active(self) -> bool:
+        return self._recording is not None
+
+    def start_timeline(self) -> None:
+        """Record copies, residency and layer calls from now until ``finish_timeline``."""
+        if self._recording is not None:
+            raise StreamingError("a timeline is already being recorded; call finish_timeline() first")
+        self._recording = self.pool.recording = timeline.Recording(self.pool, self.pool.owner)
+
+    def finish_timeline(self) -> List["timeline.Span"]:
+        """Stop recording; returns the spans (waits once for the device)."""
+        recording = self._recording
+        if recording is None:
+            raise StreamingError("no timeline is being recorded; call start_timeline() first")
+        try:
+            return recording.finish()
+        finally:
+            self._recording = self.pool.recording = None
+
+    def timeline(self, directory: Optional[str] = None):
+        """Record the steps run inside the block; write the trace and plot to ``directory``.
+        Yields a list that holds the spans once the block ends."""
+        return timeline.recorded(self, directory)
+
+    @property
+    def slot_rows(self) -> int:
+        """Slots a timeline draws: the ring and the backward slots."""
+        return self.config.slots + self.prefetch.backward_slots
+
+    # -- counters and text -----------------------------------------------------------
+    def stats(self) -> dict:
+        """Counters since streaming began. Reads outstanding CUDA timing events (waits)."""
+        return report.stats(self)
+
+    def summary(self) -> str:
+        """A one-screen description: what streams, slots, bytes, pinning."""
+        return report.summary(self)
+
+    def explain_oom(self, exc: BaseException, where: str) -> BaseException:
+        return report.explain_oom(self, exc, where)
+
+    # -- lifetime --------------------------------------------------------------------
+    def move_to(self, device) -> None:
+        """Stream to another device from now on (the Trainer trains elsewhere than the
+        model was loaded for): new slots there, the window dropped, the host store kept."""
+        from ..config import resolve_device
+
+        device = resolve_device(device)
+        if device == self.device:
+            return
+        self.set_window([])
+        self.config = self.config.replace(device=device, pin=self.config.pin and device.type == "cuda")
+        self.device = device
+        self.backward = BackwardSlots(self.config)
+        self._rebuild_pool()
+        self.meter = self._new_meter()
+        if self.offloader is not None:
+            self.offloader.release()
+        self.offloader = self._new_offloader()
+        self._measured_tokens = None
+        self._placed_at = 0  # adapters follow at the next pass
+        if self.embeddings is not None:
+            self.embeddings.device = device
+
+    def close(self) -> None:
+        """Release slots and host arenas (after the model's tensors were copied out)."""
+        self._bindings.clear()
+        self._window = {}
+        self._window_buffers = {}
+        self.pool.release()
+        self.store.release()
+        if self.disk is not None:
+            self.disk.close()
+        if self.offloader is not None:
+            self.offloader.release()
+        if self.embeddings is not None:
+            self.embeddings.close()
+
+    def reset_slots(self) -> None:
+        """Forget what the slots hold (backward slots give their memory back); the next
+        visits load on demand."""
+        self._forget_slots()
+        self.prefetch.forget()
+
+    def _forget_slots(self) -> None:
+        for key in [key for key in self._bindings if key[0] >= self.pool.ring_slots]:
+            del self._bindings[key]  # views of backward slots' memory, which is given back
+        self.pool.forget()
+        self._last_slot = None

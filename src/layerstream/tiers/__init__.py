@@ -1,0 +1,1 @@
+"""Where frozen bytes live: the host store, the node-shared store, the disk tier, the GPU slots."""
