@@ -43,6 +43,7 @@ from .config import StreamConfig
 from .decisions.disk import Tiers, resolve_host_budget, split_tiers
 from .modules import nf4
 from .modules.discovery import find_decoder_layers, layer_name
+from .modules.meta import meta_model
 from .system.log import get_logger
 from .tiers import disk, nf4_cache, shared_store
 from .tiers.store import HostStore, check_host_memory, host_memory
@@ -361,7 +362,7 @@ def from_pretrained(
     pre-quantised checkpoint, a missing or damaged shard or index, and tensors that are
     missing or do not have exactly the model's shape (see ``layerstream.checkpoints.stored``).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     from .api import attach_runtime, check_long_context
 
@@ -400,13 +401,7 @@ def from_pretrained(
         quant_config = nf4_settings(quantization_config, torch_dtype)
     quantization = "nf4" if quant_config is not None else None
     extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
-    with torch.device("meta"):
-        if model_class is not None:
-            model = model_class._from_config(config, dtype=torch_dtype, **extra)
-        else:
-            model = AutoModelForCausalLM.from_config(
-                config, dtype=torch_dtype, trust_remote_code=trust_remote_code, **extra
-            )
+    model = meta_model(config, torch_dtype, model_class, trust_remote_code, **extra)
     quantizer = None
     if quant_config is not None:
         try:

@@ -312,12 +312,12 @@ def _check_target_modules(config, where: str) -> None:
     import torch
     from peft import LoraConfig, inject_adapter_in_model
     from peft.tuners.tuners_utils import check_target_module_exists
-    from transformers import AutoModelForCausalLM
+
+    from ..modules.meta import meta_model
 
     try:
         shape = model_config(config)
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(shape, trust_remote_code=config["model"]["trust_remote_code"])
+        model = meta_model(shape, trust_remote_code=config["model"]["trust_remote_code"])
     except (*_config_errors(), KeyError, ImportError) as exc:  # the run could not build it either
         raise TrainConfigError(
             f"{where}: cannot check lora.target_modules against the model ({exc}); point "
