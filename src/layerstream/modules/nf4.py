@@ -375,6 +375,28 @@ def make_plain(module: nn.Module) -> None:
     module.__dict__.pop("_layerstream_runtime", None)
 
 
+def quantised_on_load(model: nn.Module, skip_modules: Optional[Sequence[str]] = None) -> dict:
+    """name -> module of each module a 4-bit bitsandbytes load packs (what transformers'
+    quantizer, run by ``from_pretrained`` on its meta model, swaps for a ``Linear4bit``):
+    an exact ``nn.Linear`` or a ``Conv1D`` whose name the skip list does not match. The
+    skip list and the matching are transformers' own (``get_modules_to_not_convert``: the
+    head, tied weights, the last parameter, ``_keep_in_fp32_modules``, ``skip_modules`` =
+    ``llm_int8_skip_modules``; ``should_convert_module``), so this needs no bitsandbytes
+    and works on a meta model."""
+    from transformers.pytorch_utils import Conv1D
+    from transformers.quantizers.base import HfQuantizer
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    skip = HfQuantizer.get_modules_to_not_convert(
+        model, list(skip_modules) if skip_modules is not None else None, getattr(model, "_keep_in_fp32_modules", None)
+    )
+    return {
+        name: module
+        for name, module in model.named_modules()
+        if (type(module) is nn.Linear or isinstance(module, Conv1D)) and should_convert_module(name, skip)
+    }
+
+
 def set_unquantised_dtype(model: nn.Module, dtype: torch.dtype) -> None:
     """After transformers' quantizer swapped in Linear4bit skeletons: their weights arrive
     unquantised in ``dtype`` (checkpoint values), not in the fp32 the skeleton made."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 import warnings
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -485,6 +485,12 @@ class HostStore:
         self.pinned = False
         self.arenas = []
         self._arena_np = []
+
+
+def region_bytes(sizes: Iterable[int]) -> int:
+    """Bytes of a layer's region holding tensors of ``sizes`` bytes, each once: what
+    ``HostStore.plan_layer`` lays out (every tensor at an ``ALIGN``-aligned offset)."""
+    return sum(aligned(nbytes) for nbytes in sizes)
 
 
 def layer_layout(record: LayerRecord) -> dict:
