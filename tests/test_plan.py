@@ -15,6 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from layerstream.commands import cli
 from layerstream.decisions.schedule import Phase, PrefetchPlanner
+from layerstream.modules.discovery import find_decoder_layers
 from layerstream.plan import (
     BACKWARD_SLOTS_MAX,
     GiB,
@@ -78,8 +79,10 @@ QWEN3_MOE_SMALL = dict(
 #   two RMSNorms: 2*4096 = 8,192  ->  218,112,000 parameters (the norms included)
 LLAMA3_8B_LAYER_PARAMS = 218_103_808 + 8_192
 LLAMA3_8B_LAYER_BF16 = 436_224_000  # x2 bytes; every tensor is a multiple of 512 bytes
-# embeddings and head: 128256*4096 = 525,336,576 each, plus the final norm (4096), bf16
-LLAMA3_8B_RESIDENT = (2 * 525_336_576 + 4_096) * 2  # 2,101,354,496
+# embeddings and head: 128256*4096 = 525,336,576 each, plus the final norm (4096), bf16;
+# plus the rotary embedding's buffers, inv_freq and original_inv_freq: 2 x 64 float32
+LLAMA3_8B_ROTARY = 2 * 64 * 4
+LLAMA3_8B_RESIDENT = (2 * 525_336_576 + 4_096) * 2 + LLAMA3_8B_ROTARY  # 2,101,355,008
 # LoRA r=16 on all seven linears: 16*((4096+4096)*2 + (4096+1024)*2 + (4096+14336)*3)
 #   = 16*81,920 = 1,310,720 per layer, 41,943,040 for 32 layers
 LLAMA3_8B_LORA_PARAMS = 41_943_040
@@ -177,6 +180,15 @@ FAMILIES = {
         mlp_only_layers=[1],
     ),
     "qwen3_moe": dict(QWEN3_MOE_SMALL),
+    # families whose layers differ from Llama's: four norms (gemma2), per-head q/k norms
+    # too (gemma3_text, olmo2), fused q/k/v and gate/up projections (phi3), LayerNorms with
+    # biases and biased fused projections (gpt_neox)
+    "gemma": dict(model_type="gemma", head_dim=16),
+    "gemma2": dict(model_type="gemma2", head_dim=16),
+    "gemma3_text": dict(model_type="gemma3_text", head_dim=16),
+    "olmo2": dict(model_type="olmo2"),
+    "phi3": dict(model_type="phi3", pad_token_id=None),
+    "gpt_neox": dict(model_type="gpt_neox"),
 }
 
 
@@ -197,13 +209,12 @@ def tiny(family: str, **overrides):
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_layer_bytes_equal_the_host_store_layout(family, dtype):
-    """The planned slot size is what HostStore lays out for the real layer (built on meta)."""
+    """The planned slot size is what HostStore lays out for the real layer (built on the CPU)."""
     config = tiny(family)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     engine = [
         HostStore.plan_layer(i, f"layers.{i}", layer, lambda t: True).nbytes
-        for i, layer in enumerate(model.model.layers)
+        for i, layer in enumerate(find_decoder_layers(model)[1])
     ]
     assert layer_bytes(config, "none", dtype) == engine
 
@@ -222,11 +233,38 @@ def test_nf4_weight_bytes_match_bitsandbytes():
             assert sorted(nf4_weight_bytes(math.prod(shape), nested)) == real, (shape, nested)
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("skip", [None, ["q_proj", "down_proj"]], ids=["default", "skip-list"])
+def test_the_modules_nf4_packs_are_the_ones_transformers_quantizer_swaps(family, skip):
+    """nf4.quantised_on_load reads transformers' own skip list and matching: on a meta
+    model it names exactly the modules the bitsandbytes quantizer turns into Linear4bit."""
+    import bitsandbytes as bnb
+    from transformers import BitsAndBytesConfig
+    from transformers.quantizers import AutoHfQuantizer
+
+    from layerstream.modules import nf4
+
+    config = tiny(family)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    predicted = set(nf4.quantised_on_load(model, skip))
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", llm_int8_skip_modules=skip)
+    AutoHfQuantizer.from_config(quant, pre_quantized=False).preprocess_model(
+        model, device_map=None, dtype=torch.bfloat16
+    )
+    swapped = {name for name, module in model.named_modules() if isinstance(module, bnb.nn.Linear4bit)}
+    assert predicted == swapped and swapped
+    if skip is None:
+        assert "lm_head" not in swapped
+    else:  # the skip list replaces the default one, which kept the head out
+        assert "lm_head" in swapped and not any(name.endswith(("q_proj", "down_proj")) for name in swapped)
+
+
 # -- resident, LoRA ----------------------------------------------------------------------
 def test_tied_and_untied_embeddings():
-    assert resident_bytes(config_of(LLAMA3_8B), torch.bfloat16) == LLAMA3_8B_RESIDENT == 2_101_354_496
+    assert resident_bytes(config_of(LLAMA3_8B), torch.bfloat16) == LLAMA3_8B_RESIDENT == 2_101_355_008
     tied = config_of(dict(LLAMA3_8B, tie_word_embeddings=True))
-    assert resident_bytes(tied, torch.bfloat16) == (525_336_576 + 4_096) * 2
+    assert resident_bytes(tied, torch.bfloat16) == (525_336_576 + 4_096) * 2 + LLAMA3_8B_ROTARY
     untied = make_plan(config_of(LLAMA3_8B), 2048, 1, 80 * GiB, slots=2)
     assert untied.resident_bytes - make_plan(tied, 2048, 1, 80 * GiB, slots=2).resident_bytes == 525_336_576 * 2
 
@@ -254,13 +292,19 @@ def test_mixtral_all_linear_adapts_the_experts_as_peft_does():
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("targets", ["all-linear", "q_proj,v_proj"])
 def test_lora_params_equal_peft(family, targets):
+    """Counted on a real model PEFT adapts; where PEFT refuses the targets, so does the plan."""
     from peft import LoraConfig, get_peft_model
 
     config = tiny(family)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
     wanted = targets if targets == "all-linear" else targets.split(",")
-    model = get_peft_model(model, LoraConfig(r=4, target_modules=wanted))
+    try:
+        model = get_peft_model(model, LoraConfig(r=4, target_modules=wanted))
+    except ValueError:
+        with pytest.raises(ValueError, match="matches nothing"):
+            make_plan(config, 16, 1, GiB, lora_rank=4, lora_targets=targets)
+        return
     counted = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert make_plan(config, 16, 1, GiB, lora_rank=4, lora_targets=targets).lora_params == counted
 
@@ -281,8 +325,8 @@ def test_unknown_lora_target_is_refused():
 #     (fp32 dq 4x4096, dq/d_out/dk/dv (2x4096+2x1024)x2, GQA-wide dk/dv 2x4096x2)
 #     = 294,912 + 53,248 = 348,160 -> x2048 = 713,031,680
 #   LoRA weights + grads + AdamW: 41,943,040 x 16      =   671,088,640
-#   everything but the slots: 2,101,354,496 + 671,088,640 + 536,870,912 + 3,152,019,456
-LLAMA3_8B_FIXED = 6_461_333_504
+#   everything but the slots: 2,101,355,008 + 671,088,640 + 536,870,912 + 3,152,019,456
+LLAMA3_8B_FIXED = 6_461_334_016
 
 
 def test_llama3_8b_plan_terms():
@@ -358,7 +402,7 @@ def test_layers_and_arenas_match_from_pretrained(tmp_path, quantization, double_
     assert runtime.store.host_bytes == plan.loader_store_bytes
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3_moe", "gemma2", "gemma3_text", "phi3", "gpt_neox"])
 def test_nf4_layers_match_the_host_store_layout(tmp_path, family):
     """A model transformers loads with BitsAndBytesConfig (NF4, double quantisation) on
     the CPU: packed weights, quant state and the MoE experts it leaves in bf16."""
@@ -378,7 +422,7 @@ def test_nf4_layers_match_the_host_store_layout(tmp_path, family):
     )
     engine = [
         HostStore.plan_layer(i, f"layers.{i}", layer, lambda t: True).nbytes
-        for i, layer in enumerate(model.model.layers)
+        for i, layer in enumerate(find_decoder_layers(model)[1])
     ]
     assert layer_bytes(config, "nf4", torch.bfloat16) == engine
 
@@ -509,16 +553,16 @@ def test_slots_auto_selection():
 
 def test_a_plan_that_does_not_fit_gives_advice():
     # seq 8192: boundary 32x8192x4096x2 = 2,147,483,648; loss 3x8192x128256x4 =
-    # 12,608,077,824; peak with 2 slots: 2,101,354,496 + 671,088,640 + 2,147,483,648 +
-    # 12,608,077,824 + 872,448,000 = 18,400,452,608; + 1 GiB reserve - 16 GiB = 2.14 GiB short
+    # 12,608,077,824; peak with 2 slots: 2,101,355,008 + 671,088,640 + 2,147,483,648 +
+    # 12,608,077,824 + 872,448,000 = 18,400,453,120; + 1 GiB reserve - 16 GiB = 2.14 GiB short
     plan = make_plan(config_of(LLAMA3_8B), 8192, 1, 16 * GiB)
-    assert plan.peak_vram_bytes == 18_400_452_608
+    assert plan.peak_vram_bytes == 18_400_453_120
     assert not plan.fits and plan.slots == 2
     text = "\n".join(plan.advice)
     assert "short by 2.14 GiB" in plan.advice[0]
     assert "--quantization nf4" in text
-    # activations are 1,801,216 B per token; room for them: 15 GiB - 3,644,891,136 B of
-    # the rest = 12,461,236,224 B -> 6918 tokens
+    # activations are 1,801,216 B per token; room for them: 15 GiB - 3,644,891,648 B of
+    # the rest = 12,461,235,712 B -> 6918 tokens
     assert "reduce --seq to 6918 or less" in text
     assert make_plan(config_of(LLAMA3_8B), 6918, 1, 16 * GiB, slots=2).fits
     assert not make_plan(config_of(LLAMA3_8B), 6919, 1, 16 * GiB, slots=2).fits
@@ -550,12 +594,32 @@ def test_nf4_shrinks_slots_and_store_but_not_the_resident_part():
     assert none.peak_vram_bytes - nf4.peak_vram_bytes == 3 * (436_224_000 - 112_543_744)
 
 
-def test_unknown_family_is_planned_with_a_note():
-    config = AutoConfig.for_model(
-        "gpt_neox", vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4
-    )
-    plan = make_plan(config, 16, 1, GiB)
-    assert any("gpt_neox" in note for note in plan.notes)
+@pytest.mark.parametrize("family", ["gpt_neox", "phi3", "gemma3_text"])
+def test_a_family_unlike_llama_is_planned_from_its_own_modules_without_a_note(family):
+    plan = make_plan(tiny(family), 16, 1, GiB)
+    assert plan.notes == []
+    # negative control: a plan that has something to say says it
+    assert make_plan(tiny(family), 16, 1, GiB, quantization="nf4").notes
+
+
+def test_a_config_transformers_builds_no_causal_lm_for_is_refused():
+    config = AutoConfig.for_model("t5", vocab_size=96, d_model=64, num_layers=2, num_heads=4)
+    with pytest.raises(ValueError, match="no causal LM for model_type 't5'"):
+        make_plan(config, 16, 1, GiB)
+
+
+def test_planning_an_80_layer_70b_config_is_fast():
+    """The planner measures a meta model (nothing allocated) and lets PEFT adapt one layer of
+    each kind: a cold plan of Llama-3.1-70B, advice included, takes well under a second on
+    a laptop (0.3 s measured); ten seconds leave room for a loaded machine."""
+    import time
+
+    config = load_config(Path(__file__).resolve().parents[1] / "configs" / "shapes" / "llama-3.1-70b.json")
+    config.vocab_size += 1  # a config no earlier test has planned: nothing remembered
+    start = time.perf_counter()
+    plan = make_plan(config, 2048, 1, 8 * GiB, quantization="nf4")
+    assert time.perf_counter() - start < 10
+    assert plan.num_layers == 80 and plan.advice
 
 
 @pytest.mark.parametrize(
@@ -602,7 +666,7 @@ LLAMA3_8B_MATRIX = 1_050_673_152
 
 def test_stream_embeddings_takes_the_embedding_and_head_off_the_gpu():
     plan = make_plan(config_of(LLAMA3_8B), 2048, 1, 80 * GiB, slots=2, stream_embeddings=True, backward_slots=0)
-    assert plan.stream_embeddings and plan.resident_bytes == 8_192
+    assert plan.stream_embeddings and plan.resident_bytes == 8_192 + LLAMA3_8B_ROTARY
     # the loss phase is the peak at seq 2048 and now holds one transient head copy:
     # both matrices leave the resident part, one comes back for the loss
     assert plan.head_copy_bytes == LLAMA3_8B_MATRIX
@@ -623,7 +687,7 @@ def test_a_tied_head_streams_from_one_host_copy():
     resident = make_plan(tied, 2048, 1, 80 * GiB, slots=2)
     streamed = make_plan(tied, 2048, 1, 80 * GiB, slots=2, stream_embeddings=True)
     assert streamed.ends_host_bytes == LLAMA3_8B_MATRIX
-    assert streamed.resident_bytes == 8_192
+    assert streamed.resident_bytes == 8_192 + LLAMA3_8B_ROTARY
     # the one matrix leaves the GPU but comes back for the loss, which is the peak
     assert streamed.peak_vram_bytes == resident.peak_vram_bytes
 
@@ -638,7 +702,8 @@ def test_the_planned_embedding_and_head_match_the_engine():
         plan = plan_for_model(model, 16, 1, slots=2, stream_embeddings=True)
         runtime = layerstream.get_runtime(model)
         assert runtime.embeddings.host_bytes == plan.ends_host_bytes
-        assert plan.resident_bytes == model.model.norm.weight.numel() * 4
+        rotary = sum(b.numel() * b.element_size() for b in model.model.rotary_emb.buffers())
+        assert plan.resident_bytes == model.model.norm.weight.numel() * 4 + rotary
         assert plan.head_copy_bytes == model.lm_head.weight.numel() * 4
 
 

@@ -3,8 +3,10 @@
 Answers from a model's transformers config alone, before anything is downloaded or
 allocated: how large each streamed layer is (the slot size and the host store), what
 stays on the GPU, what the activations of one training step cost, the predicted peak
-GPU memory, the host RAM needed, and how many bytes a step copies. Pure arithmetic:
-no weights are read and CUDA is never touched; torch is imported for dtype sizes only.
+GPU memory, the host RAM needed, and how many bytes a step copies. The tensors are read
+off the model transformers builds from the config on the meta device, and the adapters
+off PEFT's own injection into it (``shapes``, ``lora``); meta tensors allocate nothing,
+so no weights are read and CUDA is never touched.
 
 The model of a step that the numbers follow (docs/plan.md derives each term):
 
@@ -26,9 +28,8 @@ The model of a step that the numbers follow (docs/plan.md derives each term):
 - A step copies every layer twice (forward, then the recompute in reverse) except the
   ``slots`` layers still in slots at each forward/backward turnaround.
 
-Layer shapes follow the transformers modeling code of the families named in
-``KNOWN_FAMILIES``; any other ``model_type`` is planned as a Llama-style layer and the
-plan says so in its notes.
+Any family transformers builds is planned from its own modules: the activation terms
+alone (hidden size, MLP width, heads, vocabulary) read the config.
 """
 
 from ..units import ALIGN, GiB, parse_bytes  # noqa: F401  (re-exported)

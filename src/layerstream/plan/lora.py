@@ -1,121 +1,184 @@
-"""PEFT's LoRA targets, emulated from layer shapes: which modules and Parameters an
-adapter of rank r adds to (``target_modules`` as PEFT resolves it), and how many
-parameters that is."""
+"""LoRA's adapters as PEFT makes them: PEFT's own injection (``inject_adapter_in_model``
+with ``LoraConfig(target_modules=..., r=...)``, as a training run applies it) on the
+config's meta model, one decoder layer of each kind, so which modules and Parameters it
+adapts, and how many parameters that adds, are PEFT's answer for any family transformers
+builds. Meta tensors allocate nothing."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Dict, List, Sequence, Tuple
+from typing import List, Tuple
 
-from .shapes import KNOWN_FAMILIES, LayerShape, LinearShape, ParamShape, _get, _text_config  # noqa: F401
+import torch
+from torch import nn
+
+from ..modules.discovery import find_decoder_layers
+from .shapes import LayerShape, LinearShape, ParamShape, _text_config, build_meta_model, parse_dtype
 
 
 @dataclass
 class LoraTargets:
-    """What LoRA adapts in one layer: nn.Linear modules, and Parameters with the rank
-    multiplier PEFT gives them (2 for a fused gate_up stack: one rank per fused branch)."""
+    """What LoRA adapts in one layer: nn.Linear modules, Parameters (PEFT's
+    ``target_parameters``: fused expert stacks, routers), and the LoRA parameters it adds
+    (``count``; ``param_count`` of them adapt the Parameters)."""
 
     linears: List[LinearShape] = field(default_factory=list)
-    params: List[Tuple[ParamShape, int]] = field(default_factory=list)
-
-    def params_count(self, rank: int) -> int:
-        """LoRA parameters: r*(in+out) per linear; for a Parameter of ``experts``
-        stacked (out, in) matrices, lora_A is (r*experts, in) and lora_B (out, r*experts)."""
-        count = sum(rank * (lin.in_features + lin.out_features) for lin in self.linears)
-        return count + sum(rank * mult * p.experts * (p.in_features + p.out_features) for p, mult in self.params)
+    params: List[ParamShape] = field(default_factory=list)
+    count: int = 0
+    param_count: int = 0
 
 
-# PEFT 0.21 rewrites LoRA targets of MoE models whose experts transformers 5 fused into
-# Parameters (peft/utils/transformers_weight_conversion.py): the old expert/router
-# module names become target_parameters, "all-linear" included. Keyed by model_type:
-# old name -> fused Parameter, and the names fused into one stack.
-_PEFT_MOE_TARGETS: Dict[str, Tuple[Dict[str, str], Tuple[str, ...]]] = {
-    "mixtral": (
-        {
-            "gate": "mlp.gate.weight",
-            "w1": "mlp.experts.gate_up_proj",
-            "w3": "mlp.experts.gate_up_proj",
-            "w2": "mlp.experts.down_proj",
-        },
-        ("w1", "w3"),
-    ),
-    "qwen3_moe": (
-        {
-            "gate": "mlp.gate.weight",
-            "gate_proj": "mlp.experts.gate_up_proj",
-            "up_proj": "mlp.experts.gate_up_proj",
-            "down_proj": "mlp.experts.down_proj",
-        },
-        ("gate_proj", "up_proj"),
-    ),
-    # qwen2_moe itself is absent from PEFT 0.21's table: its experts are not adapted
-}
+_COUNTED: "OrderedDict[tuple, Tuple[List[LoraTargets], int]]" = OrderedDict()
+_COUNTED_KEPT = 16  # (config, targets, rank) whose adapters are remembered: advice plans again and again
 
 
-def _lora_targets(config, shapes: Sequence[LayerShape], targets: str) -> List[LoraTargets]:
-    """What LoRA adapts in each layer, following PEFT 0.21's ``get_peft_model``.
+def lora_adapters(config, shapes: List[LayerShape], targets: str, rank: int, dtype=torch.bfloat16):
+    """(what LoRA of rank ``rank`` adapts in each decoder layer, all its parameters,
+    adapters outside the layers included), following PEFT's ``inject_adapter_in_model``.
 
-    ``targets`` is "all-linear" or comma-separated names; a name matches a module path
-    that equals it or ends with "." + name, as PEFT's ``target_modules`` list does.
-    "all-linear" takes every nn.Linear of the decoder layers (the head is excluded and
-    is not in a layer anyway). For the MoE families in ``_PEFT_MOE_TARGETS``, PEFT maps
-    the expert and router names onto the fused Parameters and drops them from the module
-    targets, so "all-linear" adapts attention, the router and every expert, and no
-    dense-layer MLP of ``mlp_only_layers``.
-    """
-    model_type = getattr(_text_config(config), "model_type", "")
-    every = sorted({lin.name.rsplit(".", 1)[-1] for shape in shapes for lin in shape.linears})
-    all_linear = targets.strip().lower() == "all-linear"
-    names = every if all_linear else [t.strip() for t in targets.split(",") if t.strip()]
+    ``targets`` is "all-linear" or comma-separated names, as PEFT's ``target_modules``
+    takes them (a name matches a module path that equals it or ends with "." + name; PEFT
+    maps the expert and router names of MoE families whose experts transformers fuses onto
+    the fused Parameters). A name that matches nothing, or a set PEFT refuses, is refused
+    here as ValueError."""
+    if not rank:
+        return [LoraTargets() for _ in shapes], 0
+    config = _text_config(config)
+    dtype = parse_dtype(dtype)
+    key = (type(config).__name__, config.to_json_string(use_diff=False), dtype, targets.strip(), rank)
+    if key not in _COUNTED:
+        _COUNTED[key] = _count(config, dtype, targets, rank)
+        while len(_COUNTED) > _COUNTED_KEPT:
+            _COUNTED.popitem(last=False)
+    _COUNTED.move_to_end(key)
+    layers, total = _COUNTED[key]
+    return [LoraTargets(list(t.linears), list(t.params), t.count, t.param_count) for t in layers], total
+
+
+def _target_names(targets: str):
+    if targets.strip().lower() == "all-linear":
+        return "all-linear"
+    names = [t.strip() for t in targets.split(",") if t.strip()]
     if not names:
         raise ValueError("lora_targets is empty; use 'all-linear' or names such as 'q_proj,v_proj'")
-    mapping, fused = _PEFT_MOE_TARGETS.get(model_type, ({}, ()))
-    if all_linear:
-        names = sorted(set(names) | set(mapping))
-    param_names = {mapping[n] for n in names if n in mapping}
-    present = [n for n in fused if n in names]
-    if 0 < len(present) < len(fused):
-        raise ValueError(
-            f"LoRA target(s) {', '.join(present)} need {', '.join(sorted(set(fused) - set(present)))} "
-            f"too: {model_type} fuses them into one expert Parameter (PEFT refuses this)"
+    return names
+
+
+def _kind(layer: nn.Module) -> tuple:
+    """What PEFT sees of a layer: its modules' paths and classes, its tensors' shapes."""
+    return tuple(
+        (
+            name,
+            type(module).__name__,
+            tuple(
+                (key, tuple(t.shape), t.dtype)
+                for key, t in (*module._parameters.items(), *module._buffers.items())
+                if t is not None
+            ),
         )
-    module_names = [n for n in names if n not in mapping]
-
-    def matches(path: str, candidates) -> bool:
-        return any(path == n or path.endswith("." + n) for n in candidates)
-
-    chosen = []
-    for shape in shapes:
-        layer = LoraTargets([lin for lin in shape.linears if matches(lin.name, module_names)])
-        for param in shape.params:
-            if param.name in param_names:
-                mult = len(fused) if param.name.endswith("gate_up_proj") else 1
-                layer.params.append((param, mult))
-        chosen.append(layer)
-    if not all_linear:
-        for name in names:
-            hit = name in mapping and any(layer.params for layer in chosen)
-            hit = hit or any(matches(lin.name, [name]) for layer in chosen for lin in layer.linears)
-            if not hit:
-                raise ValueError(
-                    f"LoRA target {name!r} matches nothing in this model's decoder layers; "
-                    f"their linear layers are: {', '.join(every)}"
-                )
-    return chosen
+        for name, module in layer.named_modules()
+    )
 
 
-def plan_notes(model_type, shapes, adapted, lora_rank, lora_targets, quantization) -> List[str]:
+def _one_layer_of_each_kind(config, dtype):
+    """The meta model with its decoder stack cut to one layer of each kind, and for each
+    of the original layers the position of its kind's layer in the cut stack."""
+    model = build_meta_model(config, dtype)
+    path, layers = find_decoder_layers(model)
+    kinds: "OrderedDict[tuple, int]" = OrderedDict()
+    chosen, position = [], []
+    for layer in layers:
+        kind = _kind(layer)
+        if kind not in kinds:
+            kinds[kind] = len(chosen)
+            chosen.append(layer)
+        position.append(kinds[kind])
+    parent, _, attribute = path.rpartition(".")
+    setattr(model.get_submodule(parent), attribute, nn.ModuleList(chosen))
+    return model, position
+
+
+def _inject(model: nn.Module, names, rank: int) -> None:
+    from peft import LoraConfig, inject_adapter_in_model
+
+    inject_adapter_in_model(LoraConfig(r=rank, target_modules=names), model, low_cpu_mem_usage=True)
+
+
+def _count(config, dtype: torch.dtype, targets: str, rank: int) -> Tuple[List[LoraTargets], int]:
+    names = _target_names(targets)
+    if names != "all-linear":
+        _refuse_names_matching_nothing(config, dtype, names)
+    model, position = _one_layer_of_each_kind(config, dtype)
+    try:
+        _inject(model, names, rank)
+    except ValueError as exc:
+        raise ValueError(f"lora_targets={targets!r}: PEFT refuses them for this model: {exc}") from None
+    _, layers = find_decoder_layers(model)
+    kinds = [_layer_targets(layer) for layer in layers]
+    total = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
+    outside = total - sum(kind.count for kind in kinds)
+    chosen = [kinds[index] for index in position]
+    return chosen, sum(layer.count for layer in chosen) + outside
+
+
+def _refuse_names_matching_nothing(config, dtype, names: List[str]) -> None:
+    """PEFT takes a list of which one name matches: each must adapt something alone."""
+    from peft import LoraConfig
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    model, _ = _one_layer_of_each_kind(config, dtype)
+    modules = [key for key, _ in model.named_modules()]
+    for name in names:
+        if any(check_target_module_exists(LoraConfig(target_modules=[name]), key) for key in modules):
+            continue
+        try:  # an MoE name PEFT maps onto a fused Parameter matches no module
+            _inject(_one_layer_of_each_kind(config, dtype)[0], [name], 1)
+        except ValueError:
+            linear = sorted({key.rsplit(".", 1)[-1] for key, m in model.named_modules() if type(m) is nn.Linear})
+            raise ValueError(
+                f"LoRA target {name!r} matches nothing in this model; its linear layers are: {', '.join(linear)}"
+            ) from None
+
+
+def _unwrapped(path: str) -> str:
+    return ".".join(part for part in path.split(".") if part != "base_layer")
+
+
+def _lora_numel(module: nn.Module) -> int:
+    """The parameters of this adapter's own LoRA matrices (nested wrappers count apart)."""
+    return sum(
+        p.numel() for name, child in module.named_children() if name.startswith("lora_") for p in child.parameters()
+    )
+
+
+def _layer_targets(layer: nn.Module) -> LoraTargets:
+    from peft.tuners.lora import LoraLayer, ParamWrapper
+
+    adapted = LoraTargets()
+    for path, module in layer.named_modules():
+        if not isinstance(module, LoraLayer):
+            continue
+        numel = _lora_numel(module)
+        adapted.count += numel
+        if isinstance(module, ParamWrapper):
+            param = module.get_param()
+            out_features, in_features = param.shape[-2:]
+            name = f"{_unwrapped(path)}.{module.parameter_name}"
+            adapted.params.append(
+                ParamShape(name, int(torch.Size(param.shape[:-2]).numel()), in_features, out_features)
+            )
+            adapted.param_count += numel
+        else:
+            base = module.get_base_layer()
+            adapted.linears.append(LinearShape(_unwrapped(path), base.in_features, base.out_features))
+    return adapted
+
+
+def plan_notes(shapes, adapted, lora_targets, quantization) -> List[str]:
     """What a reader of the plan should know about how it was made."""
     notes: List[str] = []
-    if model_type not in KNOWN_FAMILIES:
-        notes.append(
-            f"model_type {model_type!r} is not one the planner spells out "
-            f"({', '.join(KNOWN_FAMILIES)}): its layers were sized as Llama-style "
-            "layers (q/k/v/o, gated MLP, two RMSNorms)"
-        )
-    expert_lora = sum(
-        layer.params_count(lora_rank) - LoraTargets(layer.linears).params_count(lora_rank) for layer in adapted
-    )
+    expert_lora = sum(layer.param_count for layer in adapted)
     if expert_lora:
         notes.append(
             f"PEFT adapts the fused experts and routers under lora_targets={lora_targets!r} "
@@ -123,7 +186,7 @@ def plan_notes(model_type, shapes, adapted, lora_rank, lora_targets, quantizatio
             "holds its merged expert weights; name attention modules only (e.g. "
             "'q_proj,k_proj,v_proj,o_proj') to leave the experts frozen"
         )
-    if quantization == "nf4" and any(shape.sparse for shape in shapes):
+    if quantization == "nf4" and any(shape.params for shape in shapes):
         notes.append(
             "MoE expert weights and routers stay in the compute dtype under NF4: "
             "bitsandbytes quantises nn.Linear modules only"

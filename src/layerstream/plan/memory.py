@@ -11,9 +11,8 @@ from ..decisions.schedule import usable_backward_slots
 from ..decisions.window import margin_bytes
 from ..long import trl_head
 from ..units import GiB, aligned, arena_sizes
-from .lora import LoraTargets, _lora_targets, plan_notes
+from .lora import LoraTargets, lora_adapters, plan_notes
 from .shapes import (
-    _QK_NORM_FAMILIES,
     ADAMW_STATES,
     BACKWARD_SLOTS_MAX,
     LORA_BYTES,
@@ -21,9 +20,9 @@ from .shapes import (
     LayerShape,
     _attention_dims,
     _check_quantization,
-    _embedding_matrices,
     _num_experts,
     _text_config,
+    ends_host_bytes,
     head_bytes,
     layer_bytes,
     layer_shapes,
@@ -219,7 +218,7 @@ def _working_bytes(
     Per token, what autograd keeps for a transformers decoder layer (sdpa or flash
     attention):
     - the input of each of the two RMSNorms in float32 (they upcast), and q/k in float32
-      under Qwen3's per-head norms;
+      where the layer normalises each head's query and key (Qwen3, Gemma 3, OLMo 2);
     - q, k, v and the attention output in the compute dtype;
     - the MLP's gate, up and gated product in the compute dtype; in an MoE layer routed
       experts count top_k times, plus the gathered input and the output of every routed
@@ -228,7 +227,7 @@ def _working_bytes(
       float32, the activations are not).
     Per layer: a LoRA-adapted Parameter (expert stack, router) is merged as W + B@A by
     PEFT's ParamWrapper on every call, and autograd keeps the merged weight. With
-    ``dequantised`` (NF4 layers in training), every nn.Linear's weight in the compute
+    ``dequantised`` (NF4 layers in training), every NF4-packed nn.Linear's weight in the compute
     dtype: a streamed NF4 projection at training sizes is dequantize_4bit + F.linear as
     ordinary autograd ops (nf4.dequantized_linear), and autograd keeps the dequantised
     weight for the input gradient.
@@ -247,7 +246,7 @@ def _working_bytes(
     hidden, heads, kv_heads, head_dim = _attention_dims(config)
     q_dim, kv_dim = heads * head_dim, kv_heads * head_dim
     per_token = 2 * 4 * hidden
-    if getattr(config, "model_type", "") in _QK_NORM_FAMILIES:
+    if shape.qk_norm:
         per_token += 4 * (q_dim + kv_dim)
     per_token += (2 * q_dim + 2 * kv_dim) * elem
     per_token += attention_backward_bytes_per_token(q_dim, kv_dim, elem)
@@ -256,9 +255,9 @@ def _working_bytes(
         per_token += 2 * shape.top_k * hidden * elem + 2 * 4 * _num_experts(config)
     per_token += LORA_BYTES * sum(lin.in_features for lin in adapted.linears if not lin.name.startswith("mlp."))
     mlp_per_token += LORA_BYTES * sum(lin.in_features for lin in adapted.linears if lin.name.startswith("mlp."))
-    merged = sum(param.numel for param, _ in adapted.params) * elem
+    merged = sum(param.numel for param in adapted.params) * elem
     if dequantised:
-        merged += sum(lin.in_features * lin.out_features for lin in shape.linears) * elem
+        merged += sum(lin.in_features * lin.out_features for lin in shape.linears if lin.quantised) * elem
     mlp_tokens = min(tokens, mlp_tile_tokens) if mlp_tile_tokens and not shape.sparse else tokens
     return tokens * per_token + mlp_tokens * mlp_per_token + merged
 
@@ -331,10 +330,9 @@ def _build(
     elem = dtype.itemsize
     model_type = getattr(config, "model_type", "") or "unknown"
 
-    shapes = layer_shapes(config)
+    shapes = layer_shapes(config, dtype)
     sizes = layer_bytes(config, quantization, dtype, double_quant)
-    adapted = _lora_targets(config, shapes, lora_targets) if lora_rank else [LoraTargets() for _ in shapes]
-    lora_params = sum(layer.params_count(lora_rank) for layer in adapted)
+    adapted, lora_params = lora_adapters(config, shapes, lora_targets, lora_rank, dtype)
     tokens = batch * seq
     hidden, vocab = int(config.hidden_size), int(config.vocab_size)
 
@@ -342,7 +340,7 @@ def _build(
     all_resident = resident_bytes(config, dtype)  # on the host until model.to(device), streamed or not
     head_copy = head_bytes(config, dtype) if stream_embeddings else 0
     # the ends' host store: each matrix at the store's alignment
-    ends_host = _embedding_matrices(config) * aligned(head_bytes(config, dtype)) if stream_embeddings else 0
+    ends_host = ends_host_bytes(config, dtype) if stream_embeddings else 0
     ends_copies = 2 * head_copy + (tokens * hidden * elem if stream_embeddings else 0)
     lora_bytes = lora_grads = lora_params * LORA_BYTES  # gradients take the adapters' dtype
     optimizer = lora_params * 4 * ADAMW_STATES
@@ -379,7 +377,7 @@ def _build(
     loader_store = loader_arena_bytes(sizes, arena_bytes)
     unquantised = max(layer_bytes(config, "none", dtype)) if quantization != "none" else max_layer
 
-    notes = plan_notes(model_type, shapes, adapted, lora_rank, lora_targets, quantization)
+    notes = plan_notes(shapes, adapted, lora_targets, quantization)
 
     return MemoryPlan(
         model_type=model_type,

@@ -1,18 +1,27 @@
-"""Layer shapes and bytes, from a transformers config alone: what each decoder layer holds,
-how large it is in each dtype and in NF4, what stays resident. Pure arithmetic."""
+"""Layer shapes and bytes, read from the model itself: transformers builds the model of a
+config on the meta device (``modules.meta``), and each decoder layer's tensors (names,
+shapes, the dtypes they load in, buffers included), the ones a 4-bit load packs to NF4
+(``nf4.quantised_on_load``), and the resident part are read off it; each layer's bytes
+are the host store's layout of them (``tiers.store``). Meta tensors allocate nothing, so
+this is as pure as arithmetic: no weight is read and CUDA is never touched."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import List, Tuple, Union
 
 import torch
 
 from ..checkpoints.paths import missing_directory
-from ..units import GiB, aligned
+from ..modules import nf4
+from ..modules.discovery import find_decoder_layers, layer_name
+from ..modules.meta import meta_model
+from ..tiers.store import HostStore, region_bytes
+from ..units import GiB
 
 QUANTIZATIONS = ("none", "nf4")
 
@@ -48,23 +57,42 @@ STREAM_EMBEDDINGS_ADVICE = "use --stream-embeddings (StreamConfig(stream_embeddi
 DEFAULT_BANDWIDTH_GBPS = 55.0  # the team's measured pinned host->device bandwidth, H200
 DEFAULT_RESERVE_BYTES = GiB  # CUDA context, cuBLAS workspaces, allocator slack
 
-# families whose decoder layer this module spells out (read from their modeling code)
-KNOWN_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
-# RMSNorm over each head's query and key (q_norm, k_norm of size head_dim)
-_QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")
-# q/k/v projections with a bias, o_proj without; the flag is `qkv_bias` where it exists
-_QKV_BIAS_FAMILIES = ("qwen2", "qwen2_moe")
+
+# -- layer shapes, read from the meta model -----------------------------------------------
+@dataclass(frozen=True)
+class TensorShape:
+    """One tensor a layer (or the resident part) holds, as the model loads it."""
+
+    name: str  # path inside the layer (inside the model, for the resident part)
+    shape: Tuple[int, ...]
+    dtype: torch.dtype
+    buffer: bool = False
+    quantised: bool = False  # an nn.Linear weight a 4-bit load packs to NF4
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    def stored_bytes(self, quantization: str, double_quant: bool = True) -> List[int]:
+        """The tensors the host store holds for this one: NF4 pieces, or the tensor itself."""
+        if quantization == "nf4" and self.quantised:
+            return nf4_weight_bytes(self.numel, double_quant)
+        return [self.nbytes]
 
 
-# -- layer shapes -------------------------------------------------------------------------
 @dataclass(frozen=True)
 class LinearShape:
-    """One ``nn.Linear`` of a decoder layer: quantised by bitsandbytes, targeted by LoRA."""
+    """One ``nn.Linear`` (or ``Conv1D``) of a decoder layer: what LoRA adapts as a module."""
 
     name: str  # path inside the layer, as PEFT's target_modules sees it
     in_features: int
     out_features: int
     bias: bool = False
+    quantised: bool = True  # its weight is packed to NF4 under quantization="nf4"
 
 
 @dataclass(frozen=True)
@@ -72,8 +100,8 @@ class ParamShape:
     """A weight that is a plain Parameter, not an nn.Linear: an MoE router (experts=1,
     shape (out, in)) or a fused expert stack (shape (experts, out, in)).
 
-    transformers 5 stores experts this way, so bitsandbytes leaves them in the compute
-    dtype; PEFT can still adapt them through ``target_parameters`` (see _lora_targets).
+    bitsandbytes leaves these in the compute dtype; PEFT can still adapt them through
+    ``target_parameters`` (it maps MoE expert names onto them).
     """
 
     name: str
@@ -88,26 +116,45 @@ class ParamShape:
 
 @dataclass(frozen=True)
 class LayerShape:
-    """The tensors of one decoder layer, grouped by how they are stored and trained.
+    """One decoder layer, as the meta model holds it.
 
-    linears: the nn.Linear modules (NF4 quantises their weights; "all-linear" LoRA
+    tensors: every tensor the host store holds for the layer, each once (parameters and
+        buffers, in the store's order).
+    linears: the nn.Linear modules (NF4 packs the ``quantised`` ones; "all-linear" LoRA
         targets them).
     params: routers and fused expert weights (always in the compute dtype).
-    norms: (name, numel) of the RMSNorm weights (always in the compute dtype).
     mlp_width: activation width of the MLP per token (routed experts count top_k
-        times, plus a shared expert), for the working-set estimate.
-    top_k: experts each token is routed to (0 in a dense layer).
+        times, plus a shared expert), from the config, for the working-set estimate.
+    top_k: experts each token is routed to (0 in a layer without an expert stack).
+    qk_norm: the attention normalises each head's query and key (their float32 copies).
     """
 
+    tensors: Tuple[TensorShape, ...]
     linears: Tuple[LinearShape, ...]
     params: Tuple[ParamShape, ...]
-    norms: Tuple[Tuple[str, int], ...]
     mlp_width: int
     top_k: int = 0
+    qk_norm: bool = False
 
     @property
     def sparse(self) -> bool:
         return self.top_k > 0
+
+    def stored_bytes(self, quantization: str = "none", double_quant: bool = True) -> int:
+        """The layer's region in the host store, and so in a slot."""
+        return region_bytes(n for tensor in self.tensors for n in tensor.stored_bytes(quantization, double_quant))
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the planner reads off a config's meta model."""
+
+    model_type: str
+    layers: Tuple[LayerShape, ...]
+    resident: Tuple[TensorShape, ...]  # every tensor outside the decoder layers, each once
+    embedding: TensorShape  # the input embedding's weight
+    head: TensorShape  # the output head's weight (the embedding's when tied)
+    tied: bool
 
 
 def _get(config, name: str, default=None):
@@ -139,70 +186,103 @@ def _num_experts(config) -> int:
     return int(_get(config, "num_local_experts", _get(config, "num_experts", 0)) or 0)
 
 
-def _is_sparse(config, index: int) -> bool:
-    """Whether layer ``index`` has a mixture-of-experts MLP (the rule of Qwen2/3-MoE's
-    decoder layer; Mixtral has no mlp_only_layers/decoder_sparse_step, so every layer)."""
-    experts = _num_experts(config)
-    if experts <= 0:
-        return False
-    mlp_only = _get(config, "mlp_only_layers", []) or []
-    step = int(_get(config, "decoder_sparse_step", 1) or 1)
-    return index not in mlp_only and (index + 1) % step == 0
+_SHAPES: "OrderedDict[tuple, ModelShape]" = OrderedDict()
+_SHAPES_KEPT = 16  # configs whose shapes are remembered (a plan and its advice ask many times)
 
 
-def layer_shapes(config) -> List[LayerShape]:
-    """The shape of every decoder layer of ``config``, in order."""
+def model_shape(config, dtype=torch.bfloat16) -> ModelShape:
+    """The layers and resident part of ``config``'s model with weights in ``dtype``, built
+    on the meta device once per (config, dtype)."""
     config = _text_config(config)
-    hidden, heads, kv_heads, head_dim = _attention_dims(config)
-    model_type = getattr(config, "model_type", "")
-    q_dim, kv_dim = heads * head_dim, kv_heads * head_dim
-    if model_type in _QKV_BIAS_FAMILIES:
-        qkv_bias, o_bias = bool(_get(config, "qkv_bias", True)), False
-    else:
-        qkv_bias = o_bias = bool(_get(config, "attention_bias", False))
-    attention = (
-        LinearShape("self_attn.q_proj", hidden, q_dim, qkv_bias),
-        LinearShape("self_attn.k_proj", hidden, kv_dim, qkv_bias),
-        LinearShape("self_attn.v_proj", hidden, kv_dim, qkv_bias),
-        LinearShape("self_attn.o_proj", q_dim, hidden, o_bias),
-    )
-    norms = [("input_layernorm.weight", hidden), ("post_attention_layernorm.weight", hidden)]
-    if model_type in _QK_NORM_FAMILIES:
-        norms += [("self_attn.q_norm.weight", head_dim), ("self_attn.k_norm.weight", head_dim)]
+    dtype = parse_dtype(dtype)
+    key = (type(config).__name__, config.to_json_string(use_diff=False), dtype)
+    if key not in _SHAPES:
+        _SHAPES[key] = _measure(config, dtype)
+        while len(_SHAPES) > _SHAPES_KEPT:
+            _SHAPES.popitem(last=False)
+    _SHAPES.move_to_end(key)
+    return _SHAPES[key]
 
-    intermediate = int(config.intermediate_size)
-    mlp_bias = bool(_get(config, "mlp_bias", False))
-    dense_mlp = _gated_mlp("mlp", hidden, intermediate, mlp_bias)
-    shapes = []
-    for index in range(int(config.num_hidden_layers)):
-        if not _is_sparse(config, index):
-            shapes.append(LayerShape(attention + dense_mlp, (), tuple(norms), intermediate))
+
+def build_meta_model(config, dtype):
+    """``config``'s causal LM on the meta device, weights in ``dtype``; ValueError when
+    transformers has no model for it."""
+    try:
+        return meta_model(config, dtype)
+    except (ValueError, KeyError, ImportError, AssertionError) as exc:  # transformers' refusals
+        model_type = getattr(config, "model_type", None)
+        raise ValueError(
+            f"the planner builds the model from its transformers config, and transformers builds no "
+            f"causal LM for model_type {model_type!r} ({exc})"
+        ) from None
+
+
+def _measure(config, dtype: torch.dtype) -> ModelShape:
+    model = build_meta_model(config, dtype)
+    path, layers = find_decoder_layers(model)
+    quantised = {id(module.weight) for module in nf4.quantised_on_load(model).values()}
+    in_layers = {id(t) for layer in layers for t in (*layer.parameters(), *layer.buffers())}
+    shapes = tuple(
+        _layer_shape(config, layer, layer_name(path, index), quantised) for index, layer in enumerate(layers)
+    )
+    resident, seen = [], set()
+    for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
+        for name, tensor in named:
+            if id(tensor) not in in_layers and id(tensor) not in seen:
+                seen.add(id(tensor))
+                resident.append(TensorShape(name, tuple(tensor.shape), tensor.dtype, kind == "buffer"))
+    embedding = model.get_input_embeddings().weight
+    head_module = model.get_output_embeddings()
+    head = embedding if head_module is None else head_module.weight
+    as_shape = lambda name, t: TensorShape(name, tuple(t.shape), t.dtype)
+    return ModelShape(
+        model_type=getattr(config, "model_type", "") or "unknown",
+        layers=shapes,
+        resident=tuple(resident),
+        embedding=as_shape("embedding", embedding),
+        head=as_shape("head", head),
+        tied=head is embedding,
+    )
+
+
+def _layer_shape(config, layer: torch.nn.Module, name: str, quantised: set) -> LayerShape:
+    """One layer: its tensors as the host store lays them out (``HostStore.plan_layer``),
+    its linears and plain-Parameter weights, and the config's activation widths."""
+    from transformers.pytorch_utils import Conv1D
+
+    record = HostStore.plan_layer(0, name, layer, lambda t: True)
+    tensors, offsets = [], set()
+    for entry in record.entries:
+        if entry.offset in offsets:  # a tensor shared inside the layer is stored once
             continue
-        experts = _num_experts(config)
-        expert_width = int(_get(config, "moe_intermediate_size", intermediate))
-        top_k = int(_get(config, "num_experts_per_tok", 2))
-        params = (
-            ParamShape("mlp.gate.weight", 1, hidden, experts),  # router, no bias
-            ParamShape("mlp.experts.gate_up_proj", experts, hidden, 2 * expert_width),
-            ParamShape("mlp.experts.down_proj", experts, expert_width, hidden),
-        )
-        linears = attention
-        width = top_k * expert_width
-        shared = int(_get(config, "shared_expert_intermediate_size", 0) or 0)
-        if shared:  # Qwen2-MoE: an always-on expert and its sigmoid gate
-            linears += _gated_mlp("mlp.shared_expert", hidden, shared, False)
-            linears += (LinearShape("mlp.shared_expert_gate", hidden, 1),)
-            width += shared
-        shapes.append(LayerShape(linears, params, tuple(norms), width, top_k))
-    return shapes
+        offsets.add(entry.offset)
+        packed = entry.kind == "_parameters" and id(entry.current()) in quantised
+        local = entry.qualified_name[len(name) + 1 :]
+        tensors.append(TensorShape(local, entry.shape, entry.dtype, entry.kind == "_buffers", packed))
+    linears, params = [], []
+    for module_name, module in layer.named_modules():
+        if type(module) is torch.nn.Linear or isinstance(module, Conv1D):
+            weight = module.weight
+            shape = (weight.shape[1], weight.shape[0]) if isinstance(module, Conv1D) else weight.shape[::-1]
+            linears.append(LinearShape(module_name, *shape, module.bias is not None, id(weight) in quantised))
+            continue
+        for param_name, param in module.named_parameters(recurse=False):
+            if param.dim() >= 2 and param.is_floating_point():
+                full = f"{module_name}.{param_name}" if module_name else param_name
+                out_features, in_features = param.shape[-2:]
+                params.append(ParamShape(full, math.prod(param.shape[:-2]), in_features, out_features))
+    top_k = int(_get(config, "num_experts_per_tok", 2)) if any(p.experts > 1 for p in params) else 0
+    width = int(_get(config, "intermediate_size", 0) or 0)
+    if top_k:
+        width = top_k * int(_get(config, "moe_intermediate_size", width))
+        width += int(_get(config, "shared_expert_intermediate_size", 0) or 0)
+    qk_norm = any(t.name.endswith(("q_norm.weight", "k_norm.weight")) for t in tensors)
+    return LayerShape(tuple(tensors), tuple(linears), tuple(params), width, top_k, qk_norm)
 
 
-def _gated_mlp(prefix: str, hidden: int, width: int, bias: bool) -> Tuple[LinearShape, ...]:
-    return (
-        LinearShape(f"{prefix}.gate_proj", hidden, width, bias),
-        LinearShape(f"{prefix}.up_proj", hidden, width, bias),
-        LinearShape(f"{prefix}.down_proj", width, hidden, bias),
-    )
+def layer_shapes(config, dtype=torch.bfloat16) -> List[LayerShape]:
+    """The shape of every decoder layer of ``config``, in order."""
+    return list(model_shape(config, dtype).layers)
 
 
 # -- bytes --------------------------------------------------------------------------------
@@ -245,21 +325,6 @@ def nf4_weight_bytes(numel: int, double_quant: bool = True) -> List[int]:
     return sizes
 
 
-def _tensor_bytes(shape: LayerShape, quantization: str, elem: int, double_quant: bool) -> List[int]:
-    sizes = []
-    for linear in shape.linears:
-        numel = linear.in_features * linear.out_features
-        if quantization == "nf4":
-            sizes += nf4_weight_bytes(numel, double_quant)
-        else:
-            sizes.append(numel * elem)
-        if linear.bias:  # biases stay in the compute dtype under NF4
-            sizes.append(linear.out_features * elem)
-    sizes += [param.numel * elem for param in shape.params]
-    sizes += [numel * elem for _, numel in shape.norms]
-    return sizes
-
-
 def _check_quantization(quantization: str) -> str:
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
@@ -267,44 +332,46 @@ def _check_quantization(quantization: str) -> str:
 
 
 def layer_bytes(config, quantization: str = "none", dtype=torch.bfloat16, double_quant: bool = True) -> List[int]:
-    """Bytes of each decoder layer's frozen weights as the host store and a slot hold them.
+    """Bytes of each decoder layer's frozen tensors as the host store and a slot hold them.
 
     One entry per layer (MoE models with ``mlp_only_layers`` or ``decoder_sparse_step``
     mix sizes). Every tensor is rounded up to the store's 512-byte alignment. With
-    ``quantization="nf4"`` the nn.Linear weights are 4-bit with their quant state;
-    biases, norms, routers and fused expert weights stay in ``dtype``.
+    ``quantization="nf4"`` the weights a 4-bit load packs are 4-bit with their quant state;
+    biases, norms, buffers, routers and fused expert weights stay as they load.
     """
     _check_quantization(quantization)
-    elem = dtype_bytes(dtype)
-    return [
-        sum(aligned(n) for n in _tensor_bytes(shape, quantization, elem, double_quant))
-        for shape in layer_shapes(config)
-    ]
+    return [shape.stored_bytes(quantization, double_quant) for shape in model_shape(config, dtype).layers]
+
+
+def _ends(config, dtype) -> List[TensorShape]:
+    """The input embedding and, when untied, the head."""
+    shape = model_shape(config, dtype)
+    return [shape.embedding] if shape.tied else [shape.embedding, shape.head]
 
 
 def embedding_bytes(config, dtype=torch.bfloat16) -> int:
     """The input embedding and, when untied, the head: what ``stream_embeddings`` keeps on
     the host (bitsandbytes never quantises these)."""
-    return _embedding_matrices(config) * head_bytes(config, dtype)
+    return sum(matrix.nbytes for matrix in _ends(config, dtype))
 
 
-def _embedding_matrices(config) -> int:
-    """1 when the head is tied to the input embedding, else 2."""
-    return 1 if _get(_text_config(config), "tie_word_embeddings", False) else 2
+def ends_host_bytes(config, dtype=torch.bfloat16) -> int:
+    """The embedding and head's host store under ``stream_embeddings``: each matrix a region
+    of its own."""
+    return sum(region_bytes([matrix.nbytes]) for matrix in _ends(config, dtype))
 
 
 def head_bytes(config, dtype=torch.bfloat16) -> int:
-    """One vocab x hidden matrix: the head, and with ``stream_embeddings`` its transient
-    device copy during the loss."""
-    config = _text_config(config)
-    return int(config.vocab_size) * int(config.hidden_size) * dtype_bytes(dtype)
+    """The head's weight: with ``stream_embeddings`` its transient device copy during the
+    loss."""
+    return model_shape(config, dtype).head.nbytes
 
 
 def resident_bytes(config, dtype=torch.bfloat16, stream_embeddings: bool = False) -> int:
-    """Embeddings, final norm and head; the final norm alone when the embedding and head
-    stream."""
-    norm = int(_text_config(config).hidden_size) * dtype_bytes(dtype)
-    return norm if stream_embeddings else embedding_bytes(config, dtype) + norm
+    """Everything outside the decoder layers (embeddings, final norm, head, the rotary
+    embedding's buffers); without the embedding and head when they stream."""
+    total = sum(tensor.nbytes for tensor in model_shape(config, dtype).resident)
+    return total - embedding_bytes(config, dtype) if stream_embeddings else total
 
 
 # -- input parsing ------------------------------------------------------------------------
