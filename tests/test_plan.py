@@ -182,13 +182,14 @@ FAMILIES = {
     "qwen3_moe": dict(QWEN3_MOE_SMALL),
     # families whose layers differ from Llama's: four norms (gemma2), per-head q/k norms
     # too (gemma3_text, olmo2), fused q/k/v and gate/up projections (phi3), LayerNorms with
-    # biases and biased fused projections (gpt_neox)
+    # biases and biased fused projections (gpt_neox), Conv1D projections (gpt2)
     "gemma": dict(model_type="gemma", head_dim=16),
     "gemma2": dict(model_type="gemma2", head_dim=16),
     "gemma3_text": dict(model_type="gemma3_text", head_dim=16),
     "olmo2": dict(model_type="olmo2"),
     "phi3": dict(model_type="phi3", pad_token_id=None),
     "gpt_neox": dict(model_type="gpt_neox"),
+    "gpt2": dict(model_type="gpt2"),
 }
 
 

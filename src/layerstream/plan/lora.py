@@ -6,6 +6,7 @@ builds. Meta tensors allocate nothing."""
 
 from __future__ import annotations
 
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import List, Tuple
@@ -48,7 +49,7 @@ def lora_adapters(config, shapes: List[LayerShape], targets: str, rank: int, dty
     dtype = parse_dtype(dtype)
     key = (type(config).__name__, config.to_json_string(use_diff=False), dtype, targets.strip(), rank)
     if key not in _COUNTED:
-        _COUNTED[key] = _count(config, dtype, targets, rank)
+        _COUNTED[key] = _count(config, dtype, targets, rank, shapes)
         while len(_COUNTED) > _COUNTED_KEPT:
             _COUNTED.popitem(last=False)
     _COUNTED.move_to_end(key)
@@ -102,13 +103,15 @@ def _one_layer_of_each_kind(config, dtype):
 def _inject(model: nn.Module, names, rank: int) -> None:
     from peft import LoraConfig, inject_adapter_in_model
 
-    inject_adapter_in_model(LoraConfig(r=rank, target_modules=names), model, low_cpu_mem_usage=True)
+    with warnings.catch_warnings():  # what PEFT says about a training run's settings (Conv1D's
+        warnings.simplefilter("ignore")  # fan_in_fan_out) is said again when the run applies it
+        inject_adapter_in_model(LoraConfig(r=rank, target_modules=names), model, low_cpu_mem_usage=True)
 
 
-def _count(config, dtype: torch.dtype, targets: str, rank: int) -> Tuple[List[LoraTargets], int]:
+def _count(config, dtype: torch.dtype, targets: str, rank: int, shapes) -> Tuple[List[LoraTargets], int]:
     names = _target_names(targets)
     if names != "all-linear":
-        _refuse_names_matching_nothing(config, dtype, names)
+        _refuse_names_matching_nothing(config, dtype, names, shapes)
     model, position = _one_layer_of_each_kind(config, dtype)
     try:
         _inject(model, names, rank)
@@ -122,7 +125,7 @@ def _count(config, dtype: torch.dtype, targets: str, rank: int) -> Tuple[List[Lo
     return chosen, sum(layer.count for layer in chosen) + outside
 
 
-def _refuse_names_matching_nothing(config, dtype, names: List[str]) -> None:
+def _refuse_names_matching_nothing(config, dtype, names: List[str], shapes) -> None:
     """PEFT takes a list of which one name matches: each must adapt something alone."""
     from peft import LoraConfig
     from peft.tuners.tuners_utils import check_target_module_exists
@@ -135,9 +138,10 @@ def _refuse_names_matching_nothing(config, dtype, names: List[str]) -> None:
         try:  # an MoE name PEFT maps onto a fused Parameter matches no module
             _inject(_one_layer_of_each_kind(config, dtype)[0], [name], 1)
         except ValueError:
-            linear = sorted({key.rsplit(".", 1)[-1] for key, m in model.named_modules() if type(m) is nn.Linear})
+            linear = sorted({lin.name.rsplit(".", 1)[-1] for shape in shapes for lin in shape.linears})
             raise ValueError(
-                f"LoRA target {name!r} matches nothing in this model; its linear layers are: {', '.join(linear)}"
+                f"LoRA target {name!r} matches nothing in this model; its decoder layers' linear layers are: "
+                f"{', '.join(linear)}"
             ) from None
 
 
@@ -170,8 +174,7 @@ def _layer_targets(layer: nn.Module) -> LoraTargets:
             )
             adapted.param_count += numel
         else:
-            base = module.get_base_layer()
-            adapted.linears.append(LinearShape(_unwrapped(path), base.in_features, base.out_features))
+            adapted.linears.append(LinearShape(_unwrapped(path), module.in_features, module.out_features))
     return adapted
 
 

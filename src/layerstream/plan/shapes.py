@@ -262,9 +262,9 @@ def _layer_shape(config, layer: torch.nn.Module, name: str, quantised: set) -> L
     linears, params = [], []
     for module_name, module in layer.named_modules():
         if type(module) is torch.nn.Linear or isinstance(module, Conv1D):
-            weight = module.weight
-            shape = (weight.shape[1], weight.shape[0]) if isinstance(module, Conv1D) else weight.shape[::-1]
-            linears.append(LinearShape(module_name, *shape, module.bias is not None, id(weight) in quantised))
+            weight = module.weight  # (out, in); a Conv1D's is (in, out)
+            in_out = tuple(weight.shape) if isinstance(module, Conv1D) else tuple(weight.shape[::-1])
+            linears.append(LinearShape(module_name, *in_out, module.bias is not None, id(weight) in quantised))
             continue
         for param_name, param in module.named_parameters(recurse=False):
             if param.dim() >= 2 and param.is_floating_point():
@@ -272,7 +272,8 @@ def _layer_shape(config, layer: torch.nn.Module, name: str, quantised: set) -> L
                 out_features, in_features = param.shape[-2:]
                 params.append(ParamShape(full, math.prod(param.shape[:-2]), in_features, out_features))
     top_k = int(_get(config, "num_experts_per_tok", 2)) if any(p.experts > 1 for p in params) else 0
-    width = int(_get(config, "intermediate_size", 0) or 0)
+    mlp = [linear.out_features for linear in linears if linear.name.startswith("mlp.")]
+    width = int(_get(config, "intermediate_size", 0) or 0) or max(mlp, default=0)  # GPT-2 has no intermediate_size
     if top_k:
         width = top_k * int(_get(config, "moe_intermediate_size", width))
         width += int(_get(config, "shared_expert_intermediate_size", 0) or 0)
