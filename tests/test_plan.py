@@ -603,6 +603,18 @@ def test_a_family_unlike_llama_is_planned_from_its_own_modules_without_a_note(fa
     assert make_plan(tiny(family), 16, 1, GiB, quantization="nf4").notes
 
 
+def test_planning_leaves_the_config_as_it_was():
+    from layerstream.modules.meta import meta_model
+
+    config = tiny("llama")
+    before = config.to_json_string(use_diff=False)
+    make_plan(config, 16, 1, GiB, dtype=torch.float32, quantization="nf4")
+    assert config.to_json_string(use_diff=False) == before
+    # negative control: transformers' from_config writes the dtype into the config it gets
+    meta_model(config, torch.float32)
+    assert config.to_json_string(use_diff=False) != before
+
+
 def test_a_config_transformers_builds_no_causal_lm_for_is_refused():
     config = AutoConfig.for_model("t5", vocab_size=96, d_model=64, num_layers=2, num_heads=4)
     with pytest.raises(ValueError, match="no causal LM for model_type 't5'"):

@@ -7,6 +7,7 @@ this is as pure as arithmetic: no weight is read and CUDA is never touched."""
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -206,9 +207,10 @@ def model_shape(config, dtype=torch.bfloat16) -> ModelShape:
 
 def build_meta_model(config, dtype):
     """``config``'s causal LM on the meta device, weights in ``dtype``; ValueError when
-    transformers has no model for it."""
+    transformers has no model for it. Built from a copy: from_config writes the dtype into
+    the config it is given, and the caller's (a live model's) stays as it was."""
     try:
-        return meta_model(config, dtype)
+        return meta_model(copy.deepcopy(config), dtype)
     except (ValueError, KeyError, ImportError, AssertionError) as exc:  # transformers' refusals
         model_type = getattr(config, "model_type", None)
         raise ValueError(
