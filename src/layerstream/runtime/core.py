@@ -275,17 +275,7 @@ class StreamRuntime(ResidentWindow, OffloadPolicy, LongSettingsPolicy):
 
     # -- at the start of each pass -----------------------------------------------------
     def _start_pass(self, hidden: Optional[torch.Tensor], training: bool) -> None:
-        if torch.compiler.is_compiling():
-            raise StreamingError(
-                "torch.compile cannot trace a streamed layer: its weights change place on "
-                "every call. Compile the model before stream_model is not supported either; "
-                "run streamed layers eagerly (compile submodules that do not stream)."
-            )
-        if self.pool.cuda and torch.cuda.is_current_stream_capturing():
-            raise StreamingError(
-                "CUDA graph capture of a streamed model is not supported: a graph would "
-                "freeze one slot assignment and its copies. Capture only resident parts."
-            )
+        passes.refuse_capture(self.pool.cuda)
         for record in self.records:  # changes made between passes, quant states included
             if not record.fresh_deep():
                 self._refresh(record.index, Phase.TRAIN_FORWARD, pass_start=True)
@@ -458,24 +448,7 @@ class StreamRuntime(ResidentWindow, OffloadPolicy, LongSettingsPolicy):
         self.refuse_half_unstreamed("be cast or moved")
         if dtypes is None:
             dtypes = self._streamed_dtypes | (self.embeddings.dtypes if self.embeddings is not None else set())
-        for dtype in dtypes:
-            probe = fn(torch.empty(0, dtype=dtype))
-            if probe.dtype != dtype:
-                raise StreamingError(
-                    f"this call would cast streamed weights from {dtype} to {probe.dtype}. Nothing "
-                    "was changed. Streamed weights keep the dtype they were streamed with: cast the "
-                    "model before stream_model, or unstream_model, cast, and stream again."
-                )
-            if probe.device.type == "cuda" and probe.device != self.device:
-                raise StreamingError(
-                    f"the model streams to {self.device}; moving it to {probe.device} is not "
-                    "supported (nothing was changed). Stream with StreamConfig(device=...) set to "
-                    "the device you want."
-                )
-            if probe.device.type not in ("cpu", "cuda"):
-                raise StreamingError(
-                    f"a streamed model cannot move to {probe.device} (nothing was changed); unstream_model first."
-                )
+        layer_mod.refuse_cast_or_move(fn, dtypes, self.device)
 
     def hidden_from_apply(self, index: int):
         """Hide a layer's streamed tensors from ``nn.Module._apply`` while it runs."""
