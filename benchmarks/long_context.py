@@ -225,7 +225,7 @@ def _step_or_shrink(model, opt, ids) -> bool:
             raise
         wanted = wanted_bytes(exc) or 0
     opt.zero_grad(set_to_none=True)  # outside the except block: the failed step's tensors are gone
-    if not runtime.recover_from_oom(wanted):
+    if not runtime.resident_window.recover_from_oom(wanted):
         raise torch.OutOfMemoryError("the resident window cannot shrink further")
     return False
 
@@ -261,7 +261,9 @@ def _window(model) -> dict:
 
     if not layerstream.is_streamed(model):
         return {}
-    return {"window_changes": [list(change) for change in layerstream.get_runtime(model).window_changes]}
+    return {
+        "window_changes": [list(change) for change in layerstream.get_runtime(model).resident_window.window_changes]
+    }
 
 
 def _parsed(options: dict) -> dict:

@@ -92,7 +92,7 @@ def run(args) -> dict:
                     times[mode] += _step_times(model, optimizer, ids, args.steps)
                     peaks[mode] = max(peaks[mode], torch.cuda.max_memory_allocated())
                     if mode:
-                        host_bytes = runtime.offloader.host_bytes
+                        host_bytes = runtime.offload_policy.offloader.host_bytes
             off, on = median(times[False]), median(times[True])
             row = {
                 "shape": args.shape,

@@ -197,17 +197,19 @@ def cell(
             auto_window=len(runtime.window),
             auto_times=times,
             auto_step_s=statistics.median(times[-timed:]),
-            window_changes=runtime.window_changes,
+            window_changes=runtime.resident_window.window_changes,
             auto_peak_reserved_gib=torch.cuda.max_memory_reserved() / 2**30,
             # retries cap the window at its size (a step that reached the limit)
             auto_alloc_retries=torch.cuda.memory_stats().get("num_alloc_retries", 0),
-            auto_window_cap=runtime.sizer.max_window if runtime.meter is not None else None,
+            auto_window_cap=runtime.resident_window.sizer.max_window
+            if runtime.resident_window.meter is not None
+            else None,
         )
     except torch.OutOfMemoryError as exc:
         row.update(auto_out_of_memory=True, auto_error=str(exc).splitlines()[0], auto_window=len(runtime.window))
         return row
     print(json.dumps({k: v for k, v in row.items() if k != "auto_times"}), flush=True)
-    runtime.meter = None  # the window is set by hand from here on
+    runtime.resident_window.meter = None  # the window is set by hand from here on
 
     memory = {}  # size -> (most reserved GiB, allocator retries) over its runs: how near the cap it came
 

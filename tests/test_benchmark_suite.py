@@ -642,14 +642,22 @@ def test_a_long_context_probe_step_that_runs_out_of_memory_shrinks_the_window_an
 
     import layerstream
 
-    class Runtime:
-        def __init__(self, window):
-            self.window, self.shrinks = window, []
+    class ResidentWindow:
+        def __init__(self, layers):
+            self.layers, self.shrinks = layers, []
 
         def recover_from_oom(self, wanted):
             self.shrinks.append(wanted)
-            self.window = self.window[:-1]
+            self.layers = self.layers[:-1]
             return True
+
+    class Runtime:
+        def __init__(self, window):
+            self.resident_window = ResidentWindow(window)
+
+        @property
+        def window(self):
+            return self.resident_window.layers
 
     class Model:
         def __init__(self, failures):
@@ -673,9 +681,9 @@ def test_a_long_context_probe_step_that_runs_out_of_memory_shrinks_the_window_an
     monkeypatch.setattr(layerstream, "get_runtime", lambda model: runtime)
     model = Model(failures=1)
     assert long_context._step_or_shrink(model, Optimizer(), None) is False
-    assert runtime.shrinks == [2 << 30] and runtime.window == [3]
+    assert runtime.resident_window.shrinks == [2 << 30] and runtime.window == [3]
     assert long_context._step_or_shrink(model, Optimizer(), None) is True
-    runtime.window = []
+    runtime.resident_window.layers = []
     with pytest.raises(torch.OutOfMemoryError):
         long_context._step_or_shrink(Model(failures=1), Optimizer(), None)
 

@@ -223,7 +223,7 @@ def _offload_race_pair(monkeypatch, delay_copies=True, attn="eager", **model):
     streamed, resident = peft_pair("llama", layers=8, dtype=torch.bfloat16, attn=attn, **shape)
     stream(streamed, "cuda", slots=2, prefetch=1, offload_activations=True)
     resident.to("cuda")
-    offloader = layerstream.get_runtime(streamed).offloader
+    offloader = layerstream.get_runtime(streamed).offload_policy.offloader
     if delay_copies:
         fetch = offload.ActivationOffloader._fetch
 

@@ -211,7 +211,7 @@ def test_the_budget_check_plans_the_chunked_loss_the_model_runs_with():
     for model in (plain, chunked):
         runtime = layerstream.get_runtime(model)
         runtime.config.vram_budget = budget  # checked at the next training step
-        runtime.meter = None  # the check alone, no window
+        runtime.resident_window.meter = None  # the check alone, no window
     with pytest.raises(layerstream.StreamingError, match="does not fit vram_budget"):
         plain(input_ids=ids, labels=ids)
     chunked(input_ids=ids, labels=ids).loss.backward()

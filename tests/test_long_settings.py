@@ -145,7 +145,7 @@ def test_a_short_step_runs_with_all_three_off_and_equals_the_plain_model_bit_for
     runtime = _stream(streamed, budget)
     assert all(getattr(runtime.config, name) == "auto" for name in LONG_ORDER)
     assert_traces_equal(train_steps(streamed, 3, seq=12), train_steps(resident, 3, seq=12))
-    assert runtime.long_settings_for(24) == OFF
+    assert runtime.long_settings.settings_for(24) == OFF
     stats = runtime.stats()
     assert stats["activations_offloaded"] == 0 and stats["layer_loads"] > stats["layers"]
     inner = streamed.get_base_model()
@@ -169,7 +169,7 @@ def test_a_long_step_under_a_small_budget_turns_all_three_on_and_matches_them_se
     tiled_mlp.apply(resident, 16)
     with caplog.at_level(logging.WARNING, logger="layerstream"):
         got = train_steps(streamed, 2, seq=48)
-    assert runtime.long_settings_for(96) == every
+    assert runtime.long_settings.settings_for(96) == every
     assert_traces_equal(got, train_steps(resident, 2, seq=48))
     assert got.logits[0] is None, "the loss was chunked"
     assert runtime.stats()["activations_offloaded"] > 0
@@ -184,9 +184,9 @@ def test_an_explicit_value_wins_over_what_auto_would_decide(small_tiles):
     given = dict(offload_activations=True, loss_chunk_tokens=None, mlp_tile_tokens=7)
     runtime = _stream(streamed, _needed(resident, 48, **given), loss_chunk_tokens=0, mlp_tile_tokens=7)
     out = train_steps(streamed, 1, seq=48)
-    assert runtime.long_settings_for(96) == given
+    assert runtime.long_settings.settings_for(96) == given
     assert out.logits[0] is not None, "loss_chunk_tokens=0: the model's own loss"
-    assert runtime.long_decision(96).names == (OFFLOAD,)
+    assert runtime.long_settings.decision(96).names == (OFFLOAD,)
 
 
 def test_what_was_turned_on_is_said_once_per_decision(small_tiles, caplog):
@@ -202,7 +202,11 @@ def test_what_was_turned_on_is_said_once_per_decision(small_tiles, caplog):
         for seq in (24, 28, 24, 48, 28, 48):
             train_steps(streamed, 1, seq=seq)
             logged.append(window._new_decision())
-    assert [runtime.long_decision(2 * seq).names for seq in (24, 28, 48)] == [(CHUNK,), (CHUNK,), (CHUNK, TILE)]
+    assert [runtime.long_settings.decision(2 * seq).names for seq in (24, 28, 48)] == [
+        (CHUNK,),
+        (CHUNK,),
+        (CHUNK, TILE),
+    ]
     said = [r.message for r in caplog.records if "'auto' is on" in r.message]
     assert len(said) == 2 and "batch 2 x 24 tokens" in said[0] and "batch 2 x 48 tokens" in said[1]
     assert [bool(figures) for figures in logged] == [True, False, False, True, False, False]

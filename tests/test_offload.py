@@ -296,8 +296,10 @@ def test_an_arena_refused_while_a_pass_holds_one_is_released_once_idle(monkeypat
             losses[name].append(grads)
             model.zero_grad()
             if model is streamed and step == 0:
-                assert runtime.offloader.host_bytes > 0, "the first pass's arena, held until its backward"
-    assert runtime.offloader.host_bytes == 0
+                assert runtime.offload_policy.offloader.host_bytes > 0, (
+                    "the first pass's arena, held until its backward"
+                )
+    assert runtime.offload_policy.offloader.host_bytes == 0
     for mine, theirs in zip(losses["streamed"], losses["resident"]):
         if isinstance(mine, dict):
             assert all(torch.equal(mine[k], theirs[k]) for k in mine)
@@ -347,7 +349,7 @@ def test_the_host_arena_is_one_buffer_reused_across_steps():
     streamed, _ = peft_pair("llama", layers=5)
     stream(streamed, "cpu", offload_activations=True)
     train_steps(streamed, 3)
-    offloader = layerstream.get_runtime(streamed).offloader
+    offloader = layerstream.get_runtime(streamed).offload_policy.offloader
     per_layer = batch(seq=12).numel() * streamed.config.hidden_size * 4
     assert len(offloader.arenas) == 1
     assert offloader.host_bytes == offloaded_layers(5) * layerstream.plan.aligned(per_layer)
@@ -420,7 +422,7 @@ def test_trl_activation_offloading_beside_offload_activations(tmp_path, setting,
     with caplog.at_level("WARNING", logger="layerstream"):
         Trainer(model=model, args=args)
     assert "offload_activations='auto' stays off" in caplog.text
-    assert layerstream.get_runtime(model).offloader is None
+    assert layerstream.get_runtime(model).offload_policy.offloader is None
 
 
 @pytest.mark.parametrize("early", [True, False], ids=["early", "negative-control-without-early-copy"])
@@ -452,7 +454,7 @@ def test_a_handle_reached_by_its_weak_reference_while_finalised_is_not_copied_ba
     once), so a handle being finalised is never fetched."""
     streamed, _ = peft_pair("llama", layers=4)
     stream(streamed, "cpu", offload_activations=True)
-    offloader = layerstream.get_runtime(streamed).offloader
+    offloader = layerstream.get_runtime(streamed).offload_policy.offloader
     fetched_while_finalised = []
     finalise = offload._Saved.__del__
 

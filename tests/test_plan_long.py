@@ -139,7 +139,7 @@ def test_the_engine_allocates_the_host_bytes_the_planner_predicts():
     train_steps(streamed, 2, seq=12, batch_size=2)
     runtime = layerstream.get_runtime(streamed)
     predicted = runtime.memory_plan(2, 12).activation_host_bytes
-    assert runtime.offloader.host_bytes == predicted == 4 * plan.aligned(2 * 12 * 32 * 4)
+    assert runtime.offload_policy.offloader.host_bytes == predicted == 4 * plan.aligned(2 * 12 * 32 * 4)
 
 
 def _measured(commit: str, cell: str):

@@ -33,7 +33,7 @@ def test_the_window_bytes_are_the_ones_computed_with():
     stream(streamed, "cpu", slots=2, prefetch=1)
     runtime = layerstream.get_runtime(streamed)
     runtime.set_window([2])
-    runtime._window_buffers[2].zero_()
+    runtime.resident_window.buffers[2].zero_()
     with pytest.raises(AssertionError):
         assert_traces_equal(train_steps(streamed, 1), train_steps(resident, 1))
 
@@ -299,7 +299,7 @@ def test_on_cuda_the_window_is_sized_from_measured_memory_and_stays_exact():
     assert_traces_equal(train_steps(streamed, 1, "cuda"), train_steps(resident, 1, "cuda"))
     assert runtime.window == []
     assert_traces_equal(train_steps(streamed, 3, "cuda"), train_steps(resident, 3, "cuda"))
-    assert runtime.window == list(range(6)) and runtime.sizer.reference.peak_reserved > 0
+    assert runtime.window == list(range(6)) and runtime.resident_window.sizer.reference.peak_reserved > 0
     before = runtime.stats()["layer_loads"]
     train_steps(streamed, 1, "cuda")
     assert runtime.stats()["layer_loads"] == before, "window layers are not copied"
@@ -312,8 +312,10 @@ def test_the_window_is_sized_only_after_a_backward_and_not_before_an_optimizer_s
     streamed, _ = peft_pair("llama", layers=6)
     runtime = _stream_with_window_room(streamed, extra_layers=3)
     readings = []
-    real = runtime.sizer.record
-    monkeypatch.setattr(runtime.sizer, "record", lambda reading: readings.append(reading) or real(reading))
+    real = runtime.resident_window.sizer.record
+    monkeypatch.setattr(
+        runtime.resident_window.sizer, "record", lambda reading: readings.append(reading) or real(reading)
+    )
     params = [p for p in streamed.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-3)
     streamed.train()

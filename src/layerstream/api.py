@@ -253,7 +253,7 @@ def attach_runtime(
     layer.guard_ancestors(runtime.guarded, runtime)
     if store.disk is not None:
         store.disk.guard_loads(runtime.guarded)
-    runtime.install_long_settings(model)
+    runtime.long_settings.install(model)
     for callback in list(_ON_STREAM):
         callback(model)
     logger.info(runtime.summary())
@@ -364,7 +364,7 @@ def _commit_unstream(model: nn.Module, runtime: StreamRuntime, copies: list, end
         nf4.make_plain(module)
     if runtime.embeddings is not None:
         runtime.embeddings.restore(ends)
-    runtime.remove_long_settings(model)
+    runtime.long_settings.remove(model)
     for module in runtime.layers:
         layer.make_plain(module)
     for record in runtime.records:

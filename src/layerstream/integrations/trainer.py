@@ -70,7 +70,7 @@ class _LogWindow:
         self.last = runtime.stats()
         self.last_generation = generation.counters(runtime).snapshot()
         self.last_time = time.perf_counter()
-        self.decisions_logged = 0  # of runtime.long_decisions_said()
+        self.decisions_logged = 0  # of runtime.long_settings.decisions_said()
 
     def figures(self) -> dict:
         """Training's copies and stalls since the last log, without generation's (counted
@@ -110,7 +110,7 @@ class _LogWindow:
     def _new_decision(self) -> dict:
         """What "auto" turned on since the last logging step (the latest set, once), and the
         plan's numbers behind it: the log history keeps each decision once."""
-        said = self.runtime.long_decisions_said()
+        said = self.runtime.long_settings.decisions_said()
         if len(said) == self.decisions_logged:
             return {}
         self.decisions_logged = len(said)
@@ -202,7 +202,7 @@ class _StepState:
         grads = [p.grad for p in self.params]
         self.none = all(g is None for g in grads)
         self.saved = None
-        if not self.none and runtime.window_is_new():
+        if not self.none and runtime.resident_window.is_new():
             self.saved = [None if g is None else g.detach().to("cpu", copy=True) for g in grads]
 
     @property
@@ -239,7 +239,7 @@ def _training_step_with_retry(original, trainer, model, args, kwargs):
                 raise runtime.explain_oom(exc, "in a training step") from exc
             wanted = wanted_bytes(exc) or 0
         # outside the except block: the failed step's frames and tensors are gone
-        if not runtime.recover_from_oom(wanted):
+        if not runtime.resident_window.recover_from_oom(wanted):
             raise StreamingError(
                 "layerstream: a training step ran out of memory and the resident window "
                 "cannot shrink further; see the advice above"
@@ -269,7 +269,7 @@ def check_activation_offloading(runtime, training_args) -> None:
                 "layerstream's offload_activations=True (StreamConfig, layerstream run --offload-activations, "
                 "--layer_stream_offload_activations true, stream.offload_activations: true)."
             )
-    if not getattr(training_args, "activation_offloading", False) or runtime.offloader is None:
+    if not getattr(training_args, "activation_offloading", False) or runtime.offload_policy.offloader is None:
         return
     if runtime.config.offload_activations is True:
         raise StreamingError(
@@ -377,7 +377,7 @@ def predicted_vram(model, args) -> str:
         if seq:
             peak = runtime.memory_plan(batch, int(seq)).peak_vram_bytes
             line = f"  predicted    peak VRAM {gib(peak)} at batch {batch} x {seq} tokens, every layer streamed"
-            return line + _auto_long_text(runtime.long_decision(batch * int(seq)))
+            return line + _auto_long_text(runtime.long_settings.decision(batch * int(seq)))
         short, long = (runtime.memory_plan(batch, n).peak_vram_bytes for n in (512, 2048))
         return (
             f"  predicted    peak VRAM {gib(short)} at batch {batch} x 512 tokens, "

@@ -71,6 +71,30 @@ class StreamedLayer(_NotCopyable):
             return super()._apply(fn, recurse)
 
 
+def refuse_cast_or_move(fn, dtypes, device: torch.device) -> None:
+    """Refuse an ``_apply`` function (``.to()``, ``.half()``, ``.cuda()``) that would change
+    the dtype of streamed weights of these ``dtypes``, or move them off ``device``: tried on
+    an empty tensor of each dtype, before anything is changed."""
+    for dtype in dtypes:
+        probe = fn(torch.empty(0, dtype=dtype))
+        if probe.dtype != dtype:
+            raise StreamingError(
+                f"this call would cast streamed weights from {dtype} to {probe.dtype}. Nothing "
+                "was changed. Streamed weights keep the dtype they were streamed with: cast the "
+                "model before stream_model, or unstream_model, cast, and stream again."
+            )
+        if probe.device.type == "cuda" and probe.device != device:
+            raise StreamingError(
+                f"the model streams to {device}; moving it to {probe.device} is not "
+                "supported (nothing was changed). Stream with StreamConfig(device=...) set to "
+                "the device you want."
+            )
+        if probe.device.type not in ("cpu", "cuda"):
+            raise StreamingError(
+                f"a streamed model cannot move to {probe.device} (nothing was changed); unstream_model first."
+            )
+
+
 class AboveStreamedLayers(_NotCopyable):
     """Mixed in front of each module above a streamed stack (the model, its decoder, the
     stack's ModuleList): casts and moves are checked whole before anything changes."""

@@ -7,9 +7,12 @@ asks the schedule for the slot and the copies to issue, makes the compute stream
 swaps dictionary entries, and calls the layer. It allocates nothing per visit beyond the
 schedule's small lists, and never waits on the host.
 
-The runtime also keeps the resident window (layers held on the GPU for good; ``residency``), sized from
-measured memory at training-step boundaries (``window``, ``meter``). Counters, the
-start-up summary and out-of-memory advice are in ``report``.
+Three components own the rest of the runtime's state, each in a module of its own: the
+resident window (layers held on the GPU for good, sized from measured memory at
+training-step boundaries: ``residency``), the activation offloader and when a pass uses it
+(``offload_policy``), and the long-sequence settings each step runs with (``long_policy``).
+The runtime hands them what they need and plans its slots when the window changes.
+Counters, the start-up summary and out-of-memory advice are in ``report``.
 """
 
 from __future__ import annotations
@@ -22,7 +25,6 @@ from torch import nn
 
 from ..config import StreamConfig
 from ..decisions.schedule import Phase, PrefetchPlanner
-from ..decisions.window import WindowSizer
 from ..errors import ForkedChildError, StreamingError
 from ..modules import bindings, changes, swap
 from ..modules import layer as layer_mod
@@ -30,18 +32,17 @@ from ..system.log import get_logger
 from ..tiers import checksum
 from ..tiers.pool import SlotPool
 from ..tiers.store import LAYOUT, SAME, HostStore, LayerRecord
-from . import passes, report, timeline
+from . import meter, passes, report, timeline
 from .backward_slots import BackwardSlots
 from .budget_check import BudgetCheck
-from .long_policy import AutoLongMemo, LongSettingsPolicy
-from .meter import CudaMeter, PlannedMeter
-from .offload_policy import AutoOffloadMemo, OffloadPolicy
-from .residency import WINDOW_RESETS, ResidentWindow
+from .long_policy import LongSettingsPolicy
+from .offload_policy import OffloadPolicy
+from .residency import ResidentWindow
 
 logger = get_logger(__name__)
 
 
-class StreamRuntime(ResidentWindow, OffloadPolicy, LongSettingsPolicy):
+class StreamRuntime:
     def __init__(
         self,
         model: nn.Module,
@@ -64,18 +65,9 @@ class StreamRuntime(ResidentWindow, OffloadPolicy, LongSettingsPolicy):
             config.device, config.slots, store.largest_layer_bytes, backward_slots=self.backward.capacity
         )
         self.prefetch = self._new_prefetch(len(records))
-        # the resident window: layers kept on the device for good, and the dense numbering
-        # of the layers that still stream (the prefetch schedule sees only those)
-        self._window: Dict[int, list] = {}
-        self._window_buffers: Dict[int, torch.Tensor] = {}
-        self._dense: List[Optional[int]] = list(range(len(records)))
-        self._layer_of: List[int] = list(range(len(records)))
-        self.sizer = WindowSizer(len(records), store.largest_layer_bytes)
-        self.meter = self._new_meter()
-        self._measured_tokens: Optional[int] = None  # tokens of the step being measured
-        self._backward_ran = False
-        self._trainable, self._trainable_at, self._trainable_age = [], None, 0  # _gradients_held
-        self._resets_left = WINDOW_RESETS
+        self.resident_window = ResidentWindow(
+            model, records, store, self.device, meter.for_runtime(self), self._restream, self.reset_slots
+        )
         self.last_shape: Tuple[int, int] = (1, 1)
         self._last_slot: Optional[int] = None  # the slot of the previous streamed visit
         # (slot, layer) -> [(table, name, slot tensor)], built on first use, then reused
@@ -87,8 +79,6 @@ class StreamRuntime(ResidentWindow, OffloadPolicy, LongSettingsPolicy):
         self.demand_loads = 0
         self.peak_resident_layers = 0
         self.refreshed_layers = 0  # device copies dropped because the model's tensors changed
-        self.window_changes: List[Tuple[int, int]] = []  # (tokens, window) at each change
-        self.oom_retries = 0
         self._warned_cache = False
         self._warned_placed = False
         self._placed_at = 0  # layer.registrations() when tensors were last placed
@@ -100,41 +90,41 @@ class StreamRuntime(ResidentWindow, OffloadPolicy, LongSettingsPolicy):
         for record in records:
             changes.watch(record)
             self._index_modules(record)
-        self.offloader = self._new_offloader()
+        self.offload_policy = OffloadPolicy(config, self.device, len(records), store)
         self.pass_offloader = None  # the offloader of the training pass under way, or None
-        self._auto_offload = AutoOffloadMemo()  # offload_activations="auto": decisions per shape
-        self._auto_long = AutoLongMemo()  # the long-sequence settings left at "auto": decisions per token count
         self.embeddings = None
         if config.stream_embeddings:
             from .embeddings import stream_embeddings
 
             self.embeddings = stream_embeddings(model, self)
+        self.long_settings = LongSettingsPolicy(model, config, self.offload_policy, self.embeddings is not None)
         if self._checker is not None:
             logger.warning("layerstream: debug checksums on (checksum=True, LAYERSTREAM_CHECKSUM=1): every copy waits")
-
-    def _new_meter(self):
-        budget = self.config.vram_budget
-        if budget is None:
-            return None
-        if self.pool.cuda:
-            return CudaMeter(self.device, budget)
-        return PlannedMeter(self, budget)
 
     def _new_prefetch(self, streamed_layers: int) -> PrefetchPlanner:
         return PrefetchPlanner(
             max(streamed_layers, 1), self.config.slots, self.config.prefetch, backward_slots=self.backward.count
         )
 
+    def _restream(self, streamed_layers: int) -> None:
+        """The layers that stream changed (the window, or the backward slots): what the
+        slots hold is forgotten and the schedule plans for ``streamed_layers`` layers."""
+        self._forget_slots()
+        self.prefetch = self._new_prefetch(streamed_layers)
+
+    def _replace_config(self, **changes) -> None:
+        """A new config for the runtime and the components that read it."""
+        self.config = self.config.replace(**changes)
+        self.offload_policy.config = self.long_settings.config = self.config
+
     # -- binding -------------------------------------------------------------------
     def _binding(self, slot: int, index: int) -> list:
         key = (slot, index)
         binding = self._bindings.get(key)
         if binding is None:
-            binding = self._bindings[key] = self._make_binding(self.pool.buffers[slot], index, self._owner_check(index))
+            buffer = self.pool.buffers[slot]
+            binding = self._bindings[key] = bindings.make(self.records[index], buffer, self._owner_check(index))
         return binding
-
-    def _make_binding(self, buffer: torch.Tensor, index: int, owner_check) -> list:
-        return bindings.make(self.records[index], buffer, owner_check)
 
     def _owner_check(self, index: int):
         return bindings.owner_check(self.pool, index, self.records[index].name)
@@ -146,10 +136,11 @@ class StreamRuntime(ResidentWindow, OffloadPolicy, LongSettingsPolicy):
         if self._last_slot is not None:
             # every kernel of the previous visit (its backward ones too) is queued by now
             pool.mark_released(self._last_slot, compute)
-        visit = self.prefetch.visit(self._dense[index], phase)
+        window = self.resident_window
+        visit = self.prefetch.visit(window.position_of[index], phase)
         for slot in visit.drop:
             self._free_backward_slot(slot)
-        loads = [(self._layer_of[dense], slot) for dense, slot in visit.loads]
+        loads = [(window.streamed[dense], slot) for dense, slot in visit.loads]
         if self.backward.count:
             loads = [
                 (layer, slot)
@@ -191,9 +182,9 @@ class StreamRuntime(ResidentWindow, OffloadPolicy, LongSettingsPolicy):
 
     def _read_ahead(self, index: int, phase: Phase) -> None:
         """Start disk reads for the layers the schedule will load next (not those in slots)."""
-        prefetch = self.prefetch
-        upcoming = prefetch.upcoming(self._dense[index], phase, self.disk.horizon)
-        self.disk.read_ahead([self._layer_of[dense] for dense in upcoming if dense not in prefetch.slot_of])
+        prefetch, window = self.prefetch, self.resident_window
+        upcoming = prefetch.upcoming(window.position_of[index], phase, self.disk.horizon)
+        self.disk.read_ahead([window.streamed[dense] for dense in upcoming if dense not in prefetch.slot_of])
 
     def _free_backward_slot(self, slot: int) -> None:
         for key in [key for key in self._bindings if key[0] == slot]:
@@ -205,7 +196,7 @@ class StreamRuntime(ResidentWindow, OffloadPolicy, LongSettingsPolicy):
         if not record.fresh():
             self._refresh(index, phase)
         self.visits += 1
-        binding = self._window.get(index)
+        binding = self.resident_window.bindings.get(index)
         if binding is None:
             slot = self._enter(index, phase)
             binding = self._binding(slot, index)
@@ -271,21 +262,11 @@ class StreamRuntime(ResidentWindow, OffloadPolicy, LongSettingsPolicy):
 
     def _in_backward(self) -> None:
         passes.in_backward(self)
-        self._backward_ran = True  # the step being measured reached its backward
+        self.resident_window.step_reached_backward()
 
     # -- at the start of each pass -----------------------------------------------------
     def _start_pass(self, hidden: Optional[torch.Tensor], training: bool) -> None:
-        if torch.compiler.is_compiling():
-            raise StreamingError(
-                "torch.compile cannot trace a streamed layer: its weights change place on "
-                "every call. Compile the model before stream_model is not supported either; "
-                "run streamed layers eagerly (compile submodules that do not stream)."
-            )
-        if self.pool.cuda and torch.cuda.is_current_stream_capturing():
-            raise StreamingError(
-                "CUDA graph capture of a streamed model is not supported: a graph would "
-                "freeze one slot assignment and its copies. Capture only resident parts."
-            )
+        passes.refuse_capture(self.pool.cuda)
         for record in self.records:  # changes made between passes, quant states included
             if not record.fresh_deep():
                 self._refresh(record.index, Phase.TRAIN_FORWARD, pass_start=True)
@@ -298,13 +279,13 @@ class StreamRuntime(ResidentWindow, OffloadPolicy, LongSettingsPolicy):
         if hidden is None or hidden.dim() < 2:
             return
         self.last_shape = (int(hidden.shape[0]), int(hidden.shape[1]))
-        self.long_decision(self.last_shape[0] * self.last_shape[1])  # the MLP tiles, before any MLP runs
-        self.pass_offloader = self._pass_offloader(hidden)
-        self._say_long_settings()
+        tokens = self.last_shape[0] * self.last_shape[1]
+        decision = self.long_settings.decision(tokens)  # the MLP tiles, before any MLP runs
+        self.pass_offloader = self.offload_policy.for_pass(hidden, self.last_shape, decision)
+        self.long_settings.say(self.last_shape, self.pass_offloader is not None)
         if isinstance(self.config.vram_budget, int):
             self.budget_check.check(self, *self.last_shape)
-        if self.meter is not None:
-            self._size_window(self.last_shape[0] * self.last_shape[1], hidden.numel() * hidden.element_size())
+        self.resident_window.size_for_step(tokens, hidden.numel() * hidden.element_size())
         if self.backward.auto:
             self._decide_backward_slots(hidden)
 
@@ -328,10 +309,9 @@ class StreamRuntime(ResidentWindow, OffloadPolicy, LongSettingsPolicy):
                         raise StreamingError(report.trainable_streamed_tensor(entry.qualified_name))
 
     def _decide_backward_slots(self, hidden: torch.Tensor) -> None:
-        streamed = len(self.records) - len(self._window)
+        streamed = len(self.resident_window.streamed)
         if self.backward.decide(self, hidden, streamed) is not None:
-            self._forget_slots()
-            self.prefetch = self._new_prefetch(len(self._layer_of))
+            self._restream(streamed)
 
     # -- the model's tensors changed -------------------------------------------------------
     def _refresh(self, index: int, phase: Phase, pass_start: bool = False) -> None:
@@ -421,12 +401,13 @@ class StreamRuntime(ResidentWindow, OffloadPolicy, LongSettingsPolicy):
             self._drop_device_copy(index)
 
     def _drop_device_copy(self, index: int) -> None:
-        if index in self._window:
-            self._keep_on_device(index)
-        elif self._dense[index] is not None:
-            slot = self.prefetch.slot_of.get(self._dense[index])
+        window = self.resident_window
+        if window.holds(index):
+            window.copy_to_device(index)
+        elif window.position_of[index] is not None:
+            slot = self.prefetch.slot_of.get(window.position_of[index])
             if slot is not None:
-                self.prefetch.drop(self._dense[index])
+                self.prefetch.drop(window.position_of[index])
                 self.pool.owner[slot] = None
 
     def _rebuild_pool(self) -> None:
@@ -440,8 +421,8 @@ class StreamRuntime(ResidentWindow, OffloadPolicy, LongSettingsPolicy):
         )
         if self._checker is not None:
             self._checker = checksum.SlotChecker(self.pool, self.records)
-        self.prefetch = self._new_prefetch(len(self._layer_of))
-        self.sizer = WindowSizer(len(self.records), self.store.largest_layer_bytes)
+        self.prefetch = self._new_prefetch(len(self.resident_window.streamed))
+        self.resident_window.restart_sizing()
         if self.embeddings is not None:
             self.embeddings.pool = self.pool
 
@@ -458,24 +439,7 @@ class StreamRuntime(ResidentWindow, OffloadPolicy, LongSettingsPolicy):
         self.refuse_half_unstreamed("be cast or moved")
         if dtypes is None:
             dtypes = self._streamed_dtypes | (self.embeddings.dtypes if self.embeddings is not None else set())
-        for dtype in dtypes:
-            probe = fn(torch.empty(0, dtype=dtype))
-            if probe.dtype != dtype:
-                raise StreamingError(
-                    f"this call would cast streamed weights from {dtype} to {probe.dtype}. Nothing "
-                    "was changed. Streamed weights keep the dtype they were streamed with: cast the "
-                    "model before stream_model, or unstream_model, cast, and stream again."
-                )
-            if probe.device.type == "cuda" and probe.device != self.device:
-                raise StreamingError(
-                    f"the model streams to {self.device}; moving it to {probe.device} is not "
-                    "supported (nothing was changed). Stream with StreamConfig(device=...) set to "
-                    "the device you want."
-                )
-            if probe.device.type not in ("cpu", "cuda"):
-                raise StreamingError(
-                    f"a streamed model cannot move to {probe.device} (nothing was changed); unstream_model first."
-                )
+        layer_mod.refuse_cast_or_move(fn, dtypes, self.device)
 
     def hidden_from_apply(self, index: int):
         """Hide a layer's streamed tensors from ``nn.Module._apply`` while it runs."""
@@ -516,6 +480,32 @@ class StreamRuntime(ResidentWindow, OffloadPolicy, LongSettingsPolicy):
         """Slots a timeline draws: the ring and the backward slots."""
         return self.config.slots + self.prefetch.backward_slots
 
+    # -- the components' surface -------------------------------------------------------
+    @property
+    def window(self) -> List[int]:
+        """The layers kept on the device for good (the resident window)."""
+        return self.resident_window.layers
+
+    def set_window(self, layers) -> None:
+        """Keep these layers on the device for good, the rest stream (``ResidentWindow``);
+        between steps, not inside one."""
+        self.resident_window.set_window(layers)
+
+    def set_offload_activations(self, value) -> None:
+        """Change offload_activations from the next pass on (a benchmark compares both on one
+        model). A pass under way finishes as it started: its backward brings its inputs back
+        through the offloader it began with, whose host arena is released once idle."""
+        self._replace_config(offload_activations=value)
+        self.offload_policy.setting_changed()
+        self.long_settings.forget_decisions()
+
+    def memory_plan(self, batch: int, seq: int, vram_bytes: int = 1 << 50, backward_slots=0, offload=None):
+        """The memory planner's plan of this model streamed as it is, with the long-sequence
+        settings a step of batch x seq tokens takes; ``offload``: offload_activations (None:
+        as this pass runs)."""
+        offload = self.pass_offloader is not None if offload is None else offload
+        return self.long_settings.memory_plan(batch, seq, vram_bytes, backward_slots, offload)
+
     # -- counters and text -----------------------------------------------------------
     def stats(self) -> dict:
         """Counters since streaming began. Reads outstanding CUDA timing events (waits)."""
@@ -538,15 +528,12 @@ class StreamRuntime(ResidentWindow, OffloadPolicy, LongSettingsPolicy):
         if device == self.device:
             return
         self.set_window([])
-        self.config = self.config.replace(device=device, pin=self.config.pin and device.type == "cuda")
+        self._replace_config(device=device, pin=self.config.pin and device.type == "cuda")
         self.device = device
         self.backward = BackwardSlots(self.config)
         self._rebuild_pool()
-        self.meter = self._new_meter()
-        if self.offloader is not None:
-            self.offloader.release()
-        self.offloader = self._new_offloader()
-        self._measured_tokens = None
+        self.resident_window.move_to(device, meter.for_runtime(self))
+        self.offload_policy.move_to(device)
         self._placed_at = 0  # adapters follow at the next pass
         if self.embeddings is not None:
             self.embeddings.device = device
@@ -554,14 +541,12 @@ class StreamRuntime(ResidentWindow, OffloadPolicy, LongSettingsPolicy):
     def close(self) -> None:
         """Release slots and host arenas (after the model's tensors were copied out)."""
         self._bindings.clear()
-        self._window = {}
-        self._window_buffers = {}
+        self.resident_window.release()
         self.pool.release()
         self.store.release()
         if self.disk is not None:
             self.disk.close()
-        if self.offloader is not None:
-            self.offloader.release()
+        self.offload_policy.close()
         if self.embeddings is not None:
             self.embeddings.close()
 

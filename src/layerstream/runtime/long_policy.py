@@ -1,16 +1,17 @@
 """The long-sequence settings at the runtime level: what each step runs with.
 
-A mixin of ``StreamRuntime``. loss_chunk_tokens, mlp_tile_tokens and offload_activations
-left at "auto" are decided per token count by the memory plan (``plan.long_settings``),
-once: a token count no larger than one that needed none of them is not planned again, and
-one that needed some keeps its decision. Applying a decision adds no work per layer visit:
+``LongSettingsPolicy`` is a component of ``StreamRuntime`` (``runtime.long_settings``).
+loss_chunk_tokens, mlp_tile_tokens and offload_activations left at "auto" are decided per
+token count by the memory plan (``plan.long_settings``), once: a token count no larger than
+one that needed none of them is not planned again, and one that needed some keeps its
+decision. Applying a decision adds no work per layer visit:
 
 - the chunked loss is mixed into the model's class at stream time, and a forward pre-hook
   on the model sets, once per call, the chunk that call takes (0: the model's own forward);
 - the tiled MLP is mixed into the MLPs' class once a step first needs it; each MLP looks
   its tile up by its input's token count, so a step's recompute runs as its forward did
   even when a step of another length ran in between;
-- offloading is ``OffloadPolicy``'s, asked once per training pass.
+- offloading is ``OffloadPolicy``'s, asked once per training pass with this decision.
 
 What was turned on, and why, is said once per set of settings turned on (padded batches
 bring a new length at nearly every step): in the log at the step's start, and in the
@@ -19,12 +20,11 @@ summary.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ..config import OFFLOAD_AUTO_MARGIN
+from ..config import OFFLOAD_AUTO_MARGIN, StreamConfig
 from ..decisions.disk import size_text
 from ..errors import StreamingError
 from ..long import chunked_loss, tiled_mlp
@@ -32,24 +32,9 @@ from ..modules.discovery import unwrap_peft
 from ..plan.long_settings import AUTO, LONG_ORDER, NOTHING, OFF, LongDecision, decide_for, describe, setting_text
 from ..plan.model import model_plan_args
 from ..system.log import get_logger
+from .offload_policy import OffloadPolicy
 
 logger = get_logger("layerstream.runtime.core")
-
-
-@dataclasses.dataclass
-class AutoLongMemo:
-    """What the long-sequence settings left at "auto" have decided and said."""
-
-    decided: Dict[int, LongDecision] = dataclasses.field(default_factory=dict)  # tokens -> decision with some on
-    plain_up_to: int = 0  # the most tokens decided to need none: fewer are not planned
-    tiles: Dict[int, int] = dataclasses.field(default_factory=dict)  # tokens -> MLP tile (the MLPs read it)
-    tiled: bool = False  # the MLPs' class takes tiles
-    tiles_possible: bool = False  # the MLPs are ones tiled_mlp can tile
-    chunked: Optional[torch.nn.Module] = None  # the model whose loss the hook chunks when a step needs it
-    hook: object = None  # the hook's handle
-    said: set = dataclasses.field(default_factory=set)  # the sets of settings said on
-    reported: List[Tuple[int, int, LongDecision]] = dataclasses.field(default_factory=list)  # (batch, seq, decision)
-    said_unplanned: bool = False
 
 
 def _input_tokens(args, kwargs) -> int:
@@ -65,23 +50,46 @@ def _input_tokens(args, kwargs) -> int:
 
 
 class LongSettingsPolicy:
-    """Expects the runtime's model, config, embeddings, offloader, pass_offloader and last_shape."""
+    """The long-sequence settings of a streamed model: applied, decided per token count
+    where left at "auto", said, and planned with.
+
+    Collaborators, passed in: the model, the runtime's config (the runtime hands a new one
+    whenever it replaces it), its ``OffloadPolicy`` (whether an offloader is there for "auto"
+    to turn on) and whether the embeddings stream (the plan counts them).
+    """
+
+    def __init__(self, model: torch.nn.Module, config: StreamConfig, offload: OffloadPolicy, embeddings_streamed: bool):
+        self.model = model
+        self.config = config
+        self.offload = offload
+        self.embeddings_streamed = embeddings_streamed
+        # what the settings left at "auto" have decided and said
+        self._decided: Dict[int, LongDecision] = {}  # tokens -> decision with some on
+        self._plain_up_to = 0  # the most tokens decided to need none: fewer are not planned
+        self._tiles: Dict[int, int] = {}  # tokens -> MLP tile (the MLPs read it)
+        self._tiled = False  # the MLPs' class takes tiles
+        self._tiles_possible = False  # the MLPs are ones tiled_mlp can tile
+        self._chunked: Optional[torch.nn.Module] = None  # the model whose loss the hook chunks when a step needs it
+        self._hook = None  # the hook's handle
+        self._said: set = set()  # the sets of settings said on
+        self._reported: List[Tuple[int, int, LongDecision]] = []  # (batch, seq, decision)
+        self._said_unplanned = False
 
     # -- at stream time, at unstream ------------------------------------------------------
-    def install_long_settings(self, model: torch.nn.Module) -> None:
+    def install(self, model: torch.nn.Module) -> None:
         """An explicit loss chunk or MLP tile is applied now; "auto" is made ready: the same
         code runs on a resident model (``chunked_loss.apply``, ``tiled_mlp.apply``)."""
-        config, memo = self.config, self._auto_long
+        config = self.config
         if config.loss_chunk_tokens not in (None, AUTO):
             chunked_loss.apply(model, config.loss_chunk_tokens)
         if config.mlp_tile_tokens not in (None, AUTO):
             tiled_mlp.apply(model, config.mlp_tile_tokens)
         if config.loss_chunk_tokens == AUTO and self._chunkable(model):
-            memo.chunked = unwrap_peft(model)
-            chunked_loss.set_tokens(memo.chunked, 0)
-            memo.hook = memo.chunked.register_forward_pre_hook(self._before_model_call, with_kwargs=True)
+            self._chunked = unwrap_peft(model)
+            chunked_loss.set_tokens(self._chunked, 0)
+            self._hook = self._chunked.register_forward_pre_hook(self._before_model_call, with_kwargs=True)
         if config.mlp_tile_tokens == AUTO:
-            memo.tiles_possible = self._tileable(model)
+            self._tiles_possible = self._tileable(model)
 
     @staticmethod
     def _chunkable(model) -> bool:
@@ -101,52 +109,50 @@ class LongSettingsPolicy:
             return False
         return True
 
-    def remove_long_settings(self, model: torch.nn.Module) -> None:
-        """Undo ``install_long_settings``: the model's own loss and MLPs run again."""
-        if self._auto_long.hook is not None:
-            self._auto_long.hook.remove()
+    def remove(self, model: torch.nn.Module) -> None:
+        """Undo ``install``: the model's own loss and MLPs run again."""
+        if self._hook is not None:
+            self._hook.remove()
         if self.config.loss_chunk_tokens is not None:
             chunked_loss.remove(model)
         if self.config.mlp_tile_tokens is not None:
             tiled_mlp.remove(model)
 
-    def forget_long_decisions(self) -> None:
+    def forget_decisions(self) -> None:
         """Decide again from the next step (a setting changed); what was said stays said."""
-        memo = self._auto_long
-        memo.decided.clear()
-        memo.plain_up_to = 0
-        memo.tiles.clear()
+        self._decided.clear()
+        self._plain_up_to = 0
+        self._tiles.clear()
 
     # -- deciding ---------------------------------------------------------------------------
-    def long_decision(self, tokens: int) -> LongDecision:
+    def decision(self, tokens: int) -> LongDecision:
         """What the settings left at "auto" are for a step of ``tokens`` tokens."""
-        memo = self._auto_long
-        if tokens <= memo.plain_up_to:
+        if tokens <= self._plain_up_to:
             return NOTHING
-        decision = memo.decided.get(tokens)
+        decision = self._decided.get(tokens)
         if decision is not None:
             return decision
-        decision = self._decide_long(tokens)
+        decision = self._decide(tokens)
         if not decision.on:
-            memo.plain_up_to = tokens
+            self._plain_up_to = tokens
             return decision
-        memo.decided[tokens] = decision
+        self._decided[tokens] = decision
         tile = decision.value("mlp_tile_tokens")
         if tile:
-            memo.tiles[tokens] = tile
-            if not memo.tiled:
-                tiled_mlp.apply_per_length(self.model, memo.tiles)
-                memo.tiled = True
+            self._tiles[tokens] = tile
+            if not self._tiled:
+                tiled_mlp.apply_per_length(self.model, self._tiles)
+                self._tiled = True
         return decision
 
     def _auto_settings(self) -> Dict[str, object]:
         """The settings as the plan takes them: "auto" for those left at it that this model
         and run can take, off for the other "auto" ones, the explicit values as given."""
-        config, memo = self.config, self._auto_long
+        config = self.config
         possible = {
-            "loss_chunk_tokens": memo.chunked is not None,
-            "mlp_tile_tokens": memo.tiles_possible,
-            "offload_activations": self.offloader is not None,
+            "loss_chunk_tokens": self._chunked is not None,
+            "mlp_tile_tokens": self._tiles_possible,
+            "offload_activations": self.offload.offloader is not None,
         }
         values = {}
         for name in LONG_ORDER:
@@ -154,7 +160,7 @@ class LongSettingsPolicy:
             values[name] = OFF[name] if value == AUTO and not possible[name] else value
         return values
 
-    def _decide_long(self, tokens: int) -> LongDecision:
+    def _decide(self, tokens: int) -> LongDecision:
         settings = self._auto_settings()
         if AUTO not in settings.values():
             return NOTHING
@@ -164,20 +170,20 @@ class LongSettingsPolicy:
         try:
             return decide_for(self.plan_args(1, tokens, **settings), budget)
         except ValueError as exc:
-            if not self._auto_long.said_unplanned:
-                self._auto_long.said_unplanned = True
+            if not self._said_unplanned:
+                self._said_unplanned = True
                 logger.warning(
                     "layerstream: the long-sequence settings left at 'auto' stay off: the step cannot be planned (%s)",
                     exc,
                 )
             return NOTHING
 
-    def long_settings_for(self, tokens: int) -> Dict[str, object]:
+    def settings_for(self, tokens: int) -> Dict[str, object]:
         """The value of each long-sequence setting for a step of ``tokens`` tokens: as given,
         or what "auto" decided (off: None, or False for offloading)."""
         config = self.config
         auto = [name for name in LONG_ORDER if getattr(config, name) == AUTO]
-        decision = self.long_decision(tokens) if auto else NOTHING
+        decision = self.decision(tokens) if auto else NOTHING
         return {
             name: (decision.value(name) or OFF[name]) if name in auto else getattr(config, name) for name in LONG_ORDER
         }
@@ -187,39 +193,39 @@ class LongSettingsPolicy:
         tokens = _input_tokens(args, kwargs)
         chunk = 0
         if tokens and torch.is_grad_enabled():
-            chunk = self.long_decision(tokens).value("loss_chunk_tokens") or 0
+            chunk = self.decision(tokens).value("loss_chunk_tokens") or 0
         chunked_loss.set_tokens(module, chunk)
 
-    def _say_long_settings(self) -> None:
-        """At a training pass's start, once offloading is settled: what "auto" turned on for
-        it and why, unless that set of settings was said before."""
-        memo = self._auto_long
-        batch, seq = self.last_shape
-        decision = memo.decided.get(batch * seq)
+    def say(self, shape: Tuple[int, int], offloading: bool) -> None:
+        """At the start of a training pass of ``shape`` (batch, seq), once offloading is
+        settled (``offloading``: the pass offloads): what "auto" turned on for it and why,
+        unless that set of settings was said before."""
+        batch, seq = shape
+        decision = self._decided.get(batch * seq)
         if decision is None:
             return
-        offloaded = self.pass_offloader is not None or "offload_activations" not in decision.names
+        offloaded = offloading or "offload_activations" not in decision.names
         names = tuple(name for name in decision.names if offloaded or name != "offload_activations")
-        if not names or names in memo.said:
+        if not names or names in self._said:
             return
-        memo.said.add(names)
-        memo.reported.append((batch, seq, decision))
+        self._said.add(names)
+        self._reported.append((batch, seq, decision))
         logger.warning(describe(decision, batch, seq, offloaded))
 
-    def long_settings_line(self) -> str:
+    def summary_line(self) -> str:
         """The summary's line: how each long-sequence setting is set, and what "auto" turned
         on so far, once per set of settings turned on, with the plan's numbers."""
-        config, memo = self.config, self._auto_long
+        config = self.config
         lines = [", ".join(f"{name}={getattr(config, name)}" for name in LONG_ORDER)]
         if any(getattr(config, name) == AUTO for name in LONG_ORDER):
             if config.vram_budget is None:
                 lines[0] += " (auto: off without a vram_budget)"
-            elif not memo.reported:
+            elif not self._reported:
                 lines[0] += (
                     f" (auto: decided per step length from the memory plan, on where a step needs more than "
                     f"{100 - round(100 * OFFLOAD_AUTO_MARGIN)}% of vram_budget; none on yet)"
                 )
-        for batch, seq, decision in memo.reported:
+        for batch, seq, decision in self._reported:
             turned = ", ".join(setting_text(name, value) for name, value in decision.on)
             lines.append(
                 f"auto turned on {turned} at batch {batch} x {seq} tokens: the plan needs "
@@ -228,9 +234,9 @@ class LongSettingsPolicy:
             )
         return "\n               ".join(lines)
 
-    def long_decisions_said(self) -> List[Tuple[int, int, LongDecision]]:
+    def decisions_said(self) -> List[Tuple[int, int, LongDecision]]:
         """(batch, seq, decision) of each set of settings "auto" turned on, as said, in order."""
-        return list(self._auto_long.reported)
+        return list(self._reported)
 
     # -- the plan of this model ------------------------------------------------------------
     def plan_args(self, batch: int, seq: int, vram_bytes: int = 1 << 50, backward_slots=0, **settings) -> dict:
@@ -242,17 +248,17 @@ class LongSettingsPolicy:
             batch,
             vram_bytes,
             slots=self.config.slots,
-            stream_embeddings=self.embeddings is not None,
+            stream_embeddings=self.embeddings_streamed,
             backward_slots=backward_slots,
             **settings,
         )
 
-    def memory_plan(self, batch: int, seq: int, vram_bytes: int = 1 << 50, backward_slots=0, offload=None):
-        """The memory planner's plan of this model streamed as it is (one call site), with
-        the loss chunk and MLP tile a step of batch x seq tokens takes; ``offload``:
-        offload_activations (None: as this pass runs)."""
+    def memory_plan(self, batch: int, seq: int, vram_bytes: int, backward_slots: int, offload: bool):
+        """The memory planner's plan of this model streamed as it is, with the loss chunk and
+        MLP tile a step of batch x seq tokens takes (``StreamRuntime.memory_plan`` says whether
+        the pass offloads)."""
         from ..plan import make_plan
 
-        settings = self.long_settings_for(batch * seq)
-        settings["offload_activations"] = self.pass_offloader is not None if offload is None else offload
+        settings = self.settings_for(batch * seq)
+        settings["offload_activations"] = offload
         return make_plan(**self.plan_args(batch, seq, vram_bytes, backward_slots, **settings))

@@ -124,3 +124,14 @@ class PlannedMeter:
 
     def release_cache(self) -> None:
         pass
+
+
+def for_runtime(runtime):
+    """The meter a runtime's resident window is sized with: none without a vram_budget (the
+    window is then set by hand only), the allocator's on CUDA, the planner's on the host."""
+    budget = runtime.config.vram_budget
+    if budget is None:
+        return None
+    if runtime.pool.cuda:
+        return CudaMeter(runtime.device, budget)
+    return PlannedMeter(runtime, budget)

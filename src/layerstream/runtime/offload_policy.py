@@ -1,9 +1,10 @@
 """offload_activations at the runtime level: when a pass offloads its checkpointed inputs.
 
-A mixin of ``StreamRuntime``. The copies themselves are ``offload.ActivationOffloader``'s;
-this decides, per step shape, whether to use it ("auto": when the memory plan, with the
-cheaper long-sequence settings, leaves less than ``OFFLOAD_AUTO_MARGIN`` of the VRAM budget
-free; ``long_policy`` decides and says so).
+``OffloadPolicy`` is a component of ``StreamRuntime`` (``runtime.offload_policy``). The
+copies themselves are ``long.offload.ActivationOffloader``'s; this holds that offloader and
+decides, per step shape, whether a training pass uses it ("auto": when the memory plan, with
+the cheaper long-sequence settings, leaves less than ``OFFLOAD_AUTO_MARGIN`` of the VRAM
+budget free; ``long_policy`` decides, and the runtime hands its decision in).
 """
 
 from __future__ import annotations
@@ -12,10 +13,14 @@ import dataclasses
 import logging
 from typing import Dict, Optional, Tuple, Union
 
-from ..config import OFFLOAD_AUTO_MARGIN
+import torch
+
+from ..config import OFFLOAD_AUTO_MARGIN, StreamConfig
 from ..errors import HostMemoryError
 from ..long.offload import ActivationOffloader
+from ..plan.long_settings import LongDecision
 from ..system.log import get_logger
+from ..tiers.store import HostStore
 from ..units import gib
 
 logger = get_logger("layerstream.runtime.core")
@@ -26,7 +31,8 @@ MARGIN_ONLY = "margin only"
 
 @dataclasses.dataclass
 class AutoOffloadMemo:
-    """What offload_activations="auto" has decided and said, per step shape (batch, seq)."""
+    """What offload_activations="auto" has decided and said, per step shape (batch, seq);
+    started afresh whenever the setting changes."""
 
     decided: Dict[Tuple[int, int], Union[bool, str]] = dataclasses.field(default_factory=dict)
     # the smallest host arena refused for a margin-only shape: larger ones are not tried
@@ -36,64 +42,88 @@ class AutoOffloadMemo:
 
 
 class OffloadPolicy:
-    """Expects the runtime's config, records, device, store, last_shape and ``memory_plan``."""
+    """The activation offloader of a streamed model and whether each training pass uses it.
+
+    Collaborators, passed in: the runtime's config (the runtime hands a new one whenever it
+    replaces it), the device (new in ``move_to``), the number of streamed layers and the host
+    store (whose size the host-memory check counts beside a pass's arena).
+    """
+
+    def __init__(self, config: StreamConfig, device: torch.device, num_layers: int, store: HostStore):
+        self.config = config
+        self.device = device
+        self.num_layers = num_layers
+        self.store = store
+        self.offloader: Optional[ActivationOffloader] = self._new_offloader()  # None: offloading off
+        self._auto = AutoOffloadMemo()  # offload_activations="auto": decisions per shape
 
     def _new_offloader(self) -> Optional[ActivationOffloader]:
         if self.config.offload_activations is False:
             return None
-        return ActivationOffloader(self.device, len(self.records), pin=self.config.pin, verify=self.config.checksum)
+        return ActivationOffloader(self.device, self.num_layers, pin=self.config.pin, verify=self.config.checksum)
 
-    def set_offload_activations(self, value) -> None:
-        """Change offload_activations from the next pass on (a benchmark compares both on one
-        model). A pass under way finishes as it started: its backward brings its inputs back
-        through the offloader it began with, whose host arena is released once idle."""
-        self.config = self.config.replace(offload_activations=value)
-        self._auto_offload = AutoOffloadMemo()
-        self.forget_long_decisions()
-        if value is False and self.offloader is not None:
+    def setting_changed(self) -> None:
+        """offload_activations changed in the config (``StreamRuntime.set_offload_activations``):
+        "auto" decides afresh; turned off, the offloader goes (its host arena now if idle, else
+        once the pass under way that holds it is done with it)."""
+        self._auto = AutoOffloadMemo()
+        if self.config.offload_activations is False and self.offloader is not None:
             if self.offloader.idle():
                 self.offloader.release()
             self.offloader = None
 
-    def _pass_offloader(self, hidden) -> Optional[ActivationOffloader]:
-        """The offloader of a training pass starting now, or None: offload_activations as it
-        is set when the pass starts (by ``set_offload_activations`` or in the runtime's config)."""
+    def move_to(self, device: torch.device) -> None:
+        """Offload from ``device`` from now on: a new offloader, the old one's arenas freed."""
+        self.device = device
+        self.close()
+        self.offloader = self._new_offloader()
+
+    def close(self) -> None:
+        if self.offloader is not None:
+            self.offloader.release()
+
+    def for_pass(
+        self, hidden: torch.Tensor, shape: Tuple[int, int], decision: LongDecision
+    ) -> Optional[ActivationOffloader]:
+        """The offloader of a training pass of ``shape`` (batch, seq) starting now, or None:
+        offload_activations as it is set when the pass starts; ``decision``: the long-sequence
+        settings' decision for its tokens (what "auto" follows)."""
         if self.config.offload_activations is False:
             return None
         if self.offloader is None:
             self.offloader = self._new_offloader()
-        return self.offloader if self._start_offloading(hidden) else None
+        return self.offloader if self._start_offloading(hidden, shape, decision) else None
 
-    def _offload_wanted(self, batch: int, seq: int) -> bool:
+    def _offload_wanted(self, shape: Tuple[int, int], decision: LongDecision) -> bool:
         """offload_activations as set; "auto": on when the plan of this step shape without
         it leaves less than the margin free (decided once per shape)."""
         if self.config.offload_activations != "auto":
             return bool(self.config.offload_activations)
-        memo = self._auto_offload
-        if (batch, seq) not in memo.decided:
-            memo.decided[(batch, seq)] = self._offload_needed(batch, seq)
-        return bool(memo.decided[(batch, seq)])
+        memo = self._auto
+        if shape not in memo.decided:
+            memo.decided[shape] = self._offload_needed(decision)
+        return bool(memo.decided[shape])
 
-    def _offload_needed(self, batch: int, seq: int) -> Union[bool, str]:
+    @staticmethod
+    def _offload_needed(decision: LongDecision) -> Union[bool, str]:
         """False, True (the plan does not fit without offloading) or MARGIN_ONLY, as the
         long-sequence settings' decision for this many tokens has it (``long_policy``)."""
-        decision = self.long_decision(batch * seq)
         if decision.value("offload_activations") is None:
             return False
         return MARGIN_ONLY if decision.offload_for_margin_only else True
 
-    def _start_offloading(self, hidden) -> bool:
+    def _start_offloading(self, hidden: torch.Tensor, shape: Tuple[int, int], decision: LongDecision) -> bool:
         """Whether this training pass offloads its checkpointed inputs; when it does, room is
         made in host memory first. When "auto" wants them offloaded only for the margin and
         the host cannot hold them, the pass runs without offloading (said once per run);
         otherwise the host's refusal stands."""
-        memo, shape = self._auto_offload, self.last_shape
-        if not self._offload_wanted(*shape):
+        memo = self._auto
+        if not self._offload_wanted(shape, decision):
             if memo.release_when_idle and self.offloader.idle():
                 self.offloader.release()
                 memo.release_when_idle = False
             return False
-        need = ActivationOffloader.pass_bytes(len(self.records), hidden)
+        need = ActivationOffloader.pass_bytes(self.num_layers, hidden)
         margin_only = memo.decided.get(shape) == MARGIN_ONLY
         # a margin-only shape needing an arena at least as large as one refused is not tried
         refused = margin_only and memo.refused_bytes is not None and need >= memo.refused_bytes

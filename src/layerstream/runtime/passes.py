@@ -7,7 +7,8 @@ would not. So a forward from a thread while another thread's pass is under way i
 refused with an error that says what to do. A pass is an inference forward (until its
 last layer returns), or a training forward and its backward (until autograd has queued
 the whole backward: ``queue_callback``); the backward's recompute runs on autograd's own
-threads and is part of the pass.
+threads and is part of the pass. A pass is not traced by torch.compile or captured in a
+CUDA graph (``refuse_capture``).
 
 A pass stopped by an exception leaves nothing behind either (``checkpoint``): no
 saved-tensor hooks of the checkpoint it was inside.
@@ -48,6 +49,22 @@ def claim(current: Optional[Pass], index: int, kind: str) -> Optional[Pass]:
     if index == 0 or current is None:
         return Pass(thread, kind)
     return current
+
+
+def refuse_capture(cuda: bool) -> None:
+    """A pass cannot be traced or captured: a streamed layer's weights change place on every
+    call, and a graph would freeze one slot assignment and its copies."""
+    if torch.compiler.is_compiling():
+        raise StreamingError(
+            "torch.compile cannot trace a streamed layer: its weights change place on "
+            "every call. Compile the model before stream_model is not supported either; "
+            "run streamed layers eagerly (compile submodules that do not stream)."
+        )
+    if cuda and torch.cuda.is_current_stream_capturing():
+        raise StreamingError(
+            "CUDA graph capture of a streamed model is not supported: a graph would "
+            "freeze one slot assignment and its copies. Capture only resident parts."
+        )
 
 
 def in_backward(runtime) -> None:

@@ -39,8 +39,8 @@ def stats(runtime) -> dict:
         "device": str(runtime.device),
         "checksum_checks": runtime._checker.checks if runtime._checker is not None else 0,
         "window_layers": len(runtime.window),
-        "window_changes": len(runtime.window_changes),
-        "oom_retries": runtime.oom_retries,
+        "window_changes": len(runtime.resident_window.window_changes),
+        "oom_retries": runtime.resident_window.oom_retries,
         "refreshed_layers": runtime.refreshed_layers,
         "stream_embeddings": embeddings is not None,
         **(
@@ -50,7 +50,7 @@ def stats(runtime) -> dict:
         ),
         **runtime.nf4_counts,
         **disk_stats(runtime),
-        **_offload_stats(runtime.offloader),
+        **_offload_stats(runtime.offload_policy.offloader),
     }
 
 
@@ -120,7 +120,7 @@ def summary(runtime) -> str:
         f"  vram budget  {_budget_line(runtime)}",
         f"  window       {len(runtime.window)} layer(s) on the GPU for good",
         f"  backward     {runtime.backward.note(runtime.prefetch.backward_slots, pool.cuda)}",
-        f"  long seq     {runtime.long_settings_line()}",
+        f"  long seq     {runtime.long_settings.summary_line()}",
     ]
     if pool.cuda:
         segments = "on" if expandable_segments() else "off"
@@ -231,10 +231,10 @@ def _long_sequence_advice(runtime) -> list:
     budget = runtime.config.budget_bytes()
     if budget is None and runtime.pool.cuda:
         budget = gpu_memory_for_run(runtime.device)
-    settings = runtime.long_settings_for(batch * seq)
+    settings = runtime.long_settings.settings_for(batch * seq)
     settings["offload_activations"] = runtime.pass_offloader is not None
     try:
-        return oom_advice(runtime.plan_args(batch, seq, **settings), budget)
+        return oom_advice(runtime.long_settings.plan_args(batch, seq, **settings), budget)
     except ValueError:
         return []
 

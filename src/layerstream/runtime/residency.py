@@ -1,20 +1,27 @@
 """The resident window: layers held on the GPU for good, sized from measured memory.
 
-A mixin of ``StreamRuntime``: at each training-step boundary the runtime reads what the
-last step used (``meter``), asks the pure policy (``window.WindowSizer``) for a size, and
-copies the chosen layers to buffers of their own; after an out-of-memory error it shrinks
-the window so that the Trainer can run the step again.
+``ResidentWindow`` is a component of ``StreamRuntime`` (``runtime.resident_window``): at each
+training-step boundary it reads what the last step used (``meter``), asks the pure policy
+(``decisions.window.WindowSizer``) for a size, and copies the chosen layers to buffers of
+their own; after an out-of-memory error it shrinks the window so that the Trainer can run
+the step again. The layers left out keep streaming; their dense numbering (``position_of``,
+``streamed``) is what the runtime's prefetch schedule sees, and each change of the window
+is handed to the runtime (``restream``) to plan its slots again.
 """
 
 from __future__ import annotations
 
-from typing import List
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
+from torch import nn
 
 from ..decisions import schedule
+from ..decisions.window import WindowSizer
+from ..modules import bindings
 from ..modules.layer import registrations
 from ..system.log import get_logger
+from ..tiers.store import HostStore, LayerRecord
 from . import report
 
 logger = get_logger("layerstream.runtime.core")
@@ -27,17 +34,66 @@ def _always_owned(tensor: torch.Tensor) -> None:
 
 
 class ResidentWindow:
-    """Window sizing and placement; expects the runtime's records, pool, meter and sizer."""
+    """Which layers stay on the device for good, their device copies, and the measured
+    sizing of how many.
 
-    def _size_window(self, tokens: int, inputs: int = 0) -> None:
+    Collaborators, passed in: the model (its trainable tensors: are gradients held between
+    steps?), the layer records and the host store (the source of every copy), the device and
+    the meter (the runtime hands new ones in ``move_to``), and two of the runtime's slot
+    operations: ``restream(count)`` (the layers that stream changed: forget what the slots
+    hold and plan for ``count`` streamed layers) and ``reset_slots()``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        records: List[LayerRecord],
+        store: HostStore,
+        device: torch.device,
+        meter,
+        restream: Callable[[int], None],
+        reset_slots: Callable[[], None],
+    ):
+        self.model = model
+        self.records = records
+        self.store = store
+        self.device = device
+        self.meter = meter  # meter.CudaMeter or PlannedMeter with a vram_budget, else None: no sizing
+        self._restream = restream
+        self._reset_slots = reset_slots
+        self.bindings: Dict[int, list] = {}  # window layer -> its binding to its own buffer
+        self.buffers: Dict[int, torch.Tensor] = {}  # window layer -> its device buffer
+        # the dense numbering of the layers that still stream (the prefetch schedule sees only those)
+        self.position_of: List[Optional[int]] = list(range(len(records)))  # layer -> position, None in the window
+        self.streamed: List[int] = list(range(len(records)))  # position -> layer
+        self.sizer = WindowSizer(len(records), store.largest_layer_bytes)
+        self.window_changes: List[Tuple[int, int]] = []  # (tokens, window) at each change
+        self.oom_retries = 0
+        self._measured_tokens: Optional[int] = None  # tokens of the step being measured
+        self._backward_ran = False
+        self._trainable, self._trainable_at, self._trainable_age = [], None, 0  # _gradients_held
+        self._resets_left = WINDOW_RESETS
+
+    @property
+    def layers(self) -> List[int]:
+        """The layers kept on the device for good."""
+        return sorted(self.bindings)
+
+    def holds(self, index: int) -> bool:
+        return index in self.bindings
+
+    # -- sizing at step boundaries ---------------------------------------------------
+    def size_for_step(self, tokens: int, inputs: int = 0) -> None:
         """At the start of a training step (``inputs``: bytes of its first layer's input, on
         the device already): read what the last one used and size the window."""
         meter = self.meter
+        if meter is None:
+            return
         if self._measured_tokens is not None and not self._backward_ran:
             return  # the step measured has not run its backward yet (two forwards, or none): it goes on
         grads = self._gradients_held()
         if self._measured_tokens is not None:
-            reading = meter.read(len(self._window), self._measured_tokens, inputs, grads)
+            reading = meter.read(len(self.bindings), self._measured_tokens, inputs, grads)
             capped = self.sizer.max_window
             self.sizer.record(reading)
             if self.sizer.max_window < capped:
@@ -50,11 +106,11 @@ class ResidentWindow:
                 )
         else:
             meter.release_cache()
-        target = self.sizer.size(meter.limit(), tokens, len(self._window))
-        if target != len(self._window):
-            shrinking = target < len(self._window)
+        target = self.sizer.size(meter.limit(), tokens, len(self.bindings))
+        if target != len(self.bindings):
+            shrinking = target < len(self.bindings)
             self.window_changes.append((tokens, target))
-            self._set_window_size(target, tokens)
+            self._set_size(target, tokens)
             if shrinking:
                 meter.release_cache()  # the freed buffers go back, or the cap keeps them reserved
             self._resets_left = WINDOW_RESETS
@@ -63,6 +119,10 @@ class ResidentWindow:
         self._resets_left -= 1
         self._backward_ran = False
         meter.begin(reset, inputs, grads)
+
+    def step_reached_backward(self) -> None:
+        """The step being measured ran its backward: the next step's start reads it."""
+        self._backward_ran = True
 
     def _gradients_held(self) -> bool:
         """Whether a trainable tensor holds a gradient now (mid-accumulation): the sizer
@@ -74,8 +134,8 @@ class ResidentWindow:
             self._trainable = [p for p in self.model.parameters() if p.requires_grad]
         return any(p.grad is not None for p in self._trainable)
 
-    def _set_window_size(self, count: int, tokens: int) -> None:
-        before = len(self._window)
+    def _set_size(self, count: int, tokens: int) -> None:
+        before = len(self.bindings)
         while True:
             try:
                 self.set_window(schedule.spread_resident(len(self.records), count))
@@ -101,7 +161,7 @@ class ResidentWindow:
             len(self.records) - count,
         )
 
-    def window_is_new(self) -> bool:
+    def is_new(self) -> bool:
         """Whether the window changed within the last few measured steps (a step may still
         find it too large)."""
         return self._resets_left > 0
@@ -109,22 +169,33 @@ class ResidentWindow:
     def recover_from_oom(self, wanted: int = 0) -> bool:
         """After a training step ran out of memory asking for ``wanted`` bytes: shrink the
         window so that the step can run again. False when there is no window to shrink."""
-        if self.meter is None or not self._window:
+        if self.meter is None or not self.bindings:
             return False
         limit = self.meter.limit()
         wanted = wanted or self.store.largest_layer_bytes
-        count = self.sizer.shrink_after_oom(len(self._window), wanted, limit)
+        count = self.sizer.shrink_after_oom(len(self.bindings), wanted, limit)
         self.sizer.max_window = min(self.sizer.max_window, count)  # never back to what ran out
-        self.reset_slots()
+        self._reset_slots()
         self.set_window([])
         self.meter.release_cache()
-        self._set_window_size(count, self._measured_tokens or 0)
+        self._set_size(count, self._measured_tokens or 0)
         self.window_changes.append((self._measured_tokens or 0, count))
         self.oom_retries += 1
         self._measured_tokens = None  # the failed step's peak is not a measurement
         self._resets_left = WINDOW_RESETS
         return True
 
+    def restart_sizing(self) -> None:
+        """Size from nothing measured (new slots: a layer grew, or the run moved device)."""
+        self.sizer = WindowSizer(len(self.records), self.store.largest_layer_bytes)
+
+    def move_to(self, device: torch.device, meter) -> None:
+        """The run goes on on ``device`` (the window emptied already), measured by ``meter``."""
+        self.device = device
+        self.meter = meter
+        self._measured_tokens = None
+
+    # -- placing the window ------------------------------------------------------------
     def set_window(self, layers) -> None:
         """Keep these layers on the device for good (one copy each, now); the rest stream.
 
@@ -134,34 +205,33 @@ class ResidentWindow:
         keep = sorted(set(layers))
         if keep and not 0 <= keep[0] <= keep[-1] < len(self.records):
             raise ValueError(f"layer indices must be in 0..{len(self.records) - 1}, got {keep}")
-        self._window = {}
-        self._window_buffers = {}
+        self.bindings = {}
+        self.buffers = {}
         for index in keep:
-            self._keep_on_device(index)
-        streamed = [i for i in range(len(self.records)) if i not in self._window]
-        self._dense = [None] * len(self.records)
+            self.copy_to_device(index)
+        streamed = [i for i in range(len(self.records)) if i not in self.bindings]
+        self.position_of = [None] * len(self.records)
         for dense, index in enumerate(streamed):
-            self._dense[index] = dense
-        self._layer_of = streamed
-        self._forget_slots()
-        self.prefetch = self._new_prefetch(len(streamed))
+            self.position_of[index] = dense
+        self.streamed = streamed
+        self._restream(len(streamed))
 
-    def _keep_on_device(self, index: int) -> None:
+    def copy_to_device(self, index: int) -> None:
         """Copy a window layer to its own device buffer (again, when its values changed)."""
         record = self.records[index]
-        buffer = self._window_buffers.get(index)
+        cuda = self.device.type == "cuda"
+        buffer = self.buffers.get(index)
         if buffer is None or buffer.numel() < record.nbytes:
-            buffer = self._window_buffers[index] = torch.empty(
-                max(record.nbytes, 1), dtype=torch.uint8, device=self.device
-            )
+            buffer = self.buffers[index] = torch.empty(max(record.nbytes, 1), dtype=torch.uint8, device=self.device)
         if record.host_region is not None:
-            buffer[: record.nbytes].copy_(record.host_region, non_blocking=self.pool.cuda)
+            buffer[: record.nbytes].copy_(record.host_region, non_blocking=cuda)
         else:  # a disk layer: through the staging ring, on the compute stream
-            buffer[: record.nbytes].copy_(self.disk.take(index), non_blocking=self.pool.cuda)
-            self.disk.copied(index, torch.cuda.current_stream(self.device) if self.pool.cuda else None)
-        self._window[index] = self._make_binding(buffer, index, _always_owned)
+            disk = self.store.disk
+            buffer[: record.nbytes].copy_(disk.take(index), non_blocking=cuda)
+            disk.copied(index, torch.cuda.current_stream(self.device) if cuda else None)
+        self.bindings[index] = bindings.make(record, buffer, _always_owned)
 
-    @property
-    def window(self) -> List[int]:
-        """The layers kept on the device for good (the resident window)."""
-        return sorted(self._window)
+    def release(self) -> None:
+        """Drop the window's device buffers (the runtime closes)."""
+        self.bindings = {}
+        self.buffers = {}
