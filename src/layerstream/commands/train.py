@@ -401,7 +401,9 @@ def _config_names(advice: str) -> str:
 
 def check_fits(config, where: str = "config") -> None:
     """Refuse, before anything is loaded or written, a run the memory planner says will
-    not fit in stream.vram_budget even when streamed; the message carries the planner's advice."""
+    not fit in stream.vram_budget even when streamed; the message carries the planner's advice.
+    The run's StreamConfig settings are planned as the run takes them (``plan.request_for``:
+    "auto" decided for this length)."""
     from .. import plan
     from ..long import trl_head
 
@@ -415,25 +417,19 @@ def check_fits(config, where: str = "config") -> None:
     targets = config["lora"]["target_modules"]
     targets = targets if isinstance(targets, str) else ",".join(targets)
     try:
-        args = dict(
+        request = plan.request_for(
+            plan.settings_of(stream),
+            budget,
             config=model_config(config),
             seq=seq,
             batch=batch,
-            vram_bytes=budget,
             quantization=config["model"]["quantization"],
             dtype=config["model"]["dtype"],
             lora_rank=config["lora"]["r"],
-            slots=None if "slots" in stream.automatic else stream.slots,
             lora_targets=targets,
-            stream_embeddings=stream.stream_embeddings,
-            offload_activations=stream.offload_activations,
-            loss_chunk_tokens=stream.loss_chunk_tokens,
-            mlp_tile_tokens=stream.mlp_tile_tokens,
             trl_fused_head=trl_head.sft_trainer_fuses_head(),  # then loss_chunk_tokens does not apply
         )
-        # the settings left at "auto" as the run will decide them for this length
-        chosen = dict(plan.decide_for(args, budget).on)
-        memory = plan.make_plan(**plan.long_settings.as_planned(args, chosen))
+        memory = plan.make_plan(request)
     except (ValueError, OSError) as exc:
         raise TrainConfigError(
             f"{where}: cannot plan this run: {exc}. Point model.config at the model's config.json "
