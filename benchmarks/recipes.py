@@ -45,14 +45,16 @@ def run_recipe(name: str, steps: int) -> dict:
     budget = planner.parse_bytes(stream["vram"])
     shape = json.loads(Path(model_section["config"]).read_text())
     predicted = planner.make_plan(
-        planner.load_config(model_section["config"]),
-        seq=seq,
-        batch=batch,
-        vram_bytes=budget,
-        quantization=model_section["quantization"],
-        dtype=model_section["dtype"],
-        lora_rank=lora["r"],
-        slots=stream["slots"],
+        planner.PlanRequest(
+            planner.load_config(model_section["config"]),
+            seq=seq,
+            batch=batch,
+            vram_bytes=budget,
+            quantization=model_section["quantization"],
+            dtype=model_section["dtype"],
+            lora_rank=lora["r"],
+            slots=stream["slots"],
+        )
     )
     nf4 = model_section["quantization"] == "nf4"
     model = build_random_nf4(shape) if nf4 else build_random(shape)

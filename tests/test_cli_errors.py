@@ -56,7 +56,7 @@ def test_the_import_probe_sees_a_heavy_import():
 def test_plan_names_a_mistyped_local_path_as_no_such_directory(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as stopped:
-        cli.main(["plan", "--model", "./models/llama", "--vram", "12GiB", "--seq", "2048"])
+        cli.main(["plan", "--model", "./models/llama", "--vram-budget", "12GiB", "--seq", "2048"])
     assert stopped.value.code == 2
     err = capsys.readouterr().err
     assert "no such directory: ./models/llama" in err

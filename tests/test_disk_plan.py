@@ -110,12 +110,12 @@ def test_plan_prints_the_disk_term_and_measures_a_directory(tmp_path, capsys):
     LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=8, num_attention_heads=4).save_pretrained(
         tmp_path
     )
-    argv = ["plan", "--model", str(tmp_path), "--vram", "8GiB", "--seq", "512"]
-    cli.main(argv + ["--host-ram", "7MiB", "--disk-gbps", "3", "--tflops", "100"])
+    argv = ["plan", "--model", str(tmp_path), "--vram-budget", "8GiB", "--seq", "512"]
+    cli.main(argv + ["--host-budget", "7MiB", "--disk-gbps", "3", "--tflops", "100"])
     out = capsys.readouterr().out
     assert "read from disk" in out and "hides behind compute from" in out and "step         at least" in out
     with pytest.raises(SystemExit):
-        cli.main(argv + ["--host-ram", "12MiB"])  # no bandwidth
+        cli.main(argv + ["--host-budget", "12MiB"])  # no bandwidth
     assert "--disk-gbps" in capsys.readouterr().err
     assert cli.main(["plan", "--measure-disk", str(tmp_path), "--measure-bytes", "16MiB"]) == 0
     out = capsys.readouterr().out

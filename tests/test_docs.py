@@ -71,7 +71,7 @@ def test_the_window_table_states_the_measured_window_and_the_plans_prediction():
     predicts for the same case: one case, one answer each."""
     import json
 
-    from layerstream.plan import load_config, make_plan
+    from layerstream.plan import PlanRequest, load_config, make_plan
     from layerstream.units import GiB
 
     measured = {}
@@ -83,7 +83,9 @@ def test_the_window_table_states_the_measured_window_and_the_plans_prediction():
     for label, automatic, predicted in rows:
         shape, bench, quantization, budget, options = WINDOW_CASES[label]
         config = load_config(ROOT / "configs" / "shapes" / f"{shape}.json")
-        plan = make_plan(config, seq=2048, batch=1, vram_bytes=budget * GiB, quantization=quantization, **options)
+        plan = make_plan(
+            PlanRequest(config, seq=2048, batch=1, vram_bytes=budget * GiB, quantization=quantization, **options)
+        )
         assert (automatic, predicted) == (measured[(bench, quantization, float(budget))], plan.window_layers), label
 
 
@@ -100,7 +102,15 @@ def test_the_plan_example_is_the_tools_output():
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         cli.main(
-            ["plan", "--model", str(ROOT / "configs/shapes/llama-3.1-8b.json"), "--vram", "16GiB", "--seq", "2048"]
+            [
+                "plan",
+                "--model",
+                str(ROOT / "configs/shapes/llama-3.1-8b.json"),
+                "--vram-budget",
+                "16GiB",
+                "--seq",
+                "2048",
+            ]
         )
 
     def lines(text):

@@ -20,9 +20,9 @@ from layerstream.decisions.disk import size_text
 from layerstream.integrations import trainer as trainer_integration
 from layerstream.long import chunked_loss, tiled_mlp
 from layerstream.modules import swap
-from layerstream.plan import advice, load_config, make_plan, plan_for_model
-from layerstream.plan.long_settings import LONG_ORDER, OFF, decide, decide_for, limit_for, oom_advice
-from layerstream.plan.longctx import complete
+from layerstream.plan import PlanRequest, advice, load_config, make_plan, plan_for_model
+from layerstream.plan.long_settings import LONG_ORDER, OFF, decide, decide_for, limit_for
+from layerstream.plan.longctx import oom_advice
 from layerstream.plan.memory import _build
 from layerstream.units import GiB
 
@@ -79,14 +79,13 @@ def test_a_setting_not_left_at_auto_is_not_turned_on_and_offload_for_the_margin_
 @pytest.mark.parametrize("gib", [12, 24, 80])
 @pytest.mark.parametrize("seq", [2048, 16384, 65536])
 def test_each_setting_auto_turns_on_for_llama3_8b_is_needed_and_short_steps_need_none(gib, seq):
-    args = dict(config=load_config(LLAMA3_8B), seq=seq, batch=1, vram_bytes=gib * GiB, slots=3, **AUTO)
-    args.update(quantization="nf4", lora_rank=32)
+    args = PlanRequest(load_config(LLAMA3_8B), seq, 1, gib * GiB, "nf4", lora_rank=32, slots=3, **AUTO)
     decision = decide_for(args, gib * GiB)
-    planned = dict(args, **OFF)
+    planned = args.replace(**OFF)
 
     def needed(on):
         settings = {name: decision.value(name) or CANDIDATES[name] for name in on}
-        return make_plan(**dict(planned, vram_bytes=1 << 50, **settings)).needed_bytes
+        return make_plan(planned.replace(vram_bytes=1 << 50, **settings)).needed_bytes
 
     assert bool(decision.names) == (needed(()) > decision.limit)
     if seq == 2048:
@@ -219,26 +218,25 @@ def test_what_was_turned_on_is_said_once_per_decision(small_tiles, caplog):
 
 # -- out of memory -------------------------------------------------------------------------------
 def _step(seq, **settings):
-    """make_plan's arguments of an 8B QLoRA step as it ran: the settings off unless given."""
-    args = dict(config=load_config(LLAMA3_8B), seq=seq, batch=1, vram_bytes=1 << 50, slots=3, **OFF)
-    args.update(quantization="nf4", lora_rank=32, **settings)
-    return complete(args)
+    """The plan request of an 8B QLoRA step as it ran: the settings off unless given."""
+    request = PlanRequest(load_config(LLAMA3_8B), seq, 1, 1 << 50, "nf4", lora_rank=32, slots=3, **OFF)
+    return request.replace(**settings)
 
 
 def _assert_advice_carries_the_plans_numbers(text, args, budget):
     """Each setting with what it frees at the step's length, and the longest lengths that
     fit under the budget, as the planner gives them (found here without oom_advice)."""
-    now = _build(**args).needed_bytes
+    now = _build(args).needed_bytes
     for name in LONG_ORDER:
         lines = [line for line in text.splitlines() if line.startswith((f"turn on StreamConfig({name}=", name))]
         assert len(lines) == 1, name
-        other = dict(args, **{name: OFF[name] if args[name] else CANDIDATES[name]})
-        frees = abs(_build(**other).needed_bytes - now)
-        assert f"frees {size_text(frees)} at batch 1 x {args['seq']} tokens" in lines[0]
+        other = args.replace(**{name: OFF[name] if getattr(args, name) else CANDIDATES[name]})
+        frees = abs(_build(other).needed_bytes - now)
+        assert f"frees {size_text(frees)} at batch 1 x {args.seq} tokens" in lines[0]
     longest = [int(n) for n in re.search(r"fits up to (\d+) tokens .* and (\d+) with all three", text).groups()]
     for n, settings in zip(longest, ({}, CANDIDATES)):
-        at = dict(args, vram_bytes=budget, **settings)
-        assert _build(**dict(at, seq=n)).fits and not _build(**dict(at, seq=n + 1)).fits
+        at = args.replace(vram_bytes=budget, **settings)
+        assert _build(at.replace(seq=n)).fits and not _build(at.replace(seq=n + 1)).fits
 
 
 def test_an_out_of_memory_explanation_names_what_each_setting_frees_and_the_longest_length_that_fits():
@@ -267,12 +265,12 @@ def test_the_runtime_explains_out_of_memory_with_the_long_sequence_settings(smal
 
 
 def test_the_plan_command_says_what_a_runs_defaults_turn_on_at_this_length(capsys):
-    argv = ["plan", "--model", str(LLAMA3_8B), "--vram", "16GiB", "--quantization", "nf4", "--lora-rank", "32"]
+    argv = ["plan", "--model", str(LLAMA3_8B), "--vram-budget", "16GiB", "--quantization", "nf4", "--lora-rank", "32"]
     for seq in (2048, 32768):
         cli.main(argv + ["--slots", "3", "--seq", str(seq)])
         (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("auto (a run's default)")]
-        args = dict(config=load_config(LLAMA3_8B), seq=seq, batch=1, vram_bytes=16 * GiB, slots=3, **AUTO)
-        decision = decide_for(dict(args, quantization="nf4", lora_rank=32), 16 * GiB)
+        args = PlanRequest(load_config(LLAMA3_8B), seq, 1, 16 * GiB, "nf4", lora_rank=32, slots=3, **AUTO)
+        decision = decide_for(args, 16 * GiB)
         if seq == 2048:
             assert decision.names == () and "none of the long-sequence settings" in line
         else:

@@ -52,10 +52,12 @@ def test_a_mixture_of_experts_computes_with_the_experts_a_token_is_routed_to():
 def test_plan_prints_the_decode_step(tmp_path, capsys):
     path = write_config(tmp_path, LLAMA3_8B)
     assert layer_bytes(config_of(LLAMA3_8B), "none", __import__("torch").bfloat16)[0] == LLAMA3_8B_LAYER_BF16
-    cli.main(["plan", "--model", str(path), "--vram", "80GiB", "--seq", "2048", "--slots", "3", "--tflops", "400"])
+    cli.main(
+        ["plan", "--model", str(path), "--vram-budget", "80GiB", "--seq", "2048", "--slots", "3", "--tflops", "400"]
+    )
     out = capsys.readouterr().out
     assert "Generation: one token step of decoding" in out
     assert "29 layer copies (32 - 3 slots)" in out and "230.0 ms at 55 GB/s" in out
     assert "compute-bound from batch 6592" in out
-    cli.main(["plan", "--model", str(path), "--vram", "80GiB", "--seq", "2048", "--slots", "3"])
+    cli.main(["plan", "--model", str(path), "--vram-budget", "80GiB", "--seq", "2048", "--slots", "3"])
     assert "--tflops T: the batch from which decoding is compute-bound" in capsys.readouterr().out

@@ -10,9 +10,9 @@ from test_plan import LLAMA3_8B, LLAMA3_8B_LAYER_BF16, config_of, write_config
 import layerstream
 from layerstream import plan
 from layerstream.commands import cli
-from layerstream.plan import make_plan, max_seq
+from layerstream.plan import PlanRequest, make_plan, max_seq
 from layerstream.plan.advice import default_loss_chunk_tokens, option_value
-from layerstream.plan.longctx import complete, fits
+from layerstream.plan.longctx import fits
 from layerstream.units import GiB
 
 from tiny import peft_pair, stream, train_steps
@@ -29,7 +29,7 @@ HIDDEN_STATE = 16_777_216
 
 
 def _plan(**options):
-    return make_plan(config_of(LLAMA3_8B), 2048, 1, 80 * GiB, slots=2, **options)
+    return make_plan(PlanRequest(config_of(LLAMA3_8B), 2048, 1, 80 * GiB, slots=2, **options))
 
 
 def test_offload_keeps_two_hidden_states_on_the_gpu_and_the_rest_in_host_memory():
@@ -63,10 +63,11 @@ def test_the_default_loss_chunk_keeps_the_loss_within_one_gib(vocab, chunk):
 
 
 def test_an_option_not_given_takes_the_default_of_the_config_or_the_plan():
-    args = dict(config=config_of(LLAMA3_8B), loss_chunk_tokens=None, mlp_tile_tokens=None)
+    args = PlanRequest(config_of(LLAMA3_8B), 2048, 1, 80 * GiB)
     assert option_value("loss_chunk_tokens", args) == 512
-    assert option_value("loss_chunk_tokens", dict(args, config=config_of(dict(LLAMA3_8B, vocab_size=32_000)))) == 2048
-    assert option_value("loss_chunk_tokens", dict(args, loss_chunk_tokens=1024)) == 1024, "given: as given"
+    assert option_value("loss_chunk_tokens", args.replace(config=config_of(dict(LLAMA3_8B, vocab_size=32_000)))) == 2048
+    assert option_value("loss_chunk_tokens", args.replace(loss_chunk_tokens=1024)) == 1024, "given: as given"
+    assert option_value("loss_chunk_tokens", args.replace(loss_chunk_tokens="auto")) == 512, "auto: the default"
     assert option_value("mlp_tile_tokens", args) == 4096, "the MLP tile's default is not the vocabulary's"
     assert option_value("offload_activations", args) is True
     planned = _plan()
@@ -85,28 +86,30 @@ def test_long_sequence_options_are_validated():
     with pytest.raises(ValueError, match="mlp_tile_tokens"):
         _plan(mlp_tile_tokens=-4)
     with pytest.raises(ValueError, match="offload_activations"):
-        _plan(offload_activations="auto")
+        _plan(offload_activations="sometimes")
+    assert _plan(offload_activations="auto").offload_activations is False, "auto: decided, off where it fits"
 
 
 def test_the_longest_sequence_is_the_last_that_fits_and_each_option_lengthens_it():
-    args = complete(dict(config=config_of(LLAMA3_8B), batch=1, vram_bytes=24 * GiB, quantization="nf4", slots=2))
+    args = PlanRequest(config_of(LLAMA3_8B), 1, 1, 24 * GiB, quantization="nf4", slots=2)
     longest = {}
     for name, value in (("none", None), ("offload_activations", True), ("loss_chunk_tokens", 4096)):
-        options = dict(args) if name == "none" else dict(args, **{name: value})
+        options = args if name == "none" else args.replace(**{name: value})
         longest[name] = max_seq(options)
         assert fits(options, longest[name]) and not fits(options, longest[name] + 1), name
     assert longest["offload_activations"] > longest["none"] and longest["loss_chunk_tokens"] > longest["none"]
     # without the options the linear extrapolation of the plan agrees with the search
-    at = make_plan(seq=longest["none"] * 2, **{k: v for k, v in args.items() if k != "seq"})
+    at = make_plan(args.replace(seq=longest["none"] * 2))
     assert abs(at.largest_tokens - longest["none"]) <= 1
 
 
 def test_plan_cli_compares_the_options_and_finds_the_longest_sequence(tmp_path, capsys):
     path = write_config(tmp_path / "llama3-8b", LLAMA3_8B)
-    argv = ["plan", "--model", str(path), "--vram", "24GiB", "--quantization", "nf4", "--seq", "65536"]
-    status = cli.main(argv + ["--max-seq", "--slots", "2"])
+    argv = ["plan", "--model", str(path), "--vram-budget", "24GiB", "--quantization", "nf4", "--seq", "65536"]
+    off = ["--offload-activations", "false", "--loss-chunk-tokens", "none", "--mlp-tile-tokens", "none"]
+    status = cli.main(argv + off + ["--max-seq", "--slots", "2"])
     out = capsys.readouterr().out
-    args = complete(dict(config=config_of(LLAMA3_8B), batch=1, vram_bytes=24 * GiB, quantization="nf4", slots=2))
+    args = PlanRequest(config_of(LLAMA3_8B), 1, 1, 24 * GiB, quantization="nf4", slots=2)
     assert f"longest sequence that fits as given: {max_seq(args)} tokens" in out
     assert status == 0
     # the loss chunk not given: the vocabulary's default (128,256 -> 512), the MLP tile 4096
@@ -114,20 +117,29 @@ def test_plan_cli_compares_the_options_and_finds_the_longest_sequence(tmp_path, 
         assert label in out
     assert "loss_chunk_tokens=4096" not in out
     assert "use --offload-activations" in out and "use --loss-chunk-tokens 512" in out
-    chunked = make_plan(config_of(LLAMA3_8B), 65536, 1, 24 * GiB, quantization="nf4", slots=2, loss_chunk_tokens=512)
+    chunked = make_plan(
+        PlanRequest(config_of(LLAMA3_8B), 65536, 1, 24 * GiB, quantization="nf4", slots=2, loss_chunk_tokens=512)
+    )
     (row,) = [line for line in out.splitlines() if line.strip().startswith("loss_chunk_tokens=512")]
     assert f"peak {chunked.peak_vram_bytes / GiB:8.2f} GiB" in row
+    # left at auto (their default), the settings are decided at each length as a run decides them
+    cli.main(argv + ["--max-seq", "--slots", "2"])
+    auto = args.replace(offload_activations="auto", loss_chunk_tokens="auto", mlp_tile_tokens="auto")
+    assert max_seq(auto) > max_seq(args)
+    assert f"longest sequence that fits as given: {max_seq(auto)} tokens" in capsys.readouterr().out
     status = cli.main(argv + ["--offload-activations", "--loss-chunk-tokens", "2048", "--mlp-tile-tokens", "2048"])
     out = capsys.readouterr().out
     fitting = make_plan(
-        config_of(LLAMA3_8B),
-        65536,
-        1,
-        24 * GiB,
-        quantization="nf4",
-        offload_activations=True,
-        loss_chunk_tokens=2048,
-        mlp_tile_tokens=2048,
+        PlanRequest(
+            config_of(LLAMA3_8B),
+            65536,
+            1,
+            24 * GiB,
+            quantization="nf4",
+            offload_activations=True,
+            loss_chunk_tokens=2048,
+            mlp_tile_tokens=2048,
+        )
     )
     assert (status == 0) is fitting.fits
     assert "2 of 32 boundaries (offload_activations)" in out and "chunks of 2048 tokens" in out
@@ -147,18 +159,17 @@ def _measured(commit: str, cell: str):
     results = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "long-context"
     (row,) = json.loads((results / f"long-context-{commit}.json").read_text())
     bounds = json.loads((results / f"long-context-state-{commit}.json").read_text())[cell]
-    args = complete(
-        dict(
-            config=config_of(dict(LLAMA3_8B, max_position_embeddings=131072)),
-            batch=1,
-            vram_bytes=int(row["vram_gib"] * GiB),
-            quantization="nf4",
-            lora_rank=32,
-            slots=None,
-            offload_activations=True,
-            loss_chunk_tokens=int(row["options"]["loss_chunk_tokens"]),
-            mlp_tile_tokens=int(row["options"]["mlp_tile_tokens"]),
-        )
+    args = PlanRequest(
+        config=config_of(dict(LLAMA3_8B, max_position_embeddings=131072)),
+        seq=1,
+        batch=1,
+        vram_bytes=int(row["vram_gib"] * GiB),
+        quantization="nf4",
+        lora_rank=32,
+        slots="auto",
+        offload_activations=True,
+        loss_chunk_tokens=int(row["options"]["loss_chunk_tokens"]),
+        mlp_tile_tokens=int(row["options"]["mlp_tile_tokens"]),
     )
     return row, bounds, args
 
@@ -169,10 +180,10 @@ def test_the_plan_matches_the_measured_longest_sequence_under_12_gib():
     11.14 GiB. At that length the MLP is tiled, so attention's backward sets the layer's
     peak: the plan must count its kernel's workspace to predict it."""
     row, bounds, args = _measured("3b60494", "llama3-8b:nf4:12")
-    predicted = make_plan(**dict(args, seq=row["max_tokens"])).peak_vram_bytes / GiB
+    predicted = make_plan(args.replace(seq=row["max_tokens"])).peak_vram_bytes / GiB
     assert abs(predicted - row["peak_allocated_gib"]) / row["peak_allocated_gib"] < 0.03, predicted
     assert bounds["fits"] == row["max_tokens"]
-    assert bounds["fits"] <= max_seq(dict(args, seq=1)) < bounds["fails"]
+    assert bounds["fits"] <= max_seq(args) < bounds["fails"]
 
 
 def test_the_plan_stays_within_five_percent_of_the_measured_longest_sequence_under_16_gib():
@@ -180,10 +191,10 @@ def test_the_plan_stays_within_five_percent_of_the_measured_longest_sequence_und
     allocated 15.45 GiB, and 59,392 ran out of memory. The plan is 5% under that peak and
     its longest sequence 1-5% over the truth: pinned so that it does not drift further."""
     row, bounds, args = _measured("cdef4a0", "llama3-8b:nf4:16")
-    predicted = make_plan(**dict(args, seq=row["max_tokens"])).peak_vram_bytes / GiB
+    predicted = make_plan(args.replace(seq=row["max_tokens"])).peak_vram_bytes / GiB
     assert abs(predicted - row["peak_allocated_gib"]) / row["peak_allocated_gib"] < 0.06, predicted
     assert bounds["fits"] == row["max_tokens"] == 57344 and bounds["fails"] == 59392
-    assert bounds["fits"] <= max_seq(dict(args, seq=1)) < 1.05 * bounds["fails"]
+    assert bounds["fits"] <= max_seq(args) < 1.05 * bounds["fails"]
 
 
 def test_the_comparison_adds_streamed_ends_where_they_are_what_stops_the_fit(tmp_path, capsys):
@@ -192,7 +203,7 @@ def test_the_comparison_adds_streamed_ends_where_they_are_what_stops_the_fit(tmp
     it fits; the table says both, and drops the row when the ends already stream."""
     shape = dict(LLAMA3_8B, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64)
     path = write_config(tmp_path / "llama3-70b", dict(shape, max_position_embeddings=131072))
-    argv = ["plan", "--model", str(path), "--vram", "24GiB", "--quantization", "nf4", "--seq", "32768"]
+    argv = ["plan", "--model", str(path), "--vram-budget", "24GiB", "--quantization", "nf4", "--seq", "32768"]
     cli.main(argv + ["--lora-rank", "32", "--max-seq"])
     rows = {line.split("peak")[0].strip(): line for line in capsys.readouterr().out.splitlines() if " peak " in line}
     assert "does not fit" in rows["all three"] and " fits " in rows["all three, stream_embeddings"]
@@ -207,10 +218,12 @@ def test_the_host_memory_after_loading_counts_the_offloaded_inputs_on_both_paths
     layer store, whichever way the model was loaded: both "after .to(device)" figures
     include them."""
     path = write_config(tmp_path / "llama3-8b", LLAMA3_8B)
-    argv = ["plan", "--model", str(path), "--vram", "24GiB", "--quantization", "nf4", "--seq", "65536"]
+    argv = ["plan", "--model", str(path), "--vram-budget", "24GiB", "--quantization", "nf4", "--seq", "65536"]
     cli.main(argv + ["--offload-activations"])
     out = capsys.readouterr().out
-    planned = make_plan(config_of(LLAMA3_8B), 65536, 1, 24 * GiB, quantization="nf4", offload_activations=True)
+    planned = make_plan(
+        PlanRequest(config_of(LLAMA3_8B), 65536, 1, 24 * GiB, quantization="nf4", offload_activations=True)
+    )
     steady = [line.rsplit("after .to(device):", 1)[1].split()[0] for line in out.splitlines() if "after .to(d" in line]
     assert planned.activation_host_bytes > GiB
     loaded = planned.loader_store_bytes + planned.ends_host_bytes + planned.activation_host_bytes
@@ -226,7 +239,7 @@ def test_the_plan_says_when_this_host_cannot_hold_it(tmp_path, capsys, monkeypat
 
     shape = dict(LLAMA3_8B, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64)
     path = write_config(tmp_path / "llama3-70b", dict(shape, max_position_embeddings=262144))
-    argv = ["plan", "--model", str(path), "--vram", "80GiB", "--quantization", "nf4", "--seq", str(seq)]
+    argv = ["plan", "--model", str(path), "--vram-budget", "80GiB", "--quantization", "nf4", "--seq", str(seq)]
     argv += ["--offload-activations", "--loss-chunk-tokens", "512", "--mlp-tile-tokens", "4096"] if offload else []
     monkeypatch.setattr(store, "host_memory", lambda: ((ram - 8) * GiB, ram * GiB))
     status = cli.main(argv)

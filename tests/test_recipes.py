@@ -34,14 +34,16 @@ def test_recipe_validates_and_states_planned_and_measured_figures(path, tmp_path
     assert model["name"] != "embedded-tiny" and Path(model["config"]).is_file()
     budget = plan.parse_bytes(stream["vram_budget"])
     predicted = plan.make_plan(
-        plan.load_config(model["config"]),
-        seq=training["max_length"],
-        batch=training["per_device_train_batch_size"],
-        vram_bytes=budget,
-        quantization=model["quantization"],
-        dtype=model["dtype"],
-        lora_rank=config["lora"]["r"],
-        slots=stream["slots"],
+        plan.PlanRequest(
+            plan.load_config(model["config"]),
+            seq=training["max_length"],
+            batch=training["per_device_train_batch_size"],
+            vram_bytes=budget,
+            quantization=model["quantization"],
+            dtype=model["dtype"],
+            lora_rank=config["lora"]["r"],
+            slots=stream["slots"],
+        )
     )
     assert predicted.fits
     text = path.read_text()
@@ -72,7 +74,7 @@ def _long_settings_in_effect(config) -> dict:
     """The long-sequence settings a recipe's steps of max_length run with: as given, or
     what "auto" decides for that length under its budget."""
     stream, training = stream_config(config), config["training"]
-    args = dict(
+    args = plan.PlanRequest(
         config=plan.load_config(config["model"]["config"]),
         seq=training["max_length"],
         batch=training["per_device_train_batch_size"],
@@ -83,7 +85,7 @@ def _long_settings_in_effect(config) -> dict:
         slots=stream.slots,
         **{name: getattr(stream, name) for name in LONG_ORDER},
     )
-    given = {name: args[name] for name in LONG_ORDER if args[name] not in (None, False, "auto")}
+    given = {name: getattr(args, name) for name in LONG_ORDER if getattr(args, name) not in (None, False, "auto")}
     return {**given, **dict(plan.decide_for(args, stream.vram_budget).on)}
 
 

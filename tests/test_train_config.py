@@ -268,6 +268,22 @@ def test_the_command_exits_2_on_a_value_that_used_to_fail_after_making_the_outpu
     assert not out.exists()
 
 
+def test_the_stream_section_becomes_one_stream_config_that_the_run_is_given(tmp_path, monkeypatch):
+    """The YAML's stream section is turned into a StreamConfig once, when the config is
+    checked (the plan of the run included); the run and its training arguments use that one."""
+    from layerstream.commands import train
+
+    made = []
+    parse = train.config_from_settings
+    monkeypatch.setattr(train, "config_from_settings", lambda *a, **k: made.append(parse(*a, **k)) or made[-1])
+    recipe = DEFAULT.parent / "llama-3.1-8b-qlora-8gb.yaml"  # planned: it has a vram_budget
+    config = load(str(recipe), [f"training.output_dir={tmp_path / 'never'}", "stream.device=cpu"])
+    assert len(made) == 1 and train.stream_config(config) is made[0]
+    assert train.training_arguments(config)["use_cpu"] is True and len(made) == 1
+    train.parse_stream_section(config)  # negative control: each conversion is counted
+    assert len(made) == 2
+
+
 def test_good_values_in_the_same_keys_still_validate(tmp_path):
     """The negative control: the spellings YAML makes easy (no for save_strategy, 1e-4 as a
     string), names that exist, -1 steps with epochs and a dataset with some empty texts pass."""

@@ -144,7 +144,7 @@ def test_the_planner_counts_trls_fused_loss_where_a_trl_trainer_added_it():
 
 def test_layerstream_plan_with_trls_fused_head_offers_no_loss_chunk(capsys):
     shape = str(ROOT / "configs" / "shapes" / "llama-3.1-8b.json")
-    args = ["plan", "--model", shape, "--vram", "24GiB", "--quantization", "nf4", "--seq", "32768"]
+    args = ["plan", "--model", shape, "--vram-budget", "24GiB", "--quantization", "nf4", "--seq", "32768"]
     assert cli.main(args + ["--offload-activations", "--trl-fused-head"]) == 0
     out = capsys.readouterr().out
     assert "loss: TRL's fused head" in out and "\n  both " in out and "loss_chunk_tokens=" not in out

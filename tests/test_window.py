@@ -153,7 +153,7 @@ def test_stream_config_and_yaml_resolve_an_auto_budget_the_same_way(monkeypatch)
     assert config.vram_budget == "auto" and config.budget_bytes() == 7 * 2**30
     yaml_config = {"stream": {"vram_budget": "auto", "device": "cuda:0"}}
     monkeypatch.setattr(train, "_device", lambda config: torch.device("cuda", 0))
-    assert train._vram_budget(yaml_config, "run.yaml") == 7 * 2**30
+    assert train.parse_stream_section(yaml_config, "run.yaml").budget_bytes() == 7 * 2**30
     assert config_mod.StreamConfig(device="cpu").vram_budget is None, "auto means no budget on the host"
 
 

@@ -6,12 +6,6 @@ import argparse
 import sys
 
 
-def _count_or_auto(text: str):
-    from ..config import parse_setting
-
-    return parse_setting("backward_slots", text, "--backward-slots")
-
-
 def _plan_parser(sub) -> argparse.ArgumentParser:
     return sub.add_parser(
         "plan",
@@ -22,10 +16,13 @@ def _plan_parser(sub) -> argparse.ArgumentParser:
 
 
 def _add_plan_arguments(plan: argparse.ArgumentParser) -> None:
+    """The planner's own flags (the model, the step's shape, LoRA, the host-device bandwidth)
+    and, from StreamConfig's settings, the flags of the settings a plan takes (same names,
+    help and defaults as ``layerstream run``'s: ``request.PLAN_SETTINGS``)."""
     from ..plan import DEFAULT_BANDWIDTH_GBPS, QUANTIZATIONS
+    from ..plan.request import PLAN_SETTINGS
 
     plan.add_argument("--model", help="hub id, local model directory, or path to a config.json file")
-    plan.add_argument("--vram", help="GPU memory budget, e.g. 16GiB, 24GB, 80GiB (required unless --measure-disk)")
     plan.add_argument(
         "--seq", type=int, default=None, help="tokens per sequence (needed unless --max-seq or --measure-disk)"
     )
@@ -49,12 +46,6 @@ def _add_plan_arguments(plan: argparse.ArgumentParser) -> None:
         help="PEFT target_modules: all-linear (default) or names, e.g. q_proj,v_proj",
     )
     plan.add_argument(
-        "--slots",
-        type=int,
-        default=None,
-        help="GPU slots (default: auto, as StreamConfig takes them: 3, or 2 when the budget holds fewer)",
-    )
-    plan.add_argument(
         "--bandwidth",
         type=float,
         default=DEFAULT_BANDWIDTH_GBPS,
@@ -65,107 +56,103 @@ def _add_plan_arguments(plan: argparse.ArgumentParser) -> None:
         "--reserve", default="1GiB", help="GPU memory kept free for the CUDA context and allocator (default 1GiB)"
     )
     plan.add_argument(
-        "--stream-embeddings",
-        action="store_true",
-        help="keep the input embedding and head in host memory "
-        "(StreamConfig(stream_embeddings=True)); the head is copied in for the loss",
-    )
-    plan.add_argument(
-        "--backward-slots",
-        type=_count_or_auto,
-        default=0,
-        help="extra slots used only outside the loss (default 0; auto: as many as the "
-        "loss's memory holds, as StreamConfig(backward_slots='auto') takes with "
-        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)",
-    )
-    from .disk import add_disk_arguments
-
-    add_disk_arguments(plan)
-    plan.add_argument(
-        "--offload-activations",
-        action="store_true",
-        help="each layer's checkpointed input in host memory (StreamConfig(offload_activations=True))",
-    )
-    plan.add_argument(
-        "--loss-chunk-tokens",
-        type=int,
-        default=None,
-        help="the head and cross-entropy run this many tokens at a time (loss_chunk_tokens)",
-    )
-    plan.add_argument(
         "--trl-fused-head",
         action="store_true",
         help="TRL's trainers (>= 1.16) compute the loss with their fused log-prob head: plan its "
         "footprint instead of the logits (--loss-chunk-tokens does not apply then)",
     )
     plan.add_argument(
-        "--mlp-tile-tokens",
-        type=int,
-        default=None,
-        help="the MLP runs this many tokens at a time (mlp_tile_tokens)",
-    )
-    plan.add_argument(
         "--max-seq",
         action="store_true",
         help="also find the longest sequence that fits, with and without each long-sequence option",
     )
+    from .disk import add_disk_arguments
+
+    add_disk_arguments(plan)
+    settings = plan.add_argument_group(
+        "StreamConfig settings", "planned as a run takes them (layerstream run's flags); the vram_budget is required"
+    )
+    add_setting_flags(settings, PLAN_SETTINGS)
+
+
+def _plan_settings(args, parser: argparse.ArgumentParser) -> dict:
+    """The setting flags' values as StreamConfig takes them (``config.parse_setting``, as
+    ``layerstream run`` parses its own), with both budgets in bytes."""
+    from ..config import parse_setting
+    from ..decisions.disk import resolve_host_budget
+    from ..plan.request import PLAN_SETTINGS
+    from ..tiers.store import host_memory
+
+    values = {name: parse_setting(name, getattr(args, name), flag_name(name)) for name in PLAN_SETTINGS}
+    if not isinstance(values["vram_budget"], int):
+        parser.error(
+            f"--vram-budget {args.vram_budget}: give the GPU memory to plan for, e.g. 16GiB (the plan measures "
+            "no GPU, and needs a budget)"
+        )
+    if values["host_budget"] == "auto":
+        values["host_budget"] = resolve_host_budget("auto", host_memory())
+    return values
 
 
 def _run_plan(args, parser: argparse.ArgumentParser) -> int:
-    from ..plan import comparison, format_comparison, format_host_check, format_plan, load_config, make_plan, max_seq
-    from ..plan.long_settings import LONG_ORDER, decide_for, plan_line
+    from ..plan import (
+        comparison,
+        format_comparison,
+        format_host_check,
+        format_plan,
+        load_config,
+        make_plan,
+        max_seq,
+        request_for,
+    )
+    from ..plan.long_settings import LONG_ORDER, OFF, decide_for, plan_line
     from ..tiers.store import host_memory
     from ..units import parse_bytes
     from .disk import format_disk_term, measure_disk
 
     if args.measure_disk:
         return measure_disk(args, parser)
-    missing = [flag for flag, value in (("--model", args.model), ("--vram", args.vram)) if not value]
-    if missing:
-        parser.error(f"the following arguments are required: {', '.join(missing)}")
+    if not args.model:
+        parser.error("the following arguments are required: --model")
     if args.seq is None and not args.max_seq:
         parser.error("give --seq (tokens per sequence), or --max-seq to find the longest that fits")
     try:
-        vram = parse_bytes(args.vram)
-        reserve = parse_bytes(args.reserve)
+        settings = _plan_settings(args, parser)
         config = load_config(args.model)
-        options = dict(
+        request = request_for(
+            settings,
+            settings["vram_budget"],
             config=config,
+            seq=args.seq or 1,
             batch=args.batch,
-            vram_bytes=vram,
             quantization=args.quantization,
             dtype=args.dtype,
             lora_rank=args.lora_rank,
-            slots=args.slots,
-            bandwidth_gbps=args.bandwidth,
             lora_targets=args.lora_targets,
-            reserve_bytes=reserve,
-            stream_embeddings=args.stream_embeddings,
-            backward_slots=None if args.backward_slots == "auto" else args.backward_slots,
-            offload_activations=args.offload_activations,
-            loss_chunk_tokens=args.loss_chunk_tokens,
-            mlp_tile_tokens=args.mlp_tile_tokens,
+            bandwidth_gbps=args.bandwidth,
+            reserve_bytes=parse_bytes(args.reserve),
             trl_fused_head=args.trl_fused_head,
         )
-        longest = max_seq(dict(options, seq=1)) if args.max_seq else None
-        seq = args.seq if args.seq is not None else max(longest, 1)
-        plan = make_plan(seq=seq, **options)
-        rows = comparison(dict(options, seq=seq), args.max_seq)
-        unset = {name: "auto" for name in LONG_ORDER if not options[name]}  # a run's default for them
-        auto = plan_line(decide_for(dict(options, seq=seq, **unset), vram), args.batch, seq)
+        longest = max_seq(request) if args.max_seq else None
+        request = request.replace(seq=args.seq if args.seq is not None else max(longest, 1))
+        plan = make_plan(request)
+        rows = comparison(request, args.max_seq)
+        # what a run's defaults turn on for the settings not given a value
+        unset = {name: "auto" for name in LONG_ORDER if getattr(request, name) in ("auto", OFF[name])}
+        auto = plan_line(decide_for(request.replace(**unset), request.vram_bytes), args.batch, request.seq)
     except (ValueError, OSError) as exc:
         parser.error(str(exc))  # exits with status 2
     print(format_plan(plan))
-    if args.host_ram:  # a disk tier: its own host terms
+    if settings["host_budget"] is not None:  # a disk tier: its own host terms
         try:
-            print(format_disk_term(args, config, plan))
+            print(format_disk_term(args, config, plan, settings["host_budget"]))
         except ValueError as exc:
             parser.error(str(exc))
     elif (memory := host_memory()) is not None:
         print(format_host_check(plan, memory))
     print(_decode_lines(args, config, plan))
     print()
-    print(format_comparison(rows, seq, args.batch))
+    print(format_comparison(rows, request.seq, args.batch))
     print(auto)
     if longest is not None:
         print(f"\nlongest sequence that fits as given: {longest} tokens at batch {args.batch}")
@@ -186,11 +173,14 @@ def flag_name(setting_name: str) -> str:
     return "--" + setting_name.replace("_", "-")
 
 
-def add_setting_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per StreamConfig setting, with its help and default (``config.settings``)."""
+def add_setting_flags(parser, names=None) -> None:
+    """One flag per StreamConfig setting (those in ``names``; None: all), with its help and
+    default (``config.settings``). ``parser``: a parser or one of its argument groups."""
     from ..config import FLAG, SWITCH, TRISTATE, argparse_help, setting_default_text, settings
 
     for setting in settings():
+        if names is not None and setting.name not in names:
+            continue
         kind, help_text = setting.metadata["kind"], argparse_help(setting)
         name = flag_name(setting.name)
         if kind == FLAG:

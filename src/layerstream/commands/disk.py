@@ -1,4 +1,4 @@
-"""``layerstream plan``'s disk options: ``--host-ram`` and ``--disk-gbps`` add the disk term
+"""``layerstream plan``'s disk options: ``--host-budget`` and ``--disk-gbps`` add the disk term
 to the plan (``plan.disk``), ``--measure-disk DIR`` measures a directory's sequential
 direct-I/O read bandwidth with one and with several readers: of the checkpoint or NF4 cache
 files in it where it holds some (``measure_files_gbps``: the bytes a disk tier reads), else
@@ -23,12 +23,13 @@ from ..units import GiB, parse_bytes
 
 
 def add_disk_arguments(plan: argparse.ArgumentParser) -> None:
+    """The disk term's own flags; its host budget is StreamConfig's ``--host-budget``."""
     plan.add_argument(
-        "--host-ram",
-        help="host RAM the layer store may use (StreamConfig host_budget), e.g. 48GiB: the layers "
-        "beyond it are read from disk every time they are copied, and the plan adds the disk term",
+        "--disk-gbps",
+        type=float,
+        help="the disk's read bandwidth in GB/s (measure it: --measure-disk): with --host-budget, the "
+        "layers beyond it are read from disk every time they are copied, and the plan adds the disk term",
     )
-    plan.add_argument("--disk-gbps", type=float, help="the disk's read bandwidth in GB/s (measure it: --measure-disk)")
     plan.add_argument(
         "--tflops",
         type=float,
@@ -80,27 +81,28 @@ def stored_layer_files(directory) -> List[Path]:
     return sorted(found, key=lambda path: -path.stat().st_size)
 
 
-def format_disk_term(args, config, plan) -> str:
+def format_disk_term(args, config, plan, host_budget: int) -> str:
+    """The disk term of ``plan`` with a layer store of ``host_budget`` bytes in host RAM."""
     from ..plan import layer_bytes, layer_shapes
     from ..plan.disk import disk_term, tokens_that_hide_the_disk
 
     if not args.disk_gbps:
-        raise ValueError("--host-ram needs --disk-gbps (measure it with --measure-disk DIR)")
+        raise ValueError("--host-budget needs --disk-gbps (measure it with --measure-disk DIR)")
     sizes = layer_bytes(config, args.quantization, args.dtype)
     params = sum(linear.in_features * linear.out_features for shape in layer_shapes(config) for linear in shape.linears)
     term = disk_term(
         sizes,
-        parse_bytes(args.host_ram),
+        host_budget,
         plan.slots,
         args.disk_gbps,
         plan.copy_seconds_per_step,
         params,
-        args.seq * args.batch,
+        plan.seq * plan.batch,
         args.tflops,
     )
     tiers = term.tiers
     lines = [
-        "disk tier (host_budget {:.2f} GiB)".format(parse_bytes(args.host_ram) / GiB),
+        "disk tier (host_budget {:.2f} GiB)".format(host_budget / GiB),
         f"  tiers        {len(tiers.ram)} layer(s) in host RAM, {len(tiers.disk)} read from disk, ring "
         f"{tiers.ring_regions} x {tiers.region_bytes / GiB:.3f} GiB",
         f"  disk reads   {term.disk_bytes_per_step / GiB:.2f} GiB per step, {term.disk_seconds:.3f} s at "

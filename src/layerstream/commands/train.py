@@ -48,6 +48,8 @@ _RENAMED = {
     "'none' streams every layer)",
 }
 DTYPES = ("float32", "bfloat16", "float16")
+# where a validated config keeps the StreamConfig its stream section became (``stream_config``)
+STREAM_CONFIG = "stream_config"
 
 logger = get_logger(__name__)
 
@@ -118,7 +120,7 @@ def validate(raw: Dict[str, Any], where: str = "config") -> Dict[str, Dict[str, 
         raise TrainConfigError(f"{where}: lora.dropout={lora['dropout']!r} must be a number in [0, 1)")
     lora["dropout"] = dropout
     try:
-        stream_config(config, where)
+        stream = config[STREAM_CONFIG] = parse_stream_section(config, where)
     except StreamConfigError as exc:
         raise TrainConfigError(f"{where}: stream: {exc}") from None
     _check_training_types(config["training"], where)
@@ -143,7 +145,7 @@ def validate(raw: Dict[str, Any], where: str = "config") -> Dict[str, Dict[str, 
             "data.eval_rows, which is 0: hold out some rows, or set training.eval_strategy: no"
         )
     _check_target_modules(config, where)
-    check_fits(config, where)
+    check_fits(config, stream, where)
     return config
 
 
@@ -361,12 +363,6 @@ def _check_target_modules(config, where: str) -> None:
             ) from None
 
 
-def _vram_budget(config, where: str) -> Optional[int]:
-    """stream.vram_budget in bytes now ("auto": what the GPU has for this run; None on the
-    host or with "none")."""
-    return stream_config(config, where).budget_bytes()
-
-
 def model_config(config, tokenizer=None):
     """The transformers config of the model the run trains (read before any weights).
     ``tokenizer``: the embedded model's, when the caller already built it."""
@@ -399,13 +395,14 @@ def _config_names(advice: str) -> str:
     return advice
 
 
-def check_fits(config, where: str = "config") -> None:
+def check_fits(config, stream: StreamConfig, where: str = "config") -> None:
     """Refuse, before anything is loaded or written, a run the memory planner says will
-    not fit in stream.vram_budget even when streamed; the message carries the planner's advice."""
+    not fit in stream.vram_budget even when streamed; the message carries the planner's advice.
+    ``stream``: the run's StreamConfig, its settings planned as the run takes them
+    (``plan.request_for``: "auto" decided for this length)."""
     from .. import plan
     from ..long import trl_head
 
-    stream = stream_config(config, where)
     budget = stream.budget_bytes()
     if budget is None:
         return
@@ -415,25 +412,19 @@ def check_fits(config, where: str = "config") -> None:
     targets = config["lora"]["target_modules"]
     targets = targets if isinstance(targets, str) else ",".join(targets)
     try:
-        args = dict(
+        request = plan.request_for(
+            plan.settings_of(stream),
+            budget,
             config=model_config(config),
             seq=seq,
             batch=batch,
-            vram_bytes=budget,
             quantization=config["model"]["quantization"],
             dtype=config["model"]["dtype"],
             lora_rank=config["lora"]["r"],
-            slots=None if "slots" in stream.automatic else stream.slots,
             lora_targets=targets,
-            stream_embeddings=stream.stream_embeddings,
-            offload_activations=stream.offload_activations,
-            loss_chunk_tokens=stream.loss_chunk_tokens,
-            mlp_tile_tokens=stream.mlp_tile_tokens,
             trl_fused_head=trl_head.sft_trainer_fuses_head(),  # then loss_chunk_tokens does not apply
         )
-        # the settings left at "auto" as the run will decide them for this length
-        chosen = dict(plan.decide_for(args, budget).on)
-        memory = plan.make_plan(**plan.long_settings.as_planned(args, chosen))
+        memory = plan.make_plan(request)
     except (ValueError, OSError) as exc:
         raise TrainConfigError(
             f"{where}: cannot plan this run: {exc}. Point model.config at the model's config.json "
@@ -470,11 +461,17 @@ def _device(config):
     return resolve_device(device)
 
 
-def stream_config(config, where: str = "config") -> StreamConfig:
+def parse_stream_section(config, where: str = "config") -> StreamConfig:
     """The StreamConfig of a config's stream section, each key parsed as the other surfaces
-    parse their flags (``config.parse_setting``)."""
+    parse their flags (``config.parse_setting``). ``validate`` makes it once and keeps it in
+    the config (``stream_config``)."""
     values = {k: v for k, v in config["stream"].items() if k != "device"}
     return config_from_settings(values, lambda name: f"stream.{name}", device=_device(config))
+
+
+def stream_config(config) -> StreamConfig:
+    """The StreamConfig of a validated config, as ``validate`` made it."""
+    return config[STREAM_CONFIG]
 
 
 def say_where_it_trains(config, stream: StreamConfig) -> None:

@@ -1,6 +1,7 @@
 """Memory planner: will a streamed LoRA/QLoRA training run fit, and how fast can it copy?
 
-Answers from a model's transformers config alone, before anything is downloaded or
+Asked with one ``PlanRequest`` (``make_plan(PlanRequest(config, seq, batch, vram_bytes,
+...))``), it answers from a model's transformers config alone, before anything is downloaded or
 allocated: how large each streamed layer is (the slot size and the host store), what
 stays on the GPU, what the activations of one training step cost, the predicted peak
 GPU memory, the host RAM needed, and how many bytes a step copies. The tensors are read
@@ -39,7 +40,8 @@ from .longctx import comparison, max_seq, option_rows  # noqa: F401
 from .lora import LoraTargets  # noqa: F401
 from .memory import *  # noqa: F401,F403
 from .memory import _build, _copies, _working_bytes  # noqa: F401
-from .model import model_plan_args, plan_for_model  # noqa: F401
+from .model import model_plan_args, model_plan_request, plan_for_model  # noqa: F401
 from .planner import make_plan  # noqa: F401
 from .report import format_comparison, format_host_check, format_plan, speed_hints  # noqa: F401
+from .request import PlanRequest, request_for, settings_of  # noqa: F401
 from .shapes import *  # noqa: F401,F403

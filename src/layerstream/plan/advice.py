@@ -6,6 +6,7 @@ from typing import List
 
 from ..units import GiB, size
 from .memory import MemoryPlan, _build
+from .request import AUTO, PlanRequest
 from .shapes import (
     LOSS_LOGIT_COPIES,
     STREAM_EMBEDDINGS_ADVICE,
@@ -41,33 +42,34 @@ def default_loss_chunk_tokens(vocab_size: int) -> int:
     return chunk
 
 
-def _vocab_size(plan_or_args) -> int:
-    """The vocabulary of a plan, or of the transformers config in ``make_plan``'s arguments."""
-    if isinstance(plan_or_args, dict):
-        return int(_text_config(plan_or_args["config"]).vocab_size)
-    return plan_or_args.vocab_size
+def _vocab_size(plan_or_request) -> int:
+    """The vocabulary of a plan, or of a request's transformers config."""
+    if isinstance(plan_or_request, PlanRequest):
+        return int(_text_config(plan_or_request.config).vocab_size)
+    return plan_or_request.vocab_size
 
 
-def option_value(name: str, plan_or_args):
-    """The value a long-sequence option takes when it is switched on: as given, else the
-    default (the loss chunk's depends on the vocabulary: ``default_loss_chunk_tokens``)."""
-    given = plan_or_args.get(name) if isinstance(plan_or_args, dict) else getattr(plan_or_args, name)
+def option_value(name: str, plan_or_request):
+    """The value a long-sequence option takes when it is switched on: as given, else (off,
+    or "auto") the default (the loss chunk's depends on the vocabulary:
+    ``default_loss_chunk_tokens``)."""
+    given = getattr(plan_or_request, name)
     if name == "offload_activations":
         return True
-    if given:
+    if given and given != AUTO:
         return given
     if name == "loss_chunk_tokens":
-        return default_loss_chunk_tokens(_vocab_size(plan_or_args))
+        return default_loss_chunk_tokens(_vocab_size(plan_or_request))
     return DEFAULT_LONG_TOKENS
 
 
-def _long_sequence_advice(plan: MemoryPlan, args: dict, verdict) -> List[str]:
+def _long_sequence_advice(plan: MemoryPlan, request: PlanRequest, verdict) -> List[str]:
     out = []
     for name, flag, what in LONG_OPTIONS:
         if getattr(plan, name):
             continue
-        value = option_value(name, args)
-        other = _build(**dict(args, slots=plan.slots, **{name: value}))
+        value = option_value(name, request)
+        other = _build(request.replace(slots=plan.slots, **{name: value}))
         saved = plan.peak_vram_bytes - other.peak_vram_bytes
         if saved > 0:
             spelled = flag if name == "offload_activations" else flag.replace("N", str(value))
@@ -76,8 +78,9 @@ def _long_sequence_advice(plan: MemoryPlan, args: dict, verdict) -> List[str]:
     return out
 
 
-def advice(plan: MemoryPlan, args: dict) -> List[str]:
-    """What would make ``plan`` fit, each with what it saves and whether it is enough."""
+def advice(plan: MemoryPlan, request: PlanRequest) -> List[str]:
+    """What would make ``plan`` (of ``request``, its "auto" settings decided) fit, each with
+    what it saves and whether it is enough."""
     short = -plan.headroom_bytes
     out = [
         f"short by {size(short)}: predicted peak {size(plan.peak_vram_bytes)} + reserve "
@@ -87,7 +90,7 @@ def advice(plan: MemoryPlan, args: dict) -> List[str]:
     def verdict(saved: int) -> str:
         return "enough on its own" if saved >= short else f"not enough alone, still {size(short - saved)} short"
 
-    nf4 = _build(**dict(args, quantization="nf4", slots=plan.slots)) if plan.quantization == "none" else None
+    nf4 = _build(request.replace(quantization="nf4", slots=plan.slots)) if plan.quantization == "none" else None
     saved = plan.peak_vram_bytes - nf4.peak_vram_bytes if nf4 is not None else 0
     if saved > 0:  # NF4 blocks of a tiny layer can take more than its bytes
         out.append(
@@ -98,9 +101,9 @@ def advice(plan: MemoryPlan, args: dict) -> List[str]:
     if plan.slots > 2:
         saved = (plan.slots - 2) * plan.max_layer_bytes
         out.append(f"use fewer slots: --slots 2 saves {size(saved)} ({verdict(saved)})")
-    ends = embedding_bytes(args["config"], args["dtype"])
+    ends = embedding_bytes(request.config, request.dtype)
     if not plan.stream_embeddings and ends >= STREAM_EMBEDDINGS_ADVICE_SHARE * plan.static_bytes:
-        streamed = _build(**dict(args, stream_embeddings=True, slots=plan.slots))
+        streamed = _build(request.replace(stream_embeddings=True, slots=plan.slots))
         saved = plan.peak_vram_bytes - streamed.peak_vram_bytes
         if saved > 0:
             out.append(
@@ -108,7 +111,7 @@ def advice(plan: MemoryPlan, args: dict) -> List[str]:
                 f"host memory, saving {size(saved)} ({verdict(saved)}); the head "
                 f"({size(streamed.head_copy_bytes)}) is then copied to the GPU twice per step"
             )
-    out.extend(_long_sequence_advice(plan, args, verdict))
+    out.extend(_long_sequence_advice(plan, request, verdict))
     # activations grow linearly with batch x seq; find the largest that fits
     max_tokens = plan.largest_tokens
     if max_tokens // plan.batch >= 1:

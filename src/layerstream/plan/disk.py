@@ -1,4 +1,4 @@
-"""The disk term of a plan: with ``host_budget`` (``layerstream plan --host-ram``) the
+"""The disk term of a plan: with ``host_budget`` (``layerstream plan --host-budget``) the
 layers beyond it are read from disk every time they are copied, so a step also reads
 ``disk_bytes_per_step`` at the disk's bandwidth; reads overlap compute and the host-to-GPU
 copies, so the step takes at least the largest of the three (docs/plan.md)."""

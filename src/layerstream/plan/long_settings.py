@@ -30,17 +30,16 @@ Pure arithmetic on plan numbers: no CUDA and no tensors.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 from ..config import OFFLOAD_AUTO_MARGIN
 from ..decisions.disk import size_text
 from .advice import option_value
-from .longctx import complete
-from .memory import _build
+from .memory import MemoryPlan, _build
+from .request import AUTO, PlanRequest, as_request
 
-AUTO = "auto"
 LONG_ORDER = ("loss_chunk_tokens", "mlp_tile_tokens", "offload_activations")
-# each setting as it is when off, in make_plan's arguments and StreamConfig alike
+# each setting as it is when off, in a PlanRequest and StreamConfig alike
 OFF = {"loss_chunk_tokens": None, "mlp_tile_tokens": None, "offload_activations": False}
 
 
@@ -128,30 +127,52 @@ def decide(
     )
 
 
-# -- from make_plan's arguments --------------------------------------------------------------
-def auto_values(args: dict) -> Dict[str, object]:
-    """The value each setting left at "auto" in make_plan-style ``args`` takes when turned
-    on: offloading on, the loss chunk sized to the vocabulary, the default MLP tile."""
-    return {name: option_value(name, dict(args, **{name: OFF[name]})) for name in LONG_ORDER if args.get(name) == AUTO}
+# -- from a plan request -------------------------------------------------------------------
+def auto_values(request: PlanRequest) -> Dict[str, object]:
+    """The value each setting left at "auto" in ``request`` takes when turned on: offloading
+    on, the loss chunk sized to the vocabulary, the default MLP tile."""
+    return {
+        name: option_value(name, request.replace(**{name: OFF[name]}))
+        for name in LONG_ORDER
+        if getattr(request, name) == AUTO
+    }
 
 
-def as_planned(args: dict, on: Optional[Dict[str, object]] = None) -> dict:
-    """``args`` as make_plan takes them: each setting left at "auto" off, but those in ``on``."""
-    planned = dict(args, **{name: OFF[name] for name in LONG_ORDER if args.get(name) == AUTO})
-    planned.update(on or {})
-    return planned
+def as_planned(request: PlanRequest, on: Optional[Dict[str, object]] = None) -> PlanRequest:
+    """``request`` as a plan is built of it: each setting left at "auto" off, but those in ``on``."""
+    off = {name: OFF[name] for name in LONG_ORDER if getattr(request, name) == AUTO}
+    return request.replace(**{**off, **(on or {})})
 
 
-def decide_for(args: dict, budget: int, margin: float = OFFLOAD_AUTO_MARGIN) -> LongDecision:
-    """``decide`` for make_plan-style ``args`` whose long-sequence settings may be "auto"."""
-    candidates = auto_values(args)
+def decide_for(
+    request: Union[PlanRequest, Mapping[str, Any]], budget: int, margin: float = OFFLOAD_AUTO_MARGIN
+) -> LongDecision:
+    """``decide`` for a request (or its fields by name) whose long-sequence settings may be "auto"."""
+    request = as_request(request)
+    candidates = auto_values(request)
     if not candidates:
         return NOTHING
 
     def needed(on: Dict[str, object]) -> int:
-        return _build(**complete(as_planned(args, on))).needed_bytes
+        return _build(as_planned(request, on)).needed_bytes
 
-    return decide(args["batch"] * args["seq"], budget, candidates, needed, margin)
+    return decide(request.batch * request.seq, budget, candidates, needed, margin)
+
+
+def resolve_auto(request: PlanRequest) -> PlanRequest:
+    """The one place a plan's "auto" long-sequence settings are decided, for every surface
+    (``make_plan``, ``layerstream plan``, ``layerstream train``'s check, the longest-sequence
+    search): as a run decides them for this step under ``vram_bytes`` (``decide_for``), the
+    others off. slots and backward_slots at "auto" are counted with the memory the plan
+    leaves them (``memory._build``: ``config.auto_slots``, ``backward_slot_count``)."""
+    if AUTO not in (getattr(request, name) for name in LONG_ORDER):
+        return request
+    return as_planned(request, dict(decide_for(request, request.vram_bytes).on))
+
+
+def planned(request: PlanRequest) -> MemoryPlan:
+    """The plan of a request, its "auto" settings decided (``resolve_auto``); no advice."""
+    return _build(resolve_auto(request))
 
 
 # -- what is said ------------------------------------------------------------------------------
@@ -196,42 +217,3 @@ def plan_line(decision: LongDecision, batch: int, seq: int) -> str:
         f"{head} turns on {turned}: the plan needs {size_text(decision.needed_without)} without them, "
         f"{size_text(decision.needed)} with them, against {size_text(decision.limit)} ({pct}% of the budget)"
     )
-
-
-def _spelled(name: str, value) -> str:
-    """A setting as each surface spells it turned on."""
-    flag = "--" + name.replace("_", "-")
-    text = "true" if value is True else str(value)
-    return f"StreamConfig({name}={value!r}) ({flag} {text}, stream.{name}: {text})"
-
-
-def oom_advice(args: dict, budget: Optional[int]) -> List[str]:
-    """What the long-sequence settings do for a step that ran out of memory: ``args`` are
-    make_plan's arguments of that step, its settings as it ran (no "auto"). Each setting
-    with the memory it frees at this length (or frees already, when on), and the longest
-    sequence the plan fits under ``budget`` (None: not said), as the step ran and with all
-    three on."""
-    from .longctx import max_seq
-
-    def needed(**settings) -> int:
-        return _build(**complete(dict(args, **settings))).needed_bytes
-
-    now = needed()
-    tokens = f"batch {args['batch']} x {args['seq']} tokens"
-    lines = []
-    for name in LONG_ORDER:
-        if args.get(name):
-            frees = needed(**{name: OFF[name]}) - now
-            lines.append(f"{setting_text(name, args[name])} is on: it frees {size_text(frees)} at {tokens}")
-            continue
-        value = option_value(name, args)
-        frees = now - needed(**{name: value})
-        lines.append(f"turn on {_spelled(name, value)}: frees {size_text(frees)} at {tokens}")
-    if budget is not None:
-        every = {name: args.get(name) or option_value(name, args) for name in LONG_ORDER}
-        as_ran, with_all = max_seq(dict(args, vram_bytes=budget)), max_seq(dict(args, vram_bytes=budget, **every))
-        lines.append(
-            f"the memory plan fits up to {as_ran} tokens a sequence at batch {args['batch']} under "
-            f"{size_text(budget)} with the settings this step ran with, and {with_all} with all three on"
-        )
-    return lines

@@ -12,6 +12,7 @@ from ..decisions.window import margin_bytes
 from ..long import trl_head
 from ..units import GiB, aligned, arena_sizes
 from .lora import LoraTargets, lora_adapters, plan_notes
+from .request import AUTO, PlanRequest
 from .shapes import (
     ADAMW_STATES,
     BACKWARD_SLOTS_MAX,
@@ -268,70 +269,54 @@ def _positive_int(name: str, value) -> int:
     return value
 
 
-def _check_arguments(
-    seq, batch, vram_bytes, lora_rank, bandwidth_gbps, reserve_bytes, slots, backward_slots, stream_embeddings, long
-) -> None:
-    """Refuse arguments no plan can be made of, naming them."""
-    offload, chunk, tile = long
-    if not isinstance(offload, bool):
-        raise ValueError(f"offload_activations must be True or False, got {offload!r}")
-    if chunk is not None:
-        _positive_int("loss_chunk_tokens", chunk)
-    if tile is not None:
-        _positive_int("mlp_tile_tokens", tile)
-    _positive_int("seq", seq), _positive_int("batch", batch), _positive_int("vram_bytes", vram_bytes)
+def _check_arguments(request: PlanRequest) -> None:
+    """Refuse a request no plan can be made of, naming the field."""
+    if not isinstance(request.offload_activations, bool):
+        raise ValueError(f"offload_activations must be True or False, got {request.offload_activations!r}")
+    for name in ("loss_chunk_tokens", "mlp_tile_tokens"):
+        if getattr(request, name) is not None:
+            _positive_int(name, getattr(request, name))
+    for name in ("seq", "batch", "vram_bytes"):
+        _positive_int(name, getattr(request, name))
+    lora_rank = request.lora_rank
     if isinstance(lora_rank, bool) or not isinstance(lora_rank, int) or lora_rank < 0:
         raise ValueError(f"lora_rank must be an integer >= 0 (0: no adapters), got {lora_rank!r}")
-    if not bandwidth_gbps > 0:
-        raise ValueError(f"bandwidth_gbps must be > 0, got {bandwidth_gbps!r}")
-    if reserve_bytes < 0:
-        raise ValueError(f"reserve_bytes must be >= 0, got {reserve_bytes!r}")
-    if slots is not None:
-        _positive_int("slots", slots)
+    if not request.bandwidth_gbps > 0:
+        raise ValueError(f"bandwidth_gbps must be > 0, got {request.bandwidth_gbps!r}")
+    if request.reserve_bytes < 0:
+        raise ValueError(f"reserve_bytes must be >= 0, got {request.reserve_bytes!r}")
+    slots = request.slots
+    if slots != AUTO:
+        if isinstance(slots, bool) or not isinstance(slots, int):
+            raise ValueError(f"slots must be an integer >= 2 or 'auto', got {slots!r}")
         if slots < 2:
             raise ValueError(f"slots={slots}: streaming needs at least 2 slots")
-    if backward_slots is not None and (
+    backward_slots = request.backward_slots
+    if backward_slots != AUTO and (
         isinstance(backward_slots, bool) or not isinstance(backward_slots, int) or backward_slots < 0
     ):
-        raise ValueError(f"backward_slots must be an integer >= 0 or None (auto), got {backward_slots!r}")
-    if not isinstance(stream_embeddings, bool):
-        raise ValueError(f"stream_embeddings must be True or False, got {stream_embeddings!r}")
+        raise ValueError(f"backward_slots must be an integer >= 0 or 'auto', got {backward_slots!r}")
+    if not isinstance(request.stream_embeddings, bool):
+        raise ValueError(f"stream_embeddings must be True or False, got {request.stream_embeddings!r}")
 
 
-def _build(
-    config,
-    seq: int,
-    batch: int,
-    vram_bytes: int,
-    quantization: str,
-    dtype,
-    lora_rank: int,
-    slots: Optional[int],
-    bandwidth_gbps: float,
-    lora_targets: str,
-    reserve_bytes: int,
-    double_quant: bool,
-    arena_bytes: int,
-    stream_embeddings: bool = False,
-    backward_slots: Optional[int] = 0,
-    offload_activations: bool = False,
-    loss_chunk_tokens: Optional[int] = None,
-    mlp_tile_tokens: Optional[int] = None,
-    trl_fused_head: bool = False,
-) -> MemoryPlan:
-    """A plan without advice (advice itself is computed from alternative plans)."""
-    config = _text_config(config)
-    long = (offload_activations, loss_chunk_tokens, mlp_tile_tokens)
-    _check_arguments(
-        seq, batch, vram_bytes, lora_rank, bandwidth_gbps, reserve_bytes, slots, backward_slots, stream_embeddings, long
-    )
+def _build(request: PlanRequest) -> MemoryPlan:
+    """A plan without advice (advice itself is computed from alternative plans), of a
+    request whose long-sequence settings are decided (``long_settings.resolve_auto``)."""
+    _check_arguments(request)
+    config = _text_config(request.config)
+    seq, batch, vram_bytes, reserve_bytes = request.seq, request.batch, request.vram_bytes, request.reserve_bytes
+    quantization, lora_rank, lora_targets = request.quantization, request.lora_rank, request.lora_targets
+    slots, backward_slots, stream_embeddings = request.slots, request.backward_slots, request.stream_embeddings
+    offload_activations, mlp_tile_tokens = request.offload_activations, request.mlp_tile_tokens
+    loss_chunk_tokens, trl_fused_head = request.loss_chunk_tokens, request.trl_fused_head
     _check_quantization(quantization)
-    dtype = parse_dtype(dtype)
+    dtype = parse_dtype(request.dtype)
     elem = dtype.itemsize
     model_type = getattr(config, "model_type", "") or "unknown"
 
     shapes = layer_shapes(config, dtype)
-    sizes = layer_bytes(config, quantization, dtype, double_quant)
+    sizes = layer_bytes(config, quantization, dtype, request.double_quant)
     adapted, lora_params = lora_adapters(config, shapes, lora_targets, lora_rank, dtype)
     tokens = batch * seq
     hidden, vocab = int(config.hidden_size), int(config.vocab_size)
@@ -362,19 +347,19 @@ def _build(
     # backward when gradients accumulate over micro-batches)
     fixed = resident + lora_bytes + lora_grads + optimizer + boundary + max(loss + head_copy, working)
 
-    slots_auto = slots is None
+    slots_auto = slots == AUTO
     if slots_auto:
         # what StreamConfig(slots="auto") takes, with the room the budget leaves the slots
         slots = auto_slots(vram_bytes - reserve_bytes - fixed, max_layer)
     peak = fixed + slots * max_layer
-    if backward_slots is None:
+    if backward_slots == AUTO:
         backward_slots = backward_slot_count(loss + head_copy, working, lora_bytes, max_layer, len(sizes), slots)
     else:
         backward_slots = usable_backward_slots(backward_slots, len(sizes), slots)
     copied_layers, copied_bytes = _copies(sizes, slots, backward_slots)
     copied_bytes += ends_copies
     store = sum(sizes)
-    loader_store = loader_arena_bytes(sizes, arena_bytes)
+    loader_store = loader_arena_bytes(sizes, request.arena_bytes)
     unquantised = max(layer_bytes(config, "none", dtype)) if quantization != "none" else max_layer
 
     notes = plan_notes(shapes, adapted, lora_targets, quantization)
@@ -419,8 +404,8 @@ def _build(
         loader_ram_bytes=loader_store + all_resident + max(unquantised, lora_bytes, head_copy) + activation_host,
         layers_copied_per_step=copied_layers,
         copy_bytes_per_step=copied_bytes,
-        bandwidth_gbps=float(bandwidth_gbps),
-        copy_seconds_per_step=copied_bytes / (bandwidth_gbps * 1e9),
+        bandwidth_gbps=float(request.bandwidth_gbps),
+        copy_seconds_per_step=copied_bytes / (request.bandwidth_gbps * 1e9),
         fits=peak + reserve_bytes <= vram_bytes,
         notes=notes,
         stream_embeddings=stream_embeddings,

@@ -1,4 +1,4 @@
-"""The plan of a live model: make_plan's arguments read from the model itself."""
+"""The plan of a live model: its request read from the model itself."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ import torch
 from ..long import trl_head
 from .memory import MemoryPlan
 from .planner import make_plan
+from .request import PlanRequest
 
 
-def model_plan_args(model, seq: int, batch: int, vram_bytes: int = 1 << 50, **settings) -> dict:
-    """make_plan's arguments for a live (possibly PEFT-wrapped) model: its config, 4-bit
-    state, compute dtype, and LoRA rank and targets; ``settings`` are make_plan's other
-    arguments (slots, stream_embeddings, the long-sequence settings, which may be "auto"
-    here for ``long_settings.decide_for``); TRL's fused loss is planned where a TRL trainer
-    gave the model its head.
+def model_plan_request(model, seq: int, batch: int, vram_bytes: int = 1 << 50, **settings) -> PlanRequest:
+    """The request of a live (possibly PEFT-wrapped) model: its config, 4-bit state,
+    compute dtype, and LoRA rank and targets; ``settings`` are the request's other fields
+    (slots, stream_embeddings, the long-sequence settings, which may be "auto"); TRL's
+    fused loss is planned where a TRL trainer gave the model its head.
     Reads attributes only; raises ValueError when the adapters cannot be described to the
     planner (regex targets, several adapters)."""
     config = getattr(model, "config", None)
@@ -34,7 +34,7 @@ def model_plan_args(model, seq: int, batch: int, vram_bytes: int = 1 << 50, **se
             raise ValueError(f"LoRA target_modules is a pattern ({modules!r})")
         if modules and not isinstance(modules, str):
             targets = ",".join(sorted(modules))
-    return dict(
+    return PlanRequest(
         config=config,
         seq=seq,
         batch=batch,
@@ -47,7 +47,12 @@ def model_plan_args(model, seq: int, batch: int, vram_bytes: int = 1 << 50, **se
     )
 
 
+def model_plan_args(model, seq: int, batch: int, vram_bytes: int = 1 << 50, **settings) -> dict:
+    """``model_plan_request``'s fields by name, for callers that hold them as a dict."""
+    return model_plan_request(model, seq, batch, vram_bytes, **settings).fields()
+
+
 def plan_for_model(model, seq: int, batch: int, vram_bytes: int = 1 << 50, **settings) -> MemoryPlan:
-    """The plan of a live model (``model_plan_args``); ``settings`` are make_plan's others
-    (slots, stream_embeddings, the chunked loss and tiled MLP as the model streams or would)."""
-    return make_plan(**model_plan_args(model, seq, batch, vram_bytes, **settings))
+    """The plan of a live model (``model_plan_request``); ``settings`` are the request's other
+    fields (slots, stream_embeddings, the chunked loss and tiled MLP as the model streams or would)."""
+    return make_plan(model_plan_request(model, seq, batch, vram_bytes, **settings))

@@ -123,7 +123,7 @@ def format_plan(plan: MemoryPlan) -> str:
         if plan.fits
         else f"DOES NOT FIT, short by {_gib(-plan.headroom_bytes)}"
     )
-    row("budget (--vram)", plan.vram_bytes, verdict)
+    row("budget (--vram-budget)", plan.vram_bytes, verdict)
     lines.append("")
     lines.append("Host memory")
     row(f"host store: {plan.num_layers} layers of {per_layer}", plan.host_store_bytes)
@@ -198,7 +198,7 @@ def format_host_check(plan: MemoryPlan, memory) -> str:
     head = f"this machine: {_gib(available)} of host RAM available ({_gib(total)} in all), the plan needs {_gib(need)}"
     if need <= available:
         return f"{head}: fits"
-    fixes = "read layers from disk (--host-ram) or run where there is more RAM"
+    fixes = "read layers from disk (--host-budget) or run where there is more RAM"
     if plan.activation_host_bytes:
         fixes = f"the offloaded inputs take {_gib(plan.activation_host_bytes)}: shorten --seq, " + fixes
     return "\n".join(textwrap.wrap(f"{head}: DOES NOT FIT this host; {fixes}", width=88, subsequent_indent="  "))

@@ -215,7 +215,7 @@ def explain_oom(runtime, exc: BaseException, where: str) -> BaseException:
                 "less one head copied in for the loss;"
             )
     lines += [f"  - {line};" for line in _long_sequence_advice(runtime)]
-    lines.append("  - `layerstream plan --model <model> --vram <GPU memory> --seq <tokens>` predicts what fits.")
+    lines.append("  - `layerstream plan --model <model> --vram-budget <GPU memory> --seq <tokens>` predicts what fits.")
     explained = type(exc)("\n".join(lines))
     explained._layerstream_explained = True
     return explained
@@ -225,7 +225,8 @@ def _long_sequence_advice(runtime) -> list:
     """The long-sequence settings at the shape of the last training step, each with what it
     frees there, and the longest sequence the plan fits under the budget (the GPU memory
     this process can reach when there is none); nothing when the model cannot be planned."""
-    from ..plan.long_settings import oom_advice
+    from ..plan.longctx import oom_advice
+    from ..plan.request import as_request
 
     batch, seq = runtime.last_shape
     budget = runtime.config.budget_bytes()
@@ -234,7 +235,7 @@ def _long_sequence_advice(runtime) -> list:
     settings = runtime.long_settings.settings_for(batch * seq)
     settings["offload_activations"] = runtime.pass_offloader is not None
     try:
-        return oom_advice(runtime.long_settings.plan_args(batch, seq, **settings), budget)
+        return oom_advice(as_request(runtime.long_settings.plan_args(batch, seq, **settings)), budget)
     except ValueError:
         return []
 

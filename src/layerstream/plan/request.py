@@ -1,0 +1,129 @@
+"""What a memory plan is asked for (``PlanRequest``), and the request of a run with given
+StreamConfig settings (``request_for``).
+
+Every surface that plans (``make_plan``, ``layerstream plan``, ``layerstream train``'s check,
+the runtime's own plans of a live model, the long-sequence comparison and search) passes
+one request, so the arguments of a plan are spelled once. The settings a plan shares with
+StreamConfig take StreamConfig's values and spelling, "auto" included; ``make_plan``
+resolves "auto" (``long_settings.resolve_auto`` and the slot counts in ``memory``).
+Pure: no CUDA; torch only for the dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping, Union
+
+import torch
+
+from ..config import DEFAULT_ARENA_BYTES
+from .shapes import DEFAULT_BANDWIDTH_GBPS, DEFAULT_RESERVE_BYTES
+
+AUTO = "auto"
+# the StreamConfig settings a plan takes, under their own names (the rest change no memory
+# the plan counts: prefetch, pin, checksum, device, the disk cache, the shared store)
+REQUEST_SETTINGS = (
+    "slots",
+    "backward_slots",
+    "arena_bytes",
+    "stream_embeddings",
+    "offload_activations",
+    "loss_chunk_tokens",
+    "mlp_tile_tokens",
+)
+# with the two budgets, which a caller turns into bytes: the flags `layerstream plan` derives
+# from StreamConfig's settings (``cli.add_setting_flags``)
+PLAN_SETTINGS = ("vram_budget", "host_budget") + REQUEST_SETTINGS
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """One streamed LoRA training step to plan: ``batch`` x ``seq`` tokens of a model (its
+    transformers ``config``) on a GPU budget of ``vram_bytes``.
+
+    The fields' order is the order ``make_plan`` took them in before the request existed,
+    so ``PlanRequest(config, 2048, 1, budget, "nf4")`` reads as it did.
+
+    slots: "auto" takes what StreamConfig(slots="auto") takes (``config.auto_slots``) with
+        the room the budget leaves them: 3, or 2 when it holds fewer (then the plan may not fit).
+    reserve_bytes: kept free for what torch's allocator statistics do not count (CUDA
+        context, library workspaces, fragmentation). The plan fits when
+        ``peak_vram_bytes + reserve_bytes <= vram_bytes``.
+    bandwidth_gbps: pinned host->device GB/s (1e9 bytes/s). The default is the team's
+        measurement on an H200; measure your own machine and pass it.
+    double_quant: NF4 with double quantisation (bnb_4bit_use_double_quant).
+    arena_bytes: StreamConfig.arena_bytes (host RAM of layerstream.from_pretrained).
+    stream_embeddings: StreamConfig.stream_embeddings: the input embedding and head stay
+        in host memory; the loss phase holds one transient copy of the head weight.
+    backward_slots: StreamConfig.backward_slots; "auto": as many as the loss phase's memory
+        holds (``backward_slot_count``), what the runtime's "auto" takes where it takes any
+        (CUDA, expandable segments, no vram_budget; ``request_for`` plans a run's "auto").
+    offload_activations: StreamConfig.offload_activations: every layer's checkpointed input
+        but ~2 in host memory (``activation_host_bytes``).
+    loss_chunk_tokens, mlp_tile_tokens: the chunked head and loss, the sequence-tiled MLP
+        (None: off): their terms hold a chunk (tile) of tokens instead of all of them.
+        These three may be "auto": what a run decides for this step under ``vram_bytes``.
+    trl_fused_head: TRL's trainers compute the loss with their fused log-prob head
+        (``trl_head``): its tiles instead of the logits, and loss_chunk_tokens does not apply.
+    """
+
+    config: Any
+    seq: int
+    batch: int
+    vram_bytes: int
+    quantization: str = "none"
+    dtype: Any = torch.bfloat16
+    lora_rank: int = 16
+    slots: Union[int, str] = AUTO
+    bandwidth_gbps: float = DEFAULT_BANDWIDTH_GBPS
+    lora_targets: str = "all-linear"
+    reserve_bytes: int = DEFAULT_RESERVE_BYTES
+    double_quant: bool = True
+    arena_bytes: int = DEFAULT_ARENA_BYTES
+    stream_embeddings: bool = False
+    backward_slots: Union[int, str] = 0
+    offload_activations: Union[bool, str] = False
+    loss_chunk_tokens: Union[int, str, None] = None
+    mlp_tile_tokens: Union[int, str, None] = None
+    trl_fused_head: bool = False
+
+    def replace(self, **changes) -> "PlanRequest":
+        """A copy with some fields changed (an unknown name is a TypeError)."""
+        return dataclasses.replace(self, **changes)
+
+    def fields(self) -> dict:
+        """The fields by name (shallow: the transformers config is not copied)."""
+        return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+
+
+def as_request(request: Union[PlanRequest, Mapping[str, Any]]) -> PlanRequest:
+    """A request given as one, or as its fields by name (callers that hold them as a dict)."""
+    return request if isinstance(request, PlanRequest) else PlanRequest(**request)
+
+
+def settings_of(stream) -> dict:
+    """A StreamConfig's settings that a plan takes, as given: "auto" where StreamConfig chose
+    the value itself (slots="auto" becomes 3 there, and stays "auto" here)."""
+    automatic = getattr(stream, "automatic", frozenset())
+    return {name: AUTO if name in automatic else getattr(stream, name) for name in REQUEST_SETTINGS}
+
+
+def request_for(settings: Mapping[str, Any], budget: int, **fields) -> PlanRequest:
+    """The request of a run with these StreamConfig ``settings`` (by their names, as
+    StreamConfig or ``config.parse_setting`` gives them; ``settings_of`` reads a StreamConfig)
+    under a vram_budget of ``budget`` bytes; ``fields`` are the request's other fields. How
+    a run's "auto" is planned:
+
+    - slots, offload_activations, loss_chunk_tokens, mlp_tile_tokens: kept "auto", which
+      ``make_plan`` resolves as the run does;
+    - backward_slots: under a vram_budget the runtime's "auto" takes none (it leaves the
+      budget to the resident window, ``runtime.backward_slots``), so 0.
+    A loss chunk or MLP tile of 0 is off, as StreamConfig takes it."""
+    values = {name: settings[name] for name in REQUEST_SETTINGS if name in settings}
+    for name in ("loss_chunk_tokens", "mlp_tile_tokens"):
+        if name in values and values[name] in (0, False):
+            values[name] = None
+    if values.get("backward_slots") == AUTO:
+        values["backward_slots"] = 0
+    return PlanRequest(**{**fields, **values, "vram_bytes": budget})
