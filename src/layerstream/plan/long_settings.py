@@ -30,13 +30,13 @@ Pure arithmetic on plan numbers: no CUDA and no tensors.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
+from typing import Callable, Dict, List, Optional, Tuple
 
 from ..config import OFFLOAD_AUTO_MARGIN
 from ..decisions.disk import size_text
 from .advice import option_value
 from .memory import MemoryPlan, _build
-from .request import AUTO, PlanRequest, as_request
+from .request import AUTO, PlanRequest
 
 LONG_ORDER = ("loss_chunk_tokens", "mlp_tile_tokens", "offload_activations")
 # each setting as it is when off, in a PlanRequest and StreamConfig alike
@@ -144,11 +144,8 @@ def as_planned(request: PlanRequest, on: Optional[Dict[str, object]] = None) -> 
     return request.replace(**{**off, **(on or {})})
 
 
-def decide_for(
-    request: Union[PlanRequest, Mapping[str, Any]], budget: int, margin: float = OFFLOAD_AUTO_MARGIN
-) -> LongDecision:
-    """``decide`` for a request (or its fields by name) whose long-sequence settings may be "auto"."""
-    request = as_request(request)
+def decide_for(request: PlanRequest, budget: int, margin: float = OFFLOAD_AUTO_MARGIN) -> LongDecision:
+    """``decide`` for a request whose long-sequence settings may be "auto"."""
     candidates = auto_values(request)
     if not candidates:
         return NOTHING

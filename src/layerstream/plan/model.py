@@ -47,11 +47,6 @@ def model_plan_request(model, seq: int, batch: int, vram_bytes: int = 1 << 50, *
     )
 
 
-def model_plan_args(model, seq: int, batch: int, vram_bytes: int = 1 << 50, **settings) -> dict:
-    """``model_plan_request``'s fields by name, for callers that hold them as a dict."""
-    return model_plan_request(model, seq, batch, vram_bytes, **settings).fields()
-
-
 def plan_for_model(model, seq: int, batch: int, vram_bytes: int = 1 << 50, **settings) -> MemoryPlan:
     """The plan of a live model (``model_plan_request``); ``settings`` are the request's other
     fields (slots, stream_embeddings, the chunked loss and tiled MLP as the model streams or would)."""

@@ -92,15 +92,6 @@ class PlanRequest:
         """A copy with some fields changed (an unknown name is a TypeError)."""
         return dataclasses.replace(self, **changes)
 
-    def fields(self) -> dict:
-        """The fields by name (shallow: the transformers config is not copied)."""
-        return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
-
-
-def as_request(request: Union[PlanRequest, Mapping[str, Any]]) -> PlanRequest:
-    """A request given as one, or as its fields by name (callers that hold them as a dict)."""
-    return request if isinstance(request, PlanRequest) else PlanRequest(**request)
-
 
 def settings_of(stream) -> dict:
     """A StreamConfig's settings that a plan takes, as given: "auto" where StreamConfig chose

@@ -30,7 +30,7 @@ from ..errors import StreamingError
 from ..long import chunked_loss, tiled_mlp
 from ..modules.discovery import unwrap_peft
 from ..plan.long_settings import AUTO, LONG_ORDER, NOTHING, OFF, LongDecision, decide_for, describe, setting_text
-from ..plan.model import model_plan_args
+from ..plan.model import model_plan_request
 from ..system.log import get_logger
 from .offload_policy import OffloadPolicy
 
@@ -168,7 +168,7 @@ class LongSettingsPolicy:
         if budget is None:
             return NOTHING
         try:
-            return decide_for(self.plan_args(1, tokens, **settings), budget)
+            return decide_for(self.plan_request(1, tokens, **settings), budget)
         except ValueError as exc:
             if not self._said_unplanned:
                 self._said_unplanned = True
@@ -239,10 +239,10 @@ class LongSettingsPolicy:
         return list(self._reported)
 
     # -- the plan of this model ------------------------------------------------------------
-    def plan_args(self, batch: int, seq: int, vram_bytes: int = 1 << 50, backward_slots=0, **settings) -> dict:
-        """make_plan's arguments for this model streamed as it is; ``settings``: the
+    def plan_request(self, batch: int, seq: int, vram_bytes: int = 1 << 50, backward_slots=0, **settings):
+        """The planner's request for this model streamed as it is; ``settings``: the
         long-sequence settings to plan with."""
-        return model_plan_args(
+        return model_plan_request(
             self.model,
             seq,
             batch,
@@ -261,4 +261,4 @@ class LongSettingsPolicy:
 
         settings = self.settings_for(batch * seq)
         settings["offload_activations"] = offload
-        return make_plan(**self.plan_args(batch, seq, vram_bytes, backward_slots, **settings))
+        return make_plan(self.plan_request(batch, seq, vram_bytes, backward_slots, **settings))

@@ -226,7 +226,6 @@ def _long_sequence_advice(runtime) -> list:
     frees there, and the longest sequence the plan fits under the budget (the GPU memory
     this process can reach when there is none); nothing when the model cannot be planned."""
     from ..plan.longctx import oom_advice
-    from ..plan.request import as_request
 
     batch, seq = runtime.last_shape
     budget = runtime.config.budget_bytes()
@@ -235,7 +234,7 @@ def _long_sequence_advice(runtime) -> list:
     settings = runtime.long_settings.settings_for(batch * seq)
     settings["offload_activations"] = runtime.pass_offloader is not None
     try:
-        return oom_advice(as_request(runtime.long_settings.plan_args(batch, seq, **settings)), budget)
+        return oom_advice(runtime.long_settings.plan_request(batch, seq, **settings), budget)
     except ValueError:
         return []
 
