@@ -141,7 +141,7 @@ def _profile_trainer_steps(folder: str, first: int = 8, count: int = 8) -> None:
 
 def prepare(cap: str, used_first: bool, times, profile_dir=None) -> None:
     """The cap, the earlier use of the GPU, the step timer and the profiler, in this process."""
-    from layerstream.commands.cli import allocator_defaults
+    from layerstream.commands.run import allocator_defaults
     from layerstream.units import parse_bytes
 
     allocator_defaults()

@@ -163,7 +163,7 @@ def cell(
 
     sys.path.insert(0, str(HERE))
     import layerstream
-    from layerstream.commands.cli import allocator_defaults
+    from layerstream.commands.run import allocator_defaults
     from layerstream.decisions.schedule import spread_resident
     from layerstream.units import parse_bytes
 

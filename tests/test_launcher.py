@@ -2,6 +2,7 @@
 shipped scripts), an installed command (``trl sft``), and ``python -m layerstream``; each
 run streamed gives the plain run's losses, with the stats in log_history."""
 
+import argparse
 import json
 import runpy
 import sys
@@ -11,7 +12,8 @@ import pytest
 
 import layerstream
 from layerstream import data as embedded
-from layerstream.commands import cli
+from layerstream.commands import cli, flags
+from layerstream.commands import run as run_command
 from layerstream.integrations import launch
 from layerstream.long import tiled_mlp
 
@@ -223,19 +225,19 @@ def test_the_settings_are_one_definition_on_every_surface():
     from layerstream.config import argparse_help, setting_default_text, settings
     from layerstream.integrations.trainer import argument_name
 
-    parser = cli.argparse.ArgumentParser()
-    cli.add_setting_flags(parser)
-    flags = {action.dest: action for action in parser._actions}
+    parser = argparse.ArgumentParser()
+    flags.add_setting_flags(parser)
+    options = {action.dest: action for action in parser._actions}
     fields = {f.name: f for f in dataclasses.fields(layerstream.StreamingArguments)}
     for setting in settings():
         default = setting_default_text(setting)
-        assert flags[setting.name].default == default, setting.name
-        assert flags[setting.name].help.startswith(argparse_help(setting))
+        assert options[setting.name].default == default, setting.name
+        assert options[setting.name].help.startswith(argparse_help(setting))
         assert fields[argument_name(setting.name)].default == default, setting.name
         if setting.name != "device":  # YAML spells the default device "auto": CUDA when there is one
             assert SECTIONS["stream"][setting.name] == default, setting.name
     assert layerstream.StreamConfig(device="cpu").vram_budget is None  # auto on the host: no budget
-    assert flags["vram_budget"].default == "auto"
+    assert options["vram_budget"].default == "auto"
 
 
 @pytest.mark.parametrize(
@@ -252,9 +254,9 @@ def test_the_settings_are_one_definition_on_every_surface():
     ],
 )
 def test_launcher_options_end_where_the_target_begins(argv, ours, theirs):
-    run_parser = cli.argparse.ArgumentParser()
-    cli.add_setting_flags(run_parser)
-    assert cli.split_run_arguments(run_parser, argv) == (ours, theirs)
+    run_parser = argparse.ArgumentParser()
+    flags.add_setting_flags(run_parser)
+    assert run_command.split_run_arguments(run_parser, argv) == (ours, theirs)
 
 
 def test_an_unknown_target_is_refused_with_the_forms_the_launcher_takes(capsys):

@@ -16,7 +16,7 @@ from transformers import HfArgumentParser, Trainer, TrainingArguments
 
 import layerstream
 from layerstream import loading
-from layerstream.commands import cli
+from layerstream.commands import flags
 from layerstream.config import StreamConfig, parse_setting
 from layerstream.errors import StreamConfigError, StreamingError
 from layerstream.long import chunked_loss, tiled_mlp
@@ -627,7 +627,7 @@ def test_every_surface_offers_the_settings():
     config = arguments.to_config()
     assert (config.loss_chunk_tokens, config.mlp_tile_tokens) == (64, 128)
     parser = argparse.ArgumentParser()
-    cli.add_setting_flags(parser)
+    flags.add_setting_flags(parser)
     namespace = parser.parse_args(["--loss-chunk-tokens", "32"])
     assert namespace.loss_chunk_tokens == "32" and namespace.mlp_tile_tokens == "auto"
 

@@ -14,7 +14,7 @@ import torch
 from transformers import HfArgumentParser
 
 import layerstream
-from layerstream.commands import cli, train
+from layerstream.commands import cli, flags, train
 from layerstream.config import OFFLOAD_AUTO_MARGIN, StreamConfig, parse_setting
 from layerstream.decisions.disk import size_text
 from layerstream.integrations import trainer as trainer_integration
@@ -107,7 +107,7 @@ def test_the_three_default_to_auto_on_every_surface_and_zero_or_false_is_off():
     (arguments,) = HfArgumentParser(layerstream.StreamingArguments).parse_args_into_dataclasses([])
     assert all(arguments.settings()[name] == "auto" for name in LONG_ORDER)
     parser = argparse.ArgumentParser()
-    cli.add_setting_flags(parser)
+    flags.add_setting_flags(parser)
     assert all(getattr(parser.parse_args([]), name) == "auto" for name in LONG_ORDER)
     assert all(train.SECTIONS["stream"][name] == "auto" for name in LONG_ORDER)
     for off in (0, False, None, "0", "false", "none"):

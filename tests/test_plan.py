@@ -14,6 +14,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from layerstream.commands import cli
+from layerstream.commands import plan as plan_command
+from layerstream.commands import run as run_command
 from layerstream.decisions.schedule import Phase, PrefetchPlanner
 from layerstream.modules.discovery import find_decoder_layers
 from layerstream.plan import (
@@ -809,8 +811,8 @@ def _command_parser(name: str):
     import argparse
 
     sub = argparse.ArgumentParser(prog="layerstream").add_subparsers()
-    parser = {"plan": cli._plan_parser, "run": cli._run_parser}[name](sub)
-    {"plan": cli._add_plan_arguments, "run": cli._add_run_arguments}[name](parser)
+    parser = {"plan": plan_command.add_parser, "run": run_command.add_parser}[name](sub)
+    {"plan": plan_command.add_arguments, "run": run_command.add_arguments}[name](parser)
     return parser
 
 
