@@ -263,7 +263,7 @@ def attach_runtime(
 def check_long_context(model: nn.Module, config: StreamConfig) -> None:
     """loss_chunk_tokens and mlp_tile_tokens set to a number this model cannot run exactly
     are refused before a layer is streamed (or loaded): the model is left as it was. Left at
-    "auto", a setting the model cannot run stays off (``long_policy``)."""
+    "auto", a setting the model cannot run stays off (``runtime.long_settings``)."""
     if isinstance(config.loss_chunk_tokens, int) and config.loss_chunk_tokens:
         chunked_loss.check(model, config.loss_chunk_tokens)
     if isinstance(config.mlp_tile_tokens, int) and config.mlp_tile_tokens:

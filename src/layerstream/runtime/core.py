@@ -9,8 +9,8 @@ schedule's small lists, and never waits on the host.
 
 Three components own the rest of the runtime's state, each in a module of its own: the
 resident window (layers held on the GPU for good, sized from measured memory at
-training-step boundaries: ``residency``), the activation offloader and when a pass uses it
-(``offload_policy``), and the long-sequence settings each step runs with (``long_policy``).
+training-step boundaries: ``window``), the activation offloader and when a pass uses it
+(``offload_policy``), and the long-sequence settings each step runs with (``long_settings``).
 The runtime hands them what they need and plans its slots when the window changes.
 Counters, the start-up summary and out-of-memory advice are in ``report``.
 """
@@ -35,9 +35,9 @@ from ..tiers.store import LAYOUT, SAME, HostStore, LayerRecord
 from . import meter, passes, report, timeline
 from .backward_slots import BackwardSlots
 from .budget_check import BudgetCheck
-from .long_policy import LongSettingsPolicy
+from .long_settings import LongSettingsPolicy
 from .offload_policy import OffloadPolicy
-from .residency import ResidentWindow
+from .window import ResidentWindow
 
 logger = get_logger(__name__)
 

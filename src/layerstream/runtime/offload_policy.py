@@ -4,7 +4,7 @@
 copies themselves are ``long.offload.ActivationOffloader``'s; this holds that offloader and
 decides, per step shape, whether a training pass uses it ("auto": when the memory plan, with
 the cheaper long-sequence settings, leaves less than ``OFFLOAD_AUTO_MARGIN`` of the VRAM
-budget free; ``long_policy`` decides, and the runtime hands its decision in).
+budget free; ``long_settings`` decides, and the runtime hands its decision in).
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ class OffloadPolicy:
     @staticmethod
     def _offload_needed(decision: LongDecision) -> Union[bool, str]:
         """False, True (the plan does not fit without offloading) or MARGIN_ONLY, as the
-        long-sequence settings' decision for this many tokens has it (``long_policy``)."""
+        long-sequence settings' decision for this many tokens has it (``long_settings``)."""
         if decision.value("offload_activations") is None:
             return False
         return MARGIN_ONLY if decision.offload_for_margin_only else True
