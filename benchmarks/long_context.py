@@ -317,7 +317,7 @@ def next_length(bounds: Bounds, step: int, guess: int) -> int:
 def planned_tokens(cell: str, options: dict, step: int) -> int:
     """The memory planner's longest sequence for the cell with these settings, to the
     search's step (0 where it has no plan: the tiny dry-run model)."""
-    from layerstream.plan import max_seq
+    from layerstream.plan import PlanRequest, max_seq
 
     from common import shape_config
 
@@ -327,7 +327,7 @@ def planned_tokens(cell: str, options: dict, step: int) -> int:
     config = shape_config(parsed["shape"])
     settings = _parsed(options)
     longest = max_seq(
-        dict(
+        PlanRequest(
             config=config,
             seq=1,
             batch=1,

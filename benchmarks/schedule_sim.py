@@ -1,6 +1,6 @@
 """Predict a streamed training step's time from the engine's own planner and measured pieces.
 
-No GPU: the planner (``layerstream.decisions.schedule.PrefetchPlanner``) decides every copy as it does
+No GPU: the planner (``layerstream.decisions.schedule.PrefetchSchedule``) decides every copy as it does
 in a run, and two queues play it out. The compute queue runs each visit for a measured
 time (a layer's forward, its recompute and backward, the model's ends at the turnaround,
 the optimizer step at the step's end), after the copy of its layer has finished. The copy
@@ -35,12 +35,12 @@ import argparse
 import json
 from pathlib import Path
 
-from layerstream.decisions.schedule import Phase, PrefetchPlanner
+from layerstream.decisions.schedule import Phase, PrefetchSchedule
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-class KeptOnlyBackwardSlotsPlanner(PrefetchPlanner):
+class KeptOnlyBackwardSlotsPlanner(PrefetchSchedule):
     """The earlier rule, for comparison: backward slots take only the layers they keep
     across the step boundary, so backward's first copy waits for the last layer's backward
     to free a ring slot."""
@@ -65,7 +65,7 @@ def simulate(
     optimizer_ms: float,
     copy_ms,
     steps: int = 8,
-    planner_class: type = PrefetchPlanner,
+    planner_class: type = PrefetchSchedule,
 ) -> dict:
     """The last of ``steps`` steady training steps: its time, its copies (and their time)
     and its demand loads. ``forward_ms``, ``backward_ms`` and ``copy_ms`` are one number
@@ -236,7 +236,7 @@ def main():
             args.ends_scale * pieces["ends_backward_ms"],
             args.optimizer_ms,
             unit_copy,
-            planner_class=KeptOnlyBackwardSlotsPlanner if args.kept_only_backward_slots else PrefetchPlanner,
+            planner_class=KeptOnlyBackwardSlotsPlanner if args.kept_only_backward_slots else PrefetchSchedule,
         )
         print(
             f"| {row['backward_slots']} | {row['step_ms']:.1f} | {row['copies']} | {row['demand_loads']} | "

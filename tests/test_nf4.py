@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import layerstream
-from layerstream.decisions.schedule import PrefetchPlanner
+from layerstream.decisions.schedule import PrefetchSchedule
 from layerstream.modules import nf4
 
 from tiny import assert_traces_equal, nearest_valid_victim, nf4_pair, portable_cpu_nf4, stream, tiny_model, train_steps
@@ -83,7 +83,7 @@ def test_streamed_weights_never_reach_matmul4bit(tmp_path, monkeypatch):
 
 
 def test_any_valid_slot_placement_stays_exact(tmp_path, monkeypatch):
-    monkeypatch.setattr(PrefetchPlanner, "_victim", nearest_valid_victim)
+    monkeypatch.setattr(PrefetchSchedule, "_victim", nearest_valid_victim)
     streamed, resident = nf4_pair(tmp_path, "llama", layers=5)
     stream(streamed, "cpu", slots=3, prefetch=1)
     for fused in (False, True):
@@ -95,7 +95,7 @@ def test_matmul4bit_under_checkpointing_with_recycled_slots_is_caught(tmp_path, 
     """Negative control: route streamed weights through bitsandbytes' MatMul4Bit. It keeps
     the packed weight on ctx, outside checkpointing's reach: once a layer comes back into
     another slot for backward than it used in forward, its gradients read another layer."""
-    monkeypatch.setattr(PrefetchPlanner, "_victim", nearest_valid_victim)
+    monkeypatch.setattr(PrefetchSchedule, "_victim", nearest_valid_victim)
     streamed, resident = nf4_pair(tmp_path, "llama", layers=5)
     stream(streamed, "cpu", slots=3, prefetch=1)
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import layerstream
-from layerstream.decisions.schedule import PrefetchPlanner
+from layerstream.decisions.schedule import PrefetchSchedule
 from layerstream.modules import nf4
 
 from tiny import assert_traces_equal, batch, nearest_valid_victim, nf4_pair, stream, train_steps
@@ -71,7 +71,7 @@ def test_gate_always_off_is_caught(tmp_path, monkeypatch):
 def test_fused_arm_through_matmul4bit_is_caught(tmp_path, monkeypatch):
     """MatMul4Bit keeps the packed weight on ctx: with layers coming back into other slots
     for backward, its gradients read another layer's weights."""
-    monkeypatch.setattr(PrefetchPlanner, "_victim", nearest_valid_victim)
+    monkeypatch.setattr(PrefetchSchedule, "_victim", nearest_valid_victim)
 
     def through_matmul4bit(module, x, owner=None, counters=None):
         x = x.to(module.compute_dtype)

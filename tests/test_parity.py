@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import layerstream
-from layerstream.decisions.schedule import PrefetchPlanner
+from layerstream.decisions.schedule import PrefetchSchedule
 
 from tiny import (
     FAMILIES,
@@ -67,7 +67,7 @@ def test_layers_of_different_sizes_share_the_slots(device):
 
 
 def test_any_valid_slot_placement_stays_exact(device, monkeypatch):
-    monkeypatch.setattr(PrefetchPlanner, "_victim", nearest_valid_victim)
+    monkeypatch.setattr(PrefetchSchedule, "_victim", nearest_valid_victim)
     streamed, resident = peft_pair("llama", layers=6, attn=_attn(device))
     stream(streamed, device, slots=3, prefetch=1)
     resident.to(device)

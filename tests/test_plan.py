@@ -16,7 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from layerstream.commands import cli
 from layerstream.commands import plan as plan_command
 from layerstream.commands import run as run_command
-from layerstream.decisions.schedule import Phase, PrefetchPlanner
+from layerstream.decisions.schedule import Phase, PrefetchSchedule
 from layerstream.modules.discovery import find_decoder_layers
 from layerstream.plan import (
     BACKWARD_SLOTS_MAX,
@@ -539,7 +539,7 @@ def test_copies_follow_the_prefetch_planner(slots, backward):
     engine's own planner issues them (forward, then backward recompute in reverse)."""
     config = config_of(QWEN3_MOE_SMALL)
     sizes = [63_488, 100_864, 63_488, 100_864]  # test_moe_layers_sized_per_layer
-    planner = PrefetchPlanner(len(sizes), slots, prefetch=1, backward_slots=backward)
+    planner = PrefetchSchedule(len(sizes), slots, prefetch=1, backward_slots=backward)
     loaded = []
     for _ in range(3):
         loaded = []

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from layerstream.decisions.schedule import Phase, PrefetchPlanner
+from layerstream.decisions.schedule import Phase, PrefetchSchedule
 
 GRID = [(layers, slots, prefetch) for layers in (1, 2, 3, 5, 8) for slots in (2, 3, 4) for prefetch in range(1, slots)]
 
@@ -31,7 +31,7 @@ def run(planner, visits):
 
 @pytest.mark.parametrize("layers,slots,prefetch", GRID)
 def test_training_steady_state_has_no_demand_loads(layers, slots, prefetch):
-    planner = PrefetchPlanner(layers, slots, prefetch)
+    planner = PrefetchSchedule(layers, slots, prefetch)
     run(planner, training_step(layers))  # first step: cold slots
     plans = run(planner, training_step(layers) * 3)
     assert not any(p.demand for p in plans)
@@ -39,7 +39,7 @@ def test_training_steady_state_has_no_demand_loads(layers, slots, prefetch):
 
 @pytest.mark.parametrize("layers,slots,prefetch", GRID)
 def test_backward_reuses_the_layers_left_by_forward(layers, slots, prefetch):
-    planner = PrefetchPlanner(layers, slots, prefetch)
+    planner = PrefetchSchedule(layers, slots, prefetch)
     run(planner, training_step(layers))
     run(planner, [(i, Phase.TRAIN_FORWARD) for i in range(layers)])
     left = set(planner.resident())
@@ -53,7 +53,7 @@ def test_backward_reuses_the_layers_left_by_forward(layers, slots, prefetch):
 @pytest.mark.parametrize("layers,slots,prefetch", GRID)
 def test_loads_per_training_step(layers, slots, prefetch):
     """Each step copies every layer twice except those kept across both turnarounds."""
-    planner = PrefetchPlanner(layers, slots, prefetch)
+    planner = PrefetchSchedule(layers, slots, prefetch)
     run(planner, training_step(layers))
     plans = run(planner, training_step(layers))
     loads = sum(len(p.loads) for p in plans)
@@ -63,7 +63,7 @@ def test_loads_per_training_step(layers, slots, prefetch):
 
 @pytest.mark.parametrize("layers,slots,prefetch", GRID)
 def test_inference_prefetches_ahead_and_wraps_to_the_first_layer(layers, slots, prefetch):
-    planner = PrefetchPlanner(layers, slots, prefetch)
+    planner = PrefetchSchedule(layers, slots, prefetch)
     forward = [(i, Phase.INFERENCE) for i in range(layers)]
     run(planner, forward)
     plans = run(planner, forward * 3)
@@ -73,7 +73,7 @@ def test_inference_prefetches_ahead_and_wraps_to_the_first_layer(layers, slots, 
 
 
 def test_prefetch_depth_is_honoured():
-    planner = PrefetchPlanner(10, 4, 3)
+    planner = PrefetchSchedule(10, 4, 3)
     plan = planner.visit(0, Phase.INFERENCE)
     assert plan.demand and [layer for layer, _ in plan.loads] == [0, 1, 2, 3]
     plan = planner.visit(1, Phase.INFERENCE)
@@ -84,13 +84,13 @@ def test_prefetch_depth_is_honoured():
 def test_random_orders_keep_the_invariants(seed):
     rng = random.Random(seed)
     layers, slots = rng.randint(1, 9), rng.randint(2, 5)
-    planner = PrefetchPlanner(layers, slots, rng.randint(1, slots - 1))
+    planner = PrefetchSchedule(layers, slots, rng.randint(1, slots - 1))
     visits = [(rng.randrange(layers), rng.choice(list(Phase))) for _ in range(300)]
     run(planner, visits)
 
 
 def test_upcoming_follows_the_training_cycle():
-    planner = PrefetchPlanner(4, 3, 2)
+    planner = PrefetchSchedule(4, 3, 2)
     assert planner.upcoming(2, Phase.TRAIN_FORWARD, 3) == [3, 1, 0]
     assert planner.upcoming(1, Phase.BACKWARD, 3) == [0, 2, 3]
     assert planner.upcoming(3, Phase.INFERENCE, 2) == [0, 1]
@@ -98,14 +98,14 @@ def test_upcoming_follows_the_training_cycle():
 
 def test_bad_shapes_are_refused():
     with pytest.raises(ValueError):
-        PrefetchPlanner(0, 2, 1)
+        PrefetchSchedule(0, 2, 1)
     with pytest.raises(ValueError):
-        PrefetchPlanner(4, 2, 2)
+        PrefetchSchedule(4, 2, 2)
     with pytest.raises(IndexError):
-        PrefetchPlanner(4, 2, 1).visit(4, Phase.INFERENCE)
+        PrefetchSchedule(4, 2, 1).visit(4, Phase.INFERENCE)
 
 
-class _Unmemoised(PrefetchPlanner):
+class _Unmemoised(PrefetchSchedule):
     def visit(self, layer, phase):
         return self._plan(layer, phase)
 
@@ -117,7 +117,7 @@ def test_remembered_plans_equal_fresh_plans(seed):
     rng = random.Random(seed)
     layers, slots = rng.randint(2, 9), rng.randint(2, 4)
     prefetch = rng.randint(1, slots - 1)
-    memo, fresh = PrefetchPlanner(layers, slots, prefetch), _Unmemoised(layers, slots, prefetch)
+    memo, fresh = PrefetchSchedule(layers, slots, prefetch), _Unmemoised(layers, slots, prefetch)
     visits = []
     for _ in range(30):
         if rng.random() < 0.5:
@@ -131,7 +131,7 @@ def test_remembered_plans_equal_fresh_plans(seed):
 
 
 def test_remembered_plans_are_reused_in_steady_state():
-    planner = PrefetchPlanner(8, 3, 1)
+    planner = PrefetchSchedule(8, 3, 1)
     run(planner, training_step(8) * 2)
     known = len(planner._plans)
     run(planner, training_step(8) * 5)
@@ -183,7 +183,7 @@ def _step_checking_backward_slots(planner, layers):
 
 @pytest.mark.parametrize("layers,slots,prefetch,extra", BACKWARD_GRID)
 def test_backward_slots_are_empty_at_the_loss_and_keep_more_layers_across_the_step(layers, slots, prefetch, extra):
-    planner = PrefetchPlanner(layers, slots, prefetch, backward_slots=extra)
+    planner = PrefetchSchedule(layers, slots, prefetch, backward_slots=extra)
     for _ in range(2):
         _step_checking_backward_slots(planner, layers)
     # the next forward starts with its first slots + extra layers in slots
@@ -198,7 +198,7 @@ def test_backward_slots_are_empty_at_the_loss_and_keep_more_layers_across_the_st
 
 @pytest.mark.parametrize("layers,slots,prefetch,extra", BACKWARD_GRID)
 def test_each_backward_slot_is_given_back_once_per_step_after_its_last_forward_use(layers, slots, prefetch, extra):
-    planner = PrefetchPlanner(layers, slots, prefetch, backward_slots=extra)
+    planner = PrefetchSchedule(layers, slots, prefetch, backward_slots=extra)
     run(planner, training_step(layers))
     dropped, last_use = [], {}
     for layer, phase in training_step(layers):
@@ -216,7 +216,7 @@ def test_the_ring_keeps_the_first_layers_so_the_next_forward_copies_after_layer_
     next ones: the forward's first copy goes into layer 0's ring slot, free once layer 0
     has run, not into a slot whose layer runs later."""
     layers, slots, extra = 10, 3, 3
-    planner = PrefetchPlanner(layers, slots, 2, backward_slots=extra)
+    planner = PrefetchSchedule(layers, slots, 2, backward_slots=extra)
     run(planner, training_step(layers))
     assert sorted(planner.owner[:slots]) == [0, 1, 2] and sorted(planner.owner[slots:]) == [3, 4, 5]
     first = None
@@ -232,7 +232,7 @@ def test_backward_slots_take_the_backwards_first_copies_without_waiting_for_a_ri
     backward's first copies go into the backward slots then, not after the last layer's
     backward has freed a ring slot."""
     layers, slots, extra = 32, 3, 4
-    planner = PrefetchPlanner(layers, slots, 2, backward_slots=extra)
+    planner = PrefetchSchedule(layers, slots, 2, backward_slots=extra)
     run(planner, training_step(layers))
     for layer in range(layers):
         planner.visit(layer, Phase.TRAIN_FORWARD)
@@ -254,7 +254,7 @@ def test_early_copies_into_backward_slots_never_cost_a_copy_or_a_wait():
     for layers in range(6, 40):
         for slots, prefetch in [(2, 1), (3, 1), (3, 2), (4, 2), (4, 3)]:
             for extra in (1, 2, 3, 4):
-                planner = PrefetchPlanner(layers, slots, prefetch, backward_slots=extra)
+                planner = PrefetchSchedule(layers, slots, prefetch, backward_slots=extra)
                 used = planner.backward_slots
                 plans = _steady_step(planner, layers)
                 case = (layers, slots, prefetch, extra)
@@ -268,16 +268,16 @@ def test_without_the_early_rule_a_small_stack_costs_a_demand_load_and_a_copy(mon
     """Negative control: let any layer past the kept ones take an empty backward slot, and
     in a small stack an early layer still holds the single backward slot when its kept
     layer is due."""
-    monkeypatch.setattr(PrefetchPlanner, "_early_in_backward_slot", lambda self, target, active: active > 0)
+    monkeypatch.setattr(PrefetchSchedule, "_early_in_backward_slot", lambda self, target, active: active > 0)
     layers, slots = 8, 3
-    plans = _steady_step(PrefetchPlanner(layers, slots, 2, backward_slots=1), layers)
+    plans = _steady_step(PrefetchSchedule(layers, slots, 2, backward_slots=1), layers)
     assert any(plan.demand for plan in plans)
     assert sum(len(plan.loads) for plan in plans) > (layers - slots - 1) + (layers - slots)
 
 
 def test_a_disabled_backward_slot_is_never_planned_again():
     layers = 8
-    planner = PrefetchPlanner(layers, 3, 2, backward_slots=2)
+    planner = PrefetchSchedule(layers, 3, 2, backward_slots=2)
     run(planner, training_step(layers))
     planner.disable_backward_slot(3)
     for _ in range(2):
@@ -292,7 +292,7 @@ def test_a_disabled_backward_slot_is_never_planned_again():
 
 def test_inference_neither_fills_nor_keeps_backward_slots():
     layers = 6
-    planner = PrefetchPlanner(layers, 2, 1, backward_slots=2)
+    planner = PrefetchSchedule(layers, 2, 1, backward_slots=2)
     run(planner, training_step(layers))
     assert any(owner is not None for owner in planner.owner[2:])
     for _ in range(2):

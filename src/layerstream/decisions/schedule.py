@@ -296,6 +296,3 @@ def spread_resident(num_layers: int, count: int) -> List[int]:
     streamed_count = num_layers - count
     streamed = {min(num_layers - 1, int((i + 0.5) * num_layers / streamed_count)) for i in range(streamed_count)}
     return [layer for layer in range(num_layers) if layer not in streamed]
-
-
-PrefetchPlanner = PrefetchSchedule  # the name benchmarks and older code use

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ..config import StreamConfig
-from ..decisions.schedule import Phase, PrefetchPlanner
+from ..decisions.schedule import Phase, PrefetchSchedule
 from ..errors import ForkedChildError, StreamingError
 from ..modules import bindings, changes, swap
 from ..modules import layer as layer_mod
@@ -101,8 +101,8 @@ class StreamRuntime:
         if self._checker is not None:
             logger.warning("layerstream: debug checksums on (checksum=True, LAYERSTREAM_CHECKSUM=1): every copy waits")
 
-    def _new_prefetch(self, streamed_layers: int) -> PrefetchPlanner:
-        return PrefetchPlanner(
+    def _new_prefetch(self, streamed_layers: int) -> PrefetchSchedule:
+        return PrefetchSchedule(
             max(streamed_layers, 1), self.config.slots, self.config.prefetch, backward_slots=self.backward.count
         )
 
