@@ -437,3 +437,26 @@ def test_a_stale_manifest_naming_files_elsewhere_deletes_none_of_them(tmp_path):
     (cache / nf4_cache.manifest_name(source)).write_text(json.dumps({"source": {"old": 1}, "layers": entries}))
     nf4_cache.LayerCache([cache], source)
     assert elsewhere.read_bytes() == b"another run's layer"
+
+
+def test_the_manifest_spells_entries_and_settings_as_existing_caches_hold_them(fed):
+    """Caches on disk were written with these names; a load reads them back only while the
+    manifest still spells quant-state entries and 4-bit settings the same way."""
+    fed()
+    layout = _manifest(fed.cache)["layers"]["0"]["layout"]
+    kinds = {kind for _, kind, *_ in layout["entries"]}
+    assert "quant" in kinds and kinds <= {"_parameters", "_buffers", "quant"}
+    names = {name for _, kind, name, *_ in layout["entries"] if kind == "quant"}
+    assert "absmax" in names and names <= {"absmax", "code", "offset", "state2.absmax", "state2.code"}
+    assert layout["quantised"]
+    for settings in layout["quantised"].values():
+        assert set(settings) == {
+            "blocksize",
+            "compress_statistics",
+            "quant_type",
+            "quant_storage",
+            "shape",
+            "state_blocksize",
+            "state_dtype",
+            "state2",
+        }
