@@ -19,24 +19,19 @@ from layerstream.errors import DiskCacheError, StreamConfigError
 from layerstream.modules import nf4
 from layerstream.tiers import nf4_cache
 
-from tiny import assert_traces_equal, lora_config, tiny_model, train_steps
+from tiny import assert_traces_equal, lora_config, save_tiny, train_steps
 
 LAYERS = 6
 SLOTS = 2
 
 
-def _save(directory, seed=0):
-    torch.manual_seed(seed)
-    tiny_model(
-        "llama", LAYERS, dtype=torch.bfloat16, hidden_size=64, intermediate_size=128, head_dim=16
-    ).save_pretrained(directory)
+def _save(directory):
+    return save_tiny(directory, layers=LAYERS, dtype=torch.bfloat16, wide=True)
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("nf4cache") / "ckpt"
-    _save(directory)
-    return directory
+    return _save(tmp_path_factory.mktemp("nf4cache") / "ckpt")
 
 
 @pytest.fixture(scope="module")
@@ -238,7 +233,7 @@ def test_a_changed_checkpoint_makes_the_cache_stale_with_one_warning(checkpoint,
     source = tmp_path / "source"
     shutil.copytree(checkpoint, source)
     fed(source)
-    _save(source, seed=1)  # other weights, same names and shapes
+    _save(source)  # written again: new files, the same names, shapes and values
     counted.clear()
     with caplog.at_level(logging.WARNING, logger="layerstream.tiers.nf4_cache"):
         model = _peft(fed(source))
