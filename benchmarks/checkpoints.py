@@ -20,24 +20,9 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
-from common import SHAPES, shape_config
+from common import SHAPES, shape_config, shipped_shape
 
-SHAPES.setdefault(
-    "llama3.2-3b",
-    dict(
-        model_type="llama",
-        vocab_size=128256,
-        hidden_size=3072,
-        intermediate_size=8192,
-        num_hidden_layers=28,
-        num_attention_heads=24,
-        num_key_value_heads=8,
-        head_dim=128,
-        max_position_embeddings=8192,
-        rope_theta=500000.0,
-        tie_word_embeddings=True,
-    ),
-)
+SHAPES.setdefault("llama3.2-3b", shipped_shape("llama-3.2-3b"))
 
 SHARD_BYTES = 2 << 30
 

@@ -6,76 +6,34 @@ import json
 import os
 import statistics
 import time
+from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+SHAPE_FILES = Path(__file__).resolve().parents[1] / "configs" / "shapes"
+
+
+def shipped_shape(name: str) -> dict:
+    """A real model's config values as configs/shapes ships them (what `layerstream plan
+    --model configs/shapes/<name>.json` plans)."""
+    return json.loads((SHAPE_FILES / f"{name}.json").read_text())
+
+
+# the benchmarks' names for the shapes (their results' file names carry them)
 SHAPES = {
-    # Llama-3-8B: 32 layers, 4096 hidden, 14336 MLP, GQA 32/8
-    "llama3-8b": dict(
-        model_type="llama",
-        vocab_size=128256,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        max_position_embeddings=8192,
-        rope_theta=500000.0,
-    ),
-    # Llama-3-70B: 80 layers, 8192 hidden, 28672 MLP, GQA 64/8
-    "llama3-70b": dict(
-        model_type="llama",
-        vocab_size=128256,
-        hidden_size=8192,
-        intermediate_size=28672,
-        num_hidden_layers=80,
-        num_attention_heads=64,
-        num_key_value_heads=8,
-        max_position_embeddings=8192,
-        rope_theta=500000.0,
-    ),
+    # Llama-3-8B's layers, embeddings and head (Llama-3.1-8B differs in its context only):
+    # 32 layers, 4096 hidden, 14336 MLP, GQA 32/8
+    "llama3-8b": shipped_shape("llama-3.1-8b"),
+    # Llama-3-70B's likewise: 80 layers, 8192 hidden, 28672 MLP, GQA 64/8
+    "llama3-70b": shipped_shape("llama-3.1-70b"),
     # Mistral-7B-v0.3: Llama-3-8B's layer shape with a 32768-token vocabulary, so the loss
     # is small and a layer's recompute + backward, not the loss, sets the training peak
-    "mistral-7b": dict(
-        model_type="mistral",
-        vocab_size=32768,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        max_position_embeddings=32768,
-        rope_theta=1000000.0,
-    ),
+    "mistral-7b": shipped_shape("mistral-7b-v0.3"),
     # Qwen2.5-32B: 64 layers, 5120 hidden, 27648 MLP, GQA 40/8, q/k/v bias
-    "qwen2.5-32b": dict(
-        model_type="qwen2",
-        vocab_size=152064,
-        hidden_size=5120,
-        intermediate_size=27648,
-        num_hidden_layers=64,
-        num_attention_heads=40,
-        num_key_value_heads=8,
-        max_position_embeddings=32768,
-        rope_theta=1000000.0,
-    ),
+    "qwen2.5-32b": shipped_shape("qwen2.5-32b"),
     # Qwen3-30B-A3B: 48 MoE layers, 128 experts of width 768, 8 routed per token
-    "qwen3-30b-a3b": dict(
-        model_type="qwen3_moe",
-        vocab_size=151936,
-        hidden_size=2048,
-        intermediate_size=6144,
-        moe_intermediate_size=768,
-        num_experts=128,
-        num_experts_per_tok=8,
-        num_hidden_layers=48,
-        num_attention_heads=32,
-        num_key_value_heads=4,
-        head_dim=128,
-        max_position_embeddings=40960,
-        rope_theta=1000000.0,
-    ),
+    "qwen3-30b-a3b": shipped_shape("qwen3-30b-a3b"),
 }
 
 

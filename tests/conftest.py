@@ -4,6 +4,8 @@ import warnings
 import pytest
 import torch
 
+from tiny import save_tiny
+
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
 
 DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
@@ -14,6 +16,13 @@ def device(request):
     if request.param == "cuda" and not torch.cuda.is_available():
         pytest.fail("gpu-marked test selected on a machine without CUDA")
     return request.param
+
+
+@pytest.fixture
+def sharded_checkpoint(tmp_path):
+    """A 4-layer bf16 Llama checkpoint in several safetensors shards with an index, which a
+    test may edit (its own copy)."""
+    return save_tiny(tmp_path / "ckpt", layers=4, dtype=torch.bfloat16, wide=True, shard="100KB")
 
 
 @pytest.fixture(autouse=True)

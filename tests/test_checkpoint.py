@@ -18,20 +18,10 @@ from layerstream import loading
 from layerstream.checkpoints import reader as tensor_reader
 from layerstream.checkpoints import stored as checkpoint
 
-from tiny import tiny_model
+from tiny import save_tiny, tiny_model
 
 CPU = layerstream.StreamConfig(device="cpu", slots=2)
 LAST_LAYER_TENSOR = "model.layers.3.mlp.down_proj.weight"
-
-
-@pytest.fixture
-def sharded(tmp_path):
-    directory = tmp_path / "ckpt"
-    tiny_model(
-        "llama", layers=4, dtype=torch.bfloat16, hidden_size=64, intermediate_size=128, head_dim=16
-    ).save_pretrained(directory, max_shard_size="100KB")
-    assert len(list(directory.glob("*.safetensors"))) > 2, "the test needs several shards"
-    return directory
 
 
 @pytest.fixture
@@ -85,59 +75,61 @@ def _refused(directory, loads, match, **kwargs):
     return str(refusal.value)
 
 
-def test_a_missing_shard_is_refused_before_any_layer_loads(sharded, loads):
-    shard = _shard_of(sharded, LAST_LAYER_TENSOR)
+def test_a_missing_shard_is_refused_before_any_layer_loads(sharded_checkpoint, loads):
+    shard = _shard_of(sharded_checkpoint, LAST_LAYER_TENSOR)
     shard.unlink()
-    _refused(sharded, loads, rf"{shard.name} holds \d+ tensors .* but is not in .*download the missing shard")
+    _refused(
+        sharded_checkpoint, loads, rf"{shard.name} holds \d+ tensors .* but is not in .*download the missing shard"
+    )
 
 
-def test_a_truncated_shard_is_refused_before_any_layer_loads(sharded, loads):
-    shard = _shard_of(sharded, LAST_LAYER_TENSOR)
+def test_a_truncated_shard_is_refused_before_any_layer_loads(sharded_checkpoint, loads):
+    shard = _shard_of(sharded_checkpoint, LAST_LAYER_TENSOR)
     shard.write_bytes(shard.read_bytes()[:-10])
-    _refused(sharded, loads, rf"{shard.name} is truncated: .*download or save the checkpoint again")
+    _refused(sharded_checkpoint, loads, rf"{shard.name} is truncated: .*download or save the checkpoint again")
 
 
-def test_a_shard_cut_inside_its_header_is_refused(sharded, loads):
-    shard = _shard_of(sharded, LAST_LAYER_TENSOR)
+def test_a_shard_cut_inside_its_header_is_refused(sharded_checkpoint, loads):
+    shard = _shard_of(sharded_checkpoint, LAST_LAYER_TENSOR)
     shard.write_bytes(shard.read_bytes()[:40])
-    _refused(sharded, loads, rf"{shard.name} is truncated or not a safetensors file")
+    _refused(sharded_checkpoint, loads, rf"{shard.name} is truncated or not a safetensors file")
 
 
-def test_a_shard_header_that_is_not_json_is_refused_before_any_layer_loads(sharded, loads):
-    shard = _shard_of(sharded, LAST_LAYER_TENSOR)
+def test_a_shard_header_that_is_not_json_is_refused_before_any_layer_loads(sharded_checkpoint, loads):
+    shard = _shard_of(sharded_checkpoint, LAST_LAYER_TENSOR)
     raw = bytearray(shard.read_bytes())
     raw[8] = ord("#")  # the header's opening brace
     shard.write_bytes(bytes(raw))
-    _refused(sharded, loads, rf"{shard.name}: the safetensors header is not valid JSON")
+    _refused(sharded_checkpoint, loads, rf"{shard.name}: the safetensors header is not valid JSON")
 
 
-def test_data_offsets_that_disagree_with_dtype_and_shape_are_refused_naming_the_tensor(sharded, loads):
-    shard = _shard_of(sharded, LAST_LAYER_TENSOR)
+def test_data_offsets_that_disagree_with_dtype_and_shape_are_refused_naming_the_tensor(sharded_checkpoint, loads):
+    shard = _shard_of(sharded_checkpoint, LAST_LAYER_TENSOR)
     header, data = _split(shard)
     header[LAST_LAYER_TENSOR]["shape"] = [64, 64]  # stored [64, 128] bf16: half the bytes the offsets span
     _join(shard, header, data)
     _refused(
-        sharded,
+        sharded_checkpoint,
         loads,
         rf"{shard.name}: tensor {LAST_LAYER_TENSOR} has data_offsets .* BF16 x \[64, 64\] "
         r"needs 8192 bytes",
     )
 
 
-def test_a_shard_with_bytes_after_its_last_tensor_is_refused_as_safetensors_would(sharded, loads):
-    shard = _shard_of(sharded, LAST_LAYER_TENSOR)
+def test_a_shard_with_bytes_after_its_last_tensor_is_refused_as_safetensors_would(sharded_checkpoint, loads):
+    shard = _shard_of(sharded_checkpoint, LAST_LAYER_TENSOR)
     shard.write_bytes(shard.read_bytes() + b"\0" * 16)
-    _refused(sharded, loads, rf"{shard.name} has 16 bytes after its last tensor")
+    _refused(sharded_checkpoint, loads, rf"{shard.name} has 16 bytes after its last tensor")
 
 
-def test_an_index_that_puts_a_tensor_in_the_wrong_shard_is_refused(sharded, loads):
-    index_path = sharded / "model.safetensors.index.json"
+def test_an_index_that_puts_a_tensor_in_the_wrong_shard_is_refused(sharded_checkpoint, loads):
+    index_path = sharded_checkpoint / "model.safetensors.index.json"
     index = json.loads(index_path.read_text())
     right = index["weight_map"][LAST_LAYER_TENSOR]
     wrong = next(file for file in index["weight_map"].values() if file != right)
     index["weight_map"][LAST_LAYER_TENSOR] = wrong
     index_path.write_text(json.dumps(index))
-    _refused(sharded, loads, rf"the index puts {LAST_LAYER_TENSOR} in .*{wrong}, which does not hold it")
+    _refused(sharded_checkpoint, loads, rf"the index puts {LAST_LAYER_TENSOR} in .*{wrong}, which does not hold it")
 
 
 @pytest.mark.parametrize(
@@ -145,9 +137,11 @@ def test_an_index_that_puts_a_tensor_in_the_wrong_shard_is_refused(sharded, load
     [("{not json", "is not valid JSON"), ('{"metadata": {}}', "has no weight_map")],
     ids=["not-json", "no-weight-map"],
 )
-def test_a_broken_index_is_refused_naming_the_index(sharded, loads, content, problem):
-    (sharded / "model.safetensors.index.json").write_text(content)
-    _refused(sharded, loads, rf"model.safetensors.index.json {problem}.*download or save the checkpoint again")
+def test_a_broken_index_is_refused_naming_the_index(sharded_checkpoint, loads, content, problem):
+    (sharded_checkpoint / "model.safetensors.index.json").write_text(content)
+    _refused(
+        sharded_checkpoint, loads, rf"model.safetensors.index.json {problem}.*download or save the checkpoint again"
+    )
 
 
 @pytest.mark.parametrize("quantization", [None, "nf4"])
@@ -156,13 +150,15 @@ def test_a_broken_index_is_refused_naming_the_index(sharded, loads, content, pro
     [("model.layers.3.self_attn.q_proj.weight", [1, 64]), ("model.layers.3.input_layernorm.weight", [1])],
     ids=["projection-1x64", "norm-1"],
 )
-def test_a_broadcastable_wrong_shape_is_refused_before_any_layer_loads(sharded, loads, name, stored, quantization):
+def test_a_broadcastable_wrong_shape_is_refused_before_any_layer_loads(
+    sharded_checkpoint, loads, name, stored, quantization
+):
     """copy_ would broadcast these into every row; transformers refuses the same files.
     With NF4 the meta model's Linear4bit weights keep the unquantised [out, in] shape."""
-    expected = list(load_file(_shard_of(sharded, name))[name].shape)
-    shard = _replace_tensor(sharded, name, torch.ones(stored, dtype=torch.bfloat16))
+    expected = list(load_file(_shard_of(sharded_checkpoint, name))[name].shape)
+    shard = _replace_tensor(sharded_checkpoint, name, torch.ones(stored, dtype=torch.bfloat16))
     _refused(
-        sharded,
+        sharded_checkpoint,
         loads,
         re.escape(f"{name} in {shard.name} has shape {stored}, the model expects {expected}") + ".*config.json",
         quantization=quantization,
@@ -181,7 +177,7 @@ def test_copy_into_refuses_a_shape_it_would_broadcast():
 
 
 def test_floating_tensors_stored_in_another_floating_dtype_are_cast_as_transformers_does(tmp_path, loads):
-    tiny_model("llama", layers=2, dtype=torch.float32).save_pretrained(tmp_path)
+    save_tiny(tmp_path, layers=2, dtype=torch.float32)
     streamed = layerstream.from_pretrained(tmp_path, torch_dtype=torch.bfloat16, stream=CPU)
     reference = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
     assert loads, "the load went through from_pretrained's module loads"
@@ -189,11 +185,11 @@ def test_floating_tensors_stored_in_another_floating_dtype_are_cast_as_transform
         assert torch.equal(streamed.state_dict()[name], value), name
 
 
-def test_an_integer_tensor_for_a_floating_parameter_is_refused_naming_both_dtypes(sharded, loads):
+def test_an_integer_tensor_for_a_floating_parameter_is_refused_naming_both_dtypes(sharded_checkpoint, loads):
     name = "model.layers.3.post_attention_layernorm.weight"
-    shard = _replace_tensor(sharded, name, torch.ones(64, dtype=torch.int64))
+    shard = _replace_tensor(sharded_checkpoint, name, torch.ones(64, dtype=torch.int64))
     _refused(
-        sharded,
+        sharded_checkpoint,
         loads,
         rf"{name} in {shard.name} is stored as I64, the model expects a floating-point "
         r"tensor \(bfloat16\)",
@@ -212,20 +208,22 @@ def test_a_floating_tensor_for_an_integer_buffer_is_refused(tmp_path):
         checkpoint.validate_checkpoint(tmp_path, {"step": shard}, expected)
 
 
-def test_all_missing_tensors_are_listed_before_any_layer_loads(sharded, loads):
-    index_path = sharded / "model.safetensors.index.json"
+def test_all_missing_tensors_are_listed_before_any_layer_loads(sharded_checkpoint, loads):
+    index_path = sharded_checkpoint / "model.safetensors.index.json"
     index = json.loads(index_path.read_text())
     dropped = sorted(k for k in index["weight_map"] if k.startswith("model.layers.3."))
     assert len(dropped) > 5
     for name in dropped:
         del index["weight_map"][name]
     index_path.write_text(json.dumps(index))
-    message = _refused(sharded, loads, rf"{len(dropped)} tensors were not found in .* and {len(dropped) - 5} more")
+    message = _refused(
+        sharded_checkpoint, loads, rf"{len(dropped)} tensors were not found in .* and {len(dropped) - 5} more"
+    )
     assert sum(name in message for name in dropped) == 5
 
 
 def test_a_head_tied_to_the_embeddings_may_be_absent(tmp_path, loads):
-    tiny_model("llama", layers=2, dtype=torch.bfloat16, tie_word_embeddings=True).save_pretrained(tmp_path)
+    save_tiny(tmp_path, layers=2, dtype=torch.bfloat16, tie_word_embeddings=True)
     assert "lm_head.weight" not in load_file(tmp_path / "model.safetensors")
     model = layerstream.from_pretrained(tmp_path, stream=CPU)
     assert model.lm_head.weight is model.model.embed_tokens.weight
@@ -234,9 +232,7 @@ def test_a_head_tied_to_the_embeddings_may_be_absent(tmp_path, loads):
 @pytest.fixture
 def prequantized(tmp_path):
     base, quantised = tmp_path / "base", tmp_path / "nf4"
-    tiny_model(
-        "llama", layers=2, dtype=torch.bfloat16, hidden_size=64, intermediate_size=128, head_dim=16
-    ).save_pretrained(base)
+    save_tiny(base, layers=2, dtype=torch.bfloat16, wide=True)
     quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
     AutoModelForCausalLM.from_pretrained(
         base, quantization_config=quant, dtype=torch.bfloat16, device_map="cpu"
@@ -310,7 +306,7 @@ def test_a_path_object_that_does_not_exist_is_not_sent_to_the_hub(tmp_path, hub)
 def test_a_hub_id_is_still_resolved_on_the_hub(tmp_path, monkeypatch, hub):
     monkeypatch.chdir(tmp_path)
     directory = tmp_path / "snapshot"
-    tiny_model("llama", layers=2, dtype=torch.bfloat16).save_pretrained(directory)
+    save_tiny(directory, layers=2, dtype=torch.bfloat16)
     import huggingface_hub
 
     monkeypatch.setattr(
@@ -320,7 +316,7 @@ def test_a_hub_id_is_still_resolved_on_the_hub(tmp_path, monkeypatch, hub):
     assert hub == ["org/name"]
 
 
-def test_a_tensor_that_fails_to_read_during_the_load_is_named_with_its_file(sharded, loads, monkeypatch):
+def test_a_tensor_that_fails_to_read_during_the_load_is_named_with_its_file(sharded_checkpoint, loads, monkeypatch):
     import safetensors
 
     real_open = safetensors.safe_open
@@ -342,17 +338,17 @@ def test_a_tensor_that_fails_to_read_during_the_load_is_named_with_its_file(shar
             return self.handle.get_tensor(name)
 
     monkeypatch.setattr(safetensors, "safe_open", FailingHandle)
-    shard = _shard_of(sharded, LAST_LAYER_TENSOR)
+    shard = _shard_of(sharded_checkpoint, LAST_LAYER_TENSOR)
     with pytest.raises(
         layerstream.LoadingError,
         match=rf"{LAST_LAYER_TENSOR} in .*{shard.name} cannot be read "
         r"\(simulated read failure\)",
     ):
-        layerstream.from_pretrained(sharded, stream=CPU)
+        layerstream.from_pretrained(sharded_checkpoint, stream=CPU)
     assert "model.layers.3." in loads, "the failure came while loading the last layer"
 
 
-def test_validation_reads_each_header_once_and_no_tensor_data(sharded, monkeypatch):
+def test_validation_reads_each_header_once_and_no_tensor_data(sharded_checkpoint, monkeypatch):
     import safetensors
 
     def no_tensor_data(*args, **kwargs):
@@ -372,8 +368,8 @@ def test_validation_reads_each_header_once_and_no_tensor_data(sharded, monkeypat
 
     monkeypatch.setattr(loading, "_check_host_memory", stop)
     with pytest.raises(Validated):
-        layerstream.from_pretrained(sharded, stream=CPU)
-    assert sorted(headers) == sorted(p.name for p in sharded.glob("*.safetensors"))
+        layerstream.from_pretrained(sharded_checkpoint, stream=CPU)
+    assert sorted(headers) == sorted(p.name for p in sharded_checkpoint.glob("*.safetensors"))
 
 
 def test_a_wrong_shape_in_a_pickle_checkpoint_is_refused_before_any_layer_loads(tmp_path, loads):

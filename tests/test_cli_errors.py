@@ -13,7 +13,7 @@ import torch
 from layerstream.checkpoints.paths import missing_directory_behind
 from layerstream.commands import cli
 
-from tiny import tiny_model
+from tiny import save_tiny
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -111,8 +111,7 @@ def test_run_of_a_module_that_is_not_installed_says_so_without_a_traceback(capsy
 
 
 def test_a_truncated_checkpoint_under_run_prints_its_message_alone_and_fails(tmp_path, capsys):
-    model = tiny_model("llama", layers=3)
-    model.save_pretrained(tmp_path / "model")
+    save_tiny(tmp_path / "model", layers=3)
     shard = tmp_path / "model" / "model.safetensors"
     os.truncate(shard, shard.stat().st_size - 1000)
     script = _script(
@@ -139,7 +138,7 @@ def test_an_error_that_is_not_a_refusal_keeps_its_traceback(tmp_path):
 def test_from_pretrained_takes_the_device_its_advice_names(tmp_path):
     import layerstream
 
-    tiny_model("llama", layers=3).save_pretrained(tmp_path)
+    save_tiny(tmp_path, layers=3)
     model = layerstream.from_pretrained(tmp_path, dtype=torch.float32, device="cpu")
     assert layerstream.get_runtime(model).device == torch.device("cpu")
     slots = layerstream.StreamConfig(device="cpu", slots=2)

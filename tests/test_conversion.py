@@ -15,12 +15,12 @@ from layerstream import loading
 from layerstream.errors import LoadingError
 from layerstream.integrations import launch
 
-from tiny import _COMMON, batch, tiny_model
+from tiny import _COMMON, batch, save_tiny, tiny_model
 
 
 def _per_expert(family):
     def write(path: Path):
-        tiny_model(family, layers=3).save_pretrained(path)  # transformers writes one tensor per expert
+        save_tiny(path, family, layers=3)  # transformers writes one tensor per expert
 
     return write
 
@@ -141,7 +141,7 @@ def test_a_checkpoint_in_the_models_own_names_converts_nothing(tmp_path):
 def test_nf4_says_once_which_weights_stay_unquantised(family, tmp_path, caplog):
     """bitsandbytes quantises nn.Linear weights only (as transformers applies it): fused
     experts stay in the compute dtype, said once with their share; a dense model says nothing."""
-    tiny_model(family, layers=2, hidden_size=64, intermediate_size=128, head_dim=16).save_pretrained(tmp_path)
+    save_tiny(tmp_path, family, layers=2, wide=True)
     with caplog.at_level("WARNING", logger="layerstream"):
         layerstream.from_pretrained(
             tmp_path, quantization="nf4", stream=layerstream.StreamConfig(device="cpu", slots=2)

@@ -16,7 +16,7 @@ import layerstream
 from layerstream.errors import DiskReadError, LoadingError, StreamConfigError, StreamingError
 from layerstream.tiers import disk
 
-from tiny import assert_traces_equal, batch, lora_config, tiny_model, train_steps
+from tiny import assert_traces_equal, batch, lora_config, save_tiny, tiny_model, train_steps
 
 LAYERS = 6
 SLOTS = 2
@@ -24,10 +24,7 @@ SLOTS = 2
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("disk") / "ckpt"
-    tiny_model("llama", layers=LAYERS, dtype=torch.float32).save_pretrained(directory, max_shard_size="60KB")
-    assert len(list(directory.glob("*.safetensors"))) > 2, "the test needs several shards"
-    return directory
+    return save_tiny(tmp_path_factory.mktemp("disk") / "ckpt", layers=LAYERS, dtype=torch.float32, shard="60KB")
 
 
 def _layer_bytes(checkpoint) -> int:

@@ -12,7 +12,7 @@ import layerstream
 from layerstream.errors import DiskReadError, StreamingError
 from layerstream.long import chunked_loss, tiled_mlp
 
-from tiny import assert_traces_equal, batch, lora_config, peft_pair, stream, tiny_model, train_steps
+from tiny import assert_traces_equal, batch, lora_config, peft_pair, save_tiny, stream, train_steps
 
 LAYERS = 6
 LONG = dict(offload_activations=True, loss_chunk_tokens=5, mlp_tile_tokens=7)
@@ -20,9 +20,7 @@ LONG = dict(offload_activations=True, loss_chunk_tokens=5, mlp_tile_tokens=7)
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("adversarial") / "ckpt"
-    tiny_model("llama", layers=LAYERS).save_pretrained(directory, max_shard_size="60KB")
-    return directory
+    return save_tiny(tmp_path_factory.mktemp("adversarial") / "ckpt", layers=LAYERS, shard="60KB")
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import layerstream
 from layerstream.tiers import store as store_mod
 from layerstream.tiers.store import HostMemoryError, check_host_memory
 
-from tiny import peft_pair, tiny_model
+from tiny import peft_pair, save_tiny
 
 GiB = 1 << 30
 
@@ -41,7 +41,7 @@ def test_pageable_stores_may_use_most_of_the_host(monkeypatch):
 
 def test_loading_checks_host_memory_before_reading_weights(tmp_path, monkeypatch):
     directory = tmp_path / "ckpt"
-    tiny_model("llama", layers=3, dtype=torch.bfloat16).save_pretrained(directory)
+    save_tiny(directory, layers=3, dtype=torch.bfloat16)
     from layerstream.checkpoints import reader as tensor_reader
 
     read = []

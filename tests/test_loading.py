@@ -14,19 +14,9 @@ from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
 import layerstream
 
-from tiny import assert_traces_equal, lora_config, portable_cpu_nf4, tiny_model, train_steps
+from tiny import assert_traces_equal, lora_config, portable_cpu_nf4, save_tiny, tiny_model, train_steps
 
 CPU = layerstream.StreamConfig(device="cpu", slots=2)
-
-
-@pytest.fixture
-def checkpoint(tmp_path):
-    directory = tmp_path / "ckpt"
-    tiny_model(
-        "llama", layers=4, dtype=torch.bfloat16, hidden_size=64, intermediate_size=128, head_dim=16
-    ).save_pretrained(directory, max_shard_size="100KB")
-    assert len(list(directory.glob("*.safetensors"))) > 2, "the test needs several shards"
-    return directory
 
 
 def _reference_nf4(directory, nested):
@@ -51,9 +41,11 @@ def _same_state(a, b):
 
 
 @pytest.mark.parametrize("nested", [True, False], ids=["double-quant", "single-quant"])
-def test_nf4_load_equals_transformers_4bit_load(checkpoint, nested):
-    streamed = layerstream.from_pretrained(checkpoint, quantization="nf4", stream=CPU, bnb_4bit_use_double_quant=nested)
-    reference = _reference_nf4(checkpoint, nested)
+def test_nf4_load_equals_transformers_4bit_load(sharded_checkpoint, nested):
+    streamed = layerstream.from_pretrained(
+        sharded_checkpoint, quantization="nf4", stream=CPU, bnb_4bit_use_double_quant=nested
+    )
+    reference = _reference_nf4(sharded_checkpoint, nested)
     assert layerstream.is_streamed(streamed) and streamed.is_loaded_in_4bit
     _same_state(streamed, reference)
     ids = torch.randint(3, 90, (2, 8))
@@ -61,17 +53,19 @@ def test_nf4_load_equals_transformers_4bit_load(checkpoint, nested):
         assert torch.equal(streamed(input_ids=ids).logits, reference(input_ids=ids).logits)
 
 
-def test_qlora_on_a_loaded_model_matches_resident(checkpoint):
-    streamed = get_peft_model(layerstream.from_pretrained(checkpoint, quantization="nf4", stream=CPU), lora_config())
-    resident = get_peft_model(_reference_nf4(checkpoint, True), lora_config())
+def test_qlora_on_a_loaded_model_matches_resident(sharded_checkpoint):
+    streamed = get_peft_model(
+        layerstream.from_pretrained(sharded_checkpoint, quantization="nf4", stream=CPU), lora_config()
+    )
+    resident = get_peft_model(_reference_nf4(sharded_checkpoint, True), lora_config())
     streamed.load_state_dict({k: v for k, v in resident.state_dict().items() if "lora_" in k}, strict=False)
     assert any(type(m).__name__ == "Linear4bit" and hasattr(m, "lora_A") for m in streamed.modules())
     assert_traces_equal(train_steps(streamed, 10), train_steps(resident, 10))
 
 
-def test_unquantised_load_equals_transformers_load(checkpoint):
-    streamed = layerstream.from_pretrained(checkpoint, torch_dtype=torch.bfloat16, stream=CPU)
-    reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16)
+def test_unquantised_load_equals_transformers_load(sharded_checkpoint):
+    streamed = layerstream.from_pretrained(sharded_checkpoint, torch_dtype=torch.bfloat16, stream=CPU)
+    reference = AutoModelForCausalLM.from_pretrained(sharded_checkpoint, dtype=torch.bfloat16)
     _same_state(streamed, reference)
     ids = torch.randint(3, 90, (2, 8))
     with torch.no_grad():
@@ -96,25 +90,25 @@ def test_pickle_checkpoints_load_when_the_user_opts_in(tmp_path, caplog):
     _same_state(streamed, model)
 
 
-def test_remote_code_needs_trust(tmp_path, checkpoint):
-    config = json.loads((checkpoint / "config.json").read_text())
+def test_remote_code_needs_trust(tmp_path, sharded_checkpoint):
+    config = json.loads((sharded_checkpoint / "config.json").read_text())
     config["model_type"] = "layerstream_test_custom"  # unknown to transformers: only remote code has it
     config["auto_map"] = {
         "AutoConfig": "configuration_custom.CustomConfig",
         "AutoModelForCausalLM": "modeling_custom.CustomModel",
     }
-    (checkpoint / "config.json").write_text(json.dumps(config))
+    (sharded_checkpoint / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="trust_remote_code"):
-        layerstream.from_pretrained(checkpoint, stream=CPU)
+        layerstream.from_pretrained(sharded_checkpoint, stream=CPU)
 
 
-def test_missing_tensors_are_reported(checkpoint):
-    index = json.loads((checkpoint / "model.safetensors.index.json").read_text())
+def test_missing_tensors_are_reported(sharded_checkpoint):
+    index = json.loads((sharded_checkpoint / "model.safetensors.index.json").read_text())
     dropped = next(k for k in index["weight_map"] if "layers.3.mlp" in k)
     del index["weight_map"][dropped]
-    (checkpoint / "model.safetensors.index.json").write_text(json.dumps(index))
+    (sharded_checkpoint / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(layerstream.LoadingError, match="not found"):
-        layerstream.from_pretrained(checkpoint, stream=CPU)
+        layerstream.from_pretrained(sharded_checkpoint, stream=CPU)
 
 
 PEAK_SCRIPT = textwrap.dedent("""
@@ -147,8 +141,8 @@ def test_loading_holds_about_one_unquantised_layer(tmp_path):
     layer, far below the whole unquantised model (measured in a fresh process)."""
     directory = tmp_path / "big"
     layers, hidden, intermediate = 24, 1024, 2816
-    tiny_model(
-        "llama",
+    save_tiny(
+        directory,
         layers=layers,
         dtype=torch.bfloat16,
         hidden_size=hidden,
@@ -156,13 +150,11 @@ def test_loading_holds_about_one_unquantised_layer(tmp_path):
         head_dim=64,
         num_attention_heads=16,
         num_key_value_heads=16,
-    ).save_pretrained(directory)
+    )
     layer_mib = (4 * hidden * hidden + 3 * hidden * intermediate) * 2 / 2**20
     whole_mib = layers * layer_mib
     warm = tmp_path / "warm"
-    tiny_model(
-        "llama", layers=2, dtype=torch.bfloat16, hidden_size=64, intermediate_size=128, head_dim=16
-    ).save_pretrained(warm)
+    save_tiny(warm, layers=2, dtype=torch.bfloat16, wide=True)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     out = subprocess.run(
         [sys.executable, "-c", PEAK_SCRIPT, str(directory), str(warm)],
@@ -182,11 +174,13 @@ def test_loading_holds_about_one_unquantised_layer(tmp_path):
     assert grown < bound, f"loading grew RSS by {grown:.0f} MiB; bound {bound:.0f} MiB (whole model {whole_mib:.0f})"
 
 
-def test_trainer_accepts_a_loaded_4bit_model_with_adapters(checkpoint, tmp_path):
+def test_trainer_accepts_a_loaded_4bit_model_with_adapters(sharded_checkpoint, tmp_path):
     from datasets import Dataset
     from transformers import Trainer, TrainingArguments
 
-    model = get_peft_model(layerstream.from_pretrained(checkpoint, quantization="nf4", stream=CPU), lora_config())
+    model = get_peft_model(
+        layerstream.from_pretrained(sharded_checkpoint, quantization="nf4", stream=CPU), lora_config()
+    )
     rows = [{"input_ids": list(range(3, 13)), "labels": list(range(3, 13))} for _ in range(4)]
     args = TrainingArguments(
         output_dir=str(tmp_path / "out"),
@@ -202,10 +196,10 @@ def test_trainer_accepts_a_loaded_4bit_model_with_adapters(checkpoint, tmp_path)
     assert [e["loss"] for e in trainer.state.log_history if "loss" in e]
 
 
-def test_equal_layers_fill_their_arenas_without_gaps(checkpoint):
+def test_equal_layers_fill_their_arenas_without_gaps(sharded_checkpoint):
     store = layerstream.get_runtime(
         layerstream.from_pretrained(
-            checkpoint, stream=layerstream.StreamConfig(device="cpu", slots=2, arena_bytes=1 << 20)
+            sharded_checkpoint, stream=layerstream.StreamConfig(device="cpu", slots=2, arena_bytes=1 << 20)
         )
     ).store
     assert store.host_bytes == sum(r.nbytes for r in store.records)
@@ -218,8 +212,8 @@ def test_nf4_load_on_the_gpu_equals_transformers_4bit_load(tmp_path, nested):
     what transformers loads onto the GPU, and the device never holds the whole model."""
     directory = tmp_path / "gpu-ckpt"
     layers, hidden, intermediate = 8, 512, 1408
-    tiny_model(
-        "llama",
+    save_tiny(
+        directory,
         layers=layers,
         dtype=torch.bfloat16,
         hidden_size=hidden,
@@ -227,7 +221,7 @@ def test_nf4_load_on_the_gpu_equals_transformers_4bit_load(tmp_path, nested):
         head_dim=64,
         num_attention_heads=8,
         num_key_value_heads=8,
-    ).save_pretrained(directory)
+    )
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     streamed = layerstream.from_pretrained(
@@ -285,7 +279,7 @@ def _buffers_and_logits(model, ids):
 
 @pytest.mark.parametrize("family", COMPUTED_BUFFER_FAMILIES)
 def test_buffers_no_checkpoint_holds_get_the_values_transformers_gives_them(tmp_path, family):
-    tiny_model(family, layers=3).save_pretrained(tmp_path)
+    save_tiny(tmp_path, family, layers=3)
     reference = AutoModelForCausalLM.from_pretrained(tmp_path)
     streamed = layerstream.from_pretrained(tmp_path, stream=CPU)
     ids = torch.randint(3, 90, (2, 8))
@@ -298,7 +292,7 @@ def test_buffers_no_checkpoint_holds_get_the_values_transformers_gives_them(tmp_
 
 
 def test_a_loader_that_leaves_computed_buffers_unset_is_caught(tmp_path, monkeypatch):
-    tiny_model("gemma2", layers=3).save_pretrained(tmp_path)
+    save_tiny(tmp_path, "gemma2", layers=3)
 
     def zeroed(modules, owners):
         for module in modules:
@@ -341,13 +335,13 @@ def test_computing_buffers_never_writes_a_loaded_tensor():
 
 
 def test_from_pretrained_loads_the_checkpoints_own_dtype_by_default(tmp_path):
-    tiny_model("llama", layers=3, dtype=torch.float32).save_pretrained(tmp_path)
+    save_tiny(tmp_path, layers=3, dtype=torch.float32)
     assert layerstream.from_pretrained(tmp_path, stream=CPU).dtype == torch.float32
     assert AutoModelForCausalLM.from_pretrained(tmp_path).dtype == torch.float32
     config = json.loads((tmp_path / "config.json").read_text())
     config.pop("dtype", None), config.pop("torch_dtype", None)
     (tmp_path / "config.json").write_text(json.dumps(config))  # no dtype in the config: the weights' own
-    tiny_model("llama", layers=3, dtype=torch.float16).save_pretrained(tmp_path / "half")
+    save_tiny(tmp_path / "half", layers=3, dtype=torch.float16)
     half = json.loads((tmp_path / "half" / "config.json").read_text())
     half.pop("dtype", None), half.pop("torch_dtype", None)
     (tmp_path / "half" / "config.json").write_text(json.dumps(half))
@@ -361,24 +355,26 @@ def _load_with_progress(checkpoint, capsys, **kwargs):
     return capsys.readouterr().err
 
 
-def test_loading_shows_one_bar_counting_layers_and_bytes(checkpoint, capsys):
-    bar = _load_with_progress(checkpoint, capsys)
+def test_loading_shows_one_bar_counting_layers_and_bytes(sharded_checkpoint, capsys):
+    bar = _load_with_progress(sharded_checkpoint, capsys)
     assert "layerstream: loading layers" in bar
     assert "4/4" in bar and "MiB" in bar
-    nf4 = _load_with_progress(checkpoint, capsys, quantization="nf4")
+    nf4 = _load_with_progress(sharded_checkpoint, capsys, quantization="nf4")
     assert "layerstream: loading and quantising layers to NF4" in nf4 and "4/4" in nf4
 
 
-def test_the_bar_follows_transformers_switch_and_shows_on_the_main_process_only(checkpoint, capsys, monkeypatch):
+def test_the_bar_follows_transformers_switch_and_shows_on_the_main_process_only(
+    sharded_checkpoint, capsys, monkeypatch
+):
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     try:
-        assert "layerstream: loading layers" not in _load_with_progress(checkpoint, capsys)
+        assert "layerstream: loading layers" not in _load_with_progress(sharded_checkpoint, capsys)
     finally:
         hf_logging.enable_progress_bar()
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
-    assert "layerstream: loading layers" not in _load_with_progress(checkpoint, capsys)
+    assert "layerstream: loading layers" not in _load_with_progress(sharded_checkpoint, capsys)
     monkeypatch.setenv("RANK", "0")
-    assert "layerstream: loading layers" in _load_with_progress(checkpoint, capsys), "rank 0 shows it"
+    assert "layerstream: loading layers" in _load_with_progress(sharded_checkpoint, capsys), "rank 0 shows it"

@@ -29,6 +29,7 @@ from tiny import (
     nf4_pair,
     peft_pair,
     portable_cpu_nf4,
+    save_tiny,
     scale_mlp_outputs,
     stream,
     tiny_model,
@@ -558,7 +559,7 @@ def test_a_setting_a_family_cannot_run_is_refused_before_the_model_changes(case)
 
 
 def test_a_setting_a_family_cannot_run_is_refused_by_from_pretrained_before_loading(tmp_path, monkeypatch):
-    tiny_model("mixtral", layers=3).save_pretrained(tmp_path)
+    save_tiny(tmp_path, "mixtral", layers=3)
     monkeypatch.setattr(loading, "_load_module", lambda *a, **k: pytest.fail("a weight was read"))
     with pytest.raises(StreamingError, match="mlp_tile_tokens.*mixture of experts.*Nothing was changed"):
         layerstream.from_pretrained(tmp_path, stream=StreamConfig(device="cpu", mlp_tile_tokens=5))

@@ -9,7 +9,15 @@ import layerstream
 from layerstream.decisions.schedule import PrefetchSchedule
 from layerstream.modules import nf4
 
-from tiny import assert_traces_equal, nearest_valid_victim, nf4_pair, portable_cpu_nf4, stream, tiny_model, train_steps
+from tiny import (
+    assert_traces_equal,
+    nearest_valid_victim,
+    nf4_pair,
+    portable_cpu_nf4,
+    save_tiny,
+    stream,
+    train_steps,
+)
 
 STEPS = 10
 
@@ -184,8 +192,7 @@ def test_a_too_old_bitsandbytes_is_named_with_the_upgrade_command(tmp_path, monk
     ):
         layerstream.stream_model(streamed, device="cpu", slots=2)
     assert not layerstream.is_streamed(streamed)
-    checkpoint = tmp_path / "plain"
-    tiny_model("llama", layers=2, dtype=torch.bfloat16).save_pretrained(checkpoint)
+    checkpoint = save_tiny(tmp_path / "plain", layers=2, dtype=torch.bfloat16)
     with pytest.raises(layerstream.LoadingError, match=r"found 0.45.5"):
         layerstream.from_pretrained(
             checkpoint, quantization="nf4", stream=layerstream.StreamConfig(device="cpu", slots=2)
@@ -194,8 +201,7 @@ def test_a_too_old_bitsandbytes_is_named_with_the_upgrade_command(tmp_path, monk
 
 def test_missing_bitsandbytes_is_named_with_the_install_command(tmp_path, monkeypatch):
     monkeypatch.setattr(nf4, "bnb_available", lambda: False)
-    checkpoint = tmp_path / "plain"
-    tiny_model("llama", layers=2, dtype=torch.bfloat16).save_pretrained(checkpoint)
+    checkpoint = save_tiny(tmp_path / "plain", layers=2, dtype=torch.bfloat16)
     with pytest.raises(layerstream.LoadingError, match=r"needs bitsandbytes: pip install"):
         layerstream.from_pretrained(
             checkpoint, quantization="nf4", stream=layerstream.StreamConfig(device="cpu", slots=2)

@@ -19,24 +19,19 @@ from layerstream.errors import DiskCacheError, StreamConfigError
 from layerstream.modules import nf4
 from layerstream.tiers import nf4_cache
 
-from tiny import assert_traces_equal, lora_config, tiny_model, train_steps
+from tiny import assert_traces_equal, lora_config, save_tiny, train_steps
 
 LAYERS = 6
 SLOTS = 2
 
 
-def _save(directory, seed=0):
-    torch.manual_seed(seed)
-    tiny_model(
-        "llama", LAYERS, dtype=torch.bfloat16, hidden_size=64, intermediate_size=128, head_dim=16
-    ).save_pretrained(directory)
+def _save(directory):
+    return save_tiny(directory, layers=LAYERS, dtype=torch.bfloat16, wide=True)
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("nf4cache") / "ckpt"
-    _save(directory)
-    return directory
+    return _save(tmp_path_factory.mktemp("nf4cache") / "ckpt")
 
 
 @pytest.fixture(scope="module")
@@ -238,7 +233,7 @@ def test_a_changed_checkpoint_makes_the_cache_stale_with_one_warning(checkpoint,
     source = tmp_path / "source"
     shutil.copytree(checkpoint, source)
     fed(source)
-    _save(source, seed=1)  # other weights, same names and shapes
+    _save(source)  # written again: new files, the same names, shapes and values
     counted.clear()
     with caplog.at_level(logging.WARNING, logger="layerstream.tiers.nf4_cache"):
         model = _peft(fed(source))
@@ -437,3 +432,26 @@ def test_a_stale_manifest_naming_files_elsewhere_deletes_none_of_them(tmp_path):
     (cache / nf4_cache.manifest_name(source)).write_text(json.dumps({"source": {"old": 1}, "layers": entries}))
     nf4_cache.LayerCache([cache], source)
     assert elsewhere.read_bytes() == b"another run's layer"
+
+
+def test_the_manifest_spells_entries_and_settings_as_existing_caches_hold_them(fed):
+    """Caches on disk were written with these names; a load reads them back only while the
+    manifest still spells quant-state entries and 4-bit settings the same way."""
+    fed()
+    layout = _manifest(fed.cache)["layers"]["0"]["layout"]
+    kinds = {kind for _, kind, *_ in layout["entries"]}
+    assert "quant" in kinds and kinds <= {"_parameters", "_buffers", "quant"}
+    names = {name for _, kind, name, *_ in layout["entries"] if kind == "quant"}
+    assert "absmax" in names and names <= {"absmax", "code", "offset", "state2.absmax", "state2.code"}
+    assert layout["quantised"]
+    for settings in layout["quantised"].values():
+        assert set(settings) == {
+            "blocksize",
+            "compress_statistics",
+            "quant_type",
+            "quant_storage",
+            "shape",
+            "state_blocksize",
+            "state_dtype",
+            "state2",
+        }

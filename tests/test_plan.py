@@ -36,28 +36,20 @@ from layerstream.tiers.store import HostStore
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 
-LLAMA3_8B = dict(
-    model_type="llama",
-    vocab_size=128256,
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    max_position_embeddings=8192,
-    rope_theta=500000.0,
-)
-MIXTRAL_8X7B = dict(
-    model_type="mixtral",
-    vocab_size=32000,
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    num_local_experts=8,
-    num_experts_per_tok=2,
-)
+SHAPES = Path(__file__).resolve().parents[1] / "configs" / "shapes"
+
+
+def shipped_shape(name: str) -> dict:
+    """A real model's config values as configs/shapes ships them (what `layerstream plan
+    --model configs/shapes/<name>.json` reads)."""
+    return json.loads((SHAPES / f"{name}.json").read_text())
+
+
+# Llama-3.1-8B: Llama-3-8B's layers, embeddings and head (only the context is longer,
+# which no planned size depends on)
+LLAMA3_8B = shipped_shape("llama-3.1-8b")
+MIXTRAL_8X7B = shipped_shape("mixtral-8x7b")
+MISTRAL_7B = shipped_shape("mistral-7b-v0.3")
 # a small Qwen3-MoE: layer 0 dense (mlp_only_layers), then sparse every 2nd layer
 QWEN3_MOE_SMALL = dict(
     model_type="qwen3_moe",
@@ -452,19 +444,6 @@ def test_plan_matches_the_measured_h200_peak():
         assert abs(plan.copy_bytes_per_step - row["bytes_per_step"]) / row["bytes_per_step"] < 0.01
         checked.add(row["slots"])
     assert checked == {2, 3, 4}
-
-
-MISTRAL_7B = dict(
-    model_type="mistral",
-    vocab_size=32768,
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    max_position_embeddings=32768,
-    rope_theta=1000000.0,
-)
 
 
 @pytest.mark.parametrize("seq", [512, 2048])

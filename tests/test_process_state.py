@@ -17,7 +17,7 @@ import layerstream
 from layerstream.errors import DiskReadError
 from layerstream.runtime import passes
 
-from tiny import assert_traces_equal, lora_config, peft_pair, tiny_model, train_steps
+from tiny import assert_traces_equal, lora_config, peft_pair, save_tiny, train_steps
 
 
 def _saved_hooks():
@@ -41,7 +41,7 @@ def _first_model_stops_mid_forward(tmp_path, device):
     """Every long-sequence and tier feature on; a disk read caught by its checksum stops
     the first training step inside a checkpointed layer. The caught error is kept."""
     directory = tmp_path / "ckpt"
-    tiny_model("llama", layers=6, dtype=torch.float32).save_pretrained(directory, max_shard_size="60KB")
+    save_tiny(directory, layers=6, dtype=torch.float32, shard="60KB")
     plain = layerstream.from_pretrained(directory, stream=layerstream.StreamConfig(device="cpu"))
     budget = 5 * layerstream.get_runtime(plain).store.largest_layer_bytes
     config = layerstream.StreamConfig(

@@ -22,7 +22,7 @@ import layerstream
 from layerstream.errors import StreamConfigError, StreamingError
 from layerstream.tiers import shared_store
 
-from tiny import batch, data_parallel_losses, lora_config, tiny_model
+from tiny import batch, data_parallel_losses, lora_config, save_tiny
 
 STEPS, GLOBAL_BATCH = 4, 4
 SRC = os.path.join(os.path.dirname(__file__), "..", "src")
@@ -160,7 +160,7 @@ def test_the_setting_is_on_for_several_local_ranks_only():
 
 # -- two ranks of a data-parallel run ---------------------------------------------------------
 def _checkpoint(directory):
-    tiny_model("llama", layers=4).save_pretrained(directory)
+    save_tiny(directory, layers=4)
 
 
 def _load(checkpoint, share):

@@ -20,7 +20,7 @@ from layerstream.integrations import launch
 from layerstream.runtime import embeddings as ends_mod
 from layerstream.runtime.embeddings import HeadLinear
 
-from tiny import assert_traces_equal, batch, lora_config, peft_pair, stream, tiny_model, train_steps
+from tiny import assert_traces_equal, batch, lora_config, peft_pair, save_tiny, stream, tiny_model, train_steps
 
 STEPS = 6
 
@@ -522,9 +522,7 @@ def test_a_qlora_model_loaded_by_from_pretrained_streams_its_ends_and_matches_re
 
     from tiny import portable_cpu_nf4
 
-    tiny_model(
-        "llama", layers=4, dtype=torch.bfloat16, hidden_size=64, intermediate_size=128, head_dim=16
-    ).save_pretrained(tmp_path)
+    save_tiny(tmp_path, layers=4, dtype=torch.bfloat16, wide=True)
     config = layerstream.StreamConfig(device="cpu", slots=2, stream_embeddings=True)
     streamed = get_peft_model(layerstream.from_pretrained(tmp_path, quantization="nf4", stream=config), lora_config())
     quant = BitsAndBytesConfig(

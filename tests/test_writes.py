@@ -17,6 +17,7 @@ from tiny import (
     lora_config,
     peft_pair,
     portable_cpu_nf4,
+    save_tiny,
     stream,
     tiny_model,
     train_steps,
@@ -103,12 +104,7 @@ def test_prepare_model_for_kbit_training_after_streaming_gives_the_resident_numb
     from peft import get_peft_model, prepare_model_for_kbit_training
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    from tiny import lora_config, portable_cpu_nf4, tiny_model
-
-    directory = tmp_path / "ckpt"
-    tiny_model("llama", 4, dtype=torch.bfloat16, hidden_size=64, intermediate_size=128, head_dim=16).save_pretrained(
-        directory
-    )
+    directory = save_tiny(tmp_path / "ckpt", layers=4, dtype=torch.bfloat16, wide=True)
     quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
 
     def load():
@@ -220,9 +216,7 @@ def test_qlora_dora_added_after_streaming_trains_as_the_resident_model(tmp_path)
     the weight alone instead, and training equals the resident QLoRA DoRA model."""
     from transformers import BitsAndBytesConfig
 
-    tiny_model("llama", 4, dtype=torch.bfloat16, hidden_size=64, intermediate_size=128, head_dim=16).save_pretrained(
-        tmp_path
-    )
+    save_tiny(tmp_path, layers=4, dtype=torch.bfloat16, wide=True)
     quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
     from transformers import AutoModelForCausalLM
 

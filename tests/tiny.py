@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Dict, List, Optional
 
 import torch
@@ -50,6 +51,31 @@ def tiny_model(
     kwargs = {"attn_implementation": attn} if attn else {}
     model = AutoModelForCausalLM.from_config(config, **kwargs)
     return model.to(dtype)
+
+
+# twice tiny_model's widths: the checkpoints that are quantised to NF4 or split into shards
+WIDE = dict(hidden_size=64, intermediate_size=128, head_dim=16)
+
+
+def save_tiny(
+    directory,
+    family: str = "llama",
+    layers: int = 5,
+    dtype=torch.float32,
+    wide: bool = False,
+    shard: Optional[str] = None,
+    **overrides,
+) -> Path:
+    """A tiny model's checkpoint on disk, as transformers' ``save_pretrained`` writes it
+    (``tiny_model(family, layers, dtype=dtype, **overrides)``'s weights, ``WIDE`` widths
+    where ``wide``). ``shard``: a ``max_shard_size`` that splits it into several shards
+    with an index (checked: more than two)."""
+    directory = Path(directory)
+    model = tiny_model(family, layers, dtype=dtype, **(WIDE if wide else {}), **overrides)
+    model.save_pretrained(directory, **({} if shard is None else {"max_shard_size": shard}))
+    if shard is not None:
+        assert len(list(directory.glob("*.safetensors"))) > 2, "the test needs several shards"
+    return directory
 
 
 def lora_config(**overrides) -> LoraConfig:
@@ -168,9 +194,7 @@ def nf4_pair(tmp_path, family="llama", layers=5, dtype=torch.bfloat16, nested=Tr
 
     directory = tmp_path / f"{family}-{layers}-{str(dtype)[6:]}-{nested}"
     if not directory.exists():
-        tiny_model(
-            family, layers, dtype=dtype, hidden_size=64, intermediate_size=128, head_dim=16, **model_overrides
-        ).save_pretrained(directory)
+        save_tiny(directory, family, layers, dtype=dtype, wide=True, **model_overrides)
     quant = BitsAndBytesConfig(
         load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=nested, bnb_4bit_compute_dtype=dtype
     )

@@ -151,7 +151,7 @@ def stream_model(model: nn.Module, config: Optional[StreamConfig] = None, **over
             bool(config.pin),
             "streaming this model with its embedding and head",
         )
-    if any(e.kind == "quant" for r in records for e in r.entries):
+    if nf4.streams_4bit(records):
         try:
             nf4.require_bnb("streaming a 4-bit model")
         except ImportError as exc:

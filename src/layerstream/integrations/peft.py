@@ -307,7 +307,7 @@ def _values(entry, record, position, weight):
     if state is not None:
         tensors = dict(nf4.quant_tensors(state))
         for other, candidate in enumerate(record.entries):
-            if candidate.kind == "quant" and candidate.module is entry.module:
+            if candidate.is_quant_state and candidate.module is entry.module:
                 out.append((other, tensors[candidate.quant_path]))
     return out
 

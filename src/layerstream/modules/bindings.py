@@ -22,7 +22,7 @@ def make(record, buffer: torch.Tensor, owner_check) -> list:
     views = [buffer[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape) for e in record.entries]
     quant: Dict[int, dict] = {}
     for entry, view in zip(record.entries, views):
-        if entry.kind == "quant":
+        if entry.is_quant_state:
             quant.setdefault(id(entry.module), {})[entry.quant_path] = view
     binding = []
     for entry, view, host in zip(record.entries, views, record.host_values):

@@ -84,6 +84,13 @@ def is_linear4bit(module) -> bool:
     return isinstance(module, bnb.nn.Linear4bit)
 
 
+def bnb_version() -> str:
+    """The installed bitsandbytes' version (ImportError where there is none)."""
+    import bitsandbytes
+
+    return getattr(bitsandbytes, "__version__", "unknown")
+
+
 def quant_tensors(state) -> list:
     """(path, tensor) for each tensor a QuantState holds."""
     out = []
@@ -96,11 +103,123 @@ def quant_tensors(state) -> list:
     return out
 
 
-def set_quant_tensor(state, path: Sequence[str], tensor: torch.Tensor) -> None:
-    obj = state
+def quant_holder(state, path: Sequence[str]):
+    """The object that holds the tensor at ``path`` of a QuantState (``state2`` for a
+    nested path): what to watch, or assign to, for that tensor."""
     for part in path[:-1]:
-        obj = getattr(obj, part)
-    setattr(obj, path[-1], tensor)
+        state = getattr(state, part)
+    return state
+
+
+def set_quant_tensor(state, path: Sequence[str], tensor: torch.Tensor) -> None:
+    setattr(quant_holder(state, path), path[-1], tensor)
+
+
+# -- quant-state tensors as host-store entries ---------------------------------------------
+# A streamed 4-bit weight's QuantState tensors are entries of their layer like its
+# parameters and buffers, of this kind (a module's are "_parameters" and "_buffers"), named
+# by their dotted path in the QuantState ("absmax", "state2.code"). The NF4 layer cache
+# writes kind and name into its manifests: existing caches stay readable only while both
+# are spelled this way.
+QUANT_KIND = "quant"
+
+
+def quant_name(path: Sequence[str]) -> str:
+    """An entry's name for the QuantState tensor at ``path``."""
+    return ".".join(path)
+
+
+def quant_path(name: str) -> Tuple[str, ...]:
+    """The QuantState path an entry's name stands for (the inverse of ``quant_name``)."""
+    return tuple(name.split("."))
+
+
+def weight_quant_state(module: nn.Module):
+    """The QuantState of a module's 4-bit weight (None: its weight is not 4-bit)."""
+    return getattr(module._parameters.get("weight"), "quant_state", None)
+
+
+def weight_quant_tensor(module: nn.Module, path: Sequence[str]) -> Optional[torch.Tensor]:
+    """The tensor a module's 4-bit weight holds at ``path`` of its QuantState now."""
+    state = weight_quant_state(module)
+    return None if state is None else dict(quant_tensors(state)).get(tuple(path))
+
+
+def set_weight_quant_tensor(module: nn.Module, path: Sequence[str], tensor: torch.Tensor) -> None:
+    """Make a module's 4-bit weight hold ``tensor`` at ``path`` of its QuantState."""
+    set_quant_tensor(module._parameters["weight"].quant_state, path, tensor)
+
+
+def streams_4bit(records) -> bool:
+    """Whether any streamed layer holds a 4-bit weight."""
+    return any(e.is_quant_state for r in records for e in r.entries)
+
+
+def weight_settings(weight) -> dict:
+    """What a 4-bit weight's Params4bit and QuantState are rebuilt from besides their tensors
+    (``rebuild_weight``), in JSON. The NF4 layer cache's manifests hold it: its keys stay."""
+    state = weight.quant_state
+    nested = getattr(state, "state2", None) if state.nested else None
+    return {
+        "blocksize": weight.blocksize,
+        "compress_statistics": bool(weight.compress_statistics),
+        "quant_type": weight.quant_type,
+        "quant_storage": str(weight.quant_storage),
+        "shape": list(state.shape),
+        "state_blocksize": state.blocksize,
+        "state_dtype": str(state.dtype),
+        "state2": None
+        if nested is None
+        else {"blocksize": nested.blocksize, "quant_type": nested.quant_type, "dtype": str(nested.dtype)},
+    }
+
+
+def rebuild_weight(module: nn.Module, packed: torch.Tensor, tensors: dict, settings: dict) -> None:
+    """Give ``module`` the 4-bit weight ``weight_settings`` described, over ``packed`` and
+    the QuantState tensors ``tensors`` (by entry name), without quantising anything."""
+    from bitsandbytes.functional import QuantState
+    from bitsandbytes.nn import Params4bit
+
+    second = settings["state2"]
+    state2 = None
+    if second is not None:
+        state2 = QuantState(
+            absmax=tensors["state2.absmax"],
+            code=tensors["state2.code"],
+            blocksize=second["blocksize"],
+            quant_type=second["quant_type"],
+            dtype=parse_dtype(second["dtype"]),
+        )
+    state = QuantState(
+        absmax=tensors["absmax"],
+        shape=torch.Size(settings["shape"]),
+        code=tensors.get("code"),
+        blocksize=settings["state_blocksize"],
+        quant_type=settings["quant_type"],
+        dtype=parse_dtype(settings["state_dtype"]),
+        offset=tensors.get("offset"),
+        state2=state2,
+    )
+    weight = Params4bit(
+        packed,
+        requires_grad=False,
+        quant_state=state,
+        blocksize=settings["blocksize"],
+        compress_statistics=settings["compress_statistics"],
+        quant_type=settings["quant_type"],
+        quant_storage=parse_dtype(settings["quant_storage"]),
+        bnb_quantized=True,
+    )
+    weight.module = module
+    module.weight = weight
+
+
+def parse_dtype(text: str) -> torch.dtype:
+    """A torch dtype from its ``str`` ("torch.bfloat16"), as the NF4 cache's manifests hold it."""
+    value = getattr(torch, text.replace("torch.", ""), None)
+    if not isinstance(value, torch.dtype):
+        raise ValueError(f"not a torch dtype: {text}")
+    return value
 
 
 def clone_state(state, tensors: dict):
@@ -361,7 +480,7 @@ class StreamedLinear4bit:
 
 def streamed_linear4bit_modules(records) -> list:
     """The Linear4bit modules whose packed weight streams."""
-    modules = {id(e.module): e.module for r in records for e in r.entries if e.kind == "quant"}
+    modules = {id(e.module): e.module for r in records for e in r.entries if e.is_quant_state}
     return list(modules.values())
 
 

@@ -10,6 +10,7 @@ import torch
 from ..config import expandable_segments, gpu_memory_for_run
 from ..errors import StreamingError
 from ..long import chunked_loss, trl_head
+from ..modules import nf4
 from ..units import GiB, MiB, gib, size
 
 
@@ -202,7 +203,7 @@ def explain_oom(runtime, exc: BaseException, where: str) -> BaseException:
             f"  - use fewer slots: StreamConfig(slots=2) (--slots 2, stream.slots: 2) frees "
             f"{(config.slots - 2) * one_slot:.2f} GiB;"
         )
-    if not any(e.kind == "quant" for r in runtime.records for e in r.entries):
+    if not nf4.streams_4bit(runtime.records):
         lines.append("  - load the model in NF4 (quantization='nf4'): a quarter of the bytes per slot;")
     if runtime.embeddings is None:
         from .embeddings import host_bytes

@@ -40,7 +40,7 @@ from torch import nn
 from ..checkpoints.stored import TORCH_DTYPE_NAMES, StoredTensor, read_layout
 from ..decisions.disk import ReadAhead, ReaderChoice, Tiers, busy_seconds, pick_readers
 from ..errors import DiskReadError, LoadingError, PinError, StreamingError
-from ..modules import changes, nf4
+from ..modules import changes
 from ..system import cudart
 from ..system.log import get_logger
 from ..units import GiB, MiB
@@ -559,8 +559,8 @@ def _point_at(entry, view: torch.Tensor) -> torch.Tensor:
     """Make the model hold ``view`` for this entry. A Parameter still on the meta device (a
     model being loaded, not yet referenced elsewhere) is replaced by one over the view."""
     current = entry.current()
-    if entry.kind == "quant":  # a quant-state tensor of a 4-bit weight (the NF4 cache)
-        nf4.set_quant_tensor(entry.module._parameters["weight"].quant_state, entry.quant_path, view)
+    if entry.is_quant_state:  # a tensor of a 4-bit weight's QuantState (the NF4 cache)
+        entry.hold_in_quant_state(view)
         return view
     if isinstance(current, nn.Parameter):
         if current.device.type != "meta":

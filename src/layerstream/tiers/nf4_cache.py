@@ -50,6 +50,7 @@ import torch
 from torch import nn
 
 from ..errors import DiskCacheError
+from ..modules import nf4
 from ..system.log import get_logger
 from .store import HostStore, LayerRecord
 
@@ -88,15 +89,13 @@ def header_hash(path: Path) -> str:
 
 def fingerprint(weight_files: Sequence[Path], settings: dict) -> dict:
     """What the cache was made from: the source files and the quantisation settings."""
-    import bitsandbytes
-
     files = []
     for path in sorted(set(weight_files)):
         stat = os.stat(path)
         files.append([path.name, stat.st_size, stat.st_mtime_ns, header_hash(path)])
     return {
         "layout_version": LAYOUT_VERSION,
-        "bitsandbytes": getattr(bitsandbytes, "__version__", "unknown"),
+        "bitsandbytes": nf4.bnb_version(),
         "quantization": settings,
         "files": files,
     }
@@ -128,13 +127,6 @@ def cache_directories(setting: Optional[str], checkpoint: Path) -> List[Path]:
     return [Path("~/.cache/layerstream").expanduser() / name]
 
 
-def _dtype(text: str) -> torch.dtype:
-    value = getattr(torch, text.replace("torch.", ""), None)
-    if not isinstance(value, torch.dtype):
-        raise ValueError(f"not a torch dtype: {text}")
-    return value
-
-
 def describe(layer: nn.Module, record: LayerRecord) -> dict:
     """The layout of a quantised layer: each tensor entry, and for each 4-bit weight the
     settings its Params4bit and QuantState are rebuilt with."""
@@ -144,23 +136,9 @@ def describe(layer: nn.Module, record: LayerRecord) -> dict:
     ]
     quantised = {}
     for entry in record.entries:
-        weight = entry.module._parameters.get("weight")
-        state = getattr(weight, "quant_state", None)
-        if state is None or paths[id(entry.module)] in quantised:
+        if nf4.weight_quant_state(entry.module) is None or paths[id(entry.module)] in quantised:
             continue
-        nested = getattr(state, "state2", None) if state.nested else None
-        quantised[paths[id(entry.module)]] = {
-            "blocksize": weight.blocksize,
-            "compress_statistics": bool(weight.compress_statistics),
-            "quant_type": weight.quant_type,
-            "quant_storage": str(weight.quant_storage),
-            "shape": list(state.shape),
-            "state_blocksize": state.blocksize,
-            "state_dtype": str(state.dtype),
-            "state2": None
-            if nested is None
-            else {"blocksize": nested.blocksize, "quant_type": nested.quant_type, "dtype": str(nested.dtype)},
-        }
+        quantised[paths[id(entry.module)]] = nf4.weight_settings(entry.module.weight)
     return {"nbytes": record.nbytes, "entries": entries, "quantised": quantised}
 
 
@@ -181,7 +159,9 @@ def layout_problem(layout: dict, settings: dict, layer: nn.Module) -> Optional[s
     ``layer`` (None: it can be): each 4-bit module's quantisation fields and shape, and its
     block size against the number of blocks its stored absmax holds."""
     stored = {
-        (path, name): math.prod(shape) for path, kind, name, _, _, shape, _ in layout["entries"] if kind == "quant"
+        (path, name): math.prod(shape)
+        for path, kind, name, _, _, shape, _ in layout["entries"]
+        if kind == nf4.QUANT_KIND
     }
     modules = dict(layer.named_modules())
     for path, quant in layout["quantised"].items():
@@ -225,14 +205,11 @@ def restore(layer: nn.Module, layout: dict, data: torch.Tensor) -> None:
     """Give a meta layer the tensors ``layout`` describes, as views of ``data`` (a layer
     file's bytes): the quantised layer as ``nf4.quantise_layer`` left it, without
     quantising."""
-    from bitsandbytes.functional import QuantState
-    from bitsandbytes.nn import Params4bit
-
     views: Dict[int, torch.Tensor] = {}
     by_module: Dict[str, Dict[Tuple[str, str], torch.Tensor]] = {}
     for module_path, kind, name, offset, nbytes, shape, dtype in layout["entries"]:
         if offset not in views:
-            views[offset] = data[offset : offset + nbytes].view(_dtype(dtype)).view(shape)
+            views[offset] = data[offset : offset + nbytes].view(nf4.parse_dtype(dtype)).view(shape)
         by_module.setdefault(module_path, {})[(kind, name)] = views[offset]
     for module_path, tensors in by_module.items():
         module = layer.get_submodule(module_path)
@@ -243,40 +220,9 @@ def restore(layer: nn.Module, layout: dict, data: torch.Tensor) -> None:
             elif kind == "_parameters" and not (quant is not None and name == "weight"):
                 current = module._parameters[name]
                 module._parameters[name] = nn.Parameter(view, requires_grad=current.requires_grad)
-        if quant is None:
-            continue
-        second = quant["state2"]
-        state2 = None
-        if second is not None:
-            state2 = QuantState(
-                absmax=tensors[("quant", "state2.absmax")],
-                code=tensors[("quant", "state2.code")],
-                blocksize=second["blocksize"],
-                quant_type=second["quant_type"],
-                dtype=_dtype(second["dtype"]),
-            )
-        state = QuantState(
-            absmax=tensors[("quant", "absmax")],
-            shape=torch.Size(quant["shape"]),
-            code=tensors.get(("quant", "code")),
-            blocksize=quant["state_blocksize"],
-            quant_type=quant["quant_type"],
-            dtype=_dtype(quant["state_dtype"]),
-            offset=tensors.get(("quant", "offset")),
-            state2=state2,
-        )
-        weight = Params4bit(
-            tensors[("_parameters", "weight")],
-            requires_grad=False,
-            quant_state=state,
-            blocksize=quant["blocksize"],
-            compress_statistics=quant["compress_statistics"],
-            quant_type=quant["quant_type"],
-            quant_storage=_dtype(quant["quant_storage"]),
-            bnb_quantized=True,
-        )
-        weight.module = module
-        module.weight = weight
+        if quant is not None:
+            state_tensors = {name: view for (kind, name), view in tensors.items() if kind == nf4.QUANT_KIND}
+            nf4.rebuild_weight(module, tensors[("_parameters", "weight")], state_tensors, quant)
 
 
 def crc32(data) -> int:

@@ -49,8 +49,8 @@ class TensorEntry:
     """One frozen tensor of a layer: where it is bound and where it lives in the region."""
 
     module: nn.Module
-    kind: str  # "_parameters" or "_buffers" (bound per call), or "quant" (a QuantState tensor)
-    name: str  # key in the table, or for "quant" the dotted path in the weight's QuantState
+    kind: str  # "_parameters" or "_buffers" (bound per call), or nf4.QUANT_KIND (a QuantState tensor)
+    name: str  # key in the table, or for a quant-state tensor its name (nf4.quant_name)
     offset: int
     nbytes: int
     shape: Tuple[int, ...]
@@ -62,21 +62,29 @@ class TensorEntry:
         return getattr(self.module, self.kind)
 
     @property
+    def is_quant_state(self) -> bool:
+        """One tensor of a 4-bit weight's QuantState, rather than a module's own tensor."""
+        return self.kind == nf4.QUANT_KIND
+
+    @property
     def bound(self) -> bool:
         """Bound into a module table per call (quant tensors ride on their weight)."""
-        return self.kind != "quant"
+        return not self.is_quant_state
 
     @property
     def quant_path(self) -> Tuple[str, ...]:
-        return tuple(self.name.split("."))
+        return nf4.quant_path(self.name)
 
     def current(self) -> Optional[torch.Tensor]:
         """The tensor the model holds for this entry now."""
-        if self.kind != "quant":
-            return self.table.get(self.name)
-        weight = self.module._parameters.get("weight")
-        state = getattr(weight, "quant_state", None)
-        return None if state is None else dict(nf4.quant_tensors(state)).get(self.quant_path)
+        if self.is_quant_state:
+            return nf4.weight_quant_tensor(self.module, self.quant_path)
+        return self.table.get(self.name)
+
+    def hold_in_quant_state(self, tensor: torch.Tensor) -> None:
+        """Make the model hold ``tensor`` for a quant-state entry (its weight's QuantState
+        does: the weight itself stays the same object)."""
+        nf4.set_weight_quant_tensor(self.module, self.quant_path, tensor)
 
 
 @dataclass
@@ -141,14 +149,14 @@ class LayerRecord:
         ]
         deep, states = [], {}
         for entry, view in zip(self.entries, self.host_values):
-            if entry.kind != "quant":
+            if not entry.is_quant_state:
                 continue
             weight = entry.module._parameters["weight"]
             state = weight.quant_state
             if id(state) not in states:
                 states[id(state)] = state
                 deep.append((weight.__dict__, "quant_state", state, None, None))
-            holder = _quant_holder(state, entry.quant_path).__dict__
+            holder = nf4.quant_holder(state, entry.quant_path).__dict__
             deep.append((holder, entry.quant_path[-1], view, _alias(view), view._version))
         self.watch_deep = deep
 
@@ -157,12 +165,6 @@ def _alias(tensor: torch.Tensor) -> torch.Tensor:
     """A plain tensor sharing ``tensor``'s version counter (``detach`` shares it)."""
     with torch._C.DisableTorchFunctionSubclass():
         return TensorBase.detach(tensor)
-
-
-def _quant_holder(state, path):
-    for part in path[:-1]:
-        state = getattr(state, part)
-    return state
 
 
 def host_memory() -> Optional[Tuple[int, int]]:
@@ -253,13 +255,12 @@ class HostStore:
                     if tensor is not None and streamed(tensor):
                         add(mod, kind, tname, tensor, f"{prefix}.{tname}")
             # a streamed 4-bit weight brings its quant-state tensors into the region
-            weight = mod._parameters.get("weight")
-            state = getattr(weight, "quant_state", None)
-            if state is None or id(weight) not in placed:
+            state = nf4.weight_quant_state(mod)
+            if state is None or id(mod._parameters["weight"]) not in placed:
                 continue
             for path, tensor in nf4.quant_tensors(state):
-                dotted = ".".join(path)
-                add(mod, "quant", dotted, tensor, f"{prefix}.weight.quant_state.{dotted}")
+                dotted = nf4.quant_name(path)
+                add(mod, nf4.QUANT_KIND, dotted, tensor, f"{prefix}.weight.quant_state.{dotted}")
         return LayerRecord(index=index, name=name, module=module, entries=entries, nbytes=end)
 
     def build(self, records: List[LayerRecord], new_bytes: Optional[int] = None) -> None:
@@ -391,8 +392,8 @@ class HostStore:
     @staticmethod
     def _point_at(entry: TensorEntry, tensor: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
         """Make the model hold ``view``'s memory for this entry; returns what it holds."""
-        if entry.kind == "quant":
-            nf4.set_quant_tensor(entry.module._parameters["weight"].quant_state, entry.quant_path, view)
+        if entry.is_quant_state:
+            entry.hold_in_quant_state(view)
             return view
         if isinstance(tensor, nn.Parameter):
             set_data(tensor, view)  # same Parameter object: names, identity, optimiser refs hold
@@ -463,8 +464,8 @@ class HostStore:
         """Point the model's tensors at ``copies`` (from ``copies_out``): plain assignments
         that cannot fail half way through for want of memory."""
         for entry, host, copy in zip(record.entries, record.host_values, copies):
-            if entry.kind == "quant":
-                nf4.set_quant_tensor(entry.module._parameters["weight"].quant_state, entry.quant_path, copy)
+            if entry.is_quant_state:
+                entry.hold_in_quant_state(copy)
             elif isinstance(host, nn.Parameter):
                 set_data(host, copy)
             else:
