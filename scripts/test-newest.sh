@@ -4,7 +4,7 @@
 # states lower bounds only; this is how a release above them is tried before users meet it.
 # When it runs: before each release and after a release of one of those libraries, by hand;
 # .ci/run runs it after the pinned suite when LAYERSTREAM_TEST_NEWEST=1 is set. Arguments go
-# to pytest, e.g. `bash scripts/test-newest.sh tests/test_plan.py`.
+# to pytest, e.g. `bash scripts/test-newest.sh tests/plan/test_plan.py`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${NEWEST_VENV:-.venv-newest}

@@ -6,6 +6,7 @@ controls below prove the comparisons can fail."""
 import copy
 import gc
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -460,17 +461,16 @@ def test_stream_embeddings_must_be_a_bool():
 def test_yaml_launcher_and_trainer_flags_accept_stream_embeddings(tmp_path, monkeypatch):
     import runpy
 
-    from test_train_config import DEFAULT
-
     from layerstream.commands import cli
 
+    default = Path(__file__).resolve().parents[2] / "configs" / "default.yaml"
     config = load(
-        str(DEFAULT),
+        str(default),
         ["stream.stream_embeddings=true", "stream.device=cpu", f"training.output_dir={tmp_path / 'never'}"],
     )
     assert stream_config(config).stream_embeddings is True
     with pytest.raises(TrainConfigError, match="stream.stream_embeddings must be true or false"):
-        load(str(DEFAULT), ["stream.stream_embeddings=maybe", "stream.device=cpu"])
+        load(str(default), ["stream.stream_embeddings=maybe", "stream.device=cpu"])
     (streaming,) = HfArgumentParser((layerstream.StreamingArguments,)).parse_args_into_dataclasses(
         ["--layer_stream_embeddings", "--layer_stream_device", "cpu", "--layer_stream_slots", "2"]
     )

@@ -17,7 +17,7 @@ from layerstream.commands import run as run_command
 from layerstream.integrations import launch
 from layerstream.long import tiled_mlp
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)

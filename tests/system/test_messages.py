@@ -12,7 +12,7 @@ from pathlib import Path
 
 from layerstream.system.log import get_logger, is_main_process, process_rank
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "src" / "layerstream"
 
 # each rank streams a tiny model with debug checksums (a warning every rank would say), then

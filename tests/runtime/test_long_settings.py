@@ -28,7 +28,7 @@ from layerstream.units import GiB
 
 from tiny import assert_traces_equal, peft_pair, train_steps
 
-LLAMA3_8B = Path(__file__).resolve().parents[1] / "configs" / "shapes" / "llama-3.1-8b.json"
+LLAMA3_8B = Path(__file__).resolve().parents[2] / "configs" / "shapes" / "llama-3.1-8b.json"
 AUTO = {name: "auto" for name in LONG_ORDER}
 CANDIDATES = {"loss_chunk_tokens": 512, "mlp_tile_tokens": 4096, "offload_activations": True}
 # a plan made up for the table: 100 bytes that do not grow, and per token 15 bytes of which

@@ -156,7 +156,7 @@ def test_the_engine_allocates_the_host_bytes_the_planner_predicts():
 
 def _measured(commit: str, cell: str):
     """A committed long-context row, its search bounds, and the plan's arguments for it."""
-    results = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "long-context"
+    results = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "long-context"
     (row,) = json.loads((results / f"long-context-{commit}.json").read_text())
     bounds = json.loads((results / f"long-context-state-{commit}.json").read_text())[cell]
     args = PlanRequest(

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-CHANGELOG = Path(__file__).resolve().parents[1] / "changelog.d"
+CHANGELOG = Path(__file__).resolve().parents[2] / "changelog.d"
 KINDS = {"added", "changed", "fixed", "removed", "performance", "docs"}
 NAME = re.compile(r"^[a-z0-9][a-z0-9-]*\.([a-z]+)\.md$")
 FRAGMENTS = sorted(p for p in CHANGELOG.iterdir() if p.name != "README.md")

@@ -13,7 +13,7 @@ from layerstream import plan
 from layerstream.commands.train import load, stream_config
 from layerstream.plan.long_settings import LONG_ORDER
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ALL_RECIPES = sorted(p for p in (ROOT / "configs").glob("*.yaml") if p.name != "default.yaml")
 # long-context recipes state no figures until benchmarks/long_context.py has measured them
 LONG = [p for p in ALL_RECIPES if "-long-" in p.stem]

@@ -15,7 +15,7 @@ from layerstream.commands import cli
 
 from tiny import save_tiny
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["train", "--help"], ["no-such-command"]])

@@ -27,7 +27,7 @@ from layerstream.integrations import autoload, launch
 from clients import checkpoints, data
 from clients.harness import Client, assert_same_runs, assert_same_saved_tensors, files
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 CLIENTS = {
     "trl.scripts.sft": Client("script", "sft"),
@@ -245,7 +245,7 @@ def matrix_table() -> str:
 def test_the_documented_matrix_is_the_cells_here():
     page = (ROOT / "docs" / "reliability.md").read_text()
     table = page.split("<!-- client-matrix -->\n", 1)[1].split("<!-- /client-matrix -->", 1)[0]
-    assert table.strip() == matrix_table().strip(), "regenerate with: python tests/test_client_matrix.py"
+    assert table.strip() == matrix_table().strip(), "regenerate with: python tests/integrations/test_client_matrix.py"
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import tomllib
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "src" / "layerstream"
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 

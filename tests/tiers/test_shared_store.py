@@ -25,7 +25,7 @@ from layerstream.tiers import shared_store
 from tiny import batch, data_parallel_losses, lora_config, save_tiny
 
 STEPS, GLOBAL_BATCH = 4, 4
-SRC = os.path.join(os.path.dirname(__file__), "..", "src")
+SRC = os.path.join(os.path.dirname(__file__), "..", "..", "src")
 
 
 def _segment_files(folder):

@@ -15,7 +15,7 @@ from layerstream.integrations import launch
 
 from tiny import peft_pair
 
-SCRIPT = str(Path(__file__).resolve().parents[1] / "examples" / "train_trainer.py")
+SCRIPT = str(Path(__file__).resolve().parents[2] / "examples" / "train_trainer.py")
 STAT_KEYS = {
     "layerstream/h2d_gbps",
     "layerstream/stall_fraction",
@@ -139,7 +139,7 @@ def test_resuming_a_streamed_run_gives_the_uninterrupted_losses(tmp_path):
     assert len(whole) == 6 and resumed[-3:] == whole[-3:]
 
 
-SFT_SCRIPT = str(Path(__file__).resolve().parents[1] / "examples" / "train_sft.py")
+SFT_SCRIPT = str(Path(__file__).resolve().parents[2] / "examples" / "train_sft.py")
 
 
 def test_unchanged_trl_sft_script_under_the_launcher_matches_the_plain_run(tmp_path, monkeypatch):

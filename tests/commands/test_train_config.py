@@ -9,7 +9,7 @@ import pytest
 from layerstream.commands import cli
 from layerstream.commands.train import TrainConfigError, load
 
-DEFAULT = Path(__file__).resolve().parents[1] / "configs" / "default.yaml"
+DEFAULT = Path(__file__).resolve().parents[2] / "configs" / "default.yaml"
 
 
 def test_the_embedded_default_trains_and_its_loss_falls(tmp_path):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
 ROWS = json.loads((RESULTS / "long-context.json").read_text())
 sys.path.insert(0, str(ROOT / "benchmarks"))

@@ -34,9 +34,9 @@ from layerstream.plan import (
 )
 from layerstream.tiers.store import HostStore
 
-RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
-SHAPES = Path(__file__).resolve().parents[1] / "configs" / "shapes"
+SHAPES = Path(__file__).resolve().parents[2] / "configs" / "shapes"
 
 
 def shipped_shape(name: str) -> dict:

@@ -196,7 +196,7 @@ def test_a_file_truncated_between_steps_is_named_when_a_disk_layers_weight_is_re
     import subprocess
     import sys
 
-    env = dict(os.environ, PYTHONPATH=os.path.join(os.path.dirname(__file__), "..", "src"))
+    env = dict(os.environ, PYTHONPATH=os.path.join(os.path.dirname(__file__), "..", "..", "src"))
     done = subprocess.run(
         [sys.executable, "-c", TRUNCATED_THEN_READ, str(copy_of), str(_small_budget(copy_of))],
         env=env,

@@ -4,7 +4,7 @@ a layer above it (integrations register with the core; the core never reaches up
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "src" / "layerstream"
+PACKAGE = Path(__file__).resolve().parents[2] / "src" / "layerstream"
 
 # lowest first; a module may import from its own layer and the ones before it. A folder is
 # one entry: its files may import each other (without cycles, checked below by file).

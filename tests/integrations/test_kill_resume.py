@@ -10,7 +10,7 @@ import textwrap
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "train_trainer.py"
 
 # The example script, unchanged, under `layerstream run`; a callback slows each step down

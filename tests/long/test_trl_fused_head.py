@@ -19,7 +19,7 @@ from layerstream.plan import LOSS_LOGIT_COPIES, plan_for_model
 
 from tiny import peft_pair, stream, tiny_model
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SFT_ROWS = [{"input_ids": [3, 4, 5, 6, 7, 8, 9, 10]}] * 8
 DPO_ROWS = [{"prompt": "Q: hi\nA:", "chosen": " yes", "rejected": " no."}] * 4
 

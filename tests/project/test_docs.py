@@ -3,20 +3,34 @@
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_every_test_the_docs_name_exists():
+    """A test is cited as ``tests/<folder>/test_file.py::test_name``, its path from the
+    repository root, so a reader can open it; a bare file name is a stale citation."""
     named = set()
     for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
-        named |= {(doc.name, f, t) for f, t in re.findall(r"(test_\w+\.py)::(test_\w+)", doc.read_text())}
+        named |= {(doc.name, f, t) for f, t in re.findall(r"([\w/]*test_\w+\.py)::(test_\w+)", doc.read_text())}
     assert named, "the docs should cite tests"
     missing = [
         f"{doc}: {f}::{t}"
         for doc, f, t in sorted(named)
-        if not (ROOT / "tests" / f).exists() or f"def {t}(" not in (ROOT / "tests" / f).read_text()
+        if not (ROOT / f).is_file() or f"def {t}(" not in (ROOT / f).read_text()
     ]
     assert not missing, missing
+
+
+def test_the_tests_mirror_the_packages_folders():
+    """tests/<folder>/ for each folder of src/layerstream (the front doors' tests in
+    tests/api/), and no test file left at the top or with a name another folder uses."""
+    package = ROOT / "src" / "layerstream"
+    folders = {p.name for p in package.iterdir() if (p / "__init__.py").is_file()}
+    tests = ROOT / "tests"
+    assert folders <= {p.name for p in tests.iterdir() if p.is_dir()}, folders
+    assert not list(tests.glob("test_*.py"))
+    names = [p.name for p in tests.rglob("test_*.py")]
+    assert len(names) == len(set(names)), "pytest imports test files by their name"
 
 
 def test_the_performance_matrix_in_the_docs_is_the_suites_own_table():
