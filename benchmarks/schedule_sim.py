@@ -148,12 +148,12 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--pieces",
-        default=str(RESULTS / "turnaround-llama3-8b-seq2048.json"),
+        default=str(RESULTS / "throughput/turnaround-llama3-8b-seq2048.json"),
         help="a turnaround.py result: the layer and ends times",
     )
     parser.add_argument(
         "--phases",
-        default=str(RESULTS / "throughput-llama3-8b-phases-seq2048.json"),
+        default=str(RESULTS / "throughput/throughput-llama3-8b-phases-seq2048.json"),
         help="a throughput.py result with phase times, for a layer's recompute and backward "
         "within a step ('' for the pieces' layer timed alone)",
     )

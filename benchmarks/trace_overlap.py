@@ -5,7 +5,7 @@ and reports, for the copies of at least --min-us each (the layer copies): their 
 total time, GPU kernel busy time, the copy time during which some kernel ran, and the
 longest gaps between copies (where the copy stream waited).
 
-    python benchmarks/trace_overlap.py benchmarks/results/trace-llama3-8b-none-3x2.json.gz
+    python benchmarks/trace_overlap.py benchmarks/results/throughput/trace-llama3-8b-none-3x2.json.gz
 """
 
 from __future__ import annotations

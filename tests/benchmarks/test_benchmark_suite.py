@@ -33,11 +33,11 @@ def test_cells_parse_and_bad_cells_say_how_to_write_them():
 def test_measured_cells_merge_and_missing_ones_are_listed(tmp_path):
     measured = "llama3-8b:nf4:2048:1"
     shutil.copy(
-        ROOT / "benchmarks/results/throughput-llama3-8b-nf4-seq2048.json",
+        ROOT / "benchmarks/results/throughput/throughput-llama3-8b-nf4-seq2048.json",
         tmp_path / f"{suite.cell_name(measured)}.json",
     )
     merged = suite.merge(tmp_path, [measured, "llama3-70b:nf4:2048:1:16GiB"])
-    source = json.loads((ROOT / "benchmarks/results/throughput-llama3-8b-nf4-seq2048.json").read_text())
+    source = json.loads((ROOT / "benchmarks/results/throughput/throughput-llama3-8b-nf4-seq2048.json").read_text())
     assert [r["config"] for r in merged["rows"]] == [f"{r['slots']}:{r['prefetch']}" for r in source["rows"]]
     assert merged["rows"][0]["fraction_of_resident"] == source["rows"][0]["fraction_of_resident"]
     assert merged["missing"] == ["llama3-70b:nf4:2048:1:16GiB"]
@@ -109,7 +109,7 @@ def test_the_schedule_simulator_matches_the_measured_step_and_each_backward_slot
     """The planner played out with the measured 8B pieces (turnaround.py) predicts the
     measured all-streamed step within 2% (within 1% with a layer's backward as it runs in
     a step), and each backward slot removes one copy and about one copy's time."""
-    pieces = json.loads((ROOT / "benchmarks/results/turnaround-llama3-8b-seq2048.json").read_text())
+    pieces = json.loads((ROOT / "benchmarks/results/throughput/turnaround-llama3-8b-seq2048.json").read_text())
     measured = json.loads((ROOT / "benchmarks/results/suite/cell-llama3-8b-none-2048-1.json").read_text())
     row = next(r for r in measured["rows"] if (r["slots"], r["prefetch"]) == (3, 2))
     copy_ms = 436_224_000 / 55.3e9 * 1e3
@@ -134,7 +134,7 @@ def test_the_schedule_simulator_matches_the_measured_step_and_each_backward_slot
         assert abs(runs[0]["step_ms"] - run["step_ms"] - fewer * copy_ms) < copy_ms
     # a layer's backward as it runs within a step (from the resident step's phases): the
     # step within 1%, and its fraction of the copy bound within 0.01 of the measured one
-    phases = json.loads((ROOT / "benchmarks/results/throughput-llama3-8b-phases-seq2048.json").read_text())
+    phases = json.loads((ROOT / "benchmarks/results/throughput/throughput-llama3-8b-phases-seq2048.json").read_text())
     in_step = schedule_sim.backward_in_step_ms(phases, pieces, 32)
     assert in_step < pieces["layer_recompute_backward_ms"]
     calibrated = schedule_sim.simulate(
@@ -172,8 +172,8 @@ def test_skipping_the_first_and_last_recompute_would_still_stay_under_the_target
     recompute for either): the same copies, the step shorter by at most their two
     forwards, and the ratio to the copy bound still under 0.95 with head and loss as
     measured, and with them 10% cheaper; only 20% cheaper as well reaches it."""
-    pieces = json.loads((ROOT / "benchmarks/results/turnaround-llama3-8b-seq2048.json").read_text())
-    phases = json.loads((ROOT / "benchmarks/results/throughput-llama3-8b-phases-seq2048.json").read_text())
+    pieces = json.loads((ROOT / "benchmarks/results/throughput/turnaround-llama3-8b-seq2048.json").read_text())
+    phases = json.loads((ROOT / "benchmarks/results/throughput/throughput-llama3-8b-phases-seq2048.json").read_text())
     forward, backward = pieces["layer_forward_ms"], schedule_sim.backward_in_step_ms(phases, pieces, 32)
     copy_ms = 436_224_000 / 55.3e9 * 1e3
     skipped = schedule_sim.without_recompute(forward, backward, 32, {0, 31})
@@ -204,8 +204,8 @@ def test_backward_slots_taking_the_backwards_first_copies_shorten_the_step_at_th
     """Played out by the simulator: with 1-4 backward slots, taking the backward's first
     copies as well as keeping their layers shortens the step by at least 0.4 of a layer's
     backward against keeping alone, with the same copies and no demand loads."""
-    pieces = json.loads((ROOT / "benchmarks/results/turnaround-llama3-8b-seq2048.json").read_text())
-    phases = json.loads((ROOT / "benchmarks/results/throughput-llama3-8b-phases-seq2048.json").read_text())
+    pieces = json.loads((ROOT / "benchmarks/results/throughput/turnaround-llama3-8b-seq2048.json").read_text())
+    phases = json.loads((ROOT / "benchmarks/results/throughput/throughput-llama3-8b-phases-seq2048.json").read_text())
     backward = schedule_sim.backward_in_step_ms(phases, pieces, 32)
     copy_ms = 436_224_000 / 55.3e9 * 1e3
     for count in (1, 2, 3, 4):
@@ -234,8 +234,8 @@ def test_attention_and_mlp_units_would_stay_under_the_target_and_lengthen_the_st
     least the slot memory of 3 layers (4 MLP-sized slots), the ratio to the copy bound rises
     but stays under 0.95, and the step is longer than with whole layers (fewer bytes fit the
     slots, so more are copied)."""
-    pieces = json.loads((ROOT / "benchmarks/results/turnaround-llama3-8b-seq2048.json").read_text())
-    phases = json.loads((ROOT / "benchmarks/results/throughput-llama3-8b-phases-seq2048.json").read_text())
+    pieces = json.loads((ROOT / "benchmarks/results/throughput/turnaround-llama3-8b-seq2048.json").read_text())
+    phases = json.loads((ROOT / "benchmarks/results/throughput/throughput-llama3-8b-phases-seq2048.json").read_text())
     forward, backward = pieces["layer_forward_ms"], schedule_sim.backward_in_step_ms(phases, pieces, 32)
     layer_bytes, attention_bytes = 436_224_000, 83_886_080
     copy_ms = layer_bytes / 55.3e9 * 1e3

@@ -433,7 +433,7 @@ def test_nf4_layers_match_the_host_store_layout(tmp_path, family):
 def test_plan_matches_the_measured_h200_peak():
     """docs/performance.md: Llama-3-8B shape, bf16, seq 2048, r=16 all-linear, AdamW,
     torch.cuda.max_memory_allocated after warm-up, slots 2/3/4."""
-    result = json.loads((RESULTS / "throughput-llama3-8b-seq2048.json").read_text())
+    result = json.loads((RESULTS / "throughput/throughput-llama3-8b-seq2048.json").read_text())
     checked = set()
     for row in result["rows"]:
         # measured before backward slots existed: the copies of a ring alone
@@ -450,7 +450,7 @@ def test_plan_matches_the_measured_h200_peak():
 def test_plan_matches_the_measured_nf4_peak_where_a_layer_not_the_loss_sets_it(seq):
     """A 32k vocabulary makes the loss small, so the NF4 layer's recompute + backward,
     with its dequantised weights, sets the peak (H200, benchmarks/results)."""
-    result = json.loads((RESULTS / f"throughput-mistral-7b-nf4-peak-seq{seq}.json").read_text())
+    result = json.loads((RESULTS / "throughput" / f"throughput-mistral-7b-nf4-peak-seq{seq}.json").read_text())
     row = result["rows"][0]
     plan = make_plan(PlanRequest(config_of(MISTRAL_7B), seq, 1, 140 * GiB, slots=row["slots"], quantization="nf4"))
     assert plan.layer_working_bytes > plan.loss_bytes
