@@ -61,3 +61,45 @@ def test_plan_prints_the_decode_step(tmp_path, capsys):
     assert "compute-bound from batch 6592" in out
     cli.main(["plan", "--model", str(path), "--vram-budget", "80GiB", "--seq", "2048", "--slots", "3"])
     assert "--tflops T: the batch from which decoding is compute-bound" in capsys.readouterr().out
+
+
+def test_a_routed_layer_copies_its_shared_part_and_the_expected_share_of_its_experts():
+    """128 experts, 8 per token: one sequence chooses 8 (6.25%); eight are expected to choose
+    1 - (120/128)^8 of them (40.3%); 64 copy whole layers."""
+    shared, stacks = 1_000_000, 128_000_000
+    sizes, routed = [shared + stacks] * 4, [(stacks, 8, 128)] * 4
+    one = decode_term(sizes, slots=2, bandwidth_gbps=1, params=1, routed=routed, batch=1)
+    assert one.copy_bytes == 2 * (shared + math.ceil(stacks * 8 / 128))
+    eight = decode_term(sizes, slots=2, bandwidth_gbps=1, params=1, routed=routed, batch=8)
+    assert eight.copy_bytes == 2 * (shared + math.ceil(stacks * (1 - (120 / 128) ** 8)))
+    assert decode_term(sizes, slots=2, bandwidth_gbps=1, params=1, routed=routed, batch=64).copy_bytes == 2 * sizes[0]
+    assert decode_term(sizes, slots=2, bandwidth_gbps=1, params=1, batch=1).copy_bytes == 2 * sizes[0]
+
+
+def test_the_compute_bound_batch_counts_the_copies_of_that_batch():
+    """Two routed layers copied per token step, 1,000 shared bytes and 128,000 of experts
+    each, at 1,000 GB/s; 10,000 parameters at 1 TFLOP/s take 20 ns per sequence. By need
+    one sequence copies 18,000 bytes (18 ns): compute-bound from batch 1. Whole layers
+    (258,000 bytes, 258 ns) would need 13 sequences."""
+    sizes, routed = [1_000 + 128_000] * 3, [(128_000, 8, 128)] * 3
+    by_need = decode_term(sizes, slots=1, bandwidth_gbps=1e3, params=10_000, tflops=1, routed=routed)
+    assert by_need.copy_bytes == 18_000 and by_need.compute_bound_batch == 1
+    whole = decode_term(sizes, slots=1, bandwidth_gbps=1e3, params=10_000, tflops=1)
+    assert whole.compute_bound_batch == 13
+
+
+def test_the_documented_moe_decode_figures_are_the_tools(capsys):
+    """docs/plan.md quotes Qwen3-30B-A3B's token step at batch 1 against whole layers."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    shape = str(root / "configs" / "shapes" / "qwen3-30b-a3b.json")
+    common = ["plan", "--model", shape, "--quantization", "nf4", "--vram-budget", "8GiB", "--seq", "2048"]
+    figures = []
+    for batch in ("1", "64"):
+        cli.main(common + ["--batch", batch])
+        generation = capsys.readouterr().out.split("Generation:", 1)[1]
+        line = next(x for x in generation.splitlines() if "layer copies (" in x)
+        figures.append(line.split("GiB")[0].split()[-1])
+    page = (root / "docs" / "plan.md").read_text()
+    assert f"{figures[0]} GiB per token step where whole layers are {figures[1]} GiB" in page

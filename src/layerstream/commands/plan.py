@@ -151,7 +151,7 @@ def run(args, parser: argparse.ArgumentParser) -> int:
             parser.error(str(exc))
     elif (memory := host_memory()) is not None:
         print(format_host_check(plan, memory))
-    print(_decode_lines(args, config, plan))
+    print(_decode_lines(args, config, plan, request))
     print()
     print(format_comparison(rows, request.seq, args.batch))
     print(auto)
@@ -161,10 +161,14 @@ def run(args, parser: argparse.ArgumentParser) -> int:
     return 0 if plan.fits else 1
 
 
-def _decode_lines(args, config, plan) -> str:
-    from ..plan import layer_shapes
-    from ..plan.decode import active_params, decode_term
+def _decode_lines(args, config, plan, request) -> str:
+    from ..plan import layer_shapes, parse_dtype
+    from ..plan.decode import active_params, decode_term, routed_bytes
     from ..plan.report import format_decode_term
 
-    params = active_params(layer_shapes(config))
-    return format_decode_term(plan, decode_term(plan.layer_bytes, plan.slots, plan.bandwidth_gbps, params, args.tflops))
+    shapes = layer_shapes(config)
+    routed = routed_bytes(shapes, parse_dtype(request.dtype).itemsize)
+    term = decode_term(
+        plan.layer_bytes, plan.slots, plan.bandwidth_gbps, active_params(shapes), args.tflops, routed, args.batch
+    )
+    return format_decode_term(plan, term, args.batch)

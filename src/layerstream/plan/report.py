@@ -204,10 +204,10 @@ def format_host_check(plan: MemoryPlan, memory) -> str:
     return "\n".join(textwrap.wrap(f"{head}: DOES NOT FIT this host; {fixes}", width=88, subsequent_indent="  "))
 
 
-def format_decode_term(plan: MemoryPlan, term) -> str:
+def format_decode_term(plan: MemoryPlan, term, batch: int = 1) -> str:
     """Generation's lines: one token step's copies and copy bound, and the batch from which
     the frozen layers' compute hides them (``plan.decode.decode_term``)."""
-    lines = ["", "Generation: one token step of decoding (the whole batch at once, every layer streamed)"]
+    lines = ["", f"Generation: one token step of decoding (batch {batch} at once, every layer streamed)"]
     copies = (
         f"{term.layers_copied} layer copies ({plan.num_layers} - {plan.slots} slots)"
         if term.layers_copied

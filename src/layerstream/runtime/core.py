@@ -35,6 +35,7 @@ from ..tiers.store import LAYOUT, SAME, HostStore, LayerRecord
 from . import meter, passes, report, timeline
 from .backward_slots import BackwardSlots
 from .budget_check import BudgetCheck
+from .experts import ExpertsByNeed
 from .long_settings import LongSettingsPolicy
 from .offload_policy import OffloadPolicy
 from .window import ResidentWindow
@@ -91,6 +92,8 @@ class StreamRuntime:
             changes.watch(record)
             self._index_modules(record)
         self.offload_policy = OffloadPolicy(config, self.device, len(records), store)
+        # debug checksums compare whole slots with the host: no partial copies under them
+        self.experts = ExpertsByNeed(records, self.pool, enabled=not config.checksum)
         self.pass_offloader = None  # the offloader of the training pass under way, or None
         self.embeddings = None
         if config.stream_embeddings:
@@ -173,7 +176,12 @@ class StreamRuntime:
     def _load(self, layer: int, slot: int, compute) -> None:
         record = self.records[layer]
         if record.host_region is not None:
-            self.pool.load(record, slot, compute)
+            ranges = self.experts.load_ranges(layer)
+            if ranges is None:
+                self.pool.load(record, slot, compute)
+                self.experts.loaded_whole(layer)
+            else:
+                self.pool.load(record, slot, compute, ranges=ranges)
             return
         if os.getpid() != self.disk.owner_pid:
             raise ForkedChildError(self.disk.owner_pid)
@@ -273,6 +281,7 @@ class StreamRuntime:
         if self._placed_at != layer_mod.registrations():  # adapters may have come since
             self._place_resident_tensors()
         self.pass_offloader = None
+        self.experts.start_pass(hidden)
         if not training:
             return
         self._check_trainable()
@@ -341,6 +350,7 @@ class StreamRuntime:
                 self._rebuild_pool()
         changes.watch(record)
         self._index_modules(record)
+        self.experts.restack(record)
         self.refreshed_layers += 1
         for key in [key for key in self._bindings if key[1] == index]:
             del self._bindings[key]
@@ -421,6 +431,7 @@ class StreamRuntime:
         )
         if self._checker is not None:
             self._checker = checksum.SlotChecker(self.pool, self.records)
+        self.experts.pool = self.pool
         self.prefetch = self._new_prefetch(len(self.resident_window.streamed))
         self.resident_window.restart_sizing()
         if self.embeddings is not None:
@@ -547,6 +558,7 @@ class StreamRuntime:
         if self.disk is not None:
             self.disk.close()
         self.offload_policy.close()
+        self.experts.close()
         if self.embeddings is not None:
             self.embeddings.close()
 

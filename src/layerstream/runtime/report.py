@@ -50,6 +50,7 @@ def stats(runtime) -> dict:
             else {"head_copies": 0, "head_h2d_bytes": 0, "embedding_h2d_bytes": 0}
         ),
         **runtime.nf4_counts,
+        **runtime.experts.stats(),
         **disk_stats(runtime),
         **_offload_stats(runtime.offload_policy.offloader),
     }

@@ -75,6 +75,8 @@ class SlotPool:
             for slot in range(slots)
         ]
         self.owner: List[Optional[int]] = [None] * slots
+        # per slot: the expert rows a layer copied by need holds (None: its whole region)
+        self.rows_present: List[Optional[set]] = [None] * slots
         self.borrowed_peak_bytes = 0  # the most backward-slot memory held at once
         self._destinations: dict = {}  # (slot, nbytes) -> view of the slot buffer
         self.recording = None  # a timeline.Recording while one step is being recorded
@@ -150,6 +152,7 @@ class SlotPool:
             raise ValueError(f"slot {slot} is a ring slot; only backward slots are freed")
         self.buffers[slot] = None
         self.owner[slot] = None
+        self.rows_present[slot] = None
         for key in [key for key in self._destinations if key[0] == slot]:
             del self._destinations[key]
 
@@ -175,24 +178,38 @@ class SlotPool:
         return self._rt is not None and torch._C._cuda_getDevice() == self._device_index
 
     def load(
-        self, record: LayerRecord, slot: int, compute: Optional[int] = None, source: Optional[torch.Tensor] = None
+        self,
+        record: LayerRecord,
+        slot: int,
+        compute: Optional[int] = None,
+        source: Optional[torch.Tensor] = None,
+        ranges: Optional[List[Tuple[int, int]]] = None,
     ) -> None:
-        """Copy a layer's region into a slot. ``source`` overrides the region (tests)."""
+        """Copy a layer's region into a slot. ``source`` overrides the region (tests).
+
+        ``ranges``: only these (begin, end) bytes of the region, the rest of the slot left
+        as it was: a mixture-of-experts layer whose expert rows are copied by need, once its
+        router has chosen (``rows_present`` then says which rows the slot holds).
+        """
         src = record.host_region if source is None else source
         nbytes = record.nbytes
         dst = self._destinations.get((slot, nbytes))
         if dst is None:
             dst = self._destinations[(slot, nbytes)] = self.buffers[slot][:nbytes]
+        pieces = [(0, nbytes)] if ranges is None else ranges
+        copied = sum(end - begin for begin, end in pieces)
         self.owner[slot] = record.index
+        self.rows_present[slot] = None if ranges is None else set()
         self.loads += 1
-        self.h2d_bytes += nbytes
+        self.h2d_bytes += copied
         timed = self.recording is not None or self.loads % TIMED_COPY_EVERY == 1
         if not self.cuda:
             start = time.perf_counter()
-            dst.copy_(src)
+            for begin, end in pieces:
+                dst[begin:end].copy_(src[begin:end])
             stop = time.perf_counter()
             if timed:
-                self._timed(stop - start, nbytes)
+                self._timed(stop - start, copied)
             if self.recording is not None:
                 self.recording.copies.append((record.index, slot, start, stop))
             return
@@ -204,26 +221,28 @@ class SlotPool:
             rt.wait(stream, self._released_handles[slot])  # the previous owner's readers are done
             if timed:
                 rt.record(start.cuda_event, stream)
-            rt.copy_h2d(dst.data_ptr(), src.data_ptr(), nbytes, stream)
+            for begin, stop in pieces:
+                rt.copy_h2d(dst.data_ptr() + begin, src.data_ptr() + begin, stop - begin, stream)
             if timed:
                 rt.record(end.cuda_event, stream)
             rt.record(self._ready_handles[slot], stream)
         else:
-            self._load_with_torch(dst, src, slot, self._torch_stream(compute), start, end)
+            self._load_with_torch(dst, src, slot, self._torch_stream(compute), start, end, pieces)
         if not timed:
             return
-        self._pend_copy(start, end, nbytes)
+        self._pend_copy(start, end, copied)
         if self.recording is not None:
             self.recording.copies.append((record.index, slot, start, end))
 
-    def _load_with_torch(self, dst, src, slot, compute, start, end) -> None:
+    def _load_with_torch(self, dst, src, slot, compute, start, end, pieces) -> None:
         stream = self.copy_stream
         stream.wait_event(self.released[slot])
         torch.cuda.set_stream(stream)
         try:
             if start is not None:
                 start.record(stream)
-            dst.copy_(src, non_blocking=True)
+            for begin, stop in pieces:
+                dst[begin:stop].copy_(src[begin:stop], non_blocking=True)
             if end is not None:
                 end.record(stream)
             self.ready[slot].record(stream)
@@ -355,6 +374,7 @@ class SlotPool:
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
         self.owner = [None] * len(self.buffers)
+        self.rows_present = [None] * len(self.buffers)
         for slot in range(self.ring_slots, len(self.buffers)):
             if self.buffers[slot] is not None:
                 self.free(slot)

@@ -1,0 +1,159 @@
+"""Copies by need: a streamed mixture-of-experts layer copies only the experts its router
+chose when a pass carries few tokens, whole stacks otherwise, and computes the resident
+model's numbers bit for bit either way."""
+
+import copy
+
+import pytest
+import torch
+from peft import get_peft_model
+
+import layerstream
+from layerstream.runtime import experts as by_need
+
+from tiny import assert_traces_equal, lora_config, peft_pair, stream, tiny_model, train_steps
+
+# 16 experts, 2 per token: a pass of up to 5 tokens copies by need, longer ones whole
+ROUTED = {
+    "qwen3_moe": dict(num_experts=16, num_experts_per_tok=2),
+    "mixtral": dict(num_local_experts=16, num_experts_per_tok=2),
+    "gpt_oss": dict(num_local_experts=16, num_experts_per_tok=2, sliding_window=8),
+}
+LAYERS, EXPERTS = 5, 16
+ATTENTION_ONLY = dict(target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+
+
+def _pair(family):
+    model = tiny_model(family, layers=LAYERS, **ROUTED[family])
+    return model, copy.deepcopy(model)
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits
+
+
+@pytest.mark.parametrize("family", sorted(ROUTED))
+def test_a_short_pass_copies_only_the_chosen_experts_and_equals_resident(family):
+    streamed, resident = _pair(family)
+    stream(streamed)
+    ids = torch.tensor([[5, 7]])
+    assert torch.equal(_logits(streamed, ids), _logits(resident, ids))
+    stats = layerstream.get_runtime(streamed).stats()
+    assert stats["expert_visits"] == LAYERS
+    assert 0 < stats["experts_copied"] <= LAYERS * 2 * 2  # at most top_k per token per layer
+    assert stats["experts_copied"] < LAYERS * EXPERTS
+
+
+@pytest.mark.parametrize("family", sorted(ROUTED))
+def test_a_long_pass_copies_whole_stacks_and_equals_resident(family):
+    streamed, resident = _pair(family)
+    stream(streamed)
+    ids = torch.randint(3, 90, (2, 30), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(_logits(streamed, ids), _logits(resident, ids))
+    assert layerstream.get_runtime(streamed).experts.by_need is False
+    assert layerstream.get_runtime(streamed).stats()["experts_copied"] >= LAYERS * EXPERTS
+
+
+def test_a_wrongly_skipped_expert_is_caught(monkeypatch):
+    """Negative control: one chosen expert left out of each copy computes with another
+    layer's bytes, and the logits say so."""
+    streamed, resident = _pair("qwen3_moe")
+    stream(streamed)
+    chosen = by_need._chosen_rows
+    monkeypatch.setattr(by_need, "_chosen_rows", lambda *a: chosen(*a)[1:])
+    ids = torch.tensor([[5, 7]])
+    assert not torch.equal(_logits(streamed, ids), _logits(resident, ids))
+
+
+@pytest.mark.parametrize("family", sorted(ROUTED))
+def test_greedy_generation_copies_by_need_and_equals_resident(family):
+    streamed, resident = _pair(family)
+    stream(streamed)
+    prompt = torch.tensor([[5, 7, 9]])
+    out = streamed.generate(prompt, max_new_tokens=10, do_sample=False)
+    assert torch.equal(out, resident.generate(prompt, max_new_tokens=10, do_sample=False))
+    stats = layerstream.get_runtime(streamed).stats()
+    assert stats["experts_copied"] < stats["expert_visits"] * EXPERTS / 2
+
+
+def test_a_slot_kept_into_the_next_pass_is_completed_with_the_rows_that_pass_chooses():
+    """Layers stay in their slots from one pass to the next (as many slots as layers):
+    the second input routes to other experts, which are copied into the kept slots."""
+    model = tiny_model("qwen3_moe", layers=2, **ROUTED["qwen3_moe"])
+    resident = copy.deepcopy(model)
+    stream(model, slots=2)
+    runtime = layerstream.get_runtime(model)
+    for ids in (torch.tensor([[5, 7]]), torch.tensor([[60, 61]]), torch.tensor([[11, 40]])):
+        loads = runtime.pool.loads
+        assert torch.equal(_logits(model, ids), _logits(resident, ids))
+    assert runtime.pool.loads == loads, "the last pass ran in the kept slots"
+    assert runtime.stats()["experts_copied"] > 0
+
+
+def test_training_with_adapters_on_attention_equals_resident_and_copies_by_need():
+    streamed, resident = peft_pair("qwen3_moe", layers=LAYERS, lora=ATTENTION_ONLY, **ROUTED["qwen3_moe"])
+    stream(streamed)
+    trace = train_steps(streamed, steps=3, seq=2, batch_size=1)
+    assert_traces_equal(trace, train_steps(resident, steps=3, seq=2, batch_size=1))
+    stats = layerstream.get_runtime(streamed).stats()
+    assert stats["experts_copied"] < stats["expert_visits"] * EXPERTS / 2
+
+
+@pytest.mark.parametrize("when", ["before streaming", "after streaming"])
+def test_adapters_on_the_expert_stacks_read_every_row_so_every_row_is_copied(when):
+    """PEFT puts LoRA on the fused expert stacks (all-linear on qwen3_moe) and merges the
+    whole stack on each call, reading the rows the router did not choose too: those layers
+    copy whole stacks (every row of every expert, never some of them)."""
+    lora = lora_config(target_modules="all-linear", lora_dropout=0.0)
+    base = tiny_model("qwen3_moe", layers=LAYERS, **ROUTED["qwen3_moe"])
+    resident = get_peft_model(copy.deepcopy(base), lora)
+    if when == "before streaming":
+        streamed = get_peft_model(base, lora)
+        streamed.load_state_dict(resident.state_dict())
+        stream(streamed)
+    else:
+        stream(base)
+        streamed = get_peft_model(base, lora)
+        streamed.load_state_dict(resident.state_dict())
+    trace = train_steps(streamed, steps=2, seq=2, batch_size=1)
+    assert_traces_equal(trace, train_steps(resident, steps=2, seq=2, batch_size=1))
+    stats = layerstream.get_runtime(streamed).stats()
+    assert stats["experts_copied"] > 0 and stats["experts_copied"] % EXPERTS == 0
+
+
+def test_debug_checksums_copy_whole_layers():
+    streamed, resident = _pair("qwen3_moe")
+    stream(streamed, checksum=True)
+    ids = torch.tensor([[5, 7]])
+    assert torch.equal(_logits(streamed, ids), _logits(resident, ids))
+    runtime = layerstream.get_runtime(streamed)
+    assert runtime.experts.by_need is False
+    assert runtime.stats()["experts_copied"] % EXPERTS == 0
+
+
+def test_a_qlora_model_copies_its_experts_by_need_and_equals_resident(tmp_path):
+    """NF4: bitsandbytes packs the attention's nn.Linear weights; the expert stacks stay in
+    the compute dtype (as in transformers' own 4-bit load) and are copied by need."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from tiny import portable_cpu_nf4, save_tiny
+
+    directory = save_tiny(tmp_path / "moe", "qwen3_moe", LAYERS, dtype=torch.bfloat16, wide=True, **ROUTED["qwen3_moe"])
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
+
+    def load():
+        model = AutoModelForCausalLM.from_pretrained(
+            directory, quantization_config=quant, dtype=torch.bfloat16, device_map="cpu"
+        )
+        return portable_cpu_nf4(get_peft_model(model, lora_config(**ATTENTION_ONLY)))
+
+    resident, streamed = load(), load()
+    streamed.load_state_dict({k: v for k, v in resident.state_dict().items() if "lora_" in k}, strict=False)
+    stream(streamed)
+    prompt = torch.tensor([[5, 7, 9]])
+    out = streamed.generate(prompt, max_new_tokens=6, do_sample=False)
+    assert torch.equal(out, resident.generate(prompt, max_new_tokens=6, do_sample=False))
+    stats = layerstream.get_runtime(streamed).stats()
+    assert 0 < stats["experts_copied"] < stats["expert_visits"] * EXPERTS / 2
+    assert stats["nf4_function_calls"] + stats["nf4_dequant_calls"] > 0, "the attention streamed packed"
