@@ -215,3 +215,42 @@ class WindowSizer:
         ``wanted_bytes``: enough layers fewer to free that and the margin."""
         need = wanted_bytes + margin_bytes(limit)
         return max(0, window - max(1, math.ceil(need / self.layer_bytes)))
+
+
+class GenerationSizer:
+    """The window of a process that generates before it trains (or never trains).
+
+    A ``generate`` call holds what the process holds between calls, the window, and what
+    the call allocates above that: the KV cache and the prefill's activations, both growing
+    with the cached tokens (batch x (prompt + new tokens)). The first call runs with no
+    window and is measured; later calls keep as many layers as fit beside the most a
+    measured call rose, scaled up to a call that caches more tokens. Once the process
+    trains, ``WindowSizer`` sizes the window from its steps, whose measured interval takes
+    in the generation inside them (TRL's GRPO and RLOO generate within the step).
+    """
+
+    def __init__(self, num_layers: int, layer_bytes: int):
+        self.num_layers = num_layers
+        self.layer_bytes = max(layer_bytes, 1)
+        self.rise_per_token = 0.0  # the most a measured call rose, per cached token
+        self.rise = 0  # ... and the most it rose at all
+        self.overhead = 0  # reserved beyond allocated at the first measured call
+        self.measured = False
+
+    def record(self, reading: Reading) -> None:
+        """A measured call (``reading.tokens``: the tokens it cached)."""
+        rise = max(0, reading.peak_allocated - reading.start_allocated)
+        if not self.measured:
+            self.overhead = max(0, reading.peak_reserved - reading.peak_allocated)
+        self.measured = True
+        self.rise = max(self.rise, rise)
+        self.rise_per_token = max(self.rise_per_token, rise / max(reading.tokens, 1))
+
+    def size(self, limit: int, held: int, tokens: int) -> int:
+        """The window for a call that caches ``tokens`` tokens, ``held`` bytes being held
+        outside the window when it starts; none before a call was measured."""
+        if not self.measured:
+            return 0
+        rise = max(self.rise, math.ceil(self.rise_per_token * tokens))
+        room = limit - margin_bytes(limit) - held - rise - self.overhead
+        return max(0, min(self.num_layers, room // self.layer_bytes))

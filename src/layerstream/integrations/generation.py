@@ -6,6 +6,9 @@ a few tokens of compute, a training pass for thousands. ``generate`` on a stream
 (transformers' ``GenerationMixin.generate``, wrapped once when the first model streams) adds
 what it copied, stalled and took to a ``GenerationCounters`` of the runtime; the Trainer's
 logs show those figures next to training's, and training's without them.
+
+The same wrapper lets the resident window size itself around a call in a process that has
+not trained yet (``ResidentWindow.before_generation``), from the tokens the call caches.
 """
 
 from __future__ import annotations
@@ -47,6 +50,22 @@ def counters(runtime) -> GenerationCounters:
     return found
 
 
+def cached_tokens(model, args: tuple, kwargs: dict) -> int:
+    """The tokens a ``generate`` call caches at most: batch x (prompt + new tokens), from
+    its input ids and generation settings (0 where they do not say)."""
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if not hasattr(ids, "shape") or len(ids.shape) != 2:
+        return 0
+    batch, prompt = int(ids.shape[0]), int(ids.shape[1])
+    settings = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    new = kwargs.get("max_new_tokens") or getattr(settings, "max_new_tokens", None)
+    if new is None:
+        longest = kwargs.get("max_length") or getattr(settings, "max_length", None) or prompt
+        new = max(0, int(longest) - prompt)
+    copies = kwargs.get("num_return_sequences") or getattr(settings, "num_return_sequences", None) or 1
+    return batch * int(copies) * (prompt + int(new))
+
+
 def _counted(original):
     @functools.wraps(original)
     def generate(self, *args, **kwargs):
@@ -58,9 +77,13 @@ def _counted(original):
             return original(self, *args, **kwargs)
         before, start = runtime.stats(), time.perf_counter()
         totals.active = True
+        tokens = cached_tokens(self, args, kwargs)
+        if tokens:
+            runtime.resident_window.before_generation(tokens)
         try:
             return original(self, *args, **kwargs)
         finally:
+            runtime.resident_window.after_generation()
             totals.active = False
             after = runtime.stats()
             totals.calls += 1

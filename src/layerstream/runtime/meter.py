@@ -52,6 +52,10 @@ class CudaMeter:
         reachable = gpu_memory_for_run(self.device)
         return reachable if self.budget == "auto" else min(int(self.budget), reachable)
 
+    def allocated(self) -> int:
+        """Bytes allocated on the device now."""
+        return torch.cuda.memory_allocated(self.device)
+
     def begin(self, reset: bool, inputs: int = 0, grads: bool = False) -> None:
         """Start measuring a step; ``reset``: from here on, not since an earlier peak;
         ``inputs``: bytes of the step's inputs, allocated already; ``grads``: gradients held."""
@@ -101,6 +105,12 @@ class PlannedMeter:
 
     def limit(self) -> int:
         return self.budget
+
+    def allocated(self) -> int:
+        """The planned resident part (the planner models no generation: a generate call on
+        the host is measured as the training step the runtime last planned)."""
+        memory = self.runtime.memory_plan(*self.runtime.last_shape)
+        return memory.resident_bytes
 
     def begin(self, reset: bool, inputs: int = 0, grads: bool = False) -> None:
         self._shape = self.runtime.last_shape  # the step about to run

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..decisions import schedule
-from ..decisions.window import WindowSizer
+from ..decisions.window import GenerationSizer, WindowSizer
 from ..modules import bindings
 from ..modules.layer import registrations
 from ..system.log import get_logger
@@ -67,6 +67,8 @@ class ResidentWindow:
         self.position_of: List[Optional[int]] = list(range(len(records)))  # layer -> position, None in the window
         self.streamed: List[int] = list(range(len(records)))  # position -> layer
         self.sizer = WindowSizer(len(records), store.largest_layer_bytes)
+        self.generation = GenerationSizer(len(records), store.largest_layer_bytes)
+        self._generating: Optional[Tuple[int, int]] = None  # (tokens cached, window) of a measured call
         self.window_changes: List[Tuple[int, int]] = []  # (tokens, window) at each change
         self.oom_retries = 0
         self._measured_tokens: Optional[int] = None  # tokens of the step being measured
@@ -119,6 +121,34 @@ class ResidentWindow:
         self._resets_left -= 1
         self._backward_ran = False
         meter.begin(reset, inputs, grads)
+
+    # -- sizing around generation ------------------------------------------------------
+    def before_generation(self, tokens: int) -> None:
+        """Before a ``generate`` call that caches ``tokens`` tokens (batch x final length),
+        in a process whose training has not begun sizing the window: size the window for
+        the call (none before one was measured), and measure the call."""
+        meter = self.meter
+        if meter is None or self._measured_tokens is not None or self._generating is not None:
+            return  # no sizing, training sizes it (its steps take in their generation), or nested
+        held = meter.allocated() - len(self.bindings) * self.store.largest_layer_bytes
+        target = self.generation.size(meter.limit(), held, tokens)
+        if target != len(self.bindings):
+            shrinking = target < len(self.bindings)
+            self.window_changes.append((tokens, target))
+            self._set_size(target, tokens)
+            if shrinking:
+                meter.release_cache()
+        elif not self.generation.measured:
+            meter.release_cache()  # what other work left cached would count as the call's
+        meter.begin(True)
+        self._generating = (tokens, len(self.bindings))
+
+    def after_generation(self) -> None:
+        """After the call ``before_generation`` measured (also when it raised)."""
+        pending, self._generating = self._generating, None
+        if pending is not None and self.meter is not None:
+            tokens, window = pending
+            self.generation.record(self.meter.read(window, tokens))
 
     def step_reached_backward(self) -> None:
         """The step being measured ran its backward: the next step's start reads it."""

@@ -1,0 +1,109 @@
+"""The resident window around generation, in a process that has not trained yet: the first
+``generate`` streams every layer and is measured, later calls keep as many layers on the
+device as fit beside what a call of their size caches, and training takes the sizing over
+once it begins. Tokens equal the resident model's whatever the window."""
+
+import copy
+
+import torch
+from peft import get_peft_model
+
+import layerstream
+from layerstream.decisions.window import MARGIN_BYTES, GenerationSizer, Reading
+
+from tiny import lora_config, stream, tiny_model
+
+LAYERS = 6
+PER_TOKEN = 1 << 20  # what the fake device allocates per cached token during a call
+
+
+class FakeMeter:
+    """A device whose memory is the window's layers between calls, and PER_TOKEN per cached
+    token during a call; its limit leaves room for ``room_layers`` layers beside a call of
+    ``tokens`` tokens."""
+
+    def __init__(self, runtime, tokens: int, room_layers: float):
+        self.runtime = runtime
+        self.layer = runtime.store.largest_layer_bytes
+        self._limit = MARGIN_BYTES + PER_TOKEN * tokens + int(room_layers * self.layer)
+        self.start = 0
+        self.begun = 0
+
+    def limit(self):
+        return self._limit
+
+    def allocated(self):
+        return len(self.runtime.window) * self.layer
+
+    def begin(self, reset, inputs=0, grads=False):
+        self.start, self.begun = self.allocated(), self.begun + 1
+
+    def read(self, window, tokens, next_inputs=0, grads=False):
+        peak = self.start + PER_TOKEN * tokens
+        return Reading(window, tokens, peak, self.start, peak, 0)
+
+    def release_cache(self):
+        pass
+
+
+def _generate(model, batch: int):
+    prompt = torch.arange(3, 3 + 4 * batch).reshape(batch, 4)
+    return model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
+
+
+def _streamed_pair(adapters: bool = False):
+    model = tiny_model("llama", layers=LAYERS)
+    if adapters:
+        model = get_peft_model(model, lora_config())
+    resident = copy.deepcopy(model)
+    stream(model)
+    runtime = layerstream.get_runtime(model)
+    runtime.resident_window.meter = FakeMeter(runtime, tokens=10, room_layers=3.5)
+    return model, resident, runtime
+
+
+def test_the_first_call_streams_every_layer_and_later_ones_keep_what_fits_beside_the_cache():
+    model, resident, runtime = _streamed_pair()
+    assert torch.equal(_generate(model, 1), _generate(resident, 1))  # caches 1 x (4 + 6) tokens
+    assert runtime.window == []
+    assert torch.equal(_generate(model, 1), _generate(resident, 1))
+    assert len(runtime.window) == 3, "3.5 layers of room beside a 10-token call"
+    assert layerstream.get_runtime(model).stats()["window_layers"] == 3
+
+
+def test_a_call_that_caches_more_tokens_shrinks_the_window_first():
+    model, resident, runtime = _streamed_pair()
+    _generate(model, 1)
+    _generate(model, 1)
+    assert len(runtime.window) == 3
+    assert torch.equal(_generate(model, 4), _generate(resident, 4))  # 40 tokens: 30 MiB more
+    assert runtime.window == []
+
+
+def test_once_training_begins_its_steps_size_the_window():
+    model, resident, runtime = _streamed_pair(adapters=True)
+    _generate(model, 1)
+    ids = torch.randint(3, 90, (1, 8), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids).loss.backward()  # training's first step is being measured
+    begun = runtime.resident_window.meter.begun
+    assert torch.equal(_generate(model, 1), _generate(resident, 1))
+    assert runtime.resident_window.meter.begun == begun, "generation measured nothing"
+
+
+def test_without_a_budget_generation_keeps_no_window():
+    model = tiny_model("llama", layers=LAYERS)
+    stream(model)
+    for _ in range(2):
+        _generate(model, 1)
+    assert layerstream.get_runtime(model).window == []
+
+
+def test_the_generation_sizer_scales_the_measured_rise_with_the_cached_tokens():
+    sizer = GenerationSizer(num_layers=10, layer_bytes=1_000)
+    limit = MARGIN_BYTES + 10_000  # 10,000 bytes above the margin
+    assert sizer.size(limit, held=0, tokens=10) == 0, "nothing measured yet"
+    sizer.record(Reading(window=0, tokens=10, peak_reserved=1_000, start_allocated=0, peak_allocated=1_000, retries=0))
+    assert sizer.size(limit, held=0, tokens=10) == 9  # a 1,000-byte rise
+    assert sizer.size(limit, held=0, tokens=50) == 5  # 100 bytes per token: 5,000
+    assert sizer.size(limit, held=4_000, tokens=50) == 1
+    assert sizer.size(limit, held=0, tokens=5) == 9, "fewer tokens never predict less than measured"
