@@ -14,7 +14,8 @@ FAMILIES = {
     # Qwen2.5 is Qwen2's class; its small checkpoints tie the head and use a long rope base
     "qwen2.5": ("qwen2", dict(tie_word_embeddings=True, rope_theta=1_000_000.0, rms_norm_eps=1e-6)),
     "qwen3": ("qwen3", {}),
-    "qwen3_moe": ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)),
+    # 16 experts, 2 per token: a few tokens choose a few of them (Qwen3-30B-A3B: 8 of 128)
+    "qwen3_moe": ("qwen3_moe", dict(num_experts=16, num_experts_per_tok=2, moe_intermediate_size=32)),
     "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
     "mistral": ("mistral", dict(sliding_window=8)),
     "gemma2": ("gemma2", dict(sliding_window=8)),

@@ -32,6 +32,7 @@ PEFT_METHODS = (
     "prompt_tuning",
     "prefix_tuning",
     "lora_bias_all",
+    "lora_attention",
     "modules_to_save",
     "trainable_tokens",
 )
@@ -52,6 +53,8 @@ def peft_config(method: str, model_path: str, lora_dropout: float = 0.05):
     lora = dict(r=16, lora_alpha=32, lora_dropout=lora_dropout, target_modules="all-linear", task_type="CAUSAL_LM")
     if method == "lora":
         return peft.LoraConfig(**lora)
+    if method == "lora_attention":
+        return peft.LoraConfig(**dict(lora, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
     if method == "dora":
         return peft.LoraConfig(use_dora=True, **lora)
     if method == "rslora":

@@ -13,8 +13,10 @@ and a few crossings. docs/reliability.md shows the cells with their results
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Tuple
@@ -24,8 +26,11 @@ import torch
 
 from layerstream.integrations import autoload, launch
 
-from clients import checkpoints, data
-from clients.harness import Client, assert_same_runs, assert_same_saved_tensors, files
+if __name__ == "__main__":  # printing the table: the tests' shared pieces are one folder up
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from clients import checkpoints, data  # noqa: E402
+from clients.harness import Client, assert_same_runs, assert_same_saved_tensors, files  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -58,6 +63,7 @@ PEFT_NAMES = {
     "modules_to_save": "LoRA + modules_to_save (lm_head)",
     "trainable_tokens": "trainable tokens",
     "lora_bias_all": "LoRA, bias='all'",
+    "lora_attention": "LoRA on attention",
 }
 NO_DROPOUT = ("--lora_dropout", "0")  # PEFT's LoRA on fused expert weights refuses dropout, plain or streamed
 
@@ -70,6 +76,9 @@ class Cell:
     options: Tuple[str, ...] = ()  # more arguments for client.py
     refused: Optional[str] = None  # the streamed run is refused before any work, naming this
     failing: Optional[str] = None  # a known difference, with its diagnosis: the cell's test fails
+    # (layerstream log key, bound): a training log of the streamed run has the key below the
+    # bound, proving the path the cell is there for ran
+    logs: Tuple[Tuple[str, float], ...] = ()
 
     @property
     def id(self) -> str:
@@ -108,6 +117,8 @@ CELLS = [
     Cell("KTOTrainer", "mixtral", options=NO_DROPOUT),
     Cell("ORPOTrainer", "mistral", "lokr"),
     Cell("CPOTrainer", "phi3", "rslora"),
+    # generation copies only the chosen experts (16 experts, 2 per token, 2 sequences)
+    Cell("GRPOTrainer", "qwen3_moe", "lora_attention", logs=(("layerstream/generate_experts_per_visit", 16),)),
 ]
 
 
@@ -171,6 +182,10 @@ def _check(cell: Cell, checkpoint, data_dir, tmp_path, device: str) -> None:
         return
     client.run_streamed(argv)
     assert_same_runs(plain, streamed)
+    history = json.loads(next(streamed.glob("checkpoint-*/trainer_state.json")).read_text())["log_history"]
+    for key, bound in cell.logs:
+        values = [entry[key] for entry in history if key in entry]
+        assert values and min(values) < bound, f"{key}: {values}, expected a value below {bound}"
 
 
 def _device_params():

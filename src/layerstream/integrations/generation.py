@@ -21,7 +21,7 @@ from ..api import get_runtime, is_streamed, on_stream
 
 _ATTR = "_layerstream_generation"
 _installed = False
-COUNTED = ("layer_loads", "h2d_bytes", "h2d_seconds", "stall_seconds")
+COUNTED = ("layer_loads", "h2d_bytes", "h2d_seconds", "stall_seconds", "expert_visits", "experts_copied")
 
 
 @dataclasses.dataclass
@@ -34,6 +34,8 @@ class GenerationCounters:
     h2d_bytes: int = 0
     h2d_seconds: float = 0.0
     stall_seconds: float = 0.0
+    expert_visits: int = 0  # calls of a mixture-of-experts layer's experts
+    experts_copied: int = 0
     window_layers: int = 0  # the resident window when the last call ended
     active: bool = False  # inside a call (a nested generate counts once)
 

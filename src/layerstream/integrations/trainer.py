@@ -91,6 +91,10 @@ class _LogWindow:
             PREFIX + "window_layers": now["window_layers"],
             PREFIX + "oom_retries": now["oom_retries"],
         }
+        visits = now["expert_visits"] - self.last["expert_visits"] - gen["expert_visits"]
+        if visits:
+            copied_experts = now["experts_copied"] - self.last["experts_copied"] - gen["experts_copied"]
+            out[PREFIX + "experts_per_visit"] = round(copied_experts / visits, 2)
         if gen["calls"]:
             out.update(_generation_figures(gen, totals.window_layers))
         self.last_generation = made
@@ -134,6 +138,11 @@ def _generation_figures(gen: dict, window_layers: int) -> dict:
         PREFIX + "generate_h2d_gbps": round(gen["h2d_bytes"] / seconds / 1e9, 3) if seconds > 0 else 0.0,
         PREFIX + "generate_stall_fraction": round(gen["stall_seconds"] / max(gen["seconds"], 1e-9), 4),
         PREFIX + "generate_window_layers": window_layers,
+        **(
+            {PREFIX + "generate_experts_per_visit": round(gen["experts_copied"] / gen["expert_visits"], 2)}
+            if gen["expert_visits"]
+            else {}
+        ),
     }
 
 
