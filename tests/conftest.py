@@ -86,3 +86,21 @@ def read_only(monkeypatch):
     for name in ("mkdir", "unlink", "replace", "rename"):
         monkeypatch.setattr(os, name, writing(name))
     return lambda folder: folders.append(os.path.abspath(folder))
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--shuffle-seed",
+        type=int,
+        default=None,
+        help="run the selected tests in an order shuffled with this seed (a test that passes "
+        "alone but fails after another one shows state leaking between them)",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    seed = config.getoption("--shuffle-seed")
+    if seed is not None:
+        import random
+
+        random.Random(seed).shuffle(items)

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The GPU-marked test suite run whole, as a GPU point is checked before it is called done:
+# in the default order, then shuffled with two seeds (each in its own temporary folder).
+# Run on the GPU machine after `source .gpu-setup.sh`; each run is well under 10 minutes.
+#
+#   bash scripts/gpu-suite.sh order            # in order
+#   bash scripts/gpu-suite.sh shuffled 1 2     # shuffled with seeds 1 and 2, one after the other
+#
+# Logs go to $OUT (else benchmarks/results/gpu-suite/), named by the commit.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+out=${OUT:-benchmarks/results/gpu-suite}
+mkdir -p "$out"
+commit=$(git rev-parse --short HEAD 2>/dev/null || echo worktree)
+suite=(python3 -m pytest -o addopts="" -m "gpu and not multigpu" -q -p no:cacheprovider tests)
+mode=${1:-order}
+shift || true
+status=0
+if [ "$mode" = order ]; then
+  "${suite[@]}" 2>&1 | tee "$out/$commit-in-order.log"
+  status=${PIPESTATUS[0]}
+else
+  for seed in "${@:-1}"; do
+    "${suite[@]}" --shuffle-seed "$seed" --basetemp "/tmp/gpu-suite-$seed" 2>&1 | tee "$out/$commit-seed$seed.log"
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  done
+fi
+exit "$status"
