@@ -157,3 +157,68 @@ def test_a_qlora_model_copies_its_experts_by_need_and_equals_resident(tmp_path):
     stats = layerstream.get_runtime(streamed).stats()
     assert 0 < stats["experts_copied"] < stats["expert_visits"] * EXPERTS / 2
     assert stats["nf4_function_calls"] + stats["nf4_dequant_calls"] > 0, "the attention streamed packed"
+
+
+def test_a_merge_undone_inside_the_layers_call_reads_and_writes_whole_stacks():
+    """PEFT undoes a merged adapter on an expert stack inside the layer's call (a forward
+    with the adapter disabled): the slot is made whole before PEFT reads it, so the logits
+    and, after unstreaming, every weight are the resident model's (copied by need, rows the
+    router did not choose would hold another layer's bytes and be written to the host)."""
+    stacks = dict(r=4, lora_alpha=8, init_lora_weights=False, target_modules=[])
+    lora = lora_config(**stacks, target_parameters=["mlp.experts.gate_up_proj"])
+    base, resident_base = _pair("qwen3_moe")
+    stream(base)
+    torch.manual_seed(0)
+    streamed = get_peft_model(base, lora)
+    torch.manual_seed(0)
+    resident = get_peft_model(resident_base, lora)
+    ids = torch.tensor([[5, 7]])
+    for model in (streamed, resident):
+        model.merge_adapter()
+    with streamed.disable_adapter(), resident.disable_adapter():
+        assert torch.equal(_logits(streamed, ids), _logits(resident, ids))
+    layerstream.unstream_model(streamed)
+    for (name, mine), (_, theirs) in zip(streamed.named_parameters(), resident.named_parameters()):
+        assert torch.equal(mine, theirs), name
+
+
+def test_each_experts_module_of_a_layer_keeps_its_own_rows():
+    """PEFT's modules_to_save on the experts, loaded for inference: each layer holds two
+    experts modules (the original and the saved copy), both streamed. A pass with the
+    adapter and one without, in slots kept between them: the original's rows are its own."""
+    saved = dict(r=4, target_modules=["q_proj"], modules_to_save=["experts"], init_lora_weights=False)
+    base, resident_base = (tiny_model("qwen3_moe", layers=2, **ROUTED["qwen3_moe"]) for _ in range(2))
+    resident_base.load_state_dict(base.state_dict())
+    torch.manual_seed(0)
+    streamed = get_peft_model(base, lora_config(**saved))
+    torch.manual_seed(0)
+    resident = get_peft_model(resident_base, lora_config(**saved))
+    for model in (streamed, resident):
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "modules_to_save" in name:
+                    param.mul_(1.25)  # the saved experts differ from the original ones
+        model.requires_grad_(False)
+    stream(streamed, slots=2)
+    ids = torch.tensor([[5, 7]])
+    assert torch.equal(_logits(streamed, ids), _logits(resident, ids))
+    with streamed.disable_adapter(), resident.disable_adapter():
+        assert torch.equal(_logits(streamed, ids), _logits(resident, ids))
+
+
+def _send_to_the_last_two(module, args, kwargs):
+    hidden, chosen, weights = args
+    return (hidden, torch.full_like(chosen, EXPERTS - 2) + torch.arange(chosen.shape[-1]) % 2, weights), kwargs
+
+
+def test_a_hook_added_after_streaming_that_changes_the_choice_gets_the_rows_it_chose():
+    """A user's pre-hook on the experts (an ablation sending every token to two experts),
+    registered after streaming, runs after layerstream's: the chosen rows are not known
+    there, so every row is copied."""
+    streamed, resident = _pair("qwen3_moe")
+    stream(streamed)
+    for model in (streamed, resident):
+        for layer in model.model.layers:
+            layer.mlp.experts.register_forward_pre_hook(_send_to_the_last_two, with_kwargs=True)
+    ids = torch.tensor([[5, 7]])
+    assert torch.equal(_logits(streamed, ids), _logits(resident, ids))

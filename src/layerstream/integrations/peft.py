@@ -208,6 +208,9 @@ def _bind_device_copies(runtime, record, positions) -> dict:
         current = entry.table.get(entry.name)
         host = record.host_values[position]
         bound[position] = current
+        slot = None if current is host else runtime.pool.slot_of_pointer(current.data_ptr())
+        if slot is not None:  # inside the layer's call: expert rows copied by need, all of them now
+            runtime.experts.complete(record.index, slot)
         if current is host:  # outside the layer's own call: give it a device copy
             if getattr(host, "quant_state", None) is not None:
                 entry.table[entry.name] = nf4.device_weight(host, device)

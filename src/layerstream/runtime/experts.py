@@ -9,12 +9,13 @@ each experts module's forward (after the router) copies the rows of the chosen e
 slot does not hold yet, on the compute stream, before the experts read them. Rows of
 experts nobody chose are never copied and never read.
 
-The rows a slot holds are kept by the slot pool (``SlotPool.rows_present``) beside its
-owner, so that a slot kept across passes (the ring keeps the first layers for the next
+The rows a slot holds, per experts module, are kept by the slot pool
+(``SlotPool.rows_present``) beside its owner, so that a slot kept across passes (the ring keeps the first layers for the next
 forward) is completed with the rows the new pass chooses, and any copy of a whole region
 makes the slot whole again. Where the experts call does not read by expert (another
-implementation, an adapter merged into the stack), the hook copies every row still
-missing first. Window layers are whole on the device and are left alone.
+implementation, an adapter merged into the stack, a hook added after this one that may
+change the choice), the hook copies every row still missing first; so does code that
+reads or writes whole stacks inside the layer's call (a PEFT merge: ``complete``). Window layers are whole on the device and are left alone.
 
 Exactness: the experts compute from the same bytes as a resident layer, for every row they
 read, so the result is the resident one bit for bit; a row left out by mistake holds
@@ -118,8 +119,10 @@ class ExpertsByNeed:
         present = self.pool.rows_present[slot]
         if present is None or not stack.by_need:
             return
-        wanted = _chosen_rows(module, stack, args, kwargs) if self.by_need else range(stack.experts)
-        missing = [row for row in wanted if row not in present]
+        held = present.setdefault(id(module), set())  # each stack's own rows
+        reads_chosen = self.by_need and self._last_hook(module)
+        wanted = _chosen_rows(module, stack, args, kwargs) if reads_chosen else range(stack.experts)
+        missing = [row for row in wanted if row not in held]
         if not missing:
             return
         with torch.no_grad():
@@ -128,8 +131,36 @@ class ExpertsByNeed:
                 for first, past in decide.runs(missing):
                     slot_rows[first:past].copy_(host[first:past], non_blocking=True)
                     self.pool.h2d_bytes += host[first:past].numel() * host.element_size()
-        present.update(missing)
+        if self.pool.cuda:  # a later pass on another stream waits for these rows, as for a load
+            self.pool.ready[slot].record(torch.cuda.current_stream(self.pool.device))
+        held.update(missing)
         self.experts_copied += len(missing)
+
+    def _last_hook(self, module: nn.Module) -> bool:
+        """Whether this runtime's hook is the last before the module's forward: a hook added
+        after it may change which experts the forward reads (then every row is copied)."""
+        handle = self._hooks.get(id(module))
+        hooks = module._forward_pre_hooks
+        return handle is not None and bool(hooks) and next(reversed(hooks)) == handle.id
+
+    def complete(self, index: int, slot: int) -> None:
+        """Copy every row layer ``index`` lacks in ``slot``: before code other than the
+        experts' forward reads or writes whole stacks there (a PEFT merge inside the call)."""
+        present = self.pool.rows_present[slot]
+        if present is None or index not in self._holes:
+            return
+        record = self.records[index]
+        raw = _unversioned(self.pool.buffers[slot])
+        with torch.no_grad():
+            for begin, end in self._holes[index]:
+                raw[begin:end].copy_(record.host_region[begin:end], non_blocking=True)
+                self.pool.h2d_bytes += end - begin
+        if self.pool.cuda:
+            self.pool.ready[slot].record(torch.cuda.current_stream(self.pool.device))
+        for stack in self.stacks[index]:
+            if stack.by_need:
+                self.experts_copied += stack.experts - len(present.get(id(stack.module), ()))
+        self.pool.rows_present[slot] = None
 
     def stats(self) -> dict:
         return {"expert_visits": self.visits, "experts_copied": self.experts_copied}

@@ -75,8 +75,9 @@ class SlotPool:
             for slot in range(slots)
         ]
         self.owner: List[Optional[int]] = [None] * slots
-        # per slot: the expert rows a layer copied by need holds (None: its whole region)
-        self.rows_present: List[Optional[set]] = [None] * slots
+        # per slot: the expert rows a layer copied by need holds, per experts module (None:
+        # its whole region)
+        self.rows_present: List[Optional[dict]] = [None] * slots
         self.borrowed_peak_bytes = 0  # the most backward-slot memory held at once
         self._destinations: dict = {}  # (slot, nbytes) -> view of the slot buffer
         self.recording = None  # a timeline.Recording while one step is being recorded
@@ -199,7 +200,7 @@ class SlotPool:
         pieces = [(0, nbytes)] if ranges is None else ranges
         copied = sum(end - begin for begin, end in pieces)
         self.owner[slot] = record.index
-        self.rows_present[slot] = None if ranges is None else set()
+        self.rows_present[slot] = None if ranges is None else {}
         self.loads += 1
         self.h2d_bytes += copied
         timed = self.recording is not None or self.loads % TIMED_COPY_EVERY == 1
