@@ -55,6 +55,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -104,6 +105,19 @@ class Case:
     disk: int = DISK_BYTES
     host_ram: int = HOST_RAM_BYTES
     gpu: int = GPU_BYTES
+
+
+@dataclass
+class Session:
+    """What every case of one invocation shares: its arguments, the device, the bandwidth
+    measured at its start, its command line, and ``keep(rows)``, which writes a case's rows
+    so far (a run cut off by the machine's time limit keeps what it measured)."""
+
+    args: argparse.Namespace
+    device: str
+    gbps: float
+    command: str
+    keep: Callable[[list], None]
 
 
 CASES = {
@@ -245,14 +259,14 @@ def streamed_train_row(model, runtime, routing, case: Case, ids, common: dict, g
     return row
 
 
-def streamed_decode_row(model, runtime, routing, case: Case, batch: int, common: dict, gbps: float) -> dict:
+def streamed_decode_row(model, runtime, routing, vocab: int, case: Case, batch: int, common: dict, gbps: float) -> dict:
     from layerstream.plan.decode import decode_term
 
     row = dict(common, kind="decode", batch=batch, prompt_tokens=case.prompt_tokens, new_tokens=case.new_tokens)
     before = runtime.stats()
     routing.reset()
     try:
-        steps, peak = decode_steps(model, batch, case.prompt_tokens, case.new_tokens, common["device"], common["vocab"])
+        steps, peak = decode_steps(model, batch, case.prompt_tokens, case.new_tokens, common["device"], vocab)
     except Exception as error:  # noqa: BLE001
         return failed(row, error)
     after = runtime.stats()
@@ -272,35 +286,36 @@ def streamed_decode_row(model, runtime, routing, case: Case, batch: int, common:
     return row
 
 
-def run_api(case: Case, values: dict, sizes: dict, args, device: str, gbps: float, command: str) -> list:
+def run_api(case: Case, values: dict, sizes: dict, session: Session) -> list:
     """Build once; streamed training (and decoding) under the cap; then the same model
     resident on the whole GPU where its layers fit."""
     import layerstream
     from layerstream.units import parse_bytes
 
+    args, device, gbps = session.args, session.device, session.gbps
     layers = sizes["layers_measured"]
     model, routing = build_model(values, layers, device)
     vocab = values["vocab_size"]
     ids = torch.randint(0, vocab, (1, case.tokens), generator=torch.Generator().manual_seed(0)).to(device)
-    if device == "cuda":
+    if device == "cuda":  # the cap counts what the allocator keeps: the build's blocks go back first
+        torch.cuda.empty_cache()
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, parse_bytes(case.cap) / total))
     layerstream.stream_model(model, device=device)
     model.to(device)
     runtime = layerstream.get_runtime(model)
     common = dict(case=case.name, model=case.shape, quantization="nf4", cap=case.cap, route="api", layers=layers)
-    common.update(layers_of_model=sizes["layers_of_model"], command=command, sizes=sizes, h2d_gbps=gbps)
-    common.update(device=device, vocab=vocab)
+    common.update(layers_of_model=sizes["layers_of_model"], command=session.command, sizes=sizes, h2d_gbps=gbps)
+    common.update(device=device)
     rows = [streamed_train_row(model, runtime, routing, case, ids, common, gbps)]
-    rows += [streamed_decode_row(model, runtime, routing, case, b, common, gbps) for b in case.decode_batches]
+    rows += [streamed_decode_row(model, runtime, routing, vocab, case, b, common, gbps) for b in case.decode_batches]
+    session.keep(rows)
     if not args.no_resident and sizes["resident_fits_gpu_measured"]:
         add_resident_api(model, rows, case, ids, device, vocab)
     del model, runtime
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
-    for row in rows:
-        del row["vocab"]
     return rows
 
 
@@ -377,7 +392,7 @@ def write_inputs(case: Case, values: dict, work: Path, sizes: dict) -> tuple:
     data = work / "data-sft"
     data.mkdir(parents=True, exist_ok=True)
     text = "".join(json.dumps({"text": f"Q: {r['instruction']}\nA: {r['response']}"}) + "\n" for r in rows)
-    (data / "train.jsonl").write_text(text * 4)  # packed into `tokens`-long sequences
+    (data / "train.jsonl").write_text(text * 8)  # about 50 packed sequences of 2048 tokens
     return checkpoint, data
 
 
@@ -406,7 +421,7 @@ def run_script(case: Case, command: list, work: Path, tag: str, logs: Path, time
     except subprocess.TimeoutExpired as expired:
         log, returncode = f"{expired.stdout or ''}{expired.stderr or ''}\ntimed out after {timeout:.0f} s", None
     logs.mkdir(parents=True, exist_ok=True)
-    (logs / f"moe-{case.name}-{tag}.log").write_text(log[-20000:] if isinstance(log, str) else str(log)[-20000:])
+    (logs / f"moe-{case.name}-{tag}.log").write_text(log[-20000:])
     timing = json.loads(times.read_text()) if times.exists() else {}
     state = Path(command[command.index("--output_dir") + 1]) / f"checkpoint-{case.steps}" / "trainer_state.json"
     history = json.loads(state.read_text())["log_history"] if state.exists() else []
@@ -424,9 +439,10 @@ def run_script(case: Case, command: list, work: Path, tag: str, logs: Path, time
     }
 
 
-def run_trl(case: Case, values: dict, sizes: dict, args, gbps: float, command: str) -> list:
+def run_trl(case: Case, values: dict, sizes: dict, session: Session) -> list:
     """The streamed script under the cap, then the plain one on the whole GPU; compared step by
     step from the third (the same packed batches in the same order)."""
+    args, gbps = session.args, session.gbps
     work, logs = Path(args.work), Path(args.out).parent / "moe"
     checkpoint, data = write_inputs(case, values, work, sizes)
     extra = ["--use_cpu"] if args.dry_run else []
@@ -439,7 +455,7 @@ def run_trl(case: Case, values: dict, sizes: dict, args, gbps: float, command: s
     bytes_per_step = (counts[-1]["h2d_bytes"] - counts[1]["h2d_bytes"]) / (len(counts) - 2) if len(counts) > 2 else None
     row = dict(case=case.name, model=case.shape, quantization="nf4", cap=case.cap, route="trl-sft", kind="train")
     row.update(tokens=case.tokens, batch=1, layers=sizes["layers_of_model"], layers_of_model=sizes["layers_of_model"])
-    row.update(command=command, script_command=" ".join(streamed_cmd), sizes=sizes, h2d_gbps=gbps)
+    row.update(command=session.command, script_command=" ".join(streamed_cmd), sizes=sizes, h2d_gbps=gbps)
     row.update({k: v for k, v in streamed.items() if k != "counters"})
     row.update(step_s=statistics.median(times[2:]) if len(times) > 2 else None, bytes_per_step=bytes_per_step)
     row.update(copy_bound_s=bytes_per_step / (gbps * 1e9) if bytes_per_step is not None else None)
@@ -447,6 +463,7 @@ def run_trl(case: Case, values: dict, sizes: dict, args, gbps: float, command: s
     visits, copied = counter_delta(first, last, "expert_visits"), counter_delta(first, last, "experts_copied")
     row.update(experts_copied=copied, expert_visits=visits, experts_copied_per_visit=per_visit(copied, visits))
     row.update(window_layers=last.get("window_layers"), routed_expert_share=None)
+    session.keep([row])
     if not args.no_resident and sizes["resident_fits_gpu_full"]:
         plain_cmd = trl_command(case, checkpoint, data, work / f"{case.name}-plain", False, extra)
         plain = run_script(case, plain_cmd, work, "plain", logs, args.run_timeout, env)
@@ -525,6 +542,10 @@ def main(argv=None) -> int:
         raise SystemExit(f"unknown case(s) {unknown}; cases: {', '.join(table)}")
     cases = [table[name] for name in names]
     device = "cuda" if torch.cuda.is_available() and not args.dry_run else "cpu"
+    if device == "cuda":  # the allocator `layerstream run` gives a script, before CUDA starts
+        from layerstream.commands.run import allocator_defaults
+
+        allocator_defaults()
     out = Path(args.out)
     base = json.loads(Path(args.base).read_text())["rows"] if args.base else []
     if out.exists() and not args.base:
@@ -533,22 +554,26 @@ def main(argv=None) -> int:
     print(f"moe: host-to-device {gbps:.1f} GB/s", flush=True)
     command = "python benchmarks/moe.py " + " ".join(argv if argv is not None else sys.argv[1:])
     done = []
+
+    def keep(rows: list) -> None:
+        stamp = dict(machine=machine(), commit=commit(), when=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()))
+        stamp.update(alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF"))
+        for row in rows:
+            finish(row)
+            row.update(stamp)
+        save(out, base, done + rows)
+
+    session = Session(args, device, gbps, command, keep)
     for case in cases:
         values = SHAPES[case.shape]
         sizes = case_sizes(case, values, args.layers)
         route = sizes["route"] if args.route == "auto" else args.route
         print(f"moe: {case.name}: {route}; {json.dumps(sizes)}", flush=True)
-        if route == "trl-sft":
-            rows = run_trl(case, values, sizes, args, gbps, command)
-        else:
-            rows = run_api(case, values, sizes, args, device, gbps, command)
-        stamp = dict(machine=machine(), commit=commit(), when=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()))
+        rows = (run_trl if route == "trl-sft" else run_api)(case, values, sizes, session)
+        keep(rows)
         for row in rows:
-            finish(row)
-            row.update(stamp)
             print(json.dumps({k: v for k, v in row.items() if not k.endswith("_all") and k != "machine"}), flush=True)
         done += rows
-        save(out, base, done)
     return 0
 
 

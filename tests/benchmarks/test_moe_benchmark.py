@@ -47,7 +47,7 @@ def test_every_case_has_its_rows_with_the_figures_a_result_needs(dry_run):
     ]
     for key, row in rows.items():
         kind_keys = TRAIN_KEYS if row["kind"] == "train" else DECODE_KEYS
-        assert ROW_KEYS | kind_keys | COUNTED_KEYS <= set(row), (key, sorted(ROW_KEYS | kind_keys - set(row)))
+        assert ROW_KEYS | kind_keys | COUNTED_KEYS <= set(row), (key, sorted((ROW_KEYS | kind_keys) - set(row)))
         assert row["quantization"] == "nf4" and row["command"].startswith("python benchmarks/moe.py --dry-run")
         assert {"torch", "transformers", "peft", "trl", "bitsandbytes"} <= set(row["machine"])
         assert "error" not in row, row.get("error")
