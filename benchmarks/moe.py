@@ -15,7 +15,8 @@ Under NF4, bitsandbytes packs the nn.Linear weights (attention) and leaves the f
 stacks in bf16, as transformers' own 4-bit load does: the host store is most of the bf16
 checkpoint. LoRA adapts the attention projections: PEFT's "all-linear" on these families
 also adapts the fused experts (about 1B LoRA parameters for Qwen3-30B-A3B), which no
-8 GiB budget holds.
+8 GiB budget holds. gpt-oss runs transformers' eager attention (it has no SDPA path for the
+attention sinks), in both routes, as TRL's script gets it.
 
 Size arithmetic (``--sizes`` prints it, no GPU needed; ``case_sizes``): a case runs the
 user's own command (``layerstream run -m trl.scripts.sft ... --load_in_4bit``) on a
