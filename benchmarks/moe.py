@@ -264,22 +264,30 @@ def streamed_decode_row(model, runtime, routing, vocab: int, case: Case, batch: 
     from layerstream.plan.decode import decode_term
 
     row = dict(common, kind="decode", batch=batch, prompt_tokens=case.prompt_tokens, new_tokens=case.new_tokens)
-    before = runtime.stats()
+    prefilled = {}  # the counters once the prompt's step is done: the rows count token steps only
     routing.reset()
     try:
-        steps, peak = decode_steps(model, batch, case.prompt_tokens, case.new_tokens, common["device"], vocab)
+        steps, peak = decode_steps(
+            model,
+            batch,
+            case.prompt_tokens,
+            case.new_tokens,
+            common["device"],
+            vocab,
+            lambda: prefilled.update(runtime.stats()),
+        )
     except Exception as error:  # noqa: BLE001
         return failed(row, error)
     after = runtime.stats()
     streamed = streamed_layer_bytes(runtime)
     whole = decode_term(list(streamed.values()), after["slots"], gbps, 0).copy_seconds
     chosen = [n for counts in routing.distinct(skip_first=True).values() for n in counts]
-    visits = counter_delta(before, after, "expert_visits")
-    copied = counter_delta(before, after, "experts_copied")
+    visits = counter_delta(prefilled, after, "expert_visits")
+    copied = counter_delta(prefilled, after, "experts_copied")
     row.update(decode_ms=statistics.median(steps[2:] or steps) * 1e3, decode_ms_all=[s * 1e3 for s in steps], **peak)
     row.update(copy_bound_ms=whole * 1e3)
     row.update(by_need_copy_bound_ms=by_need_bound_s(routing, streamed, after["slots"], gbps) * 1e3)
-    row.update(bytes_per_token_step=(after["h2d_bytes"] - before["h2d_bytes"]) / case.new_tokens)
+    row.update(bytes_per_token_step=(after["h2d_bytes"] - prefilled["h2d_bytes"]) / len(steps))
     row.update(routed_experts_per_layer=statistics.mean(chosen) if chosen else None)
     row.update(experts_per_layer=max((count for count, _ in routing.experts.values()), default=None))
     row.update(experts_copied=copied, expert_visits=visits, experts_copied_per_visit=per_visit(copied, visits))

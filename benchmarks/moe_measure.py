@@ -115,26 +115,30 @@ def train_steps(model, ids, steps: int, warmup: int, at_timed_steps=None):
 
 
 class StepClock:
-    """A stopping criterion that stops nothing: it notes when each token step ended."""
+    """A stopping criterion that stops nothing: it notes when each token step ended, and calls
+    ``after_prefill()`` once the first one (the prompt's) has."""
 
-    def __init__(self):
-        self.marks = []
+    def __init__(self, after_prefill=None):
+        self.marks, self.after_prefill = [], after_prefill
 
     def __call__(self, input_ids, scores, **kwargs):
         synchronize()
         self.marks.append(time.perf_counter())
+        if len(self.marks) == 1 and self.after_prefill is not None:
+            self.after_prefill()
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
-def decode_steps(model, batch: int, prompt_tokens: int, new_tokens: int, device: str, vocab: int) -> tuple:
+def decode_steps(model, batch, prompt_tokens, new_tokens, device, vocab, after_prefill=None) -> tuple:
     """Greedy generation of ``new_tokens`` after a random prompt of ``prompt_tokens``: each
-    token step's time after the prefill (seconds) and the peaks."""
+    token step's time after the prefill (seconds) and the peaks (``StepClock`` for
+    ``after_prefill``)."""
     from transformers import StoppingCriteriaList
 
     model.eval()
     generator = torch.Generator().manual_seed(batch)
     ids = torch.randint(0, vocab, (batch, prompt_tokens), generator=generator).to(device)
-    clock = StepClock()
+    clock = StepClock(after_prefill)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     with torch.no_grad():
