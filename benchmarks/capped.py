@@ -57,13 +57,28 @@ def _add_to_every_trainer(callback_class) -> None:
     Trainer.__init__ = __init__
 
 
+# the streaming runtime's counters kept after each step of a streamed model (cumulative;
+# None where this layerstream does not count it)
+STREAM_COUNTERS = ("h2d_bytes", "layer_loads", "window_layers", "experts_copied", "expert_visits")
+
+
+def _stream_counters(model):
+    """The runtime's counters now, or None for a model that does not stream."""
+    import layerstream
+
+    if model is None or not layerstream.is_streamed(model):
+        return None
+    stats = layerstream.get_runtime(model).stats()
+    return {name: stats.get(name) for name in STREAM_COUNTERS}
+
+
 def _time_trainer_steps(path: str) -> None:
     import torch
     from transformers import TrainerCallback
 
     class StepTimes(TrainerCallback):
         def __init__(self):
-            self.times, self.start = [], None
+            self.times, self.start, self.counters = [], None, []
 
         def on_step_begin(self, args, state, control, **kwargs):
             if torch.cuda.is_available():
@@ -75,12 +90,14 @@ def _time_trainer_steps(path: str) -> None:
             if cuda:
                 torch.cuda.synchronize()
             self.times.append(time.perf_counter() - self.start)
+            self.counters.append(_stream_counters(kwargs.get("model")))
             with open(path, "w") as handle:
                 json.dump(
                     {
                         "step_s": self.times,
                         "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
                         "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else None,
+                        "stream_counters": self.counters,
                     },
                     handle,
                 )

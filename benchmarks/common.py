@@ -34,6 +34,11 @@ SHAPES = {
     "qwen2.5-32b": shipped_shape("qwen2.5-32b"),
     # Qwen3-30B-A3B: 48 MoE layers, 128 experts of width 768, 8 routed per token
     "qwen3-30b-a3b": shipped_shape("qwen3-30b-a3b"),
+    # gpt-oss-20b: 24 layers of 32 experts of width 2880, 4 routed per token, attention
+    # alternating between a 128-token sliding window and full
+    "gpt-oss-20b": shipped_shape("gpt-oss-20b"),
+    # gpt-oss-120b: the same layer with 128 experts, 36 layers
+    "gpt-oss-120b": shipped_shape("gpt-oss-120b"),
 }
 
 
@@ -49,6 +54,8 @@ def shape_config(shape, layers: int | None = None, **overrides):
     model_type = values.pop("model_type")
     if layers is not None:
         values["num_hidden_layers"] = layers
+        if "layer_types" in values:  # one attention type per layer (gpt-oss): the first ``layers``
+            values["layer_types"] = values["layer_types"][:layers]
     values.update(overrides)
     return AutoConfig.for_model(model_type, **values)
 

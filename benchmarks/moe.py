@@ -1,0 +1,590 @@
+"""Mixture-of-experts models larger than the GPU: QLoRA steps and decoding, streamed.
+
+Random weights at the real shapes (configs/shapes), on one GPU capped with
+``torch.cuda.set_per_process_memory_fraction``:
+
+- ``qwen3-30b-a3b``: QLoRA (NF4), 2048 tokens, under 8 GiB, against the resident
+  bitsandbytes step of the same model in the same process; then decoding at batch 1 and 8,
+  milliseconds per token step against the copy bound of the experts actually routed.
+- ``gpt-oss-20b``: QLoRA under 8 GiB through TRL's ``sft.py``, unchanged, behind
+  ``layerstream run``, against the same script run plainly (resident) on the whole GPU.
+- ``gpt-oss-120b``: its layer shape, QLoRA under 24 GiB, as many layers as the host RAM
+  holds, against the resident step of those layers and the copy bound.
+
+Under NF4, bitsandbytes packs the nn.Linear weights (attention) and leaves the fused expert
+stacks in bf16, as transformers' own 4-bit load does: the host store is most of the bf16
+checkpoint. LoRA adapts the attention projections: PEFT's "all-linear" on these families
+also adapts the fused experts (about 1B LoRA parameters for Qwen3-30B-A3B), which no
+8 GiB budget holds. gpt-oss runs transformers' eager attention (it has no SDPA path for the
+attention sinks), in both routes, as TRL's script gets it.
+
+Size arithmetic (``--sizes`` prints it, no GPU needed; ``case_sizes``): a case runs the
+user's own command (``layerstream run -m trl.scripts.sft ... --load_in_4bit``) on a
+checkpoint written to disk when its bf16 checkpoint takes at most ``CHECKPOINT_DISK_SHARE``
+of the machine's disk and its whole store fits ``STORE_RAM_SHARE`` of the host RAM;
+otherwise the model is built in host memory as transformers' 4-bit load leaves it
+(``common.build_random_nf4``) and trained through the Python API, with as many of its
+layers as the host RAM holds. bf16 Qwen3-30B-A3B is 61 GB (56.9 GiB) on a 64 GiB disk that
+also holds the system: built in memory (NF4 checkpoints are not what users load: the
+loader quantises bf16 ones). gpt-oss-20b is 41.8 GB: written. gpt-oss-120b is 233 GB and
+its store 214 GiB: 12 of its 36 layers, built in memory.
+
+Bounds: the copy bound of a step is the bytes it copied over the pinned host-to-device
+bandwidth measured in the same run; the decode bounds are the planner's (every streamed
+layer copied whole, ``plan.decode.decode_term``) and the by-need one (each copied layer's
+non-expert bytes plus the experts its router chose that step, seen by a hook before each
+experts call). ``experts_copied`` and ``expert_visits`` come from ``runtime.stats()`` where
+layerstream counts them, else null.
+
+    python benchmarks/moe.py --sizes
+    python benchmarks/moe.py --case qwen3-30b-a3b --base benchmarks/results/moe.json   # $OUT/moe.json
+    python benchmarks/moe.py --case gpt-oss-20b --work /tmp/moe
+    python benchmarks/moe.py --case gpt-oss-120b
+    python benchmarks/moe.py --dry-run --work /tmp/moe-dry --out /tmp/moe-dry/moe.json  # tiny, CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from moe_measure import (  # noqa: E402
+    RoutedExperts,
+    by_need_bound_s,
+    counter_delta,
+    decode_steps,
+    host_to_device_gbps,
+    per_visit,
+    streamed_layer_bytes,
+    train_steps,
+)
+
+from common import SHAPES, build_random_nf4, machine, shape_config  # noqa: E402
+
+GiB = 1 << 30
+DISK_BYTES = 64 * GiB  # the GPU machine's disk
+HOST_RAM_BYTES = 128 * GiB  # and its RAM
+GPU_BYTES = 139 * GiB  # one H200 as CUDA reports it
+# of the disk a written checkpoint may take: the system image, carried wheels, TRL's output
+# and the page cache's write-back need the rest
+CHECKPOINT_DISK_SHARE = 0.75
+# of the host RAM the page-locked store may take: locked pages cannot be reclaimed, and the
+# load's one-layer copies, the checkpoint's page cache and the processes need the rest
+STORE_RAM_SHARE = 0.6
+LORA_R, LORA_ALPHA, LORA_DROPOUT = 16, 32, 0.05
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+TARGET_VS_RESIDENT = 0.9
+WHOLE_GPU = "1024GiB"  # capped.py's cap for a resident run: the fraction stays 1.0
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    shape: str  # a common.SHAPES key
+    cap: str  # GPU memory the streamed runs may use
+    tokens: int = 2048
+    decode_batches: tuple = ()
+    steps: int = 8  # timed steps of the API route (the TRL route: steps, of which 2 warm up)
+    warmup: int = 2
+    prompt_tokens: int = 128
+    new_tokens: int = 24
+    disk: int = DISK_BYTES
+    host_ram: int = HOST_RAM_BYTES
+    gpu: int = GPU_BYTES
+
+
+@dataclass
+class Session:
+    """What every case of one invocation shares: its arguments, the device, the bandwidth
+    measured at its start, its command line, and ``keep(rows)``, which writes a case's rows
+    so far (a run cut off by the machine's time limit keeps what it measured)."""
+
+    args: argparse.Namespace
+    device: str
+    gbps: float
+    command: str
+    keep: Callable[[list], None]
+
+
+CASES = {
+    case.name: case
+    for case in (
+        Case("qwen3-30b-a3b", "qwen3-30b-a3b", "8GiB", decode_batches=(1, 8)),
+        Case("gpt-oss-20b", "gpt-oss-20b", "8GiB", steps=12),
+        Case("gpt-oss-120b", "gpt-oss-120b", "24GiB", steps=6),
+    )
+}
+
+# --dry-run: the same three routes on tiny shapes, on the CPU, with a disk and host RAM
+# scaled so that each tiny case takes the route its real one takes
+_TINY_MOE = dict(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
+TINY_SHAPES = {
+    "tiny-qwen3-moe": dict(
+        _TINY_MOE,
+        model_type="qwen3_moe",
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        head_dim=16,
+        max_position_embeddings=512,
+    ),
+    "tiny-gpt-oss": dict(
+        _TINY_MOE,
+        model_type="gpt_oss",
+        intermediate_size=32,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        head_dim=16,
+        sliding_window=8,
+        num_hidden_layers=6,  # of which the host RAM of the 120b-like case holds 4
+        layer_types=["sliding_attention", "full_attention"] * 3,
+        rope_scaling=dict(
+            rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, original_max_position_embeddings=16
+        ),
+        max_position_embeddings=512,
+    ),
+}
+_TINY_RUN = dict(tokens=64, steps=3, warmup=1, prompt_tokens=16, new_tokens=6)
+TINY_CASES = {
+    case.name: case
+    for case in (
+        Case("tiny-qwen3-moe", "tiny-qwen3-moe", "8GiB", decode_batches=(1, 8), disk=1 << 19, **_TINY_RUN),
+        Case("tiny-gpt-oss-20b", "tiny-gpt-oss", "8GiB", **_TINY_RUN),
+        Case("tiny-gpt-oss-120b", "tiny-gpt-oss", "24GiB", disk=1 << 19, host_ram=15 << 16, **_TINY_RUN),
+    )
+}
+
+
+# -- size arithmetic -----------------------------------------------------------------------
+def checkpoint_bytes(config, dtype=torch.bfloat16) -> int:
+    """The safetensors payload of the model's state dict in ``dtype`` (tied weights once)."""
+    from layerstream.plan.shapes import build_meta_model
+
+    model = build_meta_model(config, dtype)
+    saved = {id(t): t for t in model.state_dict(keep_vars=True).values()}  # a tied weight once
+    return sum(t.numel() * t.element_size() for t in saved.values())
+
+
+def case_sizes(case: Case, values: dict, layers_asked: int | None = None) -> dict:
+    """Whether the bf16 checkpoint fits the disk, whether the host RAM holds the NF4 store
+    (experts in bf16), how many layers are measured (as many as the RAM holds, or
+    ``layers_asked``), and whether those fit the GPU resident."""
+    from layerstream import plan
+
+    config = shape_config(values)
+    layers = plan.layer_bytes(config, "nf4", torch.bfloat16)
+    resident = plan.resident_bytes(config, torch.bfloat16)
+    checkpoint = checkpoint_bytes(config)
+    measured = layers_asked or max(2, min(len(layers), int(case.host_ram * STORE_RAM_SHARE // max(layers))))
+    fits_disk = checkpoint <= case.disk * CHECKPOINT_DISK_SHARE
+    fits_ram = sum(layers) <= case.host_ram * STORE_RAM_SHARE
+    gib = lambda n: round(n / GiB, 2)  # noqa: E731
+    return {
+        "checkpoint_bf16_gib": gib(checkpoint),
+        "checkpoint_bf16_gb": round(checkpoint / 1e9, 2),
+        "disk_gib": gib(case.disk),
+        "checkpoint_fits_disk": fits_disk,
+        "store_nf4_gib": gib(sum(layers)),
+        "layer_nf4_gib": gib(max(layers)),
+        "host_ram_gib": gib(case.host_ram),
+        "store_fits_host_ram": fits_ram,
+        "layers_of_model": len(layers),
+        "layers_measured": measured,
+        "resident_gib_full": gib(sum(layers) + resident),
+        "resident_fits_gpu_full": sum(layers) + resident <= case.gpu,
+        "resident_gib_measured": gib(sum(layers[:measured]) + resident),
+        "resident_fits_gpu_measured": sum(layers[:measured]) + resident <= case.gpu,
+        "route": "trl-sft" if fits_disk and fits_ram else "api",
+    }
+
+
+# -- the Python API route ------------------------------------------------------------------
+def build_model(values: dict, layers: int, device: str):
+    """The NF4 model as transformers' 4-bit load leaves it, LoRA on the attention, and the
+    routing hooks (gpt-oss has no SDPA attention: eager, as transformers picks for it)."""
+    from peft import LoraConfig, get_peft_model
+
+    from layerstream.modules.discovery import find_decoder_layers
+
+    attn = "eager" if values["model_type"] == "gpt_oss" else "sdpa"
+    model = build_random_nf4(values, layers=layers, attn=attn)
+    routing = RoutedExperts(find_decoder_layers(model)[1])
+    lora = LoraConfig(r=LORA_R, lora_alpha=LORA_ALPHA, lora_dropout=LORA_DROPOUT, target_modules=list(LORA_TARGETS))
+    return get_peft_model(model, lora), routing
+
+
+def failed(row: dict, error: BaseException) -> dict:
+    """A row whose run raised (out of memory under the cap, say): said, not dropped."""
+    print(f"moe: {row['case']} {row['kind']} failed: {error!r}", flush=True)
+    said = f"{type(error).__name__}: {error}"[:2000]
+    return dict(row, trained=False, out_of_memory="out of memory" in said.lower(), error=said)
+
+
+def streamed_train_row(model, runtime, routing, case: Case, ids, common: dict, gbps: float) -> dict:
+    row = dict(common, kind="train", tokens=case.tokens, batch=1)
+    warm = {}
+
+    def at_timed_steps():  # the counters and the routing of the timed steps only
+        warm.update(runtime.stats())
+        routing.reset()
+
+    try:
+        times, losses, peak = train_steps(model, ids, case.steps, case.warmup, at_timed_steps)
+    except Exception as error:  # noqa: BLE001  (the row says why)
+        return failed(row, error)
+    after = runtime.stats()
+    visits = counter_delta(warm, after, "expert_visits")
+    copied = counter_delta(warm, after, "experts_copied")
+    bytes_per_step = (after["h2d_bytes"] - warm["h2d_bytes"]) / case.steps
+    row.update(step_s=statistics.median(times), step_s_all=times, losses=losses, **peak)
+    row.update(trained=all(math.isfinite(x) for x in losses), out_of_memory=False)
+    row.update(bytes_per_step=bytes_per_step, copy_bound_s=bytes_per_step / (gbps * 1e9))
+    row.update(window_layers=after["window_layers"], routed_expert_share=routing.share())
+    row.update(experts_copied=copied, expert_visits=visits, experts_copied_per_visit=per_visit(copied, visits))
+    return row
+
+
+def streamed_decode_row(model, runtime, routing, vocab: int, case: Case, batch: int, common: dict, gbps: float) -> dict:
+    from layerstream.plan.decode import decode_term
+
+    row = dict(common, kind="decode", batch=batch, prompt_tokens=case.prompt_tokens, new_tokens=case.new_tokens)
+    prefilled = {}  # the counters once the prompt's step is done: the rows count token steps only
+    routing.reset()
+    try:
+        steps, peak = decode_steps(
+            model,
+            batch,
+            case.prompt_tokens,
+            case.new_tokens,
+            common["device"],
+            vocab,
+            lambda: prefilled.update(runtime.stats()),
+        )
+    except Exception as error:  # noqa: BLE001
+        return failed(row, error)
+    after = runtime.stats()
+    streamed = streamed_layer_bytes(runtime)
+    whole = decode_term(list(streamed.values()), after["slots"], gbps, 0).copy_seconds
+    chosen = [n for counts in routing.distinct(skip_first=True).values() for n in counts]
+    visits = counter_delta(prefilled, after, "expert_visits")
+    copied = counter_delta(prefilled, after, "experts_copied")
+    row.update(decode_ms=statistics.median(steps[2:] or steps) * 1e3, decode_ms_all=[s * 1e3 for s in steps], **peak)
+    row.update(copy_bound_ms=whole * 1e3)
+    row.update(by_need_copy_bound_ms=by_need_bound_s(routing, streamed, after["slots"], gbps) * 1e3)
+    row.update(bytes_per_token_step=(after["h2d_bytes"] - prefilled["h2d_bytes"]) / len(steps))
+    row.update(routed_experts_per_layer=statistics.mean(chosen) if chosen else None)
+    row.update(experts_per_layer=max((count for count, _ in routing.experts.values()), default=None))
+    row.update(experts_copied=copied, expert_visits=visits, experts_copied_per_visit=per_visit(copied, visits))
+    row.update(window_layers=after["window_layers"])
+    return row
+
+
+def run_api(case: Case, values: dict, sizes: dict, session: Session) -> list:
+    """Build once; streamed training (and decoding) under the cap; then the same model
+    resident on the whole GPU where its layers fit."""
+    import layerstream
+    from layerstream.units import parse_bytes
+
+    args, device, gbps = session.args, session.device, session.gbps
+    layers = sizes["layers_measured"]
+    model, routing = build_model(values, layers, device)
+    vocab = values["vocab_size"]
+    ids = torch.randint(0, vocab, (1, case.tokens), generator=torch.Generator().manual_seed(0)).to(device)
+    if device == "cuda":  # the cap counts what the allocator keeps: the build's blocks go back first
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, parse_bytes(case.cap) / total))
+    layerstream.stream_model(model, device=device)
+    model.to(device)
+    runtime = layerstream.get_runtime(model)
+    common = dict(case=case.name, model=case.shape, quantization="nf4", cap=case.cap, route="api", layers=layers)
+    common.update(layers_of_model=sizes["layers_of_model"], command=session.command, sizes=sizes, h2d_gbps=gbps)
+    common.update(device=device)
+    rows = [streamed_train_row(model, runtime, routing, case, ids, common, gbps)]
+    rows += [streamed_decode_row(model, runtime, routing, vocab, case, b, common, gbps) for b in case.decode_batches]
+    session.keep(rows)
+    if not args.no_resident and sizes["resident_fits_gpu_measured"]:
+        add_resident_api(model, rows, case, ids, device, vocab)
+    del model, runtime
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def add_resident_api(model, rows: list, case: Case, ids, device: str, vocab: int) -> None:
+    """The same model, unstreamed onto the whole GPU: its step and token steps."""
+    import layerstream
+
+    if device == "cuda":
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    layerstream.unstream_model(model, device=device)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    try:
+        times, losses, peak = train_steps(model, ids, case.steps, case.warmup)
+    except Exception as error:  # noqa: BLE001
+        times, losses, peak = [], [], {"peak_allocated_gib": None}
+        rows[0]["resident_error"] = f"{type(error).__name__}: {error}"[:2000]
+    model.gradient_checkpointing_disable()
+    for row in rows:
+        if row["kind"] == "train":
+            row.update(resident_step_s=statistics.median(times) if times else None, resident_step_s_all=times)
+            row.update(resident_losses=losses, resident_peak_allocated_gib=peak["peak_allocated_gib"])
+            row.update(target_vs_resident=TARGET_VS_RESIDENT)
+        else:
+            try:
+                steps, peak = decode_steps(model, row["batch"], case.prompt_tokens, case.new_tokens, device, vocab)
+            except Exception as error:  # noqa: BLE001
+                row["resident_error"] = f"{type(error).__name__}: {error}"[:2000]
+                continue
+            row.update(resident_decode_ms=statistics.median(steps[2:] or steps) * 1e3)
+            row.update(resident_peak_allocated_gib=peak["peak_allocated_gib"])
+
+
+def finish(row: dict) -> None:
+    """Ratios of a row, where its figures are there."""
+    if row.get("step_s"):
+        if row.get("copy_bound_s") is not None:
+            row["fraction_of_copy_bound"] = row["copy_bound_s"] / row["step_s"]
+        if row.get("resident_step_s") and row.get("speed_vs_resident") is None:
+            row["speed_vs_resident"] = row["resident_step_s"] / row["step_s"]
+    if row.get("decode_ms"):
+        row["fraction_of_copy_bound"] = row["copy_bound_ms"] / row["decode_ms"]
+        row["fraction_of_by_need_bound"] = row["by_need_copy_bound_ms"] / row["decode_ms"]
+        if row.get("resident_decode_ms"):
+            row["speed_vs_resident"] = row["resident_decode_ms"] / row["decode_ms"]
+
+
+# -- TRL's script, unchanged, behind `layerstream run` -------------------------------------
+def require_free(directory: Path, needed: int) -> None:
+    import shutil
+
+    free = shutil.disk_usage(directory).free
+    if needed > free:
+        raise SystemExit(
+            f"{directory}: the checkpoint needs {needed / 1e9:.1f} GB and the disk has {free / 1e9:.1f} GB free: "
+            "remove an earlier case's checkpoint there, pass another --work, or --route api"
+        )
+
+
+def write_inputs(case: Case, values: dict, work: Path, sizes: dict) -> tuple:
+    """The bf16 checkpoint (written once, as a hub download leaves it) and SFT text rows."""
+    from layerstream import data as embedded
+
+    import checkpoints
+
+    checkpoint = work / case.shape
+    if not (checkpoint / "model.safetensors.index.json").exists():
+        work.mkdir(parents=True, exist_ok=True)
+        require_free(work, int(sizes["checkpoint_bf16_gb"] * 1e9 * 1.02))
+        SHAPES.setdefault(case.shape, values)
+        start = time.perf_counter()
+        checkpoints.write(case.shape, checkpoint)
+        print(f"moe: wrote {checkpoint} in {time.perf_counter() - start:.0f} s", flush=True)
+    rows = [json.loads(line) for line in embedded.data_path().read_text().splitlines() if line.strip()]
+    data = work / "data-sft"
+    data.mkdir(parents=True, exist_ok=True)
+    text = "".join(json.dumps({"text": f"Q: {r['instruction']}\nA: {r['response']}"}) + "\n" for r in rows)
+    (data / "train.jsonl").write_text(text * 8)  # about 50 packed sequences of 2048 tokens
+    return checkpoint, data
+
+
+def trl_command(case: Case, checkpoint: Path, data: Path, out: Path, streamed: bool, extra: list) -> list:
+    args = ["-m", "trl.scripts.sft", "--model_name_or_path", str(checkpoint), "--dataset_name", str(data)]
+    args += ["--output_dir", str(out), "--max_steps", str(case.steps), "--logging_steps", "1"]
+    args += ["--save_strategy", "steps", "--save_steps", str(case.steps), "--report_to", "none"]
+    args += ["--use_peft", "--lora_r", str(LORA_R), "--lora_alpha", str(LORA_ALPHA), "--lora_target_modules"]
+    args += [*LORA_TARGETS, "--per_device_train_batch_size", "1", "--max_length", str(case.tokens)]
+    args += ["--packing", "true", "--packing_strategy", "wrapped", "--dtype", "bfloat16", "--bf16", "true"]
+    args += ["--seed", "0", "--load_in_4bit", *extra]
+    return ["layerstream", "run", *args] if streamed else ["python", *args]
+
+
+def run_script(case: Case, command: list, work: Path, tag: str, logs: Path, timeout: float, env=None) -> dict:
+    """One run of the script through capped.py: its step times, peaks, counters, losses."""
+    times = work / f"{case.name}-{tag}-times.json"
+    times.unlink(missing_ok=True)
+    cap = case.cap if tag == "streamed" else WHOLE_GPU
+    argv = [sys.executable, str(HERE / "capped.py"), "--cap", cap, "--times", str(times), "--"]
+    argv += [sys.executable, *command[1:]] if command[0] == "python" else command
+    start = time.perf_counter()
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
+        log, returncode = done.stdout + done.stderr, done.returncode
+    except subprocess.TimeoutExpired as expired:
+        log, returncode = f"{expired.stdout or ''}{expired.stderr or ''}\ntimed out after {timeout:.0f} s", None
+    logs.mkdir(parents=True, exist_ok=True)
+    (logs / f"moe-{case.name}-{tag}.log").write_text(log[-20000:])
+    timing = json.loads(times.read_text()) if times.exists() else {}
+    state = Path(command[command.index("--output_dir") + 1]) / f"checkpoint-{case.steps}" / "trainer_state.json"
+    history = json.loads(state.read_text())["log_history"] if state.exists() else []
+    losses = [entry["loss"] for entry in history if "loss" in entry]
+    return {
+        "returncode": returncode,
+        "wall_s": round(time.perf_counter() - start, 1),
+        "out_of_memory": "out of memory" in str(log).lower(),
+        "trained": returncode == 0 and len(losses) == case.steps and all(math.isfinite(x) for x in losses),
+        "losses": losses,
+        "step_s_all": timing.get("step_s", []),
+        "counters": timing.get("stream_counters", []),
+        "peak_allocated_gib": timing.get("peak_allocated_gib"),
+        "peak_reserved_gib": timing.get("peak_reserved_gib"),
+    }
+
+
+def run_trl(case: Case, values: dict, sizes: dict, session: Session) -> list:
+    """The streamed script under the cap, then the plain one on the whole GPU; compared step by
+    step from the third (the same packed batches in the same order)."""
+    args, gbps = session.args, session.gbps
+    work, logs = Path(args.work), Path(args.out).parent / "moe"
+    checkpoint, data = write_inputs(case, values, work, sizes)
+    extra = ["--use_cpu"] if args.dry_run else []
+    # the dry run's tiny matmuls: one thread each, not two waiting on each other on a busy CPU
+    env = dict(os.environ, OMP_NUM_THREADS="1") if args.dry_run else None
+    streamed_cmd = trl_command(case, checkpoint, data, work / f"{case.name}-streamed", True, extra)
+    streamed = run_script(case, streamed_cmd, work, "streamed", logs, args.run_timeout, env)
+    times = streamed["step_s_all"]
+    counts = [c for c in streamed["counters"] if c] if len(times) > 2 else []
+    bytes_per_step = (counts[-1]["h2d_bytes"] - counts[1]["h2d_bytes"]) / (len(counts) - 2) if len(counts) > 2 else None
+    row = dict(case=case.name, model=case.shape, quantization="nf4", cap=case.cap, route="trl-sft", kind="train")
+    row.update(tokens=case.tokens, batch=1, layers=sizes["layers_of_model"], layers_of_model=sizes["layers_of_model"])
+    row.update(command=session.command, script_command=" ".join(streamed_cmd), sizes=sizes, h2d_gbps=gbps)
+    row.update({k: v for k, v in streamed.items() if k != "counters"})
+    row.update(step_s=statistics.median(times[2:]) if len(times) > 2 else None, bytes_per_step=bytes_per_step)
+    row.update(copy_bound_s=bytes_per_step / (gbps * 1e9) if bytes_per_step is not None else None)
+    first, last = (counts[1], counts[-1]) if len(counts) > 2 else ({}, {})
+    visits, copied = counter_delta(first, last, "expert_visits"), counter_delta(first, last, "experts_copied")
+    row.update(experts_copied=copied, expert_visits=visits, experts_copied_per_visit=per_visit(copied, visits))
+    row.update(window_layers=last.get("window_layers"), routed_expert_share=None)
+    session.keep([row])
+    if not args.no_resident and sizes["resident_fits_gpu_full"]:
+        plain_cmd = trl_command(case, checkpoint, data, work / f"{case.name}-plain", False, extra)
+        plain = run_script(case, plain_cmd, work, "plain", logs, args.run_timeout, env)
+        ratios = [p / s for p, s in zip(plain["step_s_all"][2:], times[2:]) if s > 0]
+        row.update(resident_command=" ".join(plain_cmd), resident_trained=plain["trained"])
+        row.update(resident_step_s=statistics.median(plain["step_s_all"][2:]) if ratios else None)
+        row.update(resident_step_s_all=plain["step_s_all"], resident_losses=plain["losses"])
+        row.update(resident_peak_allocated_gib=plain["peak_allocated_gib"], target_vs_resident=TARGET_VS_RESIDENT)
+        row.update(speed_vs_resident=statistics.median(ratios) if ratios else None)
+    finish(row)
+    return [row]
+
+
+# -- results -------------------------------------------------------------------------------
+def row_key(row: dict) -> tuple:
+    return (row["case"], row["kind"], row.get("batch"))
+
+
+def save(path: Path, base: list, rows: list) -> None:
+    """``base``'s rows, those of the same case, kind and batch replaced by ``rows``."""
+    fresh = {row_key(r) for r in rows}
+    merged = sorted([r for r in base if row_key(r) not in fresh] + rows, key=row_key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"rows": merged}, indent=1) + "\n")
+    print(f"moe: wrote {len(rows)} row(s) to {path}", flush=True)
+
+
+def commit() -> str | None:
+    try:
+        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE)
+    except OSError:
+        return None
+    return done.stdout.strip() or None
+
+
+def sizes_table(cases: dict) -> str:
+    lines = ["| case | bf16 checkpoint | fits disk | NF4 store | fits RAM | layers | resident fits GPU | route |"]
+    lines.append("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for case in cases.values():
+        s = case_sizes(case, SHAPES[case.shape])
+        lines.append(
+            f"| {case.name} | {s['checkpoint_bf16_gb']} GB | {s['checkpoint_fits_disk']} | {s['store_nf4_gib']} GiB "
+            f"| {s['store_fits_host_ram']} | {s['layers_measured']} of {s['layers_of_model']} "
+            f"| {s['resident_fits_gpu_measured']} ({s['resident_gib_measured']} GiB) | {s['route']} |"
+        )
+    return "\n".join(lines)
+
+
+def arguments(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--case", default=None, help=f"comma list of {', '.join(CASES)} (default: all)")
+    parser.add_argument("--route", choices=("auto", "trl-sft", "api"), default="auto", help="auto: by the sizes")
+    parser.add_argument("--layers", type=int, default=None, help="API route: decoder layers built (default: sizes)")
+    parser.add_argument("--work", default="/tmp/moe", help="checkpoints, data and the script's outputs")
+    out = os.path.join(os.environ["OUT"], "moe.json") if os.environ.get("OUT") else str(HERE / "results" / "moe.json")
+    parser.add_argument("--out", default=out, help="the rows file (default $OUT/moe.json, else results/moe.json)")
+    parser.add_argument("--base", default=None, help="a rows file whose other rows the output keeps")
+    parser.add_argument("--no-resident", action="store_true", help="skip the resident baselines")
+    parser.add_argument("--run-timeout", type=float, default=480.0, help="seconds one script run may take")
+    parser.add_argument("--sizes", action="store_true", help="print the size arithmetic of the cases and exit")
+    parser.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU: checks the harness only")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = arguments(argv)
+    if args.sizes:
+        print(sizes_table(CASES))
+        return 0
+    table = TINY_CASES if args.dry_run else CASES
+    if args.dry_run:
+        SHAPES.update(TINY_SHAPES)
+    names = args.case.split(",") if args.case else list(table)
+    unknown = [name for name in names if name not in table]
+    if unknown:
+        raise SystemExit(f"unknown case(s) {unknown}; cases: {', '.join(table)}")
+    cases = [table[name] for name in names]
+    device = "cuda" if torch.cuda.is_available() and not args.dry_run else "cpu"
+    if device == "cuda":  # the allocator `layerstream run` gives a script, before CUDA starts
+        from layerstream.commands.run import allocator_defaults
+
+        allocator_defaults()
+    out = Path(args.out)
+    base = json.loads(Path(args.base).read_text())["rows"] if args.base else []
+    if out.exists() and not args.base:
+        base = json.loads(out.read_text())["rows"]
+    gbps = host_to_device_gbps(args.dry_run)
+    print(f"moe: host-to-device {gbps:.1f} GB/s", flush=True)
+    command = "python benchmarks/moe.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    done = []
+
+    def keep(rows: list) -> None:
+        stamp = dict(machine=machine(), commit=commit(), when=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()))
+        stamp.update(alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF"))
+        for row in rows:
+            finish(row)
+            row.update(stamp)
+        save(out, base, done + rows)
+
+    session = Session(args, device, gbps, command, keep)
+    for case in cases:
+        values = SHAPES[case.shape]
+        sizes = case_sizes(case, values, args.layers)
+        route = sizes["route"] if args.route == "auto" else args.route
+        print(f"moe: {case.name}: {route}; {json.dumps(sizes)}", flush=True)
+        rows = (run_trl if route == "trl-sft" else run_api)(case, values, sizes, session)
+        keep(rows)
+        for row in rows:
+            print(json.dumps({k: v for k, v in row.items() if not k.endswith("_all") and k != "machine"}), flush=True)
+        done += rows
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
