@@ -3,29 +3,49 @@ which the frozen layers' compute hides them, pinned against hand computations.""
 
 import math
 
+import pytest
+import torch
 from test_plan import LLAMA3_8B, LLAMA3_8B_LAYER_BF16, config_of, write_config
 
+import layerstream
 from layerstream.commands import cli
 from layerstream.plan import layer_bytes, layer_shapes
 from layerstream.plan.decode import active_params, decode_term
+
+from tiny import stream, tiny_model
 
 # Llama-3-8B bf16: 32 layers of 436,224,000 bytes, 218,103,808 linear parameters each
 LAYER_LINEAR_PARAMS = 218_103_808
 
 
-def test_a_token_step_copies_every_layer_but_the_slots_once_for_the_whole_batch():
+def test_a_token_step_copies_every_layer_once_for_the_whole_batch():
     sizes = [LLAMA3_8B_LAYER_BF16] * 32
     term = decode_term(sizes, slots=3, bandwidth_gbps=55, params=32 * LAYER_LINEAR_PARAMS, tflops=400)
-    assert term.layers_copied == 29 and term.copy_bytes == 29 * LLAMA3_8B_LAYER_BF16
-    assert term.copy_seconds == 29 * LLAMA3_8B_LAYER_BF16 / 55e9  # 0.230 s
+    assert term.layers_copied == 32 and term.copy_bytes == 32 * LLAMA3_8B_LAYER_BF16
+    assert term.copy_seconds == 32 * LLAMA3_8B_LAYER_BF16 / 55e9  # 0.254 s
     per_sequence = 2 * 32 * LAYER_LINEAR_PARAMS / 400e12  # 34.9 microseconds
-    assert term.compute_bound_batch == math.ceil(term.copy_seconds / per_sequence) == 6592  # 6,591.3 rounded up
+    assert term.compute_bound_batch == math.ceil(term.copy_seconds / per_sequence) == 7274  # 7,273.2 rounded up
 
 
-def test_uneven_layers_count_the_largest_as_copied_and_no_tflops_gives_no_batch():
+def test_every_layer_is_copied_unless_the_slots_hold_them_all_and_no_tflops_gives_no_batch():
     term = decode_term([10, 30, 20, 40], slots=2, bandwidth_gbps=1, params=1)
-    assert term.copy_bytes == 30 + 40 and term.compute_bound_batch is None
+    assert term.copy_bytes == 100 and term.layers_copied == 4 and term.compute_bound_batch is None
     assert decode_term([10, 20], slots=3, bandwidth_gbps=1, params=1).layers_copied == 0
+
+
+@pytest.mark.parametrize("slots", [2, 3, 6])
+def test_the_planned_copies_of_a_token_step_are_the_runtimes(slots):
+    """A forward pass over the layers, as a token step makes one, loads what the plan says."""
+    model = tiny_model("llama", layers=6)
+    stream(model, slots=slots, prefetch=slots - 1)
+    runtime = layerstream.get_runtime(model)
+    ids = torch.tensor([[5, 6, 7]])
+    with torch.no_grad():
+        model(ids)
+        loads = runtime.stats()["layer_loads"]
+        model(ids)
+    planned = decode_term([1] * 6, slots=slots, bandwidth_gbps=1, params=1).layers_copied
+    assert runtime.stats()["layer_loads"] - loads == planned
 
 
 def test_a_mixture_of_experts_computes_with_the_experts_a_token_is_routed_to():
@@ -57,8 +77,8 @@ def test_plan_prints_the_decode_step(tmp_path, capsys):
     )
     out = capsys.readouterr().out
     assert "Generation: one token step of decoding" in out
-    assert "29 layer copies (32 - 3 slots)" in out and "230.0 ms at 55 GB/s" in out
-    assert "compute-bound from batch 6592" in out
+    assert "32 layer copies (every layer, each step)" in out and "253.8 ms at 55 GB/s" in out
+    assert "compute-bound from batch 7274" in out
     cli.main(["plan", "--model", str(path), "--vram-budget", "80GiB", "--seq", "2048", "--slots", "3"])
     assert "--tflops T: the batch from which decoding is compute-bound" in capsys.readouterr().out
 
@@ -69,23 +89,24 @@ def test_a_routed_layer_copies_its_shared_part_and_the_expected_share_of_its_exp
     shared, stacks = 1_000_000, 128_000_000
     sizes, routed = [shared + stacks] * 4, [(stacks, 8, 128)] * 4
     one = decode_term(sizes, slots=2, bandwidth_gbps=1, params=1, routed=routed, batch=1)
-    assert one.copy_bytes == 2 * (shared + math.ceil(stacks * 8 / 128))
+    assert one.copy_bytes == 4 * (shared + math.ceil(stacks * 8 / 128))
     eight = decode_term(sizes, slots=2, bandwidth_gbps=1, params=1, routed=routed, batch=8)
-    assert eight.copy_bytes == 2 * (shared + math.ceil(stacks * (1 - (120 / 128) ** 8)))
-    assert decode_term(sizes, slots=2, bandwidth_gbps=1, params=1, routed=routed, batch=64).copy_bytes == 2 * sizes[0]
-    assert decode_term(sizes, slots=2, bandwidth_gbps=1, params=1, batch=1).copy_bytes == 2 * sizes[0]
+    assert eight.copy_bytes == 4 * (shared + math.ceil(stacks * (1 - (120 / 128) ** 8)))
+    assert decode_term(sizes, slots=2, bandwidth_gbps=1, params=1, routed=routed, batch=64).copy_bytes == 4 * sizes[0]
+    assert decode_term(sizes, slots=2, bandwidth_gbps=1, params=1, batch=1).copy_bytes == 4 * sizes[0]
 
 
 def test_the_compute_bound_batch_counts_the_copies_of_that_batch():
-    """Two routed layers copied per token step, 1,000 shared bytes and 128,000 of experts
-    each, at 1,000 GB/s; 10,000 parameters at 1 TFLOP/s take 20 ns per sequence. By need
-    one sequence copies 18,000 bytes (18 ns): compute-bound from batch 1. Whole layers
-    (258,000 bytes, 258 ns) would need 13 sequences."""
+    """Three routed layers copied per token step, 1,000 shared bytes and 128,000 of experts
+    (128, 8 per token) each, at 1,000 GB/s; 10,000 parameters at 1 TFLOP/s take 20 ns per
+    sequence. By need, batch B copies the shared bytes and the share 1 - (120/128)^B of the
+    experts: 157,920 bytes (158 ns) at batch 8, under its 160 ns of compute, and more than
+    the compute below it. Whole layers (387,000 bytes, 387 ns) would need 20 sequences."""
     sizes, routed = [1_000 + 128_000] * 3, [(128_000, 8, 128)] * 3
     by_need = decode_term(sizes, slots=1, bandwidth_gbps=1e3, params=10_000, tflops=1, routed=routed)
-    assert by_need.copy_bytes == 18_000 and by_need.compute_bound_batch == 1
+    assert by_need.copy_bytes == 3 * (1_000 + 8_000) and by_need.compute_bound_batch == 8
     whole = decode_term(sizes, slots=1, bandwidth_gbps=1e3, params=10_000, tflops=1)
-    assert whole.compute_bound_batch == 13
+    assert whole.compute_bound_batch == 20
 
 
 def test_the_documented_moe_decode_figures_are_the_tools(capsys):

@@ -2,7 +2,9 @@
 its compute hides the copies (``layerstream plan``; docs/plan.md).
 
 Decoding visits every streamed layer once per token step, for every sequence of the batch
-at once: the copies per token step do not grow with the batch, the compute does. So a
+at once: the copies per token step do not grow with the batch, the compute does. Each token
+step copies every layer (the slots hold the last layers when the next step starts at the
+first), unless the slots hold them all. So a
 streamed model decodes at its copy bound (the layers copied per token step over the
 host-to-device bandwidth) until the batch is large enough for the frozen layers' compute,
 two FLOPs per parameter and sequence, to take as long: from there on it is compute-bound,
@@ -48,12 +50,13 @@ def decode_term(
     routed: Optional[Sequence[Routed]] = None,
     batch: int = 1,
 ) -> DecodeTerm:
-    """One token step of ``batch`` sequences: every layer but those the slots still hold
-    from the last step is copied (counted from the smallest layers held, so an uneven stack
-    is not undercounted); ``routed`` (per layer, in the order of ``sizes``): what of a
+    """One token step of ``batch`` sequences: every layer is copied, unless the slots hold
+    them all (a token step runs the layers first to last, and the previous one left the
+    last layers in the slots, so the ring has copied each of them again by the time it
+    reaches them); ``routed`` (per layer, in the order of ``sizes``): what of a
     mixture-of-experts layer is copied by need."""
     layers = sorted(zip(sizes, routed or [(0, 0, 0)] * len(sizes)))
-    copied = layers[min(slots, len(layers)) :]
+    copied = [] if len(layers) <= slots else layers
     copy_bytes = _bytes_at(copied, batch)
     seconds = copy_bytes / (bandwidth_gbps * 1e9) if bandwidth_gbps > 0 else 0.0
     compute_bound = None

@@ -209,7 +209,7 @@ def format_decode_term(plan: MemoryPlan, term, batch: int = 1) -> str:
     the frozen layers' compute hides them (``plan.decode.decode_term``)."""
     lines = ["", f"Generation: one token step of decoding (batch {batch} at once, every layer streamed)"]
     copies = (
-        f"{term.layers_copied} layer copies ({plan.num_layers} - {plan.slots} slots)"
+        f"{term.layers_copied} layer copies (every layer, each step)"
         if term.layers_copied
         else "0 layer copies (every layer stays in a slot)"
     )
