@@ -124,8 +124,10 @@ def pinned_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
     return nbytes / median(times[1:]) / 1e9
 
 
-def write_result(name: str, payload: dict) -> str:
-    out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
+def write_result(name: str, payload: dict, out_dir: str | None = None) -> str:
+    """``payload`` with the machine and the time, as ``<name>.json`` in ``out_dir`` (else
+    ``$OUT``, else benchmarks/results)."""
+    out_dir = out_dir or os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, f"{name}.json")
     payload = dict(payload, machine=machine(), when=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()))
