@@ -37,8 +37,9 @@ checkpoint does not fit the GPU machine's disk) under ``layerstream run`` and a 
 layerstream's logged figures. Rows: ``rl_rows.py``.
 
 ``benchmarks/results/rl.json`` ($OUT/rl.json on the GPU machine) keeps every run measured
-and the rows made from them; ``--merge FILE`` carries the runs of an earlier command (a
-run measured again replaces its earlier one), so the parts can run as separate commands.
+and the rows made from them (``rl/logs/`` beside it: the end of each GRPO run's log).
+``--merge FILE`` carries the runs of an earlier command (a run measured again replaces its
+earlier one), so the parts can run as separate commands.
 """
 
 from __future__ import annotations
@@ -216,8 +217,8 @@ def run_capped(name: str, cap: str, target: list, work: Path, out: Path, timeout
     except subprocess.TimeoutExpired as expired:
         returncode, log, timed_out = None, _text(expired.stdout) + _text(expired.stderr), True
     (runs / f"{name}.log").write_text(log)
-    (out / "logs").mkdir(parents=True, exist_ok=True)
-    (out / "logs" / f"{name}.log").write_text(log[-6000:])
+    (out / "rl" / "logs").mkdir(parents=True, exist_ok=True)
+    (out / "rl" / "logs" / f"{name}.log").write_text(log[-6000:])
     timing = json.loads(times.read_text()) if times.exists() else {}
     logs = [entry for entry in timing.get("logs", []) if "loss" in entry]
     figures = sorted({key for entry in logs for key in entry if key.startswith("layerstream/")})
