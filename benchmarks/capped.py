@@ -147,6 +147,7 @@ def _time_trainer_steps(path: str) -> None:
                         "stream_counters": self.counters,
                         "logs": self.logs,
                         "generate_s": generate_s,
+                        "gpu": torch.cuda.get_device_name() if cuda else None,
                     },
                     handle,
                 )

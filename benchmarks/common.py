@@ -102,11 +102,13 @@ def median(values):
 
 
 def machine() -> dict:
-    """The library versions (``layerstream.system.versions``) and the GPU, if there is one."""
+    """The library versions (``layerstream.system.versions``) and the GPU this process used,
+    if it used one (a harness whose runs use the GPU in processes of their own leaves the
+    device alone: asking for its name would start a CUDA context beside them)."""
     from layerstream.system.versions import versions
 
     info = versions()
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
         info["gpu"] = torch.cuda.get_device_name()
     return info
 

@@ -237,6 +237,7 @@ def run_capped(name: str, cap: str, target: list, work: Path, out: Path, timeout
         "layerstream": {key: [entry.get(key) for entry in logs] for key in figures},
         "peak_allocated_gib": timing.get("peak_allocated_gib"),
         "peak_reserved_gib": timing.get("peak_reserved_gib"),
+        "gpu": timing.get("gpu"),
         "command": shlex.join(argv),
     }
 

@@ -194,6 +194,7 @@ def grpo_pair_row(runs: list) -> dict:
         "meets_target": speed >= TARGETS["grpo"] if speed is not None else None,
         "rounds": len(both),
         "failed_runs": [run["name"] for run in runs if run["returncode"] != 0],
+        "gpu": next((run["gpu"] for run in runs if run.get("gpu")), None),
         "command": sorted({run["rl_command"] for run in runs}),
         "run_commands": {
             kind: chosen[max(chosen)]["command"]
@@ -258,6 +259,7 @@ def grpo_big_row(run: dict) -> dict:
         "target": "trains (no resident baseline fits)",
         "meets_target": trained(run),
         "timed_out": run["timed_out"],
+        "gpu": run.get("gpu"),
         "out_of_memory": run["out_of_memory"],
         "command": [run["rl_command"]],
         "run_commands": {"streamed": run["command"]},
