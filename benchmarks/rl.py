@@ -10,6 +10,9 @@ part in time to write what it measured):
     python benchmarks/rl.py --part grpo-70b --work /tmp/rl --merge benchmarks/results/rl.json
     python benchmarks/rl.py --dry-run --work /tmp/rl-dry     # every part, tiny, on the CPU
 
+On the GPU run one part per command: after the generation part this process keeps a CUDA
+context, which would sit beside the GRPO runs of ``--part all``.
+
 ``generate``: ``model.generate`` (greedy, KV cache) on random weights at Llama-3.1-8B's shape
 in NF4 (``common.build_random_nf4``), batch 8 and 64, 128 random prompt tokens, 128 new
 tokens (``rl_generate.py``). One process holds the
@@ -57,7 +60,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from rl_rows import WHOLE, rows  # noqa: E402  (the harness runs as a script)
+from rl_rows import WHOLE, WINDOWS, rows  # noqa: E402  (the harness runs as a script)
 
 MODELS = {"llama3-8b": "llama-3.1-8b", "llama3-70b": "llama-3.1-70b", "tiny": "tiny"}  # configs/shapes names
 TINY = dict(
@@ -383,10 +386,13 @@ def summary(table: list) -> str:
     def number(value, digits=3):
         return "-" if value is None else f"{value:.{digits}f}"
 
-    lines = ["| model | cap | trainer | gens | tokens | window | step s | resident s | x resident | ms/token step |"]
+    lines = [
+        "| model | cap | trainer | gens | tokens | window layers | step s | resident s | x resident | ms/token step |"
+    ]
     lines.append("|---|---|---|---|---|---|---|---|---|---|")
     for row in table:
-        window = row.get("window") or str(row.get("window_layers"))
+        by_hand = " (by hand)" if row.get("window") == WINDOWS["all"] else ""
+        window = f"{row['window_layers']}{by_hand}" if row.get("window_layers") is not None else "-"
         lines.append(
             f"| {row['model']} | {row['cap']} | {row['trainer']} | {row['generations']} | {row['completion_tokens']} | "
             f"{window} | {number(row['step_s'])} | {number(row['resident_step_s'])} | "
