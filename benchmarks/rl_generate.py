@@ -205,6 +205,7 @@ def measure_whole_gpu(settings, models: dict, bandwidth, tflops, command, save, 
 def measure_capped(settings, model, cap: str, bandwidth, tflops, command, save, deadline) -> None:
     """The model streamed again as a user under ``cap`` streams it, the cap enforced."""
     set_cap(cap)
+    held = torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else None  # what else stays
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     layerstream.stream_model(model, slots=settings.slots, vram_budget=parse_bytes(cap), device=device())
@@ -220,6 +221,7 @@ def measure_capped(settings, model, cap: str, bandwidth, tflops, command, save, 
                 add_round(record, measured)
                 describe_window(record, model, bandwidth, tflops)
         record["cap_applied"] = torch.cuda.is_available()
+        record["allocated_before_gib"] = held
         if torch.cuda.is_available():
             record["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
         save([record])
@@ -239,9 +241,11 @@ def measure_generation(settings, shape: dict, tflops, command: str, save, deadli
     models["all"] = streamed(shape, settings, None)
     layerstream.get_runtime(models["all"]).set_window(range(models["all"].config.num_hidden_layers))
     measure_whole_gpu(settings, models, bandwidth, tflops, command, save, deadline)
-    model = models.pop("runtime")
+    model, by_hand = models.pop("runtime"), models.pop("all")
+    for each in (model, by_hand):  # a runtime left alive would keep its window on the GPU
+        layerstream.unstream_model(each, device="cpu")
     models.clear()
-    layerstream.unstream_model(model, device="cpu")
+    del by_hand
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
