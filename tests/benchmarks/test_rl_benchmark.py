@@ -55,7 +55,7 @@ def test_every_row_has_the_columns_its_command_and_the_versions(dry_run):
     assert all(row["step_s"] > 0 for row in dry_run["rows"])
 
 
-def test_generation_rows_stream_every_layer_or_none_and_decode_the_resident_tokens(dry_run):
+def test_generation_rows_stream_what_the_window_leaves_and_decode_the_resident_tokens(dry_run):
     settings = rl.dry_settings()
     for batch in settings.batches:
         as_left = rows_of(dry_run, "generate", generations=batch, cap="whole GPU", window=rl_rows.WINDOWS["runtime"])
