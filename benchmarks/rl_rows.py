@@ -189,7 +189,7 @@ def grpo_pair_row(runs: list) -> dict:
         "layerstream_generate": generating,
         "layerstream_train": figures(list(streamed.values()), TRAIN_FIGURES, "", TIMED_FROM_STEP),
         "losses_equal": verdict.get("losses_equal"),
-        "grad_norms_equal": bool(norms) and all(n == norms[0] for n in norms),
+        "grad_norms_equal": all(n == norms[0] for n in norms) if norms else None,
         "target": f"speed_vs_resident >= {TARGETS['grpo']}",
         "meets_target": speed >= TARGETS["grpo"] if speed is not None else None,
         "rounds": len(both),
