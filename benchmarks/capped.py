@@ -5,6 +5,10 @@ script it runs is unchanged.
 
     python benchmarks/capped.py --cap 12GiB --used-first --times t.json -- layerstream run -m trl.scripts.sft ...
     python benchmarks/capped.py --cap 12GiB --times t.json -- python -m trl.scripts.sft ...
+    python benchmarks/capped.py --cap whole --times t.json -- python -m trl.scripts.grpo ...   # no cap
+
+The times file holds each step's time, each Trainer log (what the script logged, with
+layerstream's figures when it streams) and each ``generate`` call's time.
 
 Before CUDA starts, the allocator gets what ``layerstream run`` gives it (expandable
 segments, unless configured), so the plain and streamed runs share an allocator.
@@ -18,6 +22,8 @@ import os
 import runpy
 import sys
 import time
+
+WHOLE = "whole"  # --cap whole: the whole GPU, no per-process fraction
 
 
 def _use_the_gpu_first() -> None:
@@ -72,13 +78,46 @@ def _stream_counters(model):
     return {name: stats.get(name) for name in STREAM_COUNTERS}
 
 
+def _time_generate_calls(calls: list) -> None:
+    """Each ``generate`` call's wall time (the device synchronised at both ends) goes into
+    ``calls``: an online trainer's step generates, and this times it alike plain or streamed."""
+    import functools
+
+    import torch
+    from transformers.generation.utils import GenerationMixin
+
+    original = GenerationMixin.generate
+    timing = {"depth": 0}
+
+    @functools.wraps(original)
+    def generate(self, *args, **kwargs):
+        timing["depth"] += 1
+        outermost = timing["depth"] == 1
+        if outermost and torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            timing["depth"] -= 1
+            if outermost:
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                calls.append(time.perf_counter() - start)
+
+    GenerationMixin.generate = generate
+
+
 def _time_trainer_steps(path: str) -> None:
     import torch
     from transformers import TrainerCallback
 
+    generate_s: list = []
+    _time_generate_calls(generate_s)
+
     class StepTimes(TrainerCallback):
         def __init__(self):
-            self.times, self.start, self.counters = [], None, []
+            self.times, self.start, self.counters, self.logs = [], None, [], []
 
         def on_step_begin(self, args, state, control, **kwargs):
             if torch.cuda.is_available():
@@ -86,11 +125,19 @@ def _time_trainer_steps(path: str) -> None:
             self.start = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
-            cuda = torch.cuda.is_available()
-            if cuda:
+            if torch.cuda.is_available():
                 torch.cuda.synchronize()
             self.times.append(time.perf_counter() - self.start)
             self.counters.append(_stream_counters(kwargs.get("model")))
+            self.write()
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            numbers = {k: v for k, v in (logs or {}).items() if isinstance(v, (int, float))}
+            self.logs.append(dict(numbers, step=state.global_step))
+            self.write()
+
+        def write(self):
+            cuda = torch.cuda.is_available()
             with open(path, "w") as handle:
                 json.dump(
                     {
@@ -98,6 +145,9 @@ def _time_trainer_steps(path: str) -> None:
                         "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
                         "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else None,
                         "stream_counters": self.counters,
+                        "logs": self.logs,
+                        "generate_s": generate_s,
+                        "gpu": torch.cuda.get_device_name() if cuda else None,
                     },
                     handle,
                 )
@@ -166,7 +216,8 @@ def prepare(cap: str, used_first: bool, times, profile_dir=None) -> None:
 
     if torch.cuda.is_available():
         total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, parse_bytes(cap) / total))
+        if cap != WHOLE:
+            torch.cuda.set_per_process_memory_fraction(min(1.0, parse_bytes(cap) / total))
         print(
             f"capped: {cap} of {total / 2**30:.1f} GiB in process {os.getpid()}; "
             f"allocator {os.environ.get('PYTORCH_CUDA_ALLOC_CONF')}",
@@ -184,7 +235,7 @@ def prepare(cap: str, used_first: bool, times, profile_dir=None) -> None:
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--cap", required=True, help="GPU memory this process may use, e.g. 12GiB")
+    parser.add_argument("--cap", required=True, help="GPU memory this process may use, e.g. 12GiB, or whole")
     parser.add_argument("--used-first", action="store_true", help="use and free the GPU before the command")
     parser.add_argument("--times", default=None, help="write each Trainer step's time here (JSON)")
     parser.add_argument(

@@ -102,11 +102,13 @@ def median(values):
 
 
 def machine() -> dict:
-    """The library versions (``layerstream.system.versions``) and the GPU, if there is one."""
+    """The library versions (``layerstream.system.versions``) and the GPU this process used,
+    if it used one (a harness whose runs use the GPU in processes of their own leaves the
+    device alone: asking for its name would start a CUDA context beside them)."""
     from layerstream.system.versions import versions
 
     info = versions()
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
         info["gpu"] = torch.cuda.get_device_name()
     return info
 
@@ -124,8 +126,10 @@ def pinned_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
     return nbytes / median(times[1:]) / 1e9
 
 
-def write_result(name: str, payload: dict) -> str:
-    out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
+def write_result(name: str, payload: dict, out_dir: str | None = None) -> str:
+    """``payload`` with the machine and the time, as ``<name>.json`` in ``out_dir`` (else
+    ``$OUT``, else benchmarks/results)."""
+    out_dir = out_dir or os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, f"{name}.json")
     payload = dict(payload, machine=machine(), when=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()))

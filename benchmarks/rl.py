@@ -1,0 +1,405 @@
+"""Online RL and generation with streamed layers: how fast a streamed model decodes and
+how long a GRPO step takes, against the same work resident, and against the copy bound.
+
+Three parts, each one command of under ten minutes on one H200 (``--deadline`` stops a
+part in time to write what it measured):
+
+    python benchmarks/rl.py --part generate --work /tmp/rl
+    python benchmarks/rl.py --part grpo-8b --round 1 --work /tmp/rl --merge benchmarks/results/rl.json
+    python benchmarks/rl.py --part grpo-8b --round 2 --work /tmp/rl --merge benchmarks/results/rl.json
+    python benchmarks/rl.py --part grpo-70b --work /tmp/rl --merge benchmarks/results/rl.json
+    python benchmarks/rl.py --dry-run --work /tmp/rl-dry     # every part, tiny, on the CPU
+
+On the GPU run one part per command: after the generation part this process keeps a CUDA
+context, which would sit beside the GRPO runs of ``--part all``.
+
+``generate``: ``model.generate`` (greedy, KV cache) on random weights at Llama-3.1-8B's shape
+in NF4 (``common.build_random_nf4``), batch 8 and 64, 128 random prompt tokens, 128 new
+tokens (``rl_generate.py``). One process holds the
+bitsandbytes model resident and the same weights streamed (``stream_model``), and times them
+in alternated rounds: streamed with the whole GPU, its window as the runtime leaves it and
+with every layer set in it by hand (``set_window``); then the streamed model again under an
+8 GiB cap (``set_per_process_memory_fraction``). A call with one new token (the prefill)
+is timed beside each, so a token step of decoding is (full - prefill) / (new tokens - 1);
+its copy bound is the planner's decode term (``plan.decode.decode_term``, what ``layerstream
+plan`` prints) over the layers outside the resident window, at the host-to-device bandwidth
+measured in the same process (``--tflops T`` adds its compute-bound batch); the layer loads
+the runtime counted per token step are kept beside it.
+
+``grpo-8b``: TRL's ``trl.scripts.grpo``, unchanged, on a random-weight Llama-3.1-8B checkpoint
+written to disk (``checkpoints.py``), ``--load_in_4bit`` QLoRA, 8 generations of 256 tokens
+per prompt: resident with the whole GPU (``python -m``), then streamed under a 12 GiB cap
+(``layerstream run -m``), each in a fresh process under ``capped.py``, which times each step
+and each ``generate`` call and keeps the Trainer's logs (layerstream's ``generate_*`` figures
+among them). A round is one resident and one streamed run, in that order; the pair's speed is
+``zero_edit.compare``'s, over the rounds measured so far.
+
+``grpo-70b``: ``grpo_client.py`` (GRPOTrainer on a model built in memory: a 70B-shaped
+checkpoint does not fit the GPU machine's disk) under ``layerstream run`` and a 24 GiB cap,
+8 generations of 128 tokens, three steps, streamed only: step times and where they go, from
+layerstream's logged figures. Rows: ``rl_rows.py``.
+
+``benchmarks/results/rl.json`` ($OUT/rl.json on the GPU machine) keeps every run measured
+and the rows made from them (``rl/logs/`` beside it: the end of each GRPO run's log).
+``--merge FILE`` carries the runs of an earlier command (a run measured again replaces its
+earlier one), so the parts can run as separate commands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from rl_rows import WHOLE, WINDOWS, rows  # noqa: E402  (the harness runs as a script)
+
+MODELS = {"llama3-8b": "llama-3.1-8b", "llama3-70b": "llama-3.1-70b", "tiny": "tiny"}  # configs/shapes names
+TINY = dict(
+    model_type="llama",
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
+PARTS = ("generate", "grpo-8b", "grpo-70b")
+MIN_RUN_S = 60  # a GRPO run given less than this before --deadline is not started
+
+
+@dataclass
+class Settings:
+    """What the parts measure; ``--dry-run`` shrinks it to a tiny model on the CPU."""
+
+    shape: str = "llama3-8b"
+    batches: tuple = (8, 64)
+    new_tokens: int = 128
+    prompt_tokens: int = 128
+    generate_caps: tuple = ("8GiB",)
+    rounds: int = 3  # of the generation part (the GRPO pair's are separate commands)
+    slots: object = "auto"
+    grpo_shape: str = "llama3-8b"
+    grpo_cap: str = "12GiB"
+    generations: int = 8
+    completion_tokens: int = 256
+    grpo_steps: int = 6
+    big_shape: str = "llama3-70b"
+    big_cap: str = "24GiB"
+    # under 24 GiB a 70B token step copies most of its 80 NF4 layers, so a step's generation
+    # takes about its tokens times that copy: 128 tokens leave room for the load and three
+    # steps in one ten-minute command (--big-completion-tokens changes it)
+    big_completion_tokens: int = 128
+    big_steps: int = 3
+    dry_run: bool = False
+    extra: list = field(default_factory=list)  # arguments every GRPO run gets (--use_cpu)
+
+    @property
+    def model(self) -> str:
+        return MODELS[self.shape]
+
+
+def dry_settings() -> Settings:
+    return Settings(
+        shape="tiny",
+        batches=(2, 4),
+        new_tokens=8,
+        prompt_tokens=8,
+        rounds=1,
+        slots=2,
+        grpo_shape="tiny",
+        generations=2,
+        completion_tokens=8,
+        grpo_steps=3,
+        big_shape="tiny",
+        big_completion_tokens=8,
+        big_steps=2,
+        dry_run=True,
+        extra=["--use_cpu"],
+    )
+
+
+def shape_values(name: str) -> dict:
+    from common import SHAPES
+
+    return dict(TINY) if name == "tiny" else dict(SHAPES[name])
+
+
+def mean_layer_bytes(shape: str) -> float:
+    """A decoder layer's NF4 bytes as the planner counts them (what a streamed copy moves)."""
+    from layerstream.plan import layer_bytes
+
+    from common import shape_config
+
+    sizes = layer_bytes(shape_config(shape_values(shape)), "nf4")
+    return sum(sizes) / len(sizes)
+
+
+# -- GRPO, in fresh processes under capped.py -----------------------------------------------
+
+
+def write_prompts(work: Path) -> Path:
+    """The prompts as TRL's scripts read them (``--dataset_name DIR``: DIR/train.jsonl)."""
+    from layerstream import data as embedded
+
+    rows = [json.loads(line) for line in embedded.data_path().read_text().splitlines() if line.strip()]
+    folder = work / "data-prompt"
+    folder.mkdir(parents=True, exist_ok=True)
+    lines = [json.dumps({"prompt": f"Q: {row['instruction']}\nA:"}) + "\n" for row in rows]
+    (folder / "train.jsonl").write_text("".join(lines))
+    return folder
+
+
+def write_checkpoint(work: Path, shape: str) -> Path:
+    """A random-weight checkpoint of ``shape`` as a hub download leaves it (``checkpoints.py``)."""
+    import checkpoints
+
+    checkpoints.SHAPES["tiny"] = dict(TINY)
+    target = work / shape
+    if not (target / "model.safetensors.index.json").exists():
+        start = time.perf_counter()
+        checkpoints.write(shape, target)
+        print(f"wrote {shape} in {time.perf_counter() - start:.1f} s", flush=True)
+    return target
+
+
+def script_command(checkpoint: Path, data: Path, settings: Settings, out: Path, streamed: bool) -> list:
+    """TRL's grpo script as a user runs it, resident (``python -m``) or behind ``layerstream run``."""
+    args = ["-m", "trl.scripts.grpo", "--model_name_or_path", str(checkpoint), "--dataset_name", str(data)]
+    args += ["--output_dir", str(out), "--max_steps", str(settings.grpo_steps), "--logging_steps", "1"]
+    args += ["--save_strategy", "steps", "--save_steps", str(settings.grpo_steps), "--report_to", "none"]
+    args += ["--use_peft", "--lora_r", "16", "--lora_target_modules", "all-linear", "--load_in_4bit"]
+    args += ["--use_bnb_nested_quant", "true", "--dtype", "bfloat16", "--seed", "0", "--use_vllm", "false"]
+    args += ["--bf16", "false" if settings.dry_run else "true"]
+    args += ["--per_device_train_batch_size", str(settings.generations), "--num_generations", str(settings.generations)]
+    args += ["--max_completion_length", str(settings.completion_tokens), "--reward_funcs", "grpo_client.digits_reward"]
+    return (["layerstream", "run"] if streamed else [sys.executable]) + args + settings.extra
+
+
+def client_command(work: Path, data: Path, settings: Settings, out: Path) -> list:
+    """grpo_client.py (GRPOTrainer on a model built in memory) behind ``layerstream run``."""
+    shape = settings.big_shape
+    if shape == "tiny":
+        shape = str(work / "tiny.json")
+        Path(shape).write_text(json.dumps(TINY))
+    args = [str(HERE / "grpo_client.py"), "--shape", shape, "--data", str(data), "--output_dir", str(out)]
+    args += ["--steps", str(settings.big_steps), "--generations", str(settings.generations)]
+    args += ["--completion-tokens", str(settings.big_completion_tokens)]
+    return ["layerstream", "run"] + args + settings.extra
+
+
+def _text(part) -> str:
+    return part.decode(errors="replace") if isinstance(part, bytes) else part or ""
+
+
+def run_capped(name: str, cap: str, target: list, work: Path, out: Path, timeout: float, dry_run: bool) -> dict:
+    """``target`` under ``capped.py`` in a fresh process: its step and generate times and its
+    logs; stopped after ``timeout`` seconds (what it wrote by then is kept)."""
+    runs = work / "runs"
+    runs.mkdir(parents=True, exist_ok=True)
+    times = runs / f"{name}-times.json"
+    times.unlink(missing_ok=True)
+    argv = [sys.executable, str(HERE / "capped.py"), "--cap", cap, "--times", str(times), "--", *target]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])))
+    env.setdefault("HF_HUB_OFFLINE", "1")  # everything is on disk; the GPU machine reaches no hub
+    if dry_run:  # OpenMP's spinning workers and the copy thread share the CPU badly
+        env["OMP_NUM_THREADS"] = "1"
+    start = time.perf_counter()
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=max(timeout, 1))
+        returncode, log, timed_out = done.returncode, done.stdout + done.stderr, False
+    except subprocess.TimeoutExpired as expired:
+        returncode, log, timed_out = None, _text(expired.stdout) + _text(expired.stderr), True
+    (runs / f"{name}.log").write_text(log)
+    (out / "rl" / "logs").mkdir(parents=True, exist_ok=True)
+    (out / "rl" / "logs" / f"{name}.log").write_text(log[-6000:])
+    timing = json.loads(times.read_text()) if times.exists() else {}
+    logs = [entry for entry in timing.get("logs", []) if "loss" in entry]
+    figures = sorted({key for entry in logs for key in entry if key.startswith("layerstream/")})
+    return {
+        "name": name,
+        "cap": cap,
+        "returncode": returncode,
+        "timed_out": timed_out,
+        "out_of_memory": "out of memory" in log.lower(),
+        "wall_s": round(time.perf_counter() - start, 1),
+        "step_s": timing.get("step_s", []),
+        "generate_s": timing.get("generate_s", []),
+        "losses": [entry["loss"] for entry in logs],
+        "grad_norms": [entry.get("grad_norm") for entry in logs],
+        "completion_lengths": [entry.get("completions/max_length") for entry in logs],
+        "layerstream": {key: [entry.get(key) for entry in logs] for key in figures},
+        "peak_allocated_gib": timing.get("peak_allocated_gib"),
+        "peak_reserved_gib": timing.get("peak_reserved_gib"),
+        "gpu": timing.get("gpu"),
+        "command": shlex.join(argv),
+    }
+
+
+def measure_grpo_pair(settings: Settings, args, command: str, save, deadline: float) -> None:
+    """One round: TRL's script resident with the whole GPU, then streamed under the cap."""
+    work = Path(args.work)
+    data, checkpoint = write_prompts(work), write_checkpoint(work, settings.grpo_shape)
+    for streamed in (False, True):
+        if deadline - time.monotonic() < MIN_RUN_S:
+            print(f"rl: under {MIN_RUN_S} s left of --deadline: the rest of round {args.round} is not run", flush=True)
+            return
+        name = f"grpo-{settings.grpo_shape}-{'streamed' if streamed else 'resident'}-round{args.round}"
+        target = script_command(checkpoint, data, settings, work / "runs" / name, streamed)
+        cap = settings.grpo_cap if streamed else WHOLE
+        run = run_capped(name, cap, target, work, Path(args.out), deadline - time.monotonic(), settings.dry_run)
+        used = {"generations": settings.generations, "completion_tokens": settings.completion_tokens}
+        run.update(kind="grpo-pair", model=MODELS[settings.grpo_shape], streamed=streamed, round=args.round)
+        run.update(layer_bytes=mean_layer_bytes(settings.grpo_shape))
+        save([dict(run, settings_used=dict(used, steps=settings.grpo_steps), rl_command=command)])
+
+
+def measure_grpo_big(settings: Settings, args, command: str, save, deadline: float) -> None:
+    """GRPOTrainer on the large shape under its cap, streamed only."""
+    work = Path(args.work)
+    name = f"grpo-{settings.big_shape}-streamed"
+    target = client_command(work, write_prompts(work), settings, work / "runs" / name)
+    run = run_capped(
+        name, settings.big_cap, target, work, Path(args.out), deadline - time.monotonic(), settings.dry_run
+    )
+    used = {"generations": settings.generations, "completion_tokens": settings.big_completion_tokens}
+    run.update(kind="grpo-big", model=MODELS[settings.big_shape], streamed=True)
+    run.update(layer_bytes=mean_layer_bytes(settings.big_shape))
+    save([dict(run, settings_used=dict(used, steps=settings.big_steps), rl_command=command)])
+
+
+# -- rl.json: the runs of this and earlier commands, and the rows made from them -----------
+
+
+class Results:
+    """The runs measured so far, by name (an earlier command's, from ``--merge`` files and
+    an rl.json already in the output folder), written with their rows after each ``add``."""
+
+    def __init__(self, out: Path, merge: list):
+        self.out = out
+        self.runs: dict = {}
+        for path in [*merge, out / "rl.json"]:
+            if Path(path).exists():
+                for run in json.loads(Path(path).read_text()).get("runs", []):
+                    self.runs[run["name"]] = run
+
+    def add(self, runs: list) -> None:
+        from common import write_result
+
+        for run in runs:
+            self.runs[run["name"]] = run
+        measured = list(self.runs.values())
+        write_result("rl", {"rows": rows(measured), "runs": measured}, out_dir=str(self.out))
+
+
+def parse(argv):
+    defaults = Settings()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--part", choices=("all", *PARTS), default="all")
+    parser.add_argument("--work", default="/tmp/rl", help="checkpoints, prompts, each run's output and full log")
+    parser.add_argument(
+        "--out", default=None, help="rl.json and the runs' log tails (default $OUT, else benchmarks/results)"
+    )
+    parser.add_argument(
+        "--merge", action="append", default=[], help="an earlier rl.json: its runs are kept unless run again"
+    )
+    parser.add_argument("--round", type=int, default=1, help="grpo-8b: the alternated round this command runs")
+    parser.add_argument("--rounds", type=int, default=defaults.rounds, help="generate: timed rounds after a warm-up")
+    parser.add_argument("--batches", default=",".join(map(str, defaults.batches)), help="generate: batch sizes")
+    parser.add_argument("--caps", default=",".join(defaults.generate_caps), help="generate: caps after the whole GPU")
+    parser.add_argument("--grpo-steps", type=int, default=defaults.grpo_steps)
+    parser.add_argument("--big-steps", type=int, default=defaults.big_steps)
+    parser.add_argument("--big-completion-tokens", type=int, default=defaults.big_completion_tokens)
+    parser.add_argument("--tflops", type=float, default=None, help="the decode term's compute-bound batch at this rate")
+    parser.add_argument("--deadline", type=float, default=570, help="seconds this command may take, writing included")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="every part on a tiny model on the CPU (the harness only)"
+    )
+    return parser.parse_args(argv)
+
+
+def settings_from(args) -> Settings:
+    if args.dry_run:
+        return dry_settings()
+    return Settings(
+        batches=tuple(int(b) for b in args.batches.split(",")),
+        generate_caps=tuple(args.caps.split(",")) if args.caps else (),
+        rounds=args.rounds,
+        grpo_steps=args.grpo_steps,
+        big_steps=args.big_steps,
+        big_completion_tokens=args.big_completion_tokens,
+    )
+
+
+def output_folder(args) -> Path:
+    """$OUT or --out; the dry run never writes into benchmarks/results."""
+    results = HERE / "results"
+    if args.dry_run:
+        out = Path(args.out or os.environ.get("OUT") or Path(args.work) / "out")
+        if out.resolve() == results.resolve():
+            raise SystemExit("rl: a dry run's rows are not results: give --out elsewhere")
+        return out
+    return Path(args.out or os.environ.get("OUT") or results)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse(argv)
+    deadline = time.monotonic() + args.deadline
+    settings = settings_from(args)
+    args.out = str(output_folder(args))
+    Path(args.work).mkdir(parents=True, exist_ok=True)
+    results = Results(Path(args.out), args.merge)
+    command = shlex.join(["python", "benchmarks/rl.py", *argv])
+    for part in PARTS if args.part == "all" else (args.part,):
+        print(f"rl: {part}", flush=True)
+        if part == "generate":
+            measure_generate_part(settings, args, command, results.add, deadline)
+        elif part == "grpo-8b":
+            measure_grpo_pair(settings, args, command, results.add, deadline)
+        else:
+            measure_grpo_big(settings, args, command, results.add, deadline)
+    print(summary(rows(list(results.runs.values()))))
+    return 0
+
+
+def measure_generate_part(settings: Settings, args, command: str, save, deadline: float) -> None:
+    import torch
+
+    from rl_generate import measure_generation
+
+    if settings.dry_run:
+        torch.set_num_threads(1)  # as the GRPO runs' OMP_NUM_THREADS=1: the copy thread shares the CPU
+    measure_generation(settings, shape_values(settings.shape), args.tflops, command, save, deadline)
+
+
+def summary(table: list) -> str:
+    def number(value, digits=3):
+        return "-" if value is None else f"{value:.{digits}f}"
+
+    lines = [
+        "| model | cap | trainer | gens | tokens | window layers | step s | resident s | x resident | ms/token step |"
+    ]
+    lines.append("|---|---|---|---|---|---|---|---|---|---|")
+    for row in table:
+        by_hand = " (by hand)" if row.get("window") == WINDOWS["all"] else ""
+        window = f"{row['window_layers']}{by_hand}" if row.get("window_layers") is not None else "-"
+        lines.append(
+            f"| {row['model']} | {row['cap']} | {row['trainer']} | {row['generations']} | {row['completion_tokens']} | "
+            f"{window} | {number(row['step_s'])} | {number(row['resident_step_s'])} | "
+            f"{number(row['speed_vs_resident'], 2)} | {number(row['decode_ms_per_token_step'], 1)} |"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,178 @@
+"""rl.py, the online-RL and generation benchmark, on the CPU: ``--dry-run`` runs every part
+on a tiny model (generation in process, TRL's grpo script resident and behind ``layerstream
+run``, GRPOTrainer on a model built in memory) and its rows must say what a GPU run's would;
+the rows and the merging of commands are checked on made-up runs too."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import rl  # noqa: E402
+import rl_rows  # noqa: E402
+
+ROW_KEYS = {
+    "model",
+    "quantization",
+    "cap",
+    "trainer",
+    "generations",
+    "completion_tokens",
+    "step_s",
+    "resident_step_s",
+    "speed_vs_resident",
+    "decode_ms_per_token_step",
+    "window_layers",
+    "target",
+    "meets_target",
+    "command",
+}
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    work = tmp_path_factory.mktemp("rl")
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}
+    argv = [sys.executable, str(ROOT / "benchmarks" / "rl.py"), "--dry-run", "--work", str(work)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    return json.loads((work / "out" / "rl.json").read_text())
+
+
+def rows_of(result, trainer, **where):
+    return [r for r in result["rows"] if r["trainer"] == trainer and all(r[k] == v for k, v in where.items())]
+
+
+def test_every_row_has_the_columns_its_command_and_the_versions(dry_run):
+    assert dry_run["rows"] and all(ROW_KEYS <= set(row) for row in dry_run["rows"])
+    assert all(row["command"][0].startswith("python benchmarks/rl.py --dry-run") for row in dry_run["rows"])
+    assert {"torch", "transformers", "trl", "peft", "bitsandbytes", "layerstream"} <= set(dry_run["machine"])
+    assert all(row["step_s"] > 0 for row in dry_run["rows"])
+
+
+def test_generation_rows_stream_what_the_window_leaves_and_decode_the_resident_tokens(dry_run):
+    settings = rl.dry_settings()
+    for batch in settings.batches:
+        as_left = rows_of(dry_run, "generate", generations=batch, cap="whole GPU", window=rl_rows.WINDOWS["runtime"])
+        all_in = rows_of(dry_run, "generate", generations=batch, cap="whole GPU", window=rl_rows.WINDOWS["all"])
+        capped = rows_of(dry_run, "generate", generations=batch, cap="8GiB")
+        assert len(as_left) == len(all_in) == len(capped) == 1, f"batch {batch}: one row per cap and window"
+        (as_left,), (all_in,), (capped,) = as_left, all_in, capped
+        for row in (as_left, all_in):
+            assert row["same_tokens_as_resident"] is True
+            assert row["resident_step_s"] > 0 and row["completion_tokens"] == settings.new_tokens
+            assert row["target"].startswith("speed_vs_resident") == (row is as_left)
+        for row in (as_left, capped):
+            assert_streams_what_the_window_leaves(row)
+        # with every layer in the window nothing is copied, and the decode term says so
+        assert all_in["window_layers"] == all_in["layers"] and all_in["layer_loads_per_token_step"] == 0
+        assert all_in["planner_layers_copied"] == 0 and all_in["copy_bound_ms_per_token_step"] == 0
+        assert capped["cap_applied"] is False and capped["decode_ms_per_token_step"] > 0, "no GPU: no cap"
+
+
+def assert_streams_what_the_window_leaves(row):
+    """Whatever window the runtime kept, the layers outside it are copied, every one each
+    token step, and the planner's decode term counts them (less those its slots hold)."""
+    streamed = row["layers"] - row["window_layers"]
+    assert 0 <= row["window_layers"] <= row["layers"]
+    assert row["planner_layers_copied"] == max(0, streamed - row["slots"])
+    if streamed:
+        assert 0 < row["layer_loads_per_token_step"] <= streamed
+        assert row["copy_bound_ms_per_token_step"] > 0 and row["fraction_of_copy_bound"] > 0
+    else:
+        assert row["layer_loads_per_token_step"] == 0 and row["copy_bound_ms_per_token_step"] == 0
+
+
+def test_the_grpo_rows_time_the_script_and_the_client_with_layerstreams_generation_figures(dry_run):
+    settings = rl.dry_settings()
+    (pair,) = rows_of(dry_run, "grpo", cap=settings.grpo_cap)
+    assert pair["client"].startswith("trl.scripts.grpo") and pair["rounds"] == 1 and pair["failed_runs"] == []
+    assert pair["resident_step_s"] > 0 and pair["speed_vs_resident"] > 0
+    assert (pair["generations"], pair["completion_tokens"]) == (settings.generations, settings.completion_tokens)
+    assert pair["losses_equal"] and pair["grad_norms_equal"], "the streamed script trains as the resident one"
+    generating, layers = pair["layerstream_generate"], rl.TINY["num_hidden_layers"]
+    assert set(generating) == set(rl_rows.GENERATE_FIGURES) and generating["calls"] == 1
+    assert (generating["layer_loads"] > 0) == (generating["window_layers"] < layers), "what the window leaves streams"
+    assert set(pair["run_commands"]) == {"resident", "streamed"}
+    (big,) = rows_of(dry_run, "grpo", cap=settings.big_cap)
+    assert big["trains"] and big["resident_step_s"] is None
+    where = big["where_time_goes"]
+    assert 0 < where["generate_s"] < big["step_s"] and where["rest_of_step_s"] > 0
+    assert (big["layerstream_generate"]["layer_loads"] > 0) == (big["window_layers"] < layers)
+    assert where["generate_copy_s"] is None or where["generate_copy_s"] >= 0, "None: no copy was timed"
+    assert big["completion_tokens"] == settings.big_completion_tokens
+
+
+def test_the_script_runs_unchanged_behind_the_launcher():
+    settings = rl.Settings()
+    plain = rl.script_command(Path("ckpt"), Path("data"), settings, Path("out"), streamed=False)
+    streamed = rl.script_command(Path("ckpt"), Path("data"), settings, Path("out"), streamed=True)
+    assert plain[0] == sys.executable and streamed[:2] == ["layerstream", "run"]
+    assert plain[1:] == streamed[2:] and plain[1:3] == ["-m", "trl.scripts.grpo"]
+    for flag, value in (("--num_generations", "8"), ("--max_completion_length", "256"), ("--use_vllm", "false")):
+        assert plain[plain.index(flag) + 1] == value
+
+
+def grpo_run(round_index, streamed, steps, name=None):
+    return {
+        "name": name or f"grpo-r{round_index}-{streamed}",
+        "kind": "grpo-pair",
+        "model": "llama-3.1-8b",
+        "streamed": streamed,
+        "round": round_index,
+        "cap": "12GiB" if streamed else rl_rows.WHOLE,
+        "returncode": 0,
+        "step_s": steps,
+        "generate_s": [s / 2 for s in steps],
+        "losses": [0.0] * len(steps),
+        "grad_norms": [1.0] * len(steps),
+        "completion_lengths": [256] * len(steps),
+        "layerstream": {"layerstream/generate_window_layers": [0, 20, 24, 24]} if streamed else {},
+        "settings_used": {"generations": 8, "completion_tokens": 256, "steps": len(steps)},
+        "rl_command": f"python benchmarks/rl.py --part grpo-8b --round {round_index}",
+        "command": f"capped.py round {round_index}",
+    }
+
+
+def test_a_pair_is_compared_over_the_rounds_both_sides_ran():
+    runs = [
+        grpo_run(1, False, [9.0, 9.0, 8.0, 8.0]),
+        grpo_run(1, True, [20.0, 12.0, 10.0, 10.0]),
+        grpo_run(2, False, [9.0, 9.0, 8.0, 8.0]),  # its streamed run never ran
+    ]
+    (row,) = rl_rows.grpo_pair_rows(runs)
+    assert row["rounds"] == 1 and row["speed_vs_resident"] == pytest.approx(0.8) and row["meets_target"] is True
+    assert row["step_s"] == 10.0 and row["resident_step_s"] == 8.0
+    assert row["window_layers"] == 24, "the window of the timed steps, not of the first"
+    assert row["decode_ms_per_token_step"] == pytest.approx(5.0 / 256 * 1e3)
+    assert row["command"] == [
+        "python benchmarks/rl.py --part grpo-8b --round 1",
+        "python benchmarks/rl.py --part grpo-8b --round 2",
+    ]
+    slower = [*runs, grpo_run(2, True, [20.0, 12.0, 11.0, 11.0])]
+    (row,) = rl_rows.grpo_pair_rows(slower)
+    assert row["rounds"] == 2 and row["meets_target"] is False
+
+
+def test_a_later_command_keeps_the_earlier_commands_runs(tmp_path):
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(json.dumps({"runs": [grpo_run(1, False, [9.0] * 4), grpo_run(1, True, [30.0] * 4)]}))
+    results = rl.Results(tmp_path / "out", [str(earlier)])
+    results.add([grpo_run(1, True, [10.0] * 4)])  # round 1's streamed run again: it replaces the earlier
+    written = json.loads((tmp_path / "out" / "rl.json").read_text())
+    assert sorted(run["name"] for run in written["runs"]) == ["grpo-r1-False", "grpo-r1-True"]
+    (row,) = written["rows"]
+    assert row["step_s"] == 10.0 and row["resident_step_s"] == 9.0
+
+
+def test_a_dry_run_never_writes_into_the_results(tmp_path, monkeypatch):
+    monkeypatch.delenv("OUT", raising=False)
+    args = rl.parse(["--dry-run", "--work", str(tmp_path), "--out", str(ROOT / "benchmarks" / "results")])
+    with pytest.raises(SystemExit, match="not results"):
+        rl.output_folder(args)
+    assert rl.output_folder(rl.parse(["--dry-run", "--work", str(tmp_path)])) == tmp_path / "out"
