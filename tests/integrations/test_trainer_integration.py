@@ -399,3 +399,52 @@ def test_generation_inside_a_training_step_is_logged_apart_from_training(tmp_pat
         assert entry["layerstream/generate_layer_loads"] >= 4 * 4 - 2
         assert entry["layerstream/generate_seconds"] > 0
         assert entry["layerstream/generate_window_layers"] == 0
+
+
+def test_the_logged_bandwidth_is_the_intervals_own_not_a_difference_of_running_figures():
+    """Only some copies are timed, and ``h2d_seconds`` scales the process's timed copies to
+    all of its bytes: where the second interval's copies ran faster than the first's, the
+    difference of those running figures came out negative and the log said 0.0 GB/s. The
+    interval's own timed copies give its bandwidth."""
+    from layerstream.integrations import trainer as integration
+
+    def counters(total, timed, timed_seconds):
+        scaled = timed_seconds * total / timed
+        return dict(
+            h2d_bytes=total,
+            h2d_seconds=scaled,
+            h2d_timed_bytes=timed,
+            h2d_timed_seconds=timed_seconds,
+            layer_loads=0,
+            peak_resident_layers=0,
+            window_layers=0,
+            oom_retries=0,
+            stall_seconds=0.0,
+            expert_visits=0,
+            experts_copied=0,
+            disk_layers=0,
+        )
+
+    class Runtime:
+        readings = iter(
+            [
+                counters(total=10e9, timed=1e9, timed_seconds=1.0),  # 1 GB/s so far: 10 s scaled
+                # 1 GB more, timed, in 0.01 s (100 GB/s): the scaled figure falls to 5.6 s
+                counters(total=11e9, timed=2e9, timed_seconds=1.01),
+            ]
+        )
+        device = "cpu"
+
+        class pool:
+            cuda = False
+
+        def stats(self):
+            return next(self.readings)
+
+        class long_settings:
+            @staticmethod
+            def decisions_said():
+                return []
+
+    window = integration._LogWindow(Runtime())
+    assert window.figures()["layerstream/h2d_gbps"] == pytest.approx(100.0)

@@ -21,7 +21,16 @@ from ..api import get_runtime, is_streamed, on_stream
 
 _ATTR = "_layerstream_generation"
 _installed = False
-COUNTED = ("layer_loads", "h2d_bytes", "h2d_seconds", "stall_seconds", "expert_visits", "experts_copied")
+COUNTED = (
+    "layer_loads",
+    "h2d_bytes",
+    "h2d_seconds",
+    "h2d_timed_bytes",
+    "h2d_timed_seconds",
+    "stall_seconds",
+    "expert_visits",
+    "experts_copied",
+)
 
 
 @dataclasses.dataclass
@@ -33,6 +42,8 @@ class GenerationCounters:
     layer_loads: int = 0
     h2d_bytes: int = 0
     h2d_seconds: float = 0.0
+    h2d_timed_bytes: int = 0  # the copies that were timed, and their time: the bandwidth
+    h2d_timed_seconds: float = 0.0
     stall_seconds: float = 0.0
     expert_visits: int = 0  # calls of a mixture-of-experts layer's experts
     experts_copied: int = 0

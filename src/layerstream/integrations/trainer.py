@@ -80,11 +80,13 @@ class _LogWindow:
         made = totals.snapshot()
         gen = {name: made[name] - self.last_generation[name] for name in made}
         wall = max(time.perf_counter() - self.last_time - gen["seconds"], 1e-9)
-        copied = now["h2d_bytes"] - self.last["h2d_bytes"] - gen["h2d_bytes"]
-        seconds = now["h2d_seconds"] - self.last["h2d_seconds"] - gen["h2d_seconds"]
+        # the bandwidth of the copies timed in this interval: ``h2d_seconds`` scales the
+        # process's timed copies to all bytes, a running figure whose differences are not
+        timed = now["h2d_timed_bytes"] - self.last["h2d_timed_bytes"] - gen["h2d_timed_bytes"]
+        seconds = now["h2d_timed_seconds"] - self.last["h2d_timed_seconds"] - gen["h2d_timed_seconds"]
         stalled = now["stall_seconds"] - self.last["stall_seconds"] - gen["stall_seconds"]
         out = {
-            PREFIX + "h2d_gbps": round(copied / seconds / 1e9, 3) if seconds > 0 else 0.0,
+            PREFIX + "h2d_gbps": round(timed / seconds / 1e9, 3) if timed > 0 and seconds > 0 else 0.0,
             PREFIX + "stall_fraction": round(stalled / wall, 4),
             PREFIX + "layer_loads": now["layer_loads"] - self.last["layer_loads"] - gen["layer_loads"],
             PREFIX + "peak_resident_layers": now["peak_resident_layers"],
@@ -130,12 +132,12 @@ class _LogWindow:
 
 def _generation_figures(gen: dict, window_layers: int) -> dict:
     """What the ``generate`` calls since the last log copied, stalled and took."""
-    seconds = gen["h2d_seconds"]
+    timed, seconds = gen["h2d_timed_bytes"], gen["h2d_timed_seconds"]
     return {
         PREFIX + "generate_calls": gen["calls"],
         PREFIX + "generate_seconds": round(gen["seconds"], 3),
         PREFIX + "generate_layer_loads": gen["layer_loads"],
-        PREFIX + "generate_h2d_gbps": round(gen["h2d_bytes"] / seconds / 1e9, 3) if seconds > 0 else 0.0,
+        PREFIX + "generate_h2d_gbps": round(timed / seconds / 1e9, 3) if timed > 0 and seconds > 0 else 0.0,
         PREFIX + "generate_stall_fraction": round(gen["stall_seconds"] / max(gen["seconds"], 1e-9), 4),
         PREFIX + "generate_window_layers": window_layers,
         **(

@@ -29,6 +29,8 @@ def stats(runtime) -> dict:
         "h2d_bytes": pool.h2d_bytes,  # the layers, and the head and embedding rows when they stream
         "h2d_seconds": pool.h2d_seconds,
         "h2d_gbps": (pool.h2d_bytes / pool.h2d_seconds / 1e9) if pool.h2d_seconds else 0.0,
+        "h2d_timed_bytes": pool.timed_bytes,  # the copies timed, for an interval's bandwidth
+        "h2d_timed_seconds": pool.timed_seconds,
         "stall_seconds": pool.stall_seconds,
         "stalls": pool.stalls,
         "peak_resident_layers": runtime.peak_resident_layers,

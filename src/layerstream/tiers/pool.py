@@ -114,6 +114,16 @@ class SlotPool:
             return 0.0
         return self._timed_seconds * self.h2d_bytes / self._timed_bytes
 
+    @property
+    def timed_bytes(self) -> int:
+        """Bytes of the copies that were timed (one in ``TIMED_COPY_EVERY``) and completed."""
+        return self._timed_bytes
+
+    @property
+    def timed_seconds(self) -> float:
+        """The time those copies took: an interval's bandwidth is its share of both."""
+        return self._timed_seconds
+
     def _timed(self, seconds: float, nbytes: int) -> None:
         self._timed_seconds += seconds
         self._timed_bytes += nbytes
