@@ -254,3 +254,16 @@ def test_the_plan_says_when_this_host_cannot_hold_it(tmp_path, capsys, monkeypat
     monkeypatch.setattr(store, "host_memory", lambda: None)
     cli.main(argv)
     assert "this machine" not in capsys.readouterr().out, "no /proc/meminfo: no line"
+
+
+@pytest.mark.parametrize("shape, chunked_and_tiled", [("qwen3-30b-a3b", False), ("llama-3.1-8b", True)])
+def test_auto_plans_what_a_run_of_the_model_takes(shape, chunked_and_tiled):
+    """A run keeps the chunked loss off for a mixture of experts (its forward adds the
+    router's loss) and the tiled MLP (routed experts are not tiled): its plan does too,
+    where a Llama's plan at the same length and budget takes both."""
+    config = plan.load_config(Path(__file__).resolve().parents[2] / "configs" / "shapes" / f"{shape}.json")
+    auto = dict(loss_chunk_tokens="auto", mlp_tile_tokens="auto", offload_activations="auto")
+    request = PlanRequest(config, seq=32768, batch=1, vram_bytes=8 * GiB, quantization="nf4", **auto)
+    settled = plan.long_settings.resolve_auto(request)
+    assert (settled.loss_chunk_tokens is not None) is chunked_and_tiled
+    assert (settled.mlp_tile_tokens is not None) is chunked_and_tiled

@@ -463,6 +463,16 @@ def check(model: nn.Module, tokens: int) -> bool:
     return softcaps
 
 
+def class_takes_chunks(cls: type) -> bool:
+    """Whether a causal LM class's forward lets its loss be chunked, read from its source as
+    ``check`` reads it (the planner asks before a model exists: from its config's class)."""
+    try:
+        _check_forward(None, cls)
+    except (StreamingError, OSError, TypeError):
+        return False
+    return True
+
+
 def apply(model: nn.Module, tokens: int) -> nn.Module:
     """Compute ``model``'s training loss ``tokens`` tokens at a time (a plain or PEFT-wrapped
     transformers causal LM, streamed or not). Returns the same model."""

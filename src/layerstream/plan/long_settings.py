@@ -37,6 +37,7 @@ from ..decisions.disk import size_text
 from .advice import option_value
 from .memory import MemoryPlan, _build
 from .request import AUTO, PlanRequest
+from .shapes import layer_shapes
 
 LONG_ORDER = ("loss_chunk_tokens", "mlp_tile_tokens", "offload_activations")
 # each setting as it is when off, in a PlanRequest and StreamConfig alike
@@ -164,7 +165,35 @@ def resolve_auto(request: PlanRequest) -> PlanRequest:
     leaves them (``memory._build``: ``config.auto_slots``, ``backward_slot_count``)."""
     if AUTO not in (getattr(request, name) for name in LONG_ORDER):
         return request
+    request = _without_what_the_model_refuses(request)
     return as_planned(request, dict(decide_for(request, request.vram_bytes).on))
+
+
+def _without_what_the_model_refuses(request: PlanRequest) -> PlanRequest:
+    """The "auto" settings a run of this model keeps off, off in its plan too (a run finds
+    out from the model itself): no tiled MLP in a model with routed experts, no chunked loss
+    where the model's forward does more than pass its head's output to its loss function
+    (a mixture of experts adds the router's loss)."""
+    changes = {}
+    if request.mlp_tile_tokens == AUTO and any(shape.sparse for shape in layer_shapes(request.config)):
+        changes["mlp_tile_tokens"] = None
+    if request.loss_chunk_tokens == AUTO and not _loss_chunks_possible(request.config):
+        changes["loss_chunk_tokens"] = None
+    return request.replace(**changes) if changes else request
+
+
+def _loss_chunks_possible(config) -> bool:
+    """Whether the causal LM class of ``config`` lets its loss be chunked (unknown classes:
+    planned as if it did, as before a model exists nothing else says)."""
+    from ..long.chunked_loss import class_takes_chunks
+
+    try:
+        from transformers import AutoModelForCausalLM
+
+        cls = AutoModelForCausalLM._model_mapping[type(config)]
+    except (KeyError, ImportError, ValueError):
+        return True
+    return class_takes_chunks(cls)
 
 
 def planned(request: PlanRequest) -> MemoryPlan:
