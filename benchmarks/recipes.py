@@ -23,7 +23,7 @@ from peft import LoraConfig, get_peft_model
 
 import layerstream
 from layerstream import plan as planner
-from layerstream.commands.train import load
+from layerstream.commands.train_config import load
 
 from common import build_random, build_random_nf4, cuda_timer, median, write_result
 

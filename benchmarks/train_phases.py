@@ -30,8 +30,7 @@ from transformers import Trainer, TrainerCallback  # noqa: E402
 from trl import SFTTrainer  # noqa: E402
 
 mark("import trl, datasets, SFTTrainer")
-from layerstream.commands import cli  # noqa: E402
-from layerstream.commands import train as train_module  # noqa: E402
+from layerstream.commands import cli, train_config  # noqa: E402
 from layerstream.system.versions import versions  # noqa: E402
 
 steps = []
@@ -56,7 +55,7 @@ def _timed(function, before=None, after=None, add_callback=False):
     return wrapped
 
 
-train_module.load = _timed(train_module.load, after="read and check the YAML")
+train_config.load = _timed(train_config.load, after="read and check the YAML")
 SFTTrainer.__init__ = _timed(
     SFTTrainer.__init__,
     before="build and stream the model",

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from layerstream import plan
-from layerstream.commands.train import load, stream_config
+from layerstream.commands.train_config import load, stream_config
 from layerstream.plan.long_settings import LONG_ORDER
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from layerstream.commands import cli
-from layerstream.commands.train import TrainConfigError, load
+from layerstream.commands.train_config import TrainConfigError, load
 
 DEFAULT = Path(__file__).resolve().parents[2] / "configs" / "default.yaml"
 
@@ -157,7 +157,7 @@ def test_a_vram_budget_keeps_the_layers_that_fit(tmp_path):
     )
     assert code == 0
     logged = [e for e in json.loads((out / "trainer_state.json").read_text())["log_history"] if "loss" in e]
-    from layerstream.commands.train import model_config
+    from layerstream.commands.train_config import model_config
 
     layers = model_config(load(str(DEFAULT), [f"training.output_dir={out}"])).num_hidden_layers
     assert logged[-1]["layerstream/window_layers"] == layers
@@ -165,7 +165,7 @@ def test_a_vram_budget_keeps_the_layers_that_fit(tmp_path):
 
 
 def test_the_stream_section_has_every_streamconfig_setting_under_its_own_name():
-    from layerstream.commands.train import SECTIONS
+    from layerstream.commands.train_config import SECTIONS
     from layerstream.config import settings
 
     assert set(SECTIONS["stream"]) == {s.name for s in settings()}
@@ -271,7 +271,7 @@ def test_the_command_exits_2_on_a_value_that_used_to_fail_after_making_the_outpu
 def test_the_stream_section_becomes_one_stream_config_that_the_run_is_given(tmp_path, monkeypatch):
     """The YAML's stream section is turned into a StreamConfig once, when the config is
     checked (the plan of the run included); the run and its training arguments use that one."""
-    from layerstream.commands import train
+    from layerstream.commands import train_config as train
 
     made = []
     parse = train.config_from_settings

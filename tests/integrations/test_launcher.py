@@ -221,7 +221,7 @@ def test_the_settings_are_one_definition_on_every_surface():
     and a YAML stream key, with the same default."""
     import dataclasses
 
-    from layerstream.commands.train import SECTIONS
+    from layerstream.commands.train_config import SECTIONS
     from layerstream.config import argparse_help, setting_default_text, settings
     from layerstream.integrations.trainer import argument_name
 

@@ -13,7 +13,7 @@ from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
 import layerstream
 from layerstream import data as embedded
 from layerstream.commands import cli
-from layerstream.commands.train import TrainConfigError, load
+from layerstream.commands.train_config import TrainConfigError, load
 from layerstream.long import trl_head
 from layerstream.plan import LOSS_LOGIT_COPIES, plan_for_model
 

@@ -16,7 +16,7 @@ PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 # import name -> distribution name, where they differ
 DISTRIBUTION = {"yaml": "pyyaml"}
 # modules imported only by one command, and the extra that command needs
-COMMAND_MODULES = {"train.py": "train"}
+COMMAND_MODULES = {"train.py": "train", "train_config.py": "train"}
 
 
 def _name(requirement: str) -> str:

@@ -16,7 +16,7 @@ from torch import nn
 from transformers import HfArgumentParser, Trainer, TrainingArguments
 
 import layerstream
-from layerstream.commands.train import TrainConfigError, load, stream_config
+from layerstream.commands.train_config import TrainConfigError, load, stream_config
 from layerstream.integrations import launch
 from layerstream.runtime import embeddings as ends_mod
 from layerstream.runtime.embeddings import HeadLinear

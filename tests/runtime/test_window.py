@@ -144,7 +144,7 @@ def test_an_auto_budget_leaves_out_memory_other_processes_hold(monkeypatch, capl
 
 def test_stream_config_and_yaml_resolve_an_auto_budget_the_same_way(monkeypatch):
     from layerstream import config as config_mod
-    from layerstream.commands import train
+    from layerstream.commands import train_config as train
 
     monkeypatch.setattr(config_mod, "gpu_memory_for_run", lambda device: 7 * 2**30)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

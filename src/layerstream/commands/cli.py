@@ -33,8 +33,9 @@ def _add_train_arguments(train: argparse.ArgumentParser) -> None:
 
 
 def _run_train(args, parser) -> int:
-    from ..errors import REFUSALS
-    from .train import TrainConfigError, load, run
+    from ..errors import REFUSALS, TrainConfigError
+    from .train import run
+    from .train_config import load
 
     try:
         config = load(args.config, args.set)
