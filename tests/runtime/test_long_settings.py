@@ -14,7 +14,7 @@ import torch
 from transformers import HfArgumentParser
 
 import layerstream
-from layerstream.commands import cli, flags, train
+from layerstream.commands import cli, flags, train_config
 from layerstream.config import OFFLOAD_AUTO_MARGIN, StreamConfig, parse_setting
 from layerstream.decisions.disk import size_text
 from layerstream.integrations import trainer as trainer_integration
@@ -109,7 +109,7 @@ def test_the_three_default_to_auto_on_every_surface_and_zero_or_false_is_off():
     parser = argparse.ArgumentParser()
     flags.add_setting_flags(parser)
     assert all(getattr(parser.parse_args([]), name) == "auto" for name in LONG_ORDER)
-    assert all(train.SECTIONS["stream"][name] == "auto" for name in LONG_ORDER)
+    assert all(train_config.SECTIONS["stream"][name] == "auto" for name in LONG_ORDER)
     for off in (0, False, None, "0", "false", "none"):
         value = parse_setting(CHUNK, off)
         assert StreamConfig(device="cpu", loss_chunk_tokens=value, mlp_tile_tokens=value).loss_chunk_tokens is None
