@@ -223,3 +223,17 @@ def build_random_nf4(
     quantizer.postprocess_model(model)
     model.hf_quantizer = quantizer
     return model
+
+
+def greedy_tokens(ids: torch.Tensor, new_tokens: int) -> dict:
+    """``generate``'s arguments for exactly ``new_tokens`` greedy tokens after ``ids``, with
+    the KV cache: the decoding every generation benchmark times."""
+    return dict(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        use_cache=True,
+        pad_token_id=0,
+    )

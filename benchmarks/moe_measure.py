@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from common import pinned_bandwidth
+from common import greedy_tokens, pinned_bandwidth
 
 GiB = 1 << 30
 
@@ -142,16 +142,7 @@ def decode_steps(model, batch, prompt_tokens, new_tokens, device, vocab, after_p
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     with torch.no_grad():
-        model.generate(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
-            do_sample=False,
-            use_cache=True,
-            pad_token_id=0,
-            stopping_criteria=StoppingCriteriaList([clock]),
-        )
+        model.generate(**greedy_tokens(ids, new_tokens), stopping_criteria=StoppingCriteriaList([clock]))
     return [b - a for a, b in zip(clock.marks, clock.marks[1:])], peaks()
 
 

@@ -22,7 +22,7 @@ import layerstream
 from layerstream.commands.run import allocator_defaults
 from layerstream.units import parse_bytes
 
-from common import build_random_nf4, pinned_bandwidth
+from common import build_random_nf4, greedy_tokens, pinned_bandwidth
 from rl_rows import WHOLE
 
 MEASURED = ("generate_s", "prefill_s", "decode_ms_per_token_step", "loads_per_token_step", "bytes_per_token_step")
@@ -92,16 +92,7 @@ def timed_call(model, ids, new_tokens: int) -> dict:
     clock = TokenClock(model)
     synchronize()
     start = time.perf_counter()
-    out = model.generate(
-        input_ids=ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens,
-        do_sample=False,
-        use_cache=True,
-        pad_token_id=0,
-        streamer=clock,
-    )
+    out = model.generate(**greedy_tokens(ids, new_tokens), streamer=clock)
     synchronize()
     return {"generate_s": time.perf_counter() - start, "out": out, **clock.decode()}
 
