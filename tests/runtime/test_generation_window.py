@@ -5,6 +5,7 @@ once it begins. Tokens equal the resident model's whatever the window."""
 
 import copy
 
+import pytest
 import torch
 from peft import get_peft_model
 
@@ -107,3 +108,50 @@ def test_the_generation_sizer_scales_the_measured_rise_with_the_cached_tokens():
     assert sizer.size(limit, held=0, tokens=50) == 5  # 100 bytes per token: 5,000
     assert sizer.size(limit, held=4_000, tokens=50) == 1
     assert sizer.size(limit, held=0, tokens=5) == 9, "fewer tokens never predict less than measured"
+
+
+class _OutOfMemoryOnce:
+    """A pre-hook on the first layer that runs out of memory at its ``at``-th call, once:
+    some tokens were drawn by then, so a run again from anywhere but the call's start
+    draws others."""
+
+    def __init__(self, at: int):
+        self.calls, self.at = 0, at
+
+    def __call__(self, module, args):
+        self.calls += 1
+        if self.calls == self.at:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
+
+
+def _sample(model, seed: int = 5):
+    torch.manual_seed(seed)
+    prompt = torch.arange(3, 7).reshape(1, 4)
+    return model.generate(prompt, max_new_tokens=6, do_sample=True, top_k=0, pad_token_id=0)
+
+
+def test_a_call_out_of_memory_with_a_window_shrinks_it_and_draws_the_tokens_of_a_call_that_never_failed():
+    model, resident, runtime = _streamed_pair()
+    _generate(model, 1)
+    _generate(model, 1)
+    assert len(runtime.window) == 3
+    failing = _OutOfMemoryOnce(at=4)  # the prompt, then three token steps
+    handle = model.model.layers[0].register_forward_pre_hook(failing)
+    try:
+        sampled = _sample(model)
+    finally:
+        handle.remove()
+    assert failing.calls > 4, "the call ran again"
+    assert len(runtime.window) < 3 and runtime.stats()["oom_retries"] == 1
+    assert torch.equal(sampled, _sample(resident))
+
+
+def test_without_a_window_a_call_out_of_memory_is_explained_not_run_again():
+    model, _, runtime = _streamed_pair()
+    handle = model.model.layers[0].register_forward_pre_hook(_OutOfMemoryOnce(at=2))
+    try:
+        with pytest.raises(torch.OutOfMemoryError):
+            _sample(model)
+    finally:
+        handle.remove()
+    assert runtime.stats()["oom_retries"] == 0

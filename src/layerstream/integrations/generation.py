@@ -17,7 +17,14 @@ import dataclasses
 import functools
 import time
 
+import torch
+
 from ..api import get_runtime, is_streamed, on_stream
+from ..errors import StreamingError
+from ..runtime.meter import wanted_bytes
+from ..system.log import get_logger
+
+logger = get_logger(__name__)
 
 _ATTR = "_layerstream_generation"
 _installed = False
@@ -79,6 +86,34 @@ def cached_tokens(model, args: tuple, kwargs: dict) -> int:
     return batch * int(copies) * (prompt + int(new))
 
 
+def _run_again_after_oom(original, model, runtime, args: tuple, kwargs: dict):
+    """``generate``; where it runs out of memory with a resident window, the window shrinks
+    and the call runs again from the random state it began with, so its tokens are those
+    of a call that never failed (as a Trainer step is run again). Not with a streamer,
+    which has printed the first tokens already."""
+    while True:
+        cpu_rng = torch.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state(runtime.device) if runtime.pool.cuda else None
+        try:
+            return original(model, *args, **kwargs)
+        except torch.OutOfMemoryError as exc:
+            if not runtime.window or kwargs.get("streamer") is not None:
+                raise runtime.explain_oom(exc, "in generate") from exc
+            wanted = wanted_bytes(exc) or 0
+        # outside the except block: the failed call's frames and tensors are gone
+        if not runtime.resident_window.recover_from_oom(wanted):
+            raise StreamingError(
+                "layerstream: generate ran out of memory and the resident window cannot shrink further"
+            )
+        logger.warning(
+            "layerstream: generate ran out of memory; the resident window shrank to %d layers and the call runs again.",
+            len(runtime.window),
+        )
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state(cuda_rng, runtime.device)
+
+
 def _counted(original):
     @functools.wraps(original)
     def generate(self, *args, **kwargs):
@@ -94,7 +129,7 @@ def _counted(original):
         if tokens:
             runtime.resident_window.before_generation(tokens)
         try:
-            return original(self, *args, **kwargs)
+            return _run_again_after_oom(original, self, runtime, args, kwargs)
         finally:
             runtime.resident_window.after_generation()
             totals.active = False
