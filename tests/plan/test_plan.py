@@ -1028,3 +1028,15 @@ def test_speed_hints_name_the_window_and_a_larger_batch_when_they_help():
     # a plan that does not fit gets advice, not speed hints
     assert speed_hints(make_plan(PlanRequest(config_of(LLAMA3_8B), 8192, 1, 16 * GiB))) == []
     assert "speed: " in format_plan(roomy)
+
+
+@pytest.mark.parametrize("shape, eager", [("gpt-oss-20b", True), ("llama-3.1-8b", False)])
+def test_a_plan_says_where_attention_runs_eager_and_what_its_scores_take(shape, eager):
+    """transformers has no SDPA path for gpt-oss (its attention sinks): each layer keeps its
+    scores, batch x heads x seq^2 in float32 and the compute dtype, which the plan names."""
+    config = load_config(SHAPES / f"{shape}.json")
+    memory = make_plan(PlanRequest(config, seq=2048, batch=1, vram_bytes=24 * GiB, quantization="nf4"))
+    said = [note for note in memory.notes if "runs eager" in note]
+    assert bool(said) is eager
+    if eager:
+        assert f"{64 * 2048 * 2048 * 6 / GiB:.2f} GiB at batch 1 x 2048 tokens" in said[0]

@@ -23,6 +23,7 @@ from .shapes import (
     _check_quantization,
     _num_experts,
     _text_config,
+    eager_scores_bytes,
     ends_host_bytes,
     head_bytes,
     layer_bytes,
@@ -363,6 +364,14 @@ def _build(request: PlanRequest) -> MemoryPlan:
     unquantised = max(layer_bytes(config, "none", dtype)) if quantization != "none" else max_layer
 
     notes = plan_notes(shapes, adapted, lora_targets, quantization)
+    eager = eager_scores_bytes(config, batch, seq, elem)
+    if eager:
+        notes.append(
+            f"{model_type}'s attention runs eager in transformers (no SDPA path): each layer's "
+            f"recompute also keeps its attention scores, about {eager / GiB:.2f} GiB at batch {batch} "
+            f"x {seq} tokens, which this plan does not count yet (not measured on a GPU): keep that "
+            "much more of the budget free"
+        )
 
     return MemoryPlan(
         model_type=model_type,

@@ -182,6 +182,31 @@ def _attention_dims(config) -> Tuple[int, int, int, int]:
     return hidden, heads, kv_heads, head_dim
 
 
+def attention_runs_eager(config) -> bool:
+    """Whether transformers runs this model's attention eagerly by default: its class has no
+    SDPA path (gpt-oss, for its attention sinks), or the config asks for "eager"."""
+    asked = getattr(config, "_attn_implementation_internal", None)
+    if asked is not None:
+        return asked == "eager"
+    try:
+        from transformers import AutoModelForCausalLM
+
+        cls = AutoModelForCausalLM._model_mapping[type(config)]
+    except (KeyError, ImportError, ValueError):
+        return False
+    return not getattr(cls, "_supports_sdpa", True)
+
+
+def eager_scores_bytes(config, batch: int, seq: int, elem: int) -> int:
+    """What one layer's eager attention keeps for its backward beyond what SDPA keeps: the
+    scores, batch x heads x seq x seq, as softmax's float32 output and the weights in the
+    compute dtype (0 where the attention is not eager)."""
+    if not attention_runs_eager(config):
+        return 0
+    _, heads, _, _ = _attention_dims(config)
+    return batch * heads * seq * seq * (4 + elem)
+
+
 def _num_experts(config) -> int:
     # mixtral and qwen3_moe map num_experts onto num_local_experts; qwen2_moe has num_experts
     return int(_get(config, "num_local_experts", _get(config, "num_experts", 0)) or 0)
