@@ -50,15 +50,15 @@ def _use_the_gpu_first() -> None:
     print(f"capped: used the GPU first; {torch.cuda.memory_reserved() / 2**30:.2f} GiB stays reserved", flush=True)
 
 
-def _add_to_every_trainer(callback_class) -> None:
-    """Each Trainer made in this process gets a ``callback_class()`` (the script is unchanged)."""
+def _add_to_every_trainer(make_callback) -> None:
+    """Each Trainer made in this process gets a ``make_callback()`` (the script is unchanged)."""
     from transformers import Trainer
 
     original = Trainer.__init__
 
     def __init__(self, *args, **kwargs):
         original(self, *args, **kwargs)
-        self.add_callback(callback_class())
+        self.add_callback(make_callback())
 
     Trainer.__init__ = __init__
 
@@ -108,15 +108,16 @@ def _time_generate_calls(calls: list) -> None:
     GenerationMixin.generate = generate
 
 
-def _time_trainer_steps(path: str) -> None:
+def step_times_class():
+    """The Trainer callback class that times each step (the device synchronised at both
+    ends) and keeps, step by step, the streaming counters and each log; given a ``path``,
+    it writes them there as JSON after each, with the peaks and ``generate_s``."""
     import torch
     from transformers import TrainerCallback
 
-    generate_s: list = []
-    _time_generate_calls(generate_s)
-
     class StepTimes(TrainerCallback):
-        def __init__(self):
+        def __init__(self, path=None, generate_s=None):
+            self.path, self.generate_s = path, [] if generate_s is None else generate_s
             self.times, self.start, self.counters, self.logs = [], None, [], []
 
         def on_step_begin(self, args, state, control, **kwargs):
@@ -137,8 +138,10 @@ def _time_trainer_steps(path: str) -> None:
             self.write()
 
         def write(self):
+            if self.path is None:
+                return
             cuda = torch.cuda.is_available()
-            with open(path, "w") as handle:
+            with open(self.path, "w") as handle:
                 json.dump(
                     {
                         "step_s": self.times,
@@ -146,13 +149,20 @@ def _time_trainer_steps(path: str) -> None:
                         "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else None,
                         "stream_counters": self.counters,
                         "logs": self.logs,
-                        "generate_s": generate_s,
+                        "generate_s": self.generate_s,
                         "gpu": torch.cuda.get_device_name() if cuda else None,
                     },
                     handle,
                 )
 
-    _add_to_every_trainer(StepTimes)
+    return StepTimes
+
+
+def _time_trainer_steps(path: str) -> None:
+    generate_s: list = []
+    _time_generate_calls(generate_s)
+    step_times = step_times_class()
+    _add_to_every_trainer(lambda: step_times(path, generate_s))
 
 
 def _profile_trainer_steps(folder: str, first: int = 8, count: int = 8) -> None:

@@ -3,9 +3,10 @@
 Random weights at the real shapes (configs/shapes), on one GPU capped with
 ``torch.cuda.set_per_process_memory_fraction``:
 
-- ``qwen3-30b-a3b``: QLoRA (NF4), 2048 tokens, under 8 GiB, against the resident
-  bitsandbytes step of the same model in the same process; then decoding at batch 1 and 8,
-  milliseconds per token step against the copy bound of the experts actually routed.
+- ``qwen3-30b-a3b``: QLoRA (NF4), 2048 tokens, under 8 GiB, through TRL's SFTTrainer,
+  against the resident SFTTrainer step of the same model in the same process; then
+  decoding at batch 1 and 8, milliseconds per token step against the copy bound of the
+  experts actually routed.
 - ``gpt-oss-20b``: QLoRA under 8 GiB through TRL's ``sft.py``, unchanged, behind
   ``layerstream run``, against the same script run plainly (resident) on the whole GPU.
 - ``gpt-oss-120b``: its layer shape, QLoRA under 24 GiB, as many layers as the host RAM
@@ -23,8 +24,14 @@ user's own command (``layerstream run -m trl.scripts.sft ... --load_in_4bit``) o
 checkpoint written to disk when its bf16 checkpoint takes at most ``CHECKPOINT_DISK_SHARE``
 of the machine's disk and its whole store fits ``STORE_RAM_SHARE`` of the host RAM;
 otherwise the model is built in host memory as transformers' 4-bit load leaves it
-(``common.build_random_nf4``) and trained through the Python API, with as many of its
-layers as the host RAM holds. bf16 Qwen3-30B-A3B is 61 GB (56.9 GiB) on a 64 GiB disk that
+(``common.build_random_nf4``), with as many of its layers as the host RAM holds, and trained
+in this process by TRL's SFTTrainer (``moe_measure.sft_steps``: batch 1, rows of exactly
+``tokens`` token ids), streamed under the cap, then resident from the same adapters on the
+same rows. Both routes train as users do, through SFTTrainer's fused log-prob head
+(``TRL_LOSS``): it computes the loss in tiles, where the model's own loss holds the full
+fp32 logits (2048 tokens x 151,936 vocabulary, about 3.5 GiB with autograd's copies: the
+planner puts Qwen3-30B-A3B's streamed step over 8 GiB with them, under it with TRL's head),
+and the streamed and resident steps of each ratio compute the same loss. bf16 Qwen3-30B-A3B is 61 GB (56.9 GiB) on a 64 GiB disk that
 also holds the system: built in memory (NF4 checkpoints are not what users load: the
 loader quantises bf16 ones). gpt-oss-20b is 41.8 GB: written. gpt-oss-120b is 233 GB and
 its store 214 GiB: 12 of its 36 layers, built in memory.
@@ -68,10 +75,15 @@ from moe_measure import (  # noqa: E402
     by_need_bound_s,
     counter_delta,
     decode_steps,
+    failed,
+    finish,
     host_to_device_gbps,
+    load_trainable,
     per_visit,
+    sft_steps,
     streamed_layer_bytes,
-    train_steps,
+    token_rows,
+    trainable_state,
 )
 
 from common import SHAPES, build_random_nf4, machine, shape_config  # noqa: E402
@@ -89,6 +101,7 @@ STORE_RAM_SHARE = 0.6
 LORA_R, LORA_ALPHA, LORA_DROPOUT = 16, 32, 0.05
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 TARGET_VS_RESIDENT = 0.9
+TRL_LOSS = "trl-fused-head"  # the train rows' loss: TRL's fused log-prob head, in both routes
 WHOLE_GPU = "1024GiB"  # capped.py's cap for a resident run: the fraction stays 1.0
 
 
@@ -229,15 +242,8 @@ def build_model(values: dict, layers: int, device: str):
     return get_peft_model(model, lora), routing
 
 
-def failed(row: dict, error: BaseException) -> dict:
-    """A row whose run raised (out of memory under the cap, say): said, not dropped."""
-    print(f"moe: {row['case']} {row['kind']} failed: {error!r}", flush=True)
-    said = f"{type(error).__name__}: {error}"[:2000]
-    return dict(row, trained=False, out_of_memory="out of memory" in said.lower(), error=said)
-
-
-def streamed_train_row(model, runtime, routing, case: Case, ids, common: dict, gbps: float) -> dict:
-    row = dict(common, kind="train", tokens=case.tokens, batch=1)
+def streamed_train_row(model, runtime, routing, case: Case, data, common: dict, gbps: float, out: str) -> dict:
+    row = dict(common, kind="train", tokens=case.tokens, batch=1, loss=TRL_LOSS)
     warm = {}
 
     def at_timed_steps():  # the counters and the routing of the timed steps only
@@ -245,7 +251,7 @@ def streamed_train_row(model, runtime, routing, case: Case, ids, common: dict, g
         routing.reset()
 
     try:
-        times, losses, peak = train_steps(model, ids, case.steps, case.warmup, at_timed_steps)
+        times, losses, peak = sft_steps(model, data, case, common["device"], out, at_timed_steps)
     except Exception as error:  # noqa: BLE001  (the row says why)
         return failed(row, error)
     after = runtime.stats()
@@ -305,7 +311,7 @@ def run_api(case: Case, values: dict, sizes: dict, session: Session) -> list:
     layers = sizes["layers_measured"]
     model, routing = build_model(values, layers, device)
     vocab = values["vocab_size"]
-    ids = torch.randint(0, vocab, (1, case.tokens), generator=torch.Generator().manual_seed(0)).to(device)
+    data, adapters = token_rows(case.warmup + case.steps, case.tokens, vocab), trainable_state(model)
     if device == "cuda":  # the cap counts what the allocator keeps: the build's blocks go back first
         torch.cuda.empty_cache()
         total = torch.cuda.get_device_properties(0).total_memory
@@ -316,11 +322,12 @@ def run_api(case: Case, values: dict, sizes: dict, session: Session) -> list:
     common = dict(case=case.name, model=case.shape, quantization="nf4", cap=case.cap, route="api", layers=layers)
     common.update(layers_of_model=sizes["layers_of_model"], command=session.command, sizes=sizes, h2d_gbps=gbps)
     common.update(device=device)
-    rows = [streamed_train_row(model, runtime, routing, case, ids, common, gbps)]
+    out = str(Path(args.work) / f"{case.name}-api")
+    rows = [streamed_train_row(model, runtime, routing, case, data, common, gbps, out + "-streamed")]
     rows += [streamed_decode_row(model, runtime, routing, vocab, case, b, common, gbps) for b in case.decode_batches]
     session.keep(rows)
     if not args.no_resident and sizes["resident_fits_gpu_measured"]:
-        add_resident_api(model, rows, case, ids, device, vocab)
+        add_resident_api(model, rows, case, (data, adapters), device, vocab, out + "-resident")
     del model, runtime
     gc.collect()
     if device == "cuda":
@@ -328,16 +335,19 @@ def run_api(case: Case, values: dict, sizes: dict, session: Session) -> list:
     return rows
 
 
-def add_resident_api(model, rows: list, case: Case, ids, device: str, vocab: int) -> None:
-    """The same model, unstreamed onto the whole GPU: its step and token steps."""
+def add_resident_api(model, rows: list, case: Case, start: tuple, device: str, vocab: int, out: str) -> None:
+    """The same model, unstreamed onto the whole GPU, its adapters back as the streamed run
+    began (``start``: the rows and the adapters): its SFTTrainer steps (gradient checkpointing
+    on, as SFTConfig's default has it) and token steps."""
     import layerstream
 
     if device == "cuda":
         torch.cuda.set_per_process_memory_fraction(1.0)
     layerstream.unstream_model(model, device=device)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    data, adapters = start
+    load_trainable(model, adapters)
     try:
-        times, losses, peak = train_steps(model, ids, case.steps, case.warmup)
+        times, losses, peak = sft_steps(model, data, case, device, out)
     except Exception as error:  # noqa: BLE001
         times, losses, peak = [], [], {"peak_allocated_gib": None}
         rows[0]["resident_error"] = f"{type(error).__name__}: {error}"[:2000]
@@ -355,20 +365,6 @@ def add_resident_api(model, rows: list, case: Case, ids, device: str, vocab: int
                 continue
             row.update(resident_decode_ms=statistics.median(steps[2:] or steps) * 1e3)
             row.update(resident_peak_allocated_gib=peak["peak_allocated_gib"])
-
-
-def finish(row: dict) -> None:
-    """Ratios of a row, where its figures are there."""
-    if row.get("step_s"):
-        if row.get("copy_bound_s") is not None:
-            row["fraction_of_copy_bound"] = row["copy_bound_s"] / row["step_s"]
-        if row.get("resident_step_s") and row.get("speed_vs_resident") is None:
-            row["speed_vs_resident"] = row["resident_step_s"] / row["step_s"]
-    if row.get("decode_ms"):
-        row["fraction_of_copy_bound"] = row["copy_bound_ms"] / row["decode_ms"]
-        row["fraction_of_by_need_bound"] = row["by_need_copy_bound_ms"] / row["decode_ms"]
-        if row.get("resident_decode_ms"):
-            row["speed_vs_resident"] = row["resident_decode_ms"] / row["decode_ms"]
 
 
 # -- TRL's script, unchanged, behind `layerstream run` -------------------------------------
@@ -464,6 +460,7 @@ def run_trl(case: Case, values: dict, sizes: dict, session: Session) -> list:
     bytes_per_step = (counts[-1]["h2d_bytes"] - counts[1]["h2d_bytes"]) / (len(counts) - 2) if len(counts) > 2 else None
     row = dict(case=case.name, model=case.shape, quantization="nf4", cap=case.cap, route="trl-sft", kind="train")
     row.update(tokens=case.tokens, batch=1, layers=sizes["layers_of_model"], layers_of_model=sizes["layers_of_model"])
+    row.update(loss=TRL_LOSS)
     row.update(command=session.command, script_command=" ".join(streamed_cmd), sizes=sizes, h2d_gbps=gbps)
     row.update({k: v for k, v in streamed.items() if k != "counters"})
     row.update(step_s=statistics.median(times[2:]) if len(times) > 2 else None, bytes_per_step=bytes_per_step)

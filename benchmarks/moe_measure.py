@@ -1,6 +1,8 @@
 """Measuring a mixture-of-experts model's training steps and token steps (moe.py's pieces):
-step timing with the device synchronised, greedy decoding timed token step by token step,
-which experts each layer's router chose, and the copy bounds those choices give."""
+TRL's SFTTrainer steps on the in-memory model, timed by capped.py's step callback (the
+loss users train this model with: TRL's fused log-prob head, which never holds the full
+logits), greedy decoding timed token step by token step, which experts each layer's router
+chose, and the copy bounds those choices give."""
 
 from __future__ import annotations
 
@@ -80,6 +82,27 @@ class RoutedExperts:
         return statistics.mean(shares) if shares else None
 
 
+def failed(row: dict, error: BaseException) -> dict:
+    """A row whose run raised (out of memory under the cap, say): said, not dropped."""
+    print(f"moe: {row['case']} {row['kind']} failed: {error!r}", flush=True)
+    said = f"{type(error).__name__}: {error}"[:2000]
+    return dict(row, trained=False, out_of_memory="out of memory" in said.lower(), error=said)
+
+
+def finish(row: dict) -> None:
+    """Ratios of a row, where its figures are there."""
+    if row.get("step_s"):
+        if row.get("copy_bound_s") is not None:
+            row["fraction_of_copy_bound"] = row["copy_bound_s"] / row["step_s"]
+        if row.get("resident_step_s") and row.get("speed_vs_resident") is None:
+            row["speed_vs_resident"] = row["resident_step_s"] / row["step_s"]
+    if row.get("decode_ms"):
+        row["fraction_of_copy_bound"] = row["copy_bound_ms"] / row["decode_ms"]
+        row["fraction_of_by_need_bound"] = row["by_need_copy_bound_ms"] / row["decode_ms"]
+        if row.get("resident_decode_ms"):
+            row["speed_vs_resident"] = row["resident_decode_ms"] / row["decode_ms"]
+
+
 def counter_delta(before: dict, after: dict, name: str):
     if before.get(name) is None or after.get(name) is None:
         return None
@@ -90,28 +113,66 @@ def per_visit(copied, visits):
     return copied / visits if copied is not None and visits else None
 
 
-def train_steps(model, ids, steps: int, warmup: int, at_timed_steps=None):
-    """Step times (seconds) of the timed steps, every step's loss, and the peaks over all of
-    them, of AdamW steps on the trainable parameters; ``at_timed_steps()`` is called once the
-    warm-up steps are done."""
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
-    model.train()
-    times, losses = [], []
+def at_step(step: int, fn):
+    """A Trainer callback that calls ``fn()`` as step ``step`` (counted from 0) begins."""
+    from transformers import TrainerCallback
+
+    class AtStep(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == step:
+                fn()
+
+    return AtStep()
+
+
+def token_rows(rows: int, tokens: int, vocab: int):
+    """``rows`` rows of exactly ``tokens`` random token ids, tokenized as SFTTrainer takes
+    them (an ``input_ids`` column: it adds labels and truncates nothing)."""
+    from datasets import Dataset
+
+    ids = torch.randint(0, vocab, (rows, tokens), generator=torch.Generator().manual_seed(0))
+    return Dataset.from_dict({"input_ids": ids.tolist()})
+
+
+def sft_trainer(model, data, steps: int, tokens: int, output_dir: str, use_cpu: bool, callbacks: list):
+    """TRL's SFTTrainer on the in-memory model as a user sets it up: its defaults (the fused
+    log-prob head, gradient checkpointing), bf16, batch 1, ``max_length`` ``tokens``."""
+    from trl import SFTConfig, SFTTrainer
+
+    from layerstream.data import byte_tokenizer
+
+    config = SFTConfig(
+        output_dir=output_dir,
+        max_steps=steps,
+        per_device_train_batch_size=1,
+        max_length=tokens,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        bf16=True,
+        use_cpu=use_cpu,
+        seed=0,
+    )
+    return SFTTrainer(
+        model=model, args=config, train_dataset=data, processing_class=byte_tokenizer(), callbacks=callbacks
+    )
+
+
+def sft_steps(model, data, case, device: str, output_dir: str, at_timed_steps=None):
+    """Step times (seconds) of the timed steps of ``case`` (after its warm-up steps), every
+    step's logged loss, and the peaks over all of them, of SFTTrainer steps on ``data``;
+    ``at_timed_steps()`` is called as the first timed step begins."""
+    from capped import step_times_class
+
+    clock = step_times_class()()
+    callbacks = [at_step(case.warmup, at_timed_steps)] if at_timed_steps is not None else []
+    steps = case.warmup + case.steps
+    trainer = sft_trainer(model, data, steps, case.tokens, output_dir, device == "cpu", callbacks + [clock])
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    for index in range(warmup + steps):
-        synchronize()
-        if index == warmup and at_timed_steps is not None:
-            at_timed_steps()
-        start = time.perf_counter()
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        synchronize()
-        times.append(time.perf_counter() - start)
-        losses.append(loss.item())
-    return times[warmup:], losses, peaks()
+    trainer.train()
+    losses = [entry["loss"] for entry in clock.logs if "loss" in entry]
+    return clock.times[case.warmup :], losses, peaks()
 
 
 class StepClock:
@@ -163,3 +224,17 @@ def by_need_bound_s(routing: RoutedExperts, layer_bytes: dict, slots: int, gbps:
             nbytes += (statistics.mean(chosen[index]) - count) * expert
         per_layer.append(nbytes)
     return sum(sorted(per_layer)[min(slots, len(per_layer)) :]) / (gbps * 1e9)
+
+
+def trainable_state(model) -> dict:
+    """A copy of the trainable parameters (the adapters), by name."""
+    return {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
+
+
+def load_trainable(model, state: dict) -> None:
+    """The adapters back as ``trainable_state`` copied them: the next run starts where the
+    first did."""
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, value in state.items():
+            params[name].copy_(value)

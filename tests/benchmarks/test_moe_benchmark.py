@@ -1,7 +1,7 @@
 """benchmarks/moe.py on the CPU: the dry run's three routes on tiny mixture-of-experts
-models (the Python API with decoding, TRL's sft.py behind `layerstream run` against the
-plain script, and a stack cut to what the host RAM holds), the size arithmetic of the real
-cases, and the by-need copy bound."""
+models (TRL's SFTTrainer in the process on the model built in memory, with decoding; TRL's
+sft.py behind `layerstream run` against the plain script; and a stack cut to what the host
+RAM holds), the size arithmetic of the real cases, and the by-need copy bound."""
 
 import json
 import math
@@ -59,6 +59,7 @@ def test_every_case_has_its_rows_with_the_figures_a_result_needs(dry_run):
             assert row["step_s"] > 0 and row["resident_step_s"] > 0 and row["copy_bound_s"] > 0
             assert row["speed_vs_resident"] > 0 and row["fraction_of_copy_bound"] > 0
             assert row["tokens"] == 64 and row["target_vs_resident"] == moe.TARGET_VS_RESIDENT
+            assert row["loss"] == moe.TRL_LOSS == "trl-fused-head"
         else:
             assert row["decode_ms"] > 0 and row["resident_decode_ms"] > 0
             assert len(row["decode_ms_all"]) == moe.TINY_CASES[row["case"]].new_tokens - 1
@@ -74,6 +75,20 @@ def test_each_tiny_case_takes_the_route_its_real_case_takes(dry_run):
     assert deep["route"] == "api" and deep["layers"] == 4 < deep["layers_of_model"] == 6
     assert deep["sizes"]["store_fits_host_ram"] is False and deep["sizes"]["checkpoint_fits_disk"] is False
     assert deep["routed_expert_share"] > 0
+
+
+@pytest.mark.parametrize("case", ["tiny-qwen3-moe", "tiny-gpt-oss-120b"])
+def test_the_api_route_trains_through_sfttrainer_streamed_and_resident_alike(dry_run, case):
+    """Both runs are SFTTrainer's, from the same adapters on the same rows: the same first
+    step's loss; each step timed, the warm-up ones left out."""
+    work, rows = dry_run
+    row = rows[(case, "train", 1)]
+    tiny = moe.TINY_CASES[case]
+    assert row["route"] == "api" and row["trained"] is True
+    assert len(row["losses"]) == len(row["resident_losses"]) == tiny.warmup + tiny.steps
+    assert row["losses"][0] == row["resident_losses"][0], "the same loss on the same first batch"
+    assert len(row["step_s_all"]) == len(row["resident_step_s_all"]) == tiny.steps
+    assert (work / f"{case}-api-streamed").is_dir() and (work / f"{case}-api-resident").is_dir()
 
 
 def test_trls_script_runs_unchanged_streamed_and_plain_and_trains_the_same(dry_run):
@@ -141,17 +156,17 @@ def test_the_real_cases_sizes_decide_their_routes():
     assert abs(small["checkpoint_bf16_gb"] / 2 - 20.9) < 0.1 and abs(large["checkpoint_bf16_gb"] / 2 - 116.8) < 0.1
 
 
-def test_the_gpt_oss_shapes_plan_a_qlora_run_that_fits(capsys):
+def test_the_real_shapes_plan_a_qlora_run_that_fits_with_trls_head(capsys):
     from layerstream.commands import cli
 
-    # the 20b trains through TRL's sft.py, whose fused log-prob head computes the loss; the
-    # 120b through the API's loop, the model's own loss (a mixture of experts' is not chunked)
-    for name, budget, loss in (("gpt-oss-20b", "8GiB", ["--trl-fused-head"]), ("gpt-oss-120b", "24GiB", [])):
+    # every case trains through SFTTrainer (TRL's sft.py or in the process), whose fused
+    # log-prob head computes the loss
+    for name, budget in (("gpt-oss-20b", "8GiB"), ("gpt-oss-120b", "24GiB"), ("qwen3-30b-a3b", "8GiB")):
         argv = ["plan", "--model", str(ROOT / "configs" / "shapes" / f"{name}.json"), "--seq", "2048"]
         argv += ["--quantization", "nf4", "--vram-budget", budget, "--lora-targets", ",".join(moe.LORA_TARGETS)]
-        argv += loss
+        argv += ["--trl-fused-head"]
         assert cli.main(argv) == 0, capsys.readouterr().out
-        assert "gpt_oss" in capsys.readouterr().out
+        assert moe.SHAPES[name]["model_type"] in capsys.readouterr().out
 
 
 def test_rows_of_other_cases_are_kept_and_the_same_case_is_replaced(tmp_path):
