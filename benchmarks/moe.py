@@ -553,7 +553,8 @@ def main(argv=None) -> int:
 
         allocator_defaults()
     out = Path(args.out)
-    base = json.loads(Path(args.base).read_text())["rows"] if args.base else []
+    # the first run of all has no rows file yet: it starts one
+    base = json.loads(Path(args.base).read_text())["rows"] if args.base and Path(args.base).exists() else []
     if out.exists() and not args.base:
         base = json.loads(out.read_text())["rows"]
     gbps = host_to_device_gbps(args.dry_run)
