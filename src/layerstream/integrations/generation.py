@@ -86,14 +86,29 @@ def cached_tokens(model, args: tuple, kwargs: dict) -> int:
     return batch * int(copies) * (prompt + int(new))
 
 
+class RandomState:
+    """The process's random state (the CPU's, and the streaming device's) where a call or a
+    Trainer step began: put back to run it again after an out-of-memory error, so it draws
+    the numbers a run that never failed draws."""
+
+    def __init__(self, runtime):
+        self.device = runtime.device
+        self.cpu = torch.get_rng_state()
+        self.cuda = torch.cuda.get_rng_state(runtime.device) if runtime.pool.cuda else None
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state(self.cuda, self.device)
+
+
 def _run_again_after_oom(original, model, runtime, args: tuple, kwargs: dict):
     """``generate``; where it runs out of memory with a resident window, the window shrinks
     and the call runs again from the random state it began with, so its tokens are those
     of a call that never failed (as a Trainer step is run again). Not with a streamer,
     which has printed the first tokens already."""
     while True:
-        cpu_rng = torch.get_rng_state()
-        cuda_rng = torch.cuda.get_rng_state(runtime.device) if runtime.pool.cuda else None
+        start = RandomState(runtime)
         try:
             return original(model, *args, **kwargs)
         except torch.OutOfMemoryError as exc:
@@ -109,9 +124,7 @@ def _run_again_after_oom(original, model, runtime, args: tuple, kwargs: dict):
             "layerstream: generate ran out of memory; the resident window shrank to %d layers and the call runs again.",
             len(runtime.window),
         )
-        torch.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state(cuda_rng, runtime.device)
+        start.restore()
 
 
 def _counted(original):

@@ -207,8 +207,7 @@ class _StepState:
     window is new). Without gradients to go back to, the step cannot be rerun."""
 
     def __init__(self, parameters: list, runtime):
-        self.cpu_rng = torch.get_rng_state()
-        self.cuda_rng = torch.cuda.get_rng_state(runtime.device) if runtime.pool.cuda else None
+        self.random = generation.RandomState(runtime)
         self.params = [p for p in parameters if p.requires_grad]
         grads = [p.grad for p in self.params]
         self.none = all(g is None for g in grads)
@@ -226,9 +225,7 @@ class _StepState:
         return [id(p) for p in model.parameters() if p.requires_grad] == [id(p) for p in self.params]
 
     def restore(self, device) -> None:
-        torch.set_rng_state(self.cpu_rng)
-        if self.cuda_rng is not None:
-            torch.cuda.set_rng_state(self.cuda_rng, device)
+        self.random.restore()
         for param, saved in zip(self.params, self.saved or [None] * len(self.params)):
             param.grad = None if saved is None else saved.to(param.device)
 
