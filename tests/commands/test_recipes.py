@@ -29,6 +29,17 @@ def test_there_are_recipes_for_the_small_gpus_we_promise():
     assert any("mistral" in n for n in names) and any("qwen3" in n for n in names)
 
 
+def _assert_states_the_plan(name: str, text: str, planned) -> None:
+    """The recipe's header states the plan's peak, host store and copy time, as planned."""
+    assert planned.fits
+    stated = re.search(r"peak VRAM ([\d.]+) GiB, host store ([\d.]+) GiB", text)
+    assert stated, f"{name} must state the planned peak and host store"
+    assert float(stated.group(1)) == round(planned.peak_vram_bytes / 2**30, 2)
+    assert float(stated.group(2)) == round(planned.host_store_bytes / 2**30, 2)
+    copies = re.search(r"copies ([\d.]+) s per step at 55 GB/s", text)
+    assert copies and float(copies.group(1)) == round(planned.copy_seconds_per_step, 3)
+
+
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
 def test_recipe_validates_and_states_planned_and_measured_figures(path, tmp_path):
     config = load(str(path), [f"training.output_dir={tmp_path / 'never'}", "stream.device=cpu"])
@@ -47,14 +58,8 @@ def test_recipe_validates_and_states_planned_and_measured_figures(path, tmp_path
             slots=stream["slots"],
         )
     )
-    assert predicted.fits
     text = path.read_text()
-    stated = re.search(r"peak VRAM ([\d.]+) GiB, host store ([\d.]+) GiB", text)
-    assert stated, f"{path.name} must state the planned peak and host store"
-    assert float(stated.group(1)) == round(predicted.peak_vram_bytes / 2**30, 2)
-    assert float(stated.group(2)) == round(predicted.host_store_bytes / 2**30, 2)
-    copies = re.search(r"copies ([\d.]+) s per step at 55 GB/s", text)
-    assert copies and float(copies.group(1)) == round(predicted.copy_seconds_per_step, 3)
+    _assert_states_the_plan(path.name, text, predicted)
     measured = MEASURED[path.stem]
     line = re.search(r"peak ([\d.]+) GiB allocated,\s*#\s*([\d.]+) s per step of (\d+) x (\d+) tokens", text)
     assert line, f"{path.name} must state the measured peak and step time"
@@ -118,14 +123,8 @@ def test_long_context_recipes_exist_for_8b_and_70b_on_24gb():
 def test_a_recipe_not_yet_measured_states_what_layerstream_train_plans_and_no_measurement(path, tmp_path):
     config = load(str(path), [f"training.output_dir={tmp_path / 'never'}", "stream.device=cpu"])
     planned = planned_run(config, stream_config(config))
-    assert planned.fits
     text = path.read_text()
-    stated = re.search(r"peak VRAM ([\d.]+) GiB, host store ([\d.]+) GiB", text)
-    assert stated, f"{path.name} must state the planned peak and host store"
-    assert float(stated.group(1)) == round(planned.peak_vram_bytes / 2**30, 2)
-    assert float(stated.group(2)) == round(planned.host_store_bytes / 2**30, 2)
-    copies = re.search(r"copies ([\d.]+) s per step at 55 GB/s", text)
-    assert copies and float(copies.group(1)) == round(planned.copy_seconds_per_step, 3)
+    _assert_states_the_plan(path.name, text, planned)
     assert not re.search(r"GiB allocated|tokens/s|Measured on", text)
     assert path.stem not in MEASURED, "measured: state the measurement"
 
