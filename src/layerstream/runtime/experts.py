@@ -76,10 +76,6 @@ class ExpertsByNeed:
                 hook = self._hook(record.index)
                 self._hooks[id(stack.module)] = stack.module.register_forward_pre_hook(hook, with_kwargs=True)
 
-    @property
-    def active(self) -> bool:
-        return bool(self.stacks)
-
     def start_pass(self, hidden: Optional[torch.Tensor]) -> None:
         """Decide for the pass that starts with ``hidden`` (batch x seq x hidden)."""
         routed = [stack for index in self._holes for stack in self.stacks[index] if stack.by_need]
