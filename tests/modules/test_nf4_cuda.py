@@ -10,7 +10,7 @@ import layerstream
 from layerstream.decisions.schedule import PrefetchSchedule
 from layerstream.modules import nf4
 
-from tiny import assert_traces_equal, batch, nearest_valid_victim, nf4_pair, stream, train_steps
+from tiny import assert_traces_equal, batch, corrupt_copies, nearest_valid_victim, nf4_pair, stream, train_steps
 
 pytestmark = pytest.mark.gpu
 
@@ -50,15 +50,35 @@ def test_parity_at_a_training_m(tmp_path, dtype, nested):
     assert stats["nf4_dequant_calls"] > 0
 
 
-def test_generation_matches_resident(tmp_path):
+@pytest.mark.parametrize("use_cache", [True, False], ids=["cache", "no-cache"])
+@pytest.mark.parametrize("size", [1, 8])
+def test_greedy_generation_matches_resident_token_for_token(tmp_path, size, use_cache):
+    """32 greedy tokens through the NF4 Function path (bitsandbytes' fused inference kernel
+    at these small M) equal resident bitsandbytes', batch 1 and 8, with the KV cache and
+    without it (every token step then runs the whole sequence again)."""
     streamed, resident = _pair(tmp_path)
-    ids = batch(96, size=1, seq=4, device="cuda")
-    kwargs = dict(max_new_tokens=8, do_sample=False, attention_mask=torch.ones_like(ids), pad_token_id=0)
-    assert torch.equal(streamed.generate(input_ids=ids, **kwargs), resident.generate(input_ids=ids, **kwargs))
+    ids = batch(96, size=size, seq=4, device="cuda")
+    kwargs = dict(
+        max_new_tokens=32, do_sample=False, use_cache=use_cache, attention_mask=torch.ones_like(ids), pad_token_id=0
+    )
+    expected = resident.generate(input_ids=ids, **kwargs)
+    assert torch.equal(expected, resident.generate(input_ids=ids, **kwargs)), "the resident run is not repeatable"
+    assert torch.equal(streamed.generate(input_ids=ids, **kwargs), expected)
     assert layerstream.get_runtime(streamed).stats()["nf4_function_calls"] > 0
 
 
 # -- mutations: each must turn a check red ------------------------------------------------
+
+
+def test_generation_from_another_layers_packed_bytes_is_caught(tmp_path):
+    """Negative control for the generation test: layer 3 computing with layer 0's packed
+    bytes changes the greedy tokens."""
+    streamed, resident = _pair(tmp_path)
+    runtime = layerstream.get_runtime(streamed)
+    corrupt_copies(runtime, lambda layer, slot: runtime.records[0].host_region if layer == 3 else None)
+    ids = batch(96, size=8, seq=4, device="cuda")
+    kwargs = dict(max_new_tokens=32, do_sample=False, attention_mask=torch.ones_like(ids), pad_token_id=0)
+    assert not torch.equal(streamed.generate(input_ids=ids, **kwargs), resident.generate(input_ids=ids, **kwargs))
 
 
 def test_gate_always_off_is_caught(tmp_path, monkeypatch):

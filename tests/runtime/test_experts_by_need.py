@@ -23,9 +23,10 @@ LAYERS, EXPERTS = 5, 16
 ATTENTION_ONLY = dict(target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
 
 
-def _pair(family):
+def _pair(family, device="cpu"):
+    """A model to stream on ``device`` and its resident copy already there."""
     model = tiny_model(family, layers=LAYERS, **ROUTED[family])
-    return model, copy.deepcopy(model)
+    return model, copy.deepcopy(model).to(device)
 
 
 def _logits(model, ids):
@@ -34,10 +35,10 @@ def _logits(model, ids):
 
 
 @pytest.mark.parametrize("family", sorted(ROUTED))
-def test_a_short_pass_copies_only_the_chosen_experts_and_equals_resident(family):
-    streamed, resident = _pair(family)
-    stream(streamed)
-    ids = torch.tensor([[5, 7]])
+def test_a_short_pass_copies_only_the_chosen_experts_and_equals_resident(family, device):
+    streamed, resident = _pair(family, device)
+    stream(streamed, device)
+    ids = torch.tensor([[5, 7]], device=device)
     assert torch.equal(_logits(streamed, ids), _logits(resident, ids))
     stats = layerstream.get_runtime(streamed).stats()
     assert stats["expert_visits"] == LAYERS
@@ -55,22 +56,22 @@ def test_a_long_pass_copies_whole_stacks_and_equals_resident(family):
     assert layerstream.get_runtime(streamed).stats()["experts_copied"] >= LAYERS * EXPERTS
 
 
-def test_a_wrongly_skipped_expert_is_caught(monkeypatch):
+def test_a_wrongly_skipped_expert_is_caught(monkeypatch, device):
     """Negative control: one chosen expert left out of each copy computes with another
     layer's bytes, and the logits say so."""
-    streamed, resident = _pair("qwen3_moe")
-    stream(streamed)
+    streamed, resident = _pair("qwen3_moe", device)
+    stream(streamed, device)
     chosen = by_need._chosen_rows
     monkeypatch.setattr(by_need, "_chosen_rows", lambda *a: chosen(*a)[1:])
-    ids = torch.tensor([[5, 7]])
+    ids = torch.tensor([[5, 7]], device=device)
     assert not torch.equal(_logits(streamed, ids), _logits(resident, ids))
 
 
 @pytest.mark.parametrize("family", sorted(ROUTED))
-def test_greedy_generation_copies_by_need_and_equals_resident(family):
-    streamed, resident = _pair(family)
-    stream(streamed)
-    prompt = torch.tensor([[5, 7, 9]])
+def test_greedy_generation_copies_by_need_and_equals_resident(family, device):
+    streamed, resident = _pair(family, device)
+    stream(streamed, device)
+    prompt = torch.tensor([[5, 7, 9]], device=device)
     out = streamed.generate(prompt, max_new_tokens=10, do_sample=False)
     assert torch.equal(out, resident.generate(prompt, max_new_tokens=10, do_sample=False))
     stats = layerstream.get_runtime(streamed).stats()
@@ -91,11 +92,12 @@ def test_a_slot_kept_into_the_next_pass_is_completed_with_the_rows_that_pass_cho
     assert runtime.stats()["experts_copied"] > 0
 
 
-def test_training_with_adapters_on_attention_equals_resident_and_copies_by_need():
+def test_training_with_adapters_on_attention_equals_resident_and_copies_by_need(device):
     streamed, resident = peft_pair("qwen3_moe", layers=LAYERS, lora=ATTENTION_ONLY, **ROUTED["qwen3_moe"])
-    stream(streamed)
-    trace = train_steps(streamed, steps=3, seq=2, batch_size=1)
-    assert_traces_equal(trace, train_steps(resident, steps=3, seq=2, batch_size=1))
+    stream(streamed, device)
+    resident.to(device)
+    trace = train_steps(streamed, steps=3, device=device, seq=2, batch_size=1)
+    assert_traces_equal(trace, train_steps(resident, steps=3, device=device, seq=2, batch_size=1))
     stats = layerstream.get_runtime(streamed).stats()
     assert stats["experts_copied"] < stats["expert_visits"] * EXPERTS / 2
 
@@ -132,12 +134,13 @@ def test_debug_checksums_copy_whole_layers():
     assert runtime.stats()["experts_copied"] % EXPERTS == 0
 
 
-def test_a_qlora_model_copies_its_experts_by_need_and_equals_resident(tmp_path):
-    """NF4: bitsandbytes packs the attention's nn.Linear weights; the expert stacks stay in
-    the compute dtype (as in transformers' own 4-bit load) and are copied by need."""
+def _qlora_pair(tmp_path):
+    """Two QLoRA models loaded from the same files (LoRA on attention, same adapters):
+    bitsandbytes packs the attention's nn.Linear weights; the expert stacks stay in the
+    compute dtype (as in transformers' own 4-bit load) and are copied by need."""
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    from tiny import portable_cpu_nf4, save_tiny
+    from tiny import save_tiny
 
     directory = save_tiny(tmp_path / "moe", "qwen3_moe", LAYERS, dtype=torch.bfloat16, wide=True, **ROUTED["qwen3_moe"])
     quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
@@ -146,17 +149,43 @@ def test_a_qlora_model_copies_its_experts_by_need_and_equals_resident(tmp_path):
         model = AutoModelForCausalLM.from_pretrained(
             directory, quantization_config=quant, dtype=torch.bfloat16, device_map="cpu"
         )
-        return portable_cpu_nf4(get_peft_model(model, lora_config(**ATTENTION_ONLY)))
+        return get_peft_model(model, lora_config(**ATTENTION_ONLY))
 
     resident, streamed = load(), load()
     streamed.load_state_dict({k: v for k, v in resident.state_dict().items() if "lora_" in k}, strict=False)
+    return streamed, resident
+
+
+def _assert_copied_by_need_and_packed(streamed):
+    stats = layerstream.get_runtime(streamed).stats()
+    assert 0 < stats["experts_copied"] < stats["expert_visits"] * EXPERTS / 2
+    assert stats["nf4_function_calls"] + stats["nf4_dequant_calls"] > 0, "the attention streamed packed"
+
+
+def test_a_qlora_model_copies_its_experts_by_need_and_equals_resident(tmp_path):
+    from tiny import portable_cpu_nf4
+
+    streamed, resident = (portable_cpu_nf4(model) for model in _qlora_pair(tmp_path))
     stream(streamed)
     prompt = torch.tensor([[5, 7, 9]])
     out = streamed.generate(prompt, max_new_tokens=6, do_sample=False)
     assert torch.equal(out, resident.generate(prompt, max_new_tokens=6, do_sample=False))
-    stats = layerstream.get_runtime(streamed).stats()
-    assert 0 < stats["experts_copied"] < stats["expert_visits"] * EXPERTS / 2
-    assert stats["nf4_function_calls"] + stats["nf4_dequant_calls"] > 0, "the attention streamed packed"
+    _assert_copied_by_need_and_packed(streamed)
+
+
+@pytest.mark.gpu
+def test_a_qlora_model_on_the_gpu_generates_and_trains_like_resident_copying_by_need(tmp_path):
+    """On CUDA, bitsandbytes' own kernels on both sides: greedy tokens, then three training
+    steps (losses, logits, every LoRA gradient) equal the resident QLoRA model's."""
+    streamed, resident = _qlora_pair(tmp_path)
+    resident.to("cuda")
+    stream(streamed, "cuda")
+    prompt = torch.tensor([[5, 7, 9]], device="cuda")
+    out = streamed.generate(prompt, max_new_tokens=8, do_sample=False)
+    assert torch.equal(out, resident.generate(prompt, max_new_tokens=8, do_sample=False))
+    trace = train_steps(streamed, steps=3, device="cuda", seq=2, batch_size=1)
+    assert_traces_equal(trace, train_steps(resident, steps=3, device="cuda", seq=2, batch_size=1))
+    _assert_copied_by_need_and_packed(streamed)
 
 
 def test_a_merge_undone_inside_the_layers_call_reads_and_writes_whole_stacks():

@@ -155,3 +155,24 @@ def test_without_a_window_a_call_out_of_memory_is_explained_not_run_again():
     finally:
         handle.remove()
     assert runtime.stats()["oom_retries"] == 0
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_a_model_that_fits_keeps_every_layer_for_generation_and_copies_none():
+    """The real device and its own memory readings: a model that fits the GPU generates
+    from the window alone once a call was measured, with the resident model's tokens."""
+    model = tiny_model("llama", layers=LAYERS)
+    resident = copy.deepcopy(model).to("cuda")
+    stream(model, "cuda", vram_budget="auto")
+    runtime = layerstream.get_runtime(model)
+    prompt = torch.arange(3, 11, device="cuda").reshape(2, 4)
+
+    def generate(m):
+        return m.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
+
+    for _ in range(2):
+        assert torch.equal(generate(model), generate(resident))
+    assert len(runtime.window) == LAYERS
+    loads = runtime.stats()["layer_loads"]
+    assert torch.equal(generate(model), generate(resident))
+    assert runtime.stats()["layer_loads"] == loads, "a layer was copied for a model held whole"
