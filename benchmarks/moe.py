@@ -498,11 +498,15 @@ def save(path: Path, base: list, rows: list) -> None:
 
 
 def commit() -> str | None:
+    """HEAD, with "+modified" where tracked files differ from it: a copy of the working tree
+    (the GPU machine's) can carry a HEAD older than the code that ran."""
     try:
         done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE)
+        clean = subprocess.run(["git", "diff", "--quiet", "HEAD"], capture_output=True, cwd=HERE).returncode == 0
     except OSError:
         return None
-    return done.stdout.strip() or None
+    head = done.stdout.strip()
+    return (head if clean else f"{head}+modified") if head else None
 
 
 def sizes_table(cases: dict) -> str:

@@ -202,8 +202,20 @@ def decode_steps(model, batch, prompt_tokens, new_tokens, device, vocab, after_p
     clock = StepClock(after_prefill)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    with torch.no_grad():
-        model.generate(**greedy_tokens(ids, new_tokens), stopping_criteria=StoppingCriteriaList([clock]))
+    # TRL's SFTTrainer turns the config's output_router_logits on for the load-balancing
+    # loss; generating with it on, transformers 5.17 computes that loss from the new tokens'
+    # router logits against the whole attention mask and fails at batch > 1 (8 against
+    # 8 x 129). Decoding needs no router loss: off for the call, as it was before training.
+    config = model.config.get_text_config()
+    router_logits = getattr(config, "output_router_logits", None)
+    if router_logits:
+        config.output_router_logits = False
+    try:
+        with torch.no_grad():
+            model.generate(**greedy_tokens(ids, new_tokens), stopping_criteria=StoppingCriteriaList([clock]))
+    finally:
+        if router_logits:
+            config.output_router_logits = router_logits
     return [b - a for a, b in zip(clock.marks, clock.marks[1:])], peaks()
 
 

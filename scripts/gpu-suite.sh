@@ -12,6 +12,8 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out=${OUT:-benchmarks/results/gpu-suite}
 mkdir -p "$out"
 commit=$(git rev-parse --short HEAD 2>/dev/null || echo worktree)
+# a copy of the working tree (the GPU machine's) can carry a HEAD older than the code
+git diff --quiet HEAD 2>/dev/null || commit="$commit-modified"  # $OUT takes letters, digits, ".", "_" and "-"
 suite=(python3 -m pytest -o addopts="" -m "gpu and not multigpu" -q -p no:cacheprovider tests)
 mode=${1:-order}
 shift || true
