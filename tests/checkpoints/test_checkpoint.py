@@ -252,6 +252,17 @@ def test_a_prequantised_checkpoint_is_refused_with_what_to_load_instead(prequant
     )
 
 
+def test_an_mxfp4_checkpoint_is_refused_with_the_route_through_transformers(tmp_path, loads):
+    """gpt-oss is published in MXFP4 only: the refusal names the method and the way that
+    loads it as transformers does (dequantised on the host, then streamed)."""
+    save_tiny(tmp_path, layers=2, dtype=torch.bfloat16)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    said = _refused(tmp_path, loads, r"quantization_config \(mxfp4\)")
+    assert "device_map='cpu'" in said and "layerstream.stream_model" in said and "layerstream run" in said
+
+
 def test_quant_state_tensors_mark_a_checkpoint_prequantised_without_a_quantization_config(prequantized, loads):
     config = json.loads((prequantized / "config.json").read_text())
     del config["quantization_config"]

@@ -234,7 +234,10 @@ def refuse_prequantized(directory: Path, files: dict[str, Path]) -> None:
         raise LoadingError(
             f"{directory} is a pre-quantised checkpoint ({evidence}); pre-quantised checkpoints "
             "are not read by layerstream's loader: load the unquantised checkpoint with "
-            "quantization='nf4'"
+            "quantization='nf4', or, where only this one is published (gpt-oss's MXFP4), load it "
+            "with transformers on the host (AutoModelForCausalLM.from_pretrained(..., device_map='cpu'), "
+            "which dequantises what it cannot keep, as it would on your GPU without its kernels) and "
+            "call layerstream.stream_model; `layerstream run` does that for a script by itself"
         )
 
 
