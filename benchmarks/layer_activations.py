@@ -20,7 +20,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from common import write_result
+from common import SHAPES, write_result
 
 
 def saved_bytes(seq: int, hidden: int, intermediate: int, heads: int, kv_heads: int) -> dict:
@@ -68,8 +68,13 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--seq", type=int, default=2048)
     args = parser.parse_args()
-    result = saved_bytes(args.seq, hidden=4096, intermediate=14336, heads=32, kv_heads=8)
-    weights = 436_224_000  # the same layer's bf16 weights, what a slot holds
+    shape = SHAPES["llama3-8b"]
+    hidden, intermediate = shape["hidden_size"], shape["intermediate_size"]
+    heads, kv_heads = shape["num_attention_heads"], shape["num_key_value_heads"]
+    result = saved_bytes(args.seq, hidden=hidden, intermediate=intermediate, heads=heads, kv_heads=kv_heads)
+    # the same layer's bf16 weights, what a slot holds: q and o, k and v, the MLP's three, two norms
+    head_dim = hidden // heads
+    weights = 2 * (2 * hidden * hidden + 2 * hidden * kv_heads * head_dim + 3 * hidden * intermediate + 2 * hidden)
     result["layer_weight_bytes"] = weights
     print(
         f"Llama-3-8B layer, seq {args.seq}: {result['counted_tensors']} of {result['saved_tensors']} saved "

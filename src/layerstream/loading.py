@@ -40,13 +40,12 @@ from .checkpoints.stored import (
     validate_checkpoint,
 )
 from .config import StreamConfig
-from .decisions.disk import Tiers, resolve_host_budget, split_tiers
 from .modules import nf4
 from .modules.discovery import find_decoder_layers, layer_name
 from .modules.meta import meta_model
 from .system.log import get_logger
 from .tiers import disk, nf4_cache, shared_store
-from .tiers.store import HostStore, check_host_memory, host_memory
+from .tiers.store import HostStore, check_host_memory, plan_tiers
 
 logger = get_logger(__name__)
 
@@ -525,21 +524,6 @@ def from_pretrained(
         model.hf_quantizer = quantizer
     model.eval()
     return attach_runtime(model, path, layers, config_stream, store.records, store)
-
-
-def plan_tiers(stream, layers: nn.ModuleList, path: str, sizes: Optional[list] = None) -> Optional[Tiers]:
-    """Where each layer of a model being loaded lives under ``stream.host_budget`` (None: no
-    budget, every layer in host RAM). Sized from the meta model before any weight is read,
-    or from ``sizes`` (the packed NF4 layers, as the planner computes them)."""
-    budget = resolve_host_budget(stream.host_budget, host_memory())
-    if budget is None:
-        return None
-    if sizes is None:
-        sizes = [
-            HostStore.plan_layer(i, layer_name(path, i), layer, lambda t: True).nbytes for i, layer in enumerate(layers)
-        ]
-    tiers = split_tiers(sizes, budget)
-    return tiers if tiers.disk else None
 
 
 @contextlib.contextmanager

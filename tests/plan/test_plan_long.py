@@ -12,7 +12,7 @@ from layerstream import plan
 from layerstream.commands import cli
 from layerstream.plan import PlanRequest, make_plan, max_seq
 from layerstream.plan.advice import default_loss_chunk_tokens, option_value
-from layerstream.plan.longctx import fits
+from layerstream.plan.longest import fits
 from layerstream.units import GiB
 
 from tiny import peft_pair, stream, train_steps

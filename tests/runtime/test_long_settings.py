@@ -22,7 +22,7 @@ from layerstream.long import chunked_loss, tiled_mlp
 from layerstream.modules import swap
 from layerstream.plan import PlanRequest, advice, load_config, make_plan, plan_for_model
 from layerstream.plan.long_settings import LONG_ORDER, OFF, decide, decide_for, limit_for
-from layerstream.plan.longctx import oom_advice
+from layerstream.plan.longest import oom_advice
 from layerstream.plan.memory import _build
 from layerstream.units import GiB
 

@@ -24,7 +24,7 @@ The model of a step that the numbers follow (docs/plan.md derives each term):
   on top of everything that lives for the whole step.
 - Long sequences: with ``offload_activations`` the boundary states but ~2 live in host
   memory (their arena is host RAM); a chunked loss holds its fp32 logits for one chunk of
-  tokens, a tiled MLP its intermediate activations for one tile (``longctx`` compares the
+  tokens, a tiled MLP its intermediate activations for one tile (``longest`` compares the
   options and finds the longest sequence that fits).
 - A step copies every layer twice (forward, then the recompute in reverse) except the
   ``slots`` layers still in slots at each forward/backward turnaround.
@@ -36,7 +36,7 @@ alone (hidden size, MLP width, heads, vocabulary) read the config.
 from ..units import ALIGN, GiB, parse_bytes  # noqa: F401  (re-exported)
 from .advice import DEFAULT_LONG_TOKENS, LONG_OPTIONS  # noqa: F401
 from .long_settings import LongDecision, decide, decide_for  # noqa: F401
-from .longctx import comparison, max_seq, option_rows  # noqa: F401
+from .longest import comparison, max_seq, option_rows  # noqa: F401
 from .lora import LoraTargets  # noqa: F401
 from .memory import *  # noqa: F401,F403
 from .memory import _build, _copies, _working_bytes  # noqa: F401

@@ -177,7 +177,7 @@ def format_plan(plan: MemoryPlan) -> str:
 
 
 def format_comparison(rows, seq: int, batch: int) -> str:
-    """``longctx.comparison`` as a table: each option set, its peak and verdict at ``seq``,
+    """``longest.comparison`` as a table: each option set, its peak and verdict at ``seq``,
     and the longest sequence that fits (when asked)."""
     with_max = any(longest >= 0 for _, _, longest in rows)
     lines = [f"Long-sequence options at seq {seq} x batch {batch}"]

@@ -229,7 +229,7 @@ def _long_sequence_advice(runtime) -> list:
     """The long-sequence settings at the shape of the last training step, each with what it
     frees there, and the longest sequence the plan fits under the budget (the GPU memory
     this process can reach when there is none); nothing when the model cannot be planned."""
-    from ..plan.longctx import oom_advice
+    from ..plan.longest import oom_advice
 
     batch, seq = runtime.last_shape
     budget = runtime.config.budget_bytes()

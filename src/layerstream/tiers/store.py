@@ -28,8 +28,10 @@ import torch
 from torch import nn
 from torch._C import TensorBase
 
+from ..decisions.disk import Tiers, resolve_host_budget, split_tiers
 from ..errors import HostMemoryError, PinError, StreamingError
 from ..modules import nf4
+from ..modules.discovery import layer_name
 from ..system import cudart, memory_limits
 from ..system.log import get_logger
 from ..units import ALIGN, GiB, aligned, next_arena
@@ -518,3 +520,18 @@ def _tensor_over(array) -> torch.Tensor:
 def _unregister_all(arenas: List[torch.Tensor]) -> None:
     for arena in arenas:
         cudart.unregister_host(arena)
+
+
+def plan_tiers(stream, layers: nn.ModuleList, path: str, sizes: Optional[list] = None) -> Optional[Tiers]:
+    """Where each layer of a model being loaded lives under ``stream.host_budget`` (None: no
+    budget, every layer in host RAM). Sized from the meta model before any weight is read,
+    or from ``sizes`` (the packed NF4 layers, as the planner computes them)."""
+    budget = resolve_host_budget(stream.host_budget, host_memory())
+    if budget is None:
+        return None
+    if sizes is None:
+        sizes = [
+            HostStore.plan_layer(i, layer_name(path, i), layer, lambda t: True).nbytes for i, layer in enumerate(layers)
+        ]
+    tiers = split_tiers(sizes, budget)
+    return tiers if tiers.disk else None
