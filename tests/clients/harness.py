@@ -3,8 +3,11 @@ what the two runs logged and saved.
 
 The clients: TRL's shipped scripts (``-m trl.scripts.<name>``), the ``trl`` command (which
 starts its script in a new process through ``accelerate launch``), and ``client.py`` (a
-user's script around a TRL trainer or the plain Trainer). Each writes a checkpoint at its
-last step, whose ``trainer_state.json`` holds ``log_history``.
+user's script around a TRL trainer or the plain Trainer), each plain and under the
+launcher; ``api_client.py`` (a Trainer script that knows layerstream), plain and with
+``--layer_stream`` or a layerstream load; and ``layerstream train`` of ``train.yaml``
+against ``train_client.py``, the plain script the YAML stands for. Each writes a
+checkpoint at its last step, whose ``trainer_state.json`` holds ``log_history``.
 """
 
 from __future__ import annotations
@@ -23,8 +26,12 @@ from safetensors.torch import load_file
 from layerstream.commands import cli
 
 CLIENT = Path(__file__).with_name("client.py")
+API_CLIENT = Path(__file__).with_name("api_client.py")
+TRAIN_CLIENT = Path(__file__).with_name("train_client.py")
+TRAIN_CONFIG = Path(__file__).with_name("train.yaml")
 STEPS = 3
 LAUNCHER = ["run", "--slots", "2", "--vram-budget", "none"]  # two slots for four layers: every layer streams
+FLAGS = ["--layer_stream", "--layer_stream_slots", "2", "--layer_stream_vram_budget", "none"]  # the same, as flags
 # values that time the run; everything else a run logs must be equal
 WALL_CLOCK = {"train_runtime", "train_samples_per_second", "train_steps_per_second", "step_time"}
 STREAMING_ONLY = {"layerstream-trace.json", "layerstream-timeline.png"}  # what the streamed run adds
@@ -35,12 +42,27 @@ SCRIPT_DATA = {"sft": "sft", "dpo": "preference", "kto": "unpaired", "grpo": "pr
 @dataclass(frozen=True)
 class Client:
     """How a client is started: ``script`` (``-m trl.scripts.<name>``), ``command``
-    (``trl <name>``) or ``client`` (``client.py --trainer <name>``)."""
+    (``trl <name>``) or ``client`` (``client.py --trainer <name>``), each streamed by the
+    launcher; ``flag`` (``api_client.py``, streamed by ``--layer_stream``), ``api``
+    (``api_client.py --load <name>``, plain with ``--load transformers``) or ``train``
+    (``layerstream train``, plain: ``train_client.py``)."""
 
     kind: str
     name: str
 
     def argv(self, model: Path, data: Path, out: Path, peft: str, options, device: str) -> List[str]:
+        if self.kind == "train":
+            if peft != "lora" or options:
+                raise ValueError(f"layerstream train trains LoRA as train.yaml gives it, not {peft} {options}")
+            values = dict(model=model, data=data / "sft.jsonl", out=out, steps=STEPS, device=device)
+            sets = "model.name={model} data.path={data} training.output_dir={out} training.max_steps={steps}"
+            sets += " training.save_steps={steps} stream.device={device}"
+            return [str(TRAIN_CONFIG)] + [a for s in sets.format(**values).split() for a in ("--set", s)]
+        if self.kind in ("flag", "api"):
+            argv = ["--model", str(model), "--data", str(data), "--peft", peft, "--output_dir", str(out)]
+            argv += ["--max_steps", str(STEPS), "--per_device_train_batch_size", "2", "--logging_steps", "1"]
+            argv += ["--save_strategy", "steps", "--save_steps", str(STEPS), "--report_to", "none", *options]
+            return argv + (["--use_cpu"] if device == "cpu" else [])
         if self.kind == "client":
             argv = ["--trainer", self.name, "--peft", peft, "--model", str(model), "--data", str(data)]
             argv += ["--output_dir", str(out), "--steps", str(STEPS), *options]
@@ -68,6 +90,10 @@ class Client:
                 sys.argv = ["trl", self.name] + argv
                 (entry,) = [e for e in metadata.entry_points(group="console_scripts") if e.name == "trl"]
                 assert entry.load()() in (0, None), "the plain trl command failed"
+            elif self.kind in ("flag", "api", "train"):
+                script = TRAIN_CLIENT if self.kind == "train" else API_CLIENT
+                sys.argv = [str(script)] + argv
+                runpy.run_path(str(script), run_name="__main__")
             else:
                 sys.argv = [str(CLIENT)] + argv
                 runpy.run_path(str(CLIENT), run_name="__main__")
@@ -75,6 +101,12 @@ class Client:
             sys.argv = saved
 
     def run_streamed(self, argv: List[str]) -> None:
+        if self.kind == "train":
+            assert cli.main(["train"] + argv) == 0, "layerstream train exited with an error"
+            return
+        if self.kind in ("flag", "api"):
+            self.run_plain(argv + (FLAGS if self.kind == "flag" else ["--load", self.name]))
+            return
         if self.kind == "script":
             target = ["-m", f"trl.scripts.{self.name}"]
         elif self.kind == "command":
@@ -96,6 +128,8 @@ def logged(out: Path, streamed: bool) -> dict:
         assert all(entry.get("layerstream/layer_loads", 0) > 0 for entry in training_logs), (
             "the streamed run logged no layer loads: it did not stream"
         )
+    else:
+        assert not any(key.startswith("layerstream/") for entry in history for key in entry), "the plain run streamed"
     state["log_history"] = [
         {k: v for k, v in entry.items() if k not in WALL_CLOCK and not k.startswith("layerstream/")}
         for entry in history

@@ -348,3 +348,36 @@ def test_a_gpu_recipe_on_a_machine_without_cuda_says_it_trains_on_the_cpu_before
 def test_a_run_told_to_use_the_cpu_is_not_warned_about_it(monkeypatch, caplog):
     """Negative control: stream.device: cpu is a choice, not a surprise."""
     assert "trains on the CPU" not in _trains_until_the_tokenizer(RECIPE_8GB, monkeypatch, caplog, "stream.device=cpu")
+
+
+def _adapters_after_one_step(tmp_path, name, seed=0):
+    """One step of `layerstream train` on a tiny Llama checkpoint; the adapters it saved."""
+    from safetensors.torch import load_file
+
+    from clients import checkpoints, data, harness
+
+    model = tmp_path / "model"
+    if not model.exists():
+        checkpoints.write("llama", model)
+        data.write(tmp_path / "data")
+    out = tmp_path / name
+    overrides = [f"model.name={model}", f"data.path={tmp_path / 'data' / 'sft.jsonl'}", f"training.output_dir={out}"]
+    overrides += ["training.max_steps=1", "training.save_strategy=no", f"training.seed={seed}", "stream.device=cpu"]
+    assert cli.main(["train", str(harness.TRAIN_CONFIG)] + [a for o in overrides for a in ("--set", o)]) == 0
+    return load_file(out / "adapter_model.safetensors")
+
+
+def test_a_checkpoints_adapters_are_drawn_from_the_training_seed(tmp_path):
+    """Two runs of one config in one process train the same adapters, whatever the process's
+    generator held before each (a plain script seeds before get_peft_model); another
+    training.seed gives others (the control)."""
+    import torch
+
+    torch.manual_seed(1)
+    first = _adapters_after_one_step(tmp_path, "first")
+    torch.manual_seed(2)
+    second = _adapters_after_one_step(tmp_path, "second")
+    other = _adapters_after_one_step(tmp_path, "other", seed=1)
+    assert first.keys() == second.keys() and first
+    assert all(torch.equal(first[key], second[key]) for key in first)
+    assert not all(torch.equal(first[key], other[key]) for key in first)

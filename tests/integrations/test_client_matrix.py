@@ -3,7 +3,9 @@ Trainer script, on the families people fine-tune, with the PEFT methods PEFT shi
 causal LMs, each run unchanged once plainly and once under ``layerstream run`` on a tiny
 random checkpoint written with save_pretrained; every logged value and every saved tensor
 must be equal bit for bit, or the streamed run refused before any work, naming what it
-does not support.
+does not support. The other surfaces are clients too, against their plain runs: a Trainer
+script with ``--layer_stream``, with ``layerstream.from_pretrained`` or with
+``stream_model``, and ``layerstream train``.
 
 The full product is too large for CI, so the cells cover it: every client with Llama and
 LoRA, every family with SFTTrainer and LoRA, every PEFT method with SFTTrainer and Llama,
@@ -49,6 +51,11 @@ CLIENTS = {
     "GRPOTrainer": Client("client", "grpo"),
     "RLOOTrainer": Client("client", "rloo"),
     "Trainer": Client("client", "trainer"),
+    # the surfaces beside the launcher: a flag in the script's arguments, the API, the command
+    "Trainer --layer_stream": Client("flag", "trainer"),
+    "Trainer + stream_model": Client("api", "stream_model"),
+    "Trainer + layerstream.from_pretrained": Client("api", "layerstream"),
+    "layerstream train": Client("train", "sft"),
 }
 PEFT_NAMES = {
     "lora": "LoRA",
@@ -117,6 +124,15 @@ CELLS = [
     Cell("KTOTrainer", "mixtral", options=NO_DROPOUT),
     Cell("ORPOTrainer", "mistral", "lokr"),
     Cell("CPOTrainer", "phi3", "rslora"),
+    Cell("Trainer", "gemma3_text"),
+    # Gemma's embedding scale is a buffer no checkpoint holds: every surface that loads or
+    # streams the model, with both Gemma families
+    *[
+        Cell(client, family)
+        for client in ("Trainer --layer_stream", "Trainer + stream_model", "Trainer + layerstream.from_pretrained")
+        + ("layerstream train",)
+        for family in ("gemma2", "gemma3_text")
+    ],
     # generation copies only the chosen experts (16 experts, 2 per token, 2 sequences)
     Cell("GRPOTrainer", "qwen3_moe", "lora_attention", logs=(("layerstream/generate_experts_per_visit", 16),)),
 ]
@@ -241,6 +257,29 @@ def test_the_comparison_catches_one_changed_weight_and_one_changed_saved_value(
     save_file(tensors, adapter)
     with pytest.raises(AssertionError, match=f"adapter_model.safetensors:{re.escape(name)} differs"):
         assert_same_saved_tensors(plain, copy)
+
+
+@pytest.mark.parametrize(
+    "client", ["Trainer", "Trainer --layer_stream", "Trainer + layerstream.from_pretrained", "layerstream train"]
+)
+def test_each_loading_surface_catches_gemmas_embedding_scale_left_unset(
+    client, checkpoint, data_dir, tmp_path, monkeypatch
+):
+    """Negative control for the surfaces that load through layerstream's loader: with the
+    buffers no checkpoint holds left at zero (Gemma 2's ``embed_tokens.embed_scale``, what
+    the loader once did), the comparison fails at the first logged loss."""
+    from layerstream import loading
+
+    def unset(modules, owners):
+        for module in modules:
+            for name in module._non_persistent_buffers_set:
+                module._buffers[name].zero_()
+
+    runner, plain, streamed, argv = _run(Cell(client, "gemma2"), checkpoint, data_dir, tmp_path)
+    monkeypatch.setattr(loading, "compute_buffers", unset)
+    runner.run_streamed(argv)
+    with pytest.raises(AssertionError, match="log entry 0 differs.*'loss'"):
+        assert_same_runs(plain, streamed)
 
 
 # -- the table in docs/reliability.md --------------------------------------------------------

@@ -36,6 +36,7 @@ def run(config: Dict[str, Dict[str, Any]]):
     import torch
     from datasets import Dataset
     from peft import LoraConfig, get_peft_model
+    from transformers import set_seed
     from trl import SFTConfig, SFTTrainer
 
     from .. import api, integrations  # noqa: F401  (integrations: register before streaming)
@@ -46,6 +47,7 @@ def run(config: Dict[str, Dict[str, Any]]):
     dtype = getattr(torch, model_section["dtype"])
     stream = stream_config(config)
     say_where_it_trains(config, stream)
+    args = SFTConfig(**training_arguments(config))
     if model_section["name"] == "embedded-tiny":
         from transformers import AutoModelForCausalLM
 
@@ -58,6 +60,9 @@ def run(config: Dict[str, Dict[str, Any]]):
         tokenizer = AutoTokenizer.from_pretrained(
             model_section["name"], trust_remote_code=model_section["trust_remote_code"]
         )
+        # the adapters are drawn from training.seed, as a plain script seeding before its
+        # get_peft_model draws them, not from whatever the process's generator holds
+        set_seed(args.seed)
         quantization = None if model_section["quantization"] == "none" else model_section["quantization"]
         model = from_pretrained(
             model_section["name"],
@@ -80,7 +85,6 @@ def run(config: Dict[str, Dict[str, Any]]):
     held = config["data"]["eval_rows"]
     train = Dataset.from_list([{"text": t} for t in rows[: len(rows) - held]])
     evaluation = Dataset.from_list([{"text": t} for t in rows[len(rows) - held :]]) if held else None
-    args = SFTConfig(**training_arguments(config))
     trainer = SFTTrainer(
         model=model, args=args, train_dataset=train, eval_dataset=evaluation, processing_class=tokenizer
     )
