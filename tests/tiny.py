@@ -57,6 +57,20 @@ def tiny_model(
 WIDE = dict(hidden_size=64, intermediate_size=128, head_dim=16)
 
 
+def save_model_of(config, directory, dtype=torch.float32, seed: int = 0, shard: Optional[str] = None, **kwargs) -> Path:
+    """The one way the tests write a tiny checkpoint: ``config``'s model with seeded random
+    weights in ``dtype``, as transformers' ``save_pretrained`` writes it (``kwargs``: the
+    model's, e.g. ``attn_implementation``). ``shard``: a ``max_shard_size`` that splits it
+    into several shards with an index (checked: more than two)."""
+    directory = Path(directory)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, **kwargs).to(dtype)
+    model.save_pretrained(directory, **({} if shard is None else {"max_shard_size": shard}))
+    if shard is not None:
+        assert len(list(directory.glob("*.safetensors"))) > 2, "the test needs several shards"
+    return directory
+
+
 def save_tiny(
     directory,
     family: str = "llama",
@@ -66,16 +80,10 @@ def save_tiny(
     shard: Optional[str] = None,
     **overrides,
 ) -> Path:
-    """A tiny model's checkpoint on disk, as transformers' ``save_pretrained`` writes it
-    (``tiny_model(family, layers, dtype=dtype, **overrides)``'s weights, ``WIDE`` widths
-    where ``wide``). ``shard``: a ``max_shard_size`` that splits it into several shards
-    with an index (checked: more than two)."""
-    directory = Path(directory)
-    model = tiny_model(family, layers, dtype=dtype, **(WIDE if wide else {}), **overrides)
-    model.save_pretrained(directory, **({} if shard is None else {"max_shard_size": shard}))
-    if shard is not None:
-        assert len(list(directory.glob("*.safetensors"))) > 2, "the test needs several shards"
-    return directory
+    """A tiny model's checkpoint on disk (``tiny_model(family, layers, dtype=dtype,
+    **overrides)``'s weights, ``WIDE`` widths where ``wide``), through ``save_model_of``."""
+    config = tiny_config(family, layers, **(WIDE if wide else {}), **overrides)
+    return save_model_of(config, directory, dtype=dtype, shard=shard)
 
 
 def lora_config(**overrides) -> LoraConfig:

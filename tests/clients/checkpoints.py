@@ -32,8 +32,9 @@ LAYERS = 4  # more than the two slots the streamed runs use
 
 def write(family: str, directory: Path, seed: int = 0) -> Path:
     """A float32 checkpoint of ``family`` with random weights, and its tokenizer."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
+
+    from tiny import save_model_of
 
     model_type, shape = FAMILIES[family]
     tokenizer = byte_tokenizer()
@@ -51,8 +52,6 @@ def write(family: str, directory: Path, seed: int = 0) -> Path:
         eos_token_id=tokenizer.eos_token_id,
     )
     values.update(shape)
-    config = AutoConfig.for_model(model_type, **values)
-    torch.manual_seed(seed)
-    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    save_model_of(AutoConfig.for_model(model_type, **values), directory, seed=seed)
     tokenizer.save_pretrained(directory)
     return Path(directory)

@@ -34,6 +34,8 @@ from layerstream.plan import (
 )
 from layerstream.tiers.store import HostStore
 
+from tiny import save_model_of
+
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
 SHAPES = Path(__file__).resolve().parents[2] / "configs" / "shapes"
@@ -388,8 +390,7 @@ def test_layers_and_arenas_match_from_pretrained(tmp_path, quantization, double_
             num_key_value_heads=2,
         )
     )
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(tmp_path)
+    save_model_of(config, tmp_path, dtype=torch.bfloat16)
     model = layerstream.from_pretrained(
         tmp_path,
         quantization=None if quantization == "none" else "nf4",
@@ -412,8 +413,7 @@ def test_nf4_layers_match_the_host_store_layout(tmp_path, family):
     from transformers import BitsAndBytesConfig
 
     config = tiny(family)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(tmp_path)
+    save_model_of(config, tmp_path, dtype=torch.bfloat16)
     quant = BitsAndBytesConfig(
         load_in_4bit=True,
         bnb_4bit_quant_type="nf4",
