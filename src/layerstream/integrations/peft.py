@@ -212,7 +212,7 @@ def _bind_device_copies(runtime, record, positions) -> dict:
         if slot is not None:  # inside the layer's call: expert rows copied by need, all of them now
             runtime.experts.complete(record.index, slot)
         if current is host:  # outside the layer's own call: give it a device copy
-            if getattr(host, "quant_state", None) is not None:
+            if nf4.is_packed(host):
                 entry.table[entry.name] = nf4.device_weight(host, device)
             else:
                 set_data(host, record.arena_views[position].to(device, copy=True))
@@ -306,7 +306,7 @@ def _values(entry, record, position, weight):
     """(position in the record, tensor) of a bound weight and of the quant-state tensors
     riding on it, as ``weight`` holds them."""
     out = [(position, weight.data)]
-    state = getattr(weight, "quant_state", None)
+    state = nf4.packed_state(weight)
     if state is not None:
         tensors = dict(nf4.quant_tensors(state))
         for other, candidate in enumerate(record.entries):

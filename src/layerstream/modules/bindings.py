@@ -29,7 +29,7 @@ def make(record, buffer: torch.Tensor, owner_check) -> list:
         if not entry.bound:
             continue
         if entry.kind == "_parameters":
-            host_state = getattr(host, "quant_state", None)
+            host_state = nf4.packed_state(host)
             if host_state is not None and id(entry.module) in quant:
                 view = nf4.slot_weight(host, view, nf4.clone_state(host_state, quant[id(entry.module)]))
                 view._layerstream_owner = owner_check

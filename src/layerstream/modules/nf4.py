@@ -134,9 +134,29 @@ def quant_path(name: str) -> Tuple[str, ...]:
     return tuple(name.split("."))
 
 
+# the attribute bitsandbytes' Params4bit keeps its QuantState in
+STATE_ATTRIBUTE = "quant_state"
+
+
+def packed_state(tensor):
+    """The QuantState of a packed 4-bit weight (bitsandbytes' Params4bit), None for any other tensor."""
+    return getattr(tensor, STATE_ATTRIBUTE, None)
+
+
+def is_packed(tensor) -> bool:
+    """Whether ``tensor`` is a packed 4-bit weight (its bytes are not its values)."""
+    return packed_state(tensor) is not None
+
+
+def is_4bit_param(tensor) -> bool:
+    """Whether ``tensor`` is bitsandbytes' 4-bit parameter type, packed or not yet (its
+    QuantState attribute present, set or None): never a trainable float tensor."""
+    return hasattr(tensor, STATE_ATTRIBUTE)
+
+
 def weight_quant_state(module: nn.Module):
     """The QuantState of a module's 4-bit weight (None: its weight is not 4-bit)."""
-    return getattr(module._parameters.get("weight"), "quant_state", None)
+    return packed_state(module._parameters.get("weight"))
 
 
 def weight_quant_tensor(module: nn.Module, path: Sequence[str]) -> Optional[torch.Tensor]:

@@ -40,7 +40,7 @@ from torch.autograd.function import once_differentiable
 
 from ..errors import StreamingError
 from ..long import trl_head
-from ..modules import swap
+from ..modules import nf4, swap
 from ..modules.discovery import unwrap_peft
 from ..system.log import get_logger
 from ..tiers.store import HostStore, LayerRecord, set_data
@@ -171,7 +171,7 @@ def trainables_chosen(model: nn.Module) -> bool:
     frozen as loaded, cannot train), and PEFT freezes the embedding and head later; once
     it is chosen, an embedding or head that still requires grad is meant to train."""
     return any(
-        not p.requires_grad for p in model.parameters() if p.dtype.is_floating_point and not hasattr(p, "quant_state")
+        not p.requires_grad for p in model.parameters() if p.dtype.is_floating_point and not nf4.is_4bit_param(p)
     )
 
 
@@ -185,7 +185,7 @@ def _check_weight(name: str, weight: torch.Tensor, chosen: bool) -> None:
             f"{name} is already on {weight.device}. stream_model takes a model in host memory: load "
             "it on CPU, stream it, then call model.to('cuda') to place the resident part."
         )
-    if not weight.dtype.is_floating_point or hasattr(weight, "quant_state"):
+    if not weight.dtype.is_floating_point or nf4.is_4bit_param(weight):
         raise StreamingError(
             f"{name} is quantised ({type(weight).__name__}, {weight.dtype}); "
             "stream_embeddings streams unquantised weights only. Stream without it."

@@ -154,10 +154,10 @@ class LayerRecord:
             if not entry.is_quant_state:
                 continue
             weight = entry.module._parameters["weight"]
-            state = weight.quant_state
+            state = nf4.packed_state(weight)
             if id(state) not in states:
                 states[id(state)] = state
-                deep.append((weight.__dict__, "quant_state", state, None, None))
+                deep.append((weight.__dict__, nf4.STATE_ATTRIBUTE, state, None, None))
             holder = nf4.quant_holder(state, entry.quant_path).__dict__
             deep.append((holder, entry.quant_path[-1], view, _alias(view), view._version))
         self.watch_deep = deep
