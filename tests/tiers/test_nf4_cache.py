@@ -8,6 +8,9 @@ import json
 import logging
 import os
 import shutil
+import signal
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -365,6 +368,77 @@ def test_a_full_disk_names_the_directory_and_leaves_no_half_written_layer(fed, c
     counted.clear()
     fed()
     assert len(counted) == LAYERS - 2
+
+
+# -- a load killed mid-write ----------------------------------------------------------------------
+_WRITER = """
+import fcntl, os, sys, time
+name, lock = sys.stdin.readline().split()
+if lock != "-":  # a load under way holds its key's lock
+    held = os.open(lock, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(held, fcntl.LOCK_SH)
+with open(name, "wb") as handle:
+    handle.write(b"\\xa5" * 20000)  # part of a layer
+print("written", flush=True)
+time.sleep(60)
+"""
+
+
+def _writing(path, lock=None):
+    """A process writing cache file ``path`` under its temporary name (with its own pid, as a
+    load does), holding ``lock`` if given, stopped part way: (process, its temporary file)."""
+    writer = subprocess.Popen([sys.executable, "-c", _WRITER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    temporary = nf4_cache.temporary_path(path, writer.pid, 1)
+    writer.stdin.write(f"{temporary} {lock or '-'}\n")
+    writer.stdin.flush()
+    assert writer.stdout.readline().strip() == "written"
+    return writer, temporary
+
+
+def _killed(process):
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+
+
+def _temporaries(cache):
+    return sorted(p.name for p in cache.iterdir() if p.name.endswith(".tmp"))
+
+
+def test_temporary_files_of_loads_killed_mid_write_are_removed_by_the_next_and_never_read(checkpoint, fed):
+    """Loads killed with SIGKILL while writing a layer file and the manifest (this key) and a
+    layer of other settings (another key) leave their temporary files: the next load removes
+    them, and computes as a RAM-fed model."""
+    fed()
+    key = nf4_cache.cache_key(_manifest(fed.cache)["source"])
+    other = nf4_cache.cache_key({"other": "settings"})
+    paths = [fed.cache / f"layer-00002.{key}.nf4", fed.cache / f"manifest.{key}.json"]
+    paths.append(fed.cache / f"layer-00001.{other}.nf4")
+    for path in paths:
+        _killed(_writing(path)[0])
+    assert len(_temporaries(fed.cache)) == 3
+    model = fed()
+    assert _temporaries(fed.cache) == []
+    assert torch.equal(_logits(model), _logits(_load(checkpoint)))
+
+
+def test_a_temporary_file_a_live_load_may_be_writing_is_left_alone(fed):
+    """Only what is provably stale goes: nothing of a key whose lock a live load holds (not
+    even a dead writer's file: the lock says a load is under way), nor a file whose writer
+    lives. Once the live load is gone, the next load removes its file and the dead one's."""
+    fed()
+    key = nf4_cache.cache_key(_manifest(fed.cache)["source"])
+    live, live_file = _writing(fed.cache / f"layer-00003.{key}.nf4", lock=fed.cache / f".lock.{key}")
+    dead, dead_file = _writing(fed.cache / f"layer-00004.{key}.nf4")
+    _killed(dead)
+    unlocked, unlocked_file = _writing(fed.cache / f"layer-00001.{nf4_cache.cache_key({'o': 1})}.nf4")
+    try:
+        fed()
+        assert _temporaries(fed.cache) == sorted([live_file.name, dead_file.name, unlocked_file.name])
+    finally:
+        _killed(live)
+        _killed(unlocked)
+    fed()
+    assert _temporaries(fed.cache) == []
 
 
 def test_a_comma_list_stripes_the_layers_over_directories(checkpoint, ram_model_bytes, tmp_path):

@@ -32,14 +32,14 @@ def _segment_files(folder):
     return sorted(p.name for p in folder.iterdir() if p.name.startswith(shared_store.PREFIX))
 
 
-def _spawn(folder, code):
-    """A process that joins segment ``seg`` in ``folder`` and runs ``code``."""
+def _spawn(folder, code, name="layerstream-test"):
+    """A process that makes ``segment`` (``name`` in ``folder``) and runs ``code``."""
     script = textwrap.dedent(
         f"""
         import os, sys, time
         from pathlib import Path
         from layerstream.tiers import shared_store
-        segment = shared_store.Segment("layerstream-test", Path({str(folder)!r}), wait_seconds=30)
+        segment = shared_store.Segment({name!r}, Path({str(folder)!r}), wait_seconds=30)
         """
     ) + textwrap.dedent(code)
     env = dict(os.environ, PYTHONPATH=os.path.abspath(SRC))
@@ -89,6 +89,72 @@ def test_a_rank_that_dies_mid_build_is_named_and_its_segment_removed(tmp_path):
     follower.leave()  # the last user leaves: nothing left behind
     assert _segment_files(tmp_path) == []
     # a new run after a dead build starts afresh rather than waiting on a dead pid
+    fresh = shared_store.Segment("layerstream-test", tmp_path).join()
+    assert fresh.builder
+    fresh.leave()
+
+
+def _join_in_thread(folder, wait_seconds=30):
+    """A follower joining segment ``layerstream-test`` in a thread: (thread, segment, errors)."""
+    follower = shared_store.Segment("layerstream-test", folder, wait_seconds=wait_seconds)
+    errors = []
+
+    def wait():
+        try:
+            follower.join()
+        except shared_store.SharedStoreError as exc:
+            errors.append(exc)
+
+    waiting = threading.Thread(target=wait)
+    waiting.start()
+    return waiting, follower, errors
+
+
+def _a_dead_pid():
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    return gone.pid
+
+
+def test_a_live_builder_whose_pid_this_rank_cannot_see_is_waited_for(tmp_path):
+    """Ranks in other pid namespaces (containers sharing /dev/shm) see another number for the
+    builder's pid, or none: a follower must wait for a live build, not refuse it as dead."""
+    go = tmp_path / "go"
+    then = f"while not Path({str(go)!r}).exists(): time.sleep(0.05)\nsegment.complete([])"
+    code = BUILD.format(ready=str(tmp_path / "ready"), then=then)
+    builder = _spawn(tmp_path, f"os.getpid = lambda: {_a_dead_pid()}\n" + code)  # its pid as another namespace shows it
+    _wait_for(tmp_path / "ready", builder)
+    waiting, follower, errors = _join_in_thread(tmp_path)
+    time.sleep(0.5)
+    assert waiting.is_alive() and errors == [], f"a live build was refused: {errors}"
+    go.write_text("")
+    waiting.join(timeout=20)
+    assert not waiting.is_alive() and errors == [] and not follower.builder
+    assert bytes(follower.new_arena(0, 4096)[:4]) == b"abcd"
+    assert builder.wait(timeout=20) == 0, builder.communicate()
+    follower.leave()
+    assert _segment_files(tmp_path) == []
+
+
+def test_a_builder_killed_mid_write_is_refused_at_once_even_when_its_pid_lives_on(tmp_path):
+    """The builder is killed after writing part of an arena and its pid is taken by a live
+    process (reuse, or another pid namespace): the waiting rank refuses the partial segment
+    at once rather than waiting for a build that will never finish; the next run builds afresh."""
+    code = BUILD.format(ready=str(tmp_path / "ready"), then="time.sleep(60)")
+    builder = _spawn(tmp_path, f"os.getpid = lambda: {os.getpid()}\n" + code)  # a pid that stays alive
+    _wait_for(tmp_path / "ready", builder)
+    waiting, follower, errors = _join_in_thread(tmp_path, wait_seconds=20)
+    time.sleep(0.3)
+    assert waiting.is_alive(), "the follower waits while the builder lives"
+    started = time.monotonic()
+    builder.send_signal(signal.SIGKILL)
+    builder.wait()
+    waiting.join(timeout=30)
+    assert len(errors) == 1 and time.monotonic() - started < 5, errors
+    message = str(errors[0])
+    assert "stopped before it finished" in message and "not used" in message and f"pid {os.getpid()}" in message
+    follower.leave()
+    assert _segment_files(tmp_path) == []
     fresh = shared_store.Segment("layerstream-test", tmp_path).join()
     assert fresh.builder
     fresh.leave()
@@ -355,6 +421,41 @@ def test_a_rank_joining_an_unmodified_segment_with_checksums_computes_exactly(tm
     assert torch.equal(_logits(joined), _logits(_plain(checkpoint, False)))
     assert torch.equal(_logits(builder), _logits(joined))
     shared_store.leave_all()
+
+
+def test_a_segment_whose_builder_was_killed_mid_write_is_rebuilt_not_mapped(tmp_path, monkeypatch):
+    """A builder killed part way through writing the store's arena leaves the segment's files
+    behind: the next load of the same checkpoint builds the store afresh and computes as an
+    unshared one. Control: the bytes the killed builder left would change the logits."""
+    checkpoint, folder = _shared_checkpoint(tmp_path, monkeypatch)
+    resident = _logits(_plain(checkpoint, False))
+    segment = layerstream.get_runtime(_plain(checkpoint, True)).store.segment
+    name, (size,) = segment.name, segment.arena_sizes  # the name a load of this checkpoint uses
+    shared_store.leave_all()
+    assert _segment_files(folder) == []
+    ready = tmp_path / "ready"
+    code = f"""
+    segment.join()
+    assert segment.builder
+    segment.new_arena(0, {size})
+    segment.writable(0)[: {size // 2}] = bytes(range(256)) * {size // 512}  # half the arena, other bytes
+    Path({str(ready)!r}).write_text("")
+    time.sleep(60)
+    """
+    builder = _spawn(folder, textwrap.dedent(code), name=name)
+    _wait_for(ready, builder)
+    builder.send_signal(signal.SIGKILL)
+    builder.wait()
+    arena = folder / f"{name}.0.arena"
+    left = arena.read_bytes()
+    assert not (folder / f"{name}.manifest").exists() and len(left) == size
+    rebuilt = _plain(checkpoint, True)
+    assert layerstream.get_runtime(rebuilt).store.segment.builder, "built afresh, not mapped"
+    assert torch.equal(_logits(rebuilt), resident)
+    arena.write_bytes(left)  # control: what mapping the killed builder's arena would compute
+    assert not torch.equal(_logits(rebuilt), resident)
+    shared_store.leave_all()
+    assert _segment_files(folder) == []
 
 
 # -- a shared-memory folder too small for the store ------------------------------------------

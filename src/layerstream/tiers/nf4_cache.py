@@ -24,7 +24,10 @@ file the disk tier maps is the one that was checked or written (a file another l
 replaced in between is used only if its CRC32 is the same). Crash safety: a layer file is
 written under a temporary name, fsync'd and renamed; the manifest is rewritten the same
 way after each layer, so an interrupted load leaves completed layers that the next load
-reuses.
+reuses. Temporary files are never read. One left by a load killed mid-write (SIGKILL, a
+crash, a full machine) is removed by a later load once it is provably stale: no load of
+its key holds that key's lock, and the pid its name gives is not a live process here; a
+file a live load may still be writing is never touched.
 """
 
 from __future__ import annotations
@@ -60,6 +63,24 @@ LAYOUT_VERSION = 1  # bump when what a layer file or the manifest holds changes
 DEFAULT_SUBDIRECTORY = ".layerstream-nf4"  # under the checkpoint directory, when it is writable
 # the cache's own files; the key (group 1 or 2) names the fingerprint they were made from
 _CACHE_FILE = re.compile(r"layer-\d{5}\.([0-9a-f]{16})\.nf4|manifest\.([0-9a-f]{16})\.json")
+# a cache file being written: ``.<cache file>.<pid>.<thread>.tmp`` (the writer's pid, group 3)
+_TEMPORARY_FILE = re.compile(r"\.(?:" + _CACHE_FILE.pattern + r")\.(\d+)\.\d+\.tmp")
+
+
+def temporary_path(path: Path, pid: int, thread: int) -> Path:
+    """Where ``path`` is written before it is renamed into place, by ``pid``'s ``thread``."""
+    return path.with_name(f".{path.name}.{pid}.{thread}.tmp")
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` is a live process that this one can see (a zombie counts as live)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
 
 
 def cache_key(source: dict) -> str:
@@ -275,6 +296,7 @@ class LayerCache:
                 ) from exc
         self.key = cache_key(source)
         self.manifest_path = self.directories[0] / manifest_name(source)
+        self._clear_stale_temporaries()  # before taking our own lock, which would keep ours from being proved stale
         self._lock = self._hold(self.key, fcntl.LOCK_SH)  # while this object lives: until the load ends
         if self._lock is not None:
             weakref.finalize(self, os.close, self._lock)
@@ -306,6 +328,41 @@ class LayerCache:
             os.close(fd)
             return None
         return fd
+
+    def _clear_stale_temporaries(self) -> None:
+        """Remove the temporary files that loads killed mid-write left (they are never read, but
+        each can be as large as a layer): those of a key no load holds the lock of, written by a
+        pid that is not alive. A load under way holds its key's lock from start to end, so no
+        file it is writing is removed; when one is, nothing of its key is."""
+        found: Dict[str, List[Tuple[Path, int]]] = {}
+        for directory in self.directories:
+            try:
+                names = list(directory.iterdir())
+            except OSError:
+                continue
+            for path in names:
+                match = _TEMPORARY_FILE.fullmatch(path.name)
+                if match:
+                    found.setdefault(match[1] or match[2], []).append((path, int(match[3])))
+        removed = 0
+        for key, paths in found.items():
+            fd = self._hold(key, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if fd is None:
+                continue  # a load of that key is under way (or the directory cannot be written)
+            try:
+                for path, pid in paths:
+                    if not _alive(pid):
+                        with contextlib.suppress(FileNotFoundError):
+                            path.unlink()
+                            removed += 1
+            finally:
+                os.close(fd)
+        if removed:
+            logger.info(
+                "layerstream: removed %d temporary file(s) that interrupted loads left in the NF4 layer cache (%s).",
+                removed,
+                ", ".join(map(str, self.directories)),
+            )
 
     def _clear_other_keys(self) -> None:
         """Remove the files of other keys (another checkpoint, or other settings): stale,
@@ -398,7 +455,7 @@ class LayerCache:
     def write(self, index: int, data: torch.Tensor, layout: dict) -> CachedLayer:
         """Write one layer's bytes (temp name, fsync, rename), then record it in the manifest."""
         path = self.path(index)
-        temporary = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        temporary = temporary_path(path, os.getpid(), threading.get_ident())
         try:
             identity = _write_file(temporary, memoryview(data.numpy()))
             os.replace(temporary, path)
@@ -412,9 +469,7 @@ class LayerCache:
         return CachedLayer(path, identity, checksum)
 
     def _save(self) -> None:
-        temporary = self.manifest_path.with_name(
-            f".{self.manifest_path.name}.{os.getpid()}.{threading.get_ident()}.tmp"
-        )
+        temporary = temporary_path(self.manifest_path, os.getpid(), threading.get_ident())
         body = {"source": self.source, "layers": self.layers}
         text = json.dumps({**body, "digest": digest(body)}, indent=1).encode()
         try:

@@ -6,7 +6,8 @@ shared memory serves all the ranks of a node. A segment is a set of files in
 decides its bytes (checkpoint files, dtype, quantisation, layerstream's layout):
 
     layerstream-<fp>.lock       every rank using the segment holds flock(LOCK_SH) on it
-    layerstream-<fp>.build      created O_EXCL by the one rank that builds; holds its pid
+    layerstream-<fp>.build      claimed by the one rank that builds: holds its pid, and that
+                                rank holds flock(LOCK_EX) on it until the manifest is in place
     layerstream-<fp>.<i>.arena  arena i, written layer by layer by the builder
     layerstream-<fp>.manifest   the layout, renamed into place when the build is complete
 
@@ -19,8 +20,11 @@ write its files, and the name fingerprints the checkpoint and settings, not the 
 Lifetime rests on the kernel's flock bookkeeping,
 which a crash or SIGKILL cannot skip: a segment whose lock file can be locked LOCK_EX has
 no user left and is removed, by each rank as it leaves and by every new run before it
-starts (``sweep``); a rank that finds the builder's pid dead before the manifest exists
-raises instead of waiting.
+starts (``sweep``). A rank waiting for the manifest raises as soon as the build claim's
+lock is free without one: the builder was killed (SIGKILL included) or gave up part way,
+and the bytes it wrote are never mapped. The claim appears already locked and holding the
+builder's pid (a hard link of a file locked first), so there is no moment at which a live
+build looks abandoned, and no pid is trusted across pid namespaces or reuse.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import hashlib
 import json
 import mmap
 import os
+import tempfile
 import time
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional
@@ -90,14 +95,9 @@ def fingerprint(files: List[Path], **settings) -> str:
     return digest.hexdigest()[:32]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+def _write_claim(fd: int, data: bytes) -> None:
+    """Write the builder's pid into its (not yet visible) build claim."""
+    os.write(fd, data)
 
 
 def _files_of(folder: Path, name: str) -> List[Path]:
@@ -159,6 +159,7 @@ class Segment:
         self.needed: Optional[int] = None  # the store's planned bytes, when known
         self.manifest: Optional[dict] = None
         self._lock_fd: Optional[int] = None
+        self._claim_fd: Optional[int] = None  # the builder's flock(LOCK_EX) on the build claim
         self._maps: Dict[int, mmap.mmap] = {}  # arena -> read-only mapping
         self._writers: Dict[int, mmap.mmap] = {}  # arena -> writable mapping (builder)
         self.arena_sizes: List[int] = []
@@ -210,14 +211,23 @@ class Segment:
             os.close(fd)  # a sweep removed it between our open and our lock: again
         self._lock_fd = fd
         _JOINED.append(self)
+        # the claim is made locked and written under a name of its own, then linked into place:
+        # the first link wins, and whoever sees the claim sees it locked and holding the pid
+        claim, staged_name = tempfile.mkstemp(prefix=f"{self.name}.build.", suffix=".tmp", dir=self.folder)
+        staged = Path(staged_name)
         try:
-            claim = os.open(self.path("build"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            fcntl.flock(claim, fcntl.LOCK_EX)
+            _write_claim(claim, str(os.getpid()).encode())
+            os.link(staged, self.path("build"))
         except FileExistsError:
-            return False
-        try:
-            os.write(claim, str(os.getpid()).encode())
-        finally:
             os.close(claim)
+            return False
+        except BaseException:
+            os.close(claim)
+            raise
+        finally:
+            staged.unlink(missing_ok=True)
+        self._claim_fd = claim  # held until the manifest is in place, or this rank leaves
         return True
 
     def _no_room(self, needed: int, free: int, why: str = "") -> SharedStoreError:
@@ -236,11 +246,12 @@ class Segment:
         manifest = self.path("manifest")
         while not manifest.exists():
             pid = self._builder_pid()
-            if pid is not None and not _alive(pid):
+            if not self._build_claimed() and not manifest.exists():
                 raise SharedStoreError(
-                    f"the rank building the shared host store {self.name} (pid {pid}) died before it "
-                    f"finished; see that rank's error. Run again: the segment is removed when this "
-                    f"run's ranks exit."
+                    f"the rank building the shared host store {self.name} (pid {pid}) stopped before it "
+                    "finished (it was killed, or it failed: see that rank's error), so the part it wrote is "
+                    "not used and nothing was loaded here. Run again: the segment is removed when this "
+                    "run's ranks exit."
                 )
             if time.monotonic() > deadline:
                 raise SharedStoreError(
@@ -257,7 +268,24 @@ class Segment:
             text = self.path("build").read_text().strip()
         except FileNotFoundError:
             return None
-        return int(text) if text else None  # empty: the claim is being written
+        return int(text) if text.isdigit() else None
+
+    def _build_claimed(self) -> bool:
+        """Whether a live rank still holds the build claim's lock (a killed one's is released
+        by the kernel; a claim that is gone is held by nobody)."""
+        try:
+            fd = os.open(self.path("build"), os.O_RDONLY)
+        except FileNotFoundError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno in (errno.EAGAIN, errno.EACCES):
+                return True
+            raise
+        finally:
+            os.close(fd)
+        return False
 
     # -- arenas -------------------------------------------------------------------------------
     def new_arena(self, index: int, size: int) -> mmap.mmap:
@@ -342,6 +370,12 @@ class Segment:
         temporary.write_text(json.dumps(manifest))
         os.replace(temporary, self.path("manifest"))
         self.manifest = manifest
+        self._release_claim()  # after the manifest: a waiting rank never sees a free claim without one
+
+    def _release_claim(self) -> None:
+        if self._claim_fd is not None:
+            os.close(self._claim_fd)
+            self._claim_fd = None
 
     # -- leaving ------------------------------------------------------------------------------
     def leave(self) -> None:
@@ -352,6 +386,7 @@ class Segment:
         for writer in self._writers.values():
             writer.close()
         self._writers.clear()
+        self._release_claim()
         fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
         os.close(self._lock_fd)
         self._lock_fd = None
