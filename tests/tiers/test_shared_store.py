@@ -68,17 +68,7 @@ def test_a_rank_that_dies_mid_build_is_named_and_its_segment_removed(tmp_path):
     builder = _spawn(tmp_path, BUILD.format(ready=str(tmp_path / "ready"), then="time.sleep(60)"))
     _wait_for(tmp_path / "ready", builder)
     assert shared_store.sweep(tmp_path) == [], "a segment in use is never removed"
-    follower = shared_store.Segment("layerstream-test", tmp_path, wait_seconds=30)
-    errors = []
-
-    def wait():
-        try:
-            follower.join()
-        except shared_store.SharedStoreError as exc:
-            errors.append(exc)
-
-    waiting = threading.Thread(target=wait)
-    waiting.start()
+    waiting, follower, errors = _join_in_thread(tmp_path)
     time.sleep(0.5)
     assert waiting.is_alive(), "the follower waits while the builder lives"
     builder.send_signal(signal.SIGKILL)

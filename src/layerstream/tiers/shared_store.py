@@ -104,6 +104,18 @@ def _files_of(folder: Path, name: str) -> List[Path]:
     return [p for p in folder.glob(f"{name}.*") if not p.name.endswith(".lock")]
 
 
+def _try_lock(fd: int, kind: int) -> bool:
+    """Take ``kind`` (LOCK_EX or LOCK_SH) on ``fd`` without waiting; False where another
+    process holds a lock that conflicts."""
+    try:
+        fcntl.flock(fd, kind | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno in (errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+    return True
+
+
 def _remove_if_unused(lock: Path) -> bool:
     """Remove the segment of ``lock`` when no process holds its lock; True if removed."""
     try:
@@ -111,12 +123,8 @@ def _remove_if_unused(lock: Path) -> bool:
     except FileNotFoundError:
         return False
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            if exc.errno in (errno.EAGAIN, errno.EACCES):
-                return False
-            raise
+        if not _try_lock(fd, fcntl.LOCK_EX):
+            return False
         try:
             if os.stat(lock).st_ino != os.fstat(fd).st_ino:
                 return False  # removed and made again by someone else meanwhile
@@ -278,14 +286,9 @@ class Segment:
         except FileNotFoundError:
             return False
         try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except OSError as exc:
-            if exc.errno in (errno.EAGAIN, errno.EACCES):
-                return True
-            raise
+            return not _try_lock(fd, fcntl.LOCK_SH)
         finally:
             os.close(fd)
-        return False
 
     # -- arenas -------------------------------------------------------------------------------
     def new_arena(self, index: int, size: int) -> mmap.mmap:
