@@ -6,7 +6,8 @@
 #   bash scripts/gpu-suite.sh order            # in order
 #   bash scripts/gpu-suite.sh shuffled 1 2     # shuffled with seeds 1 and 2, one after the other
 #
-# Logs go to $OUT (else benchmarks/results/gpu-suite/), named by the commit.
+# Logs go to $OUT (else benchmarks/results/gpu-suite/), named by the commit; each opens with
+# the versions it ran with (Python, torch, transformers, ...), as README's table states them.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out=${OUT:-benchmarks/results/gpu-suite}
@@ -15,15 +16,20 @@ commit=$(git rev-parse --short HEAD 2>/dev/null || echo worktree)
 # a copy of the working tree (the GPU machine's) can carry a HEAD older than the code
 git diff --quiet HEAD 2>/dev/null || commit="$commit-modified"  # $OUT takes letters, digits, ".", "_" and "-"
 suite=(python3 -m pytest -o addopts="" -m "gpu and not multigpu" -q -p no:cacheprovider tests)
+versions() {
+  python3 -c "import json; from layerstream.system.versions import versions; print('versions:', json.dumps(versions()))" ||
+    echo "versions: unknown (layerstream.system.versions did not import)"
+}
 mode=${1:-order}
 shift || true
 status=0
 if [ "$mode" = order ]; then
-  "${suite[@]}" 2>&1 | tee "$out/$commit-in-order.log"
+  { versions; "${suite[@]}"; } 2>&1 | tee "$out/$commit-in-order.log"
   status=${PIPESTATUS[0]}
 else
   for seed in "${@:-1}"; do
-    "${suite[@]}" --shuffle-seed "$seed" --basetemp "/tmp/gpu-suite-$seed" 2>&1 | tee "$out/$commit-seed$seed.log"
+    { versions; "${suite[@]}" --shuffle-seed "$seed" --basetemp "/tmp/gpu-suite-$seed"; } 2>&1 |
+      tee "$out/$commit-seed$seed.log"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
   done
 fi
