@@ -1,7 +1,8 @@
 """The longest trainable sequence per GPU memory cap, as a picture (no GPU).
 
-Reads the rows benchmarks/long_context.py wrote (benchmarks/results/long-context.json)
-and draws them beside the figures Unsloth publishes for the same models and caps (its
+Reads the rows benchmarks/long_context.py (the project's harness) and
+benchmarks/long_context_client.py (TRL's ``sft.py``, unchanged) wrote
+(benchmarks/results/long-context.json) and draws them, one line per client, beside the figures Unsloth publishes for the same models and caps (its
 long-context tables: QLoRA, LoRA r=32 on all linear layers, batch 1), and beside plain
 Hugging Face with FlashAttention-2 from the same tables. Each measured point is labelled
 with its speed against the best configuration without offload or tiling that fits the
@@ -30,21 +31,29 @@ PUBLISHED = {
     },
     "70B": {"Unsloth": {48: 12106, 80: 89389}},
 }
-COLOURS = {"Unsloth": "tab:blue", "Hugging Face + FA2": "tab:grey", "layerstream": "tab:green"}
+COLOURS = {"Unsloth": "tab:blue", "Hugging Face + FA2": "tab:grey"}
+# a measured row's line, by its client: the harness or the user's command
+SERIES = {"harness": ("layerstream, harness", "tab:green", "o"), "client": ("layerstream, TRL sft.py", "tab:red", "^")}
 
 
 def size_of(row: dict) -> str:
     return "70B" if "70B" in row["model"] else "8B"
 
 
+def client_of(row: dict) -> str:
+    """ "harness" for the project's own loop, "client" for a user's command (TRL's script)."""
+    return "harness" if row["client"].startswith("harness") else "client"
+
+
 def measured_points(rows: list) -> dict:
-    """{"8B": [(vram_gib, max_tokens, x_baseline or None), ...], "70B": [...]}, by cap."""
-    points: dict = {"8B": [], "70B": []}
+    """{"8B": {"harness": [(vram_gib, max_tokens, x_baseline or None), ...], "client": [...]},
+    "70B": {...}}, each by cap."""
+    points: dict = {size: {kind: [] for kind in SERIES} for size in ("8B", "70B")}
     for row in rows:
         base = row.get("baseline_step_s")
         ratio = base / row["step_s"] if base and row.get("step_s") else None
-        points[size_of(row)].append((row["vram_gib"], row["max_tokens"], ratio))
-    return {size: sorted(found) for size, found in points.items()}
+        points[size_of(row)][client_of(row)].append((row["vram_gib"], row["max_tokens"], ratio))
+    return {size: {kind: sorted(found) for kind, found in by.items()} for size, by in points.items()}
 
 
 def draw(points: dict, path: str) -> None:
@@ -65,21 +74,25 @@ def draw(points: dict, path: str) -> None:
                 color=COLOURS[name],
                 label=f"{name} (published)",
             )
-        ours = points[size]
-        if ours:
+        for kind, ours in points[size].items():
+            if not ours:
+                continue
+            label, colour, marker = SERIES[kind]
             caps, tokens = [p[0] for p in ours], [p[1] for p in ours]
-            ax.plot(caps, tokens, marker="o", linewidth=2, color=COLOURS["layerstream"], label="layerstream (measured)")
+            ax.plot(caps, tokens, marker=marker, linewidth=2, color=colour, label=f"{label} (measured)")
+            below = kind == "harness"  # the two lines' notes on either side
             for cap, tokens, ratio in ours:
                 note = f"{tokens:,}" + (f"\n{ratio:.2f}x speed" if ratio else "\nno baseline fits")
-                ax.annotate(note, (cap, tokens), textcoords="offset points", xytext=(6, -22), fontsize=7)
+                offset = (6, -22) if below else (-46, 8)
+                ax.annotate(note, (cap, tokens), textcoords="offset points", xytext=offset, fontsize=7, color=colour)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xticks([12, 16, 24, 48, 80], ["12", "16", "24", "48", "80"])
         ax.set_xlabel("GPU memory (GiB cap; published: the card's GB)")
         ax.set_title(f"Llama-3 {size}-shaped QLoRA, r=32 all-linear, batch 1", fontsize=9)
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7, loc="upper left")
-    axes[0].set_ylabel("longest trainable sequence (tokens)")
+        ax.legend(fontsize=7, loc="lower right")
+    axes[0].set_ylabel("longest sequence trained (tokens)")
     fig.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -88,7 +101,7 @@ def draw(points: dict, path: str) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--results", default=RESULTS, help="rows written by long_context.py")
+    parser.add_argument("--results", default=RESULTS, help="rows written by long_context.py and long_context_client.py")
     parser.add_argument("--out", default=PICTURE, help="the PNG to write")
     args = parser.parse_args(argv)
     rows = json.load(open(args.results))

@@ -1,0 +1,543 @@
+"""The longest sequence TRL's own ``sft.py``, unchanged, trains behind ``layerstream run``
+with no layerstream flag, under a GPU memory cap, for an 8B-shaped QLoRA model (GPU).
+
+``long_context.py`` answers the question with the project's own training loop and its
+long-sequence settings set by hand; this asks it of a real client: ``python -m
+trl.scripts.sft`` as a user runs it, under ``layerstream run`` and nothing else, so whatever
+long-sequence settings run are the ones layerstream's "auto" turns on by itself. The model
+is a random-weight checkpoint of Llama-3.1-8B's shape written to disk once (``checkpoints.py``,
+through ``rl.write_checkpoint``, in a process of its own so this one never holds the GPU), the
+flags ``--load_in_4bit --use_peft --lora_r 32 --lora_alpha 16 --lora_target_modules
+all-linear`` (Unsloth's table's rank), batch 1, ``--max_length N`` over rows of random words
+that each tokenise to more than N tokens (TRL truncates them to N), ``--dtype bfloat16``
+(TRL's default float32 keeps the unquantised parts and the 4-bit compute in float32, which no
+QLoRA user runs), warm-up 1 + 2 timed steps, ``--save_strategy no``, ``--report_to none``,
+``--logging_steps 1``; the rest at TRL's defaults (gradient checkpointing on, LoRA dropout 0.05,
+TRL's fused log-prob head computing the loss). Every attempt is a fresh process under
+``capped.py`` (the cap by ``set_per_process_memory_fraction``; each step's time, the Trainer's
+logs and the peaks), and keeps the lines layerstream printed: the start-up summary (which head
+computes the loss, the long-sequence settings) and what "auto" turned on.
+
+    python benchmarks/long_context_client.py --cells 12:36864,16:61440 --work /tmp/lcc
+    python benchmarks/long_context_client.py --cap 12 --lo 32768 --hi 49152 --granularity 2048 --work /tmp/lcc
+    python benchmarks/long_context_client.py --cells 12:36864 --baseline --rounds 2 --work /tmp/lcc \\
+        --merge benchmarks/results/long-context/long-context-client.json
+    python benchmarks/long_context_client.py --dry-run --work /tmp/lcc-dry    # tiny llama on the CPU
+
+``--cells CAP:N,...`` tries each length under its cap (GiB); ``--cap C --lo A --hi B`` bisects
+for the longest N (a multiple of ``--granularity``) that trains its steps without running out
+of memory, A known to train (0: none), B taken not to, tightened by the attempts already known.
+``--baseline`` alternates, at the cell's length (or the length the search found), the streamed
+run and the same command as plain ``python -m trl.scripts.sft`` with the whole GPU (streamed,
+resident, streamed, resident for ``--rounds 2``); the resident run may run out of memory, which
+is recorded. ``--deadline`` (seconds) starts no run it cannot finish and always writes what was
+measured.
+
+Output: every attempt in ``long-context-client.json`` ($OUT, else
+benchmarks/results/long-context/) with the end of each log beside it (``long-context-client-logs/``;
+whole logs under ``--work``/runs), and one row per cap in ``long-context.json`` ($OUT, else
+benchmarks/results/), merged into the committed rows, whose harness rows stay: ``client`` names
+TRL's script, ``command`` this benchmark's command line. ``--merge FILE`` (repeatable) takes an
+earlier command's attempts file (its attempts count, later rounds numbered on) or a
+long-context.json (its rows are kept). Rows are recomputed from every attempt known, so a search
+in one command and its baseline in another make one row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import rl  # noqa: E402  (the harness runs as a script)
+from zero_edit import compare  # noqa: E402
+
+RESULTS = HERE / "results"
+SHAPE = "llama3-8b"  # benchmarks' name for configs/shapes/llama-3.1-8b.json
+MODELS = {"llama3-8b": "Llama-3.1-8B shape, random weights", "tiny": "tiny-llama, random weights"}
+LORA = "r=32 alpha=16 all-linear, dropout 0.05 (TRL's default)"
+LONG_SETTINGS = ("offload_activations", "mlp_tile_tokens", "loss_chunk_tokens")
+DATA_ROWS = 6  # rows of the dataset: every step a new one (3 steps), none repeated
+MIN_RUN_S = 150  # an 8B attempt given less than this before --deadline is not started
+WRITE_RESERVE_S = 10  # kept back from the last attempt for writing the results
+ATTEMPTS_FILE, ROWS_FILE, LOGS = "long-context-client.json", "long-context.json", "long-context-client-logs"
+TRAINED, OOM = "trained", "out of memory"
+
+
+def client_label() -> str:
+    from importlib.metadata import version
+
+    return f"TRL {version('trl')} trl.scripts.sft, unchanged, behind layerstream run"
+
+
+# -- inputs: the checkpoint and the dataset -------------------------------------------------
+def write_checkpoint(work: Path, shape: str, timeout: float) -> Path:
+    """``rl.write_checkpoint`` (reused when its index is there) in a fresh process: drawing the
+    weights on the GPU would leave this process a CUDA context and cached blocks beside every run."""
+    target = work / shape
+    if not (target / "model.safetensors.index.json").exists():
+        code = f"import sys; sys.path.insert(0, {str(HERE)!r}); from pathlib import Path; import rl; "
+        code += f"rl.write_checkpoint(Path({str(work)!r}), {shape!r})"
+        subprocess.run([sys.executable, "-c", code], check=True, timeout=max(timeout, 1))
+    return target
+
+
+def random_words(rng: random.Random, chars: int) -> str:
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    words, total = [], 0
+    while total < chars:
+        word = "".join(rng.choice(letters) for _ in range(rng.randint(2, 9)))
+        words.append(word)
+        total += len(word) + 1
+    return " ".join(words)
+
+
+def write_dataset(work: Path, checkpoint: Path, tokens: int) -> Path:
+    """DIR/train.jsonl (``--dataset_name DIR``, as TRL's scripts read a local dataset) of
+    ``DATA_ROWS`` rows of random words, each checked to tokenise, with the checkpoint's own
+    tokenizer, to more than ``tokens`` tokens: every step then trains exactly ``--max_length``."""
+    from transformers import AutoTokenizer
+
+    folder = work / f"data-words-{tokens}"
+    checked = folder / "checked.json"
+    if checked.exists() and json.loads(checked.read_text()).get("checkpoint") == str(checkpoint):
+        return folder
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    rng, rows, chars = random.Random(0), [], tokens + 256
+    while len(rows) < DATA_ROWS:
+        text = random_words(rng, chars)
+        if len(tokenizer(text)["input_ids"]) > tokens:
+            rows.append(text)
+        else:
+            chars *= 2  # a tokenizer of several characters a token: longer rows
+    lengths = [len(tokenizer(text)["input_ids"]) for text in rows]
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "train.jsonl").write_text("".join(json.dumps({"text": text}) + "\n" for text in rows))
+    checked.write_text(json.dumps({"checkpoint": str(checkpoint), "tokens": lengths, "at_least": tokens}))
+    return folder
+
+
+# -- one attempt: TRL's script in a fresh process under capped.py ---------------------------
+def sft_command(ctx, tokens: int, out: Path, streamed: bool) -> list:
+    """TRL's sft script as a user runs it: ``python -m`` or behind ``layerstream run`` (no flag)."""
+    args = ["-m", "trl.scripts.sft", "--model_name_or_path", str(ctx.checkpoint), "--dataset_name", str(ctx.data)]
+    args += ["--output_dir", str(out), "--max_steps", str(ctx.args.warmup + ctx.args.steps)]
+    args += ["--logging_steps", "1", "--save_strategy", "no", "--report_to", "none", "--seed", "0"]
+    args += ["--load_in_4bit", "--use_peft", "--lora_r", "32", "--lora_alpha", "16"]
+    args += ["--lora_target_modules", "all-linear", "--per_device_train_batch_size", "1"]
+    args += ["--max_length", str(tokens), "--dtype", ctx.args.dtype]
+    args += ["--use_cpu", "--bf16", "false"] if ctx.args.dry_run else []  # as rl.py's dry run
+    return (["layerstream", "run"] if streamed else [sys.executable]) + args
+
+
+def layerstream_lines(log: str) -> list:
+    """What layerstream printed: lines starting with 'layerstream' (also after a progress bar's
+    carriage return) and the indented lines of its start-up summary that follow one."""
+    kept, in_summary = [], False
+    for piece in re.split(r"[\r\n]", log):
+        at = piece.find("layerstream")
+        if at >= 0 and "%|" in piece[at:] and "100%|" not in piece[at:]:  # its loading bar's states
+            continue
+        if at >= 0 and (at == 0 or piece[:at].rstrip().endswith(("]", "|")) or not piece[:at].strip()):
+            kept.append(piece[at:].rstrip())
+            in_summary = piece[at:].startswith("layerstream: streaming decoder layers")
+        elif in_summary and piece.startswith("  "):
+            kept.append(piece.rstrip())
+        else:
+            in_summary = False
+    return kept
+
+
+def summary_fields(lines: list) -> dict:
+    """The start-up summary's lines by their label ('loss', 'long seq', 'predicted', ...)."""
+    fields, key = {}, None
+    for line in lines:
+        if line.startswith("   ") and key:
+            fields[key] += " " + line.strip()
+        elif line.startswith("  ") and len(line) > 15:
+            key = line[2:15].strip()
+            fields[key] = line[15:].strip()
+    return fields
+
+
+def long_settings_seen(logs: list, lines: list) -> dict:
+    """What ran for the long sequence: the Trainer log's figures of what "auto" turned on
+    (layerstream/<setting>), the summary's loss and long-seq lines, and each line naming a setting."""
+    figures = {}
+    for entry in logs:
+        figures.update({k.split("/", 1)[1]: v for k, v in entry.items() if k.startswith("layerstream/auto_long")})
+        figures.update({k.split("/", 1)[1]: v for k, v in entry.items() if k.split("/", 1)[-1] in LONG_SETTINGS})
+    summary = summary_fields(lines)
+    named = [line for line in lines if any(s in line for s in LONG_SETTINGS) and not line.startswith("  ")]
+    return {
+        "auto_decided": figures or None,
+        "loss_head": summary.get("loss"),
+        "long_seq": summary.get("long seq"),
+        "predicted": summary.get("predicted"),
+        "lines": named,
+    }
+
+
+def verdict(returncode, timed_out: bool, steps: int, wanted: int, log: str) -> str:
+    if returncode == 0 and steps >= wanted:
+        return TRAINED
+    if timed_out:
+        return "timed out"
+    if "out of memory" in log.lower() or "OutOfMemoryError" in log:
+        return OOM
+    return f"failed (exit {returncode})"
+
+
+def attempt(ctx, streamed: bool, cap: str, tokens: int):
+    """One run of the script at ``tokens`` under ``cap`` ('12GiB' or capped.WHOLE); its record,
+    saved; None when --deadline leaves no time for it."""
+    kind = "streamed" if streamed else "resident"
+    rounds = [a for a in ctx.results.attempts.values() if (a["kind"], a["cap"], a["tokens"]) == (kind, cap, tokens)]
+    name = f"{kind}-{cap}-{tokens}-round{len(rounds) + 1}"
+    record = {"name": name, "kind": kind, "streamed": streamed, "cap": cap, "tokens": tokens, "round": len(rounds) + 1}
+    record["shape"] = ctx.shape
+    record["vram_gib"] = None if cap == rl.WHOLE else float(cap[: -len("GiB")])
+    record.update(bench_command=ctx.command, warmup_steps=ctx.args.warmup, timed_steps=ctx.args.steps)
+    if ctx.args.dry_run and tokens > ctx.args.dry_run_limit:  # no GPU to run out of: a stand-in
+        record.update(verdict=OOM, dry_run_stand_in=f"{tokens} > --dry-run-limit {ctx.args.dry_run_limit}")
+        record.update(step_s=[], losses=[], logs=[])
+        return ctx.results.add(record)
+    left = ctx.deadline - time.monotonic()
+    if left < ctx.args.min_run_s:
+        print(f"long-context-client: {left:.0f} s left of --deadline: {name} is not run", flush=True)
+        return None
+    runs = ctx.work / "runs"
+    runs.mkdir(parents=True, exist_ok=True)
+    times = runs / f"{name}-times.json"
+    times.unlink(missing_ok=True)
+    target = sft_command(ctx, tokens, runs / name, streamed)
+    argv = [sys.executable, str(HERE / "capped.py"), "--cap", cap, "--times", str(times), "--", *target]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")  # everything is on disk
+    if ctx.args.dry_run:  # OpenMP's spinning workers and the copy thread share the CPU badly
+        env["OMP_NUM_THREADS"] = "1"
+    print(f"long-context-client: {name}: {shlex.join(target)}", flush=True)
+    start = time.perf_counter()
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=left - WRITE_RESERVE_S)
+        returncode, log, timed_out = done.returncode, done.stdout + done.stderr, False
+    except subprocess.TimeoutExpired as expired:
+        returncode, log, timed_out = None, rl._text(expired.stdout) + rl._text(expired.stderr), True
+    (runs / f"{name}.log").write_text(log)
+    ctx.logs.mkdir(parents=True, exist_ok=True)
+    (ctx.logs / f"{name}.log").write_text(log[-8000:])
+    timing = json.loads(times.read_text()) if times.exists() else {}
+    steps, logs = timing.get("step_s", []), [entry for entry in timing.get("logs", []) if "loss" in entry]
+    lines = layerstream_lines(log)
+    record.update(
+        verdict=verdict(returncode, timed_out, len(steps), ctx.args.warmup + ctx.args.steps, log),
+        returncode=returncode,
+        wall_s=round(time.perf_counter() - start, 1),
+        step_s=steps,
+        median_timed_s=statistics.median(steps[ctx.args.warmup :]) if steps[ctx.args.warmup :] else None,
+        losses=[entry["loss"] for entry in logs],
+        peak_allocated_gib=timing.get("peak_allocated_gib"),
+        peak_reserved_gib=timing.get("peak_reserved_gib"),
+        trainer_peak_vram_gib=max(
+            (e["layerstream/peak_vram_gib"] for e in logs if "layerstream/peak_vram_gib" in e), default=None
+        ),
+        window_shrank=sum("the resident window shrank" in line for line in lines),
+        long_settings=long_settings_seen(logs, lines) if streamed else None,
+        layerstream_lines=lines,
+        logs=logs,
+        gpu=timing.get("gpu"),
+        client_command=shlex.join(["python" if part == sys.executable else part for part in target]),
+        command=shlex.join(argv),
+        log=f"{LOGS}/{name}.log",
+    )
+    if record["verdict"] != TRAINED:
+        record["error"] = [line for line in log.splitlines() if "Error" in line or "error:" in line][-3:]
+    return ctx.results.add(record)
+
+
+# -- the attempts and the rows made from them -------------------------------------------------
+def median_of(runs: list):
+    """The median of the runs' timed steps (after each one's warm-up), pooled."""
+    timed = [t for run in runs for t in run["step_s"][run["warmup_steps"] :]]
+    return statistics.median(timed) if timed else None
+
+
+def rows_from(attempts: list, client: str) -> list:
+    """One row per cap: the longest length a streamed attempt trained, its median timed step,
+    and the resident baseline at that length (or why there is none)."""
+    rows = []
+    for cap in sorted({a["vram_gib"] for a in attempts if a["streamed"]}):
+        runs = [a for a in attempts if a["streamed"] and a["vram_gib"] == cap]
+        trained = [a for a in runs if a["verdict"] == TRAINED]
+        if not trained:
+            continue
+        tokens = max(a["tokens"] for a in trained)
+        at = sorted((a for a in trained if a["tokens"] == tokens), key=lambda a: a["round"])
+        failing = [a["tokens"] for a in runs if a["verdict"] == OOM and a["tokens"] > tokens]
+        residents = sorted(
+            (a for a in attempts if not a["streamed"] and a["tokens"] == tokens), key=lambda a: a["round"]
+        )
+        base_runs = [a for a in residents if a["verdict"] == TRAINED]
+        step, base = median_of(at), median_of(base_runs)
+        row = {
+            "model": MODELS[at[0].get("shape", SHAPE)],
+            "quantization": "nf4",
+            "vram_gib": cap,
+            "max_tokens": tokens,
+            "step_s": step,
+            "tokens_per_s": tokens / step,
+            "baseline_step_s": base,
+            "options": {},  # no layerstream flag: the long-sequence settings are at "auto"
+            "lora": LORA,
+            "batch": 1,
+            "client": client,
+            "command": at[0]["bench_command"],
+            "commands": sorted({a["bench_command"] for a in at + residents}),
+            "client_command": at[0]["client_command"],
+            "baseline_command": base_runs[0]["client_command"] if base_runs else None,
+            "known_not_to_fit": min(failing) if failing else None,
+            "bound": f"{min(failing)} tokens ran out of memory" if failing else "no longer length tried",
+            "speed_vs_resident": base / step if base else None,
+            "peak_allocated_gib": max(a["peak_allocated_gib"] or 0 for a in at) or None,
+            "peak_reserved_gib": max(a["peak_reserved_gib"] or 0 for a in at) or None,
+            "long_settings": at[-1]["long_settings"],
+            "timed_steps": sum(len(a["step_s"]) - a["warmup_steps"] for a in at),
+            "warmup_steps": at[0]["warmup_steps"],
+            "attempts": [a["name"] for a in at + residents],
+            "result_file": f"long-context/{ATTEMPTS_FILE}",
+            "gpu": at[0].get("gpu"),
+        }
+        if not base_runs:
+            why = [f"{a['name']}: {a['verdict']}" for a in residents]
+            row["baseline_note"] = "; ".join(why) if why else "no resident run at this length (--baseline)"
+        elif residents and at:
+            pair = compare(("sft", "llama3-8b", "nf4", f"{cap:g}GiB"), base_runs, at[: len(base_runs)])
+            row["losses_equal"], row["max_loss_difference"] = pair["losses_equal"], pair["max_loss_difference"]
+        rows.append(row)
+    return rows
+
+
+class Results:
+    """Every attempt known (earlier commands' from --merge attempts files and this output's own
+    file, then this command's), written with the rows after each; the rows merged into the
+    committed long-context.json's (and --merge'd rows files'), a row of the same model,
+    quantization, cap and client replaced."""
+
+    def __init__(self, attempts_path: Path, rows_path: Path, merge: list, client: str, keep: bool):
+        self.attempts_path, self.rows_path, self.client = attempts_path, rows_path, client
+        self.attempts: dict = {}
+        self.base_rows: list = []
+        sources = [RESULTS / ROWS_FILE, *merge, rows_path] + ([attempts_path] if keep else [])
+        for path in dict.fromkeys(Path(p) for p in sources):
+            if not path.exists():
+                continue
+            loaded = json.loads(path.read_text())
+            if isinstance(loaded, list):  # a long-context.json: rows
+                self.base_rows = merge_rows(self.base_rows, loaded)
+            else:
+                self.attempts.update({a["name"]: a for a in loaded.get("attempts", [])})
+
+    def add(self, record: dict) -> dict:
+        self.attempts[record["name"]] = record
+        shown = {k: record.get(k) for k in ("name", "verdict", "wall_s", "step_s", "peak_allocated_gib")}
+        print(json.dumps(shown), flush=True)
+        self.save()
+        return record
+
+    def rows(self) -> list:
+        return rows_from(list(self.attempts.values()), self.client)
+
+    def save(self) -> None:
+        from layerstream.system.versions import versions
+
+        mine = [dict(row, versions=versions()) for row in self.rows()]
+        for path in (self.attempts_path, self.rows_path):
+            path.parent.mkdir(parents=True, exist_ok=True)
+        payload = {"attempts": list(self.attempts.values()), "rows": mine, "versions": versions()}
+        self.attempts_path.write_text(json.dumps(payload, indent=1))
+        self.rows_path.write_text(json.dumps(merge_rows(self.base_rows, mine), indent=1))
+
+
+def merge_rows(rows: list, new: list) -> list:
+    """``rows`` with each of ``new`` in place of the row of its key (else after them)."""
+
+    def key(row):
+        return row["model"], row["quantization"], row["vram_gib"], row.get("client")
+
+    out = list(rows)
+    for row in new:
+        same = [i for i, old in enumerate(out) if key(old) == key(row)]
+        if same:
+            out[same[0]] = row
+        else:
+            out.append(row)
+    return out
+
+
+# -- what a command runs ------------------------------------------------------------------------
+@dataclass
+class Context:
+    args: argparse.Namespace
+    work: Path
+    logs: Path
+    command: str
+    results: Results
+    deadline: float
+    checkpoint: Path = None
+    data: Path = None
+    shape: str = SHAPE
+    stopped: list = field(default_factory=list)
+
+
+def alternate(ctx: Context, cap: str, tokens: int, streamed_done: bool = False) -> None:
+    """--rounds of (streamed under ``cap``, then resident with the whole GPU when --baseline);
+    ``streamed_done``: the first round's streamed run has just run (the search's)."""
+    for index in range(ctx.args.rounds):
+        if not (index == 0 and streamed_done) and attempt(ctx, True, cap, tokens) is None:
+            return
+        if ctx.args.baseline and attempt(ctx, False, rl.WHOLE, tokens) is None:
+            return
+
+
+def search(ctx: Context, cap: str, lo: int, hi: int) -> int:
+    """Bisect between ``lo`` (trains; 0: none known) and ``hi`` (taken not to) to --granularity,
+    the bounds first tightened by the attempts already known; the longest length found to train."""
+    step = ctx.args.granularity
+    for a in ctx.results.attempts.values():
+        if a["streamed"] and a["cap"] == cap and a["verdict"] == TRAINED and a["tokens"] < hi:
+            lo = max(lo, a["tokens"])
+        elif a["streamed"] and a["cap"] == cap and a["verdict"] == OOM and a["tokens"] > lo:
+            hi = min(hi, a["tokens"])
+    while hi - lo > step:
+        tokens = max(step, (lo + hi) // 2 // step * step)
+        tokens = tokens if tokens > lo else lo + step
+        record = attempt(ctx, True, cap, tokens)
+        if record is None:
+            print(f"long-context-client: out of time between {lo} and {hi} tokens under {cap}; run again", flush=True)
+            ctx.stopped.append(cap)
+            return lo
+        if record["verdict"] == TRAINED:
+            lo = tokens
+        elif record["verdict"] == OOM:
+            hi = tokens
+        else:  # neither a fit nor out of memory: the search cannot go on from it
+            print(f"long-context-client: {record['name']}: {record['verdict']}; the search stops", flush=True)
+            ctx.stopped.append(cap)
+            return lo
+        print(f"long-context-client: {cap}: trains {lo}, not {hi} tokens", flush=True)
+    return lo
+
+
+def parse(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cells", default=None, help="CAP_GIB:TOKENS,... e.g. 12:36864,16:61440")
+    parser.add_argument("--cap", type=float, default=None, help="search mode: the cap in GiB")
+    parser.add_argument("--lo", type=int, default=0, help="search: a length known to train (0: none)")
+    parser.add_argument("--hi", type=int, default=131072, help="search: a length taken not to train")
+    parser.add_argument("--granularity", type=int, default=2048, help="search: to this many tokens")
+    parser.add_argument("--baseline", action="store_true", help="also plain `python -m trl.scripts.sft`, whole GPU")
+    parser.add_argument("--rounds", type=int, default=1, help="streamed (, resident) rounds at each length")
+    parser.add_argument("--steps", type=int, default=2, help="timed steps of each run, after --warmup")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--dtype", default="bfloat16", help="the script's --dtype (TRL's default: float32)")
+    parser.add_argument("--work", default="/tmp/long-context-client", help="checkpoint, data, runs, whole logs")
+    parser.add_argument("--out", default=None, help="default $OUT, else benchmarks/results(/long-context)")
+    parser.add_argument("--merge", action="append", default=[], help="an earlier attempts file or long-context.json")
+    parser.add_argument("--deadline", type=float, default=570, help="seconds this command may take, writing included")
+    parser.add_argument(
+        "--min-run-s", type=float, default=None, help=f"start no run with less left (default {MIN_RUN_S})"
+    )
+    parser.add_argument("--dry-run", action="store_true", help="a tiny llama on the CPU: the harness only")
+    parser.add_argument(
+        "--dry-run-limit", type=int, default=384, help="dry run: longer attempts stand in for out of memory"
+    )
+    args = parser.parse_args(argv)
+    if (args.cells is None) == (args.cap is None) and not args.dry_run:
+        parser.error("give --cells CAP:TOKENS,... or --cap GIB (with --lo/--hi) to search")
+    if args.dry_run and args.cells is None and args.cap is None:  # a search, a stand-in OOM, a baseline
+        args.cap, args.lo, args.hi, args.granularity, args.baseline, args.rounds = 1, 0, 512, 64, True, 2
+    if args.min_run_s is None:
+        args.min_run_s = 5 if args.dry_run else MIN_RUN_S
+    return args
+
+
+def outputs(args) -> tuple:
+    """(attempts file, rows file, log tails folder): under $OUT or --out, else the committed
+    places; a dry run never writes into benchmarks/results."""
+    chosen = args.out or os.environ.get("OUT")
+    if args.dry_run:
+        chosen = Path(chosen or Path(args.work) / "out")
+        if chosen.resolve() in (RESULTS.resolve(), (RESULTS / "long-context").resolve()):
+            raise SystemExit("long-context-client: a dry run's rows are not results: give --out elsewhere")
+    if chosen:
+        return Path(chosen) / ATTEMPTS_FILE, Path(chosen) / ROWS_FILE, Path(chosen) / LOGS
+    folder = RESULTS / "long-context"
+    return folder / ATTEMPTS_FILE, RESULTS / ROWS_FILE, folder / LOGS
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse(argv)
+    deadline = time.monotonic() + args.deadline
+    cells = [(float(c.split(":")[0]), int(c.split(":")[1])) for c in args.cells.split(",")] if args.cells else []
+    attempts_path, rows_path, logs = outputs(args)
+    keep = not (args.out or os.environ.get("OUT") or args.dry_run)  # the committed attempts file
+    results = Results(attempts_path, rows_path, args.merge, client_label(), keep)
+    command = shlex.join(["python", "benchmarks/long_context_client.py", *argv])
+    ctx = Context(args, Path(args.work), logs, command, results, deadline, shape="tiny" if args.dry_run else SHAPE)
+    ctx.work.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    ctx.checkpoint = write_checkpoint(ctx.work, ctx.shape, deadline - time.monotonic())
+    print(f"long-context-client: checkpoint {ctx.checkpoint} ready in {time.perf_counter() - start:.1f} s", flush=True)
+    longest = max([t for _, t in cells] + ([args.hi] if args.cap is not None else []))
+    ctx.data = write_dataset(ctx.work, ctx.checkpoint, longest)
+    for cap_gib, tokens in cells:
+        alternate(ctx, f"{cap_gib:g}GiB", tokens)
+    if args.cap is not None:
+        cap = f"{args.cap:g}GiB"
+        found = search(ctx, cap, args.lo, args.hi)
+        if found and cap not in ctx.stopped:
+            just_ran = any(
+                a["streamed"] and a["cap"] == cap and a["tokens"] == found and a["bench_command"] == command
+                for a in results.attempts.values()
+            )
+            alternate(ctx, cap, found, streamed_done=just_ran)
+    results.save()
+    verdicts = Counter(a["verdict"] for a in results.attempts.values() if a["bench_command"] == command)
+    print(f"long-context-client: this command's attempts: {dict(verdicts)}", flush=True)
+    print(summary(results.rows()))
+    print(f"long-context-client: attempts in {attempts_path}; rows in {rows_path}", flush=True)
+    return 0
+
+
+def summary(rows: list) -> str:
+    def number(value, digits=2):
+        return "-" if value is None else f"{value:.{digits}f}"
+
+    lines = ["| cap GiB | max tokens | not to fit | step s | resident s | x resident | auto turned on | loss |"]
+    lines.append("|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        decided = (row.get("long_settings") or {}).get("auto_decided") or {}
+        on = ", ".join(f"{k}={v}" for k, v in decided.items() if k in LONG_SETTINGS and v) or "-"
+        head = ((row.get("long_settings") or {}).get("loss_head") or "-").split(",")[0]
+        lines.append(
+            f"| {row['vram_gib']:g} | {row['max_tokens']} | {row['known_not_to_fit'] or '-'} | {number(row['step_s'])} | "
+            f"{number(row['baseline_step_s'])} | {number(row['speed_vs_resident'], 3)} | {on} | {head} |"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
