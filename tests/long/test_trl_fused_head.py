@@ -16,6 +16,7 @@ from layerstream.commands import cli
 from layerstream.commands.train_config import TrainConfigError, load
 from layerstream.long import trl_head
 from layerstream.plan import LOSS_LOGIT_COPIES, plan_for_model
+from layerstream.plan.long_settings import LONG_ORDER
 
 from tiny import peft_pair, stream, tiny_model
 
@@ -77,6 +78,18 @@ def test_loss_chunk_tokens_under_trl_sft_is_said_to_be_bypassed(tmp_path, caplog
     assert len(bypassed) == 1 and "loss_chunk_tokens=4 is not applied" in bypassed[0]
     loss_line = caplog.text.split("  loss         ")[1].splitlines()[0]
     assert loss_line.startswith("TRL's fused log-prob head") and "loss_chunk_tokens=4 is not applied" in loss_line
+
+
+def test_loss_chunk_tokens_left_at_auto_under_trl_is_not_said_to_be_bypassed(tmp_path, caplog):
+    model, _ = peft_pair("llama", layers=4)
+    defaults = {name: getattr(layerstream.StreamConfig(device="cpu"), name) for name in LONG_ORDER}
+    assert set(defaults.values()) == {"auto"}
+    stream(model, vram_budget="2GiB", **defaults)  # as a user's run has them
+    with caplog.at_level("WARNING", logger="layerstream"):
+        _sft(model, tmp_path, steps=1)
+    assert not _trl_head_records(caplog), "a setting the user never gave is said to be bypassed"
+    assert "is not applied" not in caplog.text
+    assert "  loss         TRL's fused log-prob head" in caplog.text
 
 
 def test_loss_chunk_tokens_under_trl_dpo_is_said_to_be_bypassed(tmp_path, caplog):

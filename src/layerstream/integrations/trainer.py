@@ -309,11 +309,12 @@ def check_generation_backend(training_args) -> None:
 
 def warn_fused_loss(trainer) -> None:
     """TRL's trainers give their models a fused log-prob head (``trl_head``) after
-    ``Trainer.__init__``, and its loss is the one that runs: a loss_chunk_tokens setting is
-    said to be bypassed, once, at the first training step."""
+    ``Trainer.__init__``, and its loss is the one that runs: a loss_chunk_tokens the user set
+    is said to be bypassed, once, at the first training step. Left at "auto" (0 here) there is
+    nothing to say: the plan counts TRL's loss and never turns the chunked loss on beside it."""
     for model in (trainer.model, getattr(trainer, "ref_model", None)):
         tokens = chunked_loss.chunk_tokens(model) if isinstance(model, nn.Module) else None
-        if tokens is not None and trl_head.installed(model):
+        if tokens and trl_head.installed(model):
             trl_head.warn_bypassed(model, tokens)
 
 
