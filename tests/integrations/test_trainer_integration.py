@@ -448,3 +448,27 @@ def test_the_logged_bandwidth_is_the_intervals_own_not_a_difference_of_running_f
 
     window = integration._LogWindow(Runtime())
     assert window.figures()["layerstream/h2d_gbps"] == pytest.approx(100.0)
+
+
+def test_the_summarys_predicted_peak_is_the_plan_of_what_auto_turns_on():
+    """Before the first pass no offloader runs; the predicted peak is still the plan of the
+    step as "auto" decides it, offloading included, as the step's own decision says."""
+    import re
+    import types
+
+    from layerstream.integrations.trainer import predicted_vram
+
+    model, _ = peft_pair("llama", layers=4)
+    auto = dict(offload_activations="auto", mlp_tile_tokens="auto", loss_chunk_tokens="auto")
+    layerstream.stream_model(model, device="cpu", slots=2, vram_budget="1GiB", **auto)
+    runtime = layerstream.get_runtime(model)
+    seq = 2_000_000
+    line = predicted_vram(model, types.SimpleNamespace(per_device_train_batch_size=1, max_length=seq))
+    decision = runtime.long_settings.decision(seq)
+    assert dict(decision.on).get("offload_activations") is True
+    predicted = float(re.search(r"peak VRAM ([0-9.]+) GiB", line).group(1))
+    planned = runtime.memory_plan(1, seq, offload=True)
+    assert planned.needed_bytes == decision.needed  # the step's own plan
+    assert predicted == pytest.approx(planned.peak_vram_bytes / 2**30, abs=0.006)
+    without = runtime.memory_plan(1, seq, offload=False).peak_vram_bytes / 2**30
+    assert without - predicted > 0.2, "the control: the plan without offloading is larger"

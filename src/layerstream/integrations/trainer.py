@@ -384,7 +384,9 @@ def predicted_vram(model, args) -> str:
     seq = getattr(args, "max_length", None) or getattr(args, "max_seq_length", None)
     try:
         if seq:
-            peak = runtime.memory_plan(batch, int(seq)).peak_vram_bytes
+            # before the first pass no offloader is running: plan with what the step will run
+            offload = bool(runtime.long_settings.settings_for(batch * int(seq))["offload_activations"])
+            peak = runtime.memory_plan(batch, int(seq), offload=offload).peak_vram_bytes
             line = f"  predicted    peak VRAM {gib(peak)} at batch {batch} x {seq} tokens, every layer streamed"
             return line + _auto_long_text(runtime.long_settings.decision(batch * int(seq)))
         short, long = (runtime.memory_plan(batch, n).peak_vram_bytes for n in (512, 2048))
