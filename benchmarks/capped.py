@@ -216,8 +216,45 @@ def _profile_trainer_steps(folder: str, first: int = 8, count: int = 8) -> None:
     _add_to_every_trainer(StepProfile)
 
 
-def prepare(cap: str, used_first: bool, times, profile_dir=None) -> None:
-    """The cap, the earlier use of the GPU, the step timer and the profiler, in this process."""
+def _trace_first_step_memory(path: str) -> None:
+    """The tensors alive at the first training step's allocated peak, by the source line that
+    allocated them (``step_insight.live_at_peak``), written to ``path``: where a long step's
+    memory goes, to hold the memory plan's terms against (GPU only)."""
+    import step_insight
+    import torch
+    from transformers import TrainerCallback
+
+    class FirstStepMemory(TrainerCallback):
+        def __init__(self):
+            self.start = None
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == 0 and torch.cuda.is_available():
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                self.start = torch.cuda.memory_allocated()
+                torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if self.start is None:
+                return
+            torch.cuda.synchronize()
+            snapshot = torch.cuda.memory._snapshot()
+            torch.cuda.memory._record_memory_history(enabled=None)
+            device = torch.cuda.current_device()
+            result = step_insight.live_at_peak(snapshot["device_traces"][device], self.start)
+            result["measured_peak_bytes"] = torch.cuda.max_memory_allocated()
+            result["by_source"] = result["by_source"][:60]
+            with open(path, "w") as handle:
+                json.dump(result, handle, indent=1)
+            self.start = None
+
+    _add_to_every_trainer(FirstStepMemory)
+
+
+def prepare(cap: str, used_first: bool, times, profile_dir=None, memory_trace=None) -> None:
+    """The cap, the earlier use of the GPU, the step timer, the profiler and the first
+    step's memory trace, in this process."""
     from layerstream.commands.run import allocator_defaults
     from layerstream.units import parse_bytes
 
@@ -241,6 +278,8 @@ def prepare(cap: str, used_first: bool, times, profile_dir=None) -> None:
         _time_trainer_steps(times)
     if profile_dir:
         _profile_trainer_steps(profile_dir)
+    if memory_trace:
+        _trace_first_step_memory(memory_trace)
 
 
 def main():
@@ -251,10 +290,13 @@ def main():
     parser.add_argument(
         "--profile", default=None, metavar="DIR", help="profile steps 8-15 (Python) and 16-17 (torch) into DIR"
     )
+    parser.add_argument(
+        "--memory-trace", default=None, metavar="FILE", help="the first step's tensors alive at its peak (JSON)"
+    )
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    prepare(args.cap, args.used_first, args.times, args.profile)
+    prepare(args.cap, args.used_first, args.times, args.profile, args.memory_trace)
     # processes the command starts (``trl sft``, ``accelerate launch``) get the same
     os.environ["CAPPED_CHILD"] = json.dumps(
         {
@@ -263,6 +305,7 @@ def main():
             "used_first": args.used_first,
             "times": args.times,
             "profile": args.profile,
+            "memory_trace": args.memory_trace,
         }
     )
     site = os.path.join(os.path.dirname(os.path.abspath(__file__)), "capped_site")

@@ -22,6 +22,7 @@ computes the loss, the long-sequence settings) and what "auto" turned on.
     python benchmarks/long_context_client.py --cap 12 --lo 32768 --hi 49152 --granularity 2048 --work /tmp/lcc
     python benchmarks/long_context_client.py --cells 12:36864 --baseline --rounds 2 --work /tmp/lcc \\
         --merge benchmarks/results/long-context/long-context-client.json
+    python benchmarks/long_context_client.py --cells 12:36864 --memory-trace --work /tmp/lcc  # where the peak is
     python benchmarks/long_context_client.py --dry-run --work /tmp/lcc-dry    # tiny llama on the CPU
 
 ``--cells CAP:N,...`` tries each length under its cap (GiB); ``--cap C --lo A --hi B`` bisects
@@ -224,7 +225,11 @@ def attempt(ctx, streamed: bool, cap: str, tokens: int):
     times = runs / f"{name}-times.json"
     times.unlink(missing_ok=True)
     target = sft_command(ctx, tokens, runs / name, streamed)
-    argv = [sys.executable, str(HERE / "capped.py"), "--cap", cap, "--times", str(times), "--", *target]
+    argv = [sys.executable, str(HERE / "capped.py"), "--cap", cap, "--times", str(times)]
+    ctx.logs.mkdir(parents=True, exist_ok=True)
+    memory = ctx.logs / f"{name}-memory.json" if ctx.args.memory_trace else None
+    argv += ["--memory-trace", str(memory)] if memory else []
+    argv += ["--", *target]
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")  # everything is on disk
     if ctx.args.dry_run:  # OpenMP's spinning workers and the copy thread share the CPU badly
         env["OMP_NUM_THREADS"] = "1"
@@ -258,6 +263,7 @@ def attempt(ctx, streamed: bool, cap: str, tokens: int):
         layerstream_lines=lines,
         logs=logs,
         gpu=timing.get("gpu"),
+        memory_trace=str(memory.relative_to(ctx.logs.parent)) if memory and memory.exists() else None,
         client_command=shlex.join(["python" if part == sys.executable else part for part in target]),
         command=shlex.join(argv),
         log=f"{LOGS}/{name}.log",
@@ -458,6 +464,11 @@ def parse(argv):
     parser.add_argument("--deadline", type=float, default=570, help="seconds this command may take, writing included")
     parser.add_argument(
         "--min-run-s", type=float, default=None, help=f"start no run with less left (default {MIN_RUN_S})"
+    )
+    parser.add_argument(
+        "--memory-trace",
+        action="store_true",
+        help="write each run's first-step tensors alive at its peak, by source (GPU), beside its log",
     )
     parser.add_argument("--dry-run", action="store_true", help="a tiny llama on the CPU: the harness only")
     parser.add_argument(

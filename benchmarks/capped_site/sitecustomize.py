@@ -15,4 +15,10 @@ if _settings:
     sys.path.insert(0, _settings["harness"])
     import capped
 
-    capped.prepare(_settings["cap"], _settings["used_first"], _settings["times"], _settings.get("profile"))
+    capped.prepare(
+        _settings["cap"],
+        _settings["used_first"],
+        _settings["times"],
+        _settings.get("profile"),
+        _settings.get("memory_trace"),
+    )
