@@ -19,11 +19,20 @@ logs and the peaks), and keeps the lines layerstream printed: the start-up summa
 computes the loss, the long-sequence settings) and what "auto" turned on.
 
     python benchmarks/long_context_client.py --cells 12:36864,16:61440 --work /tmp/lcc
+    python benchmarks/long_context_client.py --client train --cells 12:36864 --baseline --work /tmp/lcc
+    python benchmarks/long_context_client.py --client trainer --cells 12:36864 --baseline --work /tmp/lcc
     python benchmarks/long_context_client.py --cap 12 --lo 32768 --hi 49152 --granularity 2048 --work /tmp/lcc
     python benchmarks/long_context_client.py --cells 12:36864 --baseline --rounds 2 --work /tmp/lcc \\
         --merge benchmarks/results/long-context/long-context-client.json
     python benchmarks/long_context_client.py --cells 12:36864 --memory-trace --work /tmp/lcc  # where the peak is
     python benchmarks/long_context_client.py --dry-run --work /tmp/lcc-dry    # tiny llama on the CPU
+
+``--client`` picks the user's command: ``sft`` (the above), ``train`` (``layerstream train`` with
+the long recipe ``configs/llama-3.1-8b-qlora-long-24gb.yaml`` as shipped, its model, data,
+length and steps set to the run's and ``stream.vram_budget=auto``, so the cap is its budget;
+baseline: TRL's plain script, the same SFTTrainer loss) or ``trainer`` (``long_trainer_script.py``,
+a plain QLoRA Trainer script with ``--layer_stream`` and no other layerstream flag; baseline:
+the script without it). Each client's rows are its own.
 
 ``--cells CAP:N,...`` tries each length under its cap (GiB); ``--cap C --lo A --hi B`` bisects
 for the longest N (a multiple of ``--granularity``) that trains its steps without running out
@@ -78,9 +87,39 @@ ATTEMPTS_FILE, ROWS_FILE, LOGS = "long-context-client.json", "long-context.json"
 TRAINED, OOM = "trained", "out of memory"
 
 
-def client_label() -> str:
+RECIPE = HERE.parent / "configs" / "llama-3.1-8b-qlora-long-24gb.yaml"  # `--client train`'s long recipe
+TRAINER_SCRIPT = HERE / "long_trainer_script.py"  # `--client trainer`'s plain Trainer script
+CLIENTS = ("sft", "train", "trainer")
+# whose plain run is each client's baseline: TRL's script for the two that train through TRL's
+# SFTTrainer (the same loss), the Trainer script itself without --layer_stream
+BASELINE_CLIENT = {"sft": "sft", "train": "sft", "trainer": "trainer"}
+LORAS = {
+    "sft": LORA,
+    "train": "the recipe's: r=32 alpha=64 all-linear, dropout 0",
+    "trainer": "r=32 alpha=16 all-linear, dropout 0.05",
+}
+
+
+def recipe_options() -> dict:
+    """The long-sequence settings the recipe sets (the others are at "auto")."""
+    import yaml
+
+    stream = yaml.safe_load(RECIPE.read_text()).get("stream", {})
+    names = ("offload_activations", "mlp_tile_tokens", "loss_chunk_tokens")
+    return {name: str(stream[name]).lower() for name in names if name in stream}
+
+
+def client_of(attempt: dict) -> str:
+    return attempt.get("client", "sft")  # attempts from before --client were TRL's script
+
+
+def client_label(client: str = "sft") -> str:
     from importlib.metadata import version
 
+    if client == "train":
+        return f"layerstream train {RECIPE.name} (TRL {version('trl')} SFTTrainer), with the cap as vram_budget"
+    if client == "trainer":
+        return "Trainer script (BitsAndBytesConfig, device_map, PEFT) with --layer_stream"
     return f"TRL {version('trl')} trl.scripts.sft, unchanged, behind layerstream run"
 
 
@@ -132,6 +171,50 @@ def write_dataset(work: Path, checkpoint: Path, tokens: int) -> Path:
 
 
 # -- one attempt: TRL's script in a fresh process under capped.py ---------------------------
+def client_command(ctx, client: str, tokens: int, out: Path, streamed: bool) -> list:
+    """The command of ``client`` at ``tokens``: streamed, or its plain baseline."""
+    if client == "train" and streamed:
+        return train_command(ctx, tokens, out)
+    if client == "trainer":
+        return trainer_command(ctx, tokens, out, streamed)
+    return sft_command(ctx, tokens, out, streamed)
+
+
+def train_command(ctx, tokens: int, out: Path) -> list:
+    """``layerstream train`` with the long recipe as shipped, its model, data, length and steps
+    set to this run's, and the cap as its budget (the recipe's 24GiB names its card)."""
+    sets = {
+        "model.name": ctx.checkpoint,
+        "model.config": ctx.checkpoint / "config.json",
+        "data.path": ctx.data / "train.jsonl",
+        "stream.vram_budget": "auto",
+        "training.output_dir": out,
+        "training.max_length": tokens,
+        "training.max_steps": ctx.args.warmup + ctx.args.steps,
+        "training.gradient_accumulation_steps": 1,
+        "training.logging_steps": 1,
+        "training.save_strategy": "no",
+        "training.seed": 0,
+    }
+    if ctx.args.dry_run:
+        sets.update({"stream.device": "cpu", "training.use_cpu": "true", "training.bf16": "false"})
+    args = ["layerstream", "train", str(RECIPE)]
+    for key, value in sets.items():
+        args += ["--set", f"{key}={value}"]
+    return args
+
+
+def trainer_command(ctx, tokens: int, out: Path, streamed: bool) -> list:
+    """The plain Trainer script, with ``--layer_stream`` (and no other layerstream flag) or without."""
+    args = [sys.executable, str(TRAINER_SCRIPT), "--model_name_or_path", str(ctx.checkpoint)]
+    args += ["--dataset_file", str(ctx.data / "train.jsonl"), "--max_length", str(tokens)]
+    args += ["--output_dir", str(out), "--max_steps", str(ctx.args.warmup + ctx.args.steps)]
+    args += ["--logging_steps", "1", "--save_strategy", "no", "--report_to", "none", "--seed", "0"]
+    args += ["--per_device_train_batch_size", "1", "--gradient_checkpointing", "true"]
+    args += ["--use_cpu", "true", "--bf16", "false"] if ctx.args.dry_run else ["--bf16", "true"]
+    return args + (["--layer_stream", "true"] if streamed else [])
+
+
 def sft_command(ctx, tokens: int, out: Path, streamed: bool) -> list:
     """TRL's sft script as a user runs it: ``python -m`` or behind ``layerstream run`` (no flag)."""
     args = ["-m", "trl.scripts.sft", "--model_name_or_path", str(ctx.checkpoint), "--dataset_name", str(ctx.data)]
@@ -206,9 +289,16 @@ def attempt(ctx, streamed: bool, cap: str, tokens: int):
     """One run of the script at ``tokens`` under ``cap`` ('12GiB' or capped.WHOLE); its record,
     saved; None when --deadline leaves no time for it."""
     kind = "streamed" if streamed else "resident"
-    rounds = [a for a in ctx.results.attempts.values() if (a["kind"], a["cap"], a["tokens"]) == (kind, cap, tokens)]
-    name = f"{kind}-{cap}-{tokens}-round{len(rounds) + 1}"
+    client = ctx.args.client if streamed else BASELINE_CLIENT[ctx.args.client]
+    rounds = [
+        a
+        for a in ctx.results.attempts.values()
+        if (a["kind"], a["cap"], a["tokens"], client_of(a)) == (kind, cap, tokens, client)
+    ]
+    prefix = "" if client == "sft" else f"{client}-"  # TRL's script's names as they were
+    name = f"{prefix}{kind}-{cap}-{tokens}-round{len(rounds) + 1}"
     record = {"name": name, "kind": kind, "streamed": streamed, "cap": cap, "tokens": tokens, "round": len(rounds) + 1}
+    record["client"] = client
     record["shape"] = ctx.shape
     record["vram_gib"] = None if cap == rl.WHOLE else float(cap[: -len("GiB")])
     record.update(bench_command=ctx.command, warmup_steps=ctx.args.warmup, timed_steps=ctx.args.steps)
@@ -224,7 +314,7 @@ def attempt(ctx, streamed: bool, cap: str, tokens: int):
     runs.mkdir(parents=True, exist_ok=True)
     times = runs / f"{name}-times.json"
     times.unlink(missing_ok=True)
-    target = sft_command(ctx, tokens, runs / name, streamed)
+    target = client_command(ctx, client, tokens, runs / name, streamed)
     argv = [sys.executable, str(HERE / "capped.py"), "--cap", cap, "--times", str(times)]
     ctx.logs.mkdir(parents=True, exist_ok=True)
     memory = ctx.logs / f"{name}-memory.json" if ctx.args.memory_trace else None
@@ -280,12 +370,13 @@ def median_of(runs: list):
     return statistics.median(timed) if timed else None
 
 
-def rows_from(attempts: list, client: str) -> list:
-    """One row per cap: the longest length a streamed attempt trained, its median timed step,
-    and the resident baseline at that length (or why there is none)."""
+def rows_from(attempts: list) -> list:
+    """One row per client and cap: the longest length a streamed attempt trained, its median
+    timed step, and the client's plain baseline at that length (or why there is none)."""
     rows = []
-    for cap in sorted({a["vram_gib"] for a in attempts if a["streamed"]}):
-        runs = [a for a in attempts if a["streamed"] and a["vram_gib"] == cap]
+    streamed = sorted({(CLIENTS.index(client_of(a)), a["vram_gib"]) for a in attempts if a["streamed"]})
+    for client, cap in ((CLIENTS[index], cap) for index, cap in streamed):
+        runs = [a for a in attempts if a["streamed"] and a["vram_gib"] == cap and client_of(a) == client]
         trained = [a for a in runs if a["verdict"] == TRAINED]
         if not trained:
             continue
@@ -293,7 +384,12 @@ def rows_from(attempts: list, client: str) -> list:
         at = sorted((a for a in trained if a["tokens"] == tokens), key=lambda a: a["round"])
         failing = [a["tokens"] for a in runs if a["verdict"] == OOM and a["tokens"] > tokens]
         residents = sorted(
-            (a for a in attempts if not a["streamed"] and a["tokens"] == tokens), key=lambda a: a["round"]
+            (
+                a
+                for a in attempts
+                if not a["streamed"] and a["tokens"] == tokens and client_of(a) == BASELINE_CLIENT[client]
+            ),
+            key=lambda a: a["round"],
         )
         base_runs = [a for a in residents if a["verdict"] == TRAINED]
         step, base = median_of(at), median_of(base_runs)
@@ -305,10 +401,10 @@ def rows_from(attempts: list, client: str) -> list:
             "step_s": step,
             "tokens_per_s": tokens / step,
             "baseline_step_s": base,
-            "options": {},  # no layerstream flag: the long-sequence settings are at "auto"
-            "lora": LORA,
+            "options": recipe_options() if client == "train" else {},  # else at "auto": no flag
+            "lora": LORAS[client],
             "batch": 1,
-            "client": client,
+            "client": client_label(client),
             "command": at[0]["bench_command"],
             "commands": sorted({a["bench_command"] for a in at + residents}),
             "client_command": at[0]["client_command"],
@@ -328,7 +424,7 @@ def rows_from(attempts: list, client: str) -> list:
         if not base_runs:
             why = [f"{a['name']}: {a['verdict']}" for a in residents]
             row["baseline_note"] = "; ".join(why) if why else "no resident run at this length (--baseline)"
-        elif residents and at:
+        elif residents and at and BASELINE_CLIENT[client] == client:  # the same script and LoRA
             pair = compare(("sft", "llama3-8b", "nf4", f"{cap:g}GiB"), base_runs, at[: len(base_runs)])
             row["losses_equal"], row["max_loss_difference"] = pair["losses_equal"], pair["max_loss_difference"]
         rows.append(row)
@@ -341,8 +437,8 @@ class Results:
     committed long-context.json's (and --merge'd rows files'), a row of the same model,
     quantization, cap and client replaced."""
 
-    def __init__(self, attempts_path: Path, rows_path: Path, merge: list, client: str, keep: bool):
-        self.attempts_path, self.rows_path, self.client = attempts_path, rows_path, client
+    def __init__(self, attempts_path: Path, rows_path: Path, merge: list, keep: bool):
+        self.attempts_path, self.rows_path = attempts_path, rows_path
         self.attempts: dict = {}
         self.base_rows: list = []
         sources = [RESULTS / ROWS_FILE, *merge, rows_path] + ([attempts_path] if keep else [])
@@ -363,7 +459,7 @@ class Results:
         return record
 
     def rows(self) -> list:
-        return rows_from(list(self.attempts.values()), self.client)
+        return rows_from(list(self.attempts.values()))
 
     def save(self) -> None:
         from layerstream.system.versions import versions
@@ -449,6 +545,13 @@ def search(ctx: Context, cap: str, lo: int, hi: int) -> int:
 def parse(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cells", default=None, help="CAP_GIB:TOKENS,... e.g. 12:36864,16:61440")
+    parser.add_argument(
+        "--client",
+        choices=CLIENTS,
+        default="sft",
+        help="sft: TRL's sft.py behind layerstream run; train: layerstream train with the long recipe; "
+        "trainer: a plain Trainer script with --layer_stream",
+    )
     parser.add_argument("--cap", type=float, default=None, help="search mode: the cap in GiB")
     parser.add_argument("--lo", type=int, default=0, help="search: a length known to train (0: none)")
     parser.add_argument("--hi", type=int, default=131072, help="search: a length taken not to train")
@@ -505,7 +608,7 @@ def main(argv=None) -> int:
     cells = [(float(c.split(":")[0]), int(c.split(":")[1])) for c in args.cells.split(",")] if args.cells else []
     attempts_path, rows_path, logs = outputs(args)
     keep = not (args.out or os.environ.get("OUT") or args.dry_run)  # the committed attempts file
-    results = Results(attempts_path, rows_path, args.merge, client_label(), keep)
+    results = Results(attempts_path, rows_path, args.merge, keep)
     command = shlex.join(["python", "benchmarks/long_context_client.py", *argv])
     ctx = Context(args, Path(args.work), logs, command, results, deadline, shape="tiny" if args.dry_run else SHAPE)
     ctx.work.mkdir(parents=True, exist_ok=True)

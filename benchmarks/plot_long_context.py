@@ -33,7 +33,14 @@ PUBLISHED = {
 }
 COLOURS = {"Unsloth": "tab:blue", "Hugging Face + FA2": "tab:grey"}
 # a measured row's line, by its client: the harness or the user's command
-SERIES = {"harness": ("layerstream, harness", "tab:green", "o"), "client": ("layerstream, TRL sft.py", "tab:red", "^")}
+SERIES = {
+    "harness": ("layerstream, harness", "tab:green", "o"),
+    "sft": ("layerstream, TRL sft.py", "tab:red", "^"),
+    "train": ("layerstream train, long recipe", "tab:purple", "v"),
+    "trainer": ("layerstream, Trainer script", "tab:orange", "D"),
+}
+# the start of each client's label in a row (long_context_client.client_label)
+_CLIENT_LABELS = {"harness": "harness", "TRL ": "sft", "layerstream train ": "train", "Trainer script": "trainer"}
 
 
 def size_of(row: dict) -> str:
@@ -41,8 +48,12 @@ def size_of(row: dict) -> str:
 
 
 def client_of(row: dict) -> str:
-    """ "harness" for the project's own loop, "client" for a user's command (TRL's script)."""
-    return "harness" if row["client"].startswith("harness") else "client"
+    """Which command a row measured: "harness" (the project's own loop), "sft" (TRL's script),
+    "train" (`layerstream train`) or "trainer" (a plain Trainer script)."""
+    for start, kind in _CLIENT_LABELS.items():
+        if row["client"].startswith(start):
+            return kind
+    raise ValueError(f"a row of an unknown client: {row['client']!r}")
 
 
 def measured_points(rows: list) -> dict:
@@ -80,7 +91,7 @@ def draw(points: dict, path: str) -> None:
             label, colour, marker = SERIES[kind]
             caps, tokens = [p[0] for p in ours], [p[1] for p in ours]
             ax.plot(caps, tokens, marker=marker, linewidth=2, color=colour, label=f"{label} (measured)")
-            below = kind == "harness"  # the two lines' notes on either side
+            below = kind == "harness"  # the harness's notes below its line, the clients' above
             for cap, tokens, ratio in ours:
                 note = f"{tokens:,}" + (f"\n{ratio:.2f}x speed" if ratio else "\nno baseline fits")
                 offset = (6, -22) if below else (-46, 8)

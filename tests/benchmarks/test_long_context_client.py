@@ -1,5 +1,6 @@
-"""benchmarks/long_context_client.py, run as its CPU dry run: TRL's sft.py unchanged behind
-`layerstream run` with no layerstream flag, against the plain script, and the rows it makes."""
+"""benchmarks/long_context_client.py, run as its CPU dry run for each client: TRL's sft.py
+unchanged behind `layerstream run`, `layerstream train` with the long recipe, and a plain
+Trainer script with `--layer_stream`, each against its plain baseline, and the rows made."""
 
 import json
 import sys
@@ -10,40 +11,52 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import long_context_client  # noqa: E402
+import plot_long_context  # noqa: E402
+
+STREAMED_START = {
+    "sft": "layerstream run -m trl.scripts.sft ",
+    "train": "layerstream train ",
+    "trainer": "python ",
+}
+LAYERSTREAM_FLAGS = ("--layer_stream_", "--offload", "--mlp", "--loss-chunk", "--slots", "stream.offload")
 
 
-@pytest.fixture(scope="module")
-def dry_run(tmp_path_factory):
-    work = tmp_path_factory.mktemp("long-context-client")
+@pytest.fixture(scope="module", params=long_context_client.CLIENTS)
+def dry_run(request, tmp_path_factory):
+    client = request.param
+    work = tmp_path_factory.mktemp(f"long-context-{client}")
     out = work / "out"
-    argv = ["--dry-run", "--cells", "1:256", "--baseline", "--work", str(work), "--out", str(out)]
+    argv = ["--dry-run", "--client", client, "--cells", "1:256", "--baseline", "--work", str(work), "--out", str(out)]
     assert long_context_client.main(argv) == 0
-    return json.loads((out / "long-context-client.json").read_text()), json.loads(
-        (out / "long-context.json").read_text()
-    )
+    attempts = json.loads((out / "long-context-client.json").read_text())
+    rows = json.loads((out / "long-context.json").read_text())
+    return client, attempts["attempts"], rows
 
 
-def test_the_streamed_attempt_is_the_users_command_with_no_layerstream_flag(dry_run):
-    attempts, _ = dry_run
-    streamed = [a for a in attempts["attempts"] if a["streamed"]]
-    plain = [a for a in attempts["attempts"] if not a["streamed"]]
-    assert streamed and plain
+def test_the_streamed_run_is_the_users_command_with_no_layerstream_setting(dry_run):
+    client, attempts, _ = dry_run
+    streamed = [a for a in attempts if a["streamed"]]
+    plain = [a for a in attempts if not a["streamed"]]
+    assert streamed and plain and all(a["verdict"] == "trained" for a in attempts)
     for a in streamed:
-        assert a["client_command"].startswith("layerstream run -m trl.scripts.sft ")
-        assert not any(word in a["client_command"] for word in ("--layer", "--offload", "--mlp", "--loss-chunk"))
-    for a in plain:
-        assert a["client_command"].startswith("python -m trl.scripts.sft ") or " -m trl.scripts.sft " in a["command"]
-    assert all(a["verdict"] == "trained" for a in attempts["attempts"])
+        assert a["client"] == client and a["client_command"].startswith(STREAMED_START[client])
+        assert not any(flag in a["client_command"] for flag in LAYERSTREAM_FLAGS)
+        assert any(line.startswith("layerstream: streaming decoder layers") for line in a["layerstream_lines"])
+    for a in plain:  # the baseline streams nothing
+        assert a["client"] == long_context_client.BASELINE_CLIENT[client]
+        assert "layerstream" not in a["client_command"].split()[0] and "--layer_stream" not in a["client_command"]
+        assert not any("streaming decoder layers" in line for line in a["layerstream_lines"])
 
 
-def test_the_row_names_its_client_and_keeps_the_harness_rows(dry_run):
-    _, rows = dry_run
+def test_the_row_names_its_client_and_keeps_the_committed_rows(dry_run):
+    client, _, rows = dry_run
     committed = json.loads((ROOT / "benchmarks" / "results" / "long-context.json").read_text())
-    harness = [r for r in committed if r["client"].startswith("harness")]
-    assert all(r in rows for r in harness)
-    (mine,) = [r for r in rows if r["client"].startswith("TRL ") and r["model"].startswith("tiny")]
-    assert mine["command"].startswith("python benchmarks/long_context_client.py --dry-run")
+    assert all(r in rows for r in committed)
+    (mine,) = [r for r in rows if r["model"].startswith("tiny")]
+    assert plot_long_context.client_of(mine) == client
+    assert mine["command"].startswith(f"python benchmarks/long_context_client.py --dry-run --client {client}")
     assert mine["max_tokens"] == 256 and mine["baseline_step_s"] > 0
-    # the streamed script's losses are the plain script's on the CPU, where both are repeatable
-    assert mine["losses_equal"] is True
-    assert "TRL's fused log-prob head" in mine["long_settings"]["loss_head"]
+    if client == "train":  # its baseline is TRL's script with other LoRA settings: no loss comparison
+        assert "losses_equal" not in mine and mine["options"] == long_context_client.recipe_options()
+    else:  # the streamed script's losses are the plain script's on the CPU, where both repeat
+        assert mine["losses_equal"] is True

@@ -27,7 +27,8 @@ KEYS = {
 }
 
 
-CLIENT_NAMES = {"harness": "harness", "client": "TRL sft.py"}  # the docs table's client column
+# the docs table's client column
+CLIENT_NAMES = {"harness": "harness", "sft": "TRL sft.py", "train": "layerstream train", "trainer": "Trainer script"}
 
 
 def _label(row: dict) -> str:
@@ -60,10 +61,11 @@ def test_each_row_is_the_run_its_result_file_recorded(row):
     assert row["command"].startswith(("python ", "layerstream ", "accelerate ", "trl "))
     if plot_long_context.client_of(row) == "harness":
         assert row["command"].startswith("python benchmarks/long_context.py ")
-    else:  # the benchmark ran the user's command, unchanged, with no layerstream flag
+    else:  # the benchmark ran the user's command, with no layerstream flag but the client's own
         assert row["command"].startswith("python benchmarks/long_context_client.py ")
-        assert row["client_command"].startswith("layerstream run -m trl.scripts.sft ")
-        assert "--layer" not in row["client_command"] and "--offload" not in row["client_command"]
+        start = {"sft": "layerstream run -m trl.scripts.sft ", "train": "layerstream train ", "trainer": "python "}
+        assert row["client_command"].startswith(start[plot_long_context.client_of(row)])
+        assert "--layer_stream_" not in row["client_command"] and "--offload" not in row["client_command"]
     assert row["tokens_per_s"] == pytest.approx(row["max_tokens"] / row["step_s"])
     same = _recorded(row)
     assert same and same[0]["step_s"] == row["step_s"]
