@@ -58,8 +58,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
-import re
 import shlex
 import statistics
 import subprocess
@@ -72,217 +70,33 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from long_context_clients import (  # noqa: E402
+    BASELINE_CLIENT,
+    CLIENTS,
+    LONG_SETTINGS,
+    LORAS,
+    OOM,
+    TRAINED,
+    client_command,
+    client_label,
+    client_of,
+    layerstream_lines,
+    long_settings_seen,
+    recipe_options,
+    verdict,
+    write_checkpoint,
+    write_dataset,
+)
+
 import rl  # noqa: E402  (the harness runs as a script)
 from zero_edit import compare  # noqa: E402
 
 RESULTS = HERE / "results"
 SHAPE = "llama3-8b"  # benchmarks' name for configs/shapes/llama-3.1-8b.json
 MODELS = {"llama3-8b": "Llama-3.1-8B shape, random weights", "tiny": "tiny-llama, random weights"}
-LORA = "r=32 alpha=16 all-linear, dropout 0.05 (TRL's default)"
-LONG_SETTINGS = ("offload_activations", "mlp_tile_tokens", "loss_chunk_tokens")
-DATA_ROWS = 6  # rows of the dataset: every step a new one (3 steps), none repeated
 MIN_RUN_S = 150  # an 8B attempt given less than this before --deadline is not started
 WRITE_RESERVE_S = 10  # kept back from the last attempt for writing the results
 ATTEMPTS_FILE, ROWS_FILE, LOGS = "long-context-client.json", "long-context.json", "long-context-client-logs"
-TRAINED, OOM = "trained", "out of memory"
-
-
-RECIPE = HERE.parent / "configs" / "llama-3.1-8b-qlora-long-24gb.yaml"  # `--client train`'s long recipe
-TRAINER_SCRIPT = HERE / "long_trainer_script.py"  # `--client trainer`'s plain Trainer script
-CLIENTS = ("sft", "train", "trainer")
-# whose plain run is each client's baseline: TRL's script for the two that train through TRL's
-# SFTTrainer (the same loss), the Trainer script itself without --layer_stream
-BASELINE_CLIENT = {"sft": "sft", "train": "sft", "trainer": "trainer"}
-LORAS = {
-    "sft": LORA,
-    "train": "the recipe's: r=32 alpha=64 all-linear, dropout 0",
-    "trainer": "r=32 alpha=16 all-linear, dropout 0.05",
-}
-
-
-def recipe_options() -> dict:
-    """The long-sequence settings the recipe sets (the others are at "auto")."""
-    import yaml
-
-    stream = yaml.safe_load(RECIPE.read_text()).get("stream", {})
-    names = ("offload_activations", "mlp_tile_tokens", "loss_chunk_tokens")
-    return {name: str(stream[name]).lower() for name in names if name in stream}
-
-
-def client_of(attempt: dict) -> str:
-    return attempt.get("client", "sft")  # attempts from before --client were TRL's script
-
-
-def client_label(client: str = "sft") -> str:
-    from importlib.metadata import version
-
-    if client == "train":
-        return f"layerstream train {RECIPE.name} (TRL {version('trl')} SFTTrainer), with the cap as vram_budget"
-    if client == "trainer":
-        return "Trainer script (BitsAndBytesConfig, device_map, PEFT) with --layer_stream"
-    return f"TRL {version('trl')} trl.scripts.sft, unchanged, behind layerstream run"
-
-
-# -- inputs: the checkpoint and the dataset -------------------------------------------------
-def write_checkpoint(work: Path, shape: str, timeout: float) -> Path:
-    """``rl.write_checkpoint`` (reused when its index is there) in a fresh process: drawing the
-    weights on the GPU would leave this process a CUDA context and cached blocks beside every run."""
-    target = work / shape
-    if not (target / "model.safetensors.index.json").exists():
-        code = f"import sys; sys.path.insert(0, {str(HERE)!r}); from pathlib import Path; import rl; "
-        code += f"rl.write_checkpoint(Path({str(work)!r}), {shape!r})"
-        subprocess.run([sys.executable, "-c", code], check=True, timeout=max(timeout, 1))
-    return target
-
-
-def random_words(rng: random.Random, chars: int) -> str:
-    letters = "abcdefghijklmnopqrstuvwxyz"
-    words, total = [], 0
-    while total < chars:
-        word = "".join(rng.choice(letters) for _ in range(rng.randint(2, 9)))
-        words.append(word)
-        total += len(word) + 1
-    return " ".join(words)
-
-
-def write_dataset(work: Path, checkpoint: Path, tokens: int) -> Path:
-    """DIR/train.jsonl (``--dataset_name DIR``, as TRL's scripts read a local dataset) of
-    ``DATA_ROWS`` rows of random words, each checked to tokenise, with the checkpoint's own
-    tokenizer, to more than ``tokens`` tokens: every step then trains exactly ``--max_length``."""
-    from transformers import AutoTokenizer
-
-    folder = work / f"data-words-{tokens}"
-    checked = folder / "checked.json"
-    if checked.exists() and json.loads(checked.read_text()).get("checkpoint") == str(checkpoint):
-        return folder
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    rng, rows, chars = random.Random(0), [], tokens + 256
-    while len(rows) < DATA_ROWS:
-        text = random_words(rng, chars)
-        if len(tokenizer(text)["input_ids"]) > tokens:
-            rows.append(text)
-        else:
-            chars *= 2  # a tokenizer of several characters a token: longer rows
-    lengths = [len(tokenizer(text)["input_ids"]) for text in rows]
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "train.jsonl").write_text("".join(json.dumps({"text": text}) + "\n" for text in rows))
-    checked.write_text(json.dumps({"checkpoint": str(checkpoint), "tokens": lengths, "at_least": tokens}))
-    return folder
-
-
-# -- one attempt: TRL's script in a fresh process under capped.py ---------------------------
-def client_command(ctx, client: str, tokens: int, out: Path, streamed: bool) -> list:
-    """The command of ``client`` at ``tokens``: streamed, or its plain baseline."""
-    if client == "train" and streamed:
-        return train_command(ctx, tokens, out)
-    if client == "trainer":
-        return trainer_command(ctx, tokens, out, streamed)
-    return sft_command(ctx, tokens, out, streamed)
-
-
-def train_command(ctx, tokens: int, out: Path) -> list:
-    """``layerstream train`` with the long recipe as shipped, its model, data, length and steps
-    set to this run's, and the cap as its budget (the recipe's 24GiB names its card)."""
-    sets = {
-        "model.name": ctx.checkpoint,
-        "model.config": ctx.checkpoint / "config.json",
-        "data.path": ctx.data / "train.jsonl",
-        "stream.vram_budget": "auto",
-        "training.output_dir": out,
-        "training.max_length": tokens,
-        "training.max_steps": ctx.args.warmup + ctx.args.steps,
-        "training.gradient_accumulation_steps": 1,
-        "training.logging_steps": 1,
-        "training.save_strategy": "no",
-        "training.seed": 0,
-    }
-    if ctx.args.dry_run:
-        sets.update({"stream.device": "cpu", "training.use_cpu": "true", "training.bf16": "false"})
-    args = ["layerstream", "train", str(RECIPE)]
-    for key, value in sets.items():
-        args += ["--set", f"{key}={value}"]
-    return args
-
-
-def trainer_command(ctx, tokens: int, out: Path, streamed: bool) -> list:
-    """The plain Trainer script, with ``--layer_stream`` (and no other layerstream flag) or without."""
-    args = [sys.executable, str(TRAINER_SCRIPT), "--model_name_or_path", str(ctx.checkpoint)]
-    args += ["--dataset_file", str(ctx.data / "train.jsonl"), "--max_length", str(tokens)]
-    args += ["--output_dir", str(out), "--max_steps", str(ctx.args.warmup + ctx.args.steps)]
-    args += ["--logging_steps", "1", "--save_strategy", "no", "--report_to", "none", "--seed", "0"]
-    args += ["--per_device_train_batch_size", "1", "--gradient_checkpointing", "true"]
-    args += ["--use_cpu", "true", "--bf16", "false"] if ctx.args.dry_run else ["--bf16", "true"]
-    return args + (["--layer_stream", "true"] if streamed else [])
-
-
-def sft_command(ctx, tokens: int, out: Path, streamed: bool) -> list:
-    """TRL's sft script as a user runs it: ``python -m`` or behind ``layerstream run`` (no flag)."""
-    args = ["-m", "trl.scripts.sft", "--model_name_or_path", str(ctx.checkpoint), "--dataset_name", str(ctx.data)]
-    args += ["--output_dir", str(out), "--max_steps", str(ctx.args.warmup + ctx.args.steps)]
-    args += ["--logging_steps", "1", "--save_strategy", "no", "--report_to", "none", "--seed", "0"]
-    args += ["--load_in_4bit", "--use_peft", "--lora_r", "32", "--lora_alpha", "16"]
-    args += ["--lora_target_modules", "all-linear", "--per_device_train_batch_size", "1"]
-    args += ["--max_length", str(tokens), "--dtype", ctx.args.dtype]
-    args += ["--use_cpu", "--bf16", "false"] if ctx.args.dry_run else []  # as rl.py's dry run
-    return (["layerstream", "run"] if streamed else [sys.executable]) + args
-
-
-def layerstream_lines(log: str) -> list:
-    """What layerstream printed: lines starting with 'layerstream' (also after a progress bar's
-    carriage return) and the indented lines of its start-up summary that follow one."""
-    kept, in_summary = [], False
-    for piece in re.split(r"[\r\n]", log):
-        at = piece.find("layerstream")
-        if at >= 0 and "%|" in piece[at:] and "100%|" not in piece[at:]:  # its loading bar's states
-            continue
-        if at >= 0 and (at == 0 or piece[:at].rstrip().endswith(("]", "|")) or not piece[:at].strip()):
-            kept.append(piece[at:].rstrip())
-            in_summary = piece[at:].startswith("layerstream: streaming decoder layers")
-        elif in_summary and piece.startswith("  "):
-            kept.append(piece.rstrip())
-        else:
-            in_summary = False
-    return kept
-
-
-def summary_fields(lines: list) -> dict:
-    """The start-up summary's lines by their label ('loss', 'long seq', 'predicted', ...)."""
-    fields, key = {}, None
-    for line in lines:
-        if line.startswith("   ") and key:
-            fields[key] += " " + line.strip()
-        elif line.startswith("  ") and len(line) > 15:
-            key = line[2:15].strip()
-            fields[key] = line[15:].strip()
-    return fields
-
-
-def long_settings_seen(logs: list, lines: list) -> dict:
-    """What ran for the long sequence: the Trainer log's figures of what "auto" turned on
-    (layerstream/<setting>), the summary's loss and long-seq lines, and each line naming a setting."""
-    figures = {}
-    for entry in logs:
-        figures.update({k.split("/", 1)[1]: v for k, v in entry.items() if k.startswith("layerstream/auto_long")})
-        figures.update({k.split("/", 1)[1]: v for k, v in entry.items() if k.split("/", 1)[-1] in LONG_SETTINGS})
-    summary = summary_fields(lines)
-    named = [line for line in lines if any(s in line for s in LONG_SETTINGS) and not line.startswith("  ")]
-    return {
-        "auto_decided": figures or None,
-        "loss_head": summary.get("loss"),
-        "long_seq": summary.get("long seq"),
-        "predicted": summary.get("predicted"),
-        "lines": named,
-    }
-
-
-def verdict(returncode, timed_out: bool, steps: int, wanted: int, log: str) -> str:
-    if returncode == 0 and steps >= wanted:
-        return TRAINED
-    if timed_out:
-        return "timed out"
-    if "out of memory" in log.lower() or "OutOfMemoryError" in log:
-        return OOM
-    return f"failed (exit {returncode})"
 
 
 def attempt(ctx, streamed: bool, cap: str, tokens: int):
