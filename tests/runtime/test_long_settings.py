@@ -5,6 +5,7 @@ what it says; and what an out-of-memory explanation says of them. Parity tests u
 negative control that proves the comparison can fail."""
 
 import argparse
+import dataclasses
 import logging
 import re
 from pathlib import Path
@@ -21,7 +22,7 @@ from layerstream.integrations import trainer as trainer_integration
 from layerstream.long import chunked_loss, tiled_mlp
 from layerstream.modules import swap
 from layerstream.plan import PlanRequest, advice, load_config, make_plan, plan_for_model
-from layerstream.plan.long_settings import LONG_ORDER, OFF, decide, decide_for, limit_for
+from layerstream.plan.long_settings import LONG_ORDER, OFF, LongDecision, decide, decide_for, describe, limit_for
 from layerstream.plan.longest import oom_advice
 from layerstream.plan.memory import _build
 from layerstream.units import GiB
@@ -175,7 +176,18 @@ def test_a_long_step_under_a_small_budget_turns_all_three_on_and_matches_them_se
     assert all(swap.has(mlp, tiled_mlp.TiledMLP) for mlp in tiled_mlp.mlps(streamed))
     said = [r.message for r in caplog.records if "'auto' is on" in r.message]
     assert len(said) == 1 and all(f"{name}='auto' is on" in said[0] for name in LONG_ORDER)
-    assert "still over" in said[0]
+    assert "still over the 85% but within vram_budget: the step should fit" in said[0]
+
+
+def test_a_decision_over_the_budget_itself_says_the_step_may_run_out_of_memory():
+    over = LongDecision(
+        tokens=96, budget=100, limit=85, needed_without=300, needed=120, on=(("mlp_tile_tokens", 16),), frees=(180,)
+    )
+    within = dataclasses.replace(over, needed=95)
+    assert "still over vram_budget: the step may run out of memory" in describe(over, 1, 96)
+    assert "within vram_budget" not in describe(over, 1, 96)
+    assert "still over the 85% but within vram_budget" in describe(within, 1, 96)
+    assert "may run out of memory" not in describe(within, 1, 96)
 
 
 def test_an_explicit_value_wins_over_what_auto_would_decide(small_tiles):

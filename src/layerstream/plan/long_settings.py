@@ -221,8 +221,13 @@ def describe(decision: LongDecision, batch: int, seq: int, offloaded: bool = Tru
     ]
     needed = decision.needed if offloaded else decision.needed_without_offload
     after = f"; the plan then needs {size_text(needed)}"
-    if needed > decision.limit:
-        after += ", still over: the step may run out of memory (shorter sequences or a smaller batch fit)"
+    if needed > decision.budget:
+        after += ", still over vram_budget: the step may run out of memory (shorter sequences or a smaller batch fit)"
+    elif needed > decision.limit:  # the margin is for the plan's error and the window, not a wall
+        after += (
+            f", still over the {100 - round(100 * OFFLOAD_AUTO_MARGIN)}% but within vram_budget: the step should "
+            "fit, with little room left for the resident window"
+        )
     return (
         f"layerstream: a training step of batch {batch} x {seq} tokens needs {size_text(decision.needed_without)} by "
         f"the memory plan (peak and reserve), over the {size_text(decision.limit)} auto keeps it under "
