@@ -101,6 +101,7 @@ class Settings:
     big_completion_tokens: int = 128
     big_steps: int = 3
     dry_run: bool = False
+    profile: str = ""  # generate: a folder for one profiled call per capped batch (``--profile-generate``)
     extra: list = field(default_factory=list)  # arguments every GRPO run gets (--use_cpu)
 
     @property
@@ -320,6 +321,13 @@ def parse(argv):
     parser.add_argument("--big-steps", type=int, default=defaults.big_steps)
     parser.add_argument("--big-completion-tokens", type=int, default=defaults.big_completion_tokens)
     parser.add_argument("--tflops", type=float, default=None, help="the decode term's compute-bound batch at this rate")
+    parser.add_argument(
+        "--profile-generate",
+        default=None,
+        metavar="DIR",
+        help="generate: after each capped batch's rounds, one call of 16 tokens under torch's profiler "
+        "(a Chrome trace and a kernel table in DIR): where a streamed token step's time goes",
+    )
     parser.add_argument("--deadline", type=float, default=570, help="seconds this command may take, writing included")
     parser.add_argument(
         "--dry-run", action="store_true", help="every part on a tiny model on the CPU (the harness only)"
@@ -329,8 +337,11 @@ def parse(argv):
 
 def settings_from(args) -> Settings:
     if args.dry_run:
-        return dry_settings()
+        settings = dry_settings()
+        settings.profile = args.profile_generate or ""
+        return settings
     return Settings(
+        profile=args.profile_generate or "",
         batches=tuple(int(b) for b in args.batches.split(",")),
         generate_caps=tuple(args.caps.split(",")) if args.caps else (),
         rounds=args.rounds,

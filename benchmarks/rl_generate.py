@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gc
 import time
+from pathlib import Path
 
 import torch
 from transformers.generation.streamers import BaseStreamer
@@ -211,6 +212,8 @@ def measure_capped(settings, model, cap: str, bandwidth, tflops, command, save, 
             if round_index:
                 add_round(record, measured)
                 describe_window(record, model, bandwidth, tflops)
+        if settings.profile:
+            profile_call(model, ids, Path(settings.profile) / f"generate-{cap}-b{batch}")
         record["cap_applied"] = torch.cuda.is_available()
         record["allocated_before_gib"] = held
         if torch.cuda.is_available():
@@ -218,6 +221,23 @@ def measure_capped(settings, model, cap: str, bandwidth, tflops, command, save, 
         save([record])
     layerstream.unstream_model(model, device="cpu")
     set_cap(WHOLE)
+
+
+def profile_call(model, ids, stem: Path, new_tokens: int = 16) -> None:
+    """One ``generate`` call under torch's profiler: ``stem``.json.gz (a Chrome trace: the copy
+    stream beside the compute stream, the host's gaps) and ``stem``.txt (operators by host
+    time and kernels by device time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * torch.cuda.is_available()
+    with profile(activities=activities) as prof:
+        timed_call(model, ids, new_tokens)
+    prof.export_chrome_trace(str(stem) + ".json.gz")
+    averages = prof.key_averages()
+    sort = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    table = averages.table(sort_by="self_cpu_time_total", row_limit=40) + averages.table(sort_by=sort, row_limit=25)
+    (Path(str(stem) + ".txt")).write_text(table)
 
 
 def measure_generation(settings, shape: dict, tflops, command: str, save, deadline: float) -> None:

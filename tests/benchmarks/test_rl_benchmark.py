@@ -39,9 +39,10 @@ def dry_run(tmp_path_factory):
     work = tmp_path_factory.mktemp("rl")
     env = {k: v for k, v in os.environ.items() if k != "OUT"}
     argv = [sys.executable, str(ROOT / "benchmarks" / "rl.py"), "--dry-run", "--work", str(work)]
+    argv += ["--profile-generate", str(work / "profiles")]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    return json.loads((work / "out" / "rl.json").read_text())
+    return dict(json.loads((work / "out" / "rl.json").read_text()), profiles=work / "profiles")
 
 
 def rows_of(result, trainer, **where):
@@ -176,3 +177,13 @@ def test_a_dry_run_never_writes_into_the_results(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match="not results"):
         rl.output_folder(args)
     assert rl.output_folder(rl.parse(["--dry-run", "--work", str(tmp_path)])) == tmp_path / "out"
+
+
+def test_each_capped_batch_leaves_one_profiled_call_of_its_streamed_generation(dry_run):
+    capped = rows_of(dry_run, "generate", window=rl_rows.WINDOWS["runtime"])
+    capped = [r for r in capped if r["cap"].endswith("GiB")]  # not the whole GPU
+    assert capped
+    for row in capped:
+        stem = dry_run["profiles"] / f"generate-{row['cap']}-b{row['generations']}"
+        assert Path(str(stem) + ".json.gz").stat().st_size > 0
+        assert "aten::" in Path(str(stem) + ".txt").read_text()
