@@ -89,7 +89,12 @@ def save_tiny(
 
 # gpt-oss's published config.json states its MXFP4 quantisation so (openai/gpt-oss-20b, -120b)
 MXFP4_QUANTIZATION = {
-    "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"],
+    "modules_to_not_convert": [
+        "model.layers.*.self_attn",
+        "model.layers.*.mlp.router",
+        "model.embed_tokens",
+        "lm_head",
+    ],
     "quant_method": "mxfp4",
 }
 
@@ -113,7 +118,9 @@ def save_mxfp4_gpt_oss(directory, layers: int = 3, seed: int = 0, scales=(120, 1
         experts, inputs, outputs = tensors.pop(name).shape
         blocks = (experts, outputs, inputs // 32)
         tensors[f"{name}_blocks"] = torch.randint(0, 256, (*blocks, 16), dtype=torch.uint8, generator=generator)
-        tensors[f"{name}_scales"] = torch.randint(scales[0], scales[1] + 1, blocks, dtype=torch.uint8, generator=generator)
+        tensors[f"{name}_scales"] = torch.randint(
+            scales[0], scales[1] + 1, blocks, dtype=torch.uint8, generator=generator
+        )
     save_file(tensors, path, metadata={"format": "pt"})
     saved = json.loads((directory / "config.json").read_text())
     saved["quantization_config"] = dict(MXFP4_QUANTIZATION)
