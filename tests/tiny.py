@@ -4,6 +4,7 @@ that runs the same steps on a streamed and a resident copy of one model."""
 from __future__ import annotations
 
 import copy
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -84,6 +85,47 @@ def save_tiny(
     **overrides)``'s weights, ``WIDE`` widths where ``wide``), through ``save_model_of``."""
     config = tiny_config(family, layers, **(WIDE if wide else {}), **overrides)
     return save_model_of(config, directory, dtype=dtype, shard=shard)
+
+
+# gpt-oss's published config.json states its MXFP4 quantisation so (openai/gpt-oss-20b, -120b)
+MXFP4_QUANTIZATION = {
+    "modules_to_not_convert": [
+        "model.layers.*.self_attn",
+        "model.layers.*.mlp.router",
+        "model.embed_tokens",
+        "lm_head",
+    ],
+    "quant_method": "mxfp4",
+}
+
+
+def save_mxfp4_gpt_oss(directory, layers: int = 3, seed: int = 0, scales=(120, 130)) -> Path:
+    """A tiny gpt-oss checkpoint as gpt-oss is published: every tensor in bf16 but the expert
+    projections, which are MXFP4. Each projection ``[experts, in, out]`` is stored transposed
+    as ``*_blocks`` (uint8 ``[experts, out, in / 32, 16]``: 32 FP4 values per block, two per
+    byte, any byte a valid pair) and ``*_scales`` (uint8 ``[experts, out, in / 32]``: one E8M0
+    exponent per block, biased by 127; drawn from ``scales``, both ends included, so values stay
+    finite and near 1), and config.json has a ``quantization_config`` as published. The
+    blocks and scales are seeded random bytes; the other weights ``save_model_of``'s."""
+    from safetensors.torch import load_file, save_file
+
+    config = tiny_config("gpt_oss", layers, **WIDE, num_local_experts=4, num_experts_per_tok=2, sliding_window=8)
+    directory = save_model_of(config, directory, dtype=torch.bfloat16, seed=seed)
+    path = directory / "model.safetensors"
+    tensors = load_file(path)
+    generator = torch.Generator().manual_seed(seed)
+    for name in [n for n in tensors if n.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))]:
+        experts, inputs, outputs = tensors.pop(name).shape
+        blocks = (experts, outputs, inputs // 32)
+        tensors[f"{name}_blocks"] = torch.randint(0, 256, (*blocks, 16), dtype=torch.uint8, generator=generator)
+        tensors[f"{name}_scales"] = torch.randint(
+            scales[0], scales[1] + 1, blocks, dtype=torch.uint8, generator=generator
+        )
+    save_file(tensors, path, metadata={"format": "pt"})
+    saved = json.loads((directory / "config.json").read_text())
+    saved["quantization_config"] = dict(MXFP4_QUANTIZATION)
+    (directory / "config.json").write_text(json.dumps(saved, indent=2))
+    return directory
 
 
 def lora_config(**overrides) -> LoraConfig:

@@ -10,6 +10,10 @@ Before any layer is read, the whole checkpoint is checked against the model
 (``checkpoint.validate_checkpoint``: every shard's header, every expected tensor's presence,
 shape and kind of dtype), so a bad checkpoint is refused before anything is loaded.
 
+A pre-quantised checkpoint is refused, except MXFP4 (gpt-oss as published), whose experts
+are dequantised as each layer is read, with transformers' own operation, as transformers
+loads it without its MXFP4 kernels (``checkpoints.mxfp4``).
+
 Only safetensors are read. A hub id is resolved with huggingface_hub (config and
 safetensors files only); remote code runs only with ``trust_remote_code=True``.
 """
@@ -25,7 +29,7 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
-from .checkpoints import progress
+from .checkpoints import mxfp4, progress
 from .checkpoints.computed_buffers import compute_buffers, initialisers
 from .checkpoints.conversion import for_checkpoint
 from .checkpoints.paths import missing_directory
@@ -341,7 +345,9 @@ def from_pretrained(
         quantisation unless ``bnb_4bit_use_double_quant=False``). The result is a 4-bit
         model as transformers would load it with BitsAndBytesConfig: PEFT wraps it with
         ``lora.Linear4bit`` and the Trainer accepts it for adapter training.
-    quantization_config: a transformers BitsAndBytesConfig instead (4-bit NF4 only).
+    quantization_config: a transformers BitsAndBytesConfig instead (4-bit NF4 only); for an
+        MXFP4 checkpoint, also an ``Mxfp4Config``, which changes nothing (the loader always
+        dequantises MXFP4, as ``Mxfp4Config(dequantize=True)`` asks).
     dtype: a torch dtype, its name or "auto" (the checkpoint's own, as transformers 5
         loads by default); default "auto".
         ``torch_dtype`` is the older spelling of the same argument.
@@ -358,8 +364,9 @@ def from_pretrained(
         ``torch.load(weights_only=True)``; refused by default.
 
     Raises LoadingError, before any layer is read, for a path that does not exist, a
-    pre-quantised checkpoint, a missing or damaged shard or index, and tensors that are
-    missing or do not have exactly the model's shape (see ``layerstream.checkpoints.stored``).
+    pre-quantised checkpoint other than MXFP4, a missing or damaged shard or index, and
+    tensors that are missing or do not have exactly the model's shape (see
+    ``layerstream.checkpoints.stored``).
     """
     from transformers import AutoConfig
 
@@ -379,12 +386,18 @@ def from_pretrained(
         config_stream = config_stream.replace(host_budget=host_budget)
     directory = _resolve(model_id, revision, allow_pickle)
     files = _weight_files(directory, allow_pickle)
-    try:
-        refuse_prequantized(directory, files)
-    except LoadingError as exc:
-        raise _transformers_can_load(exc) from None
+    stored_mxfp4 = mxfp4.quantization_of(directory)  # dequantised as each layer is read
+    if stored_mxfp4 is None:
+        try:
+            refuse_prequantized(directory, files)
+        except LoadingError as exc:
+            raise _transformers_can_load(exc) from None
+    elif mxfp4.names_mxfp4(quantization_config):
+        quantization_config = None  # Mxfp4Config: dequantised, as the loader does with MXFP4 anyway
     if config is None:
         config = AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
+    if stored_mxfp4 is not None:
+        config = mxfp4.without_quantization(config)
     torch_dtype = resolve_dtype(dtype, config, files)
     quant_config = None
     if quantization == "nf4":
@@ -419,7 +432,9 @@ def from_pretrained(
         _say_unquantised_weights(layers, path, torch_dtype)
     tied_head = getattr(config, "tie_word_embeddings", False)
     expected = _expected_tensors(model, path, layers)
-    conversion = for_checkpoint(model, files)  # transformers' renames and fused experts, per layer
+    quantizer_of_files = mxfp4.dequantizer(stored_mxfp4) if stored_mxfp4 is not None else None
+    # transformers' renames, fused experts and MXFP4 dequantisation, per layer
+    conversion = for_checkpoint(model, files, quantizer_of_files)
     validate_checkpoint(
         directory,
         files,
@@ -427,6 +442,9 @@ def from_pretrained(
         may_be_missing=[name for name in expected if tied_head and name.endswith("lm_head.weight")],
         conversion=conversion,
     )
+    if stored_mxfp4 is not None:
+        dequantised = conversion.dequantised(expected) if conversion is not None else []
+        mxfp4.say_dequantised(directory, {name: expected[name] for name in dequantised}, len(layers))
     packed = None
     if quantization == "nf4" and config_stream.host_budget is not None:
         packed = _nf4_layer_bytes(config, torch_dtype, bnb_4bit_use_double_quant, len(layers))
@@ -435,8 +453,9 @@ def from_pretrained(
     if conversion is not None and tiers is not None and tiers.disk:
         raise LoadingError(
             f"{directory} stores some tensors in another layout than the model holds them (transformers "
-            "converts them while loading: renamed keys or one tensor per expert), so the disk tier, which "
-            "reads the model's bytes straight from the files, cannot read its layers. Raise host_budget (or "
+            "converts them while loading: renamed keys, one tensor per expert, or MXFP4 experts it dequantises), "
+            "so the disk tier, which reads the model's bytes straight from the files, cannot read its layers. "
+            "Raise host_budget (or "
             "leave it unset), or save the model with save_pretrained from a loaded model and stream that."
         )
     reader = TensorReader(files, conversion)

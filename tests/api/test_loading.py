@@ -53,6 +53,18 @@ def test_nf4_load_equals_transformers_4bit_load(sharded_checkpoint, nested):
         assert torch.equal(streamed(input_ids=ids).logits, reference(input_ids=ids).logits)
 
 
+def test_nf4_load_keeps_projection_biases_in_the_load_dtype_as_transformers(tmp_path):
+    """Qwen2's attention projections have biases: transformers' 4-bit load keeps them in the
+    load dtype (bf16), not in the fp32 of bitsandbytes' Linear4bit skeleton."""
+    directory = save_tiny(tmp_path, "qwen2", layers=2, dtype=torch.bfloat16, wide=True)
+    streamed = layerstream.from_pretrained(directory, quantization="nf4", dtype=torch.bfloat16, stream=CPU)
+    assert streamed.model.layers[0].self_attn.q_proj.bias.dtype == torch.bfloat16
+    reference = _reference_nf4(directory, True)
+    sa, sb = streamed.state_dict(), reference.state_dict()
+    assert list(sa) == list(sb)
+    assert [k for k in sb if sa[k].dtype != sb[k].dtype or not torch.equal(sa[k], sb[k])] == []
+
+
 def test_qlora_on_a_loaded_model_matches_resident(sharded_checkpoint):
     streamed = get_peft_model(
         layerstream.from_pretrained(sharded_checkpoint, quantization="nf4", stream=CPU), lora_config()

@@ -246,21 +246,27 @@ def test_a_prequantised_checkpoint_is_refused_with_what_to_load_instead(prequant
         prequantized,
         loads,
         r"pre-quantised checkpoint \(config.json has a quantization_config "
-        r"\(bitsandbytes\)\); pre-quantised checkpoints are not read by layerstream's "
-        r"loader: load the unquantised checkpoint with quantization='nf4'",
+        r"\(bitsandbytes\)\); pre-quantised checkpoints other than MXFP4 \(gpt-oss, dequantised as "
+        r"it is read\) are not read by layerstream's loader: load the unquantised checkpoint with quantization='nf4'",
         quantization=quantization,
     )
 
 
-def test_an_mxfp4_checkpoint_is_refused_with_the_route_through_transformers(tmp_path, loads):
-    """gpt-oss is published in MXFP4 only: the refusal names the method and the way that
-    loads it as transformers does (dequantised on the host, then streamed)."""
+def test_a_checkpoint_quantised_otherwise_than_mxfp4_is_refused_with_the_route_through_transformers(tmp_path, loads):
+    """MXFP4 alone is dequantised as it is read (tests/checkpoints/test_mxfp4.py); a checkpoint
+    quantised by another method (here transformers' FP8) is refused, naming the method and
+    the way that loads it (transformers on the host, then streamed; the launcher's fallback)."""
     save_tiny(tmp_path, layers=2, dtype=torch.bfloat16)
     config = json.loads((tmp_path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4"}
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    said = _refused(tmp_path, loads, r"quantization_config \(mxfp4\)")
+    match = r"quantization_config \(fp8\)\); pre-quantised checkpoints other than MXFP4"
+    with pytest.raises(layerstream.LoadingError, match=match) as refusal:
+        layerstream.from_pretrained(tmp_path, stream=CPU)
+    assert loads == [], f"modules were loaded before the refusal: {loads}"
+    said = str(refusal.value)
     assert "device_map='cpu'" in said and "layerstream.stream_model" in said and "layerstream run" in said
+    assert refusal.value.transformers_can_load, "the launcher loads it through transformers on the host"
 
 
 def test_quant_state_tensors_mark_a_checkpoint_prequantised_without_a_quantization_config(prequantized, loads):

@@ -5,13 +5,14 @@ and a model that behaves as the plain one for what the script does next."""
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig, GptOssForCausalLM, LlamaForCausalLM
 
 import layerstream
 from layerstream import data as embedded
+from layerstream.commands import cli
 from layerstream.integrations import autoload, launch
 
-from tiny import assert_traces_equal, batch, lora_config, portable_cpu_nf4, train_steps
+from tiny import assert_traces_equal, batch, lora_config, portable_cpu_nf4, save_mxfp4_gpt_oss, train_steps
 
 NF4 = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
 
@@ -143,6 +144,53 @@ def test_what_the_loader_cannot_read_loads_through_transformers_on_the_host(chec
     if kind == "pre-quantised":
         portable_cpu_nf4(reference)
     assert torch.equal(_logits(model), _logits(reference))
+
+
+MXFP4_SCRIPT = """
+import sys
+
+import torch
+from transformers import AutoModelForCausalLM, Mxfp4Config
+
+import layerstream
+
+extra = {"quantization_config": Mxfp4Config(dequantize=True)} if sys.argv[3] == "mxfp4-config" else {}
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.bfloat16, device_map="auto", **extra)
+with torch.no_grad():
+    logits = model(input_ids=torch.arange(3, 15).reshape(1, 12)).logits
+torch.save({"streamed": layerstream.is_streamed(model), "logits": logits}, sys.argv[2])
+"""
+
+
+@pytest.mark.parametrize("script_passes", ["nothing", "mxfp4-config"])
+def test_layerstream_run_loads_an_mxfp4_checkpoint_through_its_loader(
+    tmp_path, transformers_never_loads, caplog, script_passes
+):
+    """gpt-oss as published, under `layerstream run`: the script's from_pretrained (with no
+    quantization_config, or the Mxfp4Config(dequantize=True) gpt-oss recipes pass) is
+    answered by layerstream's loader, layer by layer, never by transformers on the host, and
+    the model gives transformers' dequantised model's logits."""
+    checkpoint = save_mxfp4_gpt_oss(tmp_path / "gpt-oss")
+    script, out = tmp_path / "load.py", tmp_path / "out.pt"
+    script.write_text(MXFP4_SCRIPT)
+    try:
+        with caplog.at_level("WARNING", logger="layerstream"):
+            assert (
+                cli.main(
+                    ["run", "--slots", "2", "--device", "cpu", str(script), str(checkpoint), str(out), script_passes]
+                )
+                == 0
+            )
+    finally:
+        launch.disable()
+    got = torch.load(out)
+    assert got["streamed"]
+    assert "stores its experts in MXFP4" in caplog.text
+    assert "transformers loads it into host memory" not in caplog.text
+    reference = _plain(checkpoint, GptOssForCausalLM, dtype=torch.bfloat16)  # dequantised by transformers
+    with torch.no_grad():
+        expected = reference(input_ids=torch.arange(3, 15).reshape(1, 12)).logits
+    assert torch.equal(got["logits"], expected)
 
 
 def test_models_other_than_causal_lms_and_calls_without_auto_streaming_load_plainly(checkpoint, streaming):

@@ -1,1 +1,1 @@
-"""Checkpoints on disk: stored tensors, transformers' conversions, reading, computed buffers, paths, progress."""
+"""Checkpoints on disk: stored tensors, transformers' conversions and MXFP4 dequantisation, reading, computed buffers, paths, progress."""

@@ -9,6 +9,10 @@ gate and up, ...). layerstream's loader reads one layer at a time, so it applies
 mapping per layer: for each of the layer's tensors, the checkpoint names it comes from, read
 and converted by transformers' own operations, and nothing of any other layer.
 
+A pre-quantised checkpoint that transformers dequantises while loading (gpt-oss's MXFP4,
+``checkpoints.mxfp4``) is read the same way: its quantizer adds converters from the stored
+names (``*_blocks``, ``*_scales``) to the model's parameters, whose operation dequantises.
+
 The names are matched once, from the meta model and the checkpoint's index, before any
 tensor is read: a tensor the model needs that no checkpoint name maps to is refused then.
 """
@@ -30,13 +34,20 @@ class Conversion:
     ``source``: model name -> the one checkpoint name it is read from (renamed or not).
     ``groups``: the first model name of a converted group -> (transformers' converter, its
     (source pattern, checkpoint name) pairs in checkpoint order); ``produced``: every model
-    name a group fills -> the group's first name."""
+    name a group fills -> the group's first name; ``per_expert``: the groups transformers'
+    MXFP4 dequantisation fills, converted an expert at a time. ``quantizer``: transformers'
+    quantizer of a pre-quantised checkpoint it dequantises (its converters join the mapping)."""
 
-    def __init__(self, model: nn.Module, checkpoint_names: Iterable[str]):
+    def __init__(self, model: nn.Module, checkpoint_names: Iterable[str], quantizer=None):
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
 
-        mapping = get_model_conversion_mapping(model)
+        from .mxfp4 import dequantises
+
+        if quantizer is None:
+            mapping = get_model_conversion_mapping(model)
+        else:
+            mapping = get_model_conversion_mapping(model, hf_quantizer=quantizer)
         renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
         converters = [m for m in mapping if isinstance(m, WeightConverter)]
         by_pattern = {pattern: c for c in converters for pattern in c.source_patterns}
@@ -46,6 +57,7 @@ class Conversion:
         self.source: Dict[str, str] = {}
         self.groups: Dict[str, Tuple[object, List[Tuple[str, str]]]] = {}
         self.produced: Dict[str, str] = {}
+        self.per_expert: set = set()
         for key in sorted(checkpoint_names, key=dot_natural_key):
             target, pattern = rename_source_key(key, renamings, converters, prefix, meta)
             if target not in meta and key in meta:
@@ -57,6 +69,8 @@ class Conversion:
                 continue
             converter = by_pattern[pattern]
             self.groups.setdefault(target, (converter, []))[1].append((pattern, key))
+            if quantizer is not None and dequantises(converter):
+                self.per_expert.add(target)
             for other in converter.target_patterns:
                 self.produced[target.replace(converter.target_patterns[0], other)] = target
 
@@ -67,6 +81,10 @@ class Conversion:
 
     def provides(self, name: str) -> bool:
         return name in self.source or name in self.produced
+
+    def dequantised(self, names: Iterable[str]) -> List[str]:
+        """Those of ``names`` transformers' MXFP4 dequantisation fills."""
+        return [n for n in names if self.produced.get(n) in self.per_expert]
 
     def converted(self, names: Iterable[str]) -> List[str]:
         """Those of ``names`` a converter fills (their bytes are not the checkpoint's)."""
@@ -109,29 +127,41 @@ class Conversion:
 
     def converted_values(
         self, names: Iterable[str], read: Callable[[List[str]], Dict[str, torch.Tensor]]
-    ) -> Iterator[Tuple[str, torch.Tensor, str]]:
-        """(model name, value, what it was converted from) for the converted ``names``: each
-        group's checkpoint tensors are read (``read``: names -> tensors) and converted by
-        transformers' operations, once per group; an output outside ``names`` is refused."""
+    ) -> Iterator[Tuple[str, Optional[slice], torch.Tensor, str]]:
+        """(model name, part, value, what it was converted from) for the converted ``names``:
+        each group's checkpoint tensors are read (``read``: names -> tensors) and converted by
+        transformers' operations, once per group, or, for the MXFP4 dequantisation, once per
+        expert; ``part`` is the slice of the model's tensor (its first dimension) the value
+        fills: that expert, or None for all of it. An output outside ``names`` is refused."""
         names = set(names)
         for first in dict.fromkeys(self.produced[name] for name in names if name in self.produced):
             _, sources = self.groups[first]
             origin = f"converted from {sources[0][1]} and {len(sources) - 1} more"
-            for name, value in self._convert(first, read([key for _, key in sources])).items():
-                if name not in names:
-                    raise LoadingError(
-                        f"{name} ({origin}) is not held by the layer being loaded; load with transformers "
-                        "(AutoModelForCausalLM.from_pretrained) and call layerstream.stream_model"
-                    )
-                yield name, value, origin
+            values = read([key for _, key in sources])
+            if first in self.per_expert:
+                count = next(iter(values.values())).shape[0]
+                parts = [(slice(e, e + 1), {key: v[e : e + 1] for key, v in values.items()}) for e in range(count)]
+            else:
+                parts = [(None, values)]
+            del values
+            while parts:
+                part, inputs = parts.pop(0)
+                for name, value in self._convert(first, inputs).items():
+                    if name not in names:
+                        raise LoadingError(
+                            f"{name} ({origin}) is not held by the layer being loaded; load with transformers "
+                            "(AutoModelForCausalLM.from_pretrained) and call layerstream.stream_model"
+                        )
+                    yield name, part, value, origin
 
 
-def for_checkpoint(model: nn.Module, checkpoint_names: Iterable[str]) -> Optional[Conversion]:
+def for_checkpoint(model: nn.Module, checkpoint_names: Iterable[str], quantizer=None) -> Optional[Conversion]:
     """The conversion for ``model`` from a checkpoint with these names; None where every
-    name is the model's own (the common case: nothing to convert)."""
+    name is the model's own (the common case: nothing to convert). ``quantizer``: see
+    ``Conversion``."""
     names = list(checkpoint_names)
     try:
-        conversion = Conversion(model, names)
+        conversion = Conversion(model, names, quantizer)
     except ImportError:  # a transformers without conversion mappings: names are read as they are
         return None
     return conversion if conversion.changes_names else None

@@ -46,8 +46,9 @@ class TensorReader:
         self._each(list(found), copy_in)
         if converted:
             with torch.no_grad():
-                for name, value, origin in conversion.converted_values(converted, self.read):
-                    copy_into(targets[name], value, f"{name} ({origin})")
+                for name, part, value, origin in conversion.converted_values(converted, self.read):
+                    target = targets[name] if part is None else targets[name][part]
+                    copy_into(target, value, f"{name} ({origin})")
         return missing
 
     def read(self, keys: list[str]) -> dict[str, torch.Tensor]:

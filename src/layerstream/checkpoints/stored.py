@@ -228,16 +228,17 @@ def prequantized_evidence(directory: Path, files: dict[str, Path]) -> str | None
 
 
 def refuse_prequantized(directory: Path, files: dict[str, Path]) -> None:
-    """Refuse an already quantised checkpoint: its tensors are not the weights the model expects."""
+    """Refuse an already quantised checkpoint: its tensors are not the weights the model
+    expects. The loader calls this for every checkpoint but MXFP4 (``checkpoints.mxfp4``),
+    whose experts it dequantises as transformers does."""
     evidence = prequantized_evidence(directory, files)
     if evidence is not None:
         raise LoadingError(
             f"{directory} is a pre-quantised checkpoint ({evidence}); pre-quantised checkpoints "
-            "are not read by layerstream's loader: load the unquantised checkpoint with "
-            "quantization='nf4', or, where only this one is published (gpt-oss's MXFP4), load it "
-            "with transformers on the host (AutoModelForCausalLM.from_pretrained(..., device_map='cpu'), "
-            "which dequantises what it cannot keep, as it would on your GPU without its kernels) and "
-            "call layerstream.stream_model; `layerstream run` does that for a script by itself"
+            "other than MXFP4 (gpt-oss, dequantised as it is read) are not read by layerstream's loader: "
+            "load the unquantised checkpoint with quantization='nf4', or, where only this one is published, "
+            "load it with transformers on the host (AutoModelForCausalLM.from_pretrained(..., device_map='cpu')) "
+            "and call layerstream.stream_model; `layerstream run` does that for a script by itself"
         )
 
 

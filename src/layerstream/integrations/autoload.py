@@ -10,8 +10,11 @@ at a time, NF4 is quantised per layer when the script's BitsAndBytesConfig asks 
 and the resident part lands on the device the script asked for, with ``hf_device_map``
 and ``is_loaded_in_4bit`` as transformers would set them.
 
-What the loader cannot read (a pre-quantised checkpoint, per-expert MoE weights, pickle
-files, arguments it does not know) is loaded by transformers itself, on the host
+gpt-oss's MXFP4 checkpoints load through the loader too, their experts dequantised as
+each layer is read (as transformers does without its MXFP4 kernels, or with the
+``Mxfp4Config(dequantize=True)`` gpt-oss scripts pass). What the loader cannot read (a
+checkpoint pre-quantised otherwise, pickle files, arguments it does not know) is loaded by
+transformers itself, on the host
 (``device_map="cpu"``, never the whole model on the GPU), then streamed; said once, loudly.
 """
 
@@ -21,6 +24,7 @@ from typing import Optional
 
 import torch
 
+from ..checkpoints import mxfp4
 from ..errors import LoadingError
 from ..system.log import get_logger
 from . import launch
@@ -127,8 +131,10 @@ def load(cls, path, **kwargs):
     target = launch.device_of_map(kwargs.get("device_map"))
     stream = launch.config_for(target if target is not None else None)
     quantization = _quantization(kwargs)
-    if quantization is not None:
-        loading.nf4_settings(quantization, torch.bfloat16)  # 8-bit, FP4, other quantisers: refused by name
+    # 8-bit, FP4, other quantisers: refused by name; an Mxfp4Config is the loader's to judge
+    # (for an MXFP4 checkpoint, which it dequantises anyway, it changes nothing)
+    if quantization is not None and not mxfp4.names_mxfp4(quantization):
+        loading.nf4_settings(quantization, torch.bfloat16)
     extra = {k: v for k, v in kwargs.items() if k not in _TAKEN and k not in _MOOT}
     if "_adapter_model_path" not in (kwargs.get("adapter_kwargs") or {}):
         extra.pop("adapter_kwargs", None)  # no adapter to load with the model (the Auto classes always pass it)

@@ -538,10 +538,13 @@ def quantised_on_load(model: nn.Module, skip_modules: Optional[Sequence[str]] = 
 
 def set_unquantised_dtype(model: nn.Module, dtype: torch.dtype) -> None:
     """After transformers' quantizer swapped in Linear4bit skeletons: their weights arrive
-    unquantised in ``dtype`` (checkpoint values), not in the fp32 the skeleton made."""
+    unquantised in ``dtype`` (checkpoint values), and their biases load in ``dtype`` (as
+    transformers' 4-bit load keeps them), not in the fp32 the skeleton made."""
     for module in model.modules():
         if is_linear4bit(module):
             module.weight.data = torch.empty_like(module.weight.data, dtype=dtype)
+            if module.bias is not None and module.bias.is_floating_point():
+                module.bias.data = torch.empty_like(module.bias.data, dtype=dtype)
 
 
 def quantise_layer(layer: nn.Module, device: torch.device, dtype: torch.dtype, quant_config) -> None:

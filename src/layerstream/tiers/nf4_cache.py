@@ -59,7 +59,7 @@ from .store import HostStore, LayerRecord
 
 logger = get_logger(__name__)
 
-LAYOUT_VERSION = 1  # bump when what a layer file or the manifest holds changes
+LAYOUT_VERSION = 2  # bump when what a layer file or the manifest holds changes (2: biases in the load dtype)
 DEFAULT_SUBDIRECTORY = ".layerstream-nf4"  # under the checkpoint directory, when it is writable
 # the cache's own files; the key (group 1 or 2) names the fingerprint they were made from
 _CACHE_FILE = re.compile(r"layer-\d{5}\.([0-9a-f]{16})\.nf4|manifest\.([0-9a-f]{16})\.json")
