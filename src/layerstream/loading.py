@@ -64,6 +64,9 @@ def _transformers_can_load(error: LoadingError) -> LoadingError:
 __all__ = ["LoadingError", "from_pretrained"]
 
 
+SUBFOLDERS = ["*/*"]  # snapshot_download's ignore_patterns: files below the repository's top level
+
+
 def _resolve(model_id: str | os.PathLike, revision: str | None, allow_pickle: bool = False) -> Path:
     path = Path(model_id).expanduser()
     if path.is_dir():
@@ -78,7 +81,11 @@ def _resolve(model_id: str | os.PathLike, revision: str | None, allow_pickle: bo
     except ImportError as exc:  # pragma: no cover - a transformers dependency
         raise LoadingError(f"{model_id} is not a local directory and huggingface_hub is missing") from exc
     patterns = ["*.json", "*.safetensors", "*.model", "*.txt"] + (["*.bin"] if allow_pickle else [])
-    return Path(snapshot_download(str(model_id), revision=revision, allow_patterns=patterns))
+    # the loader reads the top level only; a repository's subfolders (gpt-oss's original/, a
+    # second copy of its weights) are not downloaded ("*" matches "/" in the hub's patterns)
+    return Path(
+        snapshot_download(str(model_id), revision=revision, allow_patterns=patterns, ignore_patterns=SUBFOLDERS)
+    )
 
 
 def _pickle_files(directory: Path, pickles: list[str]) -> dict[str, Path]:

@@ -402,3 +402,32 @@ def test_a_wrong_shape_in_a_pickle_checkpoint_is_refused_before_any_layer_loads(
         rf"{name} in pytorch_model.bin has shape \[1, 32\], the model expects \[16, 32\]",
         allow_pickle=True,
     )
+
+
+def test_a_hub_download_takes_the_top_level_weights_not_a_subfolders_copy(monkeypatch, tmp_path):
+    """gpt-oss's repositories hold a second copy of the weights under original/: the loader
+    reads the top level only, so the download leaves subfolders out (by the hub's own filter)."""
+    import huggingface_hub
+    from huggingface_hub.utils import filter_repo_objects
+
+    from layerstream import loading
+
+    asked = {}
+
+    def record(repo_id, **kwargs):
+        asked.update(kwargs)
+        raise RuntimeError("recorded")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", record)
+    with pytest.raises(RuntimeError, match="recorded"):
+        loading._resolve("some-org/some-model", None)
+    files = ["config.json", "model-00001-of-00002.safetensors", "model.safetensors.index.json"]
+    subfolder = ["original/model.safetensors", "original/config.json", "metal/model.bin"]
+    kept = list(
+        filter_repo_objects(
+            files + subfolder, allow_patterns=asked["allow_patterns"], ignore_patterns=asked["ignore_patterns"]
+        )
+    )
+    assert kept == files
+    everything = list(filter_repo_objects(files + subfolder, allow_patterns=asked["allow_patterns"]))
+    assert "original/model.safetensors" in everything, "the control: the allow patterns alone take it"
