@@ -140,12 +140,10 @@ class Conversion:
             values = read([key for _, key in sources])
             if first in self.per_expert:
                 count = next(iter(values.values())).shape[0]
-                parts = [(slice(e, e + 1), {key: v[e : e + 1] for key, v in values.items()}) for e in range(count)]
+                parts = ((slice(e, e + 1), {key: v[e : e + 1] for key, v in values.items()}) for e in range(count))
             else:
-                parts = [(None, values)]
-            del values
-            while parts:
-                part, inputs = parts.pop(0)
+                parts = iter([(None, values)])
+            for part, inputs in parts:
                 for name, value in self._convert(first, inputs).items():
                     if name not in names:
                         raise LoadingError(
