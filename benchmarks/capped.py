@@ -232,22 +232,12 @@ def _trace_first_step_memory(path: str) -> None:
             if state.global_step == 0 and torch.cuda.is_available():
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
-                self.start = torch.cuda.memory_allocated()
-                torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
+                self.start = step_insight.begin_memory_trace(max_entries=1_000_000)
 
         def on_step_end(self, args, state, control, **kwargs):
-            if self.start is None:
-                return
-            torch.cuda.synchronize()
-            snapshot = torch.cuda.memory._snapshot()
-            torch.cuda.memory._record_memory_history(enabled=None)
-            device = torch.cuda.current_device()
-            result = step_insight.live_at_peak(snapshot["device_traces"][device], self.start)
-            result["measured_peak_bytes"] = torch.cuda.max_memory_allocated()
-            result["by_source"] = result["by_source"][:60]
-            with open(path, "w") as handle:
-                json.dump(result, handle, indent=1)
-            self.start = None
+            if self.start is not None:
+                step_insight.end_memory_trace(path, self.start, sources=60)
+                self.start = None
 
     _add_to_every_trainer(FirstStepMemory)
 

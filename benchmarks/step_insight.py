@@ -61,28 +61,49 @@ def live_at_peak(events: List[dict], start_allocated: int = 0) -> dict:
     return {"peak_bytes": peak, "before_trace_bytes": peak_before, "by_source": rows}
 
 
-def memory_at_peak(step: Callable[[], None], path: str, max_entries: int = 400_000) -> dict:
-    """Run ``step`` with the allocator's history on; write and return ``live_at_peak``."""
+def begin_memory_trace(max_entries: int = 400_000) -> int:
+    """Turn the allocator's history on; the bytes allocated now (``end_memory_trace``'s start)."""
     import torch
 
     torch.cuda.synchronize()
     start = torch.cuda.memory_allocated()
     torch.cuda.memory._record_memory_history(max_entries=max_entries, stacks="python")
+    return start
+
+
+def end_memory_trace(path: str, start: int, sources: Optional[int] = None) -> dict:
+    """Turn the history off; write and return ``live_at_peak`` of what it recorded since
+    ``begin_memory_trace`` (``sources``: keep that many of the largest sources)."""
+    import torch
+
     try:
-        step()
         torch.cuda.synchronize()
         snapshot = torch.cuda.memory._snapshot()
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
-    device = torch.cuda.current_device()
-    result = live_at_peak(snapshot["device_traces"][device], start)
+    result = live_at_peak(snapshot["device_traces"][torch.cuda.current_device()], start)
     result["measured_peak_bytes"] = torch.cuda.max_memory_allocated()
+    if sources is not None:
+        result["by_source"] = result["by_source"][:sources]
     from layerstream.system.versions import versions
 
     result["versions"] = versions()
     with open(path, "w") as handle:
         json.dump(result, handle, indent=1)
     return result
+
+
+def memory_at_peak(step: Callable[[], None], path: str, max_entries: int = 400_000) -> dict:
+    """Run ``step`` with the allocator's history on; write and return ``live_at_peak``."""
+    start = begin_memory_trace(max_entries)
+    try:
+        step()
+    except BaseException:
+        import torch
+
+        torch.cuda.memory._record_memory_history(enabled=None)
+        raise
+    return end_memory_trace(path, start)
 
 
 def profile_table(step: Callable[[], None], path: str, rows: int = 40) -> Optional[str]:
