@@ -135,12 +135,21 @@ def train_command(ctx, tokens: int, out: Path) -> list:
     return args
 
 
+EVERY_STEP_LOGGED_NOTHING_SAVED = "--logging_steps 1 --save_strategy no --report_to none --seed 0".split()
+
+
+def run_flags(ctx, out: Path) -> list:
+    """TrainingArguments flags both scripts take alike: where to write, how many steps, a log
+    of every step, no checkpoint, no tracker, seed 0."""
+    steps = str(ctx.args.warmup + ctx.args.steps)
+    return ["--output_dir", str(out), "--max_steps", steps] + EVERY_STEP_LOGGED_NOTHING_SAVED
+
+
 def trainer_command(ctx, tokens: int, out: Path, streamed: bool) -> list:
     """The plain Trainer script, with ``--layer_stream`` (and no other layerstream flag) or without."""
     args = [sys.executable, str(TRAINER_SCRIPT), "--model_name_or_path", str(ctx.checkpoint)]
     args += ["--dataset_file", str(ctx.data / "train.jsonl"), "--max_length", str(tokens)]
-    args += ["--output_dir", str(out), "--max_steps", str(ctx.args.warmup + ctx.args.steps)]
-    args += ["--logging_steps", "1", "--save_strategy", "no", "--report_to", "none", "--seed", "0"]
+    args += run_flags(ctx, out)
     args += ["--per_device_train_batch_size", "1", "--gradient_checkpointing", "true"]
     args += ["--use_cpu", "true", "--bf16", "false"] if ctx.args.dry_run else ["--bf16", "true"]
     return args + (["--layer_stream", "true"] if streamed else [])
@@ -149,8 +158,7 @@ def trainer_command(ctx, tokens: int, out: Path, streamed: bool) -> list:
 def sft_command(ctx, tokens: int, out: Path, streamed: bool) -> list:
     """TRL's sft script as a user runs it: ``python -m`` or behind ``layerstream run`` (no flag)."""
     args = ["-m", "trl.scripts.sft", "--model_name_or_path", str(ctx.checkpoint), "--dataset_name", str(ctx.data)]
-    args += ["--output_dir", str(out), "--max_steps", str(ctx.args.warmup + ctx.args.steps)]
-    args += ["--logging_steps", "1", "--save_strategy", "no", "--report_to", "none", "--seed", "0"]
+    args += run_flags(ctx, out)
     args += ["--load_in_4bit", "--use_peft", "--lora_r", "32", "--lora_alpha", "16"]
     args += ["--lora_target_modules", "all-linear", "--per_device_train_batch_size", "1"]
     args += ["--max_length", str(tokens), "--dtype", ctx.args.dtype]
