@@ -17,6 +17,12 @@ from typing import Callable, Dict, Iterable, List, Optional
 # frames in these files are torch's own machinery: the allocation is charged to the first
 # frame outside them (a model's line, layerstream's, peft's, bitsandbytes')
 _MACHINERY = ("/torch/", "<frozen", "/contextlib.py", "/functools.py", "/threading.py")
+BLOCKS_PER_SOURCE = 12
+
+
+def _frame_text(frame: dict) -> str:
+    short = "/".join(frame.get("filename", "").split("/")[-2:])
+    return f"{short}:{frame.get('line', '?')} ({frame.get('name', '?')})"
 
 
 def source_of(frames: Iterable[dict]) -> str:
@@ -24,9 +30,14 @@ def source_of(frames: Iterable[dict]) -> str:
     for frame in frames:
         name = frame.get("filename", "")
         if name and not any(part in name for part in _MACHINERY):
-            short = "/".join(name.split("/")[-2:])
-            return f"{short}:{frame.get('line', '?')} ({frame.get('name', '?')})"
+            return _frame_text(frame)
     return "?"
+
+
+def stack_of(frames: Iterable[dict], depth: int = 14) -> List[str]:
+    """The innermost ``depth`` frames, torch's included: which op, under which caller
+    (a source line alone cannot tell a recompute's tensor from a backward's)."""
+    return [_frame_text(frame) for frame in list(frames)[:depth]]
 
 
 def live_at_peak(events: List[dict], start_allocated: int = 0) -> dict:
@@ -38,13 +49,15 @@ def live_at_peak(events: List[dict], start_allocated: int = 0) -> dict:
     total = peak = start_allocated
     peak_live: Dict[int, tuple] = {}
     peak_before = before
+    peak_frames: tuple = ()
     for event in events:
         action, addr, size = event.get("action"), event.get("addr"), int(event.get("size", 0))
         if action == "alloc":
-            live[addr] = (size, source_of(event.get("frames", ())))
+            frames = tuple(event.get("frames", ()))
+            live[addr] = (size, source_of(frames), frames)
             total += size
             if total > peak:
-                peak, peak_live, peak_before = total, dict(live), before
+                peak, peak_live, peak_before, peak_frames = total, dict(live), before, frames
         elif action == "free_completed":
             if addr in live:
                 total -= live.pop(addr)[0]
@@ -52,13 +65,29 @@ def live_at_peak(events: List[dict], start_allocated: int = 0) -> dict:
                 before -= size
                 total -= size
     by_source: Dict[str, list] = defaultdict(lambda: [0, 0])
-    for size, source in peak_live.values():
+    blocks: Dict[str, list] = defaultdict(list)
+    for size, source, frames in peak_live.values():
         by_source[source][0] += size
         by_source[source][1] += 1
+        blocks[source].append((size, frames))
     rows = sorted(
         ({"source": s, "bytes": b, "blocks": n} for s, (b, n) in by_source.items()), key=lambda r: -r["bytes"]
     )
-    return {"peak_bytes": peak, "before_trace_bytes": peak_before, "by_source": rows}
+    # the largest blocks of each source, each with its stack: what the bytes are
+    largest = {
+        source: [
+            {"bytes": size, "stack": stack_of(frames)}
+            for size, frames in sorted(found, key=lambda item: -item[0])[:BLOCKS_PER_SOURCE]
+        ]
+        for source, found in blocks.items()
+    }
+    return {
+        "peak_bytes": peak,
+        "before_trace_bytes": peak_before,
+        "by_source": rows,
+        "peak_reached_by": stack_of(peak_frames, depth=24),
+        "largest_blocks": largest,
+    }
 
 
 def begin_memory_trace(max_entries: int = 400_000) -> int:

@@ -716,6 +716,12 @@ def test_step_insight_replays_the_allocators_events_to_the_peak():
         {"source": "layerstream/tiled_mlp.py:9 (backward)", "bytes": 170, "blocks": 2},
         {"source": "llama/modeling_llama.py:7 (forward)", "bytes": 20, "blocks": 1},
     ]
+    # each source's blocks, largest first, with their stacks; and the allocation that made the peak
+    assert [b["bytes"] for b in got["largest_blocks"]["layerstream/tiled_mlp.py:9 (backward)"]] == [120, 50]
+    assert got["largest_blocks"]["layerstream/tiled_mlp.py:9 (backward)"][0]["stack"] == [
+        "layerstream/tiled_mlp.py:9 (backward)"
+    ]
+    assert got["peak_reached_by"] == ["nn/functional.py:1 (linear)", "llama/modeling_llama.py:7 (forward)"]
 
 
 def test_long_context_insight_goes_to_timed_probes_only(tmp_path, monkeypatch):
