@@ -70,8 +70,11 @@ def offloaded_layers(num_layers: int) -> int:
 
 def offload_device_layers(num_layers: int) -> int:
     """How many layers' checkpointed inputs are on the device at once with
-    offload_activations: the kept ones and those copied back ahead (or still in flight)."""
-    return min(num_layers, OFFLOAD_KEPT_LAYERS + OFFLOAD_LOOKAHEAD)
+    offload_activations: the kept ones, those copied back ahead (or still in flight), and
+    the first layer's, the embedding's output: where input gradients are on (PEFT's k-bit
+    preparation, TRL's trainers and the Trainer's gradient checkpointing turn them on) it
+    is a leaf autograd keeps for its gradient, whatever the offload copied."""
+    return min(num_layers, OFFLOAD_KEPT_LAYERS + OFFLOAD_LOOKAHEAD + 1)
 
 
 def auto_slots(room_bytes: Optional[int], largest_layer_bytes: int) -> int:

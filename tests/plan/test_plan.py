@@ -323,10 +323,15 @@ def test_unknown_lora_target_is_refused():
 # Llama-3-8B, seq 2048, batch 1, bf16, LoRA r=16 all-linear, by hand:
 #   boundary states: 32 x 2048 x 4096 x 2           =   536,870,912
 #   loss: 3 x 2048 x 128256 x 4 (fp32 logits)       = 3,152,019,456
-#   one layer's working set per token: norms 8x4096 + q,k,v,out (2x4096+2x1024)x2 +
-#     MLP 3x14336x2 + LoRA fp32 inputs 4x(6x4096 + 14336) + attention's backward
-#     (fp32 dq 4x4096, dq/d_out/dk/dv (2x4096+2x1024)x2, GQA-wide dk/dv 2x4096x2)
-#     = 294,912 + 53,248 = 348,160 -> x2048 = 713,031,680
+#   one layer's working set, the larger of its two phases (plan/working_set.py), per token:
+#     attention's saved tensors: fp32 norm inputs 8x4096 + q,k,v,out (2x4096+2x1024)x2 +
+#       LoRA fp32 inputs of q,k,v,o 4x4x4096 = 118,784
+#     the MLP's phase: those + MLP input, its gradient, the incoming one 3x4096x2 + the MLP
+#       (gate, up, activation, product) 4x14336x2 + LoRA fp32 inputs of gate, up, down
+#       4x(4096+4096+14336) = 143,360 + 204,800 = 348,160 -> x2048 = 713,031,680
+#     attention's phase: 118,784 - the second norm's 4x4096 - o_proj's LoRA input 4x4096 +
+#       attention's backward (fp32 dq 4x4096, dq/d_out/dk/dv (2x4096+2x1024)x2, GQA-wide
+#       dk/dv 2x4096x2) 53,248 + the residual's gradient 4096x2 = 147,456 (smaller)
 #   LoRA weights + grads + AdamW: 41,943,040 x 16      =   671,088,640
 #   everything but the slots: 2,101,355,008 + 671,088,640 + 536,870,912 + 3,152,019,456
 LLAMA3_8B_FIXED = 6_461_334_016

@@ -63,6 +63,24 @@ def add_arguments(plan: argparse.ArgumentParser) -> None:
         "footprint instead of the logits (--loss-chunk-tokens does not apply then)",
     )
     plan.add_argument(
+        "--adapter-dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="the LoRA weights' dtype (default float32, PEFT's; TRL's trainers make a 4-bit model's bfloat16)",
+    )
+    plan.add_argument(
+        "--lora-dropout",
+        type=float,
+        default=0.0,
+        help="the adapters' dropout (default 0, PEFT's; TRL's scripts default to 0.05): above 0 each "
+        "adapted projection keeps its dropped input and mask for backward",
+    )
+    plan.add_argument(
+        "--autocast",
+        action="store_true",
+        help="the steps run under autocast (the Trainer with bf16 or fp16; TRL's default is bf16)",
+    )
+    plan.add_argument(
         "--max-seq",
         action="store_true",
         help="also find the longest sequence that fits, with and without each long-sequence option",
@@ -117,6 +135,8 @@ def run(args, parser: argparse.ArgumentParser) -> int:
         parser.error("the following arguments are required: --model")
     if args.seq is None and not args.max_seq:
         parser.error("give --seq (tokens per sequence), or --max-seq to find the longest that fits")
+    if not 0 <= args.lora_dropout < 1:
+        parser.error(f"--lora-dropout {args.lora_dropout:g} must be in [0, 1)")
     try:
         settings = _plan_settings(args, parser)
         config = load_config(args.model)
@@ -133,6 +153,9 @@ def run(args, parser: argparse.ArgumentParser) -> int:
             bandwidth_gbps=args.bandwidth,
             reserve_bytes=parse_bytes(args.reserve),
             trl_fused_head=args.trl_fused_head,
+            adapter_dtype=args.adapter_dtype,
+            lora_dropout=args.lora_dropout > 0,
+            autocast=args.autocast,
         )
         longest = max_seq(request) if args.max_seq else None
         request = request.replace(seq=args.seq if args.seq is not None else max(longest, 1))

@@ -402,6 +402,20 @@ def _step_shape(config) -> tuple:
     return seq, int(training.get("per_device_train_batch_size") or 8)
 
 
+def _sft_trainer_adapters(config) -> dict:
+    """What TRL's SFTTrainer feeds the adapters in this run, as the plan counts it: it casts
+    a 4-bit model's adapters to bfloat16 (PEFT makes them float32), steps run under autocast
+    with bf16 (SFTConfig's default unless fp16) or fp16, and the recipe's dropout."""
+    training = config["training"]
+    fp16 = bool(training.get("fp16", False))
+    bf16 = training.get("bf16")
+    return {
+        "adapter_dtype": "bfloat16" if config["model"]["quantization"] == "nf4" else "float32",
+        "lora_dropout": config["lora"]["dropout"] > 0,
+        "autocast": fp16 or (not fp16 if bf16 is None else bool(bf16)),
+    }
+
+
 def planned_run(config, stream: StreamConfig, where: str = "config"):
     """The memory plan of the config's run as ``layerstream train`` makes it (TRL's fused
     loss where SFTTrainer computes it; "auto" decided for this length), or None without a
@@ -426,6 +440,7 @@ def planned_run(config, stream: StreamConfig, where: str = "config"):
             lora_rank=config["lora"]["r"],
             lora_targets=targets if isinstance(targets, str) else ",".join(targets),
             trl_fused_head=trl_head.sft_trainer_fuses_head(),  # then loss_chunk_tokens does not apply
+            **_sft_trainer_adapters(config),
         )
         return plan.make_plan(request)
     except (ValueError, OSError) as exc:

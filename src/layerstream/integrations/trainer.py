@@ -431,6 +431,8 @@ class StreamStatsCallback(_CallbackBase):
         runtime = get_runtime(model)
         if runtime.timeline_active:
             runtime.finish_timeline()  # left armed by a run that raised mid-step
+        if runtime.long_settings.autocast is None:  # the Trainer's steps run under autocast with bf16/fp16
+            runtime.long_settings.autocast = bool(getattr(args, "bf16", False) or getattr(args, "fp16", False))
         if state.is_world_process_zero:
             logger.warning("\n%s\n%s", runtime.summary(), predicted_vram(model, args))
 

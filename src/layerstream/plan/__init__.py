@@ -39,7 +39,7 @@ from .long_settings import LongDecision, decide, decide_for  # noqa: F401
 from .longest import comparison, max_seq, option_rows  # noqa: F401
 from .lora import LoraTargets  # noqa: F401
 from .memory import *  # noqa: F401,F403
-from .memory import _build, _copies, _working_bytes  # noqa: F401
+from .memory import _build, _copies  # noqa: F401
 from .model import model_plan_request, plan_for_model  # noqa: F401
 from .planner import make_plan  # noqa: F401
 from .report import format_comparison, format_host_check, format_plan, speed_hints  # noqa: F401

@@ -11,17 +11,13 @@ from ..decisions.schedule import usable_backward_slots
 from ..decisions.window import margin_bytes
 from ..long import trl_head
 from ..units import GiB, aligned, arena_sizes
-from .lora import LoraTargets, lora_adapters, plan_notes
+from .lora import lora_adapters, plan_notes
 from .request import AUTO, PlanRequest
 from .shapes import (
     ADAMW_STATES,
     BACKWARD_SLOTS_MAX,
-    LORA_BYTES,
     LOSS_LOGIT_COPIES,
-    LayerShape,
-    _attention_dims,
     _check_quantization,
-    _num_experts,
     _text_config,
     eager_scores_bytes,
     ends_host_bytes,
@@ -31,6 +27,7 @@ from .shapes import (
     parse_dtype,
     resident_bytes,
 )
+from .working_set import layer_working_bytes
 
 
 # -- the plan -----------------------------------------------------------------------------
@@ -53,7 +50,7 @@ class MemoryPlan:
     # resident on the GPU for the whole step
     resident_bytes: int
     lora_params: int
-    lora_bytes: int  # adapter weights (fp32)
+    lora_bytes: int  # adapter weights (in the adapters' dtype)
     lora_grad_bytes: int
     optimizer_bytes: int
     slots: int
@@ -89,6 +86,7 @@ class MemoryPlan:
     loss_chunk_tokens: Optional[int] = None  # the head and loss run this many tokens at a time
     mlp_tile_tokens: Optional[int] = None  # the MLP runs this many tokens at a time
     trl_fused_head: bool = False  # TRL's fused log-prob head computes the loss (no loss chunks then)
+    adapter_dtype: str = "float32"  # the LoRA weights', their gradients' and AdamW states' dtype
     vocab_size: int = 0  # the head's outputs (the loss chunk's default depends on it)
     advice: List[str] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)
@@ -195,75 +193,6 @@ def loader_arena_bytes(sizes: Sequence[int], arena_bytes: int) -> int:
     return sum(arena_sizes(list(sizes), arena_bytes))
 
 
-def attention_backward_bytes_per_token(q_dim: int, kv_dim: int, elem: int) -> int:
-    """Per token, what the CUDA attention kernels' backward (flash, memory-efficient)
-    allocates beside the saved tensors: a float32 accumulator of dq, dq itself, the
-    incoming gradient of the attention output, dk and dv, and under GQA dk and dv at the
-    query heads' width before they are summed down to the key heads. Without this term the
-    plan put an 8B NF4 step at 36,864 tokens 1.9 GiB under the measured 11.14 GiB peak
-    (MLP tiled at 4096, where attention's backward sets the peak); with it, 1.6% under."""
-    expanded = 2 * q_dim * elem if kv_dim != q_dim else 0
-    return 4 * q_dim + (2 * q_dim + 2 * kv_dim) * elem + expanded
-
-
-def _working_bytes(
-    config,
-    shape: LayerShape,
-    adapted: LoraTargets,
-    tokens: int,
-    elem: int,
-    dequantised: bool = False,
-    mlp_tile_tokens: Optional[int] = None,
-) -> int:
-    """Activation memory of one layer while backward recomputes and differentiates it.
-
-    Per token, what autograd keeps for a transformers decoder layer (sdpa or flash
-    attention):
-    - the input of each of the two RMSNorms in float32 (they upcast), and q/k in float32
-      where the layer normalises each head's query and key (Qwen3, Gemma 3, OLMo 2);
-    - q, k, v and the attention output in the compute dtype;
-    - the MLP's gate, up and gated product in the compute dtype; in an MoE layer routed
-      experts count top_k times, plus the gathered input and the output of every routed
-      copy, plus the router's float32 logits and probabilities;
-    - for each LoRA-adapted nn.Linear, PEFT's float32 copy of its input (the adapter is
-      float32, the activations are not).
-    Per layer: a LoRA-adapted Parameter (expert stack, router) is merged as W + B@A by
-    PEFT's ParamWrapper on every call, and autograd keeps the merged weight. With
-    ``dequantised`` (NF4 layers in training), every NF4-packed nn.Linear's weight in the compute
-    dtype: a streamed NF4 projection at training sizes is dequantize_4bit + F.linear as
-    ordinary autograd ops (nf4.dequantized_linear), and autograd keeps the dequantised
-    weight for the input gradient.
-
-    Plus what the attention kernel's backward allocates while it runs
-    (``attention_backward_bytes_per_token``).
-
-    With ``mlp_tile_tokens`` (a sequence-tiled MLP, dense layers), the MLP's terms (gate,
-    up, gated product, and the float32 input copies of its LoRA-adapted projections) hold
-    one tile of tokens instead of all of them.
-
-    Checked against allocation traces of streamed training steps on CPU (dense and MoE
-    layers, bf16 and fp32): within 5% (docs/plan.md).
-    """
-    config = _text_config(config)
-    hidden, heads, kv_heads, head_dim = _attention_dims(config)
-    q_dim, kv_dim = heads * head_dim, kv_heads * head_dim
-    per_token = 2 * 4 * hidden
-    if shape.qk_norm:
-        per_token += 4 * (q_dim + kv_dim)
-    per_token += (2 * q_dim + 2 * kv_dim) * elem
-    per_token += attention_backward_bytes_per_token(q_dim, kv_dim, elem)
-    mlp_per_token = 3 * shape.mlp_width * elem
-    if shape.sparse:
-        per_token += 2 * shape.top_k * hidden * elem + 2 * 4 * _num_experts(config)
-    per_token += LORA_BYTES * sum(lin.in_features for lin in adapted.linears if not lin.name.startswith("mlp."))
-    mlp_per_token += LORA_BYTES * sum(lin.in_features for lin in adapted.linears if lin.name.startswith("mlp."))
-    merged = sum(param.numel for param in adapted.params) * elem
-    if dequantised:
-        merged += sum(lin.in_features * lin.out_features for lin in shape.linears if lin.quantised) * elem
-    mlp_tokens = min(tokens, mlp_tile_tokens) if mlp_tile_tokens and not shape.sparse else tokens
-    return tokens * per_token + mlp_tokens * mlp_per_token + merged
-
-
 def _positive_int(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -328,15 +257,27 @@ def _build(request: PlanRequest) -> MemoryPlan:
     # the ends' host store: each matrix at the store's alignment
     ends_host = ends_host_bytes(config, dtype) if stream_embeddings else 0
     ends_copies = 2 * head_copy + (tokens * hidden * elem if stream_embeddings else 0)
-    lora_bytes = lora_grads = lora_params * LORA_BYTES  # gradients take the adapters' dtype
-    optimizer = lora_params * 4 * ADAMW_STATES
-    # with offload_activations the checkpointed inputs are in host memory but the kept
-    # last layer's and the one in flight (config.offload_device_layers)
+    adapter_elem = parse_dtype(request.adapter_dtype).itemsize
+    lora_bytes = lora_grads = lora_params * adapter_elem  # gradients take the adapters' dtype
+    optimizer = lora_params * adapter_elem * ADAMW_STATES  # AdamW's states take it too
+    # with offload_activations the checkpointed inputs are in host memory but a few
+    # (config.offload_device_layers says which)
     on_device = offload_device_layers(len(shapes)) if offload_activations else len(shapes)
     boundary = on_device * tokens * hidden * elem
     activation_host = offloaded_layers(len(shapes)) * aligned(tokens * hidden * elem) if offload_activations else 0
     working = max(
-        _working_bytes(config, shape, layer, tokens, elem, quantization == "nf4", mlp_tile_tokens)
+        layer_working_bytes(
+            config,
+            shape,
+            layer,
+            tokens,
+            elem,
+            quantization == "nf4",
+            mlp_tile_tokens,
+            adapter_elem=adapter_elem,
+            lora_dropout=request.lora_dropout,
+            autocast=request.autocast,
+        )
         for shape, layer in zip(shapes, adapted)
     )
     if trl_fused_head:  # its own tiles, whatever loss_chunk_tokens says
@@ -426,6 +367,7 @@ def _build(request: PlanRequest) -> MemoryPlan:
         loss_chunk_tokens=loss_chunk_tokens,
         mlp_tile_tokens=mlp_tile_tokens,
         trl_fused_head=trl_fused_head,
+        adapter_dtype=str(parse_dtype(request.adapter_dtype)).removeprefix("torch."),
         vocab_size=vocab,
     )
 

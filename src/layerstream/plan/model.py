@@ -10,11 +10,29 @@ from .planner import make_plan
 from .request import PlanRequest
 
 
+def adapters_of(model) -> dict:
+    """The request's fields a model's LoRA adapters decide: their dtype (the first adapted
+    module's ``lora_A``) and whether any adapter's dropout is above 0. Empty without LoRA."""
+    for module in model.modules():
+        lora_a = getattr(module, "lora_A", None)
+        if not isinstance(lora_a, torch.nn.ModuleDict) or not len(lora_a):
+            continue
+        weight = getattr(next(iter(lora_a.values())), "weight", None)
+        if weight is None:
+            continue
+        dropouts = getattr(module, "lora_dropout", None)
+        dropout = isinstance(dropouts, torch.nn.ModuleDict) and any(
+            isinstance(d, torch.nn.Dropout) and d.p > 0 for d in dropouts.values()
+        )
+        return {"adapter_dtype": weight.dtype, "lora_dropout": dropout}
+    return {}
+
+
 def model_plan_request(model, seq: int, batch: int, vram_bytes: int = 1 << 50, **settings) -> PlanRequest:
     """The request of a live (possibly PEFT-wrapped) model: its config, 4-bit state,
-    compute dtype, and LoRA rank and targets; ``settings`` are the request's other fields
-    (slots, stream_embeddings, the long-sequence settings, which may be "auto"); TRL's
-    fused loss is planned where a TRL trainer gave the model its head.
+    compute dtype, LoRA rank, targets, dtype and dropout; ``settings`` are the request's
+    other fields (slots, stream_embeddings, the long-sequence settings, which may be "auto",
+    autocast); TRL's fused loss is planned where a TRL trainer gave the model its head.
     Reads attributes only; raises ValueError when the adapters cannot be described to the
     planner (regex targets, several adapters)."""
     config = getattr(model, "config", None)
@@ -43,7 +61,7 @@ def model_plan_request(model, seq: int, batch: int, vram_bytes: int = 1 << 50, *
         dtype=dtype,
         lora_rank=rank,
         lora_targets=targets,
-        **{"trl_fused_head": trl_head.installed(model), **settings},
+        **{"trl_fused_head": trl_head.installed(model), **adapters_of(model), **settings},
     )
 
 

@@ -13,6 +13,10 @@ from .memory import MemoryPlan, _gib, backward_slot_count
 from .shapes import LOSS_LOGIT_COPIES
 
 
+def _short_dtype(name: str) -> str:
+    return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(name, name)
+
+
 def speed_hints(plan: MemoryPlan) -> List[str]:
     """Ways a plan that fits could copy less per token. The copies of a micro-batch are
     a floor under its step time; at batch 1 they can exceed the compute
@@ -94,7 +98,7 @@ def format_plan(plan: MemoryPlan) -> str:
             "outside the loss",
         )
     row(
-        f"LoRA: {plan.lora_params / 1e6:.1f}M fp32 params, grads, AdamW",
+        f"LoRA: {plan.lora_params / 1e6:.1f}M {_short_dtype(plan.adapter_dtype)} params, grads, AdamW",
         plan.lora_bytes + plan.lora_grad_bytes + plan.optimizer_bytes,
     )
     if plan.offload_activations:

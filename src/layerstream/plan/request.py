@@ -66,6 +66,13 @@ class PlanRequest:
         These three may be "auto": what a run decides for this step under ``vram_bytes``.
     trl_fused_head: TRL's trainers compute the loss with their fused log-prob head
         (``trl_head``): its tiles instead of the logits, and loss_chunk_tokens does not apply.
+    adapter_dtype: the LoRA weights' dtype: float32 as PEFT makes them by default; TRL's
+        trainers cast a 4-bit model's adapters to bfloat16 under ``bf16``. Their gradients
+        and AdamW's states take it too.
+    lora_dropout: the adapters' dropout is above 0 (TRL's default is 0.05): each adapted
+        projection then keeps its dropped input and the mask (``working_set``).
+    autocast: the step runs under autocast to the compute dtype (the Trainer with
+        ``bf16``/``fp16``): PEFT then feeds the adapters without a cast.
     """
 
     config: Any
@@ -87,6 +94,9 @@ class PlanRequest:
     loss_chunk_tokens: Union[int, str, None] = None
     mlp_tile_tokens: Union[int, str, None] = None
     trl_fused_head: bool = False
+    adapter_dtype: Any = torch.float32
+    lora_dropout: bool = False
+    autocast: bool = False
 
     def replace(self, **changes) -> "PlanRequest":
         """A copy with some fields changed (an unknown name is a TypeError)."""

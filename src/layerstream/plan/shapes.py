@@ -36,10 +36,7 @@ NF4_CODE_BYTES = 16 * 4  # the 16-value NF4 code table (float32), one per quanti
 NF4_NESTED_CODE_BYTES = 256 * 4  # the 8-bit dynamic code table of the nested quantisation
 NF4_OFFSET_BYTES = 4  # the float32 mean subtracted from the absmax before nesting
 
-# LoRA adapters are float32: PEFT's get_peft_model(autocast_adapter_dtype=True), the
-# default, upcasts adapters of float16/bfloat16 bases to float32.
-LORA_BYTES = 4
-# AdamW keeps two float32 states (exp_avg, exp_avg_sq) per trainable parameter.
+# AdamW keeps two states (exp_avg, exp_avg_sq) per trainable parameter, in its dtype.
 ADAMW_STATES = 2
 # The loss holds this many fp32 logit-sized tensors at its peak: in backward, the saved
 # log-softmax, the gradient arriving from nll_loss and the gradient log-softmax returns.

@@ -289,6 +289,7 @@ class StreamRuntime:
             return
         self.last_shape = (int(hidden.shape[0]), int(hidden.shape[1]))
         tokens = self.last_shape[0] * self.last_shape[1]
+        self.long_settings.pass_starts()
         decision = self.long_settings.decision(tokens)  # the MLP tiles, before any MLP runs
         self.pass_offloader = self.offload_policy.for_pass(hidden, self.last_shape, decision)
         self.long_settings.say(self.last_shape, self.pass_offloader is not None)

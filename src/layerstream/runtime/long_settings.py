@@ -49,6 +49,12 @@ def _input_tokens(args, kwargs) -> int:
     return int(inputs.shape[0]) * int(inputs.shape[1])
 
 
+def _autocast_now() -> bool:
+    """Whether autocast is on as PEFT's LoRA layers see it (``torch.is_autocast_enabled()``,
+    CUDA's): then they feed the adapters without casting their input."""
+    return torch.is_autocast_enabled()
+
+
 class LongSettingsPolicy:
     """The long-sequence settings of a streamed model: applied, decided per token count
     where left at "auto", said, and planned with.
@@ -74,6 +80,9 @@ class LongSettingsPolicy:
         self._said: set = set()  # the sets of settings said on
         self._reported: List[Tuple[int, int, LongDecision]] = []  # (batch, seq, decision)
         self._said_unplanned = False
+        # whether training passes run under autocast, as the last one seen started (None:
+        # none seen; the plan then reads the state of the moment)
+        self.autocast: Optional[bool] = None
 
     # -- at stream time, at unstream ------------------------------------------------------
     def install(self, model: torch.nn.Module) -> None:
@@ -178,6 +187,11 @@ class LongSettingsPolicy:
                 )
             return NOTHING
 
+    def pass_starts(self) -> None:
+        """A training pass starts: note whether it runs under autocast (what each LoRA
+        projection keeps for backward depends on it), before its decision is planned."""
+        self.autocast = _autocast_now()
+
     def settings_for(self, tokens: int) -> Dict[str, object]:
         """The value of each long-sequence setting for a step of ``tokens`` tokens: as given,
         or what "auto" decided (off: None, or False for offloading)."""
@@ -193,6 +207,7 @@ class LongSettingsPolicy:
         tokens = _input_tokens(args, kwargs)
         chunk = 0
         if tokens and torch.is_grad_enabled():
+            self.pass_starts()
             chunk = self.decision(tokens).value("loss_chunk_tokens") or 0
         chunked_loss.set_tokens(module, chunk)
 
@@ -250,6 +265,7 @@ class LongSettingsPolicy:
             slots=self.config.slots,
             stream_embeddings=self.embeddings_streamed,
             backward_slots=backward_slots,
+            autocast=self.autocast if self.autocast is not None else _autocast_now(),
             **settings,
         )
 

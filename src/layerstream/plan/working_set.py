@@ -1,0 +1,157 @@
+"""One decoder layer's activation memory while backward recomputes and differentiates it:
+the larger of its two phases, the MLP's backward and attention's.
+
+Why phases: a checkpointed layer's backward first recomputes the layer, keeping what
+autograd saves, then differentiates the MLP, then attention. The saved tensors of
+attention are alive through both phases; the MLP's working set and attention backward's
+temporaries never coexist. Summing every term (as this planner once did) put an 8B NF4
+step under TRL 1.16's sft.py a third above its measured peak; the phases put it within a
+few percent (the allocator traces are in ``benchmarks/results/long-context/``,
+``docs/plan.md`` has the figures).
+
+Per token, what an allocation trace of that step shows alive (hidden ``h``, compute dtype
+of ``e`` bytes, query and key/value widths ``q`` and ``kv``):
+
+- attention's saved tensors, alive in both phases: q and k after the rotary embedding, v
+  and the attention output, ``(2q + 2kv) e``; what each LoRA-adapted attention projection
+  keeps (``lora_saved_bytes``); the norms: their float32 input copies untiled, or with the
+  norms tiled (``long/tiled_norm``) the second norm's input in the compute dtype (the first
+  one's input is the layer's input, a boundary state);
+- the MLP's phase adds the MLP's input (its second norm's output, which the tiled MLP
+  keeps), its input gradient, the gradient arriving from the next layer (``3 h e``), and
+  the MLP's activations for the tokens it holds at once (one tile when tiled): gate, up,
+  the activation, the gated product and the LoRA inputs, and in a tile its down
+  projection's output while the tile runs;
+- attention's phase drops the second norm's saved input and what the output projection's
+  adapter kept (both are differentiated before attention), and adds attention backward's
+  temporaries (``attention_backward_bytes_per_token``) and the residual stream's gradient.
+
+Per layer, NF4 projections keep their dequantised weight for the input gradient (all of
+them in the MLP's phase, the attention projections' in attention's), and Parameters adapted
+through PEFT's ParamWrapper keep the merged weight. Pure arithmetic: no CUDA.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from .lora import LoraTargets
+from .shapes import LayerShape, _attention_dims, _num_experts, _text_config
+
+# the MLP's activations alive at its phase's peak, in mlp_width tensors per token: gate,
+# up, the activation and the gated product (backward's gradients replace them as it goes)
+MLP_WIDTHS = 4
+# a tiled MLP's tile also holds its down projection's output while the tile runs, in
+# hidden-wide tensors: the base output, PEFT's clone of it, the adapter's scaled output and
+# the sum (an allocator trace of a 4,096-token tile: 0.821 GiB; this count: 0.820 GiB)
+TILE_OUTPUT_WIDTHS = 4
+
+
+def lora_saved_bytes(
+    in_features: int, elem: int, adapter_elem: int, dropout: bool, autocast: bool, four_bit: bool = False
+) -> int:
+    """Per token, what one LoRA-adapted projection keeps for backward beyond the base layer.
+
+    ``lora_A`` keeps its input: the dropout's output when ``lora_dropout`` is above 0, plus
+    the dropout's mask (a byte an element on CUDA). What that input is depends on PEFT's
+    cast to the adapter's dtype: a plain projection casts whenever the dtypes differ, and
+    under autocast the matmul casts back to the compute dtype (that copy is what is kept);
+    a 4-bit projection (PEFT's bitsandbytes layer) does not cast under autocast at all.
+    With neither a cast nor dropout the adapter keeps the projection's own input, which is
+    counted once per input elsewhere, so nothing here."""
+    cast = adapter_elem != elem and (not autocast or not four_bit)
+    kept = elem if autocast or not cast else adapter_elem
+    if dropout:
+        return in_features * (kept + 1)
+    return in_features * kept if cast else 0
+
+
+def attention_backward_bytes_per_token(q_dim: int, kv_dim: int, elem: int) -> int:
+    """Per token, what the CUDA attention kernels' backward (flash, memory-efficient)
+    allocates beside the saved tensors: a float32 accumulator of dq, dq itself, the
+    incoming gradient of the attention output, dk and dv, and under GQA dk and dv at the
+    query heads' width before they are summed down to the key heads."""
+    expanded = 2 * q_dim * elem if kv_dim != q_dim else 0
+    return 4 * q_dim + (2 * q_dim + 2 * kv_dim) * elem + expanded
+
+
+def _is_mlp(name: str) -> bool:
+    """Whether a projection is on the MLP's side of the layer (an expert's or router's too):
+    every one outside the attention module."""
+    first = name.split(".", 1)[0].lower()
+    return "attn" not in first and "attention" not in first
+
+
+def layer_working_bytes(
+    config,
+    shape: LayerShape,
+    adapted: LoraTargets,
+    tokens: int,
+    elem: int,
+    dequantised: bool = False,
+    mlp_tile_tokens: Optional[int] = None,
+    adapter_elem: int = 4,
+    lora_dropout: bool = False,
+    autocast: bool = False,
+) -> int:
+    """Activation bytes of one layer's backward at ``tokens`` tokens: the larger phase.
+
+    Args:
+        dequantised: NF4 layers in training (their projections keep dequantised weights).
+        mlp_tile_tokens: the sequence-tiled MLP's tile (dense layers), which also tiles the
+            norms of a 16-bit model.
+        adapter_elem, lora_dropout, autocast: the adapters' bytes per element, whether
+            their dropout is above 0, and whether the step runs under autocast: together
+            what each adapted projection keeps (``lora_saved_bytes``).
+    """
+    config = _text_config(config)
+    hidden, heads, kv_heads, head_dim = _attention_dims(config)
+    q_dim, kv_dim = heads * head_dim, kv_heads * head_dim
+    tiled = bool(mlp_tile_tokens) and not shape.sparse
+    norms_tiled = tiled and elem == 2
+
+    def kept(lin) -> int:
+        four_bit = dequantised and lin.quantised
+        return lora_saved_bytes(lin.in_features, elem, adapter_elem, lora_dropout, autocast, four_bit)
+
+    attention_linears = [lin for lin in adapted.linears if not _is_mlp(lin.name)]
+    mlp_linears = [lin for lin in adapted.linears if _is_mlp(lin.name)]
+    # the output projection is the attention module's last (its input is attention's output)
+    output_projection = attention_linears[-1] if len(attention_linears) > 1 else None
+    # adapters keep the projections' input itself: no dropout and no cast
+    raw_input = not lora_dropout and (adapter_elem == elem or (autocast and dequantised))
+
+    saved = (2 * q_dim + 2 * kv_dim) * elem + sum(kept(lin) for lin in attention_linears)
+    if shape.qk_norm:
+        saved += 4 * (q_dim + kv_dim)
+    if raw_input and attention_linears:
+        saved += hidden * elem  # the first norm's output, kept once for q, k and v
+    second_norm = hidden * elem if norms_tiled else 4 * hidden
+    saved += second_norm + (0 if norms_tiled else 4 * hidden)
+
+    mlp_per_token = MLP_WIDTHS * shape.mlp_width * elem + sum(kept(lin) for lin in mlp_linears)
+    if tiled:
+        mlp_per_token += TILE_OUTPUT_WIDTHS * hidden * elem
+    mlp_tokens = min(tokens, mlp_tile_tokens) if tiled else tokens
+    mlp_phase_per_token = saved + 3 * hidden * elem
+    if shape.sparse:
+        mlp_phase_per_token += 2 * shape.top_k * hidden * elem + 2 * 4 * _num_experts(config)
+    attention_phase_per_token = (
+        saved
+        - second_norm
+        - (kept(output_projection) if output_projection is not None else 0)
+        + attention_backward_bytes_per_token(q_dim, kv_dim, elem)
+        + hidden * elem
+    )
+
+    merged = sum(param.numel for param in adapted.params) * elem
+    attention_weights = mlp_weights = 0
+    if dequantised:
+        for lin in shape.linears:
+            if lin.quantised:
+                size = lin.in_features * lin.out_features * elem
+                mlp_weights += size
+                attention_weights += 0 if _is_mlp(lin.name) else size
+    mlp_phase = tokens * mlp_phase_per_token + mlp_tokens * mlp_per_token + merged + mlp_weights
+    attention_phase = tokens * attention_phase_per_token + attention_weights
+    return max(mlp_phase, attention_phase)

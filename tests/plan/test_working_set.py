@@ -1,0 +1,131 @@
+"""What a LoRA-adapted projection keeps for backward, as the planner counts it
+(``plan/working_set.lora_saved_bytes``), against what PEFT's layers really save; and the
+runtime handing the planner what the model's adapters and the step are."""
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from peft.tuners.lora import bnb as peft_bnb
+from torch import nn
+
+from layerstream.api import get_runtime
+from layerstream.plan import make_plan, model_plan_request
+from layerstream.plan.working_set import lora_saved_bytes
+from layerstream.runtime import long_settings
+
+from tiny import peft_pair, stream, tiny_model
+
+TOKENS, IN, OUT = 16, 64, 48
+
+
+class _Projection(nn.Module):
+    def __init__(self, four_bit: bool):
+        super().__init__()
+        if four_bit:
+            import bitsandbytes as bnb
+
+            self.proj = bnb.nn.Linear4bit(IN, OUT, bias=False, compute_dtype=torch.bfloat16, quant_type="nf4")
+            self.proj.weight = bnb.nn.Params4bit(
+                torch.randn(OUT, IN, dtype=torch.bfloat16), requires_grad=False, quant_type="nf4"
+            ).to("cpu")
+            self.is_loaded_in_4bit = True  # what makes PEFT pick its bitsandbytes layer
+        else:
+            self.proj = nn.Linear(IN, OUT, bias=False, dtype=torch.bfloat16)
+
+
+class _TorchSeeingAutocast:
+    """torch, as PEFT's bitsandbytes layer sees it, with CUDA's autocast state given."""
+
+    def __init__(self, enabled: bool):
+        self._enabled = enabled
+
+    def is_autocast_enabled(self, *args):
+        return self._enabled
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+def _cuda_dropout(input, p=0.5, training=True, inplace=False):
+    """CUDA's fused dropout, which keeps a bool mask (the CPU's keeps one in the input's
+    dtype): the planner plans GPU steps."""
+    return torch.native_dropout(input, p, training)[0] if training and p > 0 else input
+
+
+def _saved_by_the_adapter(adapter_dtype, dropout: float, autocast: bool, four_bit: bool, monkeypatch) -> int:
+    """Bytes of the (tokens x in) tensors autograd saves in one adapted projection's
+    forward, the input itself not counted (it is the layer's, not the adapter's)."""
+    torch.manual_seed(0)
+    model = get_peft_model(_Projection(four_bit), LoraConfig(r=4, target_modules=["proj"], lora_dropout=dropout))
+    for name, param in model.named_parameters():
+        if "lora_" in name:
+            param.data = param.data.to(adapter_dtype)
+    x = torch.randn(TOKENS, IN, dtype=torch.bfloat16, requires_grad=True)
+    saved = {}
+
+    def pack(tensor):
+        if tuple(tensor.shape) == (TOKENS, IN) and tensor.data_ptr() != x.data_ptr():
+            saved[tensor.data_ptr()] = tensor.numel() * tensor.element_size()
+        return tensor
+
+    monkeypatch.setattr(nn.functional, "dropout", _cuda_dropout)
+    # PEFT's 4-bit layer asks torch.is_autocast_enabled() (CUDA's) whether to cast; CUDA's
+    # autocast is emulated by answering yes under the CPU's own autocast, to that module
+    # alone (torch.autocast itself saves and restores that state: patched globally, it leaks)
+    monkeypatch.setattr(peft_bnb, "torch", _TorchSeeingAutocast(autocast))
+    context = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else torch.autocast("cpu", enabled=False)
+    with context, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.train()
+        model.base_model.model.proj(x)
+    monkeypatch.undo()
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize("four_bit", [False, True], ids=["plain", "nf4"])
+@pytest.mark.parametrize("autocast", [False, True], ids=["no-autocast", "autocast"])
+@pytest.mark.parametrize("dropout", [0.0, 0.05], ids=["no-dropout", "dropout"])
+@pytest.mark.parametrize("adapter_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_what_a_lora_projection_keeps_is_what_the_plan_counts(adapter_dtype, dropout, autocast, four_bit, monkeypatch):
+    measured = _saved_by_the_adapter(adapter_dtype, dropout, autocast, four_bit, monkeypatch)
+    adapter_elem = torch.empty((), dtype=adapter_dtype).element_size()
+    assert measured == TOKENS * lora_saved_bytes(IN, 2, adapter_elem, dropout > 0, autocast, four_bit)
+
+
+def test_the_count_tells_dropout_a_cast_and_the_layer_kind_apart(monkeypatch):
+    """The control: a count that ignored dropout, the cast or the layer kind would miss
+    what PEFT keeps."""
+    with_dropout = _saved_by_the_adapter(torch.bfloat16, 0.05, True, True, monkeypatch)
+    assert with_dropout == TOKENS * IN * 3 != TOKENS * lora_saved_bytes(IN, 2, 2, False, True, True)
+    cast = _saved_by_the_adapter(torch.float32, 0.0, False, True, monkeypatch)
+    assert cast == TOKENS * IN * 4 != TOKENS * lora_saved_bytes(IN, 2, 4, False, True, True)
+    plain = _saved_by_the_adapter(torch.float32, 0.0, True, False, monkeypatch)
+    assert plain == TOKENS * IN * 2 != TOKENS * lora_saved_bytes(IN, 2, 4, False, True, four_bit=True)
+
+
+def test_the_plan_of_a_live_model_reads_its_adapters_dtype_and_dropout():
+    model = get_peft_model(tiny_model(), LoraConfig(r=4, target_modules="all-linear", lora_dropout=0.05))
+    request = model_plan_request(model, 64, 1)
+    assert request.adapter_dtype == torch.float32 and request.lora_dropout is True
+    for name, param in model.named_parameters():
+        if "lora_" in name:
+            param.data = param.data.to(torch.bfloat16)
+    plain = get_peft_model(tiny_model(), LoraConfig(r=4, target_modules="all-linear", lora_dropout=0.0))
+    assert model_plan_request(model, 64, 1).adapter_dtype == torch.bfloat16
+    assert model_plan_request(plain, 64, 1).lora_dropout is False
+    # half the bytes per adapter parameter: the weights, their gradients and AdamW's states
+    fp32, bf16 = make_plan(model_plan_request(plain, 64, 1)), make_plan(model_plan_request(model, 64, 1))
+    assert bf16.lora_bytes * 2 == fp32.lora_bytes and bf16.optimizer_bytes * 2 == fp32.optimizer_bytes
+
+
+def test_a_streamed_training_pass_tells_the_plan_whether_it_runs_under_autocast(monkeypatch):
+    streamed, _ = peft_pair(layers=3)
+    stream(streamed)
+    runtime = get_runtime(streamed)
+    ids = torch.randint(3, 96, (1, 8))
+    streamed(input_ids=ids, labels=ids).loss.backward()
+    assert runtime.long_settings.autocast is False
+    assert runtime.long_settings.plan_request(1, 8).autocast is False
+    monkeypatch.setattr(long_settings, "_autocast_now", lambda: True)  # as under CUDA's autocast
+    streamed(input_ids=ids, labels=ids).loss.backward()
+    assert runtime.long_settings.autocast is True
+    assert runtime.long_settings.plan_request(1, 8).autocast is True
