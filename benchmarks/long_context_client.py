@@ -22,6 +22,7 @@ computes the loss, the long-sequence settings) and what "auto" turned on.
     python benchmarks/long_context_client.py --client train --cells 12:36864 --baseline --work /tmp/lcc
     python benchmarks/long_context_client.py --client trainer --cells 12:36864 --baseline --work /tmp/lcc
     python benchmarks/long_context_client.py --cap 12 --lo 32768 --hi 49152 --granularity 2048 --work /tmp/lcc
+    python benchmarks/long_context_client.py --cap 12 --from-plan --baseline --work /tmp/lcc  # from the plan
     python benchmarks/long_context_client.py --cells 12:36864 --baseline --rounds 2 --work /tmp/lcc \\
         --merge benchmarks/results/long-context/long-context-client.json
     python benchmarks/long_context_client.py --cells 12:36864 --memory-trace --work /tmp/lcc  # where the peak is
@@ -36,7 +37,9 @@ the script without it). Each client's rows are its own.
 
 ``--cells CAP:N,...`` tries each length under its cap (GiB); ``--cap C --lo A --hi B`` bisects
 for the longest N (a multiple of ``--granularity``) that trains its steps without running out
-of memory, A known to train (0: none), B taken not to, tightened by the attempts already known.
+of memory, A known to train (0: none), B taken not to, tightened by the attempts already known;
+``--cap C --from-plan`` starts at the memory plan's longest for this client and steps by the
+granularity, up while a length trains, down while it runs out of memory.
 ``--baseline`` alternates, at the cell's length (or the length the search found), the streamed
 run and the same command as plain ``python -m trl.scripts.sft`` with the whole GPU (streamed,
 resident, streamed, resident for ``--rounds 2``); the resident run may run out of memory, which
@@ -82,6 +85,7 @@ from long_context_clients import (  # noqa: E402
     client_of,
     layerstream_lines,
     long_settings_seen,
+    planned_longest,
     recipe_options,
     verdict,
     write_checkpoint,
@@ -327,6 +331,33 @@ def alternate(ctx: Context, cap: str, tokens: int, streamed_done: bool = False) 
             return
 
 
+def walk_from_plan(ctx: Context, cap: str) -> int:
+    """The longest length that trains, found by starting at the memory plan's longest
+    (rounded down to --granularity) and stepping by --granularity: up while a length trains,
+    down while it runs out of memory. The plan is within a few percent of the measured peak,
+    so this takes two or three attempts where a bisection over a wide range takes five."""
+    step = ctx.args.granularity
+    planned = planned_longest(ctx.checkpoint, ctx.args.client, ctx.args.cap)
+    tokens = max(step, planned // step * step)
+    print(f"long-context-client: {cap}: the plan fits {planned} tokens; starting at {tokens}", flush=True)
+    lo, hi = 0, None
+    while hi is None or hi - lo > step:
+        record = attempt(ctx, True, cap, tokens)
+        if record is None or record["verdict"] not in (TRAINED, OOM):
+            why = "out of time" if record is None else record["verdict"]
+            print(f"long-context-client: {cap}: {why} at {tokens} tokens; the walk stops", flush=True)
+            ctx.stopped.append(cap)
+            return lo
+        if record["verdict"] == TRAINED:
+            lo, tokens = tokens, tokens + step
+        else:
+            hi, tokens = tokens, tokens - step
+        if tokens <= 0 or (hi is not None and tokens <= lo):
+            break
+        print(f"long-context-client: {cap}: trains {lo or '-'}, not {hi or '-'} tokens", flush=True)
+    return lo
+
+
 def search(ctx: Context, cap: str, lo: int, hi: int) -> int:
     """Bisect between ``lo`` (trains; 0: none known) and ``hi`` (taken not to) to --granularity,
     the bounds first tightened by the attempts already known; the longest length found to train."""
@@ -370,6 +401,11 @@ def parse(argv):
     parser.add_argument("--lo", type=int, default=0, help="search: a length known to train (0: none)")
     parser.add_argument("--hi", type=int, default=131072, help="search: a length taken not to train")
     parser.add_argument("--granularity", type=int, default=2048, help="search: to this many tokens")
+    parser.add_argument(
+        "--from-plan",
+        action="store_true",
+        help="search mode: start at the memory plan's longest and step by --granularity (no --lo/--hi)",
+    )
     parser.add_argument("--baseline", action="store_true", help="also plain `python -m trl.scripts.sft`, whole GPU")
     parser.add_argument("--rounds", type=int, default=1, help="streamed (, resident) rounds at each length")
     parser.add_argument("--steps", type=int, default=2, help="timed steps of each run, after --warmup")
@@ -429,13 +465,15 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     ctx.checkpoint = write_checkpoint(ctx.work, ctx.shape, deadline - time.monotonic())
     print(f"long-context-client: checkpoint {ctx.checkpoint} ready in {time.perf_counter() - start:.1f} s", flush=True)
+    if args.cap is not None and args.from_plan:  # rows long enough for the walk's steps up
+        args.hi = planned_longest(ctx.checkpoint, args.client, args.cap) + 8 * args.granularity
     longest = max([t for _, t in cells] + ([args.hi] if args.cap is not None else []))
     ctx.data = write_dataset(ctx.work, ctx.checkpoint, longest)
     for cap_gib, tokens in cells:
         alternate(ctx, f"{cap_gib:g}GiB", tokens)
     if args.cap is not None:
         cap = f"{args.cap:g}GiB"
-        found = search(ctx, cap, args.lo, args.hi)
+        found = walk_from_plan(ctx, cap) if args.from_plan else search(ctx, cap, args.lo, args.hi)
         if found and cap not in ctx.stopped:
             just_ran = any(
                 a["streamed"] and a["cap"] == cap and a["tokens"] == found and a["bench_command"] == command

@@ -102,6 +102,41 @@ def write_dataset(work: Path, checkpoint: Path, tokens: int) -> Path:
 
 
 # -- one attempt: TRL's script in a fresh process under capped.py ---------------------------
+# how each client feeds its adapters, as the memory plan counts it: TRL's trainers cast a
+# 4-bit model's adapters to bfloat16, the plain Trainer script leaves PEFT's float32; all
+# three step under autocast (bf16); the dropout is TRL's default, the long recipe's 0, the
+# script's 0.05
+CLIENT_ADAPTERS = {
+    "sft": dict(adapter_dtype="bfloat16", lora_dropout=True, autocast=True, trl_fused_head=True),
+    "train": dict(adapter_dtype="bfloat16", lora_dropout=False, autocast=True, trl_fused_head=True),
+    "trainer": dict(adapter_dtype="float32", lora_dropout=True, autocast=True, trl_fused_head=False),
+}
+
+
+def planned_longest(checkpoint: Path, client: str, cap_gib: float) -> int:
+    """The longest length the memory plan fits under ``cap_gib`` for this client's run, its
+    long-sequence settings left at "auto" as the run leaves them (GiB budget, batch 1)."""
+    from layerstream.plan import PlanRequest, load_config, max_seq
+    from layerstream.units import GiB
+
+    config = load_config(str(checkpoint))
+    config.max_position_embeddings = max(config.max_position_embeddings, 1 << 21)  # no cap from the config
+    request = PlanRequest(
+        config,
+        1,
+        1,
+        int(cap_gib * GiB),
+        "nf4",
+        lora_rank=32,
+        slots="auto",
+        offload_activations="auto",
+        mlp_tile_tokens="auto",
+        loss_chunk_tokens="auto",
+        **CLIENT_ADAPTERS[client],
+    )
+    return max_seq(request)
+
+
 def client_command(ctx, client: str, tokens: int, out: Path, streamed: bool) -> list:
     """The command of ``client`` at ``tokens``: streamed, or its plain baseline."""
     if client == "train" and streamed:

@@ -60,3 +60,33 @@ def test_the_row_names_its_client_and_keeps_the_committed_rows(dry_run):
         assert "losses_equal" not in mine and mine["options"] == long_context_client.recipe_options()
     else:  # the streamed script's losses are the plain script's on the CPU, where both repeat
         assert mine["losses_equal"] is True
+
+
+@pytest.mark.parametrize("truth, planned", [(38912, 40000), (38912, 36000), (38912, 38912)])
+def test_the_walk_from_the_plan_finds_the_longest_in_a_few_attempts(monkeypatch, truth, planned):
+    """Started at the plan's longest (rounded down to the granularity), the walk steps up
+    while a length trains and down while it runs out of memory."""
+    tried = []
+
+    def attempt(ctx, streamed, cap, tokens):
+        tried.append(tokens)
+        return {"verdict": long_context_client.TRAINED if tokens <= truth else long_context_client.OOM}
+
+    monkeypatch.setattr(long_context_client, "attempt", attempt)
+    monkeypatch.setattr(long_context_client, "planned_longest", lambda checkpoint, client, cap: planned)
+    args = long_context_client.parse(["--cap", "12", "--from-plan", "--work", "/tmp/unused"])
+    ctx = long_context_client.Context(args, Path("/tmp/unused"), None, "", None, 0.0)
+    assert long_context_client.walk_from_plan(ctx, "12GiB") == truth
+    start = planned // 2048 * 2048
+    assert tried[0] == start and len(tried) <= abs(truth - start) // 2048 + 2, tried
+    assert truth in tried and truth + 2048 in tried, "the longest is one that trained, the next one did not"
+
+
+def test_the_plan_the_walk_starts_from_is_the_clients_run():
+    """For TRL's sft.py under 12 GiB the plan fits more than the 36,864 tokens measured to
+    train, and less for the plain Trainer script, whose float32 adapters keep more."""
+    from long_context_clients import planned_longest
+
+    shape = ROOT / "configs" / "shapes" / "llama-3.1-8b.json"
+    sft, trainer = planned_longest(shape, "sft", 12), planned_longest(shape, "trainer", 12)
+    assert 36864 < sft and trainer < sft
