@@ -196,6 +196,32 @@ def test_a_follower_with_another_layout_is_refused(tmp_path):
     assert _segment_files(tmp_path) == []
 
 
+@pytest.mark.parametrize("damage", ["truncated", "removed"])
+def test_an_arena_file_truncated_or_removed_after_the_build_is_refused_by_name(tmp_path, damage):
+    """A follower maps the builder's arenas: one another process cut short (or deleted) is
+    named with what to do, where mapping it would fail with a bare error or fault later."""
+    builder = shared_store.Segment("layerstream-test", tmp_path).join()
+    builder.new_arena(0, 4096)
+    layout = {"name": "l0", "arena": 0, "offset": 0, "nbytes": 512, "entries": [[0, 512, [128], "torch.float32"]]}
+    builder.complete([layout])
+    follower = shared_store.Segment("layerstream-test", tmp_path)
+    follower._wait()
+    assert len(follower.new_arena(0, 4096)) == 4096, "control: the whole arena maps"
+    arena = builder.arena_path(0)
+    if damage == "truncated":
+        os.truncate(arena, 100)
+        expected = "holds 100 of its 4096 bytes"
+    else:
+        arena.unlink()
+        expected = "is gone"
+    late = shared_store.Segment("layerstream-test", tmp_path)
+    late._wait()
+    with pytest.raises(shared_store.SharedStoreError, match=rf"{arena}.*{expected}.*share_host_store=False"):
+        late.new_arena(0, 4096)
+    builder.leave()
+    follower.leave()
+
+
 def test_the_fingerprint_changes_with_the_checkpoint_and_the_settings(tmp_path):
     weights = tmp_path / "model.safetensors"
     weights.write_bytes(b"x" * 10)

@@ -309,12 +309,27 @@ class Segment:
                 f"has {self.arena_sizes[index] if index < len(self.arena_sizes) else 'no such arena'}: the "
                 "ranks load different models or settings. Give every rank the same arguments."
             )
-        fd = os.open(path, os.O_RDONLY)
         try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise self._damaged(path, size, 0) from None
+        try:
+            held = os.fstat(fd).st_size
+            if held < size:  # mapping it would fault (SIGBUS) on the first page past the end
+                raise self._damaged(path, size, held)
             self._maps[index] = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
         finally:
             os.close(fd)
         return self._maps[index]
+
+    def _damaged(self, path: Path, size: int, held: int) -> SharedStoreError:
+        what = f"holds {held} of its {size} bytes" if held else "is gone"
+        return SharedStoreError(
+            f"the shared host store {self.name}'s arena file {path} {what}: something truncated or removed "
+            "it after it was built (a full or cleaned shared-memory folder, or another process). Stop the "
+            f"ranks that use it, remove {self.folder / self.name}.*, and start again; or load with "
+            "share_host_store=False"
+        )
 
     def _reserve(self, fd: int, index: int, size: int) -> None:
         """Allocate the arena's pages now, rather than as the builder writes them: a page of
