@@ -24,7 +24,10 @@ of ``e`` bytes, query and key/value widths ``q`` and ``kv``):
   projection's output while the tile runs;
 - attention's phase drops the second norm's saved input and what the output projection's
   adapter kept (both are differentiated before attention), and adds attention backward's
-  temporaries (``attention_backward_bytes_per_token``) and the residual stream's gradient.
+  temporaries (``attention_backward_bytes_per_token``) and the residual stream's gradient;
+- between the two, an untiled second norm's backward makes float32 temporaries of tokens x
+  hidden (``NORM_BACKWARD_WIDTHS`` of them) beside attention's saved tensors: at long
+  sequences the largest phase when the norms are not tiled.
 
 Per layer, NF4 projections keep their dequantised weight for the input gradient (all of
 them in the MLP's phase, the attention projections' in attention's), and Parameters adapted
@@ -45,6 +48,10 @@ MLP_WIDTHS = 4
 # hidden-wide tensors: the base output, PEFT's clone of it, the adapter's scaled output and
 # the sum (an allocator trace of a 4,096-token tile: 0.821 GiB; this count: 0.820 GiB)
 TILE_OUTPUT_WIDTHS = 4
+# an untiled RMSNorm's backward makes float32 tensors of tokens x hidden beside its saved
+# float32 input (the gradient through the scale, the normalised input, their product, the
+# upcast's gradient): this many at once
+NORM_BACKWARD_WIDTHS = 4
 
 
 def lora_saved_bytes(
@@ -73,6 +80,12 @@ def attention_backward_bytes_per_token(q_dim: int, kv_dim: int, elem: int) -> in
     query heads' width before they are summed down to the key heads."""
     expanded = 2 * q_dim * elem if kv_dim != q_dim else 0
     return 4 * q_dim + (2 * q_dim + 2 * kv_dim) * elem + expanded
+
+
+def norms_are_tiled(mlp_tiled: bool, elem: int) -> bool:
+    """Whether a layer's norms run tiled (``long/tiled_norm``): along with the MLP's tiles,
+    for 16-bit inputs (a float32 input runs untiled)."""
+    return mlp_tiled and elem == 2
 
 
 def _is_mlp(name: str) -> bool:
@@ -108,7 +121,7 @@ def layer_working_bytes(
     hidden, heads, kv_heads, head_dim = _attention_dims(config)
     q_dim, kv_dim = heads * head_dim, kv_heads * head_dim
     tiled = bool(mlp_tile_tokens) and not shape.sparse
-    norms_tiled = tiled and elem == 2
+    norms_tiled = norms_are_tiled(tiled, elem)
 
     def kept(lin) -> int:
         four_bit = dequantised and lin.quantised
@@ -154,4 +167,9 @@ def layer_working_bytes(
                 attention_weights += 0 if _is_mlp(lin.name) else size
     mlp_phase = tokens * mlp_phase_per_token + mlp_tokens * mlp_per_token + merged + mlp_weights
     attention_phase = tokens * attention_phase_per_token + attention_weights
-    return max(mlp_phase, attention_phase)
+    if norms_tiled:
+        return max(mlp_phase, attention_phase)
+    # an untiled norm's backward, the second norm's between the MLP's phase and attention's:
+    # its float32 temporaries beside attention's saved tensors and two gradients
+    norm_phase = tokens * (saved + NORM_BACKWARD_WIDTHS * 4 * hidden + 2 * hidden * elem) + attention_weights
+    return max(mlp_phase, attention_phase, norm_phase)
