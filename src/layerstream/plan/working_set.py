@@ -1,13 +1,13 @@
 """One decoder layer's activation memory while backward recomputes and differentiates it:
-the larger of its two phases, the MLP's backward and attention's.
+the largest of its phases, the MLP's backward and attention's (and an untiled norm's).
 
 Why phases: a checkpointed layer's backward first recomputes the layer, keeping what
 autograd saves, then differentiates the MLP, then attention. The saved tensors of
 attention are alive through both phases; the MLP's working set and attention backward's
-temporaries never coexist. Summing every term (as this planner once did) put an 8B NF4
-step under TRL 1.16's sft.py a third above its measured peak; the phases put it within a
-few percent (the allocator traces are in ``benchmarks/results/long-context/``,
-``docs/plan.md`` has the figures).
+temporaries never coexist, so adding them would count memory no moment holds (a third
+too much for an 8B NF4 step under TRL's sft.py at long lengths). The allocator traces
+behind these terms are in ``benchmarks/results/long-context/trace-*``; ``docs/plan.md``
+has the measured peaks they are checked against.
 
 Per token, what an allocation trace of that step shows alive (hidden ``h``, compute dtype
 of ``e`` bytes, query and key/value widths ``q`` and ``kv``):
@@ -107,7 +107,7 @@ def layer_working_bytes(
     lora_dropout: bool = False,
     autocast: bool = False,
 ) -> int:
-    """Activation bytes of one layer's backward at ``tokens`` tokens: the larger phase.
+    """Activation bytes of one layer's backward at ``tokens`` tokens: the largest phase.
 
     Args:
         dequantised: NF4 layers in training (their projections keep dequantised weights).
