@@ -5,6 +5,7 @@
 #
 #   bash scripts/gpu-suite.sh order            # in order
 #   bash scripts/gpu-suite.sh shuffled 1 2     # shuffled with seeds 1 and 2, one after the other
+#   COMMIT=abc1234 bash scripts/gpu-suite.sh order   # logs named by that commit
 #
 # Logs go to $OUT (else benchmarks/results/gpu-suite/), named by the commit; each opens with
 # the versions it ran with (Python, torch, transformers, ...), as README's table states them.
@@ -12,9 +13,14 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out=${OUT:-benchmarks/results/gpu-suite}
 mkdir -p "$out"
-commit=$(git rev-parse --short HEAD 2>/dev/null || echo worktree)
-# a copy of the working tree (the GPU machine's) can carry a HEAD older than the code
-git diff --quiet HEAD 2>/dev/null || commit="$commit-modified"  # $OUT takes letters, digits, ".", "_" and "-"
+# a copy of the working tree (the GPU machine's) can carry a .git older than the code: give the
+# commit the tree is at as COMMIT=<sha> to name the logs by it
+if [ -n "${COMMIT:-}" ]; then
+  commit=$COMMIT
+else
+  commit=$(git rev-parse --short HEAD 2>/dev/null || echo worktree)
+  git diff --quiet HEAD 2>/dev/null || commit="$commit-modified"  # $OUT takes letters, digits, ".", "_" and "-"
+fi
 suite=(python3 -m pytest -o addopts="" -m "gpu and not multigpu" -q -p no:cacheprovider tests)
 versions() {
   python3 -c "import json; from layerstream.system.versions import versions; print('versions:', json.dumps(versions()))" ||
