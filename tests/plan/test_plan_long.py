@@ -170,8 +170,8 @@ def _trl_sft_runs():
     on, and its first step's peak allocated memory (the first logged peak_vram_gib, before
     the resident window takes the spare memory)."""
     attempts = json.loads((CLIENT_RESULTS / "long-context-client.json").read_text())["attempts"]
-    runs = [a for a in attempts if a["streamed"] and a["verdict"] == "trained"]
-    assert len(runs) == 3
+    runs = [a for a in attempts if a["streamed"] and a["verdict"] == "trained" and a.get("client", "sft") == "sft"]
+    assert len(runs) >= 3
     return runs
 
 
