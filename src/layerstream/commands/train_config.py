@@ -407,12 +407,11 @@ def _sft_trainer_adapters(config) -> dict:
     a 4-bit model's adapters to bfloat16 (PEFT makes them float32), steps run under autocast
     with bf16 (SFTConfig's default unless fp16) or fp16, and the recipe's dropout."""
     training = config["training"]
-    fp16 = bool(training.get("fp16", False))
-    bf16 = training.get("bf16")
     return {
         "adapter_dtype": "bfloat16" if config["model"]["quantization"] == "nf4" else "float32",
         "lora_dropout": config["lora"]["dropout"] > 0,
-        "autocast": fp16 or (not fp16 if bf16 is None else bool(bf16)),
+        # bf16 left unset is on unless fp16 is set; either runs the steps under autocast
+        "autocast": training.get("bf16") is not False or bool(training.get("fp16")),
     }
 
 

@@ -257,7 +257,8 @@ def _build(request: PlanRequest) -> MemoryPlan:
     # the ends' host store: each matrix at the store's alignment
     ends_host = ends_host_bytes(config, dtype) if stream_embeddings else 0
     ends_copies = 2 * head_copy + (tokens * hidden * elem if stream_embeddings else 0)
-    adapter_elem = parse_dtype(request.adapter_dtype).itemsize
+    adapter_dtype = parse_dtype(request.adapter_dtype)
+    adapter_elem = adapter_dtype.itemsize
     lora_bytes = lora_grads = lora_params * adapter_elem  # gradients take the adapters' dtype
     optimizer = lora_params * adapter_elem * ADAMW_STATES  # AdamW's states take it too
     # with offload_activations the checkpointed inputs are in host memory but a few
@@ -367,7 +368,7 @@ def _build(request: PlanRequest) -> MemoryPlan:
         loss_chunk_tokens=loss_chunk_tokens,
         mlp_tile_tokens=mlp_tile_tokens,
         trl_fused_head=trl_fused_head,
-        adapter_dtype=str(parse_dtype(request.adapter_dtype)).removeprefix("torch."),
+        adapter_dtype=str(adapter_dtype).removeprefix("torch."),
         vocab_size=vocab,
     )
 
