@@ -101,6 +101,7 @@ class Settings:
     big_completion_tokens: int = 128
     big_steps: int = 3
     dry_run: bool = False
+    whole_gpu: bool = True  # generate: the whole-GPU rounds before the caps (``--capped-only``: not)
     profile: str = ""  # generate: a folder for one profiled call per capped batch (``--profile-generate``)
     extra: list = field(default_factory=list)  # arguments every GRPO run gets (--use_cpu)
 
@@ -328,6 +329,11 @@ def parse(argv):
         help="generate: after each capped batch's rounds, one call of 16 tokens under torch's profiler "
         "(a Chrome trace and a kernel table in DIR): where a streamed token step's time goes",
     )
+    parser.add_argument(
+        "--capped-only",
+        action="store_true",
+        help="generate: only the streamed model under --caps, with nothing else on the GPU (no resident rounds)",
+    )
     parser.add_argument("--deadline", type=float, default=570, help="seconds this command may take, writing included")
     parser.add_argument(
         "--dry-run", action="store_true", help="every part on a tiny model on the CPU (the harness only)"
@@ -339,9 +345,11 @@ def settings_from(args) -> Settings:
     if args.dry_run:
         settings = dry_settings()
         settings.profile = args.profile_generate or ""
+        settings.whole_gpu = not args.capped_only
         return settings
     return Settings(
         profile=args.profile_generate or "",
+        whole_gpu=not args.capped_only,
         batches=tuple(int(b) for b in args.batches.split(",")),
         generate_caps=tuple(args.caps.split(",")) if args.caps else (),
         rounds=args.rounds,

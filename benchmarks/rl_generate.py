@@ -12,7 +12,10 @@ measured here.
 
 from __future__ import annotations
 
+import cProfile
 import gc
+import io
+import pstats
 import time
 from pathlib import Path
 
@@ -225,14 +228,22 @@ def measure_capped(settings, model, cap: str, bandwidth, tflops, command, save, 
 
 def profile_call(model, ids, stem: Path, new_tokens: int = 16) -> None:
     """One ``generate`` call under torch's profiler: ``stem``.json.gz (a Chrome trace: the copy
-    stream beside the compute stream, the host's gaps) and ``stem``.txt (operators by host
-    time and kernels by device time)."""
+    stream beside the compute stream, the host's gaps), ``stem``.txt (operators by host
+    time and kernels by device time), and ``stem``.host.txt: a second call under cProfile
+    (the host's time by Python function, layerstream's hooks among them)."""
     from torch.profiler import ProfilerActivity, profile
 
     stem.parent.mkdir(parents=True, exist_ok=True)
     activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * torch.cuda.is_available()
     with profile(activities=activities) as prof:
         timed_call(model, ids, new_tokens)
+    host = cProfile.Profile()  # the host's time by Python function: decoding is launch-bound
+    host.enable()
+    timed_call(model, ids, new_tokens)
+    host.disable()
+    text = io.StringIO()
+    pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(45)
+    Path(str(stem) + ".host.txt").write_text(text.getvalue())
     prof.export_chrome_trace(str(stem) + ".json.gz")
     averages = prof.key_averages()
     sort = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
@@ -248,6 +259,11 @@ def measure_generation(settings, shape: dict, tflops, command: str, save, deadli
     stopped early keeps what it measured."""
     allocator_defaults()  # what `layerstream run` and capped.py give both sides
     bandwidth = copy_bandwidth_gbps()
+    if not settings.whole_gpu:  # the capped runs alone: nothing else holds GPU memory
+        model = build(shape)
+        for cap in settings.generate_caps:
+            measure_capped(settings, model, cap, bandwidth, tflops, command, save, deadline)
+        return
     models = {"none": build(shape).to(device()), "runtime": streamed(shape, settings, "auto")}
     models["all"] = streamed(shape, settings, None)
     layerstream.get_runtime(models["all"]).set_window(range(models["all"].config.num_hidden_layers))
