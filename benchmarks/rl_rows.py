@@ -46,9 +46,10 @@ def rows(runs: list) -> list:
 
 def generation_rows(runs: list) -> list:
     records = [run for run in runs if run.get("kind") == "generate"]
-    resident = {(r["model"], r["batch"]): r for r in records if r["mode"] == "resident"}
+    # a resident record pairs only with streamed ones of its own command: a ratio is same-run
+    resident = {(r["model"], r["batch"], r["command"]): r for r in records if r["mode"] == "resident"}
     streamed = [r for r in records if r["mode"] == "streamed"]
-    return [generation_row(r, resident.get((r["model"], r["batch"]))) for r in streamed]
+    return [generation_row(r, resident.get((r["model"], r["batch"], r["command"]))) for r in streamed]
 
 
 def generation_target(record) -> tuple:
