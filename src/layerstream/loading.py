@@ -167,6 +167,20 @@ def _load_module(module: nn.Module, prefix: str, reader: TensorReader, owners, r
     return missing
 
 
+def _pack_experts(layers: nn.ModuleList, path: str, files, dtype: torch.dtype) -> dict:
+    """Keep the experts of an MXFP4 checkpoint packed (``modules.packed_experts``): every
+    experts module of the meta layers whose blocks the files hold. Returns name -> PackedExperts."""
+    from .modules import packed_experts
+
+    packed = {}
+    for index, layer in enumerate(layers):
+        for name, module in layer.named_modules():
+            prefix = f"{layer_name(path, index)}.{name}"
+            if packed_experts.packable(module) and f"{prefix}.gate_up_proj_blocks" in files:
+                packed[prefix] = packed_experts.pack(module, dtype)
+    return packed
+
+
 def _return_freed_memory() -> None:
     """Give freed heap memory back to the OS (glibc keeps it otherwise).
 
@@ -393,17 +407,21 @@ def from_pretrained(
         config_stream = config_stream.replace(host_budget=host_budget)
     directory = _resolve(model_id, revision, allow_pickle)
     files = _weight_files(directory, allow_pickle)
-    stored_mxfp4 = mxfp4.quantization_of(directory)  # dequantised as each layer is read
+    stored_mxfp4 = mxfp4.quantization_of(directory)  # experts kept packed, or dequantised as read
+    keep_packed = stored_mxfp4 is not None
     if stored_mxfp4 is None:
         try:
             refuse_prequantized(directory, files)
         except LoadingError as exc:
             raise _transformers_can_load(exc) from None
     elif mxfp4.names_mxfp4(quantization_config):
-        quantization_config = None  # Mxfp4Config: dequantised, as the loader does with MXFP4 anyway
+        keep_packed = not mxfp4.asks_dequantise(quantization_config)  # Mxfp4Config(dequantize=True)
+        quantization_config = None
     if config is None:
         config = AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
     if stored_mxfp4 is not None:
+        # a config of the caller's that asks to dequantise (with NF4 on top: no second quantization_config)
+        keep_packed = keep_packed and not mxfp4.asks_dequantise(getattr(config, "quantization_config", None) or {})
         config = mxfp4.without_quantization(config)
     torch_dtype = resolve_dtype(dtype, config, files)
     quant_config = None
@@ -434,12 +452,16 @@ def from_pretrained(
         nf4.set_unquantised_dtype(model, torch_dtype)
     bnb_4bit_use_double_quant = quant_config.bnb_4bit_use_double_quant if quant_config is not None else True
     path, layers = find_decoder_layers(model)
+    packed = _pack_experts(layers, path, files, torch_dtype) if keep_packed else {}
+    if packed:  # the planner and the host memory check size the layers packed
+        setattr(config, mxfp4.PACKED, True)
+        setattr(model.config, mxfp4.PACKED, True)
     check_long_context(model, config_stream)  # before any weight is read
     if quantization == "nf4":
         _say_unquantised_weights(layers, path, torch_dtype)
     tied_head = getattr(config, "tie_word_embeddings", False)
     expected = _expected_tensors(model, path, layers)
-    quantizer_of_files = mxfp4.dequantizer(stored_mxfp4) if stored_mxfp4 is not None else None
+    quantizer_of_files = mxfp4.dequantizer(stored_mxfp4) if stored_mxfp4 is not None and not packed else None
     # transformers' renames, fused experts and MXFP4 dequantisation, per layer
     conversion = for_checkpoint(model, files, quantizer_of_files)
     validate_checkpoint(
@@ -449,7 +471,9 @@ def from_pretrained(
         may_be_missing=[name for name in expected if tied_head and name.endswith("lm_head.weight")],
         conversion=conversion,
     )
-    if stored_mxfp4 is not None:
+    if packed:
+        mxfp4.say_packed(directory, packed, len(layers))
+    elif stored_mxfp4 is not None:
         dequantised = conversion.dequantised(expected) if conversion is not None else []
         mxfp4.say_dequantised(directory, {name: expected[name] for name in dequantised}, len(layers))
     packed = None

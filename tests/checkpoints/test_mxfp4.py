@@ -1,12 +1,13 @@
-"""gpt-oss's published checkpoints are MXFP4: layerstream's loader reads them layer by layer,
-dequantising each layer's experts with transformers' own operation (one expert at a time),
-and gives the model transformers gives when it dequantises (on a machine without its MXFP4
-kernels, as this one), tensor for tensor and logit for logit."""
+"""gpt-oss's published checkpoints are MXFP4. Asked to dequantise (``Mxfp4Config(dequantize=True)``),
+layerstream's loader reads them layer by layer, dequantising each layer's experts with
+transformers' own operation (one expert at a time), and gives the model transformers gives
+when it dequantises (on a machine without its MXFP4 kernels, as this one), tensor for tensor
+and logit for logit. By default it keeps them packed: ``tests/modules/test_packed_experts.py``."""
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig, Mxfp4Config
 from transformers.integrations import mxfp4 as transformers_mxfp4
 
 import layerstream
@@ -16,6 +17,7 @@ from tiny import batch, portable_cpu_nf4, save_mxfp4_gpt_oss
 
 CPU = layerstream.StreamConfig(device="cpu", slots=2)
 LAYERS, EXPERTS = 3, 4
+DEQUANTISE = Mxfp4Config(dequantize=True)
 
 
 @pytest.fixture(scope="module")
@@ -66,13 +68,15 @@ def dequantisations(monkeypatch):
     return calls
 
 
-def test_an_mxfp4_checkpoint_loads_as_transformers_dequantises_it(
+def test_an_mxfp4_checkpoint_asked_dequantised_loads_as_transformers_dequantises_it(
     checkpoint, dequantised_by_transformers, dequantisations, caplog
 ):
     reference = dequantised_by_transformers
     assert reference.model.layers[0].mlp.experts.gate_up_proj.dtype == torch.bfloat16
     with caplog.at_level("WARNING", logger="layerstream"):
-        model = layerstream.from_pretrained(checkpoint, dtype=torch.bfloat16, device="cpu")
+        model = layerstream.from_pretrained(
+            checkpoint, dtype=torch.bfloat16, device="cpu", quantization_config=DEQUANTISE
+        )
     assert layerstream.is_streamed(model)
     assert _differences(model, reference) == []
     assert torch.equal(_logits(model), _logits(reference))
@@ -112,7 +116,7 @@ def test_the_comparison_catches_a_wrong_dequantisation(
             return real(blocks, scales, *args, **kwargs)
 
         monkeypatch.setattr(transformers_mxfp4, "dequantize_convertops", swapped)
-    model = layerstream.from_pretrained(target, dtype=torch.bfloat16, device="cpu")
+    model = layerstream.from_pretrained(target, dtype=torch.bfloat16, device="cpu", quantization_config=DEQUANTISE)
     differ = _differences(model, dequantised_by_transformers)
     if damage == "one-scale-changed":
         assert differ == ["model.layers.1.mlp.experts.down_proj"]
@@ -148,25 +152,50 @@ def test_nf4_of_an_mxfp4_checkpoint_is_nf4_of_its_dequantised_weights(
             tmp_path / "bf16", quantization_config=quant, dtype=torch.bfloat16, device_map="cpu"
         )
     )
-    model = layerstream.from_pretrained(checkpoint, quantization="nf4", dtype=torch.bfloat16, stream=CPU)
+    with pytest.raises(layerstream.LoadingError, match="give quantization='nf4' or quantization_config"):
+        layerstream.from_pretrained(checkpoint, quantization="nf4", stream=CPU, quantization_config=DEQUANTISE)
+    quant = dict(quantization="nf4", dtype=torch.bfloat16, stream=CPU)
+    model = layerstream.from_pretrained(checkpoint, **quant, config=_dequantising_config(checkpoint))
     assert model.is_loaded_in_4bit and model.model.layers[0].mlp.experts.gate_up_proj.dtype == torch.bfloat16
     assert _differences(model, reference) == []
     assert torch.equal(_logits(model), _logits(reference))
+    packed = layerstream.from_pretrained(checkpoint, **quant)  # the default: experts kept in MXFP4
+    assert "gate_up_proj" not in dict(packed.model.layers[0].mlp.experts.named_parameters())
+    assert torch.equal(_logits(packed), _logits(reference))
 
 
-def test_an_mxfp4_config_from_a_script_loads_the_same_dequantised_model(checkpoint, dequantised_by_transformers):
+def _dequantising_config(checkpoint):
+    """The checkpoint's config with its quantization_config set to dequantise, as a user
+    writes it to have transformers (and layerstream) dequantise with NF4 on top."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(checkpoint)
+    config.quantization_config = {**config.quantization_config, "dequantize": True}
+    return config
+
+
+def test_an_mxfp4_config_from_a_script_chooses_dequantised_or_packed(checkpoint, dequantised_by_transformers):
     """Scripts for gpt-oss pass Mxfp4Config(dequantize=True) (transformers dequantises then on
-    any machine): the loader dequantises anyway, so it changes nothing."""
-    from transformers import Mxfp4Config
-
-    model = layerstream.from_pretrained(
-        checkpoint, dtype=torch.bfloat16, stream=CPU, quantization_config=Mxfp4Config(dequantize=True)
-    )
+    any machine): dequantised Parameters, as transformers'. Mxfp4Config() alone asks for
+    MXFP4 kept: the experts stay packed. The logits are the same either way."""
+    model = layerstream.from_pretrained(checkpoint, dtype=torch.bfloat16, stream=CPU, quantization_config=DEQUANTISE)
     assert _differences(model, dequantised_by_transformers) == []
+    packed = layerstream.from_pretrained(
+        checkpoint, dtype=torch.bfloat16, stream=CPU, quantization_config=Mxfp4Config()
+    )
+    assert sorted(n for n, _ in packed.model.layers[0].mlp.experts.named_buffers()) == [
+        "down_proj_blocks",
+        "down_proj_scales",
+        "gate_up_proj_blocks",
+        "gate_up_proj_scales",
+    ]
+    assert torch.equal(_logits(packed), _logits(dequantised_by_transformers))
 
 
-def test_the_disk_tier_refuses_an_mxfp4_checkpoint_clearly(checkpoint):
+def test_the_disk_tier_refuses_an_mxfp4_checkpoint_it_dequantises_clearly(checkpoint):
     with pytest.raises(layerstream.LoadingError, match="MXFP4 experts it dequantises.*Raise host_budget"):
         layerstream.from_pretrained(
-            checkpoint, stream=layerstream.StreamConfig(device="cpu", slots=2, host_budget="460KiB")
+            checkpoint,
+            stream=layerstream.StreamConfig(device="cpu", slots=2, host_budget="460KiB"),
+            quantization_config=DEQUANTISE,
         )

@@ -57,6 +57,26 @@ def names_mxfp4(quantization_config) -> bool:
     return str(getattr(method, "value", method) or "").lower() == METHOD
 
 
+def asks_dequantise(quantization_config) -> bool:
+    """Whether a script's MXFP4 config asks for dequantised experts (``Mxfp4Config(dequantize=True)``)."""
+    if isinstance(quantization_config, Mapping):
+        return bool(quantization_config.get("dequantize", False))
+    return bool(getattr(quantization_config, "dequantize", False))
+
+
+def keeps_packed(config) -> bool:
+    """Whether a model of ``config`` holds its experts packed in MXFP4 (``modules.packed_experts``):
+    one loaded so by layerstream (its config carries ``PACKED``), or a checkpoint's config that
+    names MXFP4 without asking to dequantise (what the loader keeps packed by default)."""
+    if getattr(config, PACKED, False):
+        return True
+    quantization = getattr(config, "quantization_config", None)
+    return quantization is not None and names_mxfp4(quantization) and not asks_dequantise(quantization)
+
+
+PACKED = "layerstream_packed_experts"  # a config attribute: the experts stay MXFP4 (the planner reads it)
+
+
 def dequantizer(quantization: dict):
     """transformers' quantizer for this pre-quantised MXFP4 checkpoint, set to dequantise (as
     it sets itself without its kernels): what transformers' conversion mapping needs to map
@@ -112,4 +132,26 @@ def say_dequantised(directory, dequantised: Mapping[str, torch.Tensor], layers: 
         size(stored / per_layer),
         size(held),
         layers,
+    )
+
+
+def say_packed(directory, packed: Mapping[str, object], layers: int) -> None:
+    """Say once that the experts stay in MXFP4, what they take, and how to dequantise instead
+    (``packed``: experts module name -> its ``PackedExperts``)."""
+    if not packed:
+        return
+    per_layer = max(layers, 1)
+    dequantised = sum(p.dequantised_bytes() for p in packed.values())
+    stored = sum(e * i * o // 2 + e * i * o // 32 for p in packed.values() for e, i, o in p.shapes.values())
+    dtype = str(next(iter(packed.values())).dtype).replace("torch.", "")
+    logger.warning(
+        "layerstream: %s stores its experts in MXFP4; they stay so in host memory and on their way to the "
+        "GPU (%s per layer, %s dequantised), and each experts call dequantises them to %s where it runs, with "
+        "transformers' own function: the values transformers' dequantising load holds, bit for bit. For "
+        "dequantised expert Parameters instead (LoRA on the experts needs them), pass "
+        "quantization_config=Mxfp4Config(dequantize=True).",
+        directory,
+        size(stored / per_layer),
+        size(dequantised / per_layer),
+        dtype,
     )

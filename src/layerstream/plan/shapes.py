@@ -17,8 +17,9 @@ from typing import List, Tuple, Union
 
 import torch
 
+from ..checkpoints import mxfp4
 from ..checkpoints.paths import missing_directory
-from ..modules import nf4
+from ..modules import nf4, packed_experts
 from ..modules.discovery import find_decoder_layers, layer_name
 from ..modules.meta import meta_model
 from ..tiers.store import HostStore, region_bytes
@@ -125,6 +126,8 @@ class LayerShape:
         times, plus a shared expert), from the config, for the working-set estimate.
     top_k: experts each token is routed to (0 in a layer without an expert stack).
     qk_norm: the attention normalises each head's query and key (their float32 copies).
+    dequantised: bytes an experts call holds dequantised from MXFP4 stacks (``params`` lists
+        the Parameters they stand for; the stacks are in ``tensors``), 0 where none are packed.
     """
 
     tensors: Tuple[TensorShape, ...]
@@ -133,6 +136,7 @@ class LayerShape:
     mlp_width: int
     top_k: int = 0
     qk_norm: bool = False
+    dequantised: int = 0
 
     @property
     def sparse(self) -> bool:
@@ -244,6 +248,9 @@ def build_meta_model(config, dtype):
 def _measure(config, dtype: torch.dtype) -> ModelShape:
     model = build_meta_model(config, dtype)
     path, layers = find_decoder_layers(model)
+    if mxfp4.keeps_packed(config):  # as the loader keeps an MXFP4 checkpoint's experts
+        for module in [m for layer in layers for m in layer.modules() if packed_experts.packable(m)]:
+            packed_experts.pack(module, dtype)
     quantised = {id(module.weight) for module in nf4.quantised_on_load(model).values()}
     in_layers = {id(t) for layer in layers for t in (*layer.parameters(), *layer.buffers())}
     shapes = tuple(
@@ -283,18 +290,23 @@ def _layer_shape(config, layer: torch.nn.Module, name: str, quantised: set) -> L
         packed = entry.kind == "_parameters" and id(entry.current()) in quantised
         local = entry.qualified_name[len(name) + 1 :]
         tensors.append(TensorShape(local, entry.shape, entry.dtype, entry.kind == "_buffers", packed))
-    linears, params = [], []
+    linears, params, dequantised = [], [], 0
     for module_name, module in layer.named_modules():
         if type(module) is torch.nn.Linear or isinstance(module, Conv1D):
             weight = module.weight  # (out, in); a Conv1D's is (in, out)
             in_out = tuple(weight.shape) if isinstance(module, Conv1D) else tuple(weight.shape[::-1])
             linears.append(LinearShape(module_name, *in_out, module.bias is not None, id(weight) in quantised))
             continue
-        for param_name, param in module.named_parameters(recurse=False):
-            if param.dim() >= 2 and param.is_floating_point():
+        weights = [(n, tuple(p.shape)) for n, p in module.named_parameters(recurse=False) if p.is_floating_point()]
+        packed = packed_experts.packed_of(module)
+        if packed is not None:  # MXFP4 stacks: the Parameters they stand for
+            weights += list(packed.shapes.items())
+            dequantised += packed.dequantised_bytes()
+        for param_name, shape in weights:
+            if len(shape) >= 2:
                 full = f"{module_name}.{param_name}" if module_name else param_name
-                out_features, in_features = param.shape[-2:]
-                params.append(ParamShape(full, math.prod(param.shape[:-2]), in_features, out_features))
+                out_features, in_features = shape[-2:]
+                params.append(ParamShape(full, math.prod(shape[:-2]), in_features, out_features))
     top_k = int(_get(config, "num_experts_per_tok", 2)) if any(p.experts > 1 for p in params) else 0
     mlp = [linear.out_features for linear in linears if linear.name.startswith("mlp.")]
     width = int(_get(config, "intermediate_size", 0) or 0) or max(mlp, default=0)  # GPT-2 has no intermediate_size
@@ -302,7 +314,7 @@ def _layer_shape(config, layer: torch.nn.Module, name: str, quantised: set) -> L
         width = top_k * int(_get(config, "moe_intermediate_size", width))
         width += int(_get(config, "shared_expert_intermediate_size", 0) or 0)
     qk_norm = any(t.name.endswith(("q_norm.weight", "k_norm.weight")) for t in tensors)
-    return LayerShape(tuple(tensors), tuple(linears), tuple(params), width, top_k, qk_norm)
+    return LayerShape(tuple(tensors), tuple(linears), tuple(params), width, top_k, qk_norm, dequantised)
 
 
 def layer_shapes(config, dtype=torch.bfloat16) -> List[LayerShape]:

@@ -165,7 +165,8 @@ def layer_working_bytes(
                 size = lin.in_features * lin.out_features * elem
                 mlp_weights += size
                 attention_weights += 0 if _is_mlp(lin.name) else size
-    mlp_phase = tokens * mlp_phase_per_token + mlp_tokens * mlp_per_token + merged + mlp_weights
+    # packed MXFP4 experts: the call's dequantised stacks, alive through the MLP's backward
+    mlp_phase = tokens * mlp_phase_per_token + mlp_tokens * mlp_per_token + merged + mlp_weights + shape.dequantised
     attention_phase = tokens * attention_phase_per_token + attention_weights
     if norms_tiled:
         return max(mlp_phase, attention_phase)

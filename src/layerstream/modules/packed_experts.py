@@ -1,0 +1,133 @@
+"""Expert stacks kept in MXFP4, as gpt-oss is published, and dequantised where they compute.
+
+Why: gpt-oss stores its expert projections in MXFP4, 4.25 bits a value. Dequantised to
+bf16 they take almost four times as much: 5.9 GiB a layer of gpt-oss-120b, 214 GiB in all,
+more host memory than the users it is for have, and four times the bytes each copy to the
+GPU moves. So layerstream's loader keeps them as the checkpoint holds them: the experts
+module's ``gate_up_proj`` and ``down_proj`` Parameters are replaced by the checkpoint's
+``<proj>_blocks`` and ``<proj>_scales`` (uint8 buffers, streamed like any other tensor of
+the layer), and each call of the module dequantises them on the device it runs on, with
+transformers' own function (``convert_moe_packed_tensors``), into the tensors its forward
+reads under the old names; they are dropped when the call returns (autograd keeps what
+the backward needs, as for any tensor a forward reads).
+
+Exactness: ``convert_moe_packed_tensors`` computes each value from its own byte and its
+block's exponent (a table lookup and a multiplication by a power of two, exact in bf16), on
+any device, so the tensors a call reads are those transformers' dequantising load holds, bit
+for bit, and the model computes what that model computes. The loader's tests compare both.
+
+A call dequantises the experts in groups (``GROUP_BYTES`` of output at a time) into one
+tensor per projection: transformers' function holds its output, an int32 index per value
+and a transposed copy at once, which for a whole gpt-oss-120b projection would be three
+times its 4.2 GiB.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+PROJECTIONS = ("gate_up_proj", "down_proj")
+BLOCK = 32  # values per MXFP4 block (one exponent each), 16 bytes of two values
+GROUP_BYTES = 256 << 20  # dequantised output per call of transformers' function
+_ATTRIBUTE = "_layerstream_packed"
+
+
+class PackedExperts:
+    """What a packed experts module needs at each call: the dtype its projections are
+    dequantised to (the model's, as transformers' dequantising load gives them) and the
+    shape of each ([experts, in, out], the Parameter it replaces)."""
+
+    def __init__(self, dtype: torch.dtype, shapes: dict):
+        self.dtype = dtype
+        self.shapes = shapes
+        self.handles = []
+
+    def dequantised_bytes(self) -> int:
+        """What one call holds dequantised: every projection of every expert."""
+        return sum(int(torch.Size(shape).numel()) for shape in self.shapes.values()) * self.dtype.itemsize
+
+
+def packable(module: nn.Module) -> bool:
+    """Whether ``module`` is an experts module holding gpt-oss's two projections as stacks
+    ``[experts, in, out]`` whose inputs divide into MXFP4 blocks."""
+    params = getattr(module, "_parameters", {})
+    return all(
+        isinstance(params.get(proj), torch.Tensor) and params[proj].dim() == 3 and params[proj].shape[1] % BLOCK == 0
+        for proj in PROJECTIONS
+    )
+
+
+def pack(module: nn.Module, dtype: torch.dtype) -> PackedExperts:
+    """Replace the module's projections (on the meta device: before loading) by MXFP4 blocks
+    and scales laid out as the checkpoint stores them, and dequantise them at each call.
+
+    A projection ``[experts, in, out]`` is stored transposed: blocks ``[experts, out, in / 32,
+    16]`` and scales ``[experts, out, in / 32]``."""
+    shapes = {}
+    for proj in PROJECTIONS:
+        param = module._parameters.pop(proj)
+        experts, inputs, outputs = param.shape
+        shapes[proj] = (experts, inputs, outputs)
+        groups = (experts, outputs, inputs // BLOCK)
+        module.register_buffer(f"{proj}_blocks", torch.empty(*groups, BLOCK // 2, dtype=torch.uint8, device="meta"))
+        module.register_buffer(f"{proj}_scales", torch.empty(*groups, dtype=torch.uint8, device="meta"))
+    packed = PackedExperts(dtype, shapes)
+    setattr(module, _ATTRIBUTE, packed)
+    packed.handles = [
+        module.register_forward_pre_hook(_bind),
+        module.register_forward_hook(_unbind, always_call=True),
+    ]
+    return packed
+
+
+def packed_of(module: nn.Module) -> Optional[PackedExperts]:
+    return getattr(module, _ATTRIBUTE, None)
+
+
+def packed_modules(model: nn.Module):
+    """(name, module, PackedExperts) for every packed experts module of ``model``."""
+    for name, module in model.named_modules():
+        packed = packed_of(module)
+        if packed is not None:
+            yield name, module, packed
+
+
+def dequantised_bytes(model: nn.Module) -> int:
+    """The most one packed experts call of ``model`` holds dequantised (0: none packed)."""
+    return max((packed.dequantised_bytes() for _, _, packed in packed_modules(model)), default=0)
+
+
+def dequantise(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[experts, in, out]`` in ``dtype`` from MXFP4 blocks and scales, on their device, with
+    transformers' function, a group of experts at a time."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    experts, outputs, groups, _ = blocks.shape
+    inputs = groups * BLOCK
+    out = torch.empty(experts, inputs, outputs, dtype=dtype, device=blocks.device)
+    per_expert = inputs * outputs * dtype.itemsize
+    step = max(1, GROUP_BYTES // max(per_expert, 1))
+    for first in range(0, experts, step):
+        part = convert_moe_packed_tensors(blocks[first : first + step], scales[first : first + step], dtype=dtype)
+        out[first : first + step].copy_(part)  # transformers moves a part it ran out of memory for to the host
+    return out
+
+
+def _bind(module: nn.Module, args) -> None:
+    """Before the call: the projections, dequantised from the blocks and scales bound now
+    (a streamed layer's are in its slot by then), under the names the forward reads."""
+    packed = packed_of(module)
+    with torch.no_grad():
+        for proj in PROJECTIONS:
+            module.__dict__[proj] = dequantise(
+                module._buffers[f"{proj}_blocks"], module._buffers[f"{proj}_scales"], packed.dtype
+            )
+
+
+def _unbind(module: nn.Module, args, output) -> None:
+    """After the call, also one that raised: the dequantised tensors are the module's no more."""
+    for proj in PROJECTIONS:
+        module.__dict__.pop(proj, None)

@@ -1,0 +1,156 @@
+"""gpt-oss's MXFP4 experts kept packed (``modules.packed_experts``): the loader keeps the
+checkpoint's blocks and scales, streams them, and each experts call dequantises them with
+transformers' own function. The model computes, trains and generates exactly as the model
+transformers' dequantising load gives (on a machine without its MXFP4 kernels, as this one),
+with more layers than slots; the host store, the copies and the plan hold a quarter of the
+bytes."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from peft import get_peft_model
+from transformers import AutoModelForCausalLM
+from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+import layerstream
+from layerstream import plan
+from layerstream.modules import packed_experts
+
+from tiny import batch, lora_config, save_mxfp4_gpt_oss
+
+LAYERS = 3
+CPU = layerstream.StreamConfig(device="cpu", slots=2)
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return save_mxfp4_gpt_oss(tmp_path_factory.mktemp("packed") / "gpt-oss", layers=LAYERS)
+
+
+def _dequantised(checkpoint, device="cpu"):
+    """The reference: transformers' own load, which dequantises MXFP4 to bf16 without its kernels."""
+    return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16).to(device)
+
+
+def _packed(checkpoint, device="cpu"):
+    stream = layerstream.StreamConfig(device=device, slots=2)
+    return layerstream.from_pretrained(checkpoint, dtype=torch.bfloat16, stream=stream).to(device)
+
+
+def _logits(model):
+    with torch.no_grad():
+        return model(input_ids=batch(96, seq=12, device=model.device)).logits
+
+
+def test_packed_experts_give_the_dequantised_models_logits_and_tokens(checkpoint, device):
+    reference, model = _dequantised(checkpoint, device), _packed(checkpoint, device)
+    runtime = layerstream.get_runtime(model)
+    assert len(runtime.records) > runtime.config.slots
+    experts = model.model.layers[1].mlp.experts
+    assert "gate_up_proj" not in dict(experts.named_parameters())
+    assert experts.gate_up_proj_blocks.dtype == torch.uint8
+    assert torch.equal(_logits(model), _logits(reference))
+    assert "gate_up_proj" not in experts.__dict__  # dropped once the call returned
+    prompt = batch(96, size=1, seq=6, device=device)
+    settings = dict(max_new_tokens=8, do_sample=False, min_new_tokens=8)
+    assert torch.equal(model.generate(prompt, **settings), reference.generate(prompt, **settings))
+    dense = sum(p.numel() * p.element_size() for p in reference.model.layers[0].mlp.experts.parameters())
+    assert runtime.records[0].nbytes < dense  # blocks and scales: about a quarter of bf16
+
+
+def test_a_wrong_dequantisation_is_caught(checkpoint, monkeypatch):
+    """Negative control: the two FP4 values of each byte taken in the other order change the
+    logits, so the comparisons here can fail."""
+    reference = _dequantised(checkpoint)
+    real = packed_experts.dequantise
+
+    def swapped(blocks, scales, dtype):
+        return real((blocks << 4) | (blocks >> 4), scales, dtype)
+
+    model = _packed(checkpoint)
+    monkeypatch.setattr(packed_experts, "dequantise", swapped)
+    assert not torch.equal(_logits(model), _logits(reference))
+
+
+def _lora_step_results(model, steps: int = 2):
+    """Losses and every LoRA gradient of a few AdamW steps of attention LoRA (non-zero B,
+    TRL's default dropout), seeded alike."""
+    torch.manual_seed(0)
+    config = lora_config(target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], lora_dropout=0.05)
+    peft = get_peft_model(model, config)
+    peft.train()
+    optimizer = torch.optim.AdamW([p for p in peft.parameters() if p.requires_grad], lr=1e-2)
+    ids = batch(96, seq=12, device=peft.device)
+    losses, grads = [], []
+    torch.manual_seed(1)
+    for _ in range(steps):
+        loss = peft(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append({n: p.grad.clone() for n, p in peft.named_parameters() if p.requires_grad})
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses, grads
+
+
+def test_training_with_packed_experts_equals_training_the_dequantised_model(checkpoint, device):
+    reference_losses, reference_grads = _lora_step_results(_dequantised(checkpoint, device))
+    losses, grads = _lora_step_results(_packed(checkpoint, device))
+    assert [float(x) for x in losses] == [float(x) for x in reference_losses]
+    for ours, theirs in zip(grads, reference_grads):
+        assert ours.keys() == theirs.keys() and len(ours) == 4 * 2 * LAYERS
+        assert all(torch.equal(ours[name], theirs[name]) for name in theirs)
+
+
+def test_the_dequantised_stacks_leave_the_module_even_when_its_call_fails(checkpoint):
+    experts = _packed(checkpoint).model.layers[0].mlp.experts
+    hidden = torch.zeros(2, 64, dtype=torch.bfloat16)
+    with pytest.raises(IndexError):  # two tokens, routing for three
+        experts(hidden, torch.zeros(3, 2, dtype=torch.long), torch.ones(3, 2, dtype=torch.bfloat16))
+    assert "gate_up_proj" not in experts.__dict__ and "down_proj" not in experts.__dict__
+    assert experts(hidden, torch.zeros(2, 2, dtype=torch.long), torch.ones(2, 2, dtype=torch.bfloat16)).shape == (2, 64)
+
+
+def test_dequantising_a_group_of_experts_at_a_time_gives_transformers_whole_result(monkeypatch):
+    generator = torch.Generator().manual_seed(3)
+    blocks = torch.randint(0, 256, (5, 64, 2, 16), dtype=torch.uint8, generator=generator)
+    scales = torch.randint(118, 132, (5, 64, 2), dtype=torch.uint8, generator=generator)
+    whole = convert_moe_packed_tensors(blocks, scales, dtype=torch.bfloat16)
+    monkeypatch.setattr(packed_experts, "GROUP_BYTES", 2 * 64 * 64 * 2)  # two experts a group
+    assert torch.equal(packed_experts.dequantise(blocks, scales, torch.bfloat16), whole)
+    assert not torch.equal(packed_experts.dequantise(blocks, scales.flip(0), torch.bfloat16), whole)
+
+
+def test_the_plan_sizes_packed_layers_as_the_store_holds_them(checkpoint):
+    model = _packed(checkpoint)
+    stored = [record.nbytes for record in layerstream.get_runtime(model).records]
+    assert plan.layer_bytes(model.config, "none", torch.bfloat16) == stored
+    shape = plan.layer_shapes(model.config)[0]
+    assert shape.dequantised == packed_experts.dequantised_bytes(model) > 0
+    assert {p.name for p in shape.params} >= {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"}
+    assert shape.sparse  # still a mixture of experts to the plan
+
+
+def test_the_plan_of_gpt_oss_as_published_keeps_its_experts_packed():
+    """gpt-oss-120b's config as published (quant_method "mxfp4"): the plan's layers are the
+    files' bytes, not bf16's (5.9 GiB a layer), unless the config asks to dequantise."""
+    from transformers import AutoConfig
+
+    raw = json.loads((ROOT / "configs" / "shapes" / "gpt-oss-120b.json").read_text())
+    raw.setdefault("quantization_config", {"quant_method": "mxfp4"})
+    config = AutoConfig.for_model(**raw)
+    packed = max(plan.layer_bytes(config, "none", torch.bfloat16))
+    config.quantization_config = {**config.quantization_config, "dequantize": True}
+    dequantised = max(plan.layer_bytes(config, "none", torch.bfloat16))
+    assert 1.5 * 2**30 < packed < 1.7 * 2**30 < 5.8 * 2**30 < dequantised
+
+
+def test_the_disk_tier_reads_packed_layers_straight_from_the_files(checkpoint):
+    reference = _dequantised(checkpoint)
+    stream = layerstream.StreamConfig(device="cpu", slots=2, host_budget="200KiB")
+    model = layerstream.from_pretrained(checkpoint, dtype=torch.bfloat16, stream=stream)
+    assert layerstream.get_runtime(model).disk is not None
+    assert torch.equal(_logits(model), _logits(reference))
