@@ -17,10 +17,11 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 import layerstream
 from layerstream import plan
 from layerstream.modules import packed_experts
+from layerstream.runtime import experts as by_need
 
 from tiny import batch, lora_config, save_mxfp4_gpt_oss
 
-LAYERS = 3
+LAYERS, ROUTED = 3, 16
 CPU = layerstream.StreamConfig(device="cpu", slots=2)
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -28,6 +29,12 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     return save_mxfp4_gpt_oss(tmp_path_factory.mktemp("packed") / "gpt-oss", layers=LAYERS)
+
+
+@pytest.fixture(scope="module")
+def many_experts(tmp_path_factory):
+    """16 experts, 2 a token: a pass of a few tokens copies by need."""
+    return save_mxfp4_gpt_oss(tmp_path_factory.mktemp("routed") / "gpt-oss", layers=LAYERS, experts=ROUTED)
 
 
 def _dequantised(checkpoint, device="cpu"):
@@ -67,15 +74,62 @@ def test_a_wrong_dequantisation_is_caught(checkpoint, monkeypatch):
     reference = _dequantised(checkpoint)
     real = packed_experts.dequantise
 
-    def swapped(blocks, scales, dtype):
-        return real((blocks << 4) | (blocks >> 4), scales, dtype)
+    def swapped(blocks, scales, *args):
+        return real((blocks << 4) | (blocks >> 4), scales, *args)
 
     model = _packed(checkpoint)
     monkeypatch.setattr(packed_experts, "dequantise", swapped)
     assert not torch.equal(_logits(model), _logits(reference))
 
 
-def _lora_step_results(model, steps: int = 2):
+def test_short_passes_copy_and_dequantise_only_the_chosen_experts(many_experts, device, monkeypatch):
+    """A token step of generation copies the packed rows of the experts the router chose,
+    dequantises those, and generates the reference's tokens; one chosen expert wrongly
+    skipped (the negative control) changes the logits."""
+    reference, model = _dequantised(many_experts, device), _packed(many_experts, device)
+    prompt = batch(96, size=1, seq=3, device=device)
+    settings = dict(max_new_tokens=8, do_sample=False, min_new_tokens=8)
+    dequantised_rows = []
+    real = packed_experts.dequantise
+
+    def counted(blocks, scales, dtype, rows=None):
+        dequantised_rows.append(blocks.shape[0] if rows is None else len(set(rows)))
+        return real(blocks, scales, dtype, rows)
+
+    monkeypatch.setattr(packed_experts, "dequantise", counted)
+    assert torch.equal(model.generate(prompt, **settings), reference.generate(prompt, **settings))
+    stats = layerstream.get_runtime(model).stats()
+    assert 0 < stats["experts_copied"] < stats["expert_visits"] * ROUTED / 2
+    # the 3-token prompt's chosen (at most 6), then each token step's (at most 2), never all 16
+    assert max(dequantised_rows) <= 3 * 2 and min(dequantised_rows) <= 2
+    chosen = by_need._chosen_rows
+    monkeypatch.setattr(by_need, "_chosen_rows", lambda *a: chosen(*a)[1:])
+    skipped = _packed(many_experts, device)
+    one_token = batch(96, size=1, seq=1, device=device)
+    with torch.no_grad():
+        assert not torch.equal(skipped(input_ids=one_token).logits, reference(input_ids=one_token).logits)
+
+
+def test_window_layers_dequantise_only_the_chosen_experts_too(many_experts, monkeypatch):
+    """Layers kept on the device for good hold whole stacks, yet a short pass's call still
+    reads only the chosen experts: it dequantises only theirs, and generates the same tokens."""
+    reference, model = _dequantised(many_experts), _packed(many_experts)
+    layerstream.get_runtime(model).set_window(range(LAYERS))
+    dequantised_rows = []
+    real = packed_experts.dequantise
+
+    def counted(blocks, scales, dtype, rows=None):
+        dequantised_rows.append(blocks.shape[0] if rows is None else len(set(rows)))
+        return real(blocks, scales, dtype, rows)
+
+    monkeypatch.setattr(packed_experts, "dequantise", counted)
+    prompt, settings = batch(96, size=1, seq=3), dict(max_new_tokens=6, do_sample=False, min_new_tokens=6)
+    assert torch.equal(model.generate(prompt, **settings), reference.generate(prompt, **settings))
+    assert layerstream.get_runtime(model).stats()["experts_copied"] == 0
+    assert dequantised_rows and max(dequantised_rows) <= 3 * 2
+
+
+def _lora_step_results(model, steps: int = 2, size: int = 2, seq: int = 12):
     """Losses and every LoRA gradient of a few AdamW steps of attention LoRA (non-zero B,
     TRL's default dropout), seeded alike."""
     torch.manual_seed(0)
@@ -83,7 +137,7 @@ def _lora_step_results(model, steps: int = 2):
     peft = get_peft_model(model, config)
     peft.train()
     optimizer = torch.optim.AdamW([p for p in peft.parameters() if p.requires_grad], lr=1e-2)
-    ids = batch(96, seq=12, device=peft.device)
+    ids = batch(96, size=size, seq=seq, device=peft.device)
     losses, grads = [], []
     torch.manual_seed(1)
     for _ in range(steps):
@@ -102,6 +156,17 @@ def test_training_with_packed_experts_equals_training_the_dequantised_model(chec
     assert [float(x) for x in losses] == [float(x) for x in reference_losses]
     for ours, theirs in zip(grads, reference_grads):
         assert ours.keys() == theirs.keys() and len(ours) == 4 * 2 * LAYERS
+        assert all(torch.equal(ours[name], theirs[name]) for name in theirs)
+
+
+def test_training_on_short_rows_copies_by_need_and_equals_the_dequantised_model(many_experts):
+    reference_losses, reference_grads = _lora_step_results(_dequantised(many_experts), size=1, seq=2)
+    model = _packed(many_experts)
+    losses, grads = _lora_step_results(model, size=1, seq=2)
+    stats = layerstream.get_runtime(model).stats()
+    assert 0 < stats["experts_copied"] < stats["expert_visits"] * ROUTED / 2
+    assert [float(x) for x in losses] == [float(x) for x in reference_losses]
+    for ours, theirs in zip(grads, reference_grads):
         assert all(torch.equal(ours[name], theirs[name]) for name in theirs)
 
 

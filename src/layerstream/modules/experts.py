@@ -22,6 +22,8 @@ from typing import List, Optional
 import torch
 from torch import nn
 
+from .packed_experts import packed_of
+
 # experts classes whose decoder layer reads the stacks only by calling the module, with the
 # chosen experts as its second argument
 CHECKED = frozenset(
@@ -62,7 +64,9 @@ def find(record) -> List[ExpertStacks]:
     for position, entry in enumerate(record.entries):
         module = entry.module
         experts = getattr(module, "num_experts", None)
-        if entry.kind != "_parameters" or not isinstance(experts, int) or experts < 2:
+        # MXFP4 stacks kept packed are buffers (``packed_experts``): a row per expert too
+        stacked = entry.kind == "_parameters" or (entry.kind == "_buffers" and packed_of(module) is not None)
+        if not stacked or not isinstance(experts, int) or experts < 2:
             continue
         if len(entry.shape) >= 2 and entry.shape[0] == experts:
             by_module.setdefault(id(module), (module, entry.qualified_name, []))[2].append(position)

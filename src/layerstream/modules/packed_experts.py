@@ -24,7 +24,7 @@ times its 4.2 GiB.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -44,6 +44,9 @@ class PackedExperts:
         self.dtype = dtype
         self.shapes = shapes
         self.handles = []
+        # the experts the next call reads, where the runtime copied only those (None: all);
+        # set by the runtime's hook just before this module's own, for that call only
+        self.rows: Optional[List[int]] = None
 
     def dequantised_bytes(self) -> int:
         """What one call holds dequantised: every projection of every expert."""
@@ -100,9 +103,12 @@ def dequantised_bytes(model: nn.Module) -> int:
     return max((packed.dequantised_bytes() for _, _, packed in packed_modules(model)), default=0)
 
 
-def dequantise(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def dequantise(
+    blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, rows: Optional[List[int]] = None
+) -> torch.Tensor:
     """``[experts, in, out]`` in ``dtype`` from MXFP4 blocks and scales, on their device, with
-    transformers' function, a group of experts at a time."""
+    transformers' function, a group of experts at a time; with ``rows``, only those experts'
+    (the others' rows are left as allocated: the call reads only the experts it chose)."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
     experts, outputs, groups, _ = blocks.shape
@@ -110,20 +116,40 @@ def dequantise(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -
     out = torch.empty(experts, inputs, outputs, dtype=dtype, device=blocks.device)
     per_expert = inputs * outputs * dtype.itemsize
     step = max(1, GROUP_BYTES // max(per_expert, 1))
-    for first in range(0, experts, step):
-        part = convert_moe_packed_tensors(blocks[first : first + step], scales[first : first + step], dtype=dtype)
-        out[first : first + step].copy_(part)  # transformers moves a part it ran out of memory for to the host
+    for first, past in _runs(range(experts) if rows is None else sorted(set(rows))):
+        for start in range(first, past, step):
+            end = min(start + step, past)
+            part = convert_moe_packed_tensors(blocks[start:end], scales[start:end], dtype=dtype)
+            out[start:end].copy_(part)  # transformers moves a part it ran out of memory for to the host
     return out
+
+
+def _runs(rows) -> List[Tuple[int, int]]:
+    """Sorted rows as [first, past) runs of consecutive ones."""
+    runs: List[Tuple[int, int]] = []
+    for row in rows:
+        if runs and runs[-1][1] == row:
+            runs[-1] = (runs[-1][0], row + 1)
+        else:
+            runs.append((row, row + 1))
+    return runs
+
+
+def keeps_choice(hook) -> bool:
+    """Whether a forward pre-hook is a packed module's own, which reads the chosen experts and
+    changes nothing a call reads."""
+    return hook is _bind
 
 
 def _bind(module: nn.Module, args) -> None:
     """Before the call: the projections, dequantised from the blocks and scales bound now
     (a streamed layer's are in its slot by then), under the names the forward reads."""
     packed = packed_of(module)
+    rows, packed.rows = packed.rows, None
     with torch.no_grad():
         for proj in PROJECTIONS:
             module.__dict__[proj] = dequantise(
-                module._buffers[f"{proj}_blocks"], module._buffers[f"{proj}_scales"], packed.dtype
+                module._buffers[f"{proj}_blocks"], module._buffers[f"{proj}_scales"], packed.dtype, rows
             )
 
 

@@ -31,6 +31,7 @@ from torch import nn
 
 from ..decisions import experts as decide
 from ..modules import experts as stacks_of
+from ..modules import packed_experts
 
 
 class ExpertsByNeed:
@@ -74,7 +75,11 @@ class ExpertsByNeed:
         for stack in found:
             if id(stack.module) not in self._hooks:
                 hook = self._hook(record.index)
-                self._hooks[id(stack.module)] = stack.module.register_forward_pre_hook(hook, with_kwargs=True)
+                # before a packed module's own hook, which dequantises the rows this one copies
+                first = packed_experts.packed_of(stack.module) is not None
+                self._hooks[id(stack.module)] = stack.module.register_forward_pre_hook(
+                    hook, with_kwargs=True, prepend=first
+                )
 
     def start_pass(self, hidden: Optional[torch.Tensor]) -> None:
         """Decide for the pass that starts with ``hidden`` (batch x seq x hidden)."""
@@ -106,18 +111,26 @@ class ExpertsByNeed:
         return before_experts
 
     def _complete(self, record, stack, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        """Copy into the slot the rows of the experts this call reads that it lacks."""
+        """Copy into the slot the rows of the experts this call reads that it lacks, and tell
+        a packed module (``packed_experts``) to dequantise only those where it reads no other."""
+        packed = packed_experts.packed_of(module)
+        if packed is not None:
+            packed.rows = None  # every row, unless this call is known to read only the chosen
         tensors = [_bound(module, record.entries[p].name) for p in stack.positions]
         slot = self.pool.slot_of_pointer(tensors[0].data_ptr())
-        if slot is None:
-            return  # on the host (not streaming) or in the window: whole
+        reads_chosen = self.by_need and stack.by_need and self._last_hook(module)
+        if slot is None:  # in the window: whole
+            if packed is not None and reads_chosen:
+                packed.rows = _chosen_rows(module, stack, args, kwargs)
+            return
         self.visits += 1
         present = self.pool.rows_present[slot]
         if present is None or not stack.by_need:
             return
         held = present.setdefault(id(module), set())  # each stack's own rows
-        reads_chosen = self.by_need and self._last_hook(module)
         wanted = _chosen_rows(module, stack, args, kwargs) if reads_chosen else range(stack.experts)
+        if packed is not None and reads_chosen:
+            packed.rows = list(wanted)
         missing = [row for row in wanted if row not in held]
         if not missing:
             return
@@ -136,8 +149,11 @@ class ExpertsByNeed:
         """Whether this runtime's hook is the last before the module's forward: a hook added
         after it may change which experts the forward reads (then every row is copied)."""
         handle = self._hooks.get(id(module))
-        hooks = module._forward_pre_hooks
-        return handle is not None and bool(hooks) and next(reversed(hooks)) == handle.id
+        ids = list(module._forward_pre_hooks)
+        if handle is None or handle.id not in ids:
+            return False
+        later = [module._forward_pre_hooks[i] for i in ids[ids.index(handle.id) + 1 :]]
+        return all(packed_experts.keeps_choice(hook) for hook in later)
 
     def complete(self, index: int, slot: int) -> None:
         """Copy every row layer ``index`` lacks in ``slot``: before code other than the
@@ -171,9 +187,11 @@ class ExpertsByNeed:
 
 def _bound(module: nn.Module, name: str) -> torch.Tensor:
     """The tensor the experts module computes with under ``name`` now (PEFT's adapter on
-    the stack moves it into a parametrization's ``original``)."""
+    the stack moves it into a parametrization's ``original``; a packed stack is a buffer)."""
     if nn.utils.parametrize.is_parametrized(module, name):
         return module.parametrizations[name].original
+    if name in module._buffers:
+        return module._buffers[name]
     return module._parameters[name]
 
 
