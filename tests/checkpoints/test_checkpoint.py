@@ -246,14 +246,14 @@ def test_a_prequantised_checkpoint_is_refused_with_what_to_load_instead(prequant
         prequantized,
         loads,
         r"pre-quantised checkpoint \(config.json has a quantization_config "
-        r"\(bitsandbytes\)\); pre-quantised checkpoints other than MXFP4 \(gpt-oss, dequantised as "
-        r"it is read\) are not read by layerstream's loader: load the unquantised checkpoint with quantization='nf4'",
+        r"\(bitsandbytes\)\); pre-quantised checkpoints other than MXFP4 \(gpt-oss, kept packed or "
+        r"dequantised\) are not read by layerstream's loader: load the unquantised checkpoint with quantization='nf4'",
         quantization=quantization,
     )
 
 
 def test_a_checkpoint_quantised_otherwise_than_mxfp4_is_refused_with_the_route_through_transformers(tmp_path, loads):
-    """MXFP4 alone is dequantised as it is read (tests/checkpoints/test_mxfp4.py); a checkpoint
+    """MXFP4 alone is read (tests/checkpoints/test_mxfp4.py, tests/modules/test_packed_experts.py); a checkpoint
     quantised by another method (here transformers' FP8) is refused, naming the method and
     the way that loads it (transformers on the host, then streamed; the launcher's fallback)."""
     save_tiny(tmp_path, layers=2, dtype=torch.bfloat16)

@@ -199,6 +199,18 @@ def test_the_plan_sizes_packed_layers_as_the_store_holds_them(checkpoint):
     assert shape.sparse  # still a mixture of experts to the plan
 
 
+def test_the_decode_plan_counts_packed_experts_at_their_packed_bytes(checkpoint):
+    from layerstream.plan.decode import decode_term, routed_bytes
+
+    model = _packed(checkpoint)
+    record = layerstream.get_runtime(model).records[0]
+    packed = sum(e.nbytes for e in record.entries if e.name.endswith(("_blocks", "_scales")))
+    shapes = plan.layer_shapes(model.config)
+    assert routed_bytes(shapes, 2)[0] == (packed, 2, 4)
+    term = decode_term(plan.layer_bytes(model.config, "none"), 2, 55.0, 0, routed=routed_bytes(shapes, 2))
+    assert 0 < term.copy_bytes <= sum(r.nbytes for r in layerstream.get_runtime(model).records)
+
+
 def test_the_plan_of_gpt_oss_as_published_keeps_its_experts_packed():
     """gpt-oss-120b's config as published (quant_method "mxfp4"): the plan's layers are the
     files' bytes, not bf16's (5.9 GiB a layer), unless the config asks to dequantise."""

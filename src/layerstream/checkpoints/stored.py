@@ -235,7 +235,7 @@ def refuse_prequantized(directory: Path, files: dict[str, Path]) -> None:
     if evidence is not None:
         raise LoadingError(
             f"{directory} is a pre-quantised checkpoint ({evidence}); pre-quantised checkpoints "
-            "other than MXFP4 (gpt-oss, dequantised as it is read) are not read by layerstream's loader: "
+            "other than MXFP4 (gpt-oss, kept packed or dequantised) are not read by layerstream's loader: "
             "load the unquantised checkpoint with quantization='nf4', or, where only this one is published, "
             "load it with transformers on the host (AutoModelForCausalLM.from_pretrained(..., device_map='cpu')) "
             "and call layerstream.stream_model; `layerstream run` does that for a script by itself"

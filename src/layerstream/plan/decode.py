@@ -89,16 +89,22 @@ def _compute_bound_batch(layers: List[Tuple[int, Routed]], per_sequence: float, 
     return whole
 
 
+# an MXFP4 value kept packed (``modules.packed_experts``): half a byte, and a byte per 32
+MXFP4_BYTES_PER_32_VALUES = 17
+
+
 def routed_bytes(shapes: Sequence[LayerShape], elem: int) -> List[Routed]:
     """Per layer: the bytes of its fused expert stacks (``elem`` bytes per element, the
-    compute dtype they stay in), experts per token and experts."""
+    compute dtype they stay in; MXFP4's where they stay packed), experts per token and experts."""
     out = []
     for shape in shapes:
         stacks = [param for param in shape.params if param.experts > 1]
         if not stacks or not shape.top_k:
             out.append((0, 0, 0))
             continue
-        out.append((sum(param.numel for param in stacks) * elem, shape.top_k, stacks[0].experts))
+        values = sum(param.numel for param in stacks)
+        stored = values * MXFP4_BYTES_PER_32_VALUES // 32 if shape.dequantised else values * elem
+        out.append((stored, shape.top_k, stacks[0].experts))
     return out
 
 

@@ -189,7 +189,13 @@ def plan_notes(shapes, adapted, lora_targets, quantization) -> List[str]:
             "holds its merged expert weights; name attention modules only (e.g. "
             "'q_proj,k_proj,v_proj,o_proj') to leave the experts frozen"
         )
-    if quantization == "nf4" and any(shape.params for shape in shapes):
+    if any(shape.dequantised for shape in shapes):
+        notes.append(
+            "the expert stacks stay in MXFP4 as the checkpoint stores them (host store, copies) and each "
+            "experts call dequantises them where it runs (counted in the layer's recompute + backward); "
+            "a quantization_config with dequantize=True holds them in the compute dtype instead"
+        )
+    if quantization == "nf4" and any(shape.params and not shape.dequantised for shape in shapes):
         notes.append(
             "MoE expert weights and routers stay in the compute dtype under NF4: "
             "bitsandbytes quantises nn.Linear modules only"
