@@ -2,6 +2,9 @@
 them (config.json, safetensors shards with an index, a tokenizer), for the benchmarks
 that run people's scripts unchanged: they load by path, like the real model.
 
+A shape whose config names MXFP4 (gpt-oss as published) gets its expert projections as
+MXFP4 blocks and scales, random bytes, and keeps that quantization_config in config.json.
+
 Values are drawn on the GPU when there is one (the host's generator is single-threaded),
 one tensor at a time, and written one shard at a time, so writing an 8B-shaped checkpoint
 needs about one shard of host memory, not the model.
@@ -20,7 +23,9 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
-from common import SHAPES, shape_config, shipped_shape
+from layerstream.checkpoints import mxfp4
+
+from common import SHAPES, random_mxfp4, shape_config, shipped_shape
 
 SHAPES.setdefault("llama3.2-3b", shipped_shape("llama-3.2-3b"))
 
@@ -50,8 +55,18 @@ def write(shape: str, out: Path, dtype=torch.bfloat16, layers: int | None = None
             index.update({key: name for key in shard})
             shard, shard_bytes = {}, 0
 
+    packed = mxfp4.keeps_packed(config)  # gpt-oss as published: MXFP4 experts, as blocks and scales
     for name, param in model.state_dict().items():
         if name in tied or (config.tie_word_embeddings and name == "lm_head.weight"):
+            continue
+        if packed and name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+            experts, inputs, outputs = param.shape  # stored transposed, 32 values a block
+            for suffix, shape in (
+                ("_blocks", (experts, outputs, inputs // 32, 16)),
+                ("_scales", (experts, outputs, inputs // 32)),
+            ):
+                shard[name + suffix] = random_mxfp4(shape, suffix == "_scales", generator, device)
+                shard_bytes += shard[name + suffix].numel()
             continue
         if name.endswith("norm.weight") or "layernorm" in name:
             value = torch.ones(param.shape, dtype=dtype)

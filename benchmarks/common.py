@@ -142,7 +142,9 @@ def write_result(name: str, payload: dict, out_dir: str | None = None) -> str:
 def build_random_nf4(
     shape, layers: int | None = None, double_quant: bool = True, dtype=torch.bfloat16, attn: str = "sdpa"
 ):
-    """A real-shape NF4 model (as transformers loads one with BitsAndBytesConfig) on the host.
+    """A real-shape NF4 model (as transformers loads one with BitsAndBytesConfig) on the host;
+    a shape whose config names MXFP4 (gpt-oss as published) keeps its experts packed, random,
+    as layerstream's loader keeps them (``modules.packed_experts``).
 
     Quantising fresh random weights costs seconds per large layer, so layer 0 is
     quantised once (on the GPU when there is one) and every other layer gets its own copy
@@ -154,7 +156,9 @@ def build_random_nf4(
     from transformers import BitsAndBytesConfig
     from transformers.quantizers import AutoHfQuantizer
 
+    from layerstream.checkpoints import mxfp4
     from layerstream.checkpoints.computed_buffers import compute_buffers, initialisers
+    from layerstream.modules import packed_experts
     from layerstream.modules.discovery import find_decoder_layers
     from layerstream.modules.nf4 import quantise_layer
 
@@ -174,6 +178,10 @@ def build_random_nf4(
         if isinstance(module, bnb.nn.Linear4bit):
             module.weight.data = torch.empty_like(module.weight.data, dtype=dtype)
     _, stack = find_decoder_layers(model)
+    packed = mxfp4.keeps_packed(config)  # gpt-oss as published: its experts stay MXFP4, as the loader keeps them
+    if packed:
+        for module in [m for layer in stack for m in layer.modules() if packed_experts.packable(m)]:
+            packed_experts.pack(module, dtype)
     fill_device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator(device=fill_device).manual_seed(0)
 
@@ -186,6 +194,9 @@ def build_random_nf4(
                 else:
                     values = torch.empty(param.shape, dtype=param.dtype, device=fill_device)
                     param.copy_(values.normal_(0.0, 0.02, generator=gen))
+            for name, buffer in module.named_buffers(recurse=recurse):
+                if name.endswith(("_blocks", "_scales")):
+                    buffer.copy_(random_mxfp4(buffer.shape, name.endswith("_scales"), gen, fill_device))
 
     in_stack = {id(m) for layer in stack for m in layer.modules()}
     owners = initialisers(model)
@@ -220,9 +231,25 @@ def build_random_nf4(
                 else:
                     with torch.no_grad():
                         param.copy_(src)
+            for bname, buffer in module._buffers.items():
+                if buffer is not None and bname.endswith(("_blocks", "_scales")):
+                    buffer.copy_(original._buffers[bname])
     quantizer.postprocess_model(model)
     model.hf_quantizer = quantizer
+    if packed:  # the runtime's plan reads it (the config's quantization_config is bitsandbytes' now)
+        setattr(model.config, mxfp4.PACKED, True)
     return model
+
+
+# MXFP4 exponents (biased by 127) of random packed experts: FP4 values (at most 6) times
+# 2**-9 .. 2**-5, about the spread of weights initialised with std 1/sqrt(hidden)
+MXFP4_SCALES = (118, 122)
+
+
+def random_mxfp4(shape, scales: bool, generator, device: str) -> torch.Tensor:
+    """Random MXFP4 blocks (any byte is a valid pair of FP4 values) or exponents, on the host."""
+    low, high = MXFP4_SCALES if scales else (0, 255)
+    return torch.randint(low, high + 1, tuple(shape), dtype=torch.uint8, generator=generator, device=device).cpu()
 
 
 def greedy_tokens(ids: torch.Tensor, new_tokens: int) -> dict:

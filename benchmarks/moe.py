@@ -8,20 +8,24 @@ Random weights at the real shapes (configs/shapes), on one GPU capped with
   decoding at batch 1 and 8, milliseconds per token step against the copy bound of the
   experts actually routed.
 - ``gpt-oss-20b``: QLoRA under 8 GiB through TRL's ``sft.py``, unchanged, behind
-  ``layerstream run``, against the same script run plainly (resident) on the whole GPU.
-- ``gpt-oss-120b``: its layer shape, QLoRA under 24 GiB, as many layers as the host RAM
-  holds, against the resident step of those layers and the copy bound.
+  ``layerstream run``, on a checkpoint written as gpt-oss is published (experts in MXFP4),
+  against the same script run plainly on the whole GPU; transformers refuses
+  ``--load_in_4bit`` on an MXFP4 checkpoint, so the plain run is bf16 (transformers
+  dequantises the experts), which the row says (``resident_quantization``).
+- ``gpt-oss-120b``: QLoRA under 24 GiB, its experts in MXFP4 as published, every layer,
+  against the resident step (the same packed model unstreamed) and the copy bound.
 
 Under NF4, bitsandbytes packs the nn.Linear weights (attention) and leaves the fused expert
 stacks in bf16, as transformers' own 4-bit load does: the host store is most of the bf16
-checkpoint. LoRA adapts the attention projections: PEFT's "all-linear" on these families
+checkpoint. gpt-oss's experts stay in MXFP4, as layerstream's loader keeps them
+(``modules.packed_experts``), dequantised by each experts call. LoRA adapts the attention projections: PEFT's "all-linear" on these families
 also adapts the fused experts (about 1B LoRA parameters for Qwen3-30B-A3B), which no
 8 GiB budget holds. gpt-oss runs transformers' eager attention (it has no SDPA path for the
 attention sinks), in both routes, as TRL's script gets it.
 
 Size arithmetic (``--sizes`` prints it, no GPU needed; ``case_sizes``): a case runs the
 user's own command (``layerstream run -m trl.scripts.sft ... --load_in_4bit``) on a
-checkpoint written to disk when its bf16 checkpoint takes at most ``CHECKPOINT_DISK_SHARE``
+checkpoint written to disk when its checkpoint (bf16; gpt-oss in MXFP4) takes at most ``CHECKPOINT_DISK_SHARE``
 of the machine's disk and its whole store fits ``STORE_RAM_SHARE`` of the host RAM;
 otherwise the model is built in host memory as transformers' 4-bit load leaves it
 (``common.build_random_nf4``), with as many of its layers as the host RAM holds, and trained
@@ -33,8 +37,9 @@ fp32 logits (2048 tokens x 151,936 vocabulary, about 3.5 GiB with autograd's cop
 planner puts Qwen3-30B-A3B's streamed step over 8 GiB with them, under it with TRL's head),
 and the streamed and resident steps of each ratio compute the same loss. bf16 Qwen3-30B-A3B is 61 GB (56.9 GiB) on a 64 GiB disk that
 also holds the system: built in memory (NF4 checkpoints are not what users load: the
-loader quantises bf16 ones). gpt-oss-20b is 41.8 GB: written. gpt-oss-120b is 233 GB and
-its store 214 GiB: 12 of its 36 layers, built in memory.
+loader quantises bf16 ones). gpt-oss-20b's MXFP4 checkpoint is 13.8 GB: written.
+gpt-oss-120b's is 65.3 GB, more than the disk's share, and its packed store 57.3 GiB: every
+layer, built in memory.
 
 Bounds: the copy bound of a step is the bytes it copied over the pinned host-to-device
 bandwidth measured in the same run; the decode bounds are the planner's (every streamed
@@ -171,6 +176,7 @@ TINY_SHAPES = {
             rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, original_max_position_embeddings=16
         ),
         max_position_embeddings=512,
+        quantization_config={"quant_method": "mxfp4"},  # as gpt-oss is published: experts kept packed
     ),
 }
 _TINY_RUN = dict(tokens=64, steps=3, warmup=1, prompt_tokens=16, new_tokens=6)
@@ -187,15 +193,20 @@ TINY_CASES = {
 # -- size arithmetic -----------------------------------------------------------------------
 def checkpoint_bytes(config, dtype=torch.bfloat16) -> int:
     """The safetensors payload of the model's state dict in ``dtype`` (tied weights once)."""
+    from layerstream.checkpoints import mxfp4
+    from layerstream.modules import packed_experts
     from layerstream.plan.shapes import build_meta_model
 
     model = build_meta_model(config, dtype)
+    if mxfp4.keeps_packed(config):  # gpt-oss as published: its experts' blocks and scales
+        for module in [m for m in model.modules() if packed_experts.packable(m)]:
+            packed_experts.pack(module, dtype)
     saved = {id(t): t for t in model.state_dict(keep_vars=True).values()}  # a tied weight once
     return sum(t.numel() * t.element_size() for t in saved.values())
 
 
 def case_sizes(case: Case, values: dict, layers_asked: int | None = None) -> dict:
-    """Whether the bf16 checkpoint fits the disk, whether the host RAM holds the NF4 store
+    """Whether the checkpoint (bf16; MXFP4 experts for gpt-oss) fits the disk, whether the host RAM holds the NF4 store
     (experts in bf16), how many layers are measured (as many as the RAM holds, or
     ``layers_asked``), and whether those fit the GPU resident."""
     from layerstream import plan
@@ -209,8 +220,8 @@ def case_sizes(case: Case, values: dict, layers_asked: int | None = None) -> dic
     fits_ram = sum(layers) <= case.host_ram * STORE_RAM_SHARE
     gib = lambda n: round(n / GiB, 2)  # noqa: E731
     return {
-        "checkpoint_bf16_gib": gib(checkpoint),
-        "checkpoint_bf16_gb": round(checkpoint / 1e9, 2),
+        "checkpoint_gib": gib(checkpoint),
+        "checkpoint_gb": round(checkpoint / 1e9, 2),
         "disk_gib": gib(case.disk),
         "checkpoint_fits_disk": fits_disk,
         "store_nf4_gib": gib(sum(layers)),
@@ -380,7 +391,7 @@ def require_free(directory: Path, needed: int) -> None:
 
 
 def write_inputs(case: Case, values: dict, work: Path, sizes: dict) -> tuple:
-    """The bf16 checkpoint (written once, as a hub download leaves it) and SFT text rows."""
+    """The checkpoint (bf16, gpt-oss in MXFP4; written once, as a hub download leaves it) and SFT text rows."""
     from layerstream import data as embedded
 
     import checkpoints
@@ -388,7 +399,7 @@ def write_inputs(case: Case, values: dict, work: Path, sizes: dict) -> tuple:
     checkpoint = work / case.shape
     if not (checkpoint / "model.safetensors.index.json").exists():
         work.mkdir(parents=True, exist_ok=True)
-        require_free(work, int(sizes["checkpoint_bf16_gb"] * 1e9 * 1.02))
+        require_free(work, int(sizes["checkpoint_gb"] * 1e9 * 1.02))
         SHAPES.setdefault(case.shape, values)
         start = time.perf_counter()
         checkpoints.write(case.shape, checkpoint)
@@ -401,14 +412,23 @@ def write_inputs(case: Case, values: dict, work: Path, sizes: dict) -> tuple:
     return checkpoint, data
 
 
-def trl_command(case: Case, checkpoint: Path, data: Path, out: Path, streamed: bool, extra: list) -> list:
+def mxfp4_checkpoint(values: dict) -> bool:
+    """Whether the case's checkpoint is written in MXFP4 (gpt-oss as published)."""
+    from layerstream.checkpoints import mxfp4
+
+    return mxfp4.keeps_packed(shape_config(values))
+
+
+def trl_command(
+    case: Case, checkpoint: Path, data: Path, out: Path, streamed: bool, extra: list, load_in_4bit: bool = True
+) -> list:
     args = ["-m", "trl.scripts.sft", "--model_name_or_path", str(checkpoint), "--dataset_name", str(data)]
     args += ["--output_dir", str(out), "--max_steps", str(case.steps), "--logging_steps", "1"]
     args += ["--save_strategy", "steps", "--save_steps", str(case.steps), "--report_to", "none"]
     args += ["--use_peft", "--lora_r", str(LORA_R), "--lora_alpha", str(LORA_ALPHA), "--lora_target_modules"]
     args += [*LORA_TARGETS, "--per_device_train_batch_size", "1", "--max_length", str(case.tokens)]
     args += ["--packing", "true", "--packing_strategy", "wrapped", "--dtype", "bfloat16", "--bf16", "true"]
-    args += ["--seed", "0", "--load_in_4bit", *extra]
+    args += ["--seed", "0", *(["--load_in_4bit"] if load_in_4bit else []), *extra]
     return ["layerstream", "run", *args] if streamed else ["python", *args]
 
 
@@ -471,7 +491,10 @@ def run_trl(case: Case, values: dict, sizes: dict, session: Session) -> list:
     row.update(window_layers=last.get("window_layers"), routed_expert_share=None)
     session.keep([row])
     if not args.no_resident and sizes["resident_fits_gpu_full"]:
-        plain_cmd = trl_command(case, checkpoint, data, work / f"{case.name}-plain", False, extra)
+        # transformers refuses a BitsAndBytesConfig for an MXFP4 checkpoint: plainly, it dequantises
+        packed = mxfp4_checkpoint(values)
+        plain_cmd = trl_command(case, checkpoint, data, work / f"{case.name}-plain", False, extra, not packed)
+        row.update(resident_quantization="bf16, experts dequantised by transformers" if packed else "nf4")
         plain = run_script(case, plain_cmd, work, "plain", logs, args.run_timeout, env)
         ratios = [p / s for p, s in zip(plain["step_s_all"][2:], times[2:]) if s > 0]
         row.update(resident_command=" ".join(plain_cmd), resident_trained=plain["trained"])
@@ -510,12 +533,12 @@ def commit() -> str | None:
 
 
 def sizes_table(cases: dict) -> str:
-    lines = ["| case | bf16 checkpoint | fits disk | NF4 store | fits RAM | layers | resident fits GPU | route |"]
+    lines = ["| case | checkpoint | fits disk | NF4 store | fits RAM | layers | resident fits GPU | route |"]
     lines.append("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for case in cases.values():
         s = case_sizes(case, SHAPES[case.shape])
         lines.append(
-            f"| {case.name} | {s['checkpoint_bf16_gb']} GB | {s['checkpoint_fits_disk']} | {s['store_nf4_gib']} GiB "
+            f"| {case.name} | {s['checkpoint_gb']} GB | {s['checkpoint_fits_disk']} | {s['store_nf4_gib']} GiB "
             f"| {s['store_fits_host_ram']} | {s['layers_measured']} of {s['layers_of_model']} "
             f"| {s['resident_fits_gpu_measured']} ({s['resident_gib_measured']} GiB) | {s['route']} |"
         )
