@@ -517,6 +517,7 @@ def from_pretrained(
             "quantization": quant_config.to_dict() if quant_config is not None else None,
             "quantize_on": quant_device.type,
             "arena_bytes": config_stream.arena_bytes,
+            "experts": "mxfp4" if packed else None,  # packed experts lay a layer out otherwise
         },
         needed=store_bytes,
         verify=bool(config_stream.checksum),
@@ -528,6 +529,8 @@ def from_pretrained(
             store.disk = disk.DiskTier(tiers, pin=bool(config_stream.pin), verify=bool(config_stream.checksum))
             if quantization == "nf4":  # ... from a cache of packed layers, written as they are quantised
                 settings = nf4_cache.quant_settings(quant_config, torch_dtype, quant_device)
+                if packed:  # a layer with packed experts is laid out otherwise than a dequantised one
+                    settings["experts"] = "mxfp4"
                 source = nf4_cache.fingerprint(list(files.values()), settings)
                 cache = nf4_cache.LayerCache(
                     nf4_cache.cache_directories(config_stream.disk_cache_dir, directory), source, len(layers)

@@ -231,3 +231,16 @@ def test_the_disk_tier_reads_packed_layers_straight_from_the_files(checkpoint):
     model = layerstream.from_pretrained(checkpoint, dtype=torch.bfloat16, stream=stream)
     assert layerstream.get_runtime(model).disk is not None
     assert torch.equal(_logits(model), _logits(reference))
+
+
+def test_nf4_with_packed_experts_reads_its_disk_layers_from_the_layer_cache(checkpoint, tmp_path):
+    """QLoRA of gpt-oss with a host budget: the attention in NF4, the experts packed, the layers
+    beyond the budget written once to the NF4 layer cache and read from there: the same logits
+    as with every layer in host RAM."""
+    in_ram = layerstream.from_pretrained(checkpoint, quantization="nf4", dtype=torch.bfloat16, stream=CPU)
+    stream = layerstream.StreamConfig(device="cpu", slots=2, host_budget="200KiB", disk_cache_dir=str(tmp_path))
+    for _ in range(2):  # written, then read back
+        model = layerstream.from_pretrained(checkpoint, quantization="nf4", dtype=torch.bfloat16, stream=stream)
+        assert layerstream.get_runtime(model).disk is not None
+        assert torch.equal(_logits(model), _logits(in_ram))
+    assert any(tmp_path.rglob("*")), "the layer cache was written"
