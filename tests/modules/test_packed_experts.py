@@ -64,6 +64,7 @@ def test_packed_experts_give_the_dequantised_models_logits_and_tokens(checkpoint
     prompt = batch(96, size=1, seq=6, device=device)
     settings = dict(max_new_tokens=8, do_sample=False, min_new_tokens=8)
     assert torch.equal(model.generate(prompt, **settings), reference.generate(prompt, **settings))
+    assert "kept in MXFP4, each call dequantises its experts to bfloat16" in runtime.summary()
     dense = sum(p.numel() * p.element_size() for p in reference.model.layers[0].mlp.experts.parameters())
     assert runtime.records[0].nbytes < dense  # blocks and scales: about a quarter of bf16
 

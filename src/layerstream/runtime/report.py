@@ -10,7 +10,7 @@ import torch
 from ..config import expandable_segments, gpu_memory_for_run
 from ..errors import StreamingError
 from ..long import chunked_loss, trl_head
-from ..modules import nf4
+from ..modules import nf4, packed_experts
 from ..units import GiB, MiB, gib, size
 
 
@@ -143,7 +143,24 @@ def summary(runtime) -> str:
             "  resident     embeddings, final norm, head, and every trainable tensor",
         ]
     lines.append(f"  loss         {_loss_line(runtime)}")
+    experts = _experts_line(runtime)
+    if experts:
+        lines.append(f"  experts      {experts}")
     return "\n".join(lines)
+
+
+def _experts_line(runtime) -> str:
+    """How a mixture of experts' stacks stream: by need or whole, packed in MXFP4 or not."""
+    stacks = [stack for found in runtime.experts.stacks.values() for stack in found]
+    if not stacks:
+        return ""
+    by_need = sum(stack.by_need for stack in stacks)
+    copies = f"{by_need} of {len(stacks)} stacks copied by need in short passes" if by_need else "copied whole"
+    packed = [p for _, _, p in packed_experts.packed_modules(runtime.model)]
+    if not packed:
+        return copies
+    dtype = str(packed[0].dtype).replace("torch.", "")
+    return f"{copies}; kept in MXFP4, each call dequantises its experts to {dtype} where it runs"
 
 
 def _loss_line(runtime) -> str:
