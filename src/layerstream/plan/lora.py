@@ -192,8 +192,10 @@ def plan_notes(shapes, adapted, lora_targets, quantization) -> List[str]:
     if any(shape.dequantised for shape in shapes):
         notes.append(
             "the expert stacks stay in MXFP4 as the checkpoint stores them (host store, copies) and each "
-            "experts call dequantises them where it runs (counted in the layer's recompute + backward); "
-            "a quantization_config with dequantize=True holds them in the compute dtype instead"
+            "experts call dequantises them where it runs (counted in the layer's recompute + backward), as "
+            "layerstream.from_pretrained and `layerstream run` load them; transformers' own load dequantises "
+            "them, so the 'transformers load + stream_model' host RAM holds them in the compute dtype: plan "
+            "that route (or Mxfp4Config(dequantize=True)) with dequantize: true in the config's quantization_config"
         )
     if quantization == "nf4" and any(shape.params and not shape.dequantised for shape in shapes):
         notes.append(
