@@ -11,8 +11,9 @@ Before any layer is read, the whole checkpoint is checked against the model
 shape and kind of dtype), so a bad checkpoint is refused before anything is loaded.
 
 A pre-quantised checkpoint is refused, except MXFP4 (gpt-oss as published), whose experts
-are dequantised as each layer is read, with transformers' own operation, as transformers
-loads it without its MXFP4 kernels (``checkpoints.mxfp4``).
+stay in MXFP4 and are dequantised by each experts call (``modules.packed_experts``), or, asked
+with ``Mxfp4Config(dequantize=True)``, are dequantised as each layer is read, with
+transformers' own operation, as transformers loads it then (``checkpoints.mxfp4``).
 
 Only safetensors are read. A hub id is resolved with huggingface_hub (config and
 safetensors files only); remote code runs only with ``trust_remote_code=True``.
@@ -230,7 +231,8 @@ def _say_unquantised_weights(layers: nn.ModuleList, path: str, dtype: torch.dtyp
             for param_name, p in module.named_parameters(recurse=False)
             if p.dim() >= 2 and p.is_floating_point()
         ]
-        total = sum(p.numel() for p in layer.parameters())
+        # the weights an MXFP4 stack kept packed stands for count in the layer's total
+        total = sum(p.numel() for p in layer.parameters()) + _packed_values(layer)
         share = sum(p.numel() for _, p in kept) / total if total else 0.0
         if kept and (worst is None or share > worst[0]):
             worst = (share, kept)
@@ -247,6 +249,16 @@ def _say_unquantised_weights(layers: nn.ModuleList, path: str, dtype: torch.dtyp
         more,
         str(dtype).replace("torch.", ""),
         100 * share,
+    )
+
+
+def _packed_values(layer: nn.Module) -> int:
+    from .modules import packed_experts
+
+    return sum(
+        int(torch.Size(shape).numel())
+        for _, _, packed in packed_experts.packed_modules(layer)
+        for shape in packed.shapes.values()
     )
 
 
@@ -367,8 +379,9 @@ def from_pretrained(
         model as transformers would load it with BitsAndBytesConfig: PEFT wraps it with
         ``lora.Linear4bit`` and the Trainer accepts it for adapter training.
     quantization_config: a transformers BitsAndBytesConfig instead (4-bit NF4 only); for an
-        MXFP4 checkpoint, also an ``Mxfp4Config``, which changes nothing (the loader always
-        dequantises MXFP4, as ``Mxfp4Config(dequantize=True)`` asks).
+        MXFP4 checkpoint, also an ``Mxfp4Config``: with ``dequantize=True`` the experts are
+        dequantised as each layer is read, as transformers does; otherwise they stay in MXFP4
+        and each experts call dequantises them (``modules.packed_experts``), the default.
     dtype: a torch dtype, its name or "auto" (the checkpoint's own, as transformers 5
         loads by default); default "auto".
         ``torch_dtype`` is the older spelling of the same argument.
@@ -452,8 +465,8 @@ def from_pretrained(
         nf4.set_unquantised_dtype(model, torch_dtype)
     bnb_4bit_use_double_quant = quant_config.bnb_4bit_use_double_quant if quant_config is not None else True
     path, layers = find_decoder_layers(model)
-    packed = _pack_experts(layers, path, files, torch_dtype) if keep_packed else {}
-    if packed:  # the planner and the host memory check size the layers packed
+    packed_experts_of = _pack_experts(layers, path, files, torch_dtype) if keep_packed else {}
+    if packed_experts_of:  # the planner and the host memory check size the layers packed
         setattr(config, mxfp4.PACKED, True)
         setattr(model.config, mxfp4.PACKED, True)
     check_long_context(model, config_stream)  # before any weight is read
@@ -461,7 +474,7 @@ def from_pretrained(
         _say_unquantised_weights(layers, path, torch_dtype)
     tied_head = getattr(config, "tie_word_embeddings", False)
     expected = _expected_tensors(model, path, layers)
-    quantizer_of_files = mxfp4.dequantizer(stored_mxfp4) if stored_mxfp4 is not None and not packed else None
+    quantizer_of_files = mxfp4.dequantizer(stored_mxfp4) if stored_mxfp4 is not None and not packed_experts_of else None
     # transformers' renames, fused experts and MXFP4 dequantisation, per layer
     conversion = for_checkpoint(model, files, quantizer_of_files)
     validate_checkpoint(
@@ -471,8 +484,8 @@ def from_pretrained(
         may_be_missing=[name for name in expected if tied_head and name.endswith("lm_head.weight")],
         conversion=conversion,
     )
-    if packed:
-        mxfp4.say_packed(directory, packed, len(layers))
+    if packed_experts_of:
+        mxfp4.say_packed(directory, packed_experts_of, len(layers))
     elif stored_mxfp4 is not None:
         dequantised = conversion.dequantised(expected) if conversion is not None else []
         mxfp4.say_dequantised(directory, {name: expected[name] for name in dequantised}, len(layers))
@@ -517,7 +530,7 @@ def from_pretrained(
             "quantization": quant_config.to_dict() if quant_config is not None else None,
             "quantize_on": quant_device.type,
             "arena_bytes": config_stream.arena_bytes,
-            "experts": "mxfp4" if packed else None,  # packed experts lay a layer out otherwise
+            "experts": "mxfp4" if packed_experts_of else None,  # packed experts lay a layer out otherwise
         },
         needed=store_bytes,
         verify=bool(config_stream.checksum),
@@ -529,7 +542,7 @@ def from_pretrained(
             store.disk = disk.DiskTier(tiers, pin=bool(config_stream.pin), verify=bool(config_stream.checksum))
             if quantization == "nf4":  # ... from a cache of packed layers, written as they are quantised
                 settings = nf4_cache.quant_settings(quant_config, torch_dtype, quant_device)
-                if packed:  # a layer with packed experts is laid out otherwise than a dequantised one
+                if packed_experts_of:  # a layer with packed experts is laid out otherwise than a dequantised one
                     settings["experts"] = "mxfp4"
                 source = nf4_cache.fingerprint(list(files.values()), settings)
                 cache = nf4_cache.LayerCache(
@@ -575,6 +588,10 @@ def from_pretrained(
     if quantizer is not None:
         quantizer.postprocess_model(model)
         model.hf_quantizer = quantizer
+    if packed_experts_of:
+        from .modules import packed_experts
+
+        packed_experts.keep_saving_packed(model, stored_mxfp4)
     model.eval()
     return attach_runtime(model, path, layers, config_stream, store.records, store)
 

@@ -16,6 +16,7 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 import layerstream
 from layerstream import plan
+from layerstream.checkpoints import mxfp4
 from layerstream.modules import packed_experts
 from layerstream.runtime import experts as by_need
 
@@ -245,3 +246,57 @@ def test_nf4_with_packed_experts_reads_its_disk_layers_from_the_layer_cache(chec
         assert layerstream.get_runtime(model).disk is not None
         assert torch.equal(_logits(model), _logits(in_ram))
     assert any(tmp_path.rglob("*")), "the layer cache was written"
+
+
+def test_save_pretrained_writes_a_checkpoint_that_loads_back_packed_or_dequantised(checkpoint, tmp_path):
+    """The saved checkpoint is gpt-oss's format: blocks, scales and an MXFP4 quantization_config,
+    so transformers (dequantising) and layerstream (packed) both load the same model back."""
+    reference, model = _dequantised(checkpoint), _packed(checkpoint)
+    model.save_pretrained(tmp_path / "saved")
+    saved = json.loads((tmp_path / "saved" / "config.json").read_text())
+    assert saved["quantization_config"]["quant_method"] == "mxfp4" and "layerstream_packed_experts" not in saved
+    assert getattr(model.config, "quantization_config", None) is None  # the model's own config as it was
+    assert torch.equal(_logits(_dequantised(tmp_path / "saved")), _logits(reference))
+    assert torch.equal(_logits(_packed(tmp_path / "saved")), _logits(reference))
+
+
+def test_save_pretrained_of_packed_experts_beside_nf4_attention_is_refused(checkpoint, tmp_path):
+    model = layerstream.from_pretrained(checkpoint, quantization="nf4", dtype=torch.bfloat16, stream=CPU)
+    with pytest.raises(packed_experts.PackedExpertsError, match="Save the adapters"):
+        model.save_pretrained(tmp_path / "saved")
+    assert not (tmp_path / "saved" / "config.json").exists()
+
+
+@pytest.mark.parametrize("implementation", ["eager", "grouped_mm"])
+def test_a_model_no_longer_streamed_dequantises_to_the_dtype_it_is_cast_to(checkpoint, implementation):
+    """After unstream_model a cast is the model's to make: ``float()`` dequantises in float32,
+    as the reference's cast bf16 Parameters hold them."""
+    reference, model = _dequantised(checkpoint).float(), _packed(checkpoint)
+    layerstream.unstream_model(model)
+    model.float()
+    for each in (reference, model):
+        each.set_experts_implementation(implementation)
+    assert torch.equal(_logits(model), _logits(reference))
+
+
+def test_adapters_aimed_at_packed_experts_are_refused_with_what_to_load(checkpoint):
+    from peft import LoraConfig
+
+    model = _packed(checkpoint)
+    aimed = LoraConfig(r=4, target_modules=["q_proj"], target_parameters=["mlp.experts.gate_up_proj"])
+    peft = get_peft_model(model, aimed)
+    with pytest.raises(packed_experts.PackedExpertsError, match=r"Mxfp4Config\(dequantize=True\)"):
+        _logits(peft)
+    attention_only = get_peft_model(_packed(checkpoint), LoraConfig(r=4, target_modules=["q_proj"]))
+    assert _logits(attention_only).isfinite().all()  # the control: attention adapters compute
+
+
+def test_the_plan_holds_dequantised_experts_for_transformers_own_load(checkpoint):
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(checkpoint)  # names MXFP4, as published
+    request = plan.PlanRequest(config, 12, 1, 8 << 30, "none")
+    memory = plan.make_plan(request)
+    dequantised = plan.layer_bytes(mxfp4.dequantised_config(config), "none")
+    assert memory.host_steady_bytes == sum(dequantised) and memory.loader_store_bytes < sum(dequantised)
+    assert memory.host_store_bytes == sum(plan.layer_bytes(config, "none")) < sum(dequantised)

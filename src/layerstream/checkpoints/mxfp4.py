@@ -77,6 +77,19 @@ def keeps_packed(config) -> bool:
 PACKED = "layerstream_packed_experts"  # a config attribute: the experts stay MXFP4 (the planner reads it)
 
 
+def dequantised_config(config):
+    """A copy of ``config`` whose experts are dequantised, as transformers' own load holds
+    them (the planner's "transformers load + stream_model" route)."""
+    config = copy.deepcopy(config)
+    if getattr(config, PACKED, False):
+        delattr(config, PACKED)
+    quantization = getattr(config, "quantization_config", None)
+    if quantization is not None and not isinstance(quantization, Mapping):
+        quantization = quantization.to_dict()
+    config.quantization_config = {**(quantization or {"quant_method": METHOD}), "dequantize": True}
+    return config
+
+
 def dequantizer(quantization: dict):
     """transformers' quantizer for this pre-quantised MXFP4 checkpoint, set to dequantise (as
     it sets itself without its kernels): what transformers' conversion mapping needs to map

@@ -10,9 +10,9 @@ at a time, NF4 is quantised per layer when the script's BitsAndBytesConfig asks 
 and the resident part lands on the device the script asked for, with ``hf_device_map``
 and ``is_loaded_in_4bit`` as transformers would set them.
 
-gpt-oss's MXFP4 checkpoints load through the loader too, their experts dequantised as
-each layer is read (as transformers does without its MXFP4 kernels, or with the
-``Mxfp4Config(dequantize=True)`` gpt-oss scripts pass). What the loader cannot read (a
+gpt-oss's MXFP4 checkpoints load through the loader too, their experts kept in MXFP4 and
+dequantised by each experts call, or dequantised as each layer is read where the script
+passes ``Mxfp4Config(dequantize=True)`` (as transformers does then). What the loader cannot read (a
 checkpoint pre-quantised otherwise, pickle files, arguments it does not know) is loaded by
 transformers itself, on the host
 (``device_map="cpu"``, never the whole model on the GPU), then streamed; said once, loudly.

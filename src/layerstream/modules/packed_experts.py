@@ -141,6 +141,14 @@ def keeps_choice(hook) -> bool:
     return hook is _bind
 
 
+def compute_dtype(module: nn.Module, packed: PackedExperts, proj: str) -> torch.dtype:
+    """The dtype a projection is dequantised to: its bias's, which follows the model's casts
+    (``model.float()`` on a model no longer streamed) as the dequantised Parameter would; the
+    load dtype where it has none."""
+    bias = module._parameters.get(f"{proj}_bias")
+    return bias.dtype if isinstance(bias, torch.Tensor) and bias.is_floating_point() else packed.dtype
+
+
 def _bind(module: nn.Module, args) -> None:
     """Before the call: the projections, dequantised from the blocks and scales bound now
     (a streamed layer's are in its slot by then), under the names the forward reads."""
@@ -149,7 +157,10 @@ def _bind(module: nn.Module, args) -> None:
     with torch.no_grad():
         for proj in PROJECTIONS:
             module.__dict__[proj] = dequantise(
-                module._buffers[f"{proj}_blocks"], module._buffers[f"{proj}_scales"], packed.dtype, rows
+                module._buffers[f"{proj}_blocks"],
+                module._buffers[f"{proj}_scales"],
+                compute_dtype(module, packed, proj),
+                rows,
             )
 
 
@@ -157,3 +168,62 @@ def _unbind(module: nn.Module, args, output) -> None:
     """After the call, also one that raised: the dequantised tensors are the module's no more."""
     for proj in PROJECTIONS:
         module.__dict__.pop(proj, None)
+
+
+# -- what the model no longer has: its experts' Parameters -----------------------------------
+def projection_names(model: nn.Module) -> set:
+    """The names of the Parameters ``model``'s packed experts stand for."""
+    return {f"{name}.{proj}" for name, _, _ in packed_modules(model) for proj in PROJECTIONS}
+
+
+def refuse_adapters_on_packed(model: nn.Module, names: set) -> None:
+    """PEFT's ``target_parameters`` naming a packed projection (``names``: ``projection_names``)
+    finds no Parameter there and, beside other targets, leaves it out without a word:
+    refused, with what to load instead."""
+    for adapter, config in (getattr(model, "peft_config", None) or {}).items():
+        for target in getattr(config, "target_parameters", None) or ():
+            if any(name == target or name.endswith(f".{target}") for name in names):
+                raise PackedExpertsError(
+                    f"PEFT adapter {adapter!r} targets {target!r}, an expert stack this model keeps packed in MXFP4 "
+                    "(it has no such Parameter, so PEFT would leave it out without a word). For LoRA on the "
+                    "experts load with quantization_config=Mxfp4Config(dequantize=True); otherwise target the "
+                    "attention only."
+                )
+
+
+class PackedExpertsError(ValueError):
+    """Something asked of a packed experts module that only its dequantised Parameters allow."""
+
+
+def keep_saving_packed(model: nn.Module, quantization: dict) -> None:
+    """``save_pretrained`` of a model with packed experts writes what gpt-oss publishes: the
+    blocks and scales, and a config.json whose ``quantization_config`` says so (``quantization``:
+    the checkpoint's), so transformers and layerstream load it back as it was. With the
+    attention in NF4 as well no one quantization_config describes the model: refused, with
+    what to save instead."""
+    from ..checkpoints import mxfp4
+
+    save = model.save_pretrained
+
+    def save_pretrained(*args, **kwargs):
+        config = model.config
+        if getattr(model, "hf_quantizer", None) is not None or getattr(config, "quantization_config", None):
+            raise PackedExpertsError(
+                "this model keeps its experts in MXFP4 and its attention in NF4: no one quantization_config "
+                "describes that, so save_pretrained would write a checkpoint nothing loads back. Save the "
+                "adapters (PeftModel.save_pretrained, as the Trainer does), or load without NF4 to save the "
+                "whole model in MXFP4."
+            )
+        marked = getattr(config, mxfp4.PACKED, False)
+        config.quantization_config = dict(quantization)
+        if marked:
+            delattr(config, mxfp4.PACKED)
+        try:
+            return save(*args, **kwargs)
+        finally:
+            del config.quantization_config
+            if marked:
+                setattr(config, mxfp4.PACKED, True)
+
+    save_pretrained.__doc__ = save.__doc__
+    model.save_pretrained = save_pretrained

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
+from ..checkpoints import mxfp4
 from ..config import auto_slots, offload_device_layers, offloaded_layers
 from ..decisions.schedule import usable_backward_slots
 from ..decisions.window import margin_bytes
@@ -303,6 +304,11 @@ def _build(request: PlanRequest) -> MemoryPlan:
     copied_bytes += ends_copies
     store = sum(sizes)
     loader_store = loader_arena_bytes(sizes, request.arena_bytes)
+    # transformers' own load (then stream_model) dequantises experts layerstream's loader keeps in MXFP4
+    loaded_sizes = sizes
+    if any(shape.dequantised for shape in shapes):
+        loaded_sizes = layer_bytes(mxfp4.dequantised_config(config), quantization, dtype, request.double_quant)
+    loaded_store, loaded_layer = sum(loaded_sizes), max(loaded_sizes)
     unquantised = max(layer_bytes(config, "none", dtype)) if quantization != "none" else max_layer
 
     notes = plan_notes(shapes, adapted, lora_targets, quantization)
@@ -347,8 +353,8 @@ def _build(request: PlanRequest) -> MemoryPlan:
         # at the peak the store and one loaded layer (or one embedding matrix, copied into
         # the ends' store the same way) coexist; embeddings, head and adapters are on the
         # host too until model.to(device)
-        host_ram_bytes=store + max(max_layer, head_copy) + all_resident + lora_bytes + activation_host,
-        host_steady_bytes=store + ends_host + activation_host,
+        host_ram_bytes=loaded_store + max(loaded_layer, head_copy) + all_resident + lora_bytes + activation_host,
+        host_steady_bytes=loaded_store + ends_host + activation_host,
         # from_pretrained loads the resident part, then one layer at a time (unquantised,
         # then packed); PEFT's adapters come after loading, on the host until .to(device)
         loader_store_bytes=loader_store,

@@ -26,7 +26,7 @@ from torch import nn
 from ..config import StreamConfig
 from ..decisions.schedule import Phase, PrefetchSchedule
 from ..errors import ForkedChildError, StreamingError
-from ..modules import bindings, changes, swap
+from ..modules import bindings, changes, packed_experts, swap
 from ..modules import layer as layer_mod
 from ..system.log import get_logger
 from ..tiers import checksum
@@ -94,6 +94,7 @@ class StreamRuntime:
         self.offload_policy = OffloadPolicy(config, self.device, len(records), store)
         # debug checksums compare whole slots with the host: no partial copies under them
         self.experts = ExpertsByNeed(records, self.pool, enabled=not config.checksum)
+        self._packed_projections = packed_experts.projection_names(model)  # MXFP4 stacks' Parameter names
         self.pass_offloader = None  # the offloader of the training pass under way, or None
         self.embeddings = None
         if config.stream_embeddings:
@@ -282,6 +283,8 @@ class StreamRuntime:
             self._place_resident_tensors()
         self.pass_offloader = None
         self.experts.start_pass(hidden)
+        if self._packed_projections:  # adapters meant for them, refused before they compute
+            packed_experts.refuse_adapters_on_packed(self.model, self._packed_projections)
         if not training:
             return
         self._check_trainable()
