@@ -45,7 +45,7 @@ from .checkpoints.stored import (
     validate_checkpoint,
 )
 from .config import StreamConfig
-from .modules import nf4
+from .modules import nf4, packed_experts
 from .modules.discovery import find_decoder_layers, layer_name
 from .modules.meta import meta_model
 from .system.log import get_logger
@@ -168,20 +168,6 @@ def _load_module(module: nn.Module, prefix: str, reader: TensorReader, owners, r
     return missing
 
 
-def _pack_experts(layers: nn.ModuleList, path: str, files, dtype: torch.dtype) -> dict:
-    """Keep the experts of an MXFP4 checkpoint packed (``modules.packed_experts``): every
-    experts module of the meta layers whose blocks the files hold. Returns name -> PackedExperts."""
-    from .modules import packed_experts
-
-    packed = {}
-    for index, layer in enumerate(layers):
-        for name, module in layer.named_modules():
-            prefix = f"{layer_name(path, index)}.{name}"
-            if packed_experts.packable(module) and f"{prefix}.gate_up_proj_blocks" in files:
-                packed[prefix] = packed_experts.pack(module, dtype)
-    return packed
-
-
 def _return_freed_memory() -> None:
     """Give freed heap memory back to the OS (glibc keeps it otherwise).
 
@@ -232,7 +218,7 @@ def _say_unquantised_weights(layers: nn.ModuleList, path: str, dtype: torch.dtyp
             if p.dim() >= 2 and p.is_floating_point()
         ]
         # the weights an MXFP4 stack kept packed stands for count in the layer's total
-        total = sum(p.numel() for p in layer.parameters()) + _packed_values(layer)
+        total = sum(p.numel() for p in layer.parameters()) + packed_experts.packed_values(layer)
         share = sum(p.numel() for _, p in kept) / total if total else 0.0
         if kept and (worst is None or share > worst[0]):
             worst = (share, kept)
@@ -249,16 +235,6 @@ def _say_unquantised_weights(layers: nn.ModuleList, path: str, dtype: torch.dtyp
         more,
         str(dtype).replace("torch.", ""),
         100 * share,
-    )
-
-
-def _packed_values(layer: nn.Module) -> int:
-    from .modules import packed_experts
-
-    return sum(
-        int(torch.Size(shape).numel())
-        for _, _, packed in packed_experts.packed_modules(layer)
-        for shape in packed.shapes.values()
     )
 
 
@@ -465,7 +441,7 @@ def from_pretrained(
         nf4.set_unquantised_dtype(model, torch_dtype)
     bnb_4bit_use_double_quant = quant_config.bnb_4bit_use_double_quant if quant_config is not None else True
     path, layers = find_decoder_layers(model)
-    packed_experts_of = _pack_experts(layers, path, files, torch_dtype) if keep_packed else {}
+    packed_experts_of = packed_experts.pack_stored(layers, path, files, torch_dtype) if keep_packed else {}
     if packed_experts_of:  # the planner and the host memory check size the layers packed
         setattr(config, mxfp4.PACKED, True)
         setattr(model.config, mxfp4.PACKED, True)
@@ -589,8 +565,6 @@ def from_pretrained(
         quantizer.postprocess_model(model)
         model.hf_quantizer = quantizer
     if packed_experts_of:
-        from .modules import packed_experts
-
         packed_experts.keep_saving_packed(model, stored_mxfp4)
     model.eval()
     return attach_runtime(model, path, layers, config_stream, store.records, store)

@@ -86,6 +86,26 @@ def pack(module: nn.Module, dtype: torch.dtype) -> PackedExperts:
     return packed
 
 
+def pack_stored(layers: nn.ModuleList, path: str, files, dtype: torch.dtype) -> dict:
+    """Keep the experts of an MXFP4 checkpoint packed: every experts module of the meta
+    ``layers`` whose blocks the checkpoint's ``files`` (name -> file) hold. Returns name ->
+    PackedExperts."""
+    from .discovery import layer_name
+
+    packed = {}
+    for index, layer in enumerate(layers):
+        for name, module in layer.named_modules():
+            prefix = f"{layer_name(path, index)}.{name}"
+            if packable(module) and f"{prefix}.gate_up_proj_blocks" in files:
+                packed[prefix] = pack(module, dtype)
+    return packed
+
+
+def packed_values(module: nn.Module) -> int:
+    """The values of the Parameters the packed stacks inside ``module`` stand for."""
+    return sum(int(torch.Size(shape).numel()) for _, _, p in packed_modules(module) for shape in p.shapes.values())
+
+
 def packed_of(module: nn.Module) -> Optional[PackedExperts]:
     return getattr(module, _ATTRIBUTE, None)
 
