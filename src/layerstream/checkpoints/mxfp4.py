@@ -154,7 +154,7 @@ def say_packed(directory, packed: Mapping[str, object], layers: int) -> None:
     if not packed:
         return
     per_layer = max(layers, 1)
-    dequantised = sum(p.dequantised_bytes() for p in packed.values())
+    dequantised = sum(p.stack_bytes() for p in packed.values())
     stored = sum(e * i * o // 2 + e * i * o // 32 for p in packed.values() for e, i, o in p.shapes.values())
     dtype = str(next(iter(packed.values())).dtype).replace("torch.", "")
     logger.warning(

@@ -18,8 +18,8 @@ for bit, and the model computes what that model computes. The loader's tests com
 
 A call dequantises the experts in groups (``GROUP_BYTES`` of output at a time) into one
 tensor per projection: transformers' function holds its output, an int32 index per value
-and a transposed copy at once, which for a whole gpt-oss-120b projection would be three
-times its 4.2 GiB.
+and a transposed copy at once, which for a whole gpt-oss-120b projection would be about
+three times its 4.2 GiB.
 """
 
 from __future__ import annotations
@@ -31,7 +31,10 @@ from torch import nn
 
 PROJECTIONS = ("gate_up_proj", "down_proj")
 BLOCK = 32  # values per MXFP4 block (one exponent each), 16 bytes of two values
-GROUP_BYTES = 256 << 20  # dequantised output per call of transformers' function
+GROUP_BYTES = 64 << 20  # dequantised output per call of transformers' function
+# what transformers' function holds beside a group's output, in group sizes: an int32 index
+# per byte's value (the size of the output), a half-size lookup, then the transposed copy
+GROUP_TRANSIENTS = 3
 _ATTRIBUTE = "_layerstream_packed"
 
 
@@ -48,9 +51,15 @@ class PackedExperts:
         # set by the runtime's hook just before this module's own, for that call only
         self.rows: Optional[List[int]] = None
 
-    def dequantised_bytes(self) -> int:
-        """What one call holds dequantised: every projection of every expert."""
+    def stack_bytes(self) -> int:
+        """Every projection of every expert, dequantised."""
         return sum(int(torch.Size(shape).numel()) for shape in self.shapes.values()) * self.dtype.itemsize
+
+    def dequantised_bytes(self) -> int:
+        """What one call holds at most for its dequantisation: the stacks, and transformers'
+        temporaries for the group being dequantised (what the plan counts)."""
+        whole = self.stack_bytes()
+        return whole + GROUP_TRANSIENTS * min(GROUP_BYTES, whole)
 
 
 def packable(module: nn.Module) -> bool:
