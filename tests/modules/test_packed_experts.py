@@ -5,6 +5,7 @@ transformers' dequantising load gives (on a machine without its MXFP4 kernels, a
 with more layers than slots; the host store, the copies and the plan hold a quarter of the
 bytes."""
 
+import copy
 import json
 from pathlib import Path
 
@@ -258,6 +259,12 @@ def test_save_pretrained_writes_a_checkpoint_that_loads_back_packed_or_dequantis
     assert getattr(model.config, "quantization_config", None) is None  # the model's own config as it was
     assert torch.equal(_logits(_dequantised(tmp_path / "saved")), _logits(reference))
     assert torch.equal(_logits(_packed(tmp_path / "saved")), _logits(reference))
+    layerstream.unstream_model(model)  # a streamed model refuses to be copied
+    twin = copy.deepcopy(model)  # a copy saves itself, not the model it was copied from
+    with torch.no_grad():
+        twin.model.layers[0].self_attn.q_proj.weight.mul_(2)
+    twin.save_pretrained(tmp_path / "twin")
+    assert not torch.equal(_logits(_dequantised(tmp_path / "twin")), _logits(reference))
 
 
 def test_save_pretrained_of_packed_experts_beside_nf4_attention_is_refused(checkpoint, tmp_path):

@@ -24,6 +24,7 @@ three times its 4.2 GiB.
 
 from __future__ import annotations
 
+import types
 from typing import List, Optional, Tuple
 
 import torch
@@ -229,30 +230,29 @@ def keep_saving_packed(model: nn.Module, quantization: dict) -> None:
     blocks and scales, and a config.json whose ``quantization_config`` says so (``quantization``:
     the checkpoint's), so transformers and layerstream load it back as it was. With the
     attention in NF4 as well no one quantization_config describes the model: refused, with
-    what to save instead."""
+    what to save instead. Bound to the model (a copy of the model saves itself)."""
+    model._layerstream_mxfp4 = dict(quantization)
+    model.save_pretrained = types.MethodType(_save_packed, model)
+
+
+def _save_packed(model: nn.Module, *args, **kwargs):
     from ..checkpoints import mxfp4
 
-    save = model.save_pretrained
-
-    def save_pretrained(*args, **kwargs):
-        config = model.config
-        if getattr(model, "hf_quantizer", None) is not None or getattr(config, "quantization_config", None):
-            raise PackedExpertsError(
-                "this model keeps its experts in MXFP4 and its attention in NF4: no one quantization_config "
-                "describes that, so save_pretrained would write a checkpoint nothing loads back. Save the "
-                "adapters (PeftModel.save_pretrained, as the Trainer does), or load without NF4 to save the "
-                "whole model in MXFP4."
-            )
-        marked = getattr(config, mxfp4.PACKED, False)
-        config.quantization_config = dict(quantization)
+    config = model.config
+    if getattr(model, "hf_quantizer", None) is not None or getattr(config, "quantization_config", None):
+        raise PackedExpertsError(
+            "this model keeps its experts in MXFP4 and its attention in NF4: no one quantization_config "
+            "describes that, so save_pretrained would write a checkpoint nothing loads back. Save the "
+            "adapters (PeftModel.save_pretrained, as the Trainer does), or load without NF4 to save the "
+            "whole model in MXFP4."
+        )
+    marked = getattr(config, mxfp4.PACKED, False)
+    config.quantization_config = dict(model._layerstream_mxfp4)
+    if marked:
+        delattr(config, mxfp4.PACKED)
+    try:
+        return type(model).save_pretrained(model, *args, **kwargs)
+    finally:
+        del config.quantization_config
         if marked:
-            delattr(config, mxfp4.PACKED)
-        try:
-            return save(*args, **kwargs)
-        finally:
-            del config.quantization_config
-            if marked:
-                setattr(config, mxfp4.PACKED, True)
-
-    save_pretrained.__doc__ = save.__doc__
-    model.save_pretrained = save_pretrained
+            setattr(config, mxfp4.PACKED, True)
