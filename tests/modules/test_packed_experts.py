@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from peft import get_peft_model
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, Mxfp4Config
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 import layerstream
@@ -40,8 +40,12 @@ def many_experts(tmp_path_factory):
 
 
 def _dequantised(checkpoint, device="cpu"):
-    """The reference: transformers' own load, which dequantises MXFP4 to bf16 without its kernels."""
-    return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16).to(device)
+    """The reference: transformers' own load, dequantising MXFP4 to bf16 (as it does without
+    its kernels; asked explicitly, so a GPU machine with Triton does the same)."""
+    dequantise = Mxfp4Config(dequantize=True)
+    return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16, quantization_config=dequantise).to(
+        device
+    )
 
 
 def _packed(checkpoint, device="cpu"):
