@@ -55,6 +55,8 @@ class RoutedExperts:
             params = list(module.parameters()) if module is not None else []
             if not params:
                 continue
+            # MXFP4 stacks kept packed are buffers (gpt-oss as published)
+            params += [b for n, b in module.named_buffers() if n.endswith(("_blocks", "_scales"))]
             count = params[0].shape[0]
             self.experts[index] = (count, sum(p.numel() * p.element_size() for p in params) // count)
             self.handles.append(module.register_forward_pre_hook(self._hook(index, count)))
@@ -67,6 +69,7 @@ class RoutedExperts:
             mask[chosen.reshape(-1)] = True
             self.calls[index].append(mask)
 
+        mark._layerstream_keeps_choice = True  # it reads the choice only: copies by need stay on
         return mark
 
     def reset(self) -> None:

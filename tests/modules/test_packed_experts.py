@@ -311,3 +311,24 @@ def test_the_plan_holds_dequantised_experts_for_transformers_own_load(checkpoint
     dequantised = plan.layer_bytes(mxfp4.dequantised_config(config), "none")
     assert memory.host_steady_bytes == sum(dequantised) and memory.loader_store_bytes < sum(dequantised)
     assert memory.host_store_bytes == sum(plan.layer_bytes(config, "none")) < sum(dequantised)
+
+
+@pytest.mark.parametrize("marked", [True, False], ids=["observing", "unmarked"])
+def test_a_hook_that_only_observes_the_routing_leaves_copies_by_need_on(many_experts, marked):
+    """A hook added after the model's own that says it only reads the routing
+    (``_layerstream_keeps_choice``, as the MoE benchmark's does) keeps copies by need; any other
+    may change the choice, so every row is copied and dequantised (the control)."""
+    reference, model = _dequantised(many_experts), _packed(many_experts)
+
+    def observe(module, args):
+        return None
+
+    if marked:
+        observe._layerstream_keeps_choice = True
+    for layer in model.model.layers:
+        layer.mlp.experts.register_forward_pre_hook(observe)
+    prompt, settings = batch(96, size=1, seq=3), dict(max_new_tokens=4, do_sample=False, min_new_tokens=4)
+    assert torch.equal(model.generate(prompt, **settings), reference.generate(prompt, **settings))
+    stats = layerstream.get_runtime(model).stats()
+    by_need = stats["experts_copied"] < stats["expert_visits"] * ROUTED / 2
+    assert by_need is marked

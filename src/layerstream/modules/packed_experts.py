@@ -166,9 +166,9 @@ def _runs(rows) -> List[Tuple[int, int]]:
 
 
 def keeps_choice(hook) -> bool:
-    """Whether a forward pre-hook is a packed module's own, which reads the chosen experts and
-    changes nothing a call reads."""
-    return hook is _bind
+    """Whether a forward pre-hook is known to change nothing a call reads: a packed module's
+    own, or one marked ``_layerstream_keeps_choice`` (a hook that only observes the routing)."""
+    return hook is _bind or getattr(hook, "_layerstream_keeps_choice", False) is True
 
 
 def compute_dtype(module: nn.Module, packed: PackedExperts, proj: str) -> torch.dtype:
