@@ -110,6 +110,26 @@ def test_the_generation_sizer_scales_the_measured_rise_with_the_cached_tokens():
     assert sizer.size(limit, held=0, tokens=5) == 9, "fewer tokens never predict less than measured"
 
 
+def test_a_larger_call_sized_from_a_smaller_ones_rise_gets_its_own_measurement_next_time():
+    """A call's KV cache and activations grow with its tokens, plus a part that does not: a
+    batch-64 call sized from batch 8's rise per token is sized cautiously at first (every
+    fixed byte scaled up 8x), then from what calls of its own size rose."""
+    sizer = GenerationSizer(num_layers=32, layer_bytes=1_000)
+    limit = MARGIN_BYTES + 40_000
+    reading = lambda tokens, rise: Reading(  # noqa: E731
+        window=0, tokens=tokens, peak_reserved=rise, start_allocated=0, peak_allocated=rise, retries=0
+    )
+    sizer.record(reading(100, 3_000))  # 1,000 fixed + 20 a token
+    assert sizer.size(limit, held=0, tokens=800) == 16  # scaled: 24,000 predicted
+    sizer.record(reading(800, 17_000))  # what it rose: 1,000 + 16,000
+    assert sizer.size(limit, held=0, tokens=800) == 23  # its own: 17,000
+    assert sizer.size(limit, held=0, tokens=100) == 32, "a size measured before takes its own rise (3,000)"
+    sizer.record(reading(800, 18_000))  # a call of that size that rose more: the most counts
+    assert sizer.size(limit, held=0, tokens=800) == 22
+    # an unmeasured size as before: the most any call rose, or the most per token scaled
+    assert sizer.size(limit, held=0, tokens=400) == 22
+
+
 class _OutOfMemoryOnce:
     """A pre-hook on the first layer that runs out of memory at its ``at``-th call, once:
     some tokens were drawn by then, so a run again from anywhere but the call's start

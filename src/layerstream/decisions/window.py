@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 from ..units import MiB
 
@@ -224,7 +224,10 @@ class GenerationSizer:
     the call allocates above that: the KV cache and the prefill's activations, both growing
     with the cached tokens (batch x (prompt + new tokens)). The first call runs with no
     window and is measured; later calls keep as many layers as fit beside the most a
-    measured call rose, scaled up to a call that caches more tokens. Once the process
+    measured call rose, scaled up to a call that caches more tokens; a call caching as many
+    tokens as one measured before takes what such calls rose (its KV cache and activations
+    are theirs), so a larger batch sized from a smaller one's rise per token, at first
+    cautiously, gets its own measurement from its second call on. Once the process
     trains, ``WindowSizer`` sizes the window from its steps, whose measured interval takes
     in the generation inside them (TRL's GRPO and RLOO generate within the step).
     """
@@ -236,6 +239,7 @@ class GenerationSizer:
         self.rise = 0  # ... and the most it rose at all
         self.overhead = 0  # reserved beyond allocated at the first measured call
         self.measured = False
+        self.rise_at: Dict[int, int] = {}  # cached tokens -> the most a call caching that many rose
 
     def record(self, reading: Reading) -> None:
         """A measured call (``reading.tokens``: the tokens it cached)."""
@@ -245,12 +249,15 @@ class GenerationSizer:
         self.measured = True
         self.rise = max(self.rise, rise)
         self.rise_per_token = max(self.rise_per_token, rise / max(reading.tokens, 1))
+        self.rise_at[reading.tokens] = max(self.rise_at.get(reading.tokens, 0), rise)
 
     def size(self, limit: int, held: int, tokens: int) -> int:
         """The window for a call that caches ``tokens`` tokens, ``held`` bytes being held
         outside the window when it starts; none before a call was measured."""
         if not self.measured:
             return 0
-        rise = max(self.rise, math.ceil(self.rise_per_token * tokens))
+        rise = self.rise_at.get(tokens)
+        if rise is None:
+            rise = max(self.rise, math.ceil(self.rise_per_token * tokens))
         room = limit - margin_bytes(limit) - held - rise - self.overhead
         return max(0, min(self.num_layers, room // self.layer_bytes))
