@@ -99,7 +99,9 @@ MXFP4_QUANTIZATION = {
 }
 
 
-def save_mxfp4_gpt_oss(directory, layers: int = 3, seed: int = 0, scales=(120, 130), experts: int = 4) -> Path:
+def save_mxfp4_gpt_oss(
+    directory, layers: int = 3, seed: int = 0, scales=(120, 130), experts: int = 4, **overrides
+) -> Path:
     """A tiny gpt-oss checkpoint as gpt-oss is published: every tensor in bf16 but the expert
     projections, which are MXFP4. Each projection ``[experts, in, out]`` is stored transposed
     as ``*_blocks`` (uint8 ``[experts, out, in / 32, 16]``: 32 FP4 values per block, two per
@@ -109,7 +111,8 @@ def save_mxfp4_gpt_oss(directory, layers: int = 3, seed: int = 0, scales=(120, 1
     blocks and scales are seeded random bytes; the other weights ``save_model_of``'s."""
     from safetensors.torch import load_file, save_file
 
-    config = tiny_config("gpt_oss", layers, **WIDE, num_local_experts=experts, num_experts_per_tok=2, sliding_window=8)
+    values = dict(WIDE, num_local_experts=experts, num_experts_per_tok=2, sliding_window=8)
+    config = tiny_config("gpt_oss", layers, **{**values, **overrides})
     directory = save_model_of(config, directory, dtype=torch.bfloat16, seed=seed)
     path = directory / "model.safetensors"
     tensors = load_file(path)

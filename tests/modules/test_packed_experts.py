@@ -332,3 +332,54 @@ def test_a_hook_that_only_observes_the_routing_leaves_copies_by_need_on(many_exp
     stats = layerstream.get_runtime(model).stats()
     by_need = stats["experts_copied"] < stats["expert_visits"] * ROUTED / 2
     assert by_need is marked
+
+
+def test_trls_sft_script_trains_the_packed_model_as_the_plain_script_trains_the_dequantised_one(
+    tmp_path, monkeypatch, caplog
+):
+    """TRL's ``sft.py`` unchanged on a gpt-oss MXFP4 checkpoint, plainly (transformers
+    dequantises) and behind ``layerstream run`` (experts kept packed, 3 layers in 2 slots):
+    the same losses, with TRL's LoRA dropout and gradient checkpointing."""
+    import runpy
+    import sys
+
+    from layerstream import data as embedded
+    from layerstream.commands import cli
+    from layerstream.integrations import launch
+
+    tokenizer = embedded.byte_tokenizer()
+    checkpoint = save_mxfp4_gpt_oss(tmp_path / "gpt-oss", layers=LAYERS, vocab_size=len(tokenizer))
+    tokenizer.save_pretrained(checkpoint)
+    rows = [json.loads(line) for line in embedded.data_path().read_text().splitlines() if line.strip()][:24]
+    (tmp_path / "sft").mkdir()
+    (tmp_path / "sft" / "train.jsonl").write_text(
+        "".join(json.dumps({"text": f"Q: {r['instruction']}\nA: {r['response']}"}) + "\n" for r in rows)
+    )
+
+    def argv(out):
+        return [
+            *("--model_name_or_path", str(checkpoint), "--dataset_name", str(tmp_path / "sft")),
+            *("--output_dir", str(out), "--max_steps", "3", "--logging_steps", "1", "--report_to", "none"),
+            *("--use_cpu", "--per_device_train_batch_size", "2", "--save_strategy", "steps", "--save_steps", "3"),
+            "--use_peft",
+            *("--lora_r", "4", "--lora_target_modules", "q_proj", "k_proj", "v_proj", "o_proj"),
+            *("--max_length", "32", "--seed", "0", "--dtype", "bfloat16"),
+        ]
+
+    histories = {}
+    for run in ("plain", "streamed"):
+        if run == "plain":
+            monkeypatch.setattr(sys, "argv", ["trl.scripts.sft", *argv(tmp_path / run)])
+            runpy.run_module("trl.scripts.sft", run_name="__main__", alter_sys=True)
+        else:
+            try:
+                with caplog.at_level("WARNING", logger="layerstream"):
+                    assert cli.main(["run", "--slots", "2", "-m", "trl.scripts.sft", *argv(tmp_path / run)]) == 0
+            finally:
+                launch.disable()
+            assert "they stay so in host memory" in caplog.text  # packed, not dequantised
+        state = tmp_path / run / "checkpoint-3" / "trainer_state.json"
+        histories[run] = [e for e in json.loads(state.read_text())["log_history"] if "loss" in e]
+    plain, streamed = ([e["loss"] for e in histories[run]] for run in ("plain", "streamed"))
+    assert len(plain) == 3 and streamed == plain
+    assert all("layerstream/layer_loads" in e for e in histories["streamed"])  # it streamed
