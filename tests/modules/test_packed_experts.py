@@ -89,21 +89,26 @@ def test_a_wrong_dequantisation_is_caught(checkpoint, monkeypatch):
     assert not torch.equal(_logits(model), _logits(reference))
 
 
-def test_short_passes_copy_and_dequantise_only_the_chosen_experts(many_experts, device, monkeypatch):
+@pytest.fixture
+def dequantised_rows(monkeypatch):
+    """The experts each call of ``packed_experts.dequantise`` dequantised, in order."""
+    counts, real = [], packed_experts.dequantise
+
+    def counted(blocks, scales, dtype, rows=None):
+        counts.append(blocks.shape[0] if rows is None else len(set(rows)))
+        return real(blocks, scales, dtype, rows)
+
+    monkeypatch.setattr(packed_experts, "dequantise", counted)
+    return counts
+
+
+def test_short_passes_copy_and_dequantise_only_the_chosen_experts(many_experts, device, monkeypatch, dequantised_rows):
     """A token step of generation copies the packed rows of the experts the router chose,
     dequantises those, and generates the reference's tokens; one chosen expert wrongly
     skipped (the negative control) changes the logits."""
     reference, model = _dequantised(many_experts, device), _packed(many_experts, device)
     prompt = batch(96, size=1, seq=3, device=device)
     settings = dict(max_new_tokens=8, do_sample=False, min_new_tokens=8)
-    dequantised_rows = []
-    real = packed_experts.dequantise
-
-    def counted(blocks, scales, dtype, rows=None):
-        dequantised_rows.append(blocks.shape[0] if rows is None else len(set(rows)))
-        return real(blocks, scales, dtype, rows)
-
-    monkeypatch.setattr(packed_experts, "dequantise", counted)
     assert torch.equal(model.generate(prompt, **settings), reference.generate(prompt, **settings))
     stats = layerstream.get_runtime(model).stats()
     assert 0 < stats["experts_copied"] < stats["expert_visits"] * ROUTED / 2
@@ -117,19 +122,11 @@ def test_short_passes_copy_and_dequantise_only_the_chosen_experts(many_experts, 
         assert not torch.equal(skipped(input_ids=one_token).logits, reference(input_ids=one_token).logits)
 
 
-def test_window_layers_dequantise_only_the_chosen_experts_too(many_experts, monkeypatch):
+def test_window_layers_dequantise_only_the_chosen_experts_too(many_experts, dequantised_rows):
     """Layers kept on the device for good hold whole stacks, yet a short pass's call still
     reads only the chosen experts: it dequantises only theirs, and generates the same tokens."""
     reference, model = _dequantised(many_experts), _packed(many_experts)
     layerstream.get_runtime(model).set_window(range(LAYERS))
-    dequantised_rows = []
-    real = packed_experts.dequantise
-
-    def counted(blocks, scales, dtype, rows=None):
-        dequantised_rows.append(blocks.shape[0] if rows is None else len(set(rows)))
-        return real(blocks, scales, dtype, rows)
-
-    monkeypatch.setattr(packed_experts, "dequantise", counted)
     prompt, settings = batch(96, size=1, seq=3), dict(max_new_tokens=6, do_sample=False, min_new_tokens=6)
     assert torch.equal(model.generate(prompt, **settings), reference.generate(prompt, **settings))
     assert layerstream.get_runtime(model).stats()["experts_copied"] == 0
