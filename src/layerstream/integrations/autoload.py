@@ -132,7 +132,7 @@ def load(cls, path, **kwargs):
     stream = launch.config_for(target if target is not None else None)
     quantization = _quantization(kwargs)
     # 8-bit, FP4, other quantisers: refused by name; an Mxfp4Config is the loader's to judge
-    # (for an MXFP4 checkpoint, which it dequantises anyway, it changes nothing)
+    # (for an MXFP4 checkpoint: dequantize=True dequantises, else the experts stay packed)
     if quantization is not None and not mxfp4.names_mxfp4(quantization):
         loading.nf4_settings(quantization, torch.bfloat16)
     extra = {k: v for k, v in kwargs.items() if k not in _TAKEN and k not in _MOOT}
