@@ -380,3 +380,15 @@ def test_trls_sft_script_trains_the_packed_model_as_the_plain_script_trains_the_
     plain, streamed = ([e["loss"] for e in histories[run]] for run in ("plain", "streamed"))
     assert len(plain) == 3 and streamed == plain
     assert all("layerstream/layer_loads" in e for e in histories["streamed"])  # it streamed
+
+
+def test_the_plan_says_why_packed_experts_take_no_lora(checkpoint):
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(checkpoint)
+    with pytest.raises(ValueError, match="stay packed in MXFP4"):
+        plan.make_plan(plan.PlanRequest(config, 12, 1, 8 << 30, "none", lora_targets="q_proj,gate_up_proj"))
+    dequantised = mxfp4.dequantised_config(config)  # the control: the reason is the packing's alone
+    with pytest.raises(ValueError, match="matches nothing") as refused:
+        plan.make_plan(plan.PlanRequest(dequantised, 12, 1, 8 << 30, "none", lora_targets="q_proj,gate_up_proj"))
+    assert "stay packed" not in str(refused.value)

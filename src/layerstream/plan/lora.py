@@ -139,8 +139,15 @@ def _refuse_names_matching_nothing(config, dtype, names: List[str], shapes) -> N
             _inject(_one_layer_of_each_kind(config, dtype)[0], [name], 1)
         except ValueError:
             linear = sorted({lin.name.rsplit(".", 1)[-1] for shape in shapes for lin in shape.linears})
+            packed = any(shape.dequantised for shape in shapes) and name.endswith(("gate_up_proj", "down_proj"))
+            why = (
+                " (its experts stay packed in MXFP4, with no Parameter to adapt: LoRA on them needs the "
+                "dequantised load, Mxfp4Config(dequantize=True), and PEFT's target_parameters)"
+                if packed
+                else ""
+            )
             raise ValueError(
-                f"LoRA target {name!r} matches nothing in this model; its decoder layers' linear layers are: "
+                f"LoRA target {name!r} matches nothing in this model{why}; its decoder layers' linear layers are: "
                 f"{', '.join(linear)}"
             ) from None
 
