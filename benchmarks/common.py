@@ -180,8 +180,7 @@ def build_random_nf4(
     _, stack = find_decoder_layers(model)
     packed = mxfp4.keeps_packed(config)  # gpt-oss as published: its experts stay MXFP4, as the loader keeps them
     if packed:
-        for module in [m for layer in stack for m in layer.modules() if packed_experts.packable(m)]:
-            packed_experts.pack(module, dtype)
+        packed_experts.pack_every(stack, dtype)
     fill_device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator(device=fill_device).manual_seed(0)
 

@@ -199,8 +199,7 @@ def checkpoint_bytes(config, dtype=torch.bfloat16) -> int:
 
     model = build_meta_model(config, dtype)
     if mxfp4.keeps_packed(config):  # gpt-oss as published: its experts' blocks and scales
-        for module in [m for m in model.modules() if packed_experts.packable(m)]:
-            packed_experts.pack(module, dtype)
+        packed_experts.pack_every(model, dtype)
     saved = {id(t): t for t in model.state_dict(keep_vars=True).values()}  # a tied weight once
     return sum(t.numel() * t.element_size() for t in saved.values())
 

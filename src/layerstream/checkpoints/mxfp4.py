@@ -57,6 +57,11 @@ def names_mxfp4(quantization_config) -> bool:
     return str(getattr(method, "value", method) or "").lower() == METHOD
 
 
+def stored_bytes(values: int) -> int:
+    """What ``values`` weights take in MXFP4: 4 bits each, and a 1-byte exponent per 32."""
+    return values // 2 + values // 32
+
+
 def asks_dequantise(quantization_config) -> bool:
     """Whether a script's MXFP4 config asks for dequantised experts (``Mxfp4Config(dequantize=True)``)."""
     if isinstance(quantization_config, Mapping):
@@ -130,7 +135,7 @@ def say_dequantised(directory, dequantised: Mapping[str, torch.Tensor], layers: 
     values = sum(t.numel() for t in dequantised.values())
     dtype = next(iter(dequantised.values())).dtype
     held = sum(t.numel() * t.element_size() for t in dequantised.values())
-    stored = values // 2 + values // 32  # 4 bits a value, and a 1-byte scale per 32 values
+    stored = stored_bytes(values)
     projections = sorted({name.rsplit(".", 1)[-1] for name in dequantised})
     per_layer = max(layers, 1)
     logger.warning(
@@ -155,7 +160,7 @@ def say_packed(directory, packed: Mapping[str, object], layers: int) -> None:
         return
     per_layer = max(layers, 1)
     dequantised = sum(p.stack_bytes() for p in packed.values())
-    stored = sum(e * i * o // 2 + e * i * o // 32 for p in packed.values() for e, i, o in p.shapes.values())
+    stored = sum(stored_bytes(e * i * o) for p in packed.values() for e, i, o in p.shapes.values())
     dtype = str(next(iter(packed.values())).dtype).replace("torch.", "")
     logger.warning(
         "layerstream: %s stores its experts in MXFP4; they stay so in host memory and on their way to the "

@@ -96,6 +96,13 @@ def pack(module: nn.Module, dtype: torch.dtype) -> PackedExperts:
     return packed
 
 
+def pack_every(root: nn.Module, dtype: torch.dtype) -> None:
+    """Pack every packable experts module under ``root`` (a meta model or layer): the model
+    as the loader keeps an MXFP4 checkpoint, for the planner and the benchmarks' builders."""
+    for module in [m for m in root.modules() if packable(m)]:
+        pack(module, dtype)
+
+
 def pack_stored(layers: nn.ModuleList, path: str, files, dtype: torch.dtype) -> dict:
     """Keep the experts of an MXFP4 checkpoint packed: every experts module of the meta
     ``layers`` whose blocks the checkpoint's ``files`` (name -> file) hold. Returns name ->

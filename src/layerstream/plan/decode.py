@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
+from ..checkpoints import mxfp4
 from ..decisions.experts import copy_by_need, expected_share_hit
 from .shapes import LayerShape
 
@@ -89,10 +90,6 @@ def _compute_bound_batch(layers: List[Tuple[int, Routed]], per_sequence: float, 
     return whole
 
 
-# an MXFP4 value kept packed (``modules.packed_experts``): half a byte, and a byte per 32
-MXFP4_BYTES_PER_32_VALUES = 17
-
-
 def routed_bytes(shapes: Sequence[LayerShape], elem: int) -> List[Routed]:
     """Per layer: the bytes of its fused expert stacks (``elem`` bytes per element, the
     compute dtype they stay in; MXFP4's where they stay packed), experts per token and experts."""
@@ -103,7 +100,7 @@ def routed_bytes(shapes: Sequence[LayerShape], elem: int) -> List[Routed]:
             out.append((0, 0, 0))
             continue
         values = sum(param.numel for param in stacks)
-        stored = values * MXFP4_BYTES_PER_32_VALUES // 32 if shape.dequantised else values * elem
+        stored = mxfp4.stored_bytes(values) if shape.dequantised else values * elem
         out.append((stored, shape.top_k, stacks[0].experts))
     return out
 

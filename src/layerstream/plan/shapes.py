@@ -249,8 +249,7 @@ def _measure(config, dtype: torch.dtype) -> ModelShape:
     model = build_meta_model(config, dtype)
     path, layers = find_decoder_layers(model)
     if mxfp4.keeps_packed(config):  # as the loader keeps an MXFP4 checkpoint's experts
-        for module in [m for layer in layers for m in layer.modules() if packed_experts.packable(m)]:
-            packed_experts.pack(module, dtype)
+        packed_experts.pack_every(layers, dtype)
     quantised = {id(module.weight) for module in nf4.quantised_on_load(model).values()}
     in_layers = {id(t) for layer in layers for t in (*layer.parameters(), *layer.buffers())}
     shapes = tuple(
