@@ -342,6 +342,7 @@ def from_pretrained(
     allow_pickle: bool = False,
     quantization_config=None,
     attn_implementation: Optional[str] = None,
+    experts_implementation: Optional[str] = None,
     torch_dtype=None,
     model_class=None,
     config=None,
@@ -362,6 +363,8 @@ def from_pretrained(
         loads by default); default "auto".
         ``torch_dtype`` is the older spelling of the same argument.
     stream: the StreamConfig (default ``StreamConfig()``).
+    attn_implementation, experts_implementation: as transformers' ``from_pretrained`` takes
+        them (default: transformers' choice).
     model_class: the transformers class to build (default: what AutoModelForCausalLM picks).
     config: the model's transformers config, when the caller has it (default: read from the
         checkpoint, as transformers does).
@@ -427,6 +430,8 @@ def from_pretrained(
         quant_config = nf4_settings(quantization_config, torch_dtype)
     quantization = "nf4" if quant_config is not None else None
     extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    if experts_implementation:
+        extra["experts_implementation"] = experts_implementation
     model = meta_model(config, torch_dtype, model_class, trust_remote_code, **extra)
     quantizer = None
     if quant_config is not None:

@@ -193,6 +193,21 @@ def test_layerstream_run_loads_an_mxfp4_checkpoint_through_its_loader(
     assert torch.equal(got["logits"], expected)
 
 
+def test_an_experts_implementation_the_script_asks_for_loads_through_the_loader(
+    tmp_path, streaming, transformers_never_loads
+):
+    """``experts_implementation``, which transformers' from_pretrained takes, is the loader's
+    to pass on as well: the script's model is streamed, computes with what it asked for, and
+    gives the logits transformers' model with the same setting gives."""
+    checkpoint = save_mxfp4_gpt_oss(tmp_path / "gpt-oss")
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16, experts_implementation="eager")
+    assert layerstream.is_streamed(model) and model.config._experts_implementation == "eager"
+    reference = _plain(checkpoint, GptOssForCausalLM, dtype=torch.bfloat16, experts_implementation="eager")
+    ids = torch.arange(3, 15).reshape(1, 12)
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, reference(input_ids=ids).logits)
+
+
 def test_models_other_than_causal_lms_and_calls_without_auto_streaming_load_plainly(checkpoint, streaming):
     from transformers import AutoModel
 

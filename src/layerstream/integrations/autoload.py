@@ -40,6 +40,7 @@ _TAKEN = {
     "device_map",
     "quantization_config",
     "attn_implementation",
+    "experts_implementation",
     "trust_remote_code",
     "revision",
     "load_in_4bit",
@@ -153,6 +154,7 @@ def load(cls, path, **kwargs):
                 trust_remote_code=bool(kwargs.get("trust_remote_code")),
                 revision=kwargs.get("revision"),
                 attn_implementation=kwargs.get("attn_implementation"),
+                experts_implementation=kwargs.get("experts_implementation"),
                 model_class=cls,
                 config=config,
             )

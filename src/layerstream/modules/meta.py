@@ -12,7 +12,7 @@ def meta_model(config, dtype=None, model_class=None, trust_remote_code: bool = F
     ``model_class._from_config``) inside a ``torch.device("meta")`` context: nothing is
     allocated and CUDA is never touched. ``dtype``: the dtype its floating-point weights load
     in (None: transformers' default); ``extra``: other from_config arguments
-    (``attn_implementation``)."""
+    (``attn_implementation``, ``experts_implementation``)."""
     from transformers import AutoModelForCausalLM
 
     if dtype is not None:
