@@ -81,8 +81,8 @@ def test_a_wrong_dequantisation_is_caught(checkpoint, monkeypatch):
     reference = _dequantised(checkpoint)
     real = packed_experts.dequantise
 
-    def swapped(blocks, scales, *args):
-        return real((blocks << 4) | (blocks >> 4), scales, *args)
+    def swapped(blocks, scales, *args, **kwargs):
+        return real((blocks << 4) | (blocks >> 4), scales, *args, **kwargs)
 
     model = _packed(checkpoint)
     monkeypatch.setattr(packed_experts, "dequantise", swapped)
@@ -94,9 +94,9 @@ def dequantised_rows(monkeypatch):
     """The experts each call of ``packed_experts.dequantise`` dequantised, in order."""
     counts, real = [], packed_experts.dequantise
 
-    def counted(blocks, scales, dtype, rows=None):
+    def counted(blocks, scales, dtype, rows=None, compact=False):
         counts.append(blocks.shape[0] if rows is None else len(set(rows)))
-        return real(blocks, scales, dtype, rows)
+        return real(blocks, scales, dtype, rows, compact)
 
     monkeypatch.setattr(packed_experts, "dequantise", counted)
     return counts
@@ -114,12 +114,66 @@ def test_short_passes_copy_and_dequantise_only_the_chosen_experts(many_experts, 
     assert 0 < stats["experts_copied"] < stats["expert_visits"] * ROUTED / 2
     # the 3-token prompt's chosen (at most 6), then each token step's (at most 2), never all 16
     assert max(dequantised_rows) <= 3 * 2 and min(dequantised_rows) <= 2
-    chosen = by_need._chosen_rows
-    monkeypatch.setattr(by_need, "_chosen_rows", lambda *a: chosen(*a)[1:])
-    skipped = _packed(many_experts, device)
     one_token = batch(96, size=1, seq=1, device=device)
+    runs = by_need.decide.runs
+    monkeypatch.setattr(by_need.decide, "runs", lambda rows: runs(rows)[1:])  # a chosen expert's copy skipped
     with torch.no_grad():
-        assert not torch.equal(skipped(input_ids=one_token).logits, reference(input_ids=one_token).logits)
+        assert not torch.equal(
+            _packed(many_experts, device)(input_ids=one_token).logits, reference(input_ids=one_token).logits
+        )
+    monkeypatch.setattr(by_need.decide, "runs", runs)
+    chosen = by_need._chosen_rows
+    monkeypatch.setattr(by_need, "_chosen_rows", lambda *a: chosen(*a)[1:])  # left out of the rows as well
+    with torch.no_grad(), pytest.raises(IndexError):  # it has no place in the call's stacks: no result
+        _packed(many_experts, device)(input_ids=one_token)
+
+
+@pytest.mark.parametrize("implementation", ["eager", "grouped_mm", "batched_mm"])
+def test_a_call_of_a_few_experts_computes_on_stacks_of_only_theirs(many_experts, implementation, device, monkeypatch):
+    """A short pass's experts call dequantises only the chosen experts' rows, into stacks of
+    just those (not 16 experts' with most rows unread), and its forward reads them by their
+    places there: each of transformers' implementations gives the reference's logits and
+    tokens. Hooks on the module see the router's own numbers. Negative control: the chosen
+    experts' rows placed in the wrong order change the logits."""
+    reference = AutoModelForCausalLM.from_pretrained(
+        many_experts,
+        dtype=torch.bfloat16,
+        quantization_config=Mxfp4Config(dequantize=True),
+        experts_implementation=implementation,
+    ).to(device)
+    stream = layerstream.StreamConfig(device=device, slots=2)
+    model = layerstream.from_pretrained(
+        many_experts, dtype=torch.bfloat16, stream=stream, experts_implementation=implementation
+    ).to(device)
+    assert model.config._experts_implementation == implementation
+    stacks, real = [], packed_experts.dequantise
+
+    def recorded(*args, **kwargs):
+        out = real(*args, **kwargs)
+        stacks.append(out.shape[0])
+        return out
+
+    monkeypatch.setattr(packed_experts, "dequantise", recorded)
+    seen = {"reference": [], "packed": []}
+    for key, each in (("reference", reference), ("packed", model)):
+        for layer in each.model.layers:
+            layer.mlp.experts.register_forward_hook(lambda m, args, out, key=key: seen[key].append(args[1].clone()))
+    prompt = batch(96, size=2, seq=2, device=device)
+    settings = dict(max_new_tokens=6, do_sample=False, min_new_tokens=6)
+    assert torch.equal(model.generate(prompt, **settings), reference.generate(prompt, **settings))
+    assert stacks and max(stacks) <= 2 * 2 * 2 < ROUTED  # 2 rows of 2 tokens, 2 experts each
+    assert len(seen["packed"]) == len(seen["reference"])
+    assert all(torch.equal(a, b) for a, b in zip(seen["packed"], seen["reference"]))
+    assert model.model.layers[0].mlp.experts.num_experts == ROUTED  # given back after each call
+
+    def reversed_rows(*args, **kwargs):
+        out = real(*args, **kwargs)
+        return out.flip(0) if kwargs.get("compact") else out
+
+    monkeypatch.setattr(packed_experts, "dequantise", reversed_rows)
+    one_token = batch(96, size=2, seq=1, device=device)
+    with torch.no_grad():
+        assert not torch.equal(model(input_ids=one_token).logits, reference(input_ids=one_token).logits)
 
 
 def test_window_layers_dequantise_only_the_chosen_experts_too(many_experts, dequantised_rows):

@@ -20,6 +20,14 @@ A call dequantises the experts in groups (``GROUP_BYTES`` of output at a time) i
 tensor per projection: transformers' function holds its output, an int32 index per value
 and a transposed copy at once, which for a whole gpt-oss-120b projection would be about
 three times its 4.2 GiB.
+
+A call that reads only the experts the router chose (copies by need: generation, short
+passes) dequantises only theirs, into stacks of just those rows: a token step of
+gpt-oss-120b then holds 4 experts' 0.19 GiB, not 128 experts' 5.9 GiB. Its forward is given
+the chosen experts' positions in those stacks instead of their numbers (and the biases'
+rows and the expert count to match), so it computes what it computes with every row: the
+same rows, in the same order. The renumbering happens inside the module's forward, after
+every forward pre-hook and before every forward hook, which see the router's own numbers.
 """
 
 from __future__ import annotations
@@ -51,6 +59,10 @@ class PackedExperts:
         # the experts the next call reads, where the runtime copied only those (None: all);
         # set by the runtime's hook just before this module's own, for that call only
         self.rows: Optional[List[int]] = None
+
+    @property
+    def experts(self) -> int:
+        return self.shapes[PROJECTIONS[0]][0]
 
     def stack_bytes(self) -> int:
         """Every projection of every expert, dequantised."""
@@ -89,10 +101,9 @@ def pack(module: nn.Module, dtype: torch.dtype) -> PackedExperts:
         module.register_buffer(f"{proj}_scales", torch.empty(*groups, dtype=torch.uint8, device="meta"))
     packed = PackedExperts(dtype, shapes)
     setattr(module, _ATTRIBUTE, packed)
-    packed.handles = [
-        module.register_forward_pre_hook(_bind),
-        module.register_forward_hook(_unbind, always_call=True),
-    ]
+    # the module's own forward, wrapped: it runs after every pre-hook (the runtime's, which
+    # copies the slot's rows, and the user's), so the stacks it dequantises are complete
+    module.forward = types.MethodType(_forward, module)
     return packed
 
 
@@ -141,23 +152,34 @@ def dequantised_bytes(model: nn.Module) -> int:
 
 
 def dequantise(
-    blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, rows: Optional[List[int]] = None
+    blocks: torch.Tensor,
+    scales: torch.Tensor,
+    dtype: torch.dtype,
+    rows: Optional[List[int]] = None,
+    compact: bool = False,
 ) -> torch.Tensor:
     """``[experts, in, out]`` in ``dtype`` from MXFP4 blocks and scales, on their device, with
-    transformers' function, a group of experts at a time; with ``rows``, only those experts'
-    (the others' rows are left as allocated: the call reads only the experts it chose)."""
+    transformers' function, a group of experts at a time. With ``rows``, only those experts':
+    the others' rows are left as allocated, or, ``compact``, left out (``[len(rows), in, out]``,
+    the rows in ascending order)."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
     experts, outputs, groups, _ = blocks.shape
     inputs = groups * BLOCK
-    out = torch.empty(experts, inputs, outputs, dtype=dtype, device=blocks.device)
+    chosen = range(experts) if rows is None else sorted(set(rows))
+    out = torch.empty(len(chosen) if compact else experts, inputs, outputs, dtype=dtype, device=blocks.device)
     per_expert = inputs * outputs * dtype.itemsize
     step = max(1, GROUP_BYTES // max(per_expert, 1))
-    for first, past in _runs(range(experts) if rows is None else sorted(set(rows))):
+    at = 0
+    for first, past in _runs(chosen):
         for start in range(first, past, step):
             end = min(start + step, past)
             part = convert_moe_packed_tensors(blocks[start:end], scales[start:end], dtype=dtype)
-            out[start:end].copy_(part)  # transformers moves a part it ran out of memory for to the host
+            place = at if compact else start
+            out[place : place + end - start].copy_(
+                part
+            )  # transformers moves a part it ran out of memory for to the host
+            at += end - start
     return out
 
 
@@ -173,9 +195,9 @@ def _runs(rows) -> List[Tuple[int, int]]:
 
 
 def keeps_choice(hook) -> bool:
-    """Whether a forward pre-hook is known to change nothing a call reads: a packed module's
-    own, or one marked ``_layerstream_keeps_choice`` (a hook that only observes the routing)."""
-    return hook is _bind or getattr(hook, "_layerstream_keeps_choice", False) is True
+    """Whether a forward pre-hook is known to change nothing a call reads: one marked
+    ``_layerstream_keeps_choice`` (a hook that only observes the routing)."""
+    return getattr(hook, "_layerstream_keeps_choice", False) is True
 
 
 def compute_dtype(module: nn.Module, packed: PackedExperts, proj: str) -> torch.dtype:
@@ -186,11 +208,13 @@ def compute_dtype(module: nn.Module, packed: PackedExperts, proj: str) -> torch.
     return bias.dtype if isinstance(bias, torch.Tensor) and bias.is_floating_point() else packed.dtype
 
 
-def _bind(module: nn.Module, args) -> None:
-    """Before the call: the projections, dequantised from the blocks and scales bound now
-    (a streamed layer's are in its slot by then), under the names the forward reads."""
+def _forward(module: nn.Module, *args, **kwargs):
+    """The experts module's forward on its projections dequantised from the blocks and scales
+    bound now (a streamed layer's are in its slot by then), under the names the forward
+    reads; they are the module's no more once the call returns, or raises."""
     packed = packed_of(module)
     rows, packed.rows = packed.rows, None
+    chosen = _renumbering(module, packed, rows, args, kwargs)
     with torch.no_grad():
         for proj in PROJECTIONS:
             module.__dict__[proj] = dequantise(
@@ -198,13 +222,62 @@ def _bind(module: nn.Module, args) -> None:
                 module._buffers[f"{proj}_scales"],
                 compute_dtype(module, packed, proj),
                 rows,
+                compact=chosen is not None,
             )
+    bound = list(PROJECTIONS)
+    try:
+        if chosen is not None:
+            args, kwargs = _renumber(module, packed, chosen, args, kwargs, bound)
+        return type(module).forward(module, *args, **kwargs)
+    finally:
+        for name in bound:
+            module.__dict__.pop(name, None)
+        if chosen is not None:
+            module.__dict__["num_experts"] = packed.experts
 
 
-def _unbind(module: nn.Module, args, output) -> None:
-    """After the call, also one that raised: the dequantised tensors are the module's no more."""
-    for proj in PROJECTIONS:
-        module.__dict__.pop(proj, None)
+_INDICES = ("router_indices", "top_k_index")  # the experts' second argument, as gpt-oss and transformers name it
+_WEIGHTS = ("routing_weights", "top_k_weights")  # and its third
+
+
+def _renumbering(module: nn.Module, packed: PackedExperts, rows, args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
+    """The chosen experts, ascending, where this call may compute on stacks of only their rows:
+    fewer than all, chosen by indices beside weights by position (of the same shape, so
+    renumbering the experts leaves the weights as they are)."""
+    if rows is None or getattr(module, "_is_expert_parallel", False):
+        return None
+    chosen = sorted(set(rows))
+    indices, weights = _argument(args, kwargs, 1, _INDICES), _argument(args, kwargs, 2, _WEIGHTS)
+    if len(chosen) >= packed.experts or indices is None or weights is None or weights.shape != indices.shape:
+        return None
+    return torch.tensor(chosen, dtype=indices.dtype, device=indices.device)
+
+
+def _argument(args: tuple, kwargs: dict, position: int, names: Tuple[str, ...]) -> Optional[torch.Tensor]:
+    found = args[position] if len(args) > position else next((kwargs[n] for n in names if n in kwargs), None)
+    return found if isinstance(found, torch.Tensor) else None
+
+
+def _renumber(module: nn.Module, packed: PackedExperts, chosen: torch.Tensor, args, kwargs, bound: list):
+    """The call's expert numbers as positions among ``chosen``; the module's expert count and
+    its other per-expert tensors (the biases) cut to those rows for the call (``bound``: the
+    names bound, dropped after it)."""
+    experts = packed.experts
+    position = torch.full((experts,), len(chosen), dtype=chosen.dtype, device=chosen.device)
+    position[chosen] = torch.arange(len(chosen), dtype=chosen.dtype, device=chosen.device)
+    for name, tensor in list(module._parameters.items()) + list(module._buffers.items()):
+        if isinstance(tensor, torch.Tensor) and tensor.dim() >= 1 and tensor.shape[0] == experts:
+            if name.endswith(("_blocks", "_scales")):
+                continue
+            module.__dict__[name] = tensor.index_select(0, chosen.to(tensor.device))
+            bound.append(name)
+    module.__dict__["num_experts"] = len(chosen)
+    if len(args) > 1:
+        args = (args[0], position[args[1]], *args[2:])
+    else:
+        name = next(name for name in _INDICES if name in kwargs)
+        kwargs = {**kwargs, name: position[kwargs[name]]}
+    return args, kwargs
 
 
 # -- what the model no longer has: its experts' Parameters -----------------------------------
