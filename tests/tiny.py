@@ -109,11 +109,19 @@ def save_mxfp4_gpt_oss(
     exponent per block, biased by 127; drawn from ``scales``, both ends included, so values stay
     finite and near 1), and config.json has a ``quantization_config`` as published. The
     blocks and scales are seeded random bytes; the other weights ``save_model_of``'s."""
-    from safetensors.torch import load_file, save_file
-
     values = dict(WIDE, num_local_experts=experts, num_experts_per_tok=2, sliding_window=8)
     config = tiny_config("gpt_oss", layers, **{**values, **overrides})
     directory = save_model_of(config, directory, dtype=torch.bfloat16, seed=seed)
+    return mxfp4_experts(directory, seed, scales)
+
+
+def mxfp4_experts(directory, seed: int = 0, scales=(120, 130)) -> Path:
+    """A gpt-oss checkpoint saved by ``save_pretrained`` (one file) made MXFP4 as published:
+    its expert projections replaced by seeded random blocks and scales (see
+    ``save_mxfp4_gpt_oss``) and an MXFP4 ``quantization_config`` in config.json."""
+    from safetensors.torch import load_file, save_file
+
+    directory = Path(directory)
     path = directory / "model.safetensors"
     tensors = load_file(path)
     generator = torch.Generator().manual_seed(seed)

@@ -571,6 +571,7 @@ def from_pretrained(
         model.hf_quantizer = quantizer
     if packed_experts_of:
         packed_experts.keep_saving_packed(model, stored_mxfp4)
+        packed_experts.keep_counting_packed(model)
     model.eval()
     return attach_runtime(model, path, layers, config_stream, store.records, store)
 

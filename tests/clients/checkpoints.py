@@ -25,16 +25,21 @@ FAMILIES = {
     "granite": ("granite", {}),
     "smollm3": ("smollm3", {}),
     "gpt_oss": ("gpt_oss", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=8)),
+    # as gpt-oss is published: experts in MXFP4 (layerstream keeps them packed; transformers
+    # dequantises them on a machine without its kernels), 16 of them, 2 per token
+    "gpt_oss_mxfp4": ("gpt_oss", dict(num_local_experts=16, num_experts_per_tok=2, sliding_window=8)),
 }
+MXFP4 = {"gpt_oss_mxfp4"}
 
 LAYERS = 4  # more than the two slots the streamed runs use
 
 
 def write(family: str, directory: Path, seed: int = 0) -> Path:
-    """A float32 checkpoint of ``family`` with random weights, and its tokenizer."""
+    """A float32 checkpoint of ``family`` with random weights (its experts in MXFP4 for the
+    families in ``MXFP4``), and its tokenizer."""
     from transformers import AutoConfig
 
-    from tiny import save_model_of
+    from tiny import mxfp4_experts, save_model_of
 
     model_type, shape = FAMILIES[family]
     tokenizer = byte_tokenizer()
@@ -53,5 +58,7 @@ def write(family: str, directory: Path, seed: int = 0) -> Path:
     )
     values.update(shape)
     save_model_of(AutoConfig.for_model(model_type, **values), directory, seed=seed)
+    if family in MXFP4:
+        mxfp4_experts(directory, seed)
     tokenizer.save_pretrained(directory)
     return Path(directory)

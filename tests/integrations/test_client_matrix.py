@@ -135,6 +135,8 @@ CELLS = [
     ],
     # generation copies only the chosen experts (16 experts, 2 per token, 2 sequences)
     Cell("GRPOTrainer", "qwen3_moe", "lora_attention", logs=(("layerstream/generate_experts_per_visit", 16),)),
+    # the same with gpt-oss's experts kept packed in MXFP4: generation dequantises the chosen only
+    Cell("GRPOTrainer", "gpt_oss_mxfp4", logs=(("layerstream/generate_experts_per_visit", 16),)),
 ]
 
 

@@ -341,6 +341,21 @@ def test_a_model_no_longer_streamed_dequantises_to_the_dtype_it_is_cast_to(check
     assert torch.equal(_logits(model), _logits(reference))
 
 
+def test_the_parameter_count_is_the_dequantised_models(checkpoint):
+    """``num_parameters`` (and with it the Trainer's ``total_flos``) counts what the packed
+    stacks stand for, as transformers' dequantised model counts its Parameters; trainable
+    ones after PEFT alike. Control: the class's own count, which misses the experts."""
+    reference, model = _dequantised(checkpoint), _packed(checkpoint)
+    for kwargs in ({}, {"exclude_embeddings": True}):
+        assert model.num_parameters(**kwargs) == reference.num_parameters(**kwargs)
+    assert type(model).num_parameters(model) < reference.num_parameters()
+    config = lora_config(target_modules=["q_proj", "v_proj"])
+    peft, plain = get_peft_model(model, config), get_peft_model(reference, copy.deepcopy(config))
+    assert peft.num_parameters(only_trainable=True) == plain.num_parameters(only_trainable=True) > 0
+    # what the Trainer's floating_point_ops reads, through PEFT's model
+    assert peft.num_parameters(exclude_embeddings=True) == plain.num_parameters(exclude_embeddings=True)
+
+
 def test_adapters_aimed_at_packed_experts_are_refused_with_what_to_load(checkpoint):
     from peft import LoraConfig
 

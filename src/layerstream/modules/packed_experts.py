@@ -305,6 +305,19 @@ class PackedExpertsError(ValueError):
     """Something asked of a packed experts module that only its dequantised Parameters allow."""
 
 
+def keep_counting_packed(model: nn.Module) -> None:
+    """``num_parameters`` of a model with packed experts counts the Parameters they stand for,
+    as it does for the dequantised model: the Trainer's ``total_flos`` (6 x parameters x
+    tokens) and a script's own count are then those of the model the user loaded, not of one
+    without its experts. Bound to the model, as ``keep_saving_packed``."""
+    model.num_parameters = types.MethodType(_num_parameters, model)
+
+
+def _num_parameters(model: nn.Module, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
+    counted = type(model).num_parameters(model, only_trainable=only_trainable, exclude_embeddings=exclude_embeddings)
+    return counted if only_trainable else counted + packed_values(model)  # frozen, as the dequantised stacks are
+
+
 def keep_saving_packed(model: nn.Module, quantization: dict) -> None:
     """``save_pretrained`` of a model with packed experts writes what gpt-oss publishes: the
     blocks and scales, and a config.json whose ``quantization_config`` says so (``quantization``:
