@@ -208,6 +208,23 @@ def test_a_floating_tensor_for_an_integer_buffer_is_refused(tmp_path):
         checkpoint.validate_checkpoint(tmp_path, {"step": shard}, expected)
 
 
+@pytest.mark.parametrize("stored", [torch.int8, torch.int32])
+def test_an_integer_tensor_of_another_integer_dtype_is_refused(tmp_path, stored):
+    """An MXFP4 scale is an unsigned exponent: stored signed (or wider) and copied into the
+    model's uint8 buffer it would mean another exponent than transformers reads from it.
+    Control: the same tensor as uint8 is accepted."""
+    shard = tmp_path / "model.safetensors"
+    expected = {"scales": torch.empty(3, dtype=torch.uint8, device="meta")}
+    save_file({"scales": torch.tensor([120, 128, 130]).to(stored)}, shard)
+    name = {torch.int8: "I8", torch.int32: "I32"}[stored]
+    with pytest.raises(
+        layerstream.LoadingError, match=rf"scales in model.safetensors is stored as {name}, the model expects uint8"
+    ):
+        checkpoint.validate_checkpoint(tmp_path, {"scales": shard}, expected)
+    save_file({"scales": torch.tensor([120, 128, 130], dtype=torch.uint8)}, shard)
+    checkpoint.validate_checkpoint(tmp_path, {"scales": shard}, expected)
+
+
 def test_all_missing_tensors_are_listed_before_any_layer_loads(sharded_checkpoint, loads):
     index_path = sharded_checkpoint / "model.safetensors.index.json"
     index = json.loads(index_path.read_text())

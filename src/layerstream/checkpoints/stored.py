@@ -54,6 +54,26 @@ SAFETENSORS_DTYPES = {
     "F32": (32, True),
     "F64": (64, True),
 }
+# safetensors names of the integer dtypes, as torch names them
+_INTEGER_DTYPES = {
+    "BOOL": "bool",
+    "U8": "uint8",
+    "I8": "int8",
+    "U16": "uint16",
+    "I16": "int16",
+    "U32": "uint32",
+    "I32": "int32",
+    "U64": "uint64",
+    "I64": "int64",
+}
+
+
+def _integer_dtype(stored: str):
+    """The torch dtype of a non-floating stored dtype (a safetensors name, or torch's in a
+    pickle checkpoint); None where torch has none (a complex tensor)."""
+    return getattr(torch, _INTEGER_DTYPES.get(stored, stored), None)
+
+
 # safetensors names of the torch dtypes a layer file may hold (the disk tier, the NF4 cache)
 TORCH_DTYPE_NAMES = {
     torch.bfloat16: "BF16",
@@ -318,6 +338,13 @@ def validate_checkpoint(
             problems.append(
                 f"{name} in {found.file.name} is stored as {found.dtype}, the model expects "
                 f"{kind} tensor ({str(target.dtype).replace('torch.', '')})"
+            )
+        elif not found.floating and _integer_dtype(found.dtype) != target.dtype:
+            # integers mean what their width and sign say (MXFP4's scales are unsigned
+            # exponents): copied into another integer dtype, they would mean something else
+            problems.append(
+                f"{name} in {found.file.name} is stored as {found.dtype}, the model expects "
+                f"{str(target.dtype).replace('torch.', '')}"
             )
     if converted:
         problems += conversion.check(converted, lambda key: _stored(stored, files, key).shape)
