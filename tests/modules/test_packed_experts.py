@@ -341,6 +341,29 @@ def test_a_model_no_longer_streamed_dequantises_to_the_dtype_it_is_cast_to(check
     assert torch.equal(_logits(model), _logits(reference))
 
 
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
+def test_a_copy_of_a_model_no_longer_streamed_computes_counts_and_saves_as_its_original(checkpoint, tmp_path, how):
+    """The packed experts' forward, ``num_parameters`` and ``save_pretrained`` are set on the
+    objects themselves: a deep copy or a pickled and loaded copy has them, bound to itself
+    (the copy's experts dequantise the copy's blocks), and gives the reference's logits."""
+    reference, model = _dequantised(checkpoint), _packed(checkpoint)
+    layerstream.unstream_model(model)
+    if how == "deepcopy":
+        again = copy.deepcopy(model)
+    else:
+        torch.save(model, tmp_path / "model.pt")
+        again = torch.load(tmp_path / "model.pt", weights_only=False)
+    experts = again.model.layers[0].mlp.experts
+    assert experts.forward.owner is experts and again.save_pretrained.owner is again
+    assert torch.equal(_logits(again), _logits(reference))
+    assert again.num_parameters() == reference.num_parameters()
+    with torch.no_grad():
+        experts.gate_up_proj_scales.add_(1)  # the copy's own blocks: the original is untouched
+    assert not torch.equal(_logits(again), _logits(reference)) and torch.equal(_logits(model), _logits(reference))
+    again.save_pretrained(tmp_path / "saved")
+    assert json.loads((tmp_path / "saved" / "config.json").read_text())["quantization_config"]["quant_method"] == "mxfp4"
+
+
 def test_the_parameter_count_is_the_dequantised_models(checkpoint):
     """``num_parameters`` (and with it the Trainer's ``total_flos``) counts what the packed
     stacks stand for, as transformers' dequantised model counts its Parameters; trainable

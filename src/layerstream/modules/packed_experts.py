@@ -32,7 +32,6 @@ every forward pre-hook and before every forward hook, which see the router's own
 
 from __future__ import annotations
 
-import types
 from typing import List, Optional, Tuple
 
 import torch
@@ -45,6 +44,31 @@ GROUP_BYTES = 64 << 20  # dequantised output per call of transformers' function
 # per byte's value (the size of the output), a half-size lookup, then the transposed copy
 GROUP_TRANSIENTS = 3
 _ATTRIBUTE = "_layerstream_packed"
+
+
+class BoundTo:
+    """``function`` called with ``owner`` first: a method set on one object (``owner.forward =
+    BoundTo(f, owner)``). Unlike ``types.MethodType`` of a function its class lacks, it goes with
+    its owner through ``copy.deepcopy`` and pickling (``torch.save(model)``), bound to the copy."""
+
+    __slots__ = ("function", "owner")
+
+    def __init__(self, function, owner):
+        self.function = function
+        self.owner = owner
+
+    def __call__(self, *args, **kwargs):
+        return self.function(self.owner, *args, **kwargs)
+
+    def __reduce__(self):
+        return (BoundTo, (self.function, self.owner))
+
+    @property
+    def __signature__(self):
+        import inspect
+
+        signature = inspect.signature(self.function)
+        return signature.replace(parameters=list(signature.parameters.values())[1:])
 
 
 class PackedExperts:
@@ -103,7 +127,7 @@ def pack(module: nn.Module, dtype: torch.dtype) -> PackedExperts:
     setattr(module, _ATTRIBUTE, packed)
     # the module's own forward, wrapped: it runs after every pre-hook (the runtime's, which
     # copies the slot's rows, and the user's), so the stacks it dequantises are complete
-    module.forward = types.MethodType(_forward, module)
+    module.forward = BoundTo(_forward, module)
     return packed
 
 
@@ -310,7 +334,7 @@ def keep_counting_packed(model: nn.Module) -> None:
     as it does for the dequantised model: the Trainer's ``total_flos`` (6 x parameters x
     tokens) and a script's own count are then those of the model the user loaded, not of one
     without its experts. Bound to the model, as ``keep_saving_packed``."""
-    model.num_parameters = types.MethodType(_num_parameters, model)
+    model.num_parameters = BoundTo(_num_parameters, model)
 
 
 def _num_parameters(model: nn.Module, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
@@ -325,7 +349,7 @@ def keep_saving_packed(model: nn.Module, quantization: dict) -> None:
     attention in NF4 as well no one quantization_config describes the model: refused, with
     what to save instead. Bound to the model (a copy of the model saves itself)."""
     model._layerstream_mxfp4 = dict(quantization)
-    model.save_pretrained = types.MethodType(_save_packed, model)
+    model.save_pretrained = BoundTo(_save_packed, model)
 
 
 def _save_packed(model: nn.Module, *args, **kwargs):
