@@ -9,6 +9,7 @@
 #
 # Logs go to $OUT (else benchmarks/results/gpu-suite/), named by the commit; each opens with
 # the versions it ran with (Python, torch, transformers, ...), as README's table states them.
+# Each log ends with the 25 slowest tests, to see where the time goes.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out=${OUT:-benchmarks/results/gpu-suite}
@@ -21,7 +22,7 @@ else
   commit=$(git rev-parse --short HEAD 2>/dev/null || echo worktree)
   git diff --quiet HEAD 2>/dev/null || commit="$commit-modified"  # $OUT takes letters, digits, ".", "_" and "-"
 fi
-suite=(python3 -m pytest -o addopts="" -m "gpu and not multigpu" -q -p no:cacheprovider tests)
+suite=(python3 -m pytest -o addopts="" -m "gpu and not multigpu" -q -p no:cacheprovider --durations=25 tests)
 versions() {
   python3 -c "import json; from layerstream.system.versions import versions; print('versions:', json.dumps(versions()))" ||
     echo "versions: unknown (layerstream.system.versions did not import)"
