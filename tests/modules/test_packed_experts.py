@@ -187,12 +187,12 @@ def test_window_layers_dequantise_only_the_chosen_experts_too(many_experts, dequ
     assert dequantised_rows and max(dequantised_rows) <= 3 * 2
 
 
-def _lora_step_results(model, steps: int = 2, size: int = 2, seq: int = 12):
+def _lora_step_results(model, steps: int = 2, size: int = 2, seq: int = 12, config=None):
     """Losses and every LoRA gradient of a few AdamW steps of attention LoRA (non-zero B,
-    TRL's default dropout), seeded alike."""
+    TRL's default dropout; ``config``: other LoraConfig values), seeded alike."""
     torch.manual_seed(0)
-    config = lora_config(target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], lora_dropout=0.05)
-    peft = get_peft_model(model, config)
+    values = dict(target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], lora_dropout=0.05)
+    peft = get_peft_model(model, lora_config(**{**values, **(config or {})}))
     peft.train()
     optimizer = torch.optim.AdamW([p for p in peft.parameters() if p.requires_grad], lr=1e-2)
     ids = batch(96, size=size, seq=seq, device=peft.device)
@@ -361,7 +361,9 @@ def test_a_copy_of_a_model_no_longer_streamed_computes_counts_and_saves_as_its_o
         experts.gate_up_proj_scales.add_(1)  # the copy's own blocks: the original is untouched
     assert not torch.equal(_logits(again), _logits(reference)) and torch.equal(_logits(model), _logits(reference))
     again.save_pretrained(tmp_path / "saved")
-    assert json.loads((tmp_path / "saved" / "config.json").read_text())["quantization_config"]["quant_method"] == "mxfp4"
+    assert (
+        json.loads((tmp_path / "saved" / "config.json").read_text())["quantization_config"]["quant_method"] == "mxfp4"
+    )
 
 
 def test_the_parameter_count_is_the_dequantised_models(checkpoint):
@@ -389,6 +391,41 @@ def test_adapters_aimed_at_packed_experts_are_refused_with_what_to_load(checkpoi
         _logits(peft)
     attention_only = get_peft_model(_packed(checkpoint), LoraConfig(r=4, target_modules=["q_proj"]))
     assert _logits(attention_only).isfinite().all()  # the control: attention adapters compute
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(target_modules=[], target_parameters=["mlp.experts.gate_up_proj"]),
+        dict(target_modules=["q_proj"], modules_to_save=["experts"]),
+        dict(target_modules=["q_proj"], modules_to_save=["mlp"]),
+    ],
+    ids=["experts-only-target-parameters", "modules-to-save-experts", "modules-to-save-their-mlp"],
+)
+@pytest.mark.parametrize("streamed", [True, False], ids=["streamed", "no-longer-streamed"])
+def test_a_peft_config_that_would_train_packed_stacks_is_refused_before_peft_changes_the_model(
+    checkpoint, config, streamed
+):
+    """What would leave the packed stacks untrained (PEFT finds no Parameter to adapt; its
+    modules_to_save copy has only biases to train) is refused as PEFT is asked, streamed or
+    after ``unstream_model``, with what to load, and the model is as it was. Control: the
+    router in modules_to_save trains, as on the dequantised model."""
+    model = _packed(checkpoint)
+    if not streamed:
+        layerstream.unstream_model(model)
+    modules, before = {name for name, _ in model.named_modules()}, _logits(model)
+    match = "Mxfp4Config" if streamed is False or "target_parameters" in config else "modules_to_save"
+    with pytest.raises((packed_experts.PackedExpertsError, layerstream.StreamingError), match=match):
+        get_peft_model(model, lora_config(**config))
+    assert {name for name, _ in model.named_modules()} == modules and torch.equal(_logits(model), before)
+    if not streamed:
+        reference = _dequantised(checkpoint)
+        router = dict(target_modules=["q_proj"], modules_to_save=["router"])
+        losses, grads = _lora_step_results(model, config=router)
+        reference_losses, reference_grads = _lora_step_results(reference, config=router)
+        assert [float(x) for x in losses] == [float(x) for x in reference_losses]
+        assert any("router" in name for name in grads[0])
+        assert all(torch.equal(grads[0][name], reference_grads[0][name]) for name in reference_grads[0])
 
 
 def test_the_plan_holds_dequantised_experts_for_transformers_own_load(checkpoint):

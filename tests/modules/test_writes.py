@@ -338,6 +338,33 @@ def test_deepcopy_and_pickle_say_to_unstream_first(tmp_path):
     copy.deepcopy(streamed)  # a plain model again
 
 
+@pytest.mark.parametrize("target", ["post_attention_layernorm", "mlp"])
+def test_modules_to_save_inside_a_streamed_layer_is_refused_before_peft_changes_the_model(target):
+    """PEFT's modules_to_save makes a trainable copy of each module it names, after its
+    adapter layers are in: inside a streamed layer the copy cannot be made, so the config is
+    refused first, naming modules_to_save, and the model is as it was (no adapter layer in,
+    the same logits). Control: the head, outside the layers, is taken."""
+    model = tiny_model("llama", layers=4)
+    stream(model, slots=2)
+    ids = batch(seq=6)
+    before = _logits_of(model, ids)
+    modules = {name for name, _ in model.named_modules()}
+    config = lora_config(target_modules=["q_proj"], modules_to_save=[target])
+    with pytest.raises(
+        layerstream.StreamingError, match=rf"modules_to_save='{target}'.*inside the streamed decoder layer"
+    ):
+        get_peft_model(model, config)
+    assert {name for name, _ in model.named_modules()} == modules
+    assert torch.equal(_logits_of(model, ids), before)
+    peft = get_peft_model(model, lora_config(target_modules=["q_proj"], modules_to_save=["lm_head"]))
+    assert any("lm_head.modules_to_save" in name for name, _ in peft.named_parameters())
+
+
+def _logits_of(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
 def test_stream_model_of_something_that_is_not_a_module_says_so():
     with pytest.raises(TypeError, match="takes a torch.nn.Module"):
         layerstream.stream_model({"not": "a model"})

@@ -27,6 +27,12 @@ there; under ``layerstream run`` the layers are already streamed when the client
 the CPU, whose reduction rounds differently in the last bits. So DoRA's initialisation
 reads device copies of the base weights (and of the adapters it combines with them),
 as a resident model on that device would, and leaves the host store untouched.
+
+What cannot train is refused as PEFT is asked for it (``inject_adapter``, behind
+``get_peft_model`` and ``add_adapter``), before PEFT puts any adapter layer in: a
+``modules_to_save`` module inside a streamed decoder layer (PEFT's trainable copy is a
+``copy.deepcopy``, which a streamed layer's host-store weights do not allow), and adapters or
+``modules_to_save`` aimed at expert stacks kept packed in MXFP4 (``modules.packed_experts``).
 """
 
 from __future__ import annotations
@@ -38,7 +44,9 @@ import torch
 from torch import nn
 
 from ..api import on_stream
-from ..modules import nf4
+from ..errors import StreamingError
+from ..modules import nf4, packed_experts, swap
+from ..modules.layer import StreamedLayer
 from ..system.log import get_logger
 from ..tiers.store import set_data
 
@@ -98,7 +106,51 @@ def install() -> None:
             method = cls.__dict__.get(name)
             if method is not None and not getattr(method, "_layerstream", False):
                 setattr(cls, name, _checked_first(method))
+        method = cls.__dict__.get("inject_adapter")
+        if method is not None and not getattr(method, "_layerstream", False):
+            setattr(cls, "inject_adapter", _checked_before_injection(method))
     _installed = True
+
+
+def _checked_before_injection(method):
+    """PEFT's ``inject_adapter`` (behind ``get_peft_model``, ``add_adapter``, loading an
+    adapter) after a check of what it is asked, so that what cannot train is refused before
+    PEFT changes the model: its adapter layers go in before its ``modules_to_save`` copies."""
+
+    @functools.wraps(method)
+    def wrapped(self, model, adapter_name, *args, **kwargs):
+        config = getattr(self, "peft_config", {}).get(adapter_name)
+        if config is not None:
+            refuse_untrainable_targets(model, adapter_name, config)
+        return method(self, model, adapter_name, *args, **kwargs)
+
+    wrapped._layerstream = True
+    return wrapped
+
+
+def refuse_untrainable_targets(model: nn.Module, adapter: str, config) -> None:
+    """Refuse a PEFT config that names what would not train: expert stacks kept packed in
+    MXFP4 (``packed_experts``), or a ``modules_to_save`` module inside a streamed decoder
+    layer, whose trainable copy PEFT makes with ``copy.deepcopy`` (a streamed layer's weights
+    live in the host store, which does not copy)."""
+    packed_experts.refuse_config_on_packed(model, adapter, config)
+    targets = getattr(config, "modules_to_save", None) or ()
+    if not targets:
+        return
+    streamed = [name for name, module in model.named_modules() if swap.has(module, StreamedLayer)]
+    if not streamed:
+        return
+    for name, _ in model.named_modules():
+        layer = next((s for s in streamed if name == s or name.startswith(f"{s}.")), None)
+        target = next((t for t in targets if name.endswith(t)), None)  # PEFT's own match
+        if layer is not None and target is not None:
+            raise StreamingError(
+                f"PEFT adapter {adapter!r} has modules_to_save={target!r}, which matches {name}, inside the "
+                f"streamed decoder layer {layer}: PEFT trains a copy of such a module (copy.deepcopy), and a "
+                "streamed layer's weights live in layerstream's host store, which does not copy. Adapt it "
+                "with target_modules (LoRA) instead, or keep modules_to_save to modules outside the decoder "
+                "layers (lm_head, embed_tokens)."
+            )
 
 
 def _checked_first(method):

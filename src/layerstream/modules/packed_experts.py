@@ -311,18 +311,41 @@ def projection_names(model: nn.Module) -> set:
 
 
 def refuse_adapters_on_packed(model: nn.Module, names: set) -> None:
-    """PEFT's ``target_parameters`` naming a packed projection (``names``: ``projection_names``)
-    finds no Parameter there and, beside other targets, leaves it out without a word:
-    refused, with what to load instead."""
+    """Every PEFT adapter of ``model`` checked by ``refuse_config_on_packed`` (``names``:
+    ``projection_names``)."""
     for adapter, config in (getattr(model, "peft_config", None) or {}).items():
-        for target in getattr(config, "target_parameters", None) or ():
-            if any(name == target or name.endswith(f".{target}") for name in names):
-                raise PackedExpertsError(
-                    f"PEFT adapter {adapter!r} targets {target!r}, an expert stack this model keeps packed in MXFP4 "
-                    "(it has no such Parameter, so PEFT would leave it out without a word). For LoRA on the "
-                    "experts load with quantization_config=Mxfp4Config(dequantize=True); otherwise target the "
-                    "attention only."
-                )
+        refuse_config_on_packed(model, adapter, config, names)
+
+
+def refuse_config_on_packed(model: nn.Module, adapter: str, config, names: Optional[set] = None) -> None:
+    """A PEFT config that would train a packed expert stack, refused with what to load instead:
+    ``target_parameters`` naming one finds no Parameter there and, beside other targets, is
+    left out without a word; ``modules_to_save`` naming the experts module or a module holding
+    it (PEFT's match: a module name ending with the entry) trains a copy whose stacks are
+    packed buffers, so only its biases would train."""
+    names = projection_names(model) if names is None else names
+    if not names:
+        return
+    advice = (
+        "(it has no such Parameter, so PEFT would leave it out without a word). For LoRA on the experts "
+        "load with quantization_config=Mxfp4Config(dequantize=True); otherwise target the attention only."
+    )
+    for target in getattr(config, "target_parameters", None) or ():
+        if any(name == target or name.endswith(f".{target}") for name in names):
+            raise PackedExpertsError(
+                f"PEFT adapter {adapter!r} targets {target!r}, an expert stack this model keeps packed in MXFP4 {advice}"
+            )
+    holders = {name.rsplit(".", 1)[0] for name in names}  # the experts modules
+    holders |= {holder[:at] for holder in list(holders) for at in range(len(holder)) if holder[at] == "."}
+    for target in getattr(config, "modules_to_save", None) or ():
+        found = sorted(holder for holder in holders if holder.endswith(target))
+        if found:
+            raise PackedExpertsError(
+                f"PEFT adapter {adapter!r} has modules_to_save={target!r}, which matches {found[0]}, holding "
+                "expert stacks this model keeps packed in MXFP4: PEFT's trainable copy would train only their "
+                "biases. To train the experts load with quantization_config=Mxfp4Config(dequantize=True); "
+                "otherwise leave them out of modules_to_save."
+            )
 
 
 class PackedExpertsError(ValueError):
