@@ -112,25 +112,27 @@ class ExpertsByNeed:
 
     def _complete(self, record, stack, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """Copy into the slot the rows of the experts this call reads that it lacks, and tell
-        a packed module (``packed_experts``) to dequantise only those where it reads no other."""
+        a packed module (``packed_experts``) to dequantise only those where it reads no other.
+
+        Whether this call reads only the chosen rows is decided from the call itself (its
+        tokens, as ``start_pass`` decides for a pass), not from the pass under way: a layer's
+        recompute in backward may come after a pass of another size, and must compute on the
+        stacks its forward computed on (a packed module's stacks of only the chosen rows)."""
+        reads_chosen = stack.by_need and self.enabled and _few_tokens(stack, args) and self._last_hook(module)
+        chosen = _chosen_rows(module, stack, args, kwargs) if reads_chosen else None
         packed = packed_experts.packed_of(module)
         if packed is not None:
-            packed.rows = None  # every row, unless this call is known to read only the chosen
+            packed.rows = chosen  # None: every row
         tensors = [_bound(module, record.entries[p].name) for p in stack.positions]
         slot = self.pool.slot_of_pointer(tensors[0].data_ptr())
-        reads_chosen = self.by_need and stack.by_need and self._last_hook(module)
         if slot is None:  # in the window: whole
-            if packed is not None and reads_chosen:
-                packed.rows = _chosen_rows(module, stack, args, kwargs)
             return
         self.visits += 1
         present = self.pool.rows_present[slot]
         if present is None or not stack.by_need:
             return
         held = present.setdefault(id(module), set())  # each stack's own rows
-        wanted = _chosen_rows(module, stack, args, kwargs) if reads_chosen else range(stack.experts)
-        if packed is not None and reads_chosen:
-            packed.rows = list(wanted)
+        wanted = chosen if chosen is not None else range(stack.experts)
         missing = [row for row in wanted if row not in held]
         if not missing:
             return
@@ -204,6 +206,16 @@ def _unversioned(tensor: torch.Tensor) -> torch.Tensor:
     rows written here are rows nothing has read yet."""
     alias = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
     return alias.set_(tensor.untyped_storage(), tensor.storage_offset(), tensor.shape, tensor.stride())
+
+
+def _few_tokens(stack, args: tuple) -> bool:
+    """Whether the experts call of these arguments (hidden states first, a row per token)
+    carries few enough tokens to copy by need (``decide.copy_by_need``)."""
+    hidden = args[0] if args and isinstance(args[0], torch.Tensor) and args[0].dim() >= 1 else None
+    if hidden is None:
+        return False
+    tokens = hidden.numel() // max(hidden.shape[-1], 1)
+    return decide.copy_by_need(tokens, stack.top_k, stack.experts)
 
 
 def _chosen_rows(module: nn.Module, stack, args: tuple, kwargs: dict) -> List[int]:
