@@ -176,6 +176,32 @@ def test_a_call_of_a_few_experts_computes_on_stacks_of_only_theirs(many_experts,
         assert not torch.equal(model(input_ids=one_token).logits, reference(input_ids=one_token).logits)
 
 
+@pytest.mark.parametrize("first, between", [(12, 1), (2, 12)], ids=["long-then-short", "short-then-long"])
+def test_a_pass_of_another_size_between_a_forward_and_its_backward_changes_nothing(many_experts, first, between):
+    """A layer's recompute in backward decides from its own tokens whether it reads only the
+    chosen experts, not from the pass that ran last: it dequantises the stacks its forward did
+    (with grouped_mm, which keeps the stacks it computed on, a stack of another size would
+    fail the recompute's check), and the loss and every gradient are the reference's."""
+
+    def step(model):
+        torch.manual_seed(0)
+        peft = get_peft_model(model, lora_config(target_modules=["q_proj", "v_proj"]))
+        peft.train()
+        ids, other = batch(96, size=2, seq=first), batch(96, size=1, seq=between, seed=2)
+        loss = peft(input_ids=ids, labels=ids).loss
+        with torch.no_grad():
+            peft(input_ids=other)
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in peft.named_parameters() if p.requires_grad}
+
+    reference_loss, reference_grads = step(_dequantised(many_experts))
+    model = _packed(many_experts)
+    assert model.config._experts_implementation == "grouped_mm"
+    loss, grads = step(model)
+    assert torch.equal(loss, reference_loss) and grads.keys() == reference_grads.keys()
+    assert all(torch.equal(grads[name], reference_grads[name]) for name in grads)
+
+
 def test_window_layers_dequantise_only_the_chosen_experts_too(many_experts, dequantised_rows):
     """Layers kept on the device for good hold whole stacks, yet a short pass's call still
     reads only the chosen experts: it dequantises only theirs, and generates the same tokens."""
@@ -381,12 +407,18 @@ def test_the_parameter_count_is_the_dequantised_models(checkpoint):
     assert peft.num_parameters(exclude_embeddings=True) == plain.num_parameters(exclude_embeddings=True)
 
 
-def test_adapters_aimed_at_packed_experts_are_refused_with_what_to_load(checkpoint):
+def test_adapters_aimed_at_packed_experts_are_refused_with_what_to_load(checkpoint, monkeypatch):
+    """Refused as PEFT is asked; and, should an adapter get there another way (here: that
+    check bypassed), at the first forward, before it computes."""
     from peft import LoraConfig
 
-    model = _packed(checkpoint)
+    from layerstream.integrations import peft as peft_integration
+
     aimed = LoraConfig(r=4, target_modules=["q_proj"], target_parameters=["mlp.experts.gate_up_proj"])
-    peft = get_peft_model(model, aimed)
+    with pytest.raises(packed_experts.PackedExpertsError, match=r"Mxfp4Config\(dequantize=True\)"):
+        get_peft_model(_packed(checkpoint), copy.deepcopy(aimed))
+    monkeypatch.setattr(peft_integration, "refuse_untrainable_targets", lambda *args: None)
+    peft = get_peft_model(_packed(checkpoint), aimed)
     with pytest.raises(packed_experts.PackedExpertsError, match=r"Mxfp4Config\(dequantize=True\)"):
         _logits(peft)
     attention_only = get_peft_model(_packed(checkpoint), LoraConfig(r=4, target_modules=["q_proj"]))
