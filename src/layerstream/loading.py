@@ -572,6 +572,7 @@ def from_pretrained(
     if packed_experts_of:
         packed_experts.keep_saving_packed(model, stored_mxfp4)
         packed_experts.keep_counting_packed(model)
+        packed_experts.refuse_dequantised_state(model)
     model.eval()
     return attach_runtime(model, path, layers, config_stream, store.records, store)
 

@@ -392,6 +392,24 @@ def test_a_copy_of_a_model_no_longer_streamed_computes_counts_and_saves_as_its_o
     )
 
 
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_dequantised_state_dict_is_refused_before_anything_loads(checkpoint, strict):
+    """The dequantised model's state dict names expert stacks this model keeps packed: torch
+    would load every other tensor, then raise for them (or, not strict, skip them without a
+    word). Refused first, with what to load; the model computes as before. Control: the
+    model's own state dict, with one attention weight changed, loads and is used."""
+    reference, model = _dequantised(checkpoint), _packed(checkpoint)
+    state = {name: value + 1 if value.is_floating_point() else value for name, value in reference.state_dict().items()}
+    before = _logits(model)
+    with pytest.raises(packed_experts.PackedExpertsError, match=r"nothing was loaded.*Mxfp4Config\(dequantize=True\)"):
+        model.load_state_dict(state, strict=strict)
+    assert torch.equal(_logits(model), before)
+    own = model.state_dict()
+    own["model.layers.1.self_attn.q_proj.weight"] = own["model.layers.1.self_attn.q_proj.weight"] * 2
+    model.load_state_dict(own, strict=strict)
+    assert not torch.equal(_logits(model), before)
+
+
 def test_the_parameter_count_is_the_dequantised_models(checkpoint):
     """``num_parameters`` (and with it the Trainer's ``total_flos``) counts what the packed
     stacks stand for, as transformers' dequantised model counts its Parameters; trainable

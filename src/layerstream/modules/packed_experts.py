@@ -360,6 +360,25 @@ def keep_counting_packed(model: nn.Module) -> None:
     model.num_parameters = BoundTo(_num_parameters, model)
 
 
+def refuse_dequantised_state(model: nn.Module) -> None:
+    """``load_state_dict`` of a state dict holding dequantised expert stacks (``gate_up_proj``,
+    ``down_proj``: saved from transformers' dequantised model) is refused before anything is
+    loaded: torch would copy every other tensor, then raise for these or, with
+    ``strict=False``, leave the experts as they were without a word."""
+    model.register_load_state_dict_pre_hook(_refuse_dequantised_keys)
+
+
+def _refuse_dequantised_keys(model: nn.Module, state_dict, prefix: str, *args) -> None:
+    found = sorted(key for key in (f"{prefix}{name}" for name in projection_names(model)) if key in state_dict)
+    if found:
+        raise PackedExpertsError(
+            f"the state dict holds {found[0]} (and {len(found) - 1} more expert stacks) dequantised, which this "
+            "model keeps packed in MXFP4 (as *_blocks and *_scales): nothing was loaded. Load the model with "
+            "quantization_config=Mxfp4Config(dequantize=True) to load dequantised experts, or leave them out of "
+            "the state dict."
+        )
+
+
 def _num_parameters(model: nn.Module, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
     counted = type(model).num_parameters(model, only_trainable=only_trainable, exclude_embeddings=exclude_embeddings)
     return counted if only_trainable else counted + packed_values(model)  # frozen, as the dequantised stacks are
