@@ -360,6 +360,23 @@ def test_modules_to_save_inside_a_streamed_layer_is_refused_before_peft_changes_
     assert any("lm_head.modules_to_save" in name for name, _ in peft.named_parameters())
 
 
+def test_modules_to_save_naming_a_streamed_head_is_refused_before_peft_changes_the_model():
+    """With the embedding and head streamed, the head stays frozen in the host store: PEFT's
+    trainable copy of it is refused as PEFT is asked, saying how to train it, and the model
+    is as it was."""
+    model = tiny_model("llama", layers=4)
+    stream(model, slots=2, stream_embeddings=True)
+    ids = batch(seq=6)
+    before, modules = _logits_of(model, ids), {name for name, _ in model.named_modules()}
+    config = lora_config(target_modules=["q_proj"], modules_to_save=["lm_head"])
+    with pytest.raises(
+        layerstream.StreamingError, match=r"modules_to_save='lm_head'.*stream without stream_embeddings"
+    ):
+        get_peft_model(model, config)
+    assert {name for name, _ in model.named_modules()} == modules
+    assert torch.equal(_logits_of(model, ids), before)
+
+
 def _logits_of(model, ids):
     with torch.no_grad():
         return model(input_ids=ids).logits

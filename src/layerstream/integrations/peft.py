@@ -131,12 +131,21 @@ def _checked_before_injection(method):
 def refuse_untrainable_targets(model: nn.Module, adapter: str, config) -> None:
     """Refuse a PEFT config that names what would not train: expert stacks kept packed in
     MXFP4 (``packed_experts``), or a ``modules_to_save`` module inside a streamed decoder
-    layer, whose trainable copy PEFT makes with ``copy.deepcopy`` (a streamed layer's weights
-    live in the host store, which does not copy)."""
+    layer or a streamed embedding or head, whose trainable copy PEFT makes with
+    ``copy.deepcopy`` (their weights live in the host store, which does not copy)."""
     packed_experts.refuse_config_on_packed(model, adapter, config)
     targets = getattr(config, "modules_to_save", None) or ()
     if not targets:
         return
+    for name, module in model.named_modules():
+        target = next((t for t in targets if name.endswith(t)), None)  # PEFT's own match
+        if target is not None and "_layerstream_ends" in module.__dict__:
+            raise StreamingError(
+                f"PEFT adapter {adapter!r} has modules_to_save={target!r}, which matches {name}, an embedding or "
+                "head that streams (stream_embeddings): its weight stays in the host store and frozen, and PEFT's "
+                "trainable copy of it (copy.deepcopy) cannot be made. To train it, stream without "
+                "stream_embeddings; otherwise leave it out of modules_to_save."
+            )
     streamed = [name for name, module in model.named_modules() if swap.has(module, StreamedLayer)]
     if not streamed:
         return
