@@ -209,7 +209,7 @@ def test_a_floating_tensor_for_an_integer_buffer_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("stored", [torch.int8, torch.int32])
-def test_an_integer_tensor_of_another_integer_dtype_is_refused(tmp_path, stored):
+def test_an_integer_tensor_of_a_dtype_the_models_cannot_hold_is_refused(tmp_path, stored):
     """An MXFP4 scale is an unsigned exponent: stored signed (or wider) and copied into the
     model's uint8 buffer it would mean another exponent than transformers reads from it.
     Control: the same tensor as uint8 is accepted."""
@@ -223,6 +223,17 @@ def test_an_integer_tensor_of_another_integer_dtype_is_refused(tmp_path, stored)
         checkpoint.validate_checkpoint(tmp_path, {"scales": shard}, expected)
     save_file({"scales": torch.tensor([120, 128, 130], dtype=torch.uint8)}, shard)
     checkpoint.validate_checkpoint(tmp_path, {"scales": shard}, expected)
+
+
+@pytest.mark.parametrize("stored", [torch.int32, torch.uint8, torch.bool])
+def test_an_integer_tensor_widened_into_the_models_dtype_loads(tmp_path, stored):
+    """A table stored as int32 for the model's int64 buffer (DeepSeek-V4's token-to-expert
+    map, as ports write it) keeps every value when widened, as transformers loads it."""
+    shard = tmp_path / "model.safetensors"
+    save_file({"table": torch.tensor([0, 1, 1]).to(stored)}, shard)
+    checkpoint.validate_checkpoint(
+        tmp_path, {"table": shard}, {"table": torch.empty(3, dtype=torch.int64, device="meta")}
+    )
 
 
 def test_all_missing_tensors_are_listed_before_any_layer_loads(sharded_checkpoint, loads):

@@ -68,6 +68,20 @@ _INTEGER_DTYPES = {
 }
 
 
+def _holds_every_value(target: torch.dtype, stored) -> bool:
+    """Whether every value of the integer (or bool) dtype ``stored`` is one of ``target``'s."""
+    if stored is None or target.is_floating_point or target.is_complex:
+        return False
+    if stored == target:
+        return True
+
+    def bounds(dtype):
+        return (0, 1) if dtype == torch.bool else (torch.iinfo(dtype).min, torch.iinfo(dtype).max)
+
+    (low, high), (target_low, target_high) = bounds(stored), bounds(target)
+    return target_low <= low and high <= target_high
+
+
 def _integer_dtype(stored: str):
     """The torch dtype of a non-floating stored dtype (a safetensors name, or torch's in a
     pickle checkpoint); None where torch has none (a complex tensor)."""
@@ -339,9 +353,10 @@ def validate_checkpoint(
                 f"{name} in {found.file.name} is stored as {found.dtype}, the model expects "
                 f"{kind} tensor ({str(target.dtype).replace('torch.', '')})"
             )
-        elif not found.floating and _integer_dtype(found.dtype) != target.dtype:
-            # integers mean what their width and sign say (MXFP4's scales are unsigned
-            # exponents): copied into another integer dtype, they would mean something else
+        elif not found.floating and not _holds_every_value(target.dtype, _integer_dtype(found.dtype)):
+            # an integer copied into a dtype that cannot hold all its values (MXFP4's scales,
+            # unsigned exponents, as int8) would mean another value than transformers reads;
+            # widening (a table stored as int32 for an int64 buffer) keeps every value
             problems.append(
                 f"{name} in {found.file.name} is stored as {found.dtype}, the model expects "
                 f"{str(target.dtype).replace('torch.', '')}"
