@@ -411,9 +411,10 @@ def test_a_dequantised_state_dict_is_refused_before_anything_loads(checkpoint, s
 
 
 def test_the_parameter_count_is_the_dequantised_models(checkpoint):
-    """``num_parameters`` (and with it the Trainer's ``total_flos``) counts what the packed
-    stacks stand for, as transformers' dequantised model counts its Parameters; trainable
-    ones after PEFT alike. Control: the class's own count, which misses the experts."""
+    """``num_parameters`` (and with it the Trainer's ``total_flos``) and PEFT's own count count
+    what the packed stacks stand for, as transformers' dequantised model counts its
+    Parameters; trainable ones after PEFT alike. Control: the class's own count, which misses
+    the experts."""
     reference, model = _dequantised(checkpoint), _packed(checkpoint)
     for kwargs in ({}, {"exclude_embeddings": True}):
         assert model.num_parameters(**kwargs) == reference.num_parameters(**kwargs)
@@ -423,6 +424,8 @@ def test_the_parameter_count_is_the_dequantised_models(checkpoint):
     assert peft.num_parameters(only_trainable=True) == plain.num_parameters(only_trainable=True) > 0
     # what the Trainer's floating_point_ops reads, through PEFT's model
     assert peft.num_parameters(exclude_embeddings=True) == plain.num_parameters(exclude_embeddings=True)
+    # what PEFT's print_trainable_parameters prints
+    assert peft.get_nb_trainable_parameters() == plain.get_nb_trainable_parameters()
 
 
 def test_adapters_aimed_at_packed_experts_are_refused_with_what_to_load(checkpoint, monkeypatch):

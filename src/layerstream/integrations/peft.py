@@ -109,7 +109,26 @@ def install() -> None:
         method = cls.__dict__.get("inject_adapter")
         if method is not None and not getattr(method, "_layerstream", False):
             setattr(cls, "inject_adapter", _checked_before_injection(method))
+    from peft import PeftModel
+
+    method = PeftModel.__dict__.get("get_nb_trainable_parameters")
+    if method is not None and not getattr(method, "_layerstream", False):
+        PeftModel.get_nb_trainable_parameters = _counting_packed_experts(method)
     _installed = True
+
+
+def _counting_packed_experts(method):
+    """PEFT's parameter count (behind ``print_trainable_parameters``) with the values of
+    expert stacks kept packed in MXFP4, which are buffers: "all params" as for the
+    dequantised model (they are frozen there too)."""
+
+    @functools.wraps(method)
+    def wrapped(self, *args, **kwargs):
+        trainable, total = method(self, *args, **kwargs)
+        return trainable, total + packed_experts.packed_values(self)
+
+    wrapped._layerstream = True
+    return wrapped
 
 
 def _checked_before_injection(method):
