@@ -79,9 +79,8 @@ class PackedExperts:
     def __init__(self, dtype: torch.dtype, shapes: dict):
         self.dtype = dtype
         self.shapes = shapes
-        self.handles = []
         # the experts the next call reads, where the runtime copied only those (None: all);
-        # set by the runtime's hook just before this module's own, for that call only
+        # set by the runtime's pre-hook just before this module's forward, for that call only
         self.rows: Optional[List[int]] = None
 
     @property
