@@ -54,18 +54,6 @@ SAFETENSORS_DTYPES = {
     "F32": (32, True),
     "F64": (64, True),
 }
-# safetensors names of the integer dtypes, as torch names them
-_INTEGER_DTYPES = {
-    "BOOL": "bool",
-    "U8": "uint8",
-    "I8": "int8",
-    "U16": "uint16",
-    "I16": "int16",
-    "U32": "uint32",
-    "I32": "int32",
-    "U64": "uint64",
-    "I64": "int64",
-}
 
 
 def _holds_every_value(target: torch.dtype, stored) -> bool:
@@ -85,7 +73,7 @@ def _holds_every_value(target: torch.dtype, stored) -> bool:
 def _integer_dtype(stored: str):
     """The torch dtype of a non-floating stored dtype (a safetensors name, or torch's in a
     pickle checkpoint); None where torch has none (a complex tensor)."""
-    return getattr(torch, _INTEGER_DTYPES.get(stored, stored), None)
+    return _STORED_INTEGERS.get(stored, getattr(torch, stored, None))
 
 
 # safetensors names of the torch dtypes a layer file may hold (the disk tier, the NF4 cache)
@@ -100,6 +88,13 @@ TORCH_DTYPE_NAMES = {
     torch.int8: "I8",
     torch.uint8: "U8",
     torch.bool: "BOOL",
+}
+# the integer dtypes by their safetensors names: those above, and the wider unsigned ones
+_STORED_INTEGERS = {
+    **{name: dtype for dtype, name in TORCH_DTYPE_NAMES.items() if not dtype.is_floating_point},
+    "U16": torch.uint16,
+    "U32": torch.uint32,
+    "U64": torch.uint64,
 }
 PICKLE_SUFFIXES = (".bin", ".pt")  # read only with allow_pickle=True
 PREQUANTIZED_MARKERS = (".weight.absmax", ".weight.quant_map", ".weight.quant_state.")
