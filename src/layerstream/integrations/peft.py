@@ -156,22 +156,23 @@ def refuse_untrainable_targets(model: nn.Module, adapter: str, config) -> None:
     targets = getattr(config, "modules_to_save", None) or ()
     if not targets:
         return
+    layer = None  # the streamed decoder layer the walk is in (modules come before their children)
     for name, module in model.named_modules():
+        if swap.has(module, StreamedLayer):
+            layer = name
+        elif layer is not None and not name.startswith(f"{layer}."):
+            layer = None
         target = next((t for t in targets if name.endswith(t)), None)  # PEFT's own match
-        if target is not None and "_layerstream_ends" in module.__dict__:
+        if target is None:
+            continue
+        if "_layerstream_ends" in module.__dict__:
             raise StreamingError(
                 f"PEFT adapter {adapter!r} has modules_to_save={target!r}, which matches {name}, an embedding or "
                 "head that streams (stream_embeddings): its weight stays in the host store and frozen, and PEFT's "
                 "trainable copy of it (copy.deepcopy) cannot be made. To train it, stream without "
                 "stream_embeddings; otherwise leave it out of modules_to_save."
             )
-    streamed = [name for name, module in model.named_modules() if swap.has(module, StreamedLayer)]
-    if not streamed:
-        return
-    for name, _ in model.named_modules():
-        layer = next((s for s in streamed if name == s or name.startswith(f"{s}.")), None)
-        target = next((t for t in targets if name.endswith(t)), None)  # PEFT's own match
-        if layer is not None and target is not None:
+        if layer is not None:
             raise StreamingError(
                 f"PEFT adapter {adapter!r} has modules_to_save={target!r}, which matches {name}, inside the "
                 f"streamed decoder layer {layer}: PEFT trains a copy of such a module (copy.deepcopy), and a "
