@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ..modules.discovery import find_decoder_layers
+from ..modules.packed_experts import PROJECTIONS
 from .shapes import LayerShape, LinearShape, ParamShape, _text_config, build_meta_model, parse_dtype
 
 
@@ -139,7 +140,7 @@ def _refuse_names_matching_nothing(config, dtype, names: List[str], shapes) -> N
             _inject(_one_layer_of_each_kind(config, dtype)[0], [name], 1)
         except ValueError:
             linear = sorted({lin.name.rsplit(".", 1)[-1] for shape in shapes for lin in shape.linears})
-            packed = any(shape.dequantised for shape in shapes) and name.endswith(("gate_up_proj", "down_proj"))
+            packed = any(shape.dequantised for shape in shapes) and name.endswith(PROJECTIONS)
             why = (
                 " (its experts stay packed in MXFP4, with no Parameter to adapt: LoRA on them needs the "
                 "dequantised load, Mxfp4Config(dequantize=True), and PEFT's target_parameters)"
