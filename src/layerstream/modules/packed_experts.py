@@ -76,9 +76,12 @@ class PackedExperts:
     dequantised to (the model's, as transformers' dequantising load gives them) and the
     shape of each ([experts, in, out], the Parameter it replaces)."""
 
-    def __init__(self, dtype: torch.dtype, shapes: dict):
+    def __init__(self, dtype: torch.dtype, shapes: dict, bias_dtype: Optional[torch.dtype] = None):
         self.dtype = dtype
         self.shapes = shapes
+        # the biases' dtype when packed: a later change of it is a cast of the module
+        # (``model.float()``), which would have cast the dequantised Parameters too
+        self.bias_dtype = bias_dtype
         # the experts the next call reads, where the runtime copied only those (None: all);
         # set by the runtime's pre-hook just before this module's forward, for that call only
         self.rows: Optional[List[int]] = None
@@ -122,7 +125,8 @@ def pack(module: nn.Module, dtype: torch.dtype) -> PackedExperts:
         groups = (experts, outputs, inputs // BLOCK)
         module.register_buffer(f"{proj}_blocks", torch.empty(*groups, BLOCK // 2, dtype=torch.uint8, device="meta"))
         module.register_buffer(f"{proj}_scales", torch.empty(*groups, dtype=torch.uint8, device="meta"))
-    packed = PackedExperts(dtype, shapes)
+    bias = module._parameters.get(f"{PROJECTIONS[0]}_bias")
+    packed = PackedExperts(dequantised_dtype(dtype), shapes, bias.dtype if isinstance(bias, torch.Tensor) else None)
     setattr(module, _ATTRIBUTE, packed)
     # the module's own forward, wrapped: it runs after every pre-hook (the runtime's, which
     # copies the slot's rows, and the user's), so the stacks it dequantises are complete
@@ -223,12 +227,28 @@ def keeps_choice(hook) -> bool:
     return getattr(hook, "_layerstream_keeps_choice", False) is True
 
 
+def dequantised_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype transformers' dequantising load gives the experts of a model loaded in
+    ``dtype``: the Parameter's own where its ``dequantize_convertops`` takes one (newer
+    releases), else ``convert_moe_packed_tensors``' default (bfloat16, whatever the model's
+    dtype: transformers 5.17 leaves a float32 model with bfloat16 experts)."""
+    import inspect
+
+    from transformers.integrations import mxfp4
+
+    if "dtype" in inspect.signature(mxfp4.dequantize_convertops).parameters:
+        return dtype
+    return inspect.signature(mxfp4.convert_moe_packed_tensors).parameters["dtype"].default
+
+
 def compute_dtype(module: nn.Module, packed: PackedExperts, proj: str) -> torch.dtype:
-    """The dtype a projection is dequantised to: its bias's, which follows the model's casts
-    (``model.float()`` on a model no longer streamed) as the dequantised Parameter would; the
-    load dtype where it has none."""
+    """The dtype a projection is dequantised to: the load's (``dequantised_dtype``) until the
+    module is cast (``model.float()`` on a model no longer streamed, seen as its bias's dtype
+    changing), then the cast's, as the dequantised Parameter would follow it."""
     bias = module._parameters.get(f"{proj}_bias")
-    return bias.dtype if isinstance(bias, torch.Tensor) and bias.is_floating_point() else packed.dtype
+    if isinstance(bias, torch.Tensor) and bias.is_floating_point() and bias.dtype != packed.bias_dtype:
+        return bias.dtype
+    return packed.dtype
 
 
 def _forward(module: nn.Module, *args, **kwargs):
