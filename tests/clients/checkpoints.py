@@ -35,8 +35,11 @@ LAYERS = 4  # more than the two slots the streamed runs use
 
 
 def write(family: str, directory: Path, seed: int = 0) -> Path:
-    """A float32 checkpoint of ``family`` with random weights (its experts in MXFP4 for the
-    families in ``MXFP4``), and its tokenizer."""
+    """A float32 checkpoint of ``family`` with random weights, and its tokenizer. The
+    families in ``MXFP4`` are written as gpt-oss is published: bfloat16, experts in MXFP4
+    (transformers 5.17 dequantises MXFP4 experts to bfloat16 even in a float32 model, whose
+    batched_mm generation then fails on the mixed dtypes: the plain client's own failure)."""
+    import torch
     from transformers import AutoConfig
 
     from tiny import mxfp4_experts, save_model_of
@@ -57,7 +60,8 @@ def write(family: str, directory: Path, seed: int = 0) -> Path:
         eos_token_id=tokenizer.eos_token_id,
     )
     values.update(shape)
-    save_model_of(AutoConfig.for_model(model_type, **values), directory, seed=seed)
+    dtype = torch.bfloat16 if family in MXFP4 else torch.float32
+    save_model_of(AutoConfig.for_model(model_type, **values), directory, dtype=dtype, seed=seed)
     if family in MXFP4:
         mxfp4_experts(directory, seed)
     tokenizer.save_pretrained(directory)

@@ -153,6 +153,7 @@ def main(argv=None):
     parser.add_argument("--lora_dropout", type=float, default=0.05, help="LoRA's dropout (TRL's default)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--use_cpu", action="store_true")
+    parser.add_argument("--dtype", help="the dtype a TRL trainer loads the model in (TRL's default: float32)")
     options = parser.parse_args(argv)
 
     from datasets import Dataset
@@ -178,6 +179,8 @@ def main(argv=None):
 
         trainer = plain_trainer(options.model, TrainingArguments(**common), data, peft)
     else:
+        if options.dtype:  # as a user asks for it: the trainer's model_init_kwargs
+            common["model_init_kwargs"] = {"dtype": options.dtype}
         trainer = trl_trainer(options.trainer, options.model, trl_config(options.trainer, common), data, peft)
     trainer.train()
     trainer.save_model(options.output_dir)

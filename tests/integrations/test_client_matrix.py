@@ -73,6 +73,10 @@ PEFT_NAMES = {
     "lora_attention": "LoRA on attention",
 }
 NO_DROPOUT = ("--lora_dropout", "0")  # PEFT's LoRA on fused expert weights refuses dropout, plain or streamed
+# gpt-oss is trained in bfloat16 (TRL loads float32 unless told; transformers 5.17 then gives
+# the float32 model bfloat16 experts, and its batched_mm generation fails on the mix)
+BF16 = ("--dtype", "bfloat16")
+OPTIONS_SHOWN = {NO_DROPOUT: " (dropout 0)", BF16: " (bfloat16)"}
 
 
 @dataclass(frozen=True)
@@ -107,7 +111,7 @@ CELLS = [
         Cell(
             "SFTTrainer",
             family,
-            options=NO_DROPOUT if family in ("qwen3_moe", "mixtral") else (),
+            options=NO_DROPOUT if family in ("qwen3_moe", "mixtral") else BF16 if family in checkpoints.MXFP4 else (),
         )
         for family in checkpoints.FAMILIES
         if family != "llama"
@@ -136,7 +140,7 @@ CELLS = [
     # generation copies only the chosen experts (16 experts, 2 per token, 2 sequences)
     Cell("GRPOTrainer", "qwen3_moe", "lora_attention", logs=(("layerstream/generate_experts_per_visit", 16),)),
     # the same with gpt-oss's experts kept packed in MXFP4: generation dequantises the chosen only
-    Cell("GRPOTrainer", "gpt_oss_mxfp4", logs=(("layerstream/generate_experts_per_visit", 16),)),
+    Cell("GRPOTrainer", "gpt_oss_mxfp4", options=BF16, logs=(("layerstream/generate_experts_per_visit", 16),)),
 ]
 
 
@@ -288,7 +292,7 @@ def test_each_loading_surface_catches_gemmas_embedding_scale_left_unset(
 def matrix_table() -> str:
     rows = ["| client | family | PEFT | result |", "| --- | --- | --- | --- |"]
     for cell in CELLS:
-        peft = PEFT_NAMES[cell.peft] + (" (dropout 0)" if NO_DROPOUT == cell.options else "")
+        peft = PEFT_NAMES[cell.peft] + OPTIONS_SHOWN.get(cell.options, "")
         rows.append(f"| `{cell.client}` | {cell.family} | {peft} | {cell.result()} |")
     exact = sum(1 for c in CELLS if not c.failing and not c.refused)
     refused = sum(1 for c in CELLS if c.refused and not c.failing)
