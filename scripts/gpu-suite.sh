@@ -22,6 +22,8 @@ else
   commit=$(git rev-parse --short HEAD 2>/dev/null || echo worktree)
   git diff --quiet HEAD 2>/dev/null || commit="$commit-modified"  # $OUT takes letters, digits, ".", "_" and "-"
 fi
+# the GPU machine reaches no hub: the clients' subprocesses must not wait for one
+export HF_HUB_OFFLINE=1
 suite=(python3 -m pytest -o addopts="" -m "gpu and not multigpu" -q -p no:cacheprovider --durations=25 tests)
 versions() {
   python3 -c "import json; from layerstream.system.versions import versions; print('versions:', json.dumps(versions()))" ||

@@ -244,7 +244,8 @@ def _lora_after_streaming(device, init):
     return streamed, get_peft_model(resident, LoraConfig(**config))
 
 
-@pytest.mark.parametrize("init", ["pissa", "olora"])
+# PiSSA with PEFT's fast SVD (a full SVD of each weight takes about a minute on a GPU here)
+@pytest.mark.parametrize("init", ["pissa_niter_4", "olora"])
 def test_an_init_that_rewrites_the_base_after_streaming_gives_the_resident_model(device, init, monkeypatch):
     """PiSSA and OLoRA split the base weight into the adapters and a residual left in the
     base layer; on streamed layers they run on device copies, as on a resident model,
@@ -255,7 +256,7 @@ def test_an_init_that_rewrites_the_base_after_streaming_gives_the_resident_model
     if device == "cuda":  # the control: the same init run where the host store is differs
         from peft.tuners.lora.layer import LoraLayer
 
-        method = f"{init}_init"
+        method = f"{init.split('_')[0]}_init"
         monkeypatch.setattr(LoraLayer, method, getattr(LoraLayer, method).__wrapped__)
         on_host, resident = _lora_after_streaming(device, init)
         assert not torch.equal(_logits(on_host, device), _logits(resident, device))
