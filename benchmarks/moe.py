@@ -58,6 +58,7 @@ layerstream counts them, else null.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import math
@@ -107,6 +108,7 @@ LORA_R, LORA_ALPHA, LORA_DROPOUT = 16, 32, 0.05
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 TARGET_VS_RESIDENT = 0.9
 TRL_LOSS = "trl-fused-head"  # the train rows' loss: TRL's fused log-prob head, in both routes
+PROFILED_STEPS = 18  # capped.py's profiler: Python over steps 8-15, torch over 16-17
 WHOLE_GPU = "1024GiB"  # capped.py's cap for a resident run: the fraction stays 1.0
 
 
@@ -431,12 +433,17 @@ def trl_command(
     return ["layerstream", "run", *args] if streamed else ["python", *args]
 
 
-def run_script(case: Case, command: list, work: Path, tag: str, logs: Path, timeout: float, env=None) -> dict:
-    """One run of the script through capped.py: its step times, peaks, counters, losses."""
+def run_script(
+    case: Case, command: list, work: Path, tag: str, logs: Path, timeout: float, env=None, profile=None
+) -> dict:
+    """One run of the script through capped.py: its step times, peaks, counters, losses
+    (``profile``: a folder for capped.py's profiles of its steps, one subfolder per run)."""
     times = work / f"{case.name}-{tag}-times.json"
     times.unlink(missing_ok=True)
     cap = case.cap if tag == "streamed" else WHOLE_GPU
-    argv = [sys.executable, str(HERE / "capped.py"), "--cap", cap, "--times", str(times), "--"]
+    argv = [sys.executable, str(HERE / "capped.py"), "--cap", cap, "--times", str(times)]
+    argv += ["--profile", str(Path(profile) / f"{case.name}-{tag}")] if profile else []
+    argv += ["--"]
     argv += [sys.executable, *command[1:]] if command[0] == "python" else command
     start = time.perf_counter()
     try:
@@ -467,19 +474,21 @@ def run_trl(case: Case, values: dict, sizes: dict, session: Session) -> list:
     """The streamed script under the cap, then the plain one on the whole GPU; compared step by
     step from the third (the same packed batches in the same order)."""
     args, gbps = session.args, session.gbps
+    if args.profile:  # capped.py profiles steps 8-17: the runs go that far
+        case = dataclasses.replace(case, steps=max(case.steps, PROFILED_STEPS))
     work, logs = Path(args.work), Path(args.out).parent / "moe"
     checkpoint, data = write_inputs(case, values, work, sizes)
     extra = ["--use_cpu"] if args.dry_run else []
     # the dry run's tiny matmuls: one thread each, not two waiting on each other on a busy CPU
     env = dict(os.environ, OMP_NUM_THREADS="1") if args.dry_run else None
     streamed_cmd = trl_command(case, checkpoint, data, work / f"{case.name}-streamed", True, extra)
-    streamed = run_script(case, streamed_cmd, work, "streamed", logs, args.run_timeout, env)
+    streamed = run_script(case, streamed_cmd, work, "streamed", logs, args.run_timeout, env, args.profile)
     times = streamed["step_s_all"]
     counts = [c for c in streamed["counters"] if c] if len(times) > 2 else []
     bytes_per_step = (counts[-1]["h2d_bytes"] - counts[1]["h2d_bytes"]) / (len(counts) - 2) if len(counts) > 2 else None
     row = dict(case=case.name, model=case.shape, quantization="nf4", cap=case.cap, route="trl-sft", kind="train")
     row.update(tokens=case.tokens, batch=1, layers=sizes["layers_of_model"], layers_of_model=sizes["layers_of_model"])
-    row.update(loss=TRL_LOSS)
+    row.update(loss=TRL_LOSS, profiled=bool(args.profile))
     row.update(command=session.command, script_command=" ".join(streamed_cmd), sizes=sizes, h2d_gbps=gbps)
     row.update({k: v for k, v in streamed.items() if k != "counters"})
     row.update(step_s=statistics.median(times[2:]) if len(times) > 2 else None, bytes_per_step=bytes_per_step)
@@ -494,7 +503,7 @@ def run_trl(case: Case, values: dict, sizes: dict, session: Session) -> list:
         packed = mxfp4_checkpoint(values)
         plain_cmd = trl_command(case, checkpoint, data, work / f"{case.name}-plain", False, extra, not packed)
         row.update(resident_quantization="bf16, experts dequantised by transformers" if packed else "nf4")
-        plain = run_script(case, plain_cmd, work, "plain", logs, args.run_timeout, env)
+        plain = run_script(case, plain_cmd, work, "plain", logs, args.run_timeout, env, args.profile)
         ratios = [p / s for p, s in zip(plain["step_s_all"][2:], times[2:]) if s > 0]
         row.update(resident_command=" ".join(plain_cmd), resident_trained=plain["trained"])
         row.update(resident_step_s=statistics.median(plain["step_s_all"][2:]) if ratios else None)
@@ -520,8 +529,11 @@ def save(path: Path, base: list, rows: list) -> None:
 
 
 def commit() -> str | None:
-    """HEAD, with "+modified" where tracked files differ from it: a copy of the working tree
-    (the GPU machine's) can carry a HEAD older than the code that ran."""
+    """COMMIT where given (as scripts/gpu-suite.sh takes it), else HEAD, with "+modified" where
+    tracked files differ from it: a copy of the working tree (the GPU machine's) can carry a
+    HEAD older than the code that ran."""
+    if os.environ.get("COMMIT"):
+        return os.environ["COMMIT"]
     try:
         done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE)
         clean = subprocess.run(["git", "diff", "--quiet", "HEAD"], capture_output=True, cwd=HERE).returncode == 0
@@ -557,6 +569,13 @@ def arguments(argv=None):
     parser.add_argument("--run-timeout", type=float, default=480.0, help="seconds one script run may take")
     parser.add_argument("--sizes", action="store_true", help="print the size arithmetic of the cases and exit")
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU: checks the harness only")
+    parser.add_argument(
+        "--profile",
+        default=None,
+        metavar="DIR",
+        help="TRL route: profile both runs' steps 8-17 (capped.py --profile) into DIR/<case>-<run>; "
+        f"the runs take {PROFILED_STEPS} steps and their rows say profiled (their times include the profilers)",
+    )
     return parser.parse_args(argv)
 
 

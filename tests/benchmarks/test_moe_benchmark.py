@@ -186,3 +186,21 @@ def test_rows_of_other_cases_are_kept_and_the_same_case_is_replaced(tmp_path):
     moe.save(tmp_path / "moe.json", base, [{"case": "a", "kind": "train", "batch": 1, "step_s": 2.0}])
     rows = json.loads((tmp_path / "moe.json").read_text())["rows"]
     assert rows == [{"case": "a", "kind": "train", "batch": 1, "step_s": 2.0}, base[1]]
+
+
+def test_a_profiled_run_profiles_both_scripts_and_its_row_says_so(tmp_path, monkeypatch):
+    """``--profile DIR``: both runs of the TRL route go to capped.py's profiled steps and
+    write their profiles, one folder per run; the row says profiled (its times include the
+    profilers) and carries the commit given as COMMIT (the GPU machine's .git can be older)."""
+    monkeypatch.setenv("COMMIT", "abc1234")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    work, profiles = tmp_path / "work", tmp_path / "profiles"
+    argv = ["--dry-run", "--case", "tiny-gpt-oss-20b", "--work", str(work), "--out", str(tmp_path / "moe.json")]
+    assert moe.main([*argv, "--profile", str(profiles)]) == 0
+    (row,) = json.loads((tmp_path / "moe.json").read_text())["rows"]
+    assert row["profiled"] is True and row["commit"] == "abc1234"
+    assert len(row["losses"]) == moe.PROFILED_STEPS and row["trained"] is True
+    for run in ("streamed", "plain"):
+        folder = profiles / f"tiny-gpt-oss-20b-{run}"
+        assert (folder / "python-profile.txt").stat().st_size > 0
+        assert (folder / "torch-profile.txt").stat().st_size > 0
