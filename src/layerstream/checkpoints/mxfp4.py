@@ -9,7 +9,8 @@ script passes ``Mxfp4Config(dequantize=True)``, its quantizer (``Mxfp4HfQuantize
 dequantises them while loading: ``get_weight_conversions`` gives, per projection, a
 ``WeightConverter`` from ``[<proj>_blocks, <proj>_scales]`` to the model's ``<proj>``
 parameter, whose one operation, ``Mxfp4Dequantize``, calls ``dequantize_convertops`` ->
-``convert_moe_packed_tensors`` into the dtype of the parameter it fills.
+``convert_moe_packed_tensors`` into the dtype of the parameter it fills (5.17: into that
+function's default, bfloat16, whatever the parameter's; see ``packed_experts.dequantised_dtype``).
 
 layerstream streams plain tensors (its slots never hold transformers' Triton tensors), so its
 loader always dequantises: it builds that quantizer with ``dequantize=True``, hands it to
