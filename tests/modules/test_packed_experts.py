@@ -403,6 +403,14 @@ def test_a_float32_model_dequantises_to_the_dtype_this_transformers_gives_its_ex
     assert not torch.equal(_logits(model), _logits(reference))
 
 
+def test_a_transformers_without_the_dequantising_function_is_said_and_the_load_dtype_kept(monkeypatch):
+    from transformers.integrations import mxfp4 as transformers_mxfp4
+
+    monkeypatch.delattr(transformers_mxfp4, "dequantize_convertops")
+    with pytest.warns(UserWarning, match="dequantize_convertops"):
+        assert packed_experts.dequantised_dtype(torch.float32) == torch.float32
+
+
 @pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
 def test_a_copy_of_a_model_no_longer_streamed_computes_counts_and_saves_as_its_original(checkpoint, tmp_path, how):
     """The packed experts' forward, ``num_parameters`` and ``save_pretrained`` are set on the

@@ -236,7 +236,17 @@ def dequantised_dtype(dtype: torch.dtype) -> torch.dtype:
 
     from transformers.integrations import mxfp4
 
-    if "dtype" in inspect.signature(mxfp4.dequantize_convertops).parameters:
+    function = getattr(mxfp4, "dequantize_convertops", None)
+    if function is None:  # a release that moved it: its load is not known here
+        import warnings
+
+        warnings.warn(
+            "layerstream: this transformers has no mxfp4.dequantize_convertops, so which dtype its dequantising "
+            f"load gives MXFP4 experts is not known here; the packed experts dequantise to the load dtype, {dtype}.",
+            stacklevel=2,
+        )
+        return dtype
+    if "dtype" in inspect.signature(function).parameters:
         return dtype
     return inspect.signature(mxfp4.convert_moe_packed_tensors).parameters["dtype"].default
 
