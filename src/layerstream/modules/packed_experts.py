@@ -37,6 +37,10 @@ from typing import List, Optional, Tuple
 import torch
 from torch import nn
 
+from ..system.log import get_logger
+
+logger = get_logger(__name__)
+
 PROJECTIONS = ("gate_up_proj", "down_proj")
 BLOCK = 32  # values per MXFP4 block (one exponent each), 16 bytes of two values
 GROUP_BYTES = 64 << 20  # dequantised output per call of transformers' function
@@ -238,12 +242,10 @@ def dequantised_dtype(dtype: torch.dtype) -> torch.dtype:
 
     function = getattr(mxfp4, "dequantize_convertops", None)
     if function is None:  # a release that moved it: its load is not known here
-        import warnings
-
-        warnings.warn(
+        logger.warning(
             "layerstream: this transformers has no mxfp4.dequantize_convertops, so which dtype its dequantising "
-            f"load gives MXFP4 experts is not known here; the packed experts dequantise to the load dtype, {dtype}.",
-            stacklevel=2,
+            "load gives MXFP4 experts is not known here; the packed experts dequantise to the load dtype, %s.",
+            dtype,
         )
         return dtype
     if "dtype" in inspect.signature(function).parameters:
