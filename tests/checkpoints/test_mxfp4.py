@@ -133,6 +133,23 @@ def test_the_comparison_catches_a_wrong_dequantisation(
         assert not torch.equal(_logits(model), _logits(dequantised_by_transformers))
 
 
+def _save_dequantised(model, directory):
+    """The dequantised model as a plain bf16 checkpoint: its state dict under its own names and
+    its config without the MXFP4 quantization_config (transformers 5.17's save_pretrained of a
+    dequantised gpt-oss writes the experts under bare names that its load then leaves out)."""
+    import copy
+
+    directory.mkdir(parents=True)
+    config = copy.deepcopy(model.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.save_pretrained(directory)
+    tensors = {name: tensor.contiguous() for name, tensor in model.state_dict().items()}
+    if getattr(config, "tie_word_embeddings", False):
+        tensors.pop("lm_head.weight", None)
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+
+
 def test_nf4_of_an_mxfp4_checkpoint_is_nf4_of_its_dequantised_weights(
     checkpoint, dequantised_by_transformers, tmp_path
 ):
@@ -140,7 +157,7 @@ def test_nf4_of_an_mxfp4_checkpoint_is_nf4_of_its_dequantised_weights(
     in NF4, the expert stacks (plain Parameters) in bf16, as transformers' 4-bit load of the
     dequantised weights saved in bf16 gives (transformers refuses a BitsAndBytesConfig for an
     MXFP4 checkpoint itself)."""
-    dequantised_by_transformers.save_pretrained(tmp_path / "bf16")
+    _save_dequantised(dequantised_by_transformers, tmp_path / "bf16")
     quant = BitsAndBytesConfig(
         load_in_4bit=True,
         bnb_4bit_quant_type="nf4",
