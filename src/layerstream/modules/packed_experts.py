@@ -78,8 +78,8 @@ class BoundTo:
 class PackedExperts:
     """What a packed experts module needs at each call: the dtype its projections are
     dequantised to (as the installed transformers' dequantising load gives them:
-    ``dequantised_dtype``) and the
-    shape of each ([experts, in, out], the Parameter it replaces)."""
+    ``dequantised_dtype``) and the shape of each ([experts, in, out], the Parameter it
+    replaces)."""
 
     def __init__(self, dtype: torch.dtype, shapes: dict, bias_dtype: Optional[torch.dtype] = None):
         self.dtype = dtype
