@@ -108,8 +108,9 @@ def save_mxfp4_gpt_oss(
     byte, any byte a valid pair) and ``*_scales`` (uint8 ``[experts, out, in / 32]``: one E8M0
     exponent per block, biased by 127; drawn from ``scales``, both ends included, so values are
     at most 6 x 2^-5, of the size of the other weights: larger experts would drown attention's
-    share of the residual stream in bf16 rounding, and a test could not see it), and config.json has a ``quantization_config`` as published. The
-    blocks and scales are seeded random bytes; the other weights ``save_model_of``'s."""
+    share of the residual stream in bf16 rounding, and a test could not see it), and
+    config.json has a ``quantization_config`` as published. The blocks and scales are seeded
+    random bytes; the other weights ``save_model_of``'s."""
     values = dict(WIDE, num_local_experts=experts, num_experts_per_tok=2, sliding_window=8)
     config = tiny_config("gpt_oss", layers, **{**values, **overrides})
     directory = save_model_of(config, directory, dtype=torch.bfloat16, seed=seed)

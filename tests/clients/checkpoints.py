@@ -35,10 +35,8 @@ LAYERS = 4  # more than the two slots the streamed runs use
 
 
 def write(family: str, directory: Path, seed: int = 0) -> Path:
-    """A float32 checkpoint of ``family`` with random weights, and its tokenizer. The
-    families in ``MXFP4`` are written as gpt-oss is published: bfloat16, experts in MXFP4
-    (transformers 5.17 dequantises MXFP4 experts to bfloat16 even in a float32 model, whose
-    batched_mm generation then fails on the mixed dtypes: the plain client's own failure)."""
+    """A float32 checkpoint of ``family`` with random weights, and its tokenizer; the
+    families in ``MXFP4`` as gpt-oss is published: bfloat16, experts in MXFP4."""
     import torch
     from transformers import AutoConfig
 

@@ -32,6 +32,7 @@ every forward pre-hook and before every forward hook, which see the router's own
 
 from __future__ import annotations
 
+import functools
 from typing import List, Optional, Tuple
 
 import torch
@@ -243,15 +244,21 @@ def dequantised_dtype(dtype: torch.dtype) -> torch.dtype:
 
     function = getattr(mxfp4, "dequantize_convertops", None)
     if function is None:  # a release that moved it: its load is not known here
-        logger.warning(
-            "layerstream: this transformers has no mxfp4.dequantize_convertops, so which dtype its dequantising "
-            "load gives MXFP4 experts is not known here; the packed experts dequantise to the load dtype, %s.",
-            dtype,
-        )
+        _say_dtype_unknown(dtype)
         return dtype
     if "dtype" in inspect.signature(function).parameters:
         return dtype
     return inspect.signature(mxfp4.convert_moe_packed_tensors).parameters["dtype"].default
+
+
+@functools.lru_cache(maxsize=None)
+def _say_dtype_unknown(dtype: torch.dtype) -> None:
+    """Once per dtype, not once per experts module packed."""
+    logger.warning(
+        "layerstream: this transformers has no mxfp4.dequantize_convertops, so which dtype its dequantising "
+        "load gives MXFP4 experts is not known here; the packed experts dequantise to the load dtype, %s.",
+        dtype,
+    )
 
 
 def compute_dtype(module: nn.Module, packed: PackedExperts, proj: str) -> torch.dtype:
