@@ -411,6 +411,33 @@ def test_a_transformers_without_the_dequantising_function_is_said_and_the_load_d
     assert "no mxfp4.dequantize_convertops" in caplog.text
 
 
+@pytest.mark.gpu
+def test_experts_dequantised_on_the_host_after_running_out_of_memory_are_said_once(checkpoint, monkeypatch, caplog):
+    """transformers' ``convert_moe_packed_tensors`` catches an out-of-memory error on the GPU
+    and dequantises on the host instead, silently: the values stay exact, the time does not,
+    so layerstream says so, once however many calls run short."""
+    from transformers.integrations import mxfp4 as transformers_mxfp4
+
+    reference, model = _dequantised(checkpoint, "cuda"), _packed(checkpoint, "cuda")
+    packed_experts._say_dequantised_on_host.cache_clear()
+    with caplog.at_level("WARNING", logger="layerstream"):
+        _logits(model)
+    assert "did it on the host" not in caplog.text  # control: a call with memory to spare says nothing
+    real = transformers_mxfp4._convert_moe_packed_tensors
+
+    def short_of_memory(blocks, scales, **settings):
+        if blocks.is_cuda:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(blocks, scales, **settings)
+
+    monkeypatch.setattr(transformers_mxfp4, "_convert_moe_packed_tensors", short_of_memory)
+    with caplog.at_level("WARNING", logger="layerstream"):
+        logits = _logits(model)
+        _logits(model)
+    assert torch.equal(logits, _logits(reference))
+    assert caplog.text.count("ran out of memory on cuda") == 1
+
+
 @pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
 def test_a_copy_of_a_model_no_longer_streamed_computes_counts_and_saves_as_its_original(checkpoint, tmp_path, how):
     """The packed experts' forward, ``num_parameters`` and ``save_pretrained`` are set on the

@@ -208,12 +208,26 @@ def dequantise(
         for start in range(first, past, step):
             end = min(start + step, past)
             part = convert_moe_packed_tensors(blocks[start:end], scales[start:end], dtype=dtype)
+            if part.device != blocks.device:  # transformers ran out of memory and did it on the host
+                _say_dequantised_on_host(str(blocks.device))
             place = at if compact else start
-            out[place : place + end - start].copy_(
-                part
-            )  # transformers moves a part it ran out of memory for to the host
+            out[place : place + end - start].copy_(part)
             at += end - start
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def _say_dequantised_on_host(device: str) -> None:
+    """Once per device: transformers' ``convert_moe_packed_tensors`` catches an out-of-memory
+    error and dequantises on the host instead, without a word. The values are the same; the
+    time is not (the host's arithmetic and a copy back for every group)."""
+    logger.warning(
+        "layerstream: dequantising MXFP4 experts ran out of memory on %s, and transformers' "
+        "convert_moe_packed_tensors did it on the host instead: the same values, many times slower, "
+        "for every call that runs short. Leave more memory beside the layers (fewer `slots`, a smaller "
+        "`vram_budget` window, fewer tokens per step), or load with Mxfp4Config(dequantize=True).",
+        device,
+    )
 
 
 def _runs(rows) -> List[Tuple[int, int]]:
