@@ -1,15 +1,15 @@
 """A user's GRPO script around TRL's GRPOTrainer, for a model too large to write to disk as a
 checkpoint on the GPU machine (a 70B shape is 140 GB in bf16): the model is built in memory
 at a real shape with random weights, NF4 as bitsandbytes packs it (``common.build_random_nf4``),
-and GRPOTrainer gets LoRA r16 on every linear layer and a reward that counts digits. Nothing
+and GRPOTrainer gets LoRA r16 on every linear layer and a reward that differs between completions. Nothing
 in it knows layerstream: ``rl.py`` runs it under ``layerstream run``, which streams the
 Trainer's model.
 
     layerstream run benchmarks/grpo_client.py --shape llama3-70b --data DIR --output_dir OUT \\
         --steps 3 --generations 8 --completion-tokens 128
 
-``digits_reward`` is the reward TRL's own script gets too (``--reward_funcs
-grpo_client.digits_reward``); this module imports nothing heavy at its top, so that import
+``variety_reward`` is the reward TRL's own script gets too (``--reward_funcs
+grpo_client.variety_reward``); this module imports nothing heavy at its top, so that import
 costs nothing.
 """
 
@@ -21,10 +21,13 @@ import sys
 from pathlib import Path
 
 
-def digits_reward(completions, **kwargs):
-    """The share of digits in each completion: a reward computed without a reward model."""
+def variety_reward(completions, **kwargs):
+    """The share of distinct characters in each completion: a reward computed without a
+    reward model that differs between a random-weight model's completions, so each group's
+    advantages, the loss's gradients and the pair's comparison of them are not all zero (the
+    share of digits was the same zero for every completion)."""
     texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
-    return [sum(ch.isdigit() for ch in text) / max(len(text), 1) for text in texts]
+    return [len(set(text)) / max(len(text), 1) for text in texts]
 
 
 def build_model(shape: str):
@@ -64,7 +67,7 @@ def trainer(args):
     data = load_dataset("json", data_files=str(Path(args.data) / "train.jsonl"), split="train")
     return GRPOTrainer(
         model=build_model(args.shape),
-        reward_funcs=digits_reward,
+        reward_funcs=variety_reward,
         args=config,
         train_dataset=data,
         processing_class=byte_tokenizer(),

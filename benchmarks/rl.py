@@ -183,7 +183,7 @@ def script_command(checkpoint: Path, data: Path, settings: Settings, out: Path, 
     args += ["--use_bnb_nested_quant", "true", "--dtype", "bfloat16", "--seed", "0", "--use_vllm", "false"]
     args += ["--bf16", "false" if settings.dry_run else "true"]
     args += ["--per_device_train_batch_size", str(settings.generations), "--num_generations", str(settings.generations)]
-    args += ["--max_completion_length", str(settings.completion_tokens), "--reward_funcs", "grpo_client.digits_reward"]
+    args += ["--max_completion_length", str(settings.completion_tokens), "--reward_funcs", "grpo_client.variety_reward"]
     return (["layerstream", "run"] if streamed else [sys.executable]) + args + settings.extra
 
 

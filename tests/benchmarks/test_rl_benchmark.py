@@ -96,6 +96,8 @@ def test_the_grpo_rows_time_the_script_and_the_client_with_layerstreams_generati
     assert pair["resident_step_s"] > 0 and pair["speed_vs_resident"] > 0
     assert (pair["generations"], pair["completion_tokens"]) == (settings.generations, settings.completion_tokens)
     assert pair["losses_equal"] and pair["grad_norms_equal"], "the streamed script trains as the resident one"
+    runs = [run for run in dry_run["runs"] if run.get("kind") == "grpo-pair"]
+    assert all(any(norm > 0 for norm in run["grad_norms"]) for run in runs), "zero gradients: nothing to compare"
     generating, layers = pair["layerstream_generate"], rl.TINY["num_hidden_layers"]
     assert set(generating) == set(rl_rows.GENERATE_FIGURES) and generating["calls"] == 1
     assert (generating["layer_loads"] > 0) == (generating["window_layers"] < layers), "what the window leaves streams"

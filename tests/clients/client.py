@@ -38,11 +38,14 @@ PEFT_METHODS = (
 )
 
 
-def digits_reward(completions, **kwargs):
-    """A reward the online trainers can compute without a reward model: the share of digits
-    in each completion (the prompts ask for numbers)."""
+def variety_reward(completions, **kwargs):
+    """A reward the online trainers can compute without a reward model, and one that differs
+    between the completions of a random-weight model (the share of distinct characters): a
+    reward that gave every completion of a group the same score (the share of digits, which
+    such a model almost never writes) would leave every advantage, loss and gradient at zero,
+    and the comparison of the two runs with nothing to compare."""
     texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
-    return [sum(ch.isdigit() for ch in t) / max(len(t), 1) for t in texts]
+    return [len(set(t)) / max(len(t), 1) for t in texts]
 
 
 def peft_config(method: str, model_path: str, lora_dropout: float = 0.05):
@@ -120,7 +123,7 @@ def trl_trainer(name: str, model: str, args, data, peft):
 
     if name in ("grpo", "rloo"):
         cls = trl.GRPOTrainer if name == "grpo" else trl.RLOOTrainer
-        return cls(model=model, reward_funcs=digits_reward, args=args, train_dataset=data, peft_config=peft)
+        return cls(model=model, reward_funcs=variety_reward, args=args, train_dataset=data, peft_config=peft)
     if name == "orpo":
         from trl.experimental.orpo import ORPOTrainer as cls
     elif name == "cpo":

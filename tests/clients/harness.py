@@ -74,7 +74,7 @@ class Client:
         argv += ["--save_steps", str(STEPS), "--logging_steps", "1", "--report_to", "none"]
         argv += ["--per_device_train_batch_size", "2", "--use_peft", "--lora_target_modules", "all-linear"]
         if self.name in ("grpo", "rloo"):
-            argv += ["--reward_funcs", "clients.client.digits_reward", "--num_generations", "2"]
+            argv += ["--reward_funcs", "clients.client.variety_reward", "--num_generations", "2"]
             argv += ["--max_completion_length", "8"]
         else:
             argv += ["--max_length", "48"]
@@ -124,6 +124,9 @@ def logged(out: Path, streamed: bool) -> dict:
     history = state["log_history"]
     training_logs = [entry for entry in history if "loss" in entry]
     assert len(training_logs) == STEPS, f"expected {STEPS} training logs, found {len(training_logs)}"
+    assert any(entry.get("grad_norm", 0) > 0 for entry in training_logs), (
+        "no step had a gradient: the runs would compare equal whatever streaming did"
+    )
     if streamed:
         assert all(entry.get("layerstream/layer_loads", 0) > 0 for entry in training_logs), (
             "the streamed run logged no layer loads: it did not stream"
