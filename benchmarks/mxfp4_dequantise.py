@@ -1,17 +1,20 @@
 """How long one packed experts call spends dequantising, at gpt-oss's real shapes.
 
 A streamed gpt-oss layer keeps its experts in MXFP4 and dequantises them at each experts
-call (``layerstream.modules.packed_experts.dequantise``, transformers' own
-``convert_moe_packed_tensors`` a group of experts at a time); a training step with gradient
-checkpointing does it twice a layer. This times that call for a whole layer (both
-projections, every expert) against a candidate that computes the same values with one
-table lookup per byte, a lookup table kept on the device (transformers' function builds its
-table from a Python list at each call: a copy to the device that waits for the stream) and
-the transposition written straight into the output. Each candidate result is compared
-with the current one bit for bit before it is timed.
+call; a training step with gradient checkpointing does it twice a layer. This times that
+call for a whole layer (both projections, every expert), as layerstream does it
+(``layerstream.modules.packed_experts.dequantise``: a table of each byte's two values kept
+on the device, one lookup per byte, the transposition written straight into the stacks)
+and by calling transformers' ``convert_moe_packed_tensors`` on the same groups of experts
+(which builds its table from a Python list at each call, a copy to the device that waits for
+the stream, and returns a transposed copy). The two results are compared bit for bit before
+they are timed.
 
     python benchmarks/mxfp4_dequantise.py                 # GPU; gpt-oss-20b and 120b layers
     python benchmarks/mxfp4_dequantise.py --device cpu --experts 4   # the check only
+
+``results/moe/mxfp4-dequantise-9a8f9a1.json`` was measured before layerstream took this way: its
+``candidate`` is today's ``packed_experts.dequantise`` and its ``transformers`` the one here.
 """
 
 from __future__ import annotations
@@ -34,35 +37,19 @@ SHAPES = {  # experts, hidden, intermediate (configs/shapes)
     "gpt-oss-20b": (32, 2880, 2880),
     "gpt-oss-120b": (128, 2880, 2880),
 }
-_PAIRS: dict = {}
 
 
-def pairs(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """[256, 2]: a byte's two FP4 values, low nibble first (transformers' order)."""
-    key = (dtype, str(device))
-    if key not in _PAIRS:
-        from transformers.integrations.mxfp4 import FP4_VALUES
+def through_transformers(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[experts, in, out]: transformers' function on groups of ``packed_experts.GROUP_BYTES``."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-        lut = torch.tensor(FP4_VALUES, dtype=dtype)
-        byte = torch.arange(256)
-        _PAIRS[key] = torch.stack([lut[byte & 15], lut[byte >> 4]], dim=-1).to(device)
-    return _PAIRS[key]
-
-
-def candidate(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[experts, in, out] from blocks [experts, out, groups, 16] and scales [experts, out,
-    groups], a group of experts at a time, as ``packed_experts.dequantise`` sizes them."""
     experts, outputs, groups, half = blocks.shape
     inputs = groups * half * 2
     out = torch.empty(experts, inputs, outputs, dtype=dtype, device=blocks.device)
-    table = pairs(dtype, blocks.device)
     step = max(1, packed_experts.GROUP_BYTES // (inputs * outputs * dtype.itemsize))
     for start in range(0, experts, step):
         end = min(start + step, experts)
-        values = table[blocks[start:end].reshape(-1).to(torch.int32)].view(-1, half * 2)
-        exponent = scales[start:end].reshape(-1, 1).to(torch.int32) - 127
-        torch.ldexp(values, exponent, out=values)
-        out[start:end].copy_(values.view(end - start, outputs, inputs).transpose(1, 2))
+        out[start:end].copy_(convert_moe_packed_tensors(blocks[start:end], scales[start:end], dtype=dtype))
     return out
 
 
@@ -94,18 +81,18 @@ def layer(name: str, experts: int, device: str, repeats: int) -> dict:
         rows.append((proj, blocks.to(device), scales.to(device)))
     dtype = torch.bfloat16
     for _, blocks, scales in rows:  # exactness first: NaN and infinity where they come out, too
-        current = packed_experts.dequantise(blocks, scales, dtype)
-        mine = candidate(blocks, scales, dtype)
-        if not torch.equal(current.view(torch.int16), mine.view(torch.int16)):
-            raise SystemExit(f"{name}: the candidate's values differ from transformers'")
-        del current, mine
+        theirs = through_transformers(blocks, scales, dtype)
+        ours = packed_experts.dequantise(blocks, scales, dtype)
+        if not torch.equal(theirs.view(torch.int16), ours.view(torch.int16)):
+            raise SystemExit(f"{name}: layerstream's values differ from transformers'")
+        del theirs, ours
     out_bytes = sum(b.shape[0] * b.shape[1] * b.shape[2] * 32 * dtype.itemsize for _, b, _ in rows)
 
     def run(function):
         return lambda: [function(b, s, dtype) for _, b, s in rows]
 
-    now = timed(run(packed_experts.dequantise), repeats, device)
-    new = timed(run(candidate), repeats, device)
+    now = timed(run(through_transformers), repeats, device)
+    new = timed(run(packed_experts.dequantise), repeats, device)
     median_now, median_new = statistics.median(now[1:] or now), statistics.median(new[1:] or new)
     return dict(
         shape=name,
@@ -113,13 +100,13 @@ def layer(name: str, experts: int, device: str, repeats: int) -> dict:
         device=device,
         dequantised_gib=out_bytes / 2**30,
         transformers_ms=median_now * 1e3,
-        candidate_ms=median_new * 1e3,
+        layerstream_ms=median_new * 1e3,
         transformers_gbps=out_bytes / median_now / 1e9,
-        candidate_gbps=out_bytes / median_new / 1e9,
+        layerstream_gbps=out_bytes / median_new / 1e9,
         speedup=median_now / median_new,
         exact=True,
         transformers_ms_all=[t * 1e3 for t in now],
-        candidate_ms_all=[t * 1e3 for t in new],
+        layerstream_ms_all=[t * 1e3 for t in new],
     )
 
 

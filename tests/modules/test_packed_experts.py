@@ -1,6 +1,6 @@
 """gpt-oss's MXFP4 experts kept packed (``modules.packed_experts``): the loader keeps the
 checkpoint's blocks and scales, streams them, and each experts call dequantises them with
-transformers' own function. The model computes, trains and generates exactly as the model
+transformers' own arithmetic. The model computes, trains and generates exactly as the model
 transformers' dequantising load gives (on a machine without its MXFP4 kernels, as this one),
 with more layers than slots; the host store, the copies and the plan hold a quarter of the
 bytes."""
@@ -411,31 +411,36 @@ def test_a_transformers_without_the_dequantising_function_is_said_and_the_load_d
     assert "no mxfp4.dequantize_convertops" in caplog.text
 
 
-@pytest.mark.gpu
-def test_experts_dequantised_on_the_host_after_running_out_of_memory_are_said_once(checkpoint, monkeypatch, caplog):
-    """transformers' ``convert_moe_packed_tensors`` catches an out-of-memory error on the GPU
-    and dequantises on the host instead, silently: the values stay exact, the time does not,
-    so layerstream says so, once however many calls run short."""
-    from transformers.integrations import mxfp4 as transformers_mxfp4
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_dequantise_gives_transformers_values_for_every_byte_and_exponent(device, dtype, monkeypatch):
+    """layerstream dequantises with transformers' arithmetic but not its function: every one
+    of the 256 bytes under every one of the 256 exponents (zeros, subnormals, infinities and
+    NaN among them), in groups of two experts, whole, by rows and compacted, equals
+    ``convert_moe_packed_tensors``' output bit for bit."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    reference, model = _dequantised(checkpoint, "cuda"), _packed(checkpoint, "cuda")
-    packed_experts._say_dequantised_on_host.cache_clear()
-    with caplog.at_level("WARNING", logger="layerstream"):
-        _logits(model)
-    assert "did it on the host" not in caplog.text  # control: a call with memory to spare says nothing
-    real = transformers_mxfp4._convert_moe_packed_tensors
-
-    def short_of_memory(blocks, scales, **settings):
-        if blocks.is_cuda:
-            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
-        return real(blocks, scales, **settings)
-
-    monkeypatch.setattr(transformers_mxfp4, "_convert_moe_packed_tensors", short_of_memory)
-    with caplog.at_level("WARNING", logger="layerstream"):
-        logits = _logits(model)
-        _logits(model)
-    assert torch.equal(logits, _logits(reference))
-    assert caplog.text.count("ran out of memory on cuda") == 1
+    # 4 experts x 128 outputs x 8 blocks of 16 bytes (256 inputs): block b has exponent b % 256
+    # and bytes 16 * (b // 256) + 0..15, so each exponent meets each byte once
+    monkeypatch.setattr(packed_experts, "GROUP_BYTES", 2 * 256 * 128 * dtype.itemsize)
+    block = torch.arange(4 * 128 * 8)
+    scales = (block % 256).to(torch.uint8).view(4, 128, 8).to(device)
+    blocks = (16 * (block // 256)[:, None] + torch.arange(16)).to(torch.uint8).view(4, 128, 8, 16).to(device)
+    pairs = {(e, v) for e, row in zip(scales.flatten().tolist(), blocks.view(-1, 16).tolist()) for v in row}
+    assert len(pairs) == 256 * 256
+    reference = convert_moe_packed_tensors(blocks, scales, dtype=dtype)
+    ours = packed_experts.dequantise(blocks, scales, dtype)
+    assert ours.shape == reference.shape == (4, 256, 128) and ours.dtype == dtype
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    assert torch.equal(ours.view(bits), reference.view(bits))
+    rows = [3, 0, 1]
+    assert torch.equal(
+        packed_experts.dequantise(blocks, scales, dtype, rows)[rows].view(bits), reference[rows].view(bits)
+    )
+    compact = packed_experts.dequantise(blocks, scales, dtype, rows, compact=True)
+    assert torch.equal(compact.view(bits), reference[[0, 1, 3]].view(bits))
+    # control: the byte's halves in the other order give other values
+    swapped = packed_experts.dequantise((blocks << 4) | (blocks >> 4), scales, dtype)
+    assert not torch.equal(swapped.view(bits), reference.view(bits))
 
 
 @pytest.mark.parametrize("how", ["deepcopy", "torch.save"])

@@ -166,7 +166,7 @@ def say_packed(directory, packed: Mapping[str, object], layers: int) -> None:
     logger.warning(
         "layerstream: %s stores its experts in MXFP4; they stay so in host memory and on their way to the "
         "GPU (%s per layer, %s dequantised), and each experts call dequantises them to %s where it runs, with "
-        "transformers' own function: the values transformers' dequantising load holds, bit for bit. For "
+        "transformers' own arithmetic: the values transformers' dequantising load holds, bit for bit. For "
         "dequantised expert Parameters instead (LoRA on the experts needs them), pass "
         "quantization_config=Mxfp4Config(dequantize=True).",
         directory,
