@@ -7,6 +7,7 @@ part in time to write what it measured):
     python benchmarks/rl.py --part generate --work /tmp/rl
     python benchmarks/rl.py --part grpo-8b --round 1 --work /tmp/rl --merge benchmarks/results/rl.json
     python benchmarks/rl.py --part grpo-8b --round 2 --work /tmp/rl --merge benchmarks/results/rl.json
+    python benchmarks/rl.py --part grpo-8b --grpo-quantization bf16 --round 1 --work /tmp/rl ...
     python benchmarks/rl.py --part grpo-70b --work /tmp/rl --merge benchmarks/results/rl.json
     python benchmarks/rl.py --dry-run --work /tmp/rl-dry     # every part, tiny, on the CPU
 
@@ -27,8 +28,8 @@ measured in the same process (``--tflops T`` adds its compute-bound batch); the 
 the runtime counted per token step are kept beside it.
 
 ``grpo-8b``: TRL's ``trl.scripts.grpo``, unchanged, on a random-weight Llama-3.1-8B checkpoint
-written to disk (``checkpoints.py``), ``--load_in_4bit`` QLoRA, 8 generations of 256 tokens
-per prompt: resident with the whole GPU (``python -m``), then streamed under a 12 GiB cap
+written to disk (``checkpoints.py``), ``--load_in_4bit`` QLoRA (or, ``--grpo-quantization bf16``,
+LoRA on the 16 GB bf16 checkpoint, larger than the cap), 8 generations of 256 tokens per prompt: resident with the whole GPU (``python -m``), then streamed under a 12 GiB cap
 (``layerstream run -m``), each in a fresh process under ``capped.py``, which times each step
 and each ``generate`` call and keeps the Trainer's logs (layerstream's ``generate_*`` figures
 among them). A round is one resident and one streamed run, in that order; the pair's speed is
@@ -90,9 +91,11 @@ class Settings:
     slots: object = "auto"
     grpo_shape: str = "llama3-8b"
     grpo_cap: str = "12GiB"
+    grpo_quantization: str = "nf4"  # or "bf16": LoRA on the bf16 checkpoint, larger than the cap
     generations: int = 8
     completion_tokens: int = 256
-    grpo_steps: int = 6
+    # the resident run, then the streamed one, in one ten-minute command: 5 steps of 256 tokens
+    grpo_steps: int = 5
     big_shape: str = "llama3-70b"
     big_cap: str = "24GiB"
     # under 24 GiB a 70B token step copies most of its 80 NF4 layers, so a step's generation
@@ -136,13 +139,13 @@ def shape_values(name: str) -> dict:
     return dict(TINY) if name == "tiny" else dict(SHAPES[name])
 
 
-def mean_layer_bytes(shape: str) -> float:
-    """A decoder layer's NF4 bytes as the planner counts them (what a streamed copy moves)."""
+def mean_layer_bytes(shape: str, quantization: str = "nf4") -> float:
+    """A decoder layer's bytes as the planner counts them (what a streamed copy moves)."""
     from layerstream.plan import layer_bytes
 
     from common import shape_config
 
-    sizes = layer_bytes(shape_config(shape_values(shape)), "nf4")
+    sizes = layer_bytes(shape_config(shape_values(shape)), "nf4" if quantization == "nf4" else "none")
     return sum(sizes) / len(sizes)
 
 
@@ -179,8 +182,10 @@ def script_command(checkpoint: Path, data: Path, settings: Settings, out: Path, 
     args = ["-m", "trl.scripts.grpo", "--model_name_or_path", str(checkpoint), "--dataset_name", str(data)]
     args += ["--output_dir", str(out), "--max_steps", str(settings.grpo_steps), "--logging_steps", "1"]
     args += ["--save_strategy", "steps", "--save_steps", str(settings.grpo_steps), "--report_to", "none"]
-    args += ["--use_peft", "--lora_r", "16", "--lora_target_modules", "all-linear", "--load_in_4bit"]
-    args += ["--use_bnb_nested_quant", "true", "--dtype", "bfloat16", "--seed", "0", "--use_vllm", "false"]
+    args += ["--use_peft", "--lora_r", "16", "--lora_target_modules", "all-linear"]
+    if settings.grpo_quantization == "nf4":
+        args += ["--load_in_4bit", "--use_bnb_nested_quant", "true"]
+    args += ["--dtype", "bfloat16", "--seed", "0", "--use_vllm", "false"]
     args += ["--bf16", "false" if settings.dry_run else "true"]
     args += ["--per_device_train_batch_size", str(settings.generations), "--num_generations", str(settings.generations)]
     args += ["--max_completion_length", str(settings.completion_tokens), "--reward_funcs", "grpo_client.variety_reward"]
@@ -255,13 +260,15 @@ def measure_grpo_pair(settings: Settings, args, command: str, save, deadline: fl
         if deadline - time.monotonic() < MIN_RUN_S:
             print(f"rl: under {MIN_RUN_S} s left of --deadline: the rest of round {args.round} is not run", flush=True)
             return
-        name = f"grpo-{settings.grpo_shape}-{'streamed' if streamed else 'resident'}-round{args.round}"
+        quantised = "" if settings.grpo_quantization == "nf4" else f"-{settings.grpo_quantization}"
+        name = f"grpo-{settings.grpo_shape}{quantised}-{'streamed' if streamed else 'resident'}-round{args.round}"
         target = script_command(checkpoint, data, settings, work / "runs" / name, streamed)
         cap = settings.grpo_cap if streamed else WHOLE
         run = run_capped(name, cap, target, work, Path(args.out), deadline - time.monotonic(), settings.dry_run)
         used = {"generations": settings.generations, "completion_tokens": settings.completion_tokens}
         run.update(kind="grpo-pair", model=MODELS[settings.grpo_shape], streamed=streamed, round=args.round)
-        run.update(layer_bytes=mean_layer_bytes(settings.grpo_shape))
+        run.update(quantization=settings.grpo_quantization)
+        run.update(layer_bytes=mean_layer_bytes(settings.grpo_shape, settings.grpo_quantization))
         save([dict(run, settings_used=dict(used, steps=settings.grpo_steps), rl_command=command)])
 
 
@@ -319,6 +326,12 @@ def parse(argv):
     parser.add_argument("--batches", default=",".join(map(str, defaults.batches)), help="generate: batch sizes")
     parser.add_argument("--caps", default=",".join(defaults.generate_caps), help="generate: caps after the whole GPU")
     parser.add_argument("--grpo-steps", type=int, default=defaults.grpo_steps)
+    parser.add_argument(
+        "--grpo-quantization",
+        choices=("nf4", "bf16"),
+        default=defaults.grpo_quantization,
+        help="grpo-8b: QLoRA (--load_in_4bit) or LoRA on the bf16 checkpoint (16 GB: larger than the cap)",
+    )
     parser.add_argument("--big-steps", type=int, default=defaults.big_steps)
     parser.add_argument("--big-completion-tokens", type=int, default=defaults.big_completion_tokens)
     parser.add_argument("--tflops", type=float, default=None, help="the decode term's compute-bound batch at this rate")
@@ -346,6 +359,7 @@ def settings_from(args) -> Settings:
         settings = dry_settings()
         settings.profile = args.profile_generate or ""
         settings.whole_gpu = not args.capped_only
+        settings.grpo_quantization = args.grpo_quantization
         return settings
     return Settings(
         profile=args.profile_generate or "",
@@ -354,6 +368,7 @@ def settings_from(args) -> Settings:
         generate_caps=tuple(args.caps.split(",")) if args.caps else (),
         rounds=args.rounds,
         grpo_steps=args.grpo_steps,
+        grpo_quantization=args.grpo_quantization,
         big_steps=args.big_steps,
         big_completion_tokens=args.big_completion_tokens,
     )

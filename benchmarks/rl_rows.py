@@ -142,10 +142,15 @@ def pooled(runs: list, key: str, start: int) -> list:
 
 
 def grpo_pair_rows(runs: list) -> list:
+    """One row per model and quantization (runs measured before the quantization was
+    recorded were NF4)."""
     pairs = [run for run in runs if run.get("kind") == "grpo-pair"]
-    return [
-        grpo_pair_row([run for run in pairs if run["model"] == model]) for model in sorted({r["model"] for r in pairs})
-    ]
+    kinds = sorted({(r["model"], quantization_of(r)) for r in pairs})
+    return [grpo_pair_row([r for r in pairs if (r["model"], quantization_of(r)) == kind]) for kind in kinds]
+
+
+def quantization_of(run: dict) -> str:
+    return run.get("quantization", "nf4")
 
 
 def grpo_pair_row(runs: list) -> dict:
@@ -168,7 +173,7 @@ def grpo_pair_row(runs: list) -> dict:
     generating = figures(list(streamed.values()), GENERATE_FIGURES, "generate_", TIMED_FROM_STEP)
     return {
         "model": first["model"],
-        "quantization": "nf4",
+        "quantization": quantization_of(first),
         "cap": cap_label(cap) if cap else None,
         "trainer": "grpo",
         "client": "trl.scripts.grpo, unchanged",
