@@ -18,6 +18,15 @@ the machine over minutes falls on both sides. Its speed is the median over round
 plain step time / streamed step time, step by step (both runs see the same batches in the
 same order, so batch lengths cancel), from the third step on; each round's ratio and the ratio
 of the pooled medians are kept too.
+
+``--stream-embeddings-pair`` adds a third run to each round: the streamed command with
+``layerstream run --stream-embeddings`` (the embedding and head on the host, the head fetched
+to the GPU for TRL's fused loss), and a second verdict, that run against the streamed run
+without it (its ``against`` says so): the speed the option costs, and the losses of all
+three runs.
+
+    python benchmarks/zero_edit.py --part pairs --pair-tokens 2048 --full-determinism \
+        --stream-embeddings-pair --only sft-llama3-8b-4bit-16GiB --pair-rounds 2
 """
 
 from __future__ import annotations
@@ -105,7 +114,16 @@ def _script_path(script: str) -> str:
     return importlib.util.find_spec(f"trl.scripts.{script}").origin
 
 
-def command(paths, script, shape, quantization, out: Path, steps: int, streamed: bool):
+def command(paths, script, shape, quantization, out: Path, steps: int, streamed: bool, ends: bool = False):
+    """The run's command line; ``ends``: the streamed one with ``--stream-embeddings``."""
+    line = _command(paths, script, shape, quantization, out, steps, streamed)
+    if ends:
+        at = line.index("run") + 1  # after ``layerstream run`` (or ``-m layerstream run``)
+        line = line[:at] + ["--stream-embeddings"] + line[at:]
+    return line
+
+
+def _command(paths, script, shape, quantization, out: Path, steps: int, streamed: bool):
     if script == "qlora-script":
         args = [str(HERE.parent / "examples" / "train_qlora.py"), "--model_name_or_path", str(paths[shape])]
         args += ["--output_dir", str(out), "--max_steps", str(steps), "--logging_steps", "1"]
@@ -174,16 +192,17 @@ PAIR_EXTRA: list = []  # --full-determinism: arguments both runs of a pair get
 PACKED_REPEATS = 16
 
 
-def run(paths, case, work: Path, steps: int, streamed: bool, tag: str = "") -> dict:
+def run(paths, case, work: Path, steps: int, streamed: bool, tag: str = "", ends: bool = False) -> dict:
     script, shape, quantization, cap, _ = case
-    name = f"{script}-{shape}-{quantization}-{cap}-{'streamed' if streamed else 'plain'}{tag}"
+    side = "streamed-embeddings" if ends else "streamed" if streamed else "plain"
+    name = f"{script}-{shape}-{quantization}-{cap}-{side}{tag}"
     out = work / "runs" / name
     (work / "runs").mkdir(parents=True, exist_ok=True)
     times = work / "runs" / f"{name}-times.json"
     argv = [sys.executable, str(HERE / "capped.py"), "--cap", cap, "--used-first", "--times", str(times)]
     argv += ["--profile", str(PROFILE[0] / name)] if PROFILE else []
     argv += ["--"]
-    argv += command(paths, script, shape, quantization, out, steps, streamed)
+    argv += command(paths, script, shape, quantization, out, steps, streamed, ends)
     start = time.perf_counter()
     done = subprocess.run(argv, capture_output=True, text=True)
     wall = time.perf_counter() - start
@@ -199,6 +218,7 @@ def run(paths, case, work: Path, steps: int, streamed: bool, tag: str = "") -> d
         "quantization": quantization,
         "cap": cap,
         "streamed": streamed,
+        "stream_embeddings": ends,
         "returncode": done.returncode,
         "wall_s": round(wall, 1),
         "out_of_memory": "out of memory" in log.lower(),
@@ -247,7 +267,15 @@ def main():
         help="pairs only: both runs get the script's own --full_determinism (deterministic kernels,\n"
         "e.g. attention's backward), so two plain runs, and a plain and a streamed run, can agree bit for bit",
     )
+    parser.add_argument(
+        "--stream-embeddings-pair",
+        action="store_true",
+        help="pairs only: each round also runs the streamed command with --stream-embeddings, compared with "
+        "the streamed run without it",
+    )
     args = parser.parse_args()
+    if args.stream_embeddings_pair and args.part != "pairs":
+        raise SystemExit("--stream-embeddings-pair applies to the timed pairs: give --part pairs")
     if args.full_determinism:
         if args.part != "pairs":
             raise SystemExit("--full-determinism applies to the timed pairs: give --part pairs")
@@ -288,6 +316,8 @@ def main():
         name = f"zero-edit-pairs-packed-{args.pair_tokens}.json"
     if args.full_determinism:
         name = name.replace(".json", "-deterministic.json")
+    if args.stream_embeddings_pair:
+        name = name.replace(".json", "-stream-embeddings.json")
 
     def save(rows, pairs=()):
         (Path(args.out) / name).write_text(
@@ -304,14 +334,24 @@ def main():
     pairs = []
     for case in (c for c in cases if c[4] and args.part in ("all", "pairs")):
         # alternated, so that the machine's drift over minutes falls on both sides alike
-        plains, streameds = [], []
+        plains, streameds, ends = [], [], []
+        sides = [(False, False, plains), (True, False, streameds)]
+        sides += [(True, True, ends)] if args.stream_embeddings_pair else []
         for round_index in range(args.pair_rounds):
             tag = f"-round{round_index + 1}" if args.pair_rounds > 1 else ""
-            for streamed, runs in ((False, plains), (True, streameds)):
-                runs.append(run(paths, case, work, args.pair_steps, streamed, tag))
+            for streamed, with_ends, runs in sides:
+                runs.append(run(paths, case, work, args.pair_steps, streamed, tag, with_ends))
                 rows.append(runs[-1])
                 save(rows, pairs)
-        pairs.append(compare(case, plains, streameds))
+        pairs.append(dict(compare(case, plains, streameds), against="the plain script"))
+        if ends:
+            verdict = compare(case, streameds, ends)
+            verdict["case"] += "-stream-embeddings"
+            verdict["against"] = "the streamed run without --stream-embeddings"
+            verdict["losses_equal_to_plain"] = bool(plains[0]["losses"]) and all(
+                r["losses"] == plains[0]["losses"] for r in plains + streameds + ends
+            )
+            pairs.append(verdict)
         save(rows, pairs)
     print(json.dumps(pairs), flush=True)
 

@@ -777,3 +777,24 @@ def test_packed_pairs_give_trl_long_wrapped_sequences_of_the_repeated_data(monke
     assert packed[packed.index("--dataset_name") + 1] == str(tmp_path / "packed")
     assert packed[packed.index("--packing") :][:4] == ["--packing", "true", "--packing_strategy", "wrapped"]
     assert packed[:2] == ["layerstream", "run"], "the launcher form is unchanged"
+
+
+def test_the_stream_embeddings_pair_runs_the_streamed_command_with_the_option_and_compares_all_three(tmp_path):
+    """``--stream-embeddings-pair``: each round also runs ``layerstream run --stream-embeddings``
+    (its summary: the head on the host, fetched for TRL's fused loss), judged against the
+    streamed run without it, with the losses of all three runs."""
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}
+    argv = [sys.executable, str(ROOT / "benchmarks" / "zero_edit.py"), "--dry-run", "--work", str(tmp_path)]
+    argv += ["--out", str(tmp_path / "out"), "--part", "pairs", "--stream-embeddings-pair", "--pair-rounds", "1"]
+    argv += ["--pair-steps", "4", "--full-determinism", "--only", "sft-llama3.2-3b-bf16-24GiB"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    result = json.loads((tmp_path / "out" / "zero-edit-pairs-deterministic-stream-embeddings.json").read_text())
+    assert [r["name"].rsplit("-", 1)[-1] for r in result["rows"]] == ["plain", "streamed", "embeddings"]
+    assert all(r["returncode"] == 0 and len(r["losses"]) == 4 for r in result["rows"])
+    log = (tmp_path / "runs" / "sft-llama3.2-3b-bf16-24GiB-streamed-embeddings.log").read_text()
+    assert "the streamed head is fetched to the device for it" in log
+    plain, ends = result["pairs"]
+    assert plain["against"] == "the plain script" and ends["case"].endswith("-stream-embeddings")
+    assert ends["against"] == "the streamed run without --stream-embeddings"
+    assert ends["losses_equal_to_plain"] and ends["speed_vs_plain"] > 0
