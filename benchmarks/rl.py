@@ -8,6 +8,7 @@ part in time to write what it measured):
     python benchmarks/rl.py --part grpo-8b --round 1 --work /tmp/rl --merge benchmarks/results/rl.json
     python benchmarks/rl.py --part grpo-8b --round 2 --work /tmp/rl --merge benchmarks/results/rl.json
     python benchmarks/rl.py --part grpo-8b --grpo-quantization bf16 --round 1 --work /tmp/rl ...
+    python benchmarks/rl.py --part grpo-8b --grpo-trainer rloo --round 1 --work /tmp/rl ...
     python benchmarks/rl.py --part grpo-70b --work /tmp/rl --merge benchmarks/results/rl.json
     python benchmarks/rl.py --dry-run --work /tmp/rl-dry     # every part, tiny, on the CPU
 
@@ -92,6 +93,7 @@ class Settings:
     grpo_shape: str = "llama3-8b"
     grpo_cap: str = "12GiB"
     grpo_quantization: str = "nf4"  # or "bf16": LoRA on the bf16 checkpoint, larger than the cap
+    grpo_trainer: str = "grpo"  # or "rloo": TRL's rloo.py, the same arguments
     generations: int = 8
     completion_tokens: int = 256
     # the resident run, then the streamed one, in one ten-minute command: 5 steps of 256 tokens
@@ -179,7 +181,8 @@ def write_checkpoint(work: Path, shape: str) -> Path:
 
 def script_command(checkpoint: Path, data: Path, settings: Settings, out: Path, streamed: bool) -> list:
     """TRL's grpo script as a user runs it, resident (``python -m``) or behind ``layerstream run``."""
-    args = ["-m", "trl.scripts.grpo", "--model_name_or_path", str(checkpoint), "--dataset_name", str(data)]
+    script = f"trl.scripts.{settings.grpo_trainer}"
+    args = ["-m", script, "--model_name_or_path", str(checkpoint), "--dataset_name", str(data)]
     args += ["--output_dir", str(out), "--max_steps", str(settings.grpo_steps), "--logging_steps", "1"]
     args += ["--save_strategy", "steps", "--save_steps", str(settings.grpo_steps), "--report_to", "none"]
     args += ["--use_peft", "--lora_r", "16", "--lora_target_modules", "all-linear"]
@@ -261,13 +264,14 @@ def measure_grpo_pair(settings: Settings, args, command: str, save, deadline: fl
             print(f"rl: under {MIN_RUN_S} s left of --deadline: the rest of round {args.round} is not run", flush=True)
             return
         quantised = "" if settings.grpo_quantization == "nf4" else f"-{settings.grpo_quantization}"
-        name = f"grpo-{settings.grpo_shape}{quantised}-{'streamed' if streamed else 'resident'}-round{args.round}"
+        side = "streamed" if streamed else "resident"
+        name = f"{settings.grpo_trainer}-{settings.grpo_shape}{quantised}-{side}-round{args.round}"
         target = script_command(checkpoint, data, settings, work / "runs" / name, streamed)
         cap = settings.grpo_cap if streamed else WHOLE
         run = run_capped(name, cap, target, work, Path(args.out), deadline - time.monotonic(), settings.dry_run)
         used = {"generations": settings.generations, "completion_tokens": settings.completion_tokens}
         run.update(kind="grpo-pair", model=MODELS[settings.grpo_shape], streamed=streamed, round=args.round)
-        run.update(quantization=settings.grpo_quantization)
+        run.update(quantization=settings.grpo_quantization, trainer=settings.grpo_trainer)
         run.update(layer_bytes=mean_layer_bytes(settings.grpo_shape, settings.grpo_quantization))
         save([dict(run, settings_used=dict(used, steps=settings.grpo_steps), rl_command=command)])
 
@@ -327,6 +331,12 @@ def parse(argv):
     parser.add_argument("--caps", default=",".join(defaults.generate_caps), help="generate: caps after the whole GPU")
     parser.add_argument("--grpo-steps", type=int, default=defaults.grpo_steps)
     parser.add_argument(
+        "--grpo-trainer",
+        choices=("grpo", "rloo"),
+        default=defaults.grpo_trainer,
+        help="grpo-8b: TRL's grpo.py, or its rloo.py with the same arguments",
+    )
+    parser.add_argument(
         "--grpo-quantization",
         choices=("nf4", "bf16"),
         default=defaults.grpo_quantization,
@@ -360,6 +370,7 @@ def settings_from(args) -> Settings:
         settings.profile = args.profile_generate or ""
         settings.whole_gpu = not args.capped_only
         settings.grpo_quantization = args.grpo_quantization
+        settings.grpo_trainer = args.grpo_trainer
         return settings
     return Settings(
         profile=args.profile_generate or "",
@@ -369,6 +380,7 @@ def settings_from(args) -> Settings:
         rounds=args.rounds,
         grpo_steps=args.grpo_steps,
         grpo_quantization=args.grpo_quantization,
+        grpo_trainer=args.grpo_trainer,
         big_steps=args.big_steps,
         big_completion_tokens=args.big_completion_tokens,
     )

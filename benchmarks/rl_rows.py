@@ -142,15 +142,23 @@ def pooled(runs: list, key: str, start: int) -> list:
 
 
 def grpo_pair_rows(runs: list) -> list:
-    """One row per model and quantization (runs measured before the quantization was
-    recorded were NF4)."""
+    """One row per trainer, model and quantization (runs measured before these were recorded
+    were GRPO and NF4)."""
     pairs = [run for run in runs if run.get("kind") == "grpo-pair"]
-    kinds = sorted({(r["model"], quantization_of(r)) for r in pairs})
-    return [grpo_pair_row([r for r in pairs if (r["model"], quantization_of(r)) == kind]) for kind in kinds]
+    kinds = sorted({pair_kind(r) for r in pairs})
+    return [grpo_pair_row([r for r in pairs if pair_kind(r) == kind]) for kind in kinds]
 
 
 def quantization_of(run: dict) -> str:
     return run.get("quantization", "nf4")
+
+
+def trainer_of(run: dict) -> str:
+    return run.get("trainer", "grpo")
+
+
+def pair_kind(run: dict) -> tuple:
+    return trainer_of(run), run["model"], quantization_of(run)
 
 
 def grpo_pair_row(runs: list) -> dict:
@@ -165,7 +173,8 @@ def grpo_pair_row(runs: list) -> dict:
     plains, streameds = [resident[r] for r in both], [streamed[r] for r in both]
     first = runs[0]
     cap = next((run["cap"] for run in runs if run["streamed"]), None)
-    verdict = compare(("grpo", first["model"], "nf4", cap), plains, streameds) if both else {}
+    trainer = trainer_of(first)
+    verdict = compare((trainer, first["model"], quantization_of(first), cap), plains, streameds) if both else {}
     step = median(pooled(list(streamed.values()), "step_s", TIMED_FROM_STEP))
     resident_step = median(pooled(list(resident.values()), "step_s", TIMED_FROM_STEP))
     speed = verdict.get("speed_vs_plain")
@@ -175,8 +184,8 @@ def grpo_pair_row(runs: list) -> dict:
         "model": first["model"],
         "quantization": quantization_of(first),
         "cap": cap_label(cap) if cap else None,
-        "trainer": "grpo",
-        "client": "trl.scripts.grpo, unchanged",
+        "trainer": trainer,
+        "client": f"trl.scripts.{trainer}, unchanged",
         "resident": "the same script without layerstream (python -m), the whole GPU",
         "generations": first["settings_used"]["generations"],
         "completion_tokens": first["settings_used"]["completion_tokens"],
@@ -196,8 +205,8 @@ def grpo_pair_row(runs: list) -> dict:
         "layerstream_train": figures(list(streamed.values()), TRAIN_FIGURES, "", TIMED_FROM_STEP),
         "losses_equal": verdict.get("losses_equal"),
         "grad_norms_equal": all(n == norms[0] for n in norms) if norms else None,
-        "target": f"speed_vs_resident >= {TARGETS['grpo']}",
-        "meets_target": speed >= TARGETS["grpo"] if speed is not None else None,
+        "target": f"speed_vs_resident >= {TARGETS[trainer]}" if trainer in TARGETS else None,
+        "meets_target": speed >= TARGETS[trainer] if speed is not None and trainer in TARGETS else None,
         "rounds": len(both),
         "failed_runs": [run["name"] for run in runs if run["returncode"] != 0],
         "gpu": next((run["gpu"] for run in runs if run.get("gpu")), None),

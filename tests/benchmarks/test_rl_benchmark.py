@@ -111,20 +111,25 @@ def test_the_grpo_rows_time_the_script_and_the_client_with_layerstreams_generati
     assert big["completion_tokens"] == settings.big_completion_tokens
 
 
-def test_the_bf16_pair_trains_lora_on_the_unquantised_checkpoint(tmp_path):
-    """``--grpo-quantization bf16``: the script without ``--load_in_4bit``, its row apart from
-    the QLoRA pair's, the two runs training alike on gradients that are not zero."""
+@pytest.mark.parametrize("trainer, quantization", [("grpo", "bf16"), ("rloo", "nf4")])
+def test_a_pair_of_another_trainer_or_quantization_has_its_own_row(tmp_path, trainer, quantization):
+    """``--grpo-quantization bf16`` runs the script without ``--load_in_4bit`` (LoRA on the bf16
+    checkpoint); ``--grpo-trainer rloo`` runs TRL's rloo.py with the same arguments. Each pair
+    gets its own row, apart from the QLoRA GRPO pair's, its two runs training alike on
+    gradients that are not zero."""
     env = {k: v for k, v in os.environ.items() if k != "OUT"}
     argv = [sys.executable, str(ROOT / "benchmarks" / "rl.py"), "--dry-run", "--work", str(tmp_path)]
-    argv += ["--part", "grpo-8b", "--grpo-quantization", "bf16"]
+    argv += ["--part", "grpo-8b", "--grpo-quantization", quantization, "--grpo-trainer", trainer]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     result = json.loads((tmp_path / "out" / "rl.json").read_text())
-    (pair,) = rows_of(result, "grpo", quantization="bf16")
+    (pair,) = rows_of(result, trainer, quantization=quantization)
+    assert pair["client"] == f"trl.scripts.{trainer}, unchanged"
     assert pair["losses_equal"] and pair["grad_norms_equal"] and pair["failed_runs"] == []
     runs = [run for run in result["runs"] if run.get("kind") == "grpo-pair"]
-    assert {run["quantization"] for run in runs} == {"bf16"} and all("bf16" in run["name"] for run in runs)
-    assert all("--load_in_4bit" not in run["command"] for run in runs)
+    assert {(run["trainer"], run["quantization"]) for run in runs} == {(trainer, quantization)}
+    assert all(f"trl.scripts.{trainer}" in run["command"] for run in runs)
+    assert all(("--load_in_4bit" in run["command"]) == (quantization == "nf4") for run in runs)
     assert all(any(norm > 0 for norm in run["grad_norms"]) for run in runs)
 
 
