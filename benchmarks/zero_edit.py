@@ -19,14 +19,17 @@ plain step time / streamed step time, step by step (both runs see the same batch
 same order, so batch lengths cancel), from the third step on; each round's ratio and the ratio
 of the pooled medians are kept too.
 
-``--stream-embeddings-pair`` adds a third run to each round: the streamed command with
-``layerstream run --stream-embeddings`` (the embedding and head on the host, the head fetched
-to the GPU for TRL's fused loss), and a second verdict, that run against the streamed run
-without it (its ``against`` says so): the speed the option costs, and the losses of all
-three runs.
+``--variant NAME`` adds a third run to each round, the streamed command with launcher flags
+(``VARIANTS``), and a second verdict between the two streamed runs (its ``against`` says
+which way), with the losses of all three runs:
+
+- ``stream-embeddings``: ``layerstream run --stream-embeddings`` (the embedding and head on the
+  host, the head fetched to the GPU for TRL's fused loss) against the streamed run without it;
+- ``long-settings-off``: the streamed run as it comes (the long-sequence settings "auto")
+  against the same with the three turned off, what "auto" costs a step that needs none.
 
     python benchmarks/zero_edit.py --part pairs --pair-tokens 2048 --full-determinism \
-        --stream-embeddings-pair --only sft-llama3-8b-4bit-16GiB --pair-rounds 2
+        --variant stream-embeddings --only sft-llama3-8b-4bit-16GiB --pair-rounds 2
 """
 
 from __future__ import annotations
@@ -42,6 +45,20 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 EXTRA: list = []  # arguments every run gets (the CPU dry run's --use_cpu)
+# name: (launcher flags, whether the verdict is the default streamed run against the variant
+# rather than the variant against it, what it compares)
+VARIANTS = {
+    "stream-embeddings": (
+        ["--stream-embeddings"],
+        False,
+        "the streamed run with --stream-embeddings against the same without it",
+    ),
+    "long-settings-off": (
+        ["--offload-activations", "false", "--mlp-tile-tokens", "0", "--loss-chunk-tokens", "0"],
+        True,
+        "the streamed run as it comes (long-sequence settings auto) against the same with the three off",
+    ),
+}
 LOG_TAILS: list = []  # where each run's last lines go as it ends (the --out folder)
 
 # (script, shape, quantization, cap, also run the plain script under the same cap);
@@ -114,12 +131,12 @@ def _script_path(script: str) -> str:
     return importlib.util.find_spec(f"trl.scripts.{script}").origin
 
 
-def command(paths, script, shape, quantization, out: Path, steps: int, streamed: bool, ends: bool = False):
-    """The run's command line; ``ends``: the streamed one with ``--stream-embeddings``."""
+def command(paths, script, shape, quantization, out: Path, steps: int, streamed: bool, variant: str = ""):
+    """The run's command line; ``variant``: the streamed one with that variant's launcher flags."""
     line = _command(paths, script, shape, quantization, out, steps, streamed)
-    if ends:
+    if variant:
         at = line.index("run") + 1  # after ``layerstream run`` (or ``-m layerstream run``)
-        line = line[:at] + ["--stream-embeddings"] + line[at:]
+        line = line[:at] + VARIANTS[variant][0] + line[at:]
     return line
 
 
@@ -192,9 +209,9 @@ PAIR_EXTRA: list = []  # --full-determinism: arguments both runs of a pair get
 PACKED_REPEATS = 16
 
 
-def run(paths, case, work: Path, steps: int, streamed: bool, tag: str = "", ends: bool = False) -> dict:
+def run(paths, case, work: Path, steps: int, streamed: bool, tag: str = "", variant: str = "") -> dict:
     script, shape, quantization, cap, _ = case
-    side = "streamed-embeddings" if ends else "streamed" if streamed else "plain"
+    side = f"streamed-{variant}" if variant else "streamed" if streamed else "plain"
     name = f"{script}-{shape}-{quantization}-{cap}-{side}{tag}"
     out = work / "runs" / name
     (work / "runs").mkdir(parents=True, exist_ok=True)
@@ -202,7 +219,7 @@ def run(paths, case, work: Path, steps: int, streamed: bool, tag: str = "", ends
     argv = [sys.executable, str(HERE / "capped.py"), "--cap", cap, "--used-first", "--times", str(times)]
     argv += ["--profile", str(PROFILE[0] / name)] if PROFILE else []
     argv += ["--"]
-    argv += command(paths, script, shape, quantization, out, steps, streamed, ends)
+    argv += command(paths, script, shape, quantization, out, steps, streamed, variant)
     start = time.perf_counter()
     done = subprocess.run(argv, capture_output=True, text=True)
     wall = time.perf_counter() - start
@@ -218,7 +235,7 @@ def run(paths, case, work: Path, steps: int, streamed: bool, tag: str = "", ends
         "quantization": quantization,
         "cap": cap,
         "streamed": streamed,
-        "stream_embeddings": ends,
+        "variant": variant or None,
         "returncode": done.returncode,
         "wall_s": round(wall, 1),
         "out_of_memory": "out of memory" in log.lower(),
@@ -268,14 +285,15 @@ def main():
         "e.g. attention's backward), so two plain runs, and a plain and a streamed run, can agree bit for bit",
     )
     parser.add_argument(
-        "--stream-embeddings-pair",
-        action="store_true",
-        help="pairs only: each round also runs the streamed command with --stream-embeddings, compared with "
-        "the streamed run without it",
+        "--variant",
+        choices=sorted(VARIANTS),
+        default=None,
+        help="pairs only: each round also runs the streamed command with this variant's launcher flags, "
+        "judged against the streamed run without them",
     )
     args = parser.parse_args()
-    if args.stream_embeddings_pair and args.part != "pairs":
-        raise SystemExit("--stream-embeddings-pair applies to the timed pairs: give --part pairs")
+    if args.variant and args.part != "pairs":
+        raise SystemExit("--variant applies to the timed pairs: give --part pairs")
     if args.full_determinism:
         if args.part != "pairs":
             raise SystemExit("--full-determinism applies to the timed pairs: give --part pairs")
@@ -316,8 +334,8 @@ def main():
         name = f"zero-edit-pairs-packed-{args.pair_tokens}.json"
     if args.full_determinism:
         name = name.replace(".json", "-deterministic.json")
-    if args.stream_embeddings_pair:
-        name = name.replace(".json", "-stream-embeddings.json")
+    if args.variant:
+        name = name.replace(".json", f"-{args.variant}.json")
 
     def save(rows, pairs=()):
         (Path(args.out) / name).write_text(
@@ -334,22 +352,22 @@ def main():
     pairs = []
     for case in (c for c in cases if c[4] and args.part in ("all", "pairs")):
         # alternated, so that the machine's drift over minutes falls on both sides alike
-        plains, streameds, ends = [], [], []
-        sides = [(False, False, plains), (True, False, streameds)]
-        sides += [(True, True, ends)] if args.stream_embeddings_pair else []
+        plains, streameds, variants = [], [], []
+        sides = [(False, "", plains), (True, "", streameds)]
+        sides += [(True, args.variant, variants)] if args.variant else []
         for round_index in range(args.pair_rounds):
             tag = f"-round{round_index + 1}" if args.pair_rounds > 1 else ""
-            for streamed, with_ends, runs in sides:
-                runs.append(run(paths, case, work, args.pair_steps, streamed, tag, with_ends))
+            for streamed, variant, runs in sides:
+                runs.append(run(paths, case, work, args.pair_steps, streamed, tag, variant))
                 rows.append(runs[-1])
                 save(rows, pairs)
-        pairs.append(dict(compare(case, plains, streameds), against="the plain script"))
-        if ends:
-            verdict = compare(case, streameds, ends)
-            verdict["case"] += "-stream-embeddings"
-            verdict["against"] = "the streamed run without --stream-embeddings"
+        pairs.append(dict(compare(case, plains, streameds), against="the streamed run against the plain script"))
+        if variants:
+            _, default_first, against = VARIANTS[args.variant]
+            verdict = compare(case, variants, streameds) if default_first else compare(case, streameds, variants)
+            verdict.update(case=f"{verdict['case']}-{args.variant}", against=against)
             verdict["losses_equal_to_plain"] = bool(plains[0]["losses"]) and all(
-                r["losses"] == plains[0]["losses"] for r in plains + streameds + ends
+                r["losses"] == plains[0]["losses"] for r in plains + streameds + variants
             )
             pairs.append(verdict)
         save(rows, pairs)

@@ -779,22 +779,30 @@ def test_packed_pairs_give_trl_long_wrapped_sequences_of_the_repeated_data(monke
     assert packed[:2] == ["layerstream", "run"], "the launcher form is unchanged"
 
 
-def test_the_stream_embeddings_pair_runs_the_streamed_command_with_the_option_and_compares_all_three(tmp_path):
-    """``--stream-embeddings-pair``: each round also runs ``layerstream run --stream-embeddings``
-    (its summary: the head on the host, fetched for TRL's fused loss), judged against the
-    streamed run without it, with the losses of all three runs."""
+@pytest.mark.parametrize("variant", ["stream-embeddings", "long-settings-off"])
+def test_a_variant_pair_runs_the_streamed_command_with_its_flags_and_compares_all_three(tmp_path, variant):
+    """``--variant``: each round also runs ``layerstream run`` with the variant's flags (the
+    summary shows them taken), judged against the streamed run without them, with the losses
+    of all three runs."""
+    import zero_edit
+
     env = {k: v for k, v in os.environ.items() if k != "OUT"}
     argv = [sys.executable, str(ROOT / "benchmarks" / "zero_edit.py"), "--dry-run", "--work", str(tmp_path)]
-    argv += ["--out", str(tmp_path / "out"), "--part", "pairs", "--stream-embeddings-pair", "--pair-rounds", "1"]
+    argv += ["--out", str(tmp_path / "out"), "--part", "pairs", "--variant", variant, "--pair-rounds", "1"]
     argv += ["--pair-steps", "4", "--full-determinism", "--only", "sft-llama3.2-3b-bf16-24GiB"]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    result = json.loads((tmp_path / "out" / "zero-edit-pairs-deterministic-stream-embeddings.json").read_text())
-    assert [r["name"].rsplit("-", 1)[-1] for r in result["rows"]] == ["plain", "streamed", "embeddings"]
+    result = json.loads((tmp_path / "out" / f"zero-edit-pairs-deterministic-{variant}.json").read_text())
+    names = [r["name"] for r in result["rows"]]
+    assert [n.split("24GiB-")[-1] for n in names] == ["plain", "streamed", f"streamed-{variant}"]
     assert all(r["returncode"] == 0 and len(r["losses"]) == 4 for r in result["rows"])
-    log = (tmp_path / "runs" / "sft-llama3.2-3b-bf16-24GiB-streamed-embeddings.log").read_text()
-    assert "the streamed head is fetched to the device for it" in log
-    plain, ends = result["pairs"]
-    assert plain["against"] == "the plain script" and ends["case"].endswith("-stream-embeddings")
-    assert ends["against"] == "the streamed run without --stream-embeddings"
-    assert ends["losses_equal_to_plain"] and ends["speed_vs_plain"] > 0
+    log = (tmp_path / "runs" / f"{names[-1]}.log").read_text()
+    taken = {
+        "stream-embeddings": "the streamed head is fetched to the device for it",
+        "long-settings-off": "offload_activations=False",
+    }[variant]
+    assert taken in log, "the variant's flags reached the launcher"
+    plain, verdict = result["pairs"]
+    assert plain["against"] == "the streamed run against the plain script"
+    assert verdict["case"].endswith(variant) and verdict["against"] == zero_edit.VARIANTS[variant][2]
+    assert verdict["losses_equal_to_plain"] and verdict["speed_vs_plain"] > 0
