@@ -31,6 +31,8 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
 
+import mxfp4_triton  # noqa: E402
+
 from layerstream.modules import packed_experts  # noqa: E402
 
 SHAPES = {  # experts, hidden, intermediate (configs/shapes)
@@ -95,6 +97,7 @@ def layer(name: str, experts: int, device: str, repeats: int) -> dict:
     new = timed(run(packed_experts.dequantise), repeats, device)
     median_now, median_new = statistics.median(now[1:] or now), statistics.median(new[1:] or new)
     return dict(
+        triton_candidate(rows, dtype, run, repeats, device, out_bytes),
         shape=name,
         experts=experts,
         device=device,
@@ -108,6 +111,28 @@ def layer(name: str, experts: int, device: str, repeats: int) -> dict:
         transformers_ms_all=[t * 1e3 for t in now],
         layerstream_ms_all=[t * 1e3 for t in new],
     )
+
+
+def triton_candidate(rows: list, dtype, run, repeats: int, device: str, out_bytes: int) -> dict:
+    """``mxfp4_triton``'s one-pass kernel where Triton and CUDA are here: bit for bit against
+    transformers (which values differ, if any), then timed. Never raises: a failure is a
+    field of the row."""
+    if not mxfp4_triton.available(device):
+        return dict(triton="not available here")
+    try:
+        differing = 0
+        for _, blocks, scales in rows:
+            theirs = through_transformers(blocks, scales, dtype).view(torch.int16)
+            ours = mxfp4_triton.dequantise(blocks, scales, dtype).view(torch.int16)
+            differing += int((theirs != ours).sum())
+        found = dict(triton_exact=differing == 0, triton_values_differing=differing)
+        times = timed(run(mxfp4_triton.dequantise), repeats, device)
+        best = statistics.median(times[1:] or times)
+        return dict(
+            found, triton_ms=best * 1e3, triton_gbps=out_bytes / best / 1e9, triton_ms_all=[t * 1e3 for t in times]
+        )
+    except Exception as error:  # noqa: BLE001
+        return dict(triton_error=f"{type(error).__name__}: {error}"[:2000])
 
 
 def main(argv=None) -> int:
