@@ -8,8 +8,9 @@ module's ``gate_up_proj`` and ``down_proj`` Parameters are replaced by the check
 ``<proj>_blocks`` and ``<proj>_scales`` (uint8 buffers, streamed like any other tensor of
 the layer), and each call of the module dequantises them on the device it runs on, with
 the arithmetic of transformers' own ``convert_moe_packed_tensors`` (``dequantise`` says why
-not by calling it), into the tensors its forward reads under the old names; they are dropped when the call returns (autograd keeps what
-the backward needs, as for any tensor a forward reads).
+not by calling it), into the tensors its forward reads under the old names; they are
+dropped when the call returns (autograd keeps what the backward needs, as for any tensor a
+forward reads).
 
 Exactness: each value comes from its own byte and its block's exponent (a table lookup and
 a multiplication by a power of two, exact in bf16), on any device, computed as
@@ -46,7 +47,7 @@ logger = get_logger(__name__)
 
 PROJECTIONS = ("gate_up_proj", "down_proj")
 BLOCK = 32  # values per MXFP4 block (one exponent each), 16 bytes of two values
-GROUP_BYTES = 64 << 20  # dequantised output per call of transformers' function
+GROUP_BYTES = 64 << 20  # dequantised output per group of experts
 # what dequantising a group holds beside the stacks, in group sizes: its values and the
 # float32 product torch.ldexp makes (three; the int32 index per byte, one, is freed before)
 GROUP_TRANSIENTS = 3
@@ -202,8 +203,8 @@ def dequantise(
     table, the byte's low half first, ``torch.ldexp`` by the block's exponent less 127. It
     is done here rather than by calling that function because that function is a third of a
     gpt-oss training step: it builds its table from a Python list at every call (a copy to
-    the device that waits for the stream), looks each half-byte up separately into strided
-    halves, and returns a transposed copy the caller copies again. Here the table of a
+    the device each time), looks each half-byte up separately into strided halves, and
+    returns a transposed copy the caller copies again. Here the table of a
     byte's two values stays on the device, each byte is looked up once, and the transposition
     is written straight into the stacks: 1.5 times as fast on an H200 (gpt-oss-120b, a whole
     layer: 56 against 85 ms; ``benchmarks/mxfp4_dequantise.py``). Tests compare every byte
