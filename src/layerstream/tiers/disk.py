@@ -153,7 +153,7 @@ class DiskTier:
         stat = os.fstat(buffered)
         mapping = mmap.mmap(buffered, 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         known = self._files[path] = SourceFile(
-            path, fd, buffered, disk_files.fingerprint(stat), *(layout or read_layout(path)), mapping
+            path, fd, buffered, (stat.st_size, stat.st_mtime_ns), *(layout or read_layout(path)), mapping
         )
         return known
 

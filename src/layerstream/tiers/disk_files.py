@@ -38,30 +38,21 @@ class SourceFile:
     path: Path
     fd: int  # the descriptor reads use (O_DIRECT when allowed)
     buffered_fd: int
-    fingerprint: Tuple[int, int, int]  # ``fingerprint(stat)`` at load
+    fingerprint: Tuple[int, int]  # (size, mtime in ns) at load
     tensors: Dict[str, StoredTensor]
     offsets: Dict[str, Tuple[int, int]]
     mapping: mmap.mmap
 
     def check(self, layer: str) -> None:
         """Refuse a file that changed since it was loaded (what was read would be other bytes)."""
-        now = fingerprint(os.fstat(self.buffered_fd))
+        stat = os.fstat(self.buffered_fd)
+        now = (stat.st_size, stat.st_mtime_ns)
         if now != self.fingerprint:
             raise DiskReadError(
-                f"{self.path} changed while the run used it (size/mtime/ctime {self.fingerprint} at load, {now} now), "
+                f"{self.path} changed while the run used it (size/mtime {self.fingerprint} at load, {now} now), "
                 f"so {layer} can no longer be read from it as it was loaded. Restore the file, or restart the "
                 "run on an unchanged checkpoint (copy it first if something rewrites it)."
             )
-
-
-def fingerprint(stat: os.stat_result) -> Tuple[int, int, int]:
-    """What says a file's bytes are still the ones loaded: size, mtime and ctime. The ctime
-    is there because a write in place that keeps the size and then restores the mtime
-    (``os.utime``, ``touch -d``, a copy tool keeping times) leaves the other two as they were;
-    the kernel moves the ctime on any write or metadata change and no user call sets it back.
-    A metadata-only change (chmod, a new hard link) is refused too: the bytes cannot be told
-    apart from an edit without reading them all."""
-    return stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns
 
 
 def read_fully(source: SourceFile, fd: int, target: memoryview, offset: int) -> None:
