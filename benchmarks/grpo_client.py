@@ -1,9 +1,9 @@
 """A user's GRPO script around TRL's GRPOTrainer, for a model too large to write to disk as a
 checkpoint on the GPU machine (a 70B shape is 140 GB in bf16): the model is built in memory
 at a real shape with random weights, NF4 as bitsandbytes packs it (``common.build_random_nf4``),
-and GRPOTrainer gets LoRA r16 on every linear layer and a reward that differs between completions. Nothing
-in it knows layerstream: ``rl.py`` runs it under ``layerstream run``, which streams the
-Trainer's model.
+and GRPOTrainer gets LoRA r16 on every linear layer and a reward that differs between
+completions. Nothing in it knows layerstream: ``rl.py`` runs it under ``layerstream run``,
+which streams the Trainer's model.
 
     layerstream run benchmarks/grpo_client.py --shape llama3-70b --data DIR --output_dir OUT \\
         --steps 3 --generations 8 --completion-tokens 128

@@ -30,8 +30,9 @@ the runtime counted per token step are kept beside it.
 
 ``grpo-8b``: TRL's ``trl.scripts.grpo``, unchanged, on a random-weight Llama-3.1-8B checkpoint
 written to disk (``checkpoints.py``), ``--load_in_4bit`` QLoRA (or, ``--grpo-quantization bf16``,
-LoRA on the 16 GB bf16 checkpoint, larger than the cap), 8 generations of 256 tokens per prompt: resident with the whole GPU (``python -m``), then streamed under a 12 GiB cap
-(``layerstream run -m``), each in a fresh process under ``capped.py``, which times each step
+LoRA on the 16 GB bf16 checkpoint, larger than the cap; ``--grpo-trainer rloo``: TRL's rloo.py),
+8 generations of 256 tokens per prompt: resident with the whole GPU (``python -m``), then
+streamed under a 12 GiB cap (``layerstream run -m``), each in a fresh process under ``capped.py``, which times each step
 and each ``generate`` call and keeps the Trainer's logs (layerstream's ``generate_*`` figures
 among them). A round is one resident and one streamed run, in that order; the pair's speed is
 ``zero_edit.compare``'s, over the rounds measured so far.

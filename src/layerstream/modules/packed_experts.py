@@ -204,11 +204,11 @@ def dequantise(
     is done here rather than by calling that function because that function is a third of a
     gpt-oss training step: it builds its table from a Python list at every call (a copy to
     the device each time), looks each half-byte up separately into strided halves, and
-    returns a transposed copy the caller copies again. Here the table of a
-    byte's two values stays on the device, each byte is looked up once, and the transposition
-    is written straight into the stacks: 1.5 times as fast on an H200 (gpt-oss-120b, a whole
-    layer: 56 against 85 ms; ``benchmarks/mxfp4_dequantise.py``). Tests compare every byte
-    value and exponent with transformers' function, bit for bit."""
+    returns a transposed copy the caller copies again. Here the table of a byte's two values
+    stays on the device, each byte is looked up once, and the transposition is written
+    straight into the stacks: 1.5 times as fast on an H200 (gpt-oss-120b, a whole layer: 56
+    against 85 ms; ``benchmarks/mxfp4_dequantise.py``). Tests compare every byte value and
+    exponent with transformers' function, bit for bit."""
     experts, outputs, groups, half = blocks.shape
     inputs = groups * BLOCK
     chosen = range(experts) if rows is None else sorted(set(rows))
