@@ -443,6 +443,23 @@ def test_dequantise_gives_transformers_values_for_every_byte_and_exponent(device
     assert not torch.equal(swapped.view(bits), reference.view(bits))
 
 
+def test_dequantise_takes_rows_as_a_router_gives_them_and_refuses_rows_out_of_range():
+    """Rows as the router's index tensor gives them (repeated, any shape) count each expert
+    once, as the same rows as ints do; an index past the last expert is refused, not read."""
+    blocks = torch.randint(0, 256, (4, 8, 2, 16), dtype=torch.uint8)
+    scales = torch.randint(120, 134, (4, 8, 2), dtype=torch.uint8)
+    as_ints = packed_experts.dequantise(blocks, scales, torch.float32, [1, 3], compact=True)
+    as_tensor = packed_experts.dequantise(
+        blocks, scales, torch.float32, torch.tensor([[3, 1], [1, 3], [3, 3]]), compact=True
+    )
+    assert as_tensor.shape == as_ints.shape == (2, 64, 8)
+    assert torch.equal(as_tensor, as_ints)
+    assert not torch.equal(as_ints[0], as_ints[1])  # control: the two rows differ
+    for wrong in ([4], [-1], torch.tensor([0, 7])):
+        with pytest.raises(ValueError, match=r"\[0, 4\)"):
+            packed_experts.dequantise(blocks, scales, torch.float32, wrong)
+
+
 @pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
 def test_a_copy_of_a_model_no_longer_streamed_computes_counts_and_saves_as_its_original(checkpoint, tmp_path, how):
     """The packed experts' forward, ``num_parameters`` and ``save_pretrained`` are set on the

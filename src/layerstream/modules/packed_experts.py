@@ -211,7 +211,7 @@ def dequantise(
     exponent with transformers' function, bit for bit."""
     experts, outputs, groups, half = blocks.shape
     inputs = groups * BLOCK
-    chosen = range(experts) if rows is None else sorted(set(rows))
+    chosen = range(experts) if rows is None else ascending(rows, experts)
     out = torch.empty(len(chosen) if compact else experts, inputs, outputs, dtype=dtype, device=blocks.device)
     table = _byte_values(dtype, blocks.device)
     per_expert = inputs * outputs * dtype.itemsize
@@ -242,6 +242,17 @@ def _byte_values(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         byte = torch.arange(256)
         _BYTE_VALUES[key] = torch.stack([table[byte & 15], table[byte >> 4]], dim=-1).to(device)
     return _BYTE_VALUES[key]
+
+
+def ascending(rows, experts: int) -> List[int]:
+    """``rows`` (ints, or integer tensors of any shape) as distinct expert indices, ascending;
+    an index outside ``[0, experts)`` is refused here rather than read out of bounds."""
+    if isinstance(rows, torch.Tensor):
+        rows = rows.reshape(-1).tolist()
+    chosen = sorted({int(row) for row in rows})
+    if chosen and (chosen[0] < 0 or chosen[-1] >= experts):
+        raise ValueError(f"expert rows must lie in [0, {experts}); got {chosen[0]}..{chosen[-1]}")
+    return chosen
 
 
 def _runs(rows) -> List[Tuple[int, int]]:
@@ -337,7 +348,7 @@ def _renumbering(module: nn.Module, packed: PackedExperts, rows, args: tuple, kw
     renumbering the experts leaves the weights as they are)."""
     if rows is None or getattr(module, "_is_expert_parallel", False):
         return None
-    chosen = sorted(set(rows))
+    chosen = ascending(rows, packed.experts)
     indices, weights = _argument(args, kwargs, 1, _INDICES), _argument(args, kwargs, 2, _WEIGHTS)
     if len(chosen) >= packed.experts or indices is None or weights is None or weights.shape != indices.shape:
         return None
