@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_plan import LLAMA3_8B, LLAMA3_8B_LAYER_BF16, config_of, write_config
+from model_shapes import LLAMA3_8B, LLAMA3_8B_LAYER_BF16, config_of, write_config
 
 import layerstream
 from layerstream import plan
