@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
-from pathlib import Path
 from typing import Optional, Union
 
 import torch
@@ -33,14 +32,11 @@ from torch import nn
 from .checkpoints import mxfp4, progress
 from .checkpoints.computed_buffers import compute_buffers, initialisers
 from .checkpoints.conversion import for_checkpoint
-from .checkpoints.paths import missing_directory
+from .checkpoints.files import resolve, resolve_dtype, transformers_can_load, weight_files
 from .checkpoints.reader import TensorReader
 from .checkpoints.stored import (
     LoadingError,
-    load_pickle,
     missing_tensors_error,
-    read_header,
-    read_index,
     refuse_prequantized,
     validate_checkpoint,
 )
@@ -55,79 +51,7 @@ from .tiers.store import HostStore, check_host_memory, plan_tiers
 logger = get_logger(__name__)
 
 
-def _transformers_can_load(error: LoadingError) -> LoadingError:
-    """Mark an error for a checkpoint transformers' own loader reads (the launcher then
-    loads it that way, on the host, and streams it)."""
-    error.transformers_can_load = True
-    return error
-
-
 __all__ = ["LoadingError", "from_pretrained"]
-
-
-SUBFOLDERS = ["*/*"]  # snapshot_download's ignore_patterns: files below the repository's top level
-
-
-def _resolve(model_id: str | os.PathLike, revision: str | None, allow_pickle: bool = False) -> Path:
-    path = Path(model_id).expanduser()
-    if path.is_dir():
-        return path
-    if path.exists():
-        raise LoadingError(f"{model_id} is a file; pass the directory that holds config.json and the weights")
-    missing = missing_directory(model_id)
-    if missing is not None:
-        raise LoadingError(missing)
-    try:
-        from huggingface_hub import snapshot_download
-    except ImportError as exc:  # pragma: no cover - a transformers dependency
-        raise LoadingError(f"{model_id} is not a local directory and huggingface_hub is missing") from exc
-    patterns = ["*.json", "*.safetensors", "*.model", "*.txt"] + (["*.bin"] if allow_pickle else [])
-    # the loader reads the top level only; a repository's subfolders (gpt-oss's original/, a
-    # second copy of its weights) are not downloaded ("*" matches "/" in the hub's patterns)
-    return Path(
-        snapshot_download(str(model_id), revision=revision, allow_patterns=patterns, ignore_patterns=SUBFOLDERS)
-    )
-
-
-def _pickle_files(directory: Path, pickles: list[str]) -> dict[str, Path]:
-    logger.warning(
-        "layerstream: reading pickle weights from %s (allow_pickle=True) with "
-        "torch.load(weights_only=True), which refuses arbitrary objects; convert them to "
-        "safetensors once to load faster and without pickle.",
-        directory,
-    )
-    index = directory / "pytorch_model.bin.index.json"
-    if index.exists():
-        return read_index(index)
-    files: dict[str, Path] = {}
-    for name in pickles:
-        for key in load_pickle(directory / name):
-            files[key] = directory / name
-    return files
-
-
-def _weight_files(directory: Path, allow_pickle: bool = False) -> dict[str, Path]:
-    """tensor name -> weight file. Pickle checkpoints are refused unless ``allow_pickle``."""
-    index = directory / "model.safetensors.index.json"
-    if index.exists():
-        return read_index(index)
-    single = directory / "model.safetensors"
-    if single.exists():
-        return {name: single for name in read_header(single)}
-    pickles = sorted(p.name for p in directory.glob("*.bin")) + sorted(p.name for p in directory.glob("*.pt"))
-    if pickles and allow_pickle:
-        return _pickle_files(directory, pickles)
-    if pickles:
-        raise _transformers_can_load(
-            LoadingError(
-                f"{directory} holds only pickle weights ({', '.join(pickles[:3])}). layerstream reads "
-                "safetensors by default (pickle files can run code when loaded). Convert them once with "
-                "transformers (from_pretrained + save_pretrained(safe_serialization=True)) in a "
-                "process you trust, or pass allow_pickle=True to read them with "
-                "torch.load(weights_only=True)."
-            )
-        )
-    raise LoadingError(f"no safetensors weights (model.safetensors or its index) in {directory}")
 
 
 def _module_tensors(module: nn.Module, prefix: str, recurse: bool = True) -> dict[str, torch.Tensor]:
@@ -257,38 +181,6 @@ def _nf4_layer_bytes(config, dtype, double_quant: bool, count: int):
     return sizes
 
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-def resolve_dtype(dtype, config=None, files=None) -> torch.dtype:
-    """A ``dtype=`` as transformers takes it: a torch dtype, its name, or "auto" (the
-    checkpoint's own: its config's dtype, else, as transformers 5 does, the dtype of the
-    first floating-point tensor in the first weight file; float32 when neither says)."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":
-        found = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-        if found is None and files:
-            found = _stored_dtype(sorted(set(files.values()))[0])
-        return resolve_dtype(found) if found is not None else torch.float32
-    if isinstance(dtype, str) and dtype.replace("torch.", "") in _DTYPES:
-        return _DTYPES[dtype.replace("torch.", "")]
-    raise LoadingError(f"dtype={dtype!r}: use a torch dtype, one of {sorted(_DTYPES)}, or 'auto'")
-
-
-_STORED = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
-
-
-def _stored_dtype(path: Path) -> Optional[torch.dtype]:
-    """The first floating-point dtype a safetensors file holds, from its header."""
-    if path.suffix != ".safetensors":
-        return None
-    for stored in read_header(path).values():
-        if stored.floating:
-            return _STORED.get(stored.dtype)
-    return None
-
-
 def nf4_settings(quantization_config, dtype: torch.dtype):
     """The BitsAndBytesConfig of a 4-bit NF4 load, from what a script passed; anything
     layerstream does not stream (8-bit, FP4, other quantisers) is refused by name."""
@@ -397,25 +289,25 @@ def from_pretrained(
         config_stream = config_stream.replace(device=device)
     if host_budget is not None:
         config_stream = config_stream.replace(host_budget=host_budget)
-    directory = _resolve(model_id, revision, allow_pickle)
-    files = _weight_files(directory, allow_pickle)
+    directory = resolve(model_id, revision, allow_pickle)
+    if config is None:
+        config = AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
+    files = weight_files(directory, allow_pickle, config)
     stored_mxfp4 = mxfp4.quantization_of(directory)  # experts kept packed, or dequantised as read
     keep_packed = stored_mxfp4 is not None
     if stored_mxfp4 is None:
         try:
             refuse_prequantized(directory, files)
         except LoadingError as exc:
-            raise _transformers_can_load(exc) from None
+            raise transformers_can_load(exc) from None
     elif mxfp4.names_mxfp4(quantization_config):
         keep_packed = not mxfp4.asks_dequantise(quantization_config)  # Mxfp4Config(dequantize=True)
         quantization_config = None
-    if config is None:
-        config = AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
     if stored_mxfp4 is not None:
         # a config of the caller's that asks to dequantise (with NF4 on top: no second quantization_config)
         keep_packed = keep_packed and not mxfp4.asks_dequantise(getattr(config, "quantization_config", None) or {})
         config = mxfp4.without_quantization(config)
-    torch_dtype = resolve_dtype(dtype, config, files)
+    torch_dtype = resolve_dtype(dtype, config, files, directory)
     quant_config = None
     if quantization == "nf4":
         from transformers import BitsAndBytesConfig
@@ -491,7 +383,9 @@ def from_pretrained(
     for prefix, module in _resident_modules(model, layers):
         missing += _load_module(module, prefix, reader, owners, recurse=False)
     if tied_head:
-        model.tie_weights()
+        # as transformers' load ties: a head the checkpoint holds with other values than the
+        # embedding stays the checkpoint's (transformers warns), one it lacks is tied
+        model.tie_weights(missing_keys=set(missing), recompute_mapping=False)
         missing = [m for m in missing if not m.endswith("lm_head.weight")]
     if config_stream.stream_embeddings:  # refused now rather than after every layer is read
         from .runtime.embeddings import find_ends

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
 import layerstream
 from layerstream import loading
+from layerstream.checkpoints import files as checkpoint_files
 from layerstream.checkpoints import reader as tensor_reader
 from layerstream.checkpoints import stored as checkpoint
 
@@ -301,10 +302,10 @@ def test_quant_state_tensors_mark_a_checkpoint_prequantised_without_a_quantizati
     config = json.loads((prequantized / "config.json").read_text())
     del config["quantization_config"]
     (prequantized / "config.json").write_text(json.dumps(config))
-    files = loading._weight_files(prequantized)
+    files = checkpoint_files.weight_files(prequantized)
     assert checkpoint.is_prequantized(prequantized, files)
     base = prequantized.parent / "base"
-    assert not checkpoint.is_prequantized(base, loading._weight_files(base))
+    assert not checkpoint.is_prequantized(base, checkpoint_files.weight_files(base))
     _refused(prequantized, loads, r"it holds quantisation state such as .*\.weight\.(absmax|quant_map|quant_state)")
 
 
@@ -438,8 +439,6 @@ def test_a_hub_download_takes_the_top_level_weights_not_a_subfolders_copy(monkey
     import huggingface_hub
     from huggingface_hub.utils import filter_repo_objects
 
-    from layerstream import loading
-
     asked = {}
 
     def record(repo_id, **kwargs):
@@ -448,7 +447,7 @@ def test_a_hub_download_takes_the_top_level_weights_not_a_subfolders_copy(monkey
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", record)
     with pytest.raises(RuntimeError, match="recorded"):
-        loading._resolve("some-org/some-model", None)
+        checkpoint_files.resolve("some-org/some-model", None)
     files = ["config.json", "model-00001-of-00002.safetensors", "model.safetensors.index.json"]
     subfolder = ["original/model.safetensors", "original/config.json", "metal/model.bin"]
     kept = list(

@@ -67,7 +67,7 @@ def run(config: Dict[str, Dict[str, Any]]):
         model = from_pretrained(
             model_section["name"],
             quantization=quantization,
-            torch_dtype=dtype,
+            dtype=dtype,
             stream=stream,
             trust_remote_code=model_section["trust_remote_code"],
         )

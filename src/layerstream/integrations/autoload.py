@@ -20,6 +20,7 @@ transformers itself, on the host
 
 from __future__ import annotations
 
+import re
 from typing import Optional
 
 import torch
@@ -49,7 +50,6 @@ _TAKEN = {
 }
 _MOOT = {
     "low_cpu_mem_usage",
-    "use_safetensors",
     "_from_auto",
     "_from_pipeline",
     "local_files_only",
@@ -62,10 +62,10 @@ _MOOT = {
     "offload_state_dict",
     "offload_buffers",
     "_commit_hash",
-    "subfolder",
-    "variant",
     "use_kernels",
 }
+# arguments that change which files transformers reads; at these values they change nothing
+_FILES_AT_DEFAULT = {"variant": (None,), "subfolder": (None, ""), "use_safetensors": (None, True)}
 
 
 def install() -> None:
@@ -113,6 +113,12 @@ def _from_pretrained(cls, pretrained_model_name_or_path=None, *model_args, **kwa
     return load(cls, pretrained_model_name_or_path, **kwargs)
 
 
+def first_sentence(message: str) -> str:
+    """A message up to its first full stop that ends a sentence (not one inside a file name
+    such as model.safetensors or a path)."""
+    return re.split(r"\.\s+", message.strip(), maxsplit=1)[0].rstrip(".")
+
+
 def _quantization(kwargs):
     from transformers import BitsAndBytesConfig
 
@@ -137,12 +143,16 @@ def load(cls, path, **kwargs):
     if quantization is not None and not mxfp4.names_mxfp4(quantization):
         loading.nf4_settings(quantization, torch.bfloat16)
     extra = {k: v for k, v in kwargs.items() if k not in _TAKEN and k not in _MOOT}
+    for name, defaults in _FILES_AT_DEFAULT.items():  # other files than the loader reads: transformers loads
+        if name in extra and extra[name] in defaults:
+            del extra[name]
     if "_adapter_model_path" not in (kwargs.get("adapter_kwargs") or {}):
         extra.pop("adapter_kwargs", None)  # no adapter to load with the model (the Auto classes always pass it)
     config = _config(cls, path, kwargs, extra)
     reason = None
     if extra:
-        reason = f"arguments the layerstream loader does not take ({', '.join(sorted(extra))})"
+        taken = ", ".join(f"{name}={extra[name]!r}" for name in sorted(extra))
+        reason = f"the script passes arguments the layerstream loader does not take ({taken})"
     model = None
     if reason is None:
         try:
@@ -161,10 +171,10 @@ def load(cls, path, **kwargs):
         except LoadingError as exc:
             if not getattr(exc, "transformers_can_load", False):
                 raise
-            reason = str(exc).split(".")[0]
+            reason = f"the layerstream loader cannot read it ({first_sentence(str(exc))})"
     if model is None:
         logger.warning(
-            "layerstream: %s is %s; transformers loads it into host memory (device_map='cpu'), "
+            "layerstream: %s: %s; transformers loads it into host memory (device_map='cpu'), "
             "then its layers stream. That needs the whole model in host RAM once.",
             path,
             reason,
