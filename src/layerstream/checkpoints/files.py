@@ -117,8 +117,8 @@ def weight_files(directory: Path, allow_pickle: bool = False, config=None) -> di
 
 def _pickle_files(directory: Path, pickles: list[str]) -> dict[str, Path]:
     logger.warning(
-        "layerstream: reading pickle weights from %s with torch.load(weights_only=True), which refuses "
-        "arbitrary objects; convert them to safetensors once to load faster and without pickle.",
+        "layerstream: reading pickle weights from %s (allow_pickle=True) with torch.load(weights_only=True), "
+        "which refuses arbitrary objects; convert them to safetensors once to load faster and without pickle.",
         directory,
     )
     index = directory / "pytorch_model.bin.index.json"
