@@ -22,6 +22,7 @@ import torch
 from ..api import get_runtime, is_streamed, on_stream
 from ..errors import StreamingError
 from ..runtime.meter import wanted_bytes
+from ..runtime.passes import outside_inference_mode
 from ..system.log import get_logger
 
 logger = get_logger(__name__)
@@ -140,11 +141,13 @@ def _counted(original):
         totals.active = True
         tokens = cached_tokens(self, args, kwargs)
         if tokens:
-            runtime.resident_window.before_generation(tokens)
+            with outside_inference_mode():  # the window's buffers outlive this call
+                runtime.resident_window.before_generation(tokens)
         try:
             return _run_again_after_oom(original, self, runtime, args, kwargs)
         finally:
-            runtime.resident_window.after_generation()
+            with outside_inference_mode():
+                runtime.resident_window.after_generation()
             totals.active = False
             after = runtime.stats()
             totals.calls += 1

@@ -85,6 +85,7 @@ class StreamRuntime:
         self._placed_at = 0  # layer.registrations() when tensors were last placed
         self.nf4_counts = {"nf4_function_calls": 0, "nf4_dequant_calls": 0}
         self._recording = None  # timeline.Recording while a step is recorded
+        self._inference_mode = False  # the layer being called was called under torch.inference_mode
         self.budget_check = BudgetCheck()  # an explicit vram_budget, checked per step shape
         self._checker = checksum.SlotChecker(self.pool, records) if config.checksum else None
         self._by_module: Dict[int, Tuple[LayerRecord, List[int]]] = {}
@@ -217,7 +218,8 @@ class StreamRuntime:
         if recording is not None:
             begin = recording.now()
         try:
-            return layer_mod.call_unstreamed(layer, args, kwargs)
+            with passes.inference_mode_kept(self._inference_mode):
+                return layer_mod.call_unstreamed(layer, args, kwargs)
         except torch.OutOfMemoryError as exc:
             raise report.explain_oom(self, exc, f"in streamed layer {record.name}") from exc
         finally:
@@ -227,6 +229,14 @@ class StreamRuntime:
                 recording.computes.append((index, slot, phase, begin, recording.now()))
 
     def call_layer(self, layer: nn.Module, args, kwargs):
+        with passes.outside_inference_mode() as inference_mode:
+            self._inference_mode = inference_mode
+            try:
+                return self._call_layer(layer, args, kwargs)
+            finally:
+                self._inference_mode = False
+
+    def _call_layer(self, layer: nn.Module, args, kwargs):
         self.refuse_half_unstreamed("run a forward")
         index = layer._layerstream_index
         if args and isinstance(args[0], torch.Tensor) and args[0].device != self.device:

@@ -16,6 +16,7 @@ saved-tensor hooks of the checkpoint it was inside.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import threading
 from typing import Optional
@@ -115,3 +116,26 @@ def _close_checkpoints(trace) -> None:
                 if inspect.isgenerator(value) and value.gi_frame is not None:
                     value.close()
         trace = trace.tb_next
+
+
+@contextlib.contextmanager
+def outside_inference_mode():
+    """Run the runtime's own bookkeeping outside ``torch.inference_mode`` (grad still off).
+
+    The runtime keeps what it makes while a call runs (slot views bound to layers, the
+    window's buffers, adapters moved to the device) for later calls: made under inference
+    mode they would be inference tensors, which a later training step cannot save for
+    backward, so one generation under inference mode would stop the model from training
+    again. The layer's own computation still runs in the caller's inference mode
+    (``inference_mode_kept``)."""
+    if not torch.is_inference_mode_enabled():
+        yield False
+        return
+    with torch.inference_mode(False), torch.no_grad():  # inference_mode(False) alone turns grad on
+        yield True
+
+
+def inference_mode_kept(kept: bool):
+    """The caller's inference mode again, around the layer's computation (a KV cache made in
+    inference mode is written in place, which only inference mode allows)."""
+    return torch.inference_mode() if kept else contextlib.nullcontext()
