@@ -313,6 +313,10 @@ class HeadLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, host_weight, bias, fetch):
         weight = fetch(host_weight)
+        # at::matmul folds a strided input (logits_to_keep's last position) into one mm or
+        # batches it by whether the weight requires grad, even with grad off: the copy says
+        # what the resident weight would, so generation picks the resident head's kernel
+        weight.requires_grad_(host_weight.requires_grad)
         out = F.linear(x, weight, bias)  # under autocast this casts x, weight, bias as resident does
         # the value this forward used: a later ``.data`` swap of the Parameter does not reach
         # this backward (as for a resident weight); an in-place write still bumps the version
