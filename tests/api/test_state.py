@@ -120,6 +120,22 @@ def test_user_gradient_checkpointing_flag_is_accepted(device):
     assert_traces_equal(train_steps(streamed, 3, device), train_steps(resident, 3, device))
 
 
+def test_a_gradient_checkpointing_flag_set_while_streamed_holds_once_unstreamed():
+    """The layers checkpoint themselves while streamed and read False; the flag the script
+    set meanwhile is the layers' own again after unstream_model, as on a model never streamed."""
+    streamed, resident = peft_pair("llama", layers=4)
+    stream(streamed, "cpu", slots=2)
+    for model in (streamed, resident):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    layers = streamed.base_model.model.model.layers
+    assert [layer.gradient_checkpointing for layer in layers] == [False] * 4
+    layerstream.unstream_model(streamed)
+    expected = [layer.gradient_checkpointing for layer in resident.base_model.model.model.layers]
+    assert expected == [True] * 4 and [layer.gradient_checkpointing for layer in layers] == expected
+    streamed.gradient_checkpointing_disable()
+    assert [layer.gradient_checkpointing for layer in layers] == [False] * 4
+
+
 def test_stats_report_the_required_counters(device):
     streamed, _ = peft_pair("llama", layers=5)
     stream(streamed, device, slots=3, prefetch=2)

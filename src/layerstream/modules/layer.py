@@ -59,7 +59,8 @@ class StreamedLayer(_NotCopyable):
 
     @gradient_checkpointing.setter
     def gradient_checkpointing(self, value) -> None:
-        pass
+        # kept where the layer's own class reads it once unstream_model swaps this class out
+        self.__dict__["gradient_checkpointing"] = value
 
     def __call__(self, *args, **kwargs):
         return _streamed_call(self, args, kwargs)
