@@ -147,6 +147,27 @@ def test_kv_cache_with_past_tokens_under_autograd():
         streamed(input_ids=ids[:, :1], past_key_values=cache, use_cache=True)
 
 
+def test_decoding_from_a_cache_a_forward_with_autograd_left_unfilled_is_refused():
+    """An eval-mode forward with autograd on passes the model's new cache to layers that
+    checkpoint and so do not fill it (one warning); a loop decoding from that cache would
+    run without the prompt, so its next forward is refused. The same loop from a cache
+    filled under no_grad decodes the resident model's tokens (control)."""
+    streamed, resident = peft_pair("llama", layers=3)
+    stream(streamed, "cpu")
+    ids = torch.randint(3, 90, (1, 6), generator=torch.Generator().manual_seed(0))
+    streamed.eval(), resident.eval()
+    cache = streamed(input_ids=ids, use_cache=True).past_key_values
+    with torch.no_grad(), pytest.raises(layerstream.StreamingError, match="did not fill it"):
+        streamed(input_ids=ids[:, -1:], past_key_values=cache, use_cache=True)
+    tokens = []
+    for model in (streamed, resident):
+        with torch.no_grad():
+            out = model(input_ids=ids, use_cache=True)
+            step = model(input_ids=out.logits[:, -1:].argmax(-1), past_key_values=out.past_key_values, use_cache=True)
+        tokens.append(step.logits)
+    assert torch.equal(*tokens)
+
+
 def test_slots_larger_than_the_vram_budget_are_refused_before_any_copy():
     streamed, _ = peft_pair("llama", layers=4)
     with pytest.raises(

@@ -26,6 +26,7 @@ refuses deepcopy and pickling the same way.
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 from torch import nn
@@ -120,6 +121,7 @@ def without_cache(kwargs: dict, warned: bool):
         return kwargs, warned
     kwargs = dict(kwargs)
     for name in names:
+        _remember_unfilled(kwargs[name])
         seq_length = getattr(kwargs[name], "get_seq_length", None)
         if seq_length is not None and seq_length() > 0:
             raise StreamingError(
@@ -139,6 +141,37 @@ def without_cache(kwargs: dict, warned: bool):
             "checkpointing). Set model.config.use_cache = False for training to silence this."
         )
     return kwargs, True
+
+
+# caches a streamed layer was given with autograd on and did not fill: a later pass that
+# decodes from one would run without the tokens it should hold
+_UNFILLED = weakref.WeakSet()
+
+
+def _remember_unfilled(cache) -> None:
+    try:
+        _UNFILLED.add(cache)
+    except TypeError:  # not weakly referable: a cache class of the model's own
+        pass
+
+
+def refuse_unfilled_cache(kwargs: dict) -> None:
+    """Refuse a KV cache that streamed layers were given with autograd on, which they did
+    not fill (``without_cache``): decoding from it, as a loop continuing from a forward's
+    ``past_key_values`` does, would attend to none of the tokens that forward saw and give
+    other tokens than the resident model, without a word."""
+    if not _UNFILLED:
+        return
+    for name in CACHE_KWARGS:
+        cache = kwargs.get(name)
+        if cache is not None and cache in _UNFILLED:
+            raise StreamingError(
+                "this KV cache was passed to streamed layers by a forward with autograd on, which "
+                "did not fill it (streamed layers are checkpointed under autograd, as with "
+                "transformers' gradient checkpointing), so decoding from it would ignore the tokens "
+                "of that forward. Run the forward that fills the cache under torch.no_grad() "
+                "(model.generate does)."
+            )
 
 
 def refuse_second_order(output, layer: nn.Module):

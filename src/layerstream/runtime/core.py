@@ -251,6 +251,7 @@ class StreamRuntime:
             if index == 0:
                 self._start_pass(args[0] if args else None, training)
             if not training:
+                layer_mod.refuse_unfilled_cache(kwargs)
                 return self.run_layer(layer, index, Phase.INFERENCE, args, kwargs)
             kwargs = self._drop_cache(kwargs)
             offloader = self.pass_offloader  # this layer's backward uses it, whatever was switched since
