@@ -121,6 +121,22 @@ def test_a_damaged_per_expert_checkpoint_is_refused_before_a_layer_is_read(tmp_p
         layerstream.from_pretrained(tmp_path, stream=layerstream.StreamConfig(device="cpu", slots=2))
 
 
+def test_a_layer_stored_both_fused_and_per_expert_is_refused_before_a_layer_is_read(tmp_path, monkeypatch):
+    """Both layouts of one layer's experts, with other values: which one the model should
+    hold is a guess (transformers fails on it), so the load is refused."""
+    _per_expert("qwen3_moe")(tmp_path)
+    fused = tiny_model("qwen3_moe", layers=3, seed=5).state_dict()
+
+    def add_fused(tensors):
+        for proj in ("gate_up_proj", "down_proj"):
+            tensors[f"model.layers.0.mlp.experts.{proj}"] = fused[f"model.layers.0.mlp.experts.{proj}"].contiguous()
+
+    _rewrite(tmp_path, add_fused)
+    monkeypatch.setattr(loading, "_load_module", lambda *a, **k: pytest.fail("a tensor was read"))
+    with pytest.raises(LoadingError, match=r"model.layers.0.mlp.experts.down_proj \(2 such tensors in all\) twice"):
+        layerstream.from_pretrained(tmp_path, stream=layerstream.StreamConfig(device="cpu", slots=2))
+
+
 def test_the_disk_tier_refuses_a_converted_layout_clearly(tmp_path):
     _per_expert("mixtral")(tmp_path)
     with pytest.raises(LoadingError, match="another layout.*Raise host_budget"):

@@ -73,6 +73,16 @@ class Conversion:
                 self.per_expert.add(target)
             for other in converter.target_patterns:
                 self.produced[target.replace(converter.target_patterns[0], other)] = target
+        twice = sorted(name for name in self.source if name in self.produced)
+        if twice:  # transformers fails on such a checkpoint; reading either copy would be a guess
+            name = twice[0]
+            _, sources = self.groups[self.produced[name]]
+            raise LoadingError(
+                f"the checkpoint holds {name} ({len(twice)} such tensors in all) twice: stored under that name, "
+                f"and as {sources[0][1]} and {len(sources) - 1} more that transformers converts into it. "
+                "transformers cannot load it either; keep one of the two layouts in the files (save_pretrained "
+                "of a loaded model writes one)."
+            )
 
     @property
     def changes_names(self) -> bool:
