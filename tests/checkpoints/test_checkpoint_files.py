@@ -94,7 +94,7 @@ def test_the_file_the_config_names_is_the_one_read(tmp_path):
     assert not torch.equal(reference.model.embed_tokens.weight, default)  # control: the named file was read
 
 
-@pytest.mark.parametrize("name", ["../elsewhere.safetensors", "weights.bin"])
+@pytest.mark.parametrize("name", ["../elsewhere.safetensors", "weights.bin", "absent.safetensors.index.json"])
 def test_a_config_naming_a_file_outside_the_directory_or_not_safetensors_is_refused(tmp_path, name):
     directory = save_tiny(tmp_path / "m", layers=2)
     config = json.loads((directory / "config.json").read_text())

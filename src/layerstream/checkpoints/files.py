@@ -93,11 +93,11 @@ def weight_files(directory: Path, allow_pickle: bool = False, config=None) -> di
     """tensor name -> weight file, from the file transformers would read (``weight_file``).
     Pickle checkpoints are refused unless ``allow_pickle``."""
     chosen = weight_file(directory, config)
+    if chosen is not None and not chosen.is_file():
+        raise LoadingError(f"config.json's transformers_weights names {chosen}, which does not exist")
     if chosen is not None and chosen.name.endswith(".index.json"):
         return read_index(chosen)
     if chosen is not None:
-        if not chosen.is_file():
-            raise LoadingError(f"config.json's transformers_weights names {chosen}, which does not exist")
         return {name: chosen for name in read_header(chosen)}
     pickles = sorted(p.name for p in directory.glob("*.bin")) + sorted(p.name for p in directory.glob("*.pt"))
     if pickles and allow_pickle:
