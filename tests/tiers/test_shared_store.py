@@ -32,7 +32,7 @@ def _segment_files(folder):
     return sorted(p.name for p in folder.iterdir() if p.name.startswith(shared_store.PREFIX))
 
 
-def _spawn(folder, code, name="layerstream-test"):
+def _spawn(folder, code, name="layerstream-5e9e57e55e9e57e55e9e57e55e9e57e5"):
     """A process that makes ``segment`` (``name`` in ``folder``) and runs ``code``."""
     script = textwrap.dedent(
         f"""
@@ -75,18 +75,18 @@ def test_a_rank_that_dies_mid_build_is_named_and_its_segment_removed(tmp_path):
     builder.wait()
     waiting.join(timeout=10)
     assert len(errors) == 1 and f"pid {builder.pid}" in str(errors[0]), errors
-    assert "layerstream-test.0.arena" in _segment_files(tmp_path)
+    assert "layerstream-5e9e57e55e9e57e55e9e57e55e9e57e5.0.arena" in _segment_files(tmp_path)
     follower.leave()  # the last user leaves: nothing left behind
     assert _segment_files(tmp_path) == []
     # a new run after a dead build starts afresh rather than waiting on a dead pid
-    fresh = shared_store.Segment("layerstream-test", tmp_path).join()
+    fresh = shared_store.Segment("layerstream-5e9e57e55e9e57e55e9e57e55e9e57e5", tmp_path).join()
     assert fresh.builder
     fresh.leave()
 
 
 def _join_in_thread(folder, wait_seconds=30):
-    """A follower joining segment ``layerstream-test`` in a thread: (thread, segment, errors)."""
-    follower = shared_store.Segment("layerstream-test", folder, wait_seconds=wait_seconds)
+    """A follower joining segment ``layerstream-5e9e57e55e9e57e55e9e57e55e9e57e5`` in a thread: (thread, segment, errors)."""
+    follower = shared_store.Segment("layerstream-5e9e57e55e9e57e55e9e57e55e9e57e5", folder, wait_seconds=wait_seconds)
     errors = []
 
     def wait():
@@ -145,47 +145,68 @@ def test_a_builder_killed_mid_write_is_refused_at_once_even_when_its_pid_lives_o
     assert "stopped before it finished" in message and "not used" in message and f"pid {os.getpid()}" in message
     follower.leave()
     assert _segment_files(tmp_path) == []
-    fresh = shared_store.Segment("layerstream-test", tmp_path).join()
+    fresh = shared_store.Segment("layerstream-5e9e57e55e9e57e55e9e57e55e9e57e5", tmp_path).join()
     assert fresh.builder
     fresh.leave()
+
+
+def test_the_sweep_removes_only_files_shaped_as_a_segments(tmp_path):
+    """Files of the user's that start with the prefix stay, wherever LAYERSTREAM_SHM_DIR
+    points; a segment nobody holds goes (control)."""
+    theirs = ["layerstream-notes.txt", "layerstream-0.3.0.tar.gz", "layerstream-run.lock", "layerstream-results.json"]
+    for file in theirs:
+        (tmp_path / file).write_text("the user's")
+    segment = shared_store.Segment("layerstream-5e9e57e55e9e57e55e9e57e55e9e57e5", tmp_path).join()
+    segment.new_arena(0, 4096)
+    assert shared_store.sweep(tmp_path) == [], "a segment in use stays"
+    segment.leave()
+    (tmp_path / "layerstream-5e9e57e55e9e57e55e9e57e55e9e57e5.0.arena").write_bytes(
+        b"left by a sweep that died"
+    )  # no lock beside it
+    assert shared_store.sweep(tmp_path) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(theirs)
 
 
 def test_segments_of_killed_ranks_are_swept_and_a_live_users_segment_is_kept(tmp_path):
     then = "segment.complete([]); time.sleep(60)"
     first = _spawn(tmp_path, BUILD.format(ready=str(tmp_path / "ready"), then=then))
-    _wait_for(tmp_path / "layerstream-test.manifest", first)
+    _wait_for(tmp_path / "layerstream-5e9e57e55e9e57e55e9e57e55e9e57e5.manifest", first)
     second = _spawn(tmp_path, "segment.join(); assert not segment.builder; print('joined', flush=True); time.sleep(60)")
     assert second.stdout.readline().strip() == b"joined"
     first.send_signal(signal.SIGKILL)
     first.wait()
     assert shared_store.sweep(tmp_path) == [], "the second rank still maps it"
-    assert "layerstream-test.0.arena" in _segment_files(tmp_path)
+    assert "layerstream-5e9e57e55e9e57e55e9e57e55e9e57e5.0.arena" in _segment_files(tmp_path)
     second.send_signal(signal.SIGKILL)
     second.wait()
-    assert "layerstream-test.0.arena" in _segment_files(tmp_path)  # nobody left to remove it...
-    assert shared_store.sweep(tmp_path) == ["layerstream-test"]  # ... until the next run starts
+    assert "layerstream-5e9e57e55e9e57e55e9e57e55e9e57e5.0.arena" in _segment_files(
+        tmp_path
+    )  # nobody left to remove it...
+    assert shared_store.sweep(tmp_path) == [
+        "layerstream-5e9e57e55e9e57e55e9e57e55e9e57e5"
+    ]  # ... until the next run starts
     assert _segment_files(tmp_path) == []
 
 
 def test_the_last_rank_to_exit_removes_the_segment(tmp_path):
     then = "segment.complete([])"
     builder = _spawn(tmp_path, BUILD.format(ready=str(tmp_path / "ready"), then=then + "; time.sleep(1)"))
-    _wait_for(tmp_path / "layerstream-test.manifest", builder)
-    follower = shared_store.Segment("layerstream-test", tmp_path, wait_seconds=30).join()
+    _wait_for(tmp_path / "layerstream-5e9e57e55e9e57e55e9e57e55e9e57e5.manifest", builder)
+    follower = shared_store.Segment("layerstream-5e9e57e55e9e57e55e9e57e55e9e57e5", tmp_path, wait_seconds=30).join()
     assert not follower.builder and follower.arena_sizes == [4096]
     assert bytes(follower.new_arena(0, 4096)[:4]) == b"abcd"  # the builder's pages
     assert builder.wait() == 0, builder.communicate()  # leaves at exit; we still hold it
-    assert "layerstream-test.0.arena" in _segment_files(tmp_path)
+    assert "layerstream-5e9e57e55e9e57e55e9e57e55e9e57e5.0.arena" in _segment_files(tmp_path)
     follower.leave()
     assert _segment_files(tmp_path) == []
 
 
 def test_a_follower_with_another_layout_is_refused(tmp_path):
-    builder = shared_store.Segment("layerstream-test", tmp_path).join()
+    builder = shared_store.Segment("layerstream-5e9e57e55e9e57e55e9e57e55e9e57e5", tmp_path).join()
     builder.new_arena(0, 4096)
     layout = {"name": "l0", "arena": 0, "offset": 0, "nbytes": 512, "entries": [[0, 512, [128], "torch.float32"]]}
     builder.complete([layout])
-    follower = shared_store.Segment("layerstream-test", tmp_path)
+    follower = shared_store.Segment("layerstream-5e9e57e55e9e57e55e9e57e55e9e57e5", tmp_path)
     follower._wait()  # as join does after losing the build claim
     follower.check_layer(0, layout)
     with pytest.raises(shared_store.SharedStoreError, match="laid out differently"):
@@ -200,11 +221,11 @@ def test_a_follower_with_another_layout_is_refused(tmp_path):
 def test_an_arena_file_truncated_or_removed_after_the_build_is_refused_by_name(tmp_path, damage):
     """A follower maps the builder's arenas: one another process cut short (or deleted) is
     named with what to do, where mapping it would fail with a bare error or fault later."""
-    builder = shared_store.Segment("layerstream-test", tmp_path).join()
+    builder = shared_store.Segment("layerstream-5e9e57e55e9e57e55e9e57e55e9e57e5", tmp_path).join()
     builder.new_arena(0, 4096)
     layout = {"name": "l0", "arena": 0, "offset": 0, "nbytes": 512, "entries": [[0, 512, [128], "torch.float32"]]}
     builder.complete([layout])
-    follower = shared_store.Segment("layerstream-test", tmp_path)
+    follower = shared_store.Segment("layerstream-5e9e57e55e9e57e55e9e57e55e9e57e5", tmp_path)
     follower._wait()
     assert len(follower.new_arena(0, 4096)) == 4096, "control: the whole arena maps"
     arena = builder.arena_path(0)
@@ -214,7 +235,7 @@ def test_an_arena_file_truncated_or_removed_after_the_build_is_refused_by_name(t
     else:
         arena.unlink()
         expected = "is gone"
-    late = shared_store.Segment("layerstream-test", tmp_path)
+    late = shared_store.Segment("layerstream-5e9e57e55e9e57e55e9e57e55e9e57e5", tmp_path)
     late._wait()
     with pytest.raises(shared_store.SharedStoreError, match=rf"{arena}.*{expected}.*share_host_store=False"):
         late.new_arena(0, 4096)

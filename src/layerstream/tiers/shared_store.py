@@ -37,6 +37,7 @@ import hashlib
 import json
 import mmap
 import os
+import re
 import tempfile
 import time
 from pathlib import Path
@@ -100,8 +101,22 @@ def _write_claim(fd: int, data: bytes) -> None:
     os.write(fd, data)
 
 
+# the names a segment's files take, and nothing else: the sweep must never remove a file of
+# the user's that merely starts with the prefix (layerstream-notes.txt, layerstream-0.3.tar.gz)
+_SEGMENT_FILE = re.compile(
+    rf"^(?P<name>{re.escape(PREFIX)}[0-9a-f]{{32}})\."
+    r"(?:lock|build|manifest|\d+\.arena|build\.[A-Za-z0-9_]+\.tmp|manifest\.\d+\.tmp)$"
+)
+
+
+def segment_of(filename: str) -> Optional[str]:
+    """The segment a file of the shared store belongs to, or None for any other file."""
+    found = _SEGMENT_FILE.match(filename)
+    return found.group("name") if found else None
+
+
 def _files_of(folder: Path, name: str) -> List[Path]:
-    return [p for p in folder.glob(f"{name}.*") if not p.name.endswith(".lock")]
+    return [p for p in folder.glob(f"{name}.*") if segment_of(p.name) == name and not p.name.endswith(".lock")]
 
 
 def _try_lock(fd: int, kind: int) -> bool:
@@ -144,11 +159,11 @@ def sweep(folder: Optional[Path] = None) -> List[str]:
     folder = folder or directory()
     removed = []
     for lock in sorted(folder.glob(f"{PREFIX}*.lock")):
-        if _remove_if_unused(lock):
+        if segment_of(lock.name) is not None and _remove_if_unused(lock):
             removed.append(lock.name[: -len(".lock")])
     for path in folder.glob(f"{PREFIX}*.*"):  # files whose lock is gone (a sweep that died)
-        name = path.name.split(".", 1)[0]
-        if not path.name.endswith(".lock") and not (folder / f"{name}.lock").exists():
+        name = segment_of(path.name)
+        if name is not None and not path.name.endswith(".lock") and not (folder / f"{name}.lock").exists():
             path.unlink(missing_ok=True)
     return removed
 
