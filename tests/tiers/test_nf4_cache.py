@@ -22,7 +22,7 @@ from layerstream.errors import DiskCacheError, StreamConfigError
 from layerstream.modules import nf4
 from layerstream.tiers import nf4_cache
 
-from tiny import assert_traces_equal, lora_config, save_tiny, train_steps
+from tiny import WIDE, assert_traces_equal, lora_config, save_model_of, save_tiny, tiny_config, train_steps
 
 LAYERS = 6
 SLOTS = 2
@@ -243,6 +243,26 @@ def test_a_changed_checkpoint_makes_the_cache_stale_with_one_warning(checkpoint,
     assert len(counted) == LAYERS
     assert sum("another checkpoint or other settings" in r.getMessage() for r in caplog.records) == 1
     assert_traces_equal(train_steps(_peft(_load(source)), 1), train_steps(model, 1))
+
+
+def test_another_checkpoint_copied_over_with_its_times_kept_makes_the_cache_stale(fed, counted, caplog, tmp_path):
+    """Two checkpoints of the same shapes have equal sizes and headers; ``cp -p`` or ``rsync
+    -a`` keeps the mtime too. The cache of the first must not feed the second."""
+    source, other = tmp_path / "source", tmp_path / "other"
+    _save(source)
+    save_model_of(tiny_config("llama", LAYERS, **WIDE), other, dtype=torch.bfloat16, seed=7)
+    fed(source)
+    weights = source / "model.safetensors"
+    times = os.stat(weights)
+    shutil.copy2(other / "model.safetensors", weights)
+    os.utime(weights, ns=(times.st_atime_ns, times.st_mtime_ns))
+    assert os.stat(weights).st_size == times.st_size and os.stat(weights).st_mtime_ns == times.st_mtime_ns
+    counted.clear()
+    with caplog.at_level(logging.WARNING, logger="layerstream.tiers.nf4_cache"):
+        model = _peft(fed(source))
+    assert len(counted) == LAYERS, "quantised again from the files now there"
+    assert sum("another checkpoint or other settings" in r.getMessage() for r in caplog.records) == 1
+    assert_traces_equal(train_steps(_peft(_load(other)), 1), train_steps(model, 1))
 
 
 def test_other_quantisation_settings_make_the_cache_stale(checkpoint, ram_model_bytes, tmp_path, counted, caplog):

@@ -251,6 +251,14 @@ def test_the_fingerprint_changes_with_the_checkpoint_and_the_settings(tmp_path):
     assert shared_store.fingerprint([weights], dtype="torch.bfloat16") != first
     os.utime(weights, ns=(1, 1))
     assert shared_store.fingerprint([weights], dtype="torch.float32") != first
+    # another file of the same size copied over the name with the times kept (cp -p)
+    before = shared_store.fingerprint([weights], dtype="torch.float32")
+    other = tmp_path / "other.safetensors"
+    other.write_bytes(b"y" * 10)
+    os.utime(other, ns=(1, 1))
+    os.replace(other, weights)
+    assert weights.stat().st_size == 10 and weights.stat().st_mtime_ns == 1
+    assert shared_store.fingerprint([weights], dtype="torch.float32") != before
 
 
 def test_the_setting_is_on_for_several_local_ranks_only():

@@ -109,11 +109,17 @@ def header_hash(path: Path) -> str:
 
 
 def fingerprint(weight_files: Sequence[Path], settings: dict) -> dict:
-    """What the cache was made from: the source files and the quantisation settings."""
+    """What the cache was made from: the source files and the quantisation settings.
+
+    Each file by name, size, mtime, header, inode and ctime: two checkpoints of the same
+    shapes have equal sizes and headers, and a copy that keeps the times (``cp -p``,
+    ``rsync -a``) or bytes written in place with the mtime set back keep the mtime too; the
+    inode or the ctime differs. A false difference (a ``chmod``, the checkpoint copied
+    elsewhere) only quantises the layers again."""
     files = []
     for path in sorted(set(weight_files)):
         stat = os.stat(path)
-        files.append([path.name, stat.st_size, stat.st_mtime_ns, header_hash(path)])
+        files.append([path.name, stat.st_size, stat.st_mtime_ns, header_hash(path), stat.st_ino, stat.st_ctime_ns])
     return {
         "layout_version": LAYOUT_VERSION,
         "bitsandbytes": nf4.bnb_version(),

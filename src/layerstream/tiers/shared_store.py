@@ -85,12 +85,19 @@ def wanted(setting, local_world_size: Optional[int] = None) -> bool:
 
 
 def fingerprint(files: List[Path], **settings) -> str:
-    """A name for the bytes of a store: each checkpoint file's path, size and mtime, the
-    settings that change what is packed, the layout version and the user."""
+    """A name for the bytes of a store: each checkpoint file's path, size, mtime, inode and
+    ctime, the settings that change what is packed, the layout version and the user.
+
+    The inode and ctime tell apart files the size and mtime do not: another checkpoint of
+    the same shapes copied over the name with its times kept (``cp -p``, ``rsync -a``), or
+    bytes written in place with the mtime set back. A segment of the old bytes must not be
+    joined then, and ``checksum=True`` cannot tell, since a joiner checks the segment
+    against what its builder read. A false difference only builds a new segment."""
     digest = hashlib.sha256()
     for path in sorted({Path(p).resolve() for p in files}):
         stat = path.stat()
-        digest.update(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+        identity = f"{stat.st_size}\0{stat.st_mtime_ns}\0{stat.st_ino}\0{stat.st_ctime_ns}"
+        digest.update(f"{path}\0{identity}\n".encode())
     digest.update(json.dumps(settings, sort_keys=True, default=str).encode())
     digest.update(f"layout={LAYOUT_VERSION} uid={os.getuid()}".encode())
     return digest.hexdigest()[:32]
