@@ -61,7 +61,9 @@ def _same_change(streamed, resident, change):
 
 
 @pytest.mark.parametrize("setup,layer", PLACES)
-@pytest.mark.parametrize("how", ["in-place", "data-in-place", "load-state-dict", "assign", "data-assign"])
+@pytest.mark.parametrize(
+    "how", ["in-place", "data-in-place", "load-state-dict", "assign", "data-assign", "swap-tensors", "assign-swapping"]
+)
 def test_a_change_after_a_step_is_seen_by_the_next_forward(setup, layer, how, device):
     streamed, resident = _streamed(device=device, **setup)
     train_steps(streamed, 1, device), train_steps(resident, 1, device)
@@ -80,12 +82,31 @@ def test_a_change_after_a_step_is_seen_by_the_next_forward(setup, layer, how, de
             model.load_state_dict(
                 {name: torch.nn.Parameter(new.clone(), requires_grad=False)}, strict=False, assign=True
             )
+        elif how == "swap-tensors":  # the same Parameter object, another tensor under it
+            torch.utils.swap_tensors(weight, torch.nn.Parameter(new.clone(), requires_grad=False))
+        elif how == "assign-swapping":  # what load_state_dict(assign=True) does under torch's future flag
+            torch.__future__.set_swap_module_params_on_conversion(True)
+            try:
+                model.load_state_dict({name: new.clone()}, strict=False, assign=True)
+            finally:
+                torch.__future__.set_swap_module_params_on_conversion(False)
         else:
             weight.data = new.clone()
 
     _same_change(streamed, resident, change)
     assert torch.equal(_logits(streamed, device), _logits(resident, device))
     assert_traces_equal(train_steps(streamed, 2, device), train_steps(resident, 2, device))
+
+
+def test_a_tensor_swapped_under_a_streamed_weight_is_what_unstream_gives_back():
+    streamed, resident = _streamed()
+    _logits(streamed)
+    new = _weight(resident, 1).detach().mul(1.5)
+    for model in (streamed, resident):
+        torch.utils.swap_tensors(_weight(model, 1), torch.nn.Parameter(new.clone(), requires_grad=False))
+    layerstream.unstream_model(streamed)
+    assert torch.equal(_weight(streamed, 1), new)
+    assert torch.equal(_logits(streamed), _logits(resident))
 
 
 def test_the_comparison_catches_a_change_made_to_one_model_only():

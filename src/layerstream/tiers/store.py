@@ -112,6 +112,10 @@ class LayerRecord:
     # the same for the quant-state tensors riding on 4-bit weights, and the QuantState
     # objects themselves (alias None: identity only), checked once per pass
     watch_deep: List[tuple] = field(default_factory=list)
+    # the address of each watched tensor's memory: torch.utils.swap_tensors (and
+    # load_state_dict(assign=True) under torch.__future__'s swap flag) gives the same
+    # Parameter object another tensor, whose version counter ``alias`` does not share
+    addresses: List[int] = field(default_factory=list)
     # a disk-tier layer (no host region) in debug mode: the checksum of its bytes at load
     reference_checksum: Optional[int] = None
 
@@ -136,9 +140,13 @@ class LayerRecord:
         return True
 
     def fresh_deep(self) -> bool:
-        """``fresh``, and the 4-bit weights' quant states too."""
+        """``fresh``, the tensors' memory (a swapped tensor keeps its object), and the 4-bit
+        weights' quant states too (checked once per pass)."""
         if not self.fresh():
             return False
+        for (_, _, tensor, _, _), address in zip(self.watch, self.addresses):
+            if tensor.data_ptr() != address:
+                return False
         for table, name, obj, alias, version in self.watch_deep:
             if table.get(name) is not obj or (alias is not None and alias._version != version):
                 return False
@@ -149,6 +157,7 @@ class LayerRecord:
         self.watch = [
             (e.table, e.name, v, _alias(v), v._version) for e, v in zip(self.entries, self.host_values) if e.bound
         ]
+        self.addresses = [watched[2].data_ptr() for watched in self.watch]
         deep, states = [], {}
         for entry, view in zip(self.entries, self.host_values):
             if not entry.is_quant_state:
