@@ -259,6 +259,33 @@ def test_launcher_options_end_where_the_target_begins(argv, ours, theirs):
     assert run_command.split_run_arguments(run_parser, argv) == (ours, theirs)
 
 
+def test_a_script_after_a_switch_alone_is_the_target_not_the_switchs_value(tmp_path, capsys):
+    """``--offload-activations train.py``: the switch alone means true, and train.py runs."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import json, os, sys\n"
+        "settings = json.loads(os.environ['LAYERSTREAM_AUTOSTREAM'])\n"
+        "print('offload', settings['offload_activations'], 'argv', sys.argv[1:], 'file', __file__)\n"
+    )
+    assert cli.main(["run", "--offload-activations", str(script), "--lr", "1"]) == 0
+    said = capsys.readouterr().out
+    assert "offload True argv ['--lr', '1']" in said and f"file {script}" in said
+
+
+def test_a_relative_script_path_gives_the_script_an_absolute_file_as_python_does(tmp_path, monkeypatch, capsys):
+    (tmp_path / "where.py").write_text("print('file', __file__)\n")
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["run", "where.py"]) == 0
+    assert f"file {tmp_path / 'where.py'}" in capsys.readouterr().out
+
+
+def test_a_script_exiting_with_a_message_prints_it_and_exits_1_as_python_does(tmp_path, capsys):
+    script = tmp_path / "stop.py"
+    script.write_text("import sys\nsys.exit('fatal: the data is missing')\n")
+    assert cli.main(["run", str(script)]) == 1
+    assert "fatal: the data is missing" in capsys.readouterr().err
+
+
 def test_an_unknown_target_is_refused_with_the_forms_the_launcher_takes(capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["run", "--slots", "2", "no-such-command-anywhere"])

@@ -69,8 +69,7 @@ def main(argv=None) -> int:
         command_parser, add_options = options[argv[0]]
         add_options(command_parser)
     if argv and argv[0] == "run":  # everything after the target belongs to the target
-        ours, rest = run_command.split_run_arguments(run_parser, argv[1:])
-        args = run_parser.parse_args(ours)
+        args, rest = run_command.parse_run_arguments(run_parser, argv[1:])
         return run_command.run(args, rest, run_parser)
     args, rest = parser.parse_known_args(argv)
     if args.command == "demo":

@@ -32,6 +32,16 @@ def split_run_arguments(parser: argparse.ArgumentParser, argv):
     is the first argument that is neither an option nor an option's value (``-m`` takes
     the module name with it; an option whose value is optional takes the next argument
     only when it is one of the values it accepts)."""
+    index = _target_index(parser, argv)
+    if index is None:
+        return argv, []
+    if argv[index] == "-m":
+        return argv[: index + 2], argv[index + 2 :]
+    return argv[: index + 1], argv[index + 1 :]
+
+
+def _target_index(parser: argparse.ArgumentParser, argv):
+    """Where the target (SCRIPT.py, COMMAND, or ``-m``) starts in ``argv``, or None."""
     from ..config import _FALSE, _TRUE
 
     takes_value = {option: action.nargs != 0 for action in parser._actions for option in action.option_strings}
@@ -41,7 +51,7 @@ def split_run_arguments(parser: argparse.ArgumentParser, argv):
     while index < len(argv):
         item = argv[index]
         if item == "-m":
-            return argv[: index + 2], argv[index + 2 :]
+            return index
         if item.startswith("-") and item != "-":
             option = item.split("=", 1)[0]
             value_follows = takes_value.get(option) and "=" not in item
@@ -49,8 +59,21 @@ def split_run_arguments(parser: argparse.ArgumentParser, argv):
                 value_follows = value_follows and index + 1 < len(argv) and argv[index + 1].lower() in switch_values
             index += 2 if value_follows else 1
             continue
-        return argv[: index + 1], argv[index + 1 :]
-    return argv, []
+        return index
+    return None
+
+
+def parse_run_arguments(parser: argparse.ArgumentParser, argv):
+    """(layerstream's options, the target's arguments). The options are parsed without the
+    target: argparse would give a SCRIPT.py that follows a switch whose value is optional
+    (``--offload-activations train.py``) to the switch."""
+    ours, rest = split_run_arguments(parser, argv)
+    index = _target_index(parser, argv)
+    if index is None or argv[index] == "-m":
+        return parser.parse_args(ours), rest
+    args = parser.parse_args(ours[:index])
+    args.target = ours[index]
+    return args, rest
 
 
 def allocator_defaults() -> None:
@@ -108,12 +131,14 @@ def run(args, rest, parser) -> int:
             runpy.run_module(args.module, run_name="__main__", alter_sys=True)
         elif entry is None:
             sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
-            runpy.run_path(target, run_name="__main__")
+            runpy.run_path(os.path.abspath(target), run_name="__main__")  # __file__ absolute, as python gives it
         else:
             result = entry.load()()
             return int(result) if isinstance(result, int) else 0
     except SystemExit as exc:
         code = exc.code
+        if code is not None and not isinstance(code, int):  # sys.exit("message"): Python prints it
+            print(code, file=sys.stderr)
         return code if isinstance(code, int) else (0 if code is None else 1)
     except (*REFUSALS, OSError) as exc:
         return refused(exc)
