@@ -86,3 +86,18 @@ def test_unknown_lora_target_is_refused():
         make_plan(PlanRequest(config_of(LLAMA3_8B), 2048, 1, 80 * GiB, lora_targets="query_key_value"))
     with pytest.raises(ValueError, match="up_proj"):  # PEFT refuses half of a fused stack
         make_plan(PlanRequest(tiny("qwen3_moe"), 16, 1, GiB, lora_targets="q_proj,gate_proj"))
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_live_peft_models_adapters_are_planned_as_peft_made_them(family):
+    """The plan of a live model reads its adapters from its PEFT config; for some families
+    (Phi-3) PEFT writes "all-linear" there as the full names of every module it adapted
+    (model.layers.1.mlp.down_proj), which the plan counts as the modules they name."""
+    from peft import LoraConfig, get_peft_model
+
+    from layerstream.plan import plan_for_model
+
+    torch.manual_seed(0)
+    model = get_peft_model(AutoModelForCausalLM.from_config(tiny(family)), LoraConfig(r=4, target_modules="all-linear"))
+    counted = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert plan_for_model(model, seq=16, batch=1).lora_params == counted

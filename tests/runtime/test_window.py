@@ -334,3 +334,15 @@ def test_the_window_is_sized_only_after_a_backward_and_not_before_an_optimizer_s
     assert len(runtime.window) == 3, "grown once the optimizer stepped"
     streamed(input_ids=ids, labels=ids).loss.backward()
     assert len(readings) == 2, "the forward without a backward was no step of its own"
+
+
+def test_a_model_the_planner_cannot_describe_trains_under_a_budget_on_the_host_without_a_window(caplog):
+    """On the host the planner stands in for the measurement; adapters it cannot describe
+    (a regex of target modules) leave the budget unchecked, said once, and no window grows
+    on a guess: the run trains as the resident model does."""
+    streamed, resident = peft_pair("llama", layers=4, lora={"target_modules": r".*\.(q_proj|v_proj)"})
+    stream(streamed, "cpu", slots=2, vram_budget="2GiB")
+    with caplog.at_level("WARNING", logger="layerstream"):
+        assert_traces_equal(train_steps(streamed, 3), train_steps(resident, 3))
+    assert layerstream.get_runtime(streamed).window == []
+    assert "vram_budget is not checked for this model" in caplog.text

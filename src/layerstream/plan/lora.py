@@ -35,7 +35,9 @@ _COUNTED: "OrderedDict[tuple, Tuple[List[LoraTargets], int]]" = OrderedDict()
 _COUNTED_KEPT = 16  # (config, targets, rank) whose adapters are remembered: advice plans again and again
 
 
-def lora_adapters(config, shapes: List[LayerShape], targets: str, rank: int, dtype=torch.bfloat16):
+def lora_adapters(
+    config, shapes: List[LayerShape], targets: str, rank: int, dtype=torch.bfloat16, parameters="", rank_pattern=()
+):
     """(what LoRA of rank ``rank`` adapts in each decoder layer, all its parameters,
     adapters outside the layers included), following PEFT's ``inject_adapter_in_model``.
 
@@ -43,14 +45,26 @@ def lora_adapters(config, shapes: List[LayerShape], targets: str, rank: int, dty
     takes them (a name matches a module path that equals it or ends with "." + name; PEFT
     maps the expert and router names of MoE families whose experts transformers fuses onto
     the fused Parameters). A name that matches nothing, or a set PEFT refuses, is refused
-    here as ValueError."""
+    here as ValueError. ``parameters``: PEFT's ``target_parameters``, comma-separated ("":
+    none named; PEFT still chooses some for "all-linear"); ``rank_pattern``: PEFT's, as
+    (pattern, rank) pairs."""
     if not rank:
         return [LoraTargets() for _ in shapes], 0
     config = _text_config(config)
     dtype = parse_dtype(dtype)
-    key = (type(config).__name__, config.to_json_string(use_diff=False), dtype, targets.strip(), rank)
+    named = sorted({p.strip() for p in (parameters or "").split(",") if p.strip()})
+    ranks = tuple(sorted((str(p), int(r)) for p, r in (rank_pattern or ())))
+    key = (
+        type(config).__name__,
+        config.to_json_string(use_diff=False),
+        dtype,
+        targets.strip(),
+        rank,
+        tuple(named),
+        ranks,
+    )
     if key not in _COUNTED:
-        _COUNTED[key] = _count(config, dtype, targets, rank, shapes)
+        _COUNTED[key] = _count(config, dtype, targets, rank, shapes, named, dict(ranks))
         while len(_COUNTED) > _COUNTED_KEPT:
             _COUNTED.popitem(last=False)
     _COUNTED.move_to_end(key)
@@ -101,21 +115,26 @@ def _one_layer_of_each_kind(config, dtype):
     return model, position
 
 
-def _inject(model: nn.Module, names, rank: int) -> None:
+def _inject(model: nn.Module, names, rank: int, parameters=(), rank_pattern=None) -> None:
     from peft import LoraConfig, inject_adapter_in_model
 
+    lora = LoraConfig(
+        r=rank, target_modules=names, target_parameters=list(parameters) or None, rank_pattern=rank_pattern or {}
+    )
     with warnings.catch_warnings():  # what PEFT says about a training run's settings (Conv1D's
         warnings.simplefilter("ignore")  # fan_in_fan_out) is said again when the run applies it
-        inject_adapter_in_model(LoraConfig(r=rank, target_modules=names), model, low_cpu_mem_usage=True)
+        inject_adapter_in_model(lora, model, low_cpu_mem_usage=True)
 
 
-def _count(config, dtype: torch.dtype, targets: str, rank: int, shapes) -> Tuple[List[LoraTargets], int]:
+def _count(
+    config, dtype: torch.dtype, targets: str, rank: int, shapes, parameters=(), rank_pattern=None
+) -> Tuple[List[LoraTargets], int]:
     names = _target_names(targets)
     if names != "all-linear":
         _refuse_names_matching_nothing(config, dtype, names, shapes)
     model, position = _one_layer_of_each_kind(config, dtype)
     try:
-        _inject(model, names, rank)
+        _inject(model, names, rank, parameters, rank_pattern)
     except ValueError as exc:
         raise ValueError(f"lora_targets={targets!r}: PEFT refuses them for this model: {exc}") from None
     _, layers = find_decoder_layers(model)

@@ -248,7 +248,9 @@ def _build(request: PlanRequest) -> MemoryPlan:
 
     shapes = layer_shapes(config, dtype)
     sizes = layer_bytes(config, quantization, dtype, request.double_quant)
-    adapted, lora_params = lora_adapters(config, shapes, lora_targets, lora_rank, dtype)
+    adapted, lora_params = lora_adapters(
+        config, shapes, lora_targets, lora_rank, dtype, request.lora_parameters, request.lora_rank_pattern
+    )
     tokens = batch * seq
     hidden, vocab = int(config.hidden_size), int(config.vocab_size)
 

@@ -41,7 +41,7 @@ def model_plan_request(model, seq: int, batch: int, vram_bytes: int = 1 << 50, *
     quantization = "nf4" if getattr(model, "is_loaded_in_4bit", False) else "none"
     embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     dtype = embeddings.weight.dtype if embeddings is not None else torch.bfloat16
-    rank, targets = 0, "all-linear"
+    rank, targets, parameters, ranks = 0, "all-linear", "", ()
     peft_configs = getattr(model, "peft_config", None) or {}
     if len(peft_configs) > 1:
         raise ValueError("several adapters: plan each with `layerstream plan`")
@@ -51,7 +51,13 @@ def model_plan_request(model, seq: int, batch: int, vram_bytes: int = 1 << 50, *
         if isinstance(modules, str) and modules.lower() != "all-linear":
             raise ValueError(f"LoRA target_modules is a pattern ({modules!r})")
         if modules and not isinstance(modules, str):
-            targets = ",".join(sorted(modules))
+            # PEFT may spell "all-linear" as the full names of the modules it found
+            # (model.layers.1.mlp.down_proj, for Phi-3); the planner counts per module name
+            targets = ",".join(sorted({name.rsplit(".", 1)[-1] for name in modules}))
+        named = getattr(peft_config, "target_parameters", None)  # what PEFT adapted beside them
+        if named:
+            parameters = ",".join(sorted(named))
+        ranks = tuple(sorted((getattr(peft_config, "rank_pattern", None) or {}).items()))
     return PlanRequest(
         config=config,
         seq=seq,
@@ -61,6 +67,8 @@ def model_plan_request(model, seq: int, batch: int, vram_bytes: int = 1 << 50, *
         dtype=dtype,
         lora_rank=rank,
         lora_targets=targets,
+        lora_parameters=parameters,
+        lora_rank_pattern=ranks,
         **{"trl_fused_head": trl_head.installed(model), **adapters_of(model), **settings},
     )
 

@@ -73,6 +73,11 @@ class PlanRequest:
         projection then keeps its dropped input and the mask (``working_set``).
     autocast: the step runs under autocast to the compute dtype (the Trainer with
         ``bf16``/``fp16``): PEFT then feeds the adapters without a cast.
+    lora_parameters: comma-separated Parameter names, as PEFT's ``target_parameters`` takes
+        them, adapted beside ``lora_targets`` ("": none named). PEFT writes those it chose
+        for "all-linear" (a MoE's fused experts and router) there in a live model's config.
+    lora_rank_pattern: (pattern, rank) pairs, as PEFT's ``rank_pattern`` takes them: the
+        ranks that differ from ``lora_rank`` (PEFT gives a fused gate and up stack twice it).
     """
 
     config: Any
@@ -97,6 +102,8 @@ class PlanRequest:
     adapter_dtype: Any = torch.float32
     lora_dropout: bool = False
     autocast: bool = False
+    lora_parameters: str = ""
+    lora_rank_pattern: tuple = ()
 
     def replace(self, **changes) -> "PlanRequest":
         """A copy with some fields changed (an unknown name is a TypeError)."""

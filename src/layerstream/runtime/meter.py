@@ -108,9 +108,12 @@ class PlannedMeter:
 
     def allocated(self) -> int:
         """The planned resident part (the planner models no generation: a generate call on
-        the host is measured as the training step the runtime last planned)."""
-        memory = self.runtime.memory_plan(*self.runtime.last_shape)
-        return memory.resident_bytes
+        the host is measured as the training step the runtime last planned); the budget
+        where the model cannot be planned, so that no window grows on a guess."""
+        try:
+            return self.runtime.memory_plan(*self.runtime.last_shape).resident_bytes
+        except ValueError:
+            return self.budget
 
     def begin(self, reset: bool, inputs: int = 0, grads: bool = False) -> None:
         self._shape = self.runtime.last_shape  # the step about to run
@@ -118,7 +121,20 @@ class PlannedMeter:
 
     def read(self, window: int, tokens: int, next_inputs: int = 0, grads: bool = False) -> Reading:
         batch, seq = self._shape
-        memory = self.runtime.memory_plan(batch, seq)
+        try:
+            memory = self.runtime.memory_plan(batch, seq)
+        except ValueError:  # not plannable (budget_check says so once): read as full, no window grows
+            full = self.budget
+            return Reading(
+                window=window,
+                tokens=tokens,
+                peak_reserved=full,
+                start_allocated=full,
+                peak_allocated=full,
+                retries=0,
+                grads_at_start=self._grads,
+                grads_at_end=grads,
+            )
         peak = memory.peak_vram_bytes + memory.reserve_bytes + window * self.runtime.store.largest_layer_bytes
         # the planner's peak stands for what the step allocates (its reserve for the allocator)
         return Reading(
