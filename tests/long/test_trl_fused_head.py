@@ -80,6 +80,32 @@ def test_loss_chunk_tokens_under_trl_sft_is_said_to_be_bypassed(tmp_path, caplog
     assert loss_line.startswith("TRL's fused log-prob head") and "loss_chunk_tokens=4 is not applied" in loss_line
 
 
+def test_under_label_smoothing_trls_sft_loss_is_said_to_run_on_full_logits(tmp_path, caplog):
+    """TRL's SFTTrainer computes a label-smoothed loss from the model's own forward, asked
+    for without labels, and runs its fused head under no_grad for the metrics: the summary
+    and the warning say so, and the planner counts the full logits (the same run without
+    smoothing is TRL's fused loss: control)."""
+    model, _ = peft_pair("llama", layers=4)
+    stream(model, loss_chunk_tokens=4)
+    args = _arguments(SFTConfig, tmp_path, "cpu", steps=1)
+    args.label_smoothing_factor = 0.1
+    trainer = SFTTrainer(
+        model=model, args=args, train_dataset=Dataset.from_list(SFT_ROWS), processing_class=embedded.byte_tokenizer()
+    )
+    with caplog.at_level("WARNING", logger="layerstream"):
+        _losses(trainer)
+    said = [r.getMessage() for r in _trl_head_records(caplog)]
+    assert len(said) == 1 and "from the model's full logits" in said[0] and "loss_chunk_tokens=4" in said[0]
+    loss_line = caplog.text.split("  loss         ")[1].splitlines()[0]
+    assert loss_line.startswith("the trainer's own loss (label smoothing")
+    assert not trl_head.installed(model) and trl_head.metrics_only(model)
+    assert not plan_for_model(model, seq=8, batch=4).trl_fused_head
+    plain, _ = peft_pair("llama", layers=4)
+    stream(plain)
+    _sft(plain, tmp_path / "control", steps=1)
+    assert trl_head.installed(plain) and plan_for_model(plain, seq=8, batch=4).trl_fused_head
+
+
 def test_loss_chunk_tokens_left_at_auto_under_trl_is_not_said_to_be_bypassed(tmp_path, caplog):
     model, _ = peft_pair("llama", layers=4)
     defaults = {name: getattr(layerstream.StreamConfig(device="cpu"), name) for name in LONG_ORDER}

@@ -314,7 +314,7 @@ def warn_fused_loss(trainer) -> None:
     nothing to say: the plan counts TRL's loss and never turns the chunked loss on beside it."""
     for model in (trainer.model, getattr(trainer, "ref_model", None)):
         tokens = chunked_loss.chunk_tokens(model) if isinstance(model, nn.Module) else None
-        if tokens and trl_head.installed(model):
+        if tokens and (trl_head.installed(model) or trl_head.metrics_only(model)):
             trl_head.warn_bypassed(model, tokens)
 
 
@@ -337,6 +337,7 @@ def install() -> None:
             check_generation_backend(training_args)
             check_activation_offloading(get_runtime(model), training_args)
         original_init(self, *args, **kwargs)
+        trl_head.note_trainer(self)  # TRL's SFT with label smoothing: full logits, not its fused head
         if self.model is not None and self.args.use_liger_kernel and chunked_loss.applied(self.model):
             chunked_loss.warn_liger()  # Liger bound its fused forward to the model: it computes the loss
         if self.model is not None and is_streamed(self.model) and self.args.n_gpu > 1:

@@ -39,6 +39,9 @@ TOKEN_TILE = 4096  # trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE
 VOCAB_TILE = 32768  # trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE
 
 _warned: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+# models whose trainer computes the loss from the model's own forward, with full logits,
+# and runs the fused head under no_grad for its metrics only (``note_trainer``)
+_full_logits: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
 
 def _is_fused_code(code, globals_: dict) -> bool:
@@ -69,8 +72,38 @@ def _fused_modules(model: nn.Module) -> List[nn.Module]:
 
 
 def installed(model: nn.Module) -> bool:
-    """Whether TRL's fused log-prob head computes ``model``'s training loss."""
+    """Whether TRL's fused log-prob head computes ``model``'s training loss: TRL gave the
+    model its head, and its trainer does not compute the loss from full logits instead."""
+    if model in _full_logits or unwrap_peft(model) in _full_logits:
+        return False
     return bool(_fused_modules(model))
+
+
+def metrics_only(model: nn.Module) -> bool:
+    """Whether TRL gave ``model`` its fused head but its trainer computes the loss from full
+    logits (``note_trainer``): the head then runs for the metrics alone."""
+    return (model in _full_logits or unwrap_peft(model) in _full_logits) and bool(_fused_modules(model))
+
+
+def loss_from_full_logits(trainer) -> bool:
+    """Whether TRL's SFTTrainer computes this trainer's loss with the model's own forward and
+    full logits, and its fused head only for the metrics (under no_grad): a
+    ``compute_loss_func``, or label smoothing with the "nll" loss (TRL's ``compute_loss``)."""
+    is_sft = any(c.__name__ == "SFTTrainer" and c.__module__.startswith("trl.") for c in type(trainer).__mro__)
+    if not is_sft:
+        return False
+    args = getattr(trainer, "args", None)
+    smoothing = getattr(trainer, "label_smoother", None) is not None and getattr(args, "loss_type", "nll") == "nll"
+    return getattr(trainer, "compute_loss_func", None) is not None or smoothing
+
+
+def note_trainer(trainer) -> None:
+    """Remember that this trainer's models' loss runs on full logits (``loss_from_full_logits``)."""
+    if loss_from_full_logits(trainer):
+        for model in (getattr(trainer, "model", None), getattr(trainer, "ref_model", None)):
+            if isinstance(model, nn.Module):
+                _full_logits.add(model)
+                _full_logits.add(unwrap_peft(model))
 
 
 def sft_trainer_fuses_head() -> bool:
@@ -98,6 +131,14 @@ def warn_bypassed(model: nn.Module, loss_chunk_tokens: int) -> None:
     if model in _warned:
         return
     _warned.add(model)
+    if metrics_only(model):
+        logger.warning(
+            "layerstream: this trainer computes its loss (label smoothing, or its compute_loss_func) from the "
+            "model's full logits, which it asks for without labels, so loss_chunk_tokens=%d is not applied; "
+            "the memory planner counts the full logits.",
+            loss_chunk_tokens,
+        )
+        return
     logger.warning(
         "layerstream: TRL's fused log-prob head computes this trainer's loss (%d tokens x %d vocabulary "
         "columns at a time, no full logits), so loss_chunk_tokens=%d is not applied; the memory planner "

@@ -174,6 +174,11 @@ def _loss_line(runtime) -> str:
             f"TRL's fused log-prob head, {trl_head.TOKEN_TILE} tokens x {trl_head.VOCAB_TILE} "
             f"vocabulary columns at a time{head}{bypassed}"
         )
+    if trl_head.metrics_only(model):
+        return (
+            "the trainer's own loss (label smoothing, or its compute_loss_func) on the model's full logits; "
+            f"TRL's fused head runs after it, without gradients, for the logged metrics{bypassed}"
+        )
     if chunked_loss.liger_computes(model):
         return f"Liger-Kernel's fused linear cross-entropy{bypassed}"
     if chunk:
