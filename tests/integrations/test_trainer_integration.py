@@ -76,11 +76,24 @@ def test_streaming_arguments_carry_backward_slots_and_refuse_bad_ones():
     assert streaming.to_config().backward_slots == 1
     (streaming,) = parser.parse_args_into_dataclasses(["--layer_stream_device", "cpu"])
     assert streaming.to_config().backward_slots == "auto"
-    (streaming,) = parser.parse_args_into_dataclasses(
-        ["--layer_stream_backward_slots", "some", "--layer_stream_device", "cpu"]
-    )
     with pytest.raises(layerstream.StreamConfigError, match="layer_stream_backward_slots"):
-        streaming.to_config()
+        parser.parse_args_into_dataclasses(["--layer_stream_backward_slots", "some", "--layer_stream_device", "cpu"])
+
+
+def test_streaming_settings_without_layer_stream_are_checked_and_said_not_ignored(caplog):
+    """Without --layer_stream nothing streams: a bad value is refused all the same, and good
+    ones are said to take no effect unless the script passes them on itself."""
+    parser = HfArgumentParser((layerstream.StreamingArguments,))
+    with pytest.raises(layerstream.StreamConfigError, match="layer_stream_loss_chunk_tokens must be an integer"):
+        parser.parse_args_into_dataclasses(["--layer_stream_loss_chunk_tokens", "abc"])
+    with caplog.at_level("WARNING", logger="layerstream"):
+        (streaming,) = parser.parse_args_into_dataclasses(["--layer_stream_slots", "3"])
+    assert not streaming.layer_stream
+    assert "--layer_stream_slots given without --layer_stream" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="layerstream"):
+        parser.parse_args_into_dataclasses([])
+    assert "without --layer_stream" not in caplog.text  # control: the defaults say nothing
 
 
 def test_streaming_arguments_flags_stream_the_trainers_model(tmp_path):

@@ -511,8 +511,21 @@ def _streaming_arguments_class():
         )
 
     def __post_init__(self):
+        values = self.settings()  # a bad value is refused here, with or without --layer_stream
         if self.layer_stream:
-            launch.enable(self.settings())
+            launch.enable(values)
+            return
+        given = [
+            "--" + argument_name(s.name)
+            for s in settings()
+            if getattr(self, argument_name(s.name)) != setting_default_text(s)
+        ]
+        if given:  # settings for a streaming that is off: said, not ignored without a word
+            logger.warning(
+                "layerstream: %s given without --layer_stream: nothing streams unless the script passes them "
+                "on itself (StreamingArguments.to_config()); add --layer_stream to stream every model.",
+                ", ".join(given),
+            )
 
     def settings_(self) -> dict:
         """The launcher settings these flags give (StreamConfig field -> parsed value)."""
