@@ -330,10 +330,14 @@ class StreamConfig:
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int):
             raise StreamConfigError(f"prefetch must be an integer >= 1 or 'auto', got {self.prefetch!r}")
         if self.prefetch < 1 or self.prefetch >= self.slots:
+            fix = (
+                f"Use prefetch from 1 to {self.slots - 1}."
+                if self.prefetch < 1
+                else f"Use prefetch <= {self.slots - 1} or raise slots to {self.prefetch + 1}."
+            )
             raise StreamConfigError(
                 f"prefetch={self.prefetch} with slots={self.slots}: prefetch must be >= 1 and "
-                f"< slots (one slot is always the layer computing). Use prefetch <= "
-                f"{self.slots - 1} or raise slots to {self.prefetch + 1}."
+                f"< slots (one slot is always the layer computing). {fix}"
             )
         if isinstance(self.arena_bytes, bool) or not isinstance(self.arena_bytes, int) or self.arena_bytes < (1 << 20):
             raise StreamConfigError(f"arena_bytes must be an integer >= 1 MiB, got {self.arena_bytes!r}")

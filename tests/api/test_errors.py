@@ -18,7 +18,8 @@ from tiny import assert_traces_equal, batch, peft_pair, stream, tiny_model, trai
     [
         (dict(slots=1), "slots=1 is too few"),
         (dict(slots=3, prefetch=3), "prefetch must be >= 1 and < slots"),
-        (dict(slots=3, prefetch=0), "prefetch must be >= 1"),
+        (dict(slots=3, prefetch=0), "prefetch must be >= 1.*Use prefetch from 1 to 2"),
+        (dict(slots=3, prefetch=4), "Use prefetch <= 2 or raise slots to 5"),
         (dict(slots="3"), "slots must be an integer"),
         (dict(slots="many"), "slots must be an integer >= 2 or 'auto'"),
         (dict(prefetch="ahead"), "prefetch must be an integer >= 1 or 'auto'"),

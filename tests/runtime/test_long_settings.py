@@ -289,3 +289,16 @@ def test_the_plan_command_says_what_a_runs_defaults_turn_on_at_this_length(capsy
             assert decision.names == LONG_ORDER
             assert "turns on loss_chunk_tokens=512, mlp_tile_tokens=4096, offload_activations" in line
             assert f"{size_text(decision.needed_without)} without them, {size_text(decision.needed)} with them" in line
+
+
+@pytest.mark.parametrize(
+    "setting, said", [("auto", "loss_chunk_tokens auto: chunked once a step needs it"), (None, "loss_chunk_tokens off")]
+)
+def test_the_summarys_loss_line_tells_auto_from_off(setting, said):
+    from layerstream.runtime import report
+
+    from tiny import tiny_model
+
+    model = tiny_model("llama", layers=2)
+    layerstream.stream_model(model, StreamConfig(device="cpu", slots=2, loss_chunk_tokens=setting))
+    assert report._loss_line(layerstream.get_runtime(model)).endswith(f"({said})")

@@ -183,7 +183,9 @@ def _loss_line(runtime) -> str:
         return f"Liger-Kernel's fused linear cross-entropy{bypassed}"
     if chunk:
         return f"layerstream's chunked loss, {chunk} tokens at a time (loss_chunk_tokens)"
-    return "the model's own forward, full logits (loss_chunk_tokens unset)"
+    if runtime.config.loss_chunk_tokens == "auto":
+        return "the model's own forward, full logits (loss_chunk_tokens auto: chunked once a step needs it)"
+    return "the model's own forward, full logits (loss_chunk_tokens off)"
 
 
 def _tiers_line(runtime) -> str:
