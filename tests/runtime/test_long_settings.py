@@ -27,7 +27,7 @@ from layerstream.plan.longest import oom_advice
 from layerstream.plan.memory import _build
 from layerstream.units import GiB
 
-from tiny import assert_traces_equal, peft_pair, train_steps
+from tiny import assert_traces_equal, peft_pair, tiny_model, train_steps
 
 LLAMA3_8B = Path(__file__).resolve().parents[2] / "configs" / "shapes" / "llama-3.1-8b.json"
 AUTO = {name: "auto" for name in LONG_ORDER}
@@ -296,8 +296,6 @@ def test_the_plan_command_says_what_a_runs_defaults_turn_on_at_this_length(capsy
 )
 def test_the_summarys_loss_line_tells_auto_from_off(setting, said):
     from layerstream.runtime import report
-
-    from tiny import tiny_model
 
     model = tiny_model("llama", layers=2)
     layerstream.stream_model(model, StreamConfig(device="cpu", slots=2, loss_chunk_tokens=setting))
