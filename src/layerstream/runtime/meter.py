@@ -123,25 +123,16 @@ class PlannedMeter:
         batch, seq = self._shape
         try:
             memory = self.runtime.memory_plan(batch, seq)
+            peak = memory.peak_vram_bytes + memory.reserve_bytes + window * self.runtime.store.largest_layer_bytes
+            start = peak - memory.activation_bytes
         except ValueError:  # not plannable (budget_check says so once): read as full, no window grows
-            full = self.budget
-            return Reading(
-                window=window,
-                tokens=tokens,
-                peak_reserved=full,
-                start_allocated=full,
-                peak_allocated=full,
-                retries=0,
-                grads_at_start=self._grads,
-                grads_at_end=grads,
-            )
-        peak = memory.peak_vram_bytes + memory.reserve_bytes + window * self.runtime.store.largest_layer_bytes
+            peak = start = self.budget
         # the planner's peak stands for what the step allocates (its reserve for the allocator)
         return Reading(
             window=window,
             tokens=tokens,
             peak_reserved=peak,
-            start_allocated=peak - memory.activation_bytes,
+            start_allocated=start,
             peak_allocated=peak,
             retries=0,
             grads_at_start=self._grads,
