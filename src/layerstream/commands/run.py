@@ -137,8 +137,10 @@ def run(args, rest, parser) -> int:
             return int(result) if isinstance(result, int) else 0
     except SystemExit as exc:
         code = exc.code
-        if code is not None and not isinstance(code, int):  # sys.exit("message"): Python prints it
-            print(code, file=sys.stderr)
+        if code is not None and not isinstance(code, int):
+            # sys.exit("message"): the script's own message, which python prints on every
+            # rank as it exits, so not one of layerstream's (those go through its logger)
+            sys.stderr.write(f"{code}\n")
         return code if isinstance(code, int) else (0 if code is None else 1)
     except (*REFUSALS, OSError) as exc:
         return refused(exc)
