@@ -188,55 +188,6 @@ def test_segments_of_killed_ranks_are_swept_and_a_live_users_segment_is_kept(tmp
     assert _segment_files(tmp_path) == []
 
 
-@pytest.mark.parametrize("how", ["SIGTERM", "SIGHUP"])
-def test_a_rank_ended_by_sigterm_or_sighup_removes_its_segment_and_still_dies_of_the_signal(tmp_path, how):
-    """A scheduler's or torchrun's SIGTERM ends every rank without atexit; the segment (the
-    store's size in /dev/shm) goes with the last of them all the same."""
-    then = "segment.complete([]); time.sleep(60)"
-    rank = _spawn(tmp_path, BUILD.format(ready=str(tmp_path / "ready"), then=then))
-    _wait_for(tmp_path / "layerstream-5e9e57e55e9e57e55e9e57e55e9e57e5.manifest", rank)
-    number = getattr(signal, how)
-    rank.send_signal(number)
-    assert rank.wait(timeout=30) == -number, "killed by the signal, as without the handler"
-    assert _segment_files(tmp_path) == []
-
-
-def test_a_programs_own_sigterm_handler_is_left_alone(tmp_path):
-    code = "import signal\nsignal.signal(signal.SIGTERM, lambda *a: sys.exit(7))\n" + BUILD.format(
-        ready=str(tmp_path / "ready"), then="segment.complete([]); time.sleep(60)"
-    )
-    rank = _spawn(tmp_path, code)
-    _wait_for(tmp_path / "layerstream-5e9e57e55e9e57e55e9e57e55e9e57e5.manifest", rank)
-    rank.send_signal(signal.SIGTERM)
-    assert rank.wait(timeout=30) == 7, "the program's handler ran (its exit then leaves the segment at exit)"
-    assert _segment_files(tmp_path) == []
-
-
-def test_a_forked_child_ended_by_sigterm_leaves_its_parents_segment_alone(tmp_path):
-    """A DataLoader worker is a fork: it inherits the handler and the lock's open file, and
-    must not release its parent's hold (a sweep would then remove a segment in use)."""
-    then = (
-        "segment.complete([])\n"
-        "ready, said = os.pipe()\n"
-        "child = os.fork()\n"
-        "if child == 0:\n"
-        "    os.write(said, b'x')  # running Python: a signal before this could be lost in the fork\n"
-        "    time.sleep(60)\n"
-        "    os._exit(3)\n"
-        "os.read(ready, 1)\n"
-        "os.kill(child, signal.SIGTERM)\n"
-        "_, status = os.waitpid(child, 0)\n"
-        "print('child ended by', os.WTERMSIG(status) if os.WIFSIGNALED(status) else 'exit', flush=True)\n"
-        "time.sleep(60)\n"
-    )
-    rank = _spawn(tmp_path, "import signal\n" + BUILD.format(ready=str(tmp_path / "ready"), then=then))
-    assert rank.stdout.readline().strip() == f"child ended by {int(signal.SIGTERM)}".encode()
-    assert shared_store.sweep(tmp_path) == [], "the parent still holds it"
-    assert "layerstream-5e9e57e55e9e57e55e9e57e55e9e57e5.0.arena" in _segment_files(tmp_path)
-    rank.send_signal(signal.SIGKILL)
-    rank.wait()
-
-
 def test_the_last_rank_to_exit_removes_the_segment(tmp_path):
     then = "segment.complete([])"
     builder = _spawn(tmp_path, BUILD.format(ready=str(tmp_path / "ready"), then=then + "; time.sleep(1)"))

@@ -38,9 +38,7 @@ import json
 import mmap
 import os
 import re
-import signal
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional
@@ -243,7 +241,6 @@ class Segment:
             os.close(fd)  # a sweep removed it between our open and our lock: again
         self._lock_fd = fd
         _JOINED.append(self)
-        leave_on_termination()
         # the claim is made locked and written under a name of its own, then linked into place:
         # the first link wins, and whoever sees the claim sees it locked and holding the pid
         claim, staged_name = tempfile.mkstemp(prefix=f"{self.name}.build.", suffix=".tmp", dir=self.folder)
@@ -485,36 +482,3 @@ def leave_all() -> None:
     lock release and the next ``sweep``)."""
     for segment in list(_JOINED):
         segment.leave()
-
-
-# signals that end a process by default without running atexit: a job scheduler's or
-# torchrun's SIGTERM to every rank, a closed terminal's SIGHUP. A segment holds the store's
-# size in /dev/shm, which no one would free until the next sharing run.
-_TERMINATING = (signal.SIGTERM, signal.SIGHUP)
-
-
-def leave_on_termination() -> None:
-    """Where this process still takes SIGTERM and SIGHUP the default way (and this is its
-    main thread), leave the joined segments first, then end the default way, killed by the
-    same signal: the exit status and what a parent sees stay as they were. A handler the
-    program set is left alone."""
-    global _HOLDER
-    if threading.current_thread() is not threading.main_thread():
-        return
-    _HOLDER = os.getpid()
-    for number in _TERMINATING:
-        if signal.getsignal(number) is signal.SIG_DFL:
-            signal.signal(number, _leave_and_end)
-
-
-_HOLDER = None  # the process that joined: a fork (a DataLoader worker) inherits the handler
-# and the lock's open file, and must not release its parent's hold
-
-
-def _leave_and_end(number, frame) -> None:
-    try:
-        if os.getpid() == _HOLDER:
-            leave_all()
-    finally:
-        signal.signal(number, signal.SIG_DFL)
-        os.kill(os.getpid(), number)
