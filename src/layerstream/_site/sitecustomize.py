@@ -2,17 +2,14 @@
 ``layerstream run accelerate launch ...``): ``layerstream run`` puts this directory first on
 PYTHONPATH and its settings in LAYERSTREAM_AUTOSTREAM, and Python imports this module at
 start-up. Without that variable it does nothing. Another sitecustomize further along the
-path still runs.
+path still runs, whatever happens here.
 
-Streaming is turned on when the process first imports transformers, not at start-up: every
-Python the command starts inherits the variable (a shell's ``python -c``, a DataLoader
-worker spawned anew, a tool of another Python), and one that never loads a model should
-neither import torch nor change. A Python without layerstream says once, when it imports
-transformers, that its models do not stream.
+Streaming is turned on at start-up, before the program imports anything: turned on later (at
+the first import of transformers), a program importing peft or layerstream first would find
+it half on. Every Python the command starts pays that import (a few seconds); a Python
+without layerstream says that its models do not stream and runs on.
 """
 
-import importlib.abc
-import importlib.util
 import os
 import sys
 
@@ -38,48 +35,10 @@ def _enable():
         )
 
 
-class _EnableAfter:
-    """transformers' own loader, then ``_enable`` once the package has run; anything else
-    asked of it (resource readers, ``get_data``) is the wrapped loader's."""
-
-    def __init__(self, loader, finder):
-        self.loader, self.finder = loader, finder
-
-    def create_module(self, spec):
-        return self.loader.create_module(spec)
-
-    def exec_module(self, module):
-        self.loader.exec_module(module)
-        if self.finder in sys.meta_path:
-            sys.meta_path.remove(self.finder)
-        _enable()
-
-    def __getattr__(self, name):
-        return getattr(self.loader, name)
-
-
-class _WhenTransformersIsImported(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: asked for transformers, it lets the other finders find it and
-    wraps the loader they give. It stays until transformers is imported: a library asking
-    whether transformers is installed (``importlib.util.find_spec``) finds it too."""
-
-    def find_spec(self, name, path=None, target=None):
-        if name != "transformers":
-            return None
-        for finder in sys.meta_path:
-            find = getattr(finder, "find_spec", None)
-            if finder is self or find is None:
-                continue
-            spec = find(name, path, target)
-            if spec is not None:
-                if spec.loader is not None:
-                    spec.loader = _EnableAfter(spec.loader, self)
-                return spec
-        return None
-
-
 def _chain():
     """Run the sitecustomize this one shadows, if there is one."""
+    import importlib.util
+
     here = os.path.dirname(os.path.abspath(__file__))
     for entry in sys.path:
         if os.path.abspath(entry or ".") == here:
@@ -91,9 +50,8 @@ def _chain():
             return
 
 
-if os.environ.get("LAYERSTREAM_AUTOSTREAM"):
-    if "transformers" in sys.modules:  # imported before this hook ran (another sitecustomize, a .pth)
+try:
+    if os.environ.get("LAYERSTREAM_AUTOSTREAM"):
         _enable()
-    else:
-        sys.meta_path.insert(0, _WhenTransformersIsImported())
-_chain()
+finally:
+    _chain()
