@@ -139,13 +139,19 @@ def test_get_runtime_of_a_plain_model():
 
 
 def test_kv_cache_with_past_tokens_under_autograd():
-    streamed, _ = peft_pair("llama", layers=3)
+    """Refused, and the cache stays usable: decoding from it under no_grad afterwards gives
+    the resident model's logits."""
+    streamed, resident = peft_pair("llama", layers=3)
     stream(streamed, "cpu")
     ids = torch.randint(3, 90, (1, 6))
     with torch.no_grad():
         cache = streamed(input_ids=ids, use_cache=True).past_key_values
+        expected = resident(input_ids=ids, use_cache=True).past_key_values
     with pytest.raises(layerstream.StreamingError, match="torch.no_grad"):
         streamed(input_ids=ids[:, :1], past_key_values=cache, use_cache=True)
+    with torch.no_grad():
+        got = streamed(input_ids=ids[:, -1:], past_key_values=cache, use_cache=True).logits
+        assert torch.equal(got, resident(input_ids=ids[:, -1:], past_key_values=expected, use_cache=True).logits)
 
 
 def test_decoding_from_a_cache_a_forward_with_autograd_left_unfilled_is_refused():

@@ -121,9 +121,8 @@ def without_cache(kwargs: dict, warned: bool):
         return kwargs, warned
     kwargs = dict(kwargs)
     for name in names:
-        _remember_unfilled(kwargs[name])
         seq_length = getattr(kwargs[name], "get_seq_length", None)
-        if seq_length is not None and seq_length() > 0:
+        if seq_length is not None and seq_length() > 0:  # refused: the cache stays as it was, usable
             raise StreamingError(
                 "a KV cache holding past tokens reached a streamed layer with autograd on. "
                 "Streamed layers are checkpointed under autograd and cannot read or extend "
@@ -131,6 +130,7 @@ def without_cache(kwargs: dict, warned: bool):
                 "(model.generate does). PEFT prefix tuning passes its virtual tokens this way and "
                 "cannot train streamed: use prompt tuning or LoRA."
             )
+        _remember_unfilled(kwargs[name])
         kwargs[name] = None
     if "use_cache" in kwargs:
         kwargs["use_cache"] = False
