@@ -94,6 +94,18 @@ def test_the_file_the_config_names_is_the_one_read(tmp_path):
     assert not torch.equal(reference.model.embed_tokens.weight, default)  # control: the named file was read
 
 
+def test_a_named_file_that_is_a_symlink_as_in_the_hubs_cache_is_read(tmp_path):
+    """The hub's snapshots hold symlinks to blobs outside the snapshot directory."""
+    directory = _save(tiny_model(layers=2, seed=1), tmp_path / "m")
+    blobs = tmp_path / "blobs"
+    blobs.mkdir()
+    (directory / "model.safetensors").rename(blobs / "abc123")
+    (directory / "model.safetensors").symlink_to(blobs / "abc123")
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps(dict(config, transformers_weights="model.safetensors")))
+    _both_equal_transformers(directory, dtype=torch.float32)
+
+
 @pytest.mark.parametrize("name", ["../elsewhere.safetensors", "weights.bin", "absent.safetensors.index.json"])
 def test_a_config_naming_a_file_outside_the_directory_or_not_safetensors_is_refused(tmp_path, name):
     directory = save_tiny(tmp_path / "m", layers=2)

@@ -100,6 +100,8 @@ def test_under_label_smoothing_trls_sft_loss_is_said_to_run_on_full_logits(tmp_p
     assert loss_line.startswith("the trainer's own loss (label smoothing")
     assert not trl_head.installed(model) and trl_head.metrics_only(model)
     assert not plan_for_model(model, seq=8, batch=4).trl_fused_head
+    _sft(model, tmp_path / "again", steps=1)  # a later trainer of the same model, without smoothing
+    assert trl_head.installed(model) and plan_for_model(model, seq=8, batch=4).trl_fused_head
     plain, _ = peft_pair("llama", layers=4)
     stream(plain)
     _sft(plain, tmp_path / "control", steps=1)

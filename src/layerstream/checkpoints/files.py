@@ -71,11 +71,12 @@ def named_file(directory: Path, config=None) -> Optional[Path]:
             "index (*.safetensors.index.json); transformers refuses it too. Name the weights file there, or "
             "remove the key."
         )
-    base = directory.resolve()
-    path = (directory / name).resolve()
-    if base != path and base not in path.parents:
+    # inside the directory by its path, not its target: the hub's snapshots are symlinks to
+    # blobs elsewhere (transformers checks with abspath and commonpath too)
+    base, path = os.path.abspath(directory), os.path.abspath(os.path.join(directory, name))
+    if os.path.commonpath([base, path]) != base:
         raise LoadingError(f"config.json's transformers_weights ({name!r}) must name a file inside {directory}")
-    return path
+    return Path(path)
 
 
 def weight_file(directory: Path, config=None) -> Optional[Path]:

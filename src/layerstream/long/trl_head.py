@@ -98,12 +98,13 @@ def loss_from_full_logits(trainer) -> bool:
 
 
 def note_trainer(trainer) -> None:
-    """Remember that this trainer's models' loss runs on full logits (``loss_from_full_logits``)."""
-    if loss_from_full_logits(trainer):
-        for model in (getattr(trainer, "model", None), getattr(trainer, "ref_model", None)):
-            if isinstance(model, nn.Module):
-                _full_logits.add(model)
-                _full_logits.add(unwrap_peft(model))
+    """Remember whether this trainer's models' loss runs on full logits
+    (``loss_from_full_logits``); the last trainer made for a model decides."""
+    full = loss_from_full_logits(trainer)
+    for model in (getattr(trainer, "model", None), getattr(trainer, "ref_model", None)):
+        if isinstance(model, nn.Module):
+            for each in (model, unwrap_peft(model)):
+                (_full_logits.add if full else _full_logits.discard)(each)
 
 
 def sft_trainer_fuses_head() -> bool:
