@@ -101,3 +101,16 @@ def test_a_live_peft_models_adapters_are_planned_as_peft_made_them(family):
     model = get_peft_model(AutoModelForCausalLM.from_config(tiny(family)), LoraConfig(r=4, target_modules="all-linear"))
     counted = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert plan_for_model(model, seq=16, batch=1).lora_params == counted
+
+
+def test_a_live_model_adapting_only_parameters_is_planned_with_those_alone():
+    """PEFT's target_parameters without target_modules: the live config's modules are empty."""
+    from peft import LoraConfig, get_peft_model
+
+    from layerstream.plan import plan_for_model
+
+    torch.manual_seed(0)
+    lora = LoraConfig(r=4, target_parameters=["mlp.experts.gate_up_proj"])
+    model = get_peft_model(AutoModelForCausalLM.from_config(tiny("qwen3_moe")), lora)
+    counted = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert plan_for_model(model, seq=16, batch=1).lora_params == counted

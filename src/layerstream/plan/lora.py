@@ -75,6 +75,8 @@ def lora_adapters(
 def _target_names(targets: str):
     if targets.strip().lower() == "all-linear":
         return "all-linear"
+    if targets.strip().lower() == "none":  # no module: the adapters are target_parameters' alone
+        return []
     names = [t.strip() for t in targets.split(",") if t.strip()]
     if not names:
         raise ValueError("lora_targets is empty; use 'all-linear' or names such as 'q_proj,v_proj'")
@@ -130,7 +132,7 @@ def _count(
     config, dtype: torch.dtype, targets: str, rank: int, shapes, parameters=(), rank_pattern=None
 ) -> Tuple[List[LoraTargets], int]:
     names = _target_names(targets)
-    if names != "all-linear":
+    if names != "all-linear" and names:
         _refuse_names_matching_nothing(config, dtype, names, shapes)
     model, position = _one_layer_of_each_kind(config, dtype)
     try:

@@ -50,7 +50,9 @@ def model_plan_request(model, seq: int, batch: int, vram_bytes: int = 1 << 50, *
         modules = getattr(peft_config, "target_modules", None)
         if isinstance(modules, str) and modules.lower() != "all-linear":
             raise ValueError(f"LoRA target_modules is a pattern ({modules!r})")
-        if modules and not isinstance(modules, str):
+        if modules is not None and not isinstance(modules, str) and not modules:
+            targets = "none"  # PEFT adapts target_parameters alone
+        elif modules and not isinstance(modules, str):
             # PEFT may spell "all-linear" as the full names of the modules it found
             # (model.layers.1.mlp.down_proj, for Phi-3); the planner counts per module name
             targets = ",".join(sorted({name.rsplit(".", 1)[-1] for name in modules}))
