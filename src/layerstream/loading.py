@@ -32,12 +32,13 @@ from torch import nn
 from .checkpoints import mxfp4, progress
 from .checkpoints.computed_buffers import compute_buffers, initialisers
 from .checkpoints.conversion import for_checkpoint
-from .checkpoints.files import resolve, resolve_dtype, transformers_can_load, weight_files
+from .checkpoints.files import resolve, resolve_dtype, weight_files
 from .checkpoints.reader import TensorReader
 from .checkpoints.stored import (
     LoadingError,
     missing_tensors_error,
     refuse_prequantized,
+    transformers_can_load,
     validate_checkpoint,
 )
 from .config import StreamConfig

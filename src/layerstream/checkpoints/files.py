@@ -21,20 +21,13 @@ import torch
 
 from ..system.log import get_logger
 from .paths import missing_directory
-from .stored import LoadingError, load_pickle, read_header, read_index
+from .stored import LoadingError, load_pickle, read_header, read_index, transformers_can_load
 
 logger = get_logger(__name__)
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 SUBFOLDERS = ["*/*"]  # snapshot_download's ignore_patterns: files below the repository's top level
-
-
-def transformers_can_load(error: LoadingError) -> LoadingError:
-    """Mark an error for a checkpoint transformers' own loader reads (the launcher then
-    loads it that way, on the host, and streams it)."""
-    error.transformers_can_load = True
-    return error
 
 
 def resolve(model_id: str | os.PathLike, revision: str | None, allow_pickle: bool = False) -> Path:

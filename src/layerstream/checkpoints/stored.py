@@ -271,17 +271,24 @@ def refuse_prequantized(directory: Path, files: dict[str, Path]) -> None:
         )
 
 
+def transformers_can_load(error: LoadingError) -> LoadingError:
+    """Mark an error for a checkpoint transformers' own loader reads (the launcher then
+    loads it that way, on the host, and streams it)."""
+    error.transformers_can_load = True
+    return error
+
+
 def missing_tensors_error(directory: Path, missing: list[str]) -> LoadingError:
     """The error for tensors the model needs that the checkpoint lacks."""
     if any(".experts." in name for name in missing):
-        error = LoadingError(
-            f"{directory} stores mixture-of-experts weights in a layout that transformers' conversion "
-            "mapping for this model does not map to the model's experts. Load with "
-            "AutoModelForCausalLM.from_pretrained(..., device_map='cpu') and call layerstream.stream_model "
-            "instead."
+        return transformers_can_load(
+            LoadingError(
+                f"{directory} stores mixture-of-experts weights in a layout that transformers' conversion "
+                "mapping for this model does not map to the model's experts. Load with "
+                "AutoModelForCausalLM.from_pretrained(..., device_map='cpu') and call layerstream.stream_model "
+                "instead."
+            )
         )
-        error.transformers_can_load = True  # so the launcher loads it that way, on the host, and streams it
-        return error
     more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
     return LoadingError(
         f"{len(missing)} tensors were not found in {directory}: {', '.join(missing[:5])}{more}; {MISMATCH_ADVICE}"
