@@ -67,13 +67,13 @@ def parse_run_arguments(parser: argparse.ArgumentParser, argv):
     """(layerstream's options, the target's arguments). The options are parsed without the
     target: argparse would give a SCRIPT.py that follows a switch whose value is optional
     (``--offload-activations train.py``) to the switch."""
-    ours, rest = split_run_arguments(parser, argv)
     index = _target_index(parser, argv)
     if index is None or argv[index] == "-m":
+        ours, rest = split_run_arguments(parser, argv)
         return parser.parse_args(ours), rest
-    args = parser.parse_args(ours[:index])
-    args.target = ours[index]
-    return args, rest
+    args = parser.parse_args(argv[:index])
+    args.target = argv[index]
+    return args, argv[index + 1 :]
 
 
 def allocator_defaults() -> None:
