@@ -39,8 +39,8 @@ TOKEN_TILE = 4096  # trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE
 VOCAB_TILE = 32768  # trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE
 
 _warned: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
-# models whose trainer computes the loss from the model's own forward, with full logits,
-# and runs the fused head under no_grad for its metrics only (``note_trainer``)
+# models (unwrapped from PEFT) whose trainer computes the loss from the model's own forward,
+# with full logits, and runs the fused head under no_grad for its metrics only (``note_trainer``)
 _full_logits: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
 
@@ -74,15 +74,13 @@ def _fused_modules(model: nn.Module) -> List[nn.Module]:
 def installed(model: nn.Module) -> bool:
     """Whether TRL's fused log-prob head computes ``model``'s training loss: TRL gave the
     model its head, and its trainer does not compute the loss from full logits instead."""
-    if model in _full_logits or unwrap_peft(model) in _full_logits:
-        return False
-    return bool(_fused_modules(model))
+    return unwrap_peft(model) not in _full_logits and bool(_fused_modules(model))
 
 
 def metrics_only(model: nn.Module) -> bool:
     """Whether TRL gave ``model`` its fused head but its trainer computes the loss from full
     logits (``note_trainer``): the head then runs for the metrics alone."""
-    return (model in _full_logits or unwrap_peft(model) in _full_logits) and bool(_fused_modules(model))
+    return unwrap_peft(model) in _full_logits and bool(_fused_modules(model))
 
 
 def loss_from_full_logits(trainer) -> bool:
@@ -103,8 +101,7 @@ def note_trainer(trainer) -> None:
     full = loss_from_full_logits(trainer)
     for model in (getattr(trainer, "model", None), getattr(trainer, "ref_model", None)):
         if isinstance(model, nn.Module):
-            for each in (model, unwrap_peft(model)):
-                (_full_logits.add if full else _full_logits.discard)(each)
+            (_full_logits.add if full else _full_logits.discard)(unwrap_peft(model))
 
 
 def sft_trainer_fuses_head() -> bool:
