@@ -22,15 +22,19 @@ def shipped_shape(name: str) -> dict:
 LLAMA3_8B = shipped_shape("llama-3.1-8b")
 MIXTRAL_8X7B = shipped_shape("mixtral-8x7b")
 MISTRAL_7B = shipped_shape("mistral-7b-v0.3")
-# a small Qwen3-MoE: layer 0 dense (mlp_only_layers), then sparse every 2nd layer
-QWEN3_MOE_SMALL = dict(
-    model_type="qwen3_moe",
+# the widths of every tiny config here (``tiny``), small enough to build on the CPU at once
+TINY_WIDTHS = dict(
     vocab_size=96,
     hidden_size=64,
     intermediate_size=96,
     num_hidden_layers=4,
     num_attention_heads=4,
     num_key_value_heads=2,
+)
+# a small Qwen3-MoE: layer 0 dense (mlp_only_layers), then sparse every 2nd layer
+QWEN3_MOE_SMALL = dict(
+    TINY_WIDTHS,
+    model_type="qwen3_moe",
     head_dim=16,
     num_experts=4,
     num_experts_per_tok=2,
@@ -97,14 +101,7 @@ FAMILIES = {
 
 
 def tiny(family: str, **overrides):
-    values = dict(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
+    values = dict(TINY_WIDTHS)
     values.update(FAMILIES[family])
     values.update(overrides)
     return config_of(values)
