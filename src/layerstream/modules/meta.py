@@ -28,27 +28,20 @@ def meta_model(config, dtype=None, model_class=None, trust_remote_code: bool = F
     return model
 
 
-def keep_in_fp32(model: torch.nn.Module, dtype: torch.dtype) -> list:
+def keep_in_fp32(model: torch.nn.Module, dtype: torch.dtype) -> None:
     """Give the weights that transformers' ``from_pretrained`` loads in float32 whatever the
     dtype asked (the model's ``_keep_in_fp32_modules`` under float16, its
     ``_keep_in_fp32_modules_strict`` under float16 and bfloat16: gpt-oss's norms, some
     routers) that dtype here, matched as transformers matches them (its dtype plan and glob
     alternation, on the model's state-dict names). ``from_config`` alone does not: only the
-    load applies the plan, and the loader casts each value to its tensor's dtype. Returns the
-    names changed."""
+    load applies the plan, and the loader casts each value to its tensor's dtype."""
     plan = model._get_dtype_plan(dtype) if hasattr(model, "_get_dtype_plan") else {}
     if not plan:
-        return []
+        return
     from transformers.core_model_loading import build_glob_alternation
 
     pattern, group_globs, _ = build_glob_alternation(list(plan))
-    changed = []
     for name, tensor in model.state_dict(keep_vars=True).items():
         found = pattern.search(name)
-        if found is None or not tensor.is_floating_point():
-            continue
-        wanted = plan[group_globs[found.lastgroup]]
-        if tensor.dtype != wanted:
-            tensor.data = tensor.data.to(wanted)
-            changed.append(name)
-    return changed
+        if found is not None and tensor.is_floating_point():
+            tensor.data = tensor.data.to(plan[group_globs[found.lastgroup]])
