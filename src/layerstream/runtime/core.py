@@ -218,8 +218,10 @@ class StreamRuntime:
         if recording is not None:
             begin = recording.now()
         try:
-            with passes.inference_mode_kept(self._inference_mode):
-                return layer_mod.call_unstreamed(layer, args, kwargs)
+            if self._inference_mode:  # the caller's inference mode again, for the computation
+                with torch.inference_mode():
+                    return layer_mod.call_unstreamed(layer, args, kwargs)
+            return layer_mod.call_unstreamed(layer, args, kwargs)
         except torch.OutOfMemoryError as exc:
             raise report.explain_oom(self, exc, f"in streamed layer {record.name}") from exc
         finally:
@@ -229,8 +231,10 @@ class StreamRuntime:
                 recording.computes.append((index, slot, phase, begin, recording.now()))
 
     def call_layer(self, layer: nn.Module, args, kwargs):
-        with passes.outside_inference_mode() as inference_mode:
-            self._inference_mode = inference_mode
+        if not torch.is_inference_mode_enabled():  # the common case: nothing to enter on the hot path
+            return self._call_layer(layer, args, kwargs)
+        with passes.outside_inference_mode():
+            self._inference_mode = True
             try:
                 return self._call_layer(layer, args, kwargs)
             finally:

@@ -126,16 +126,10 @@ def outside_inference_mode():
     window's buffers, adapters moved to the device) for later calls: made under inference
     mode they would be inference tensors, which a later training step cannot save for
     backward, so one generation under inference mode would stop the model from training
-    again. The layer's own computation still runs in the caller's inference mode
-    (``inference_mode_kept``)."""
+    again. The layer's own computation still runs in the caller's inference mode (a KV
+    cache made in inference mode is written in place, which only inference mode allows)."""
     if not torch.is_inference_mode_enabled():
         yield False
         return
     with torch.inference_mode(False), torch.no_grad():  # inference_mode(False) alone turns grad on
         yield True
-
-
-def inference_mode_kept(kept: bool):
-    """The caller's inference mode again, around the layer's computation (a KV cache made in
-    inference mode is written in place, which only inference mode allows)."""
-    return torch.inference_mode() if kept else contextlib.nullcontext()
