@@ -5,6 +5,7 @@ what it says; and what an out-of-memory explanation says of them. Parity tests u
 negative control that proves the comparison can fail."""
 
 import argparse
+import contextlib
 import dataclasses
 import logging
 import re
@@ -27,7 +28,7 @@ from layerstream.plan.longest import oom_advice
 from layerstream.plan.memory import _build
 from layerstream.units import GiB
 
-from tiny import assert_traces_equal, peft_pair, tiny_model, train_steps
+from tiny import assert_traces_equal, batch, peft_pair, tiny_model, train_steps
 
 LLAMA3_8B = Path(__file__).resolve().parents[2] / "configs" / "shapes" / "llama-3.1-8b.json"
 AUTO = {name: "auto" for name in LONG_ORDER}
@@ -188,6 +189,51 @@ def test_a_decision_over_the_budget_itself_says_the_step_may_run_out_of_memory()
     assert "within vram_budget" not in describe(over, 1, 96)
     assert "still over the 85% but within vram_budget" in describe(within, 1, 96)
     assert "may run out of memory" not in describe(within, 1, 96)
+
+
+def _gradients_after_a_switch_mid_pass(streamed, resident, value):
+    """One forward of 2 x 48 tokens on each, offload_activations switched on the streamed
+    model before its backward: every LoRA gradient of the two."""
+    ids = batch(400, seq=48, seed=5)
+    torch.manual_seed(7)  # LoRA dropout: the same masks on both
+    loss = streamed(input_ids=ids, labels=ids).loss
+    layerstream.get_runtime(streamed).set_offload_activations(value)
+    loss.backward()
+    torch.manual_seed(7)
+    resident(input_ids=ids, labels=ids).loss.backward()
+    return [
+        (name, a.grad, b.grad)
+        for (name, a), (_, b) in zip(streamed.named_parameters(), resident.named_parameters())
+        if a.requires_grad
+    ]
+
+
+@pytest.mark.parametrize("value", [False, True, "auto"])
+def test_a_switch_between_a_forward_and_its_backward_recomputes_with_the_forwards_tiles(small_tiles, value):
+    """set_offload_activations makes "auto" decide again from the next pass; the pass under
+    way recomputes its layers with the MLP and norm tiles its forward took."""
+    streamed, resident = _pair()
+    every = dict(offload_activations=True, loss_chunk_tokens=16, mlp_tile_tokens=16)
+    _stream(streamed, _needed(resident, 48, **every))
+    chunked_loss.apply(resident, 16)
+    tiled_mlp.apply(resident, 16)
+    gradients = _gradients_after_a_switch_mid_pass(streamed, resident, value)
+    assert gradients and all(torch.equal(a, b) for _, a, b in gradients)
+
+
+def test_the_switch_comparison_fails_when_the_recompute_reads_the_tiles_decided_since(small_tiles, monkeypatch):
+    """Negative control: a recompute that reads the live table (emptied by the switch) runs
+    its MLPs untiled, and the checkpoint finds other tensors than its forward saved."""
+    from layerstream.runtime.long_settings import LongSettingsPolicy
+
+    monkeypatch.setattr(LongSettingsPolicy, "replaying", lambda self, tiles: contextlib.nullcontext())
+    streamed, resident = _pair()
+    every = dict(offload_activations=True, loss_chunk_tokens=16, mlp_tile_tokens=16)
+    _stream(streamed, _needed(resident, 48, **every))
+    chunked_loss.apply(resident, 16)
+    tiled_mlp.apply(resident, 16)
+    with pytest.raises(torch.utils.checkpoint.CheckpointError):
+        _gradients_after_a_switch_mid_pass(streamed, resident, True)
 
 
 def test_an_explicit_value_wins_over_what_auto_would_decide(small_tiles):

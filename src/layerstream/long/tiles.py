@@ -8,7 +8,8 @@ hands back as saved tensors."""
 from __future__ import annotations
 
 import contextlib
-from typing import List
+import threading
+from typing import Dict, List, Optional
 
 import torch
 from torch import nn
@@ -35,6 +36,36 @@ def bound_to(specs: List[tuple], tensors) -> None:
     finally:
         for (table, name), tensor in zip(specs, saved):
             table[name] = tensor
+
+
+class TilesByLength(dict):
+    """mlp_tile_tokens="auto": the tile decided for each token count (the runtime fills it,
+    the MLPs and norms read it). Keyed by token count, a checkpoint's recompute tiles as its
+    forward did whatever ran in between; where the decisions are made afresh between a
+    forward and its backward (``set_offload_activations``), ``replaying`` makes the
+    recompute's thread read the table its forward read."""
+
+    def __init__(self):
+        super().__init__()
+        self._replay = threading.local()
+
+    def get(self, tokens, default=None):
+        table = getattr(self._replay, "table", None)
+        return dict.get(self if table is None else table, tokens, default)
+
+    def snapshot(self) -> Dict[int, int]:
+        """The tiles as decided now, for a pass's recompute to replay."""
+        return dict(self)
+
+    @contextlib.contextmanager
+    def replaying(self, table: Optional[Dict[int, int]]):
+        """This thread reads ``table`` (a ``snapshot``; None: the live one) until the end."""
+        previous = getattr(self._replay, "table", None)
+        self._replay.table = table
+        try:
+            yield
+        finally:
+            self._replay.table = previous
 
 
 def tile_for(setting, x: torch.Tensor):

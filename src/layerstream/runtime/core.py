@@ -97,6 +97,7 @@ class StreamRuntime:
         self.experts = ExpertsByNeed(records, self.pool, enabled=not config.checksum)
         self._packed_projections = packed_experts.projection_names(model)  # MXFP4 stacks' Parameter names
         self.pass_offloader = None  # the offloader of the training pass under way, or None
+        self.pass_tiles = None  # the MLP tiles by length the training pass under way began with
         self.embeddings = None
         if config.stream_embeddings:
             from .embeddings import stream_embeddings
@@ -259,6 +260,7 @@ class StreamRuntime:
                 return self.run_layer(layer, index, Phase.INFERENCE, args, kwargs)
             kwargs = self._drop_cache(kwargs)
             offloader = self.pass_offloader  # this layer's backward uses it, whatever was switched since
+            tiles = self.pass_tiles  # and tiles as its forward did
             calls = [0]
 
             def checkpointed(*a, **k):
@@ -268,6 +270,8 @@ class StreamRuntime:
                     self._in_backward()
                     if offloader is not None and index == len(self.records) - 1:
                         offloader.prefetch_newest()  # the kept last layer: backward starts
+                    with self.long_settings.replaying(tiles):
+                        return layer_mod.refuse_second_order(self.run_layer(layer, index, phase, a, k), layer)
                 return layer_mod.refuse_second_order(self.run_layer(layer, index, phase, a, k), layer)
 
             if offloader is not None and offloader.offloads(index) and args and isinstance(args[0], torch.Tensor):
@@ -297,6 +301,7 @@ class StreamRuntime:
         if self._placed_at != layer_mod.registrations():  # adapters may have come since
             self._place_resident_tensors()
         self.pass_offloader = None
+        self.pass_tiles = None
         self.experts.start_pass(hidden)
         if self._packed_projections:  # adapters meant for them, refused before they compute
             packed_experts.refuse_adapters_on_packed(self.model, self._packed_projections)
@@ -310,6 +315,7 @@ class StreamRuntime:
         self.long_settings.pass_starts()
         decision = self.long_settings.decision(tokens)  # the MLP tiles, before any MLP runs
         self.pass_offloader = self.offload_policy.for_pass(hidden, self.last_shape, decision)
+        self.pass_tiles = self.long_settings.tiles_of_pass()
         self.long_settings.say(self.last_shape, self.pass_offloader is not None)
         if isinstance(self.config.vram_budget, int):
             self.budget_check.check(self, *self.last_shape)

@@ -20,6 +20,7 @@ summary.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -28,6 +29,7 @@ from ..config import OFFLOAD_AUTO_MARGIN, StreamConfig
 from ..decisions.disk import size_text
 from ..errors import StreamingError
 from ..long import chunked_loss, tiled_mlp
+from ..long.tiles import TilesByLength
 from ..modules.discovery import unwrap_peft
 from ..plan.long_settings import AUTO, LONG_ORDER, NOTHING, OFF, LongDecision, decide_for, describe, setting_text
 from ..plan.model import model_plan_request
@@ -72,7 +74,7 @@ class LongSettingsPolicy:
         # what the settings left at "auto" have decided and said
         self._decided: Dict[int, LongDecision] = {}  # tokens -> decision with some on
         self._plain_up_to = 0  # the most tokens decided to need none: fewer are not planned
-        self._tiles: Dict[int, int] = {}  # tokens -> MLP tile (the MLPs read it)
+        self._tiles = TilesByLength()  # tokens -> MLP tile (the MLPs and norms read it)
         self._tiled = False  # the MLPs' class takes tiles
         self._tiles_possible = False  # the MLPs are ones tiled_mlp can tile
         self._chunked: Optional[torch.nn.Module] = None  # the model whose loss the hook chunks when a step needs it
@@ -128,10 +130,20 @@ class LongSettingsPolicy:
             tiled_mlp.remove(model)
 
     def forget_decisions(self) -> None:
-        """Decide again from the next step (a setting changed); what was said stays said."""
+        """Decide again from the next step (a setting changed); what was said stays said. A
+        pass under way recomputes with the tiles it began with (``tiles_of_pass``)."""
         self._decided.clear()
         self._plain_up_to = 0
         self._tiles.clear()
+
+    def tiles_of_pass(self) -> Optional[Dict[int, int]]:
+        """The tiles a training pass starting now takes, for its recompute to replay
+        (``replaying``); None where no MLP takes tiles by length."""
+        return self._tiles.snapshot() if self._tiled else None
+
+    def replaying(self, tiles: Optional[Dict[int, int]]):
+        """Around a recompute: the MLPs and norms tile as its forward did (``tiles_of_pass``)."""
+        return self._tiles.replaying(tiles) if tiles is not None else contextlib.nullcontext()
 
     # -- deciding ---------------------------------------------------------------------------
     def decision(self, tokens: int) -> LongDecision:
