@@ -48,8 +48,10 @@ def test_casting_streamed_weights_is_refused():
     streamed, _ = peft_pair("llama", layers=3)
     stream(streamed, "cpu", slots=2)
     streamed.to(torch.float32)  # no change: allowed
-    with pytest.raises(layerstream.StreamingError, match="cast streamed weights"):
+    with pytest.raises(layerstream.StreamingError, match="cast streamed weights") as refused:
         streamed.half()
+    # under `layerstream run` the user never calls stream_model: the dtype goes to from_pretrained
+    assert "load the model in torch.float16 (from_pretrained(..., dtype=torch.float16)" in str(refused.value)
 
 
 def test_save_pretrained_writes_the_plain_model(tmp_path):

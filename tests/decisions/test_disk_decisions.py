@@ -52,8 +52,12 @@ def test_a_tight_budget_gets_a_smaller_ring_and_no_ram_layers():
 
 
 def test_a_budget_that_cannot_hold_the_ring_is_refused_with_what_to_change():
-    with pytest.raises(StreamConfigError, match=r"Raise host_budget to 2\.00 GiB"):
+    with pytest.raises(StreamConfigError, match=r"Raise host_budget to 2\.00 GiB") as unquantized:
         split_tiers([GiB] * 4, GiB + 1)
+    with pytest.raises(StreamConfigError, match=r"Raise host_budget to 2\.00 GiB") as quantized:
+        split_tiers([GiB] * 4, GiB + 1, quantized=True)
+    assert "load in NF4" in str(unquantized.value), "NF4 is advised where the layers are not NF4 yet"
+    assert "load in NF4" not in str(quantized.value), "and not to layers that are NF4 already"
 
 
 def test_lookahead_follows_measured_read_and_visit_times():

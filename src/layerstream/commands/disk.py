@@ -99,6 +99,7 @@ def format_disk_term(args, config, plan, host_budget: int) -> str:
         params,
         plan.seq * plan.batch,
         args.tflops,
+        quantized=args.quantization == "nf4",
     )
     tiers = term.tiers
     lines = [

@@ -61,12 +61,13 @@ class Tiers:
         return self.ring_regions * self.region_bytes if self.disk else 0
 
 
-def split_tiers(layer_bytes: Sequence[int], budget: Optional[int]) -> Tiers:
+def split_tiers(layer_bytes: Sequence[int], budget: Optional[int], quantized: bool = False) -> Tiers:
     """Place the layers under ``budget`` host bytes: the staging ring first (up to
     RING_REGIONS regions, at least MIN_RING_REGIONS), then as many layers in RAM as the rest
     holds, spread through the stack so the compute of RAM layers hides disk reads.
 
-    Raises StreamConfigError when the budget cannot hold even the smallest ring."""
+    Raises StreamConfigError when the budget cannot hold even the smallest ring (advising NF4
+    unless the layers are ``quantized`` already)."""
     count = len(layer_bytes)
     if budget is None or sum(layer_bytes) <= budget or count == 0:
         return Tiers(tuple(range(count)), (), 0, 0)
@@ -76,9 +77,9 @@ def split_tiers(layer_bytes: Sequence[int], budget: Optional[int]) -> Tiers:
         raise StreamConfigError(
             f"host_budget {size_text(budget)} cannot hold the disk tier's staging ring: it needs at least "
             f"{MIN_RING_REGIONS} layer-sized regions ({size_text(MIN_RING_REGIONS * largest)} for layers of "
-            f"{size_text(largest)}). Raise host_budget to {size_text(MIN_RING_REGIONS * largest)} or more, load in NF4 "
-            "(quantization='nf4': about a quarter of the bytes per layer), or leave host_budget unset "
-            "to keep every layer in host RAM."
+            f"{size_text(largest)}). Raise host_budget to {size_text(MIN_RING_REGIONS * largest)} or more, "
+            + ("" if quantized else "load in NF4 (quantization='nf4': about a quarter of the bytes per layer), ")
+            + "or leave host_budget unset to keep every layer in host RAM."
         )
     room = budget - regions * largest
     # the largest count of layers whose bytes fit the room (layers are usually all alike)

@@ -82,8 +82,10 @@ def refuse_cast_or_move(fn, dtypes, device: torch.device) -> None:
         if probe.dtype != dtype:
             raise StreamingError(
                 f"this call would cast streamed weights from {dtype} to {probe.dtype}. Nothing "
-                "was changed. Streamed weights keep the dtype they were streamed with: cast the "
-                "model before stream_model, or unstream_model, cast, and stream again."
+                "was changed. Streamed weights keep the dtype they were streamed with: load the "
+                f"model in {probe.dtype} (from_pretrained(..., dtype={probe.dtype}); under `layerstream "
+                "run`, in the script's own call), or cast it before stream_model, or unstream_model, "
+                "cast, and stream again."
             )
         if probe.device.type == "cuda" and probe.device != device:
             raise StreamingError(

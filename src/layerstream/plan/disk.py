@@ -54,10 +54,11 @@ def disk_term(
     params: int,
     tokens: int,
     tflops: Optional[float] = None,
+    quantized: bool = False,
 ) -> DiskTerm:
     """The disk term of a run whose layers (``sizes`` bytes each, ``params`` frozen
-    parameters in all) stream under ``host_budget``."""
-    tiers = split_tiers(list(sizes), host_budget)
+    parameters in all, ``quantized`` to NF4 or not) stream under ``host_budget``."""
+    tiers = split_tiers(list(sizes), host_budget, quantized=quantized)
     compute = FLOPS_PER_TOKEN_PARAM * params * tokens / (tflops * 1e12) if tflops else None
     return DiskTerm(tiers, disk_bytes_per_step(sizes, tiers.disk, slots), disk_gbps, copy_seconds, compute)
 

@@ -359,7 +359,7 @@ class StreamRuntime:
                 "backward would differ from the forward it differentiates (autograd refuses the "
                 "same for a resident weight it saved). Change weights between steps."
             )
-        self.refuse_host_write(index, "a change to its weights")
+        self.refuse_host_write(index, report.what_changed(record))
         outcome = self.store.sync(record)
         if outcome == SAME:
             return
@@ -402,16 +402,9 @@ class StreamRuntime:
         self.refuse_half_unstreamed("take a write into its weights")
         name = self.records[index].name
         if self.store.segment is not None:
-            raise StreamingError(
-                f"{name} is in a host store shared by this node's ranks (share_host_store), mapped read-only: "
-                f"{change} is not possible. Change or merge weights in one process with share_host_store=False."
-            )
+            raise StreamingError(report.shared_store_write(name, change))
         if self.disk is not None and self.disk.holds(index):
-            raise StreamingError(
-                f"{name} is read from disk each time (host_budget: the checkpoint's files, or the NF4 layer "
-                f"cache): {change} would not reach the GPU. Change or merge weights only of layers in host "
-                "RAM: raise host_budget or leave it unset."
-            )
+            raise StreamingError(report.disk_layer_write(name, change, self.device))
 
     def refuse_half_unstreamed(self, what: str) -> None:
         """An unstream_model interrupted after its copies were made left some modules plain

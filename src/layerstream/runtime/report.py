@@ -308,3 +308,41 @@ def trainable_streamed_tensor(name: str) -> str:
         "training; a tensor made trainable after streaming (PEFT's modules_to_save or trainable tokens "
         "inside a decoder layer) must be made trainable before layerstream.stream_model."
     )
+
+
+def what_changed(record) -> str:
+    """How a refusal names a change to ``record``'s tensors: the first dtype cast (as peft's
+    prepare_model_for_kbit_training makes), else a change to its weights."""
+    for entry in record.entries:
+        if entry.bound:
+            tensor = entry.table.get(entry.name)
+            if tensor is not None and tensor.dtype != entry.dtype:
+                return f"a cast of {entry.qualified_name} from {entry.dtype} to {tensor.dtype}"
+    return "a change to its weights"
+
+
+def shared_store_write(name: str, change: str) -> str:
+    return (
+        f"{name} is in a host store shared by this node's ranks (share_host_store), mapped read-only: "
+        f"{change} is not possible. Change or merge weights in one process with share_host_store=False."
+    )
+
+
+def disk_layer_write(name: str, change: str, device) -> str:
+    """A change to a layer the disk tier reads: it would not reach the device. A cast is
+    usually peft's prepare_model_for_kbit_training (QLoRA scripts call it), which finds
+    nothing to cast in a model loaded in the dtype it casts to: the same numbers."""
+    if change.startswith("a cast"):
+        wanted = change.rsplit(" to ", 1)[1]
+        what_to_do = (
+            f"Load the model in {wanted} instead (from_pretrained(..., dtype={wanted}); for TRL's scripts "
+            f"--dtype {wanted.replace('torch.', '')}): peft's prepare_model_for_kbit_training casts every "
+            "weight that is not 4-bit to float32 and then finds nothing to cast. Or raise host_budget or "
+            "leave it unset, so that every layer is in host RAM."
+        )
+    else:
+        what_to_do = "Change or merge weights only of layers in host RAM: raise host_budget or leave it unset."
+    return (
+        f"{name} is read from disk each time (host_budget: the checkpoint's files, or the NF4 layer cache): "
+        f"{change} would not reach the {torch.device(device).type.upper()}. {what_to_do}"
+    )

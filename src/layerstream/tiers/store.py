@@ -538,9 +538,10 @@ def plan_tiers(stream, layers: nn.ModuleList, path: str, sizes: Optional[list] =
     budget = resolve_host_budget(stream.host_budget, host_memory())
     if budget is None:
         return None
+    quantized = sizes is not None
     if sizes is None:
         sizes = [
             HostStore.plan_layer(i, layer_name(path, i), layer, lambda t: True).nbytes for i, layer in enumerate(layers)
         ]
-    tiers = split_tiers(sizes, budget)
+    tiers = split_tiers(sizes, budget, quantized=quantized)
     return tiers if tiers.disk else None
