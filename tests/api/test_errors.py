@@ -333,5 +333,9 @@ def test_bias_training_after_streaming_is_refused_naming_the_bias_setting():
     layerstream.stream_model(model, device="cpu")
     model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear", bias="all"))
     ids = torch.randint(3, 90, (1, 6))
-    with pytest.raises(layerstream.StreamingError, match=r"bias='all' or bias='lora_only'.*Use bias='none'"):
+    with pytest.raises(layerstream.StreamingError, match=r"bias='all' or bias='lora_only'.*Use bias='none'") as refused:
         model(input_ids=ids, labels=ids)
+    # the other way out is open only to a script that calls stream_model itself
+    assert "under `layerstream run` and layerstream.from_pretrained the layers stream as they load" in str(
+        refused.value
+    )

@@ -299,8 +299,10 @@ def trainable_streamed_tensor(name: str) -> str:
         return (
             f"{name} requires grad: PEFT's bias='all' or bias='lora_only' trains the base layers' biases, "
             "but this model's decoder layers were streamed before PEFT was applied, so their biases are "
-            "frozen copies in host memory. Use bias='none' (PEFT's default), or apply get_peft_model before "
-            "layerstream.stream_model (trainable tensors stay on the GPU)."
+            "frozen copies in host memory. Use bias='none' (PEFT's default), or, in a script that calls "
+            "layerstream.stream_model itself, apply get_peft_model before it (trainable tensors stay on the "
+            "GPU); under `layerstream run` and layerstream.from_pretrained the layers stream as they load, "
+            "so the base layers' biases cannot train there."
         )
     return (
         f"{name} requires grad, but streamed weights are frozen (gradients for them would have nowhere "
