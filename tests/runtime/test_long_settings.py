@@ -236,6 +236,50 @@ def test_the_switch_comparison_fails_when_the_recompute_reads_the_tiles_decided_
         _gradients_after_a_switch_mid_pass(streamed, resident, True)
 
 
+def _a_pass_from_before_the_first_tile(streamed, resident):
+    """Pass 1 of 2 x 48 tokens with offloading on and no MLP tile; offloading switched off;
+    pass 2 of the same length, which "auto" tiles; both backwards, the first pass's last:
+    every LoRA gradient of the two models."""
+    ids = batch(400, seq=48, seed=5)
+    torch.manual_seed(7)
+    first = streamed(input_ids=ids, labels=ids).loss
+    assert not layerstream.get_runtime(streamed).long_settings.settings_for(96).get(TILE)
+    layerstream.get_runtime(streamed).set_offload_activations(False)
+    second = streamed(input_ids=ids, labels=ids).loss
+    assert layerstream.get_runtime(streamed).long_settings.settings_for(96)[TILE] == 16
+    second.backward()
+    first.backward()
+    torch.manual_seed(7)
+    first = resident(input_ids=ids, labels=ids).loss
+    tiled_mlp.apply(resident, 16)
+    resident(input_ids=ids, labels=ids).loss.backward()
+    first.backward()
+    return [(a.grad, b.grad) for a, b in zip(streamed.parameters(), resident.parameters()) if a.requires_grad]
+
+
+def _untiled_then_tiled():
+    streamed, resident = _pair()
+    budget = _needed(resident, 48, offload_activations=True, loss_chunk_tokens=16) / (1 - OFFLOAD_AUTO_MARGIN)
+    _stream(streamed, int(budget) + 1, offload_activations=True)
+    chunked_loss.apply(resident, 16)
+    return streamed, resident
+
+
+def test_a_pass_begun_before_any_tile_recomputes_untiled_after_a_later_pass_tiles(small_tiles):
+    gradients = _a_pass_from_before_the_first_tile(*_untiled_then_tiled())
+    assert gradients and all(torch.equal(a, b) for a, b in gradients)
+
+
+def test_the_comparison_fails_when_a_pass_without_tiles_replays_none(small_tiles, monkeypatch):
+    """Negative control: a first pass that replays nothing reads the table the later pass
+    filled, and its recompute tiles where its forward did not."""
+    from layerstream.runtime.long_settings import LongSettingsPolicy
+
+    monkeypatch.setattr(LongSettingsPolicy, "tiles_of_pass", lambda self: None)
+    with pytest.raises(torch.utils.checkpoint.CheckpointError):
+        _a_pass_from_before_the_first_tile(*_untiled_then_tiled())
+
+
 def test_an_explicit_value_wins_over_what_auto_would_decide(small_tiles):
     streamed, resident = _pair()
     given = dict(offload_activations=True, loss_chunk_tokens=None, mlp_tile_tokens=7)

@@ -138,8 +138,9 @@ class LongSettingsPolicy:
 
     def tiles_of_pass(self) -> Optional[Dict[int, int]]:
         """The tiles a training pass starting now takes, for its recompute to replay
-        (``replaying``); None where no MLP takes tiles by length."""
-        return self._tiles.snapshot() if self._tiled else None
+        (``replaying``): empty while none is decided (the MLPs may take tiles by a later
+        pass, before this one's backward); None where mlp_tile_tokens is not "auto"."""
+        return self._tiles.snapshot() if self._tiles_possible else None
 
     def replaying(self, tiles: Optional[Dict[int, int]]):
         """Around a recompute: the MLPs and norms tile as its forward did (``tiles_of_pass``)."""
