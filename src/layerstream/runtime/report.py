@@ -332,19 +332,19 @@ def shared_store_write(name: str, change: str) -> str:
 
 def disk_layer_write(name: str, change: str, device) -> str:
     """A change to a layer the disk tier reads: it would not reach the device. A cast is
-    usually peft's prepare_model_for_kbit_training (QLoRA scripts call it), which finds
-    nothing to cast in a model loaded in the dtype it casts to: the same numbers."""
+    usually peft's prepare_model_for_kbit_training (QLoRA scripts call it); a layer in host
+    RAM takes it, as the plain model does."""
+    device = torch.device(device)
+    where = "the GPU" if device.type == "cuda" else f"the copies on {device}"
     if change.startswith("a cast"):
-        wanted = change.rsplit(" to ", 1)[1]
         what_to_do = (
-            f"Load the model in {wanted} instead (from_pretrained(..., dtype={wanted}); for TRL's scripts "
-            f"--dtype {wanted.replace('torch.', '')}): peft's prepare_model_for_kbit_training casts every "
-            "weight that is not 4-bit to float32 and then finds nothing to cast. Or raise host_budget or "
-            "leave it unset, so that every layer is in host RAM."
+            "The disk tier reads each layer as it is stored. Keep the layers in host RAM: raise host_budget "
+            "or leave it unset (a layer in host RAM takes the cast, and trains as the plain model does; "
+            "peft's prepare_model_for_kbit_training casts every weight that is not 4-bit to float32)."
         )
     else:
         what_to_do = "Change or merge weights only of layers in host RAM: raise host_budget or leave it unset."
     return (
         f"{name} is read from disk each time (host_budget: the checkpoint's files, or the NF4 layer cache): "
-        f"{change} would not reach the {torch.device(device).type.upper()}. {what_to_do}"
+        f"{change} would not reach {where}. {what_to_do}"
     )
