@@ -17,6 +17,7 @@ Counters, the start-up summary and out-of-memory advice are in ``report``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Dict, List, Optional, Tuple
 
@@ -266,13 +267,14 @@ class StreamRuntime:
             def checkpointed(*a, **k):
                 phase = Phase.TRAIN_FORWARD if calls[0] == 0 else Phase.BACKWARD
                 calls[0] += 1
+                replay = contextlib.nullcontext()
                 if phase is Phase.BACKWARD:
                     self._in_backward()
                     if offloader is not None and index == len(self.records) - 1:
                         offloader.prefetch_newest()  # the kept last layer: backward starts
-                    with self.long_settings.replaying(tiles):
-                        return layer_mod.refuse_second_order(self.run_layer(layer, index, phase, a, k), layer)
-                return layer_mod.refuse_second_order(self.run_layer(layer, index, phase, a, k), layer)
+                    replay = self.long_settings.replaying(tiles)
+                with replay:
+                    return layer_mod.refuse_second_order(self.run_layer(layer, index, phase, a, k), layer)
 
             if offloader is not None and offloader.offloads(index) and args and isinstance(args[0], torch.Tensor):
                 with offloader.saving(args[0]):  # the input checkpointing saves goes to the host

@@ -20,7 +20,6 @@ summary.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -144,7 +143,7 @@ class LongSettingsPolicy:
 
     def replaying(self, tiles: Optional[Dict[int, int]]):
         """Around a recompute: the MLPs and norms tile as its forward did (``tiles_of_pass``)."""
-        return self._tiles.replaying(tiles) if tiles is not None else contextlib.nullcontext()
+        return self._tiles.replaying(tiles)
 
     # -- deciding ---------------------------------------------------------------------------
     def decision(self, tokens: int) -> LongDecision:

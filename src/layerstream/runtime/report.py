@@ -312,6 +312,9 @@ def trainable_streamed_tensor(name: str) -> str:
     )
 
 
+_CAST = "a cast of "  # how what_changed names a cast, which disk_layer_write advises on
+
+
 def what_changed(record) -> str:
     """How a refusal names a change to ``record``'s tensors: the first dtype cast (as peft's
     prepare_model_for_kbit_training makes), else a change to its weights."""
@@ -319,7 +322,7 @@ def what_changed(record) -> str:
         if entry.bound:
             tensor = entry.table.get(entry.name)
             if tensor is not None and tensor.dtype != entry.dtype:
-                return f"a cast of {entry.qualified_name} from {entry.dtype} to {tensor.dtype}"
+                return f"{_CAST}{entry.qualified_name} from {entry.dtype} to {tensor.dtype}"
     return "a change to its weights"
 
 
@@ -336,7 +339,7 @@ def disk_layer_write(name: str, change: str, device) -> str:
     RAM takes it, as the plain model does."""
     device = torch.device(device)
     where = "the GPU" if device.type == "cuda" else f"the copies on {device}"
-    if change.startswith("a cast"):
+    if change.startswith(_CAST):
         what_to_do = (
             "The disk tier reads each layer as it is stored. Keep the layers in host RAM: raise host_budget "
             "or leave it unset (a layer in host RAM takes the cast, and trains as the plain model does; "
