@@ -8,6 +8,8 @@ long as the caught exception lives (a retry loop, a logger, a test's excinfo), a
 later forward in the process saves into that dead checkpoint."""
 
 import gc
+import os
+import traceback
 
 import pytest
 import torch
@@ -62,13 +64,21 @@ def _first_model_stops_mid_forward(tmp_path, device):
     tier = layerstream.get_runtime(model).disk
     chunk = tier.layers[tier.tiers.disk[0]].chunks[0]
     begin, end, _ = chunk.pieces[0]
+    stat = os.stat(chunk.file.path)
     with open(chunk.file.path, "r+b") as handle:  # flip a high byte inside a float32 weight
         handle.seek(begin + (end - begin) // 2 + 3)
         value = handle.read(1)[0]
         handle.seek(begin + (end - begin) // 2 + 3)
         handle.write(bytes([value ^ 0x40]))
-    with pytest.raises(DiskReadError) as caught:
+    # the file's times as they were: the check of a changed file at the pass's start (outside
+    # any checkpoint) passes, and the read's checksum, inside the layer's checkpoint, catches it
+    os.utime(chunk.file.path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    with pytest.raises(DiskReadError, match="debug checksum") as caught:
         train_steps(model, 1, device=device)
+    frames = [frame.f_code for frame, _ in traceback.walk_tb(caught.value.__traceback__)]
+    assert any(code.co_filename == torch_checkpoint.__file__ and code.co_name == "checkpoint" for code in frames), (
+        "the error did not stop the step inside a checkpointed layer, so the tests here could not fail"
+    )
     return caught
 
 
