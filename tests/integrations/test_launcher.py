@@ -4,6 +4,7 @@ run streamed gives the plain run's losses, with the stats in log_history."""
 
 import argparse
 import json
+import logging
 import runpy
 import sys
 from pathlib import Path
@@ -161,32 +162,51 @@ def test_trl_dpo_unchanged_under_the_launcher_matches_the_plain_run(files, tmp_p
     assert len(plain) == 3 and got == plain
 
 
+QLORA_SCRIPT = str(ROOT / "examples" / "train_qlora.py")
+
+
+def _qlora_script_args(files, out):
+    return [
+        "--model_name_or_path",
+        str(files["model"]),
+        "--load_in_4bit",
+        "--output_dir",
+        str(out),
+        "--max_steps",
+        "3",
+        "--logging_steps",
+        "1",
+        "--report_to",
+        "none",
+        "--use_cpu",
+        "--per_device_train_batch_size",
+        "4",
+        "--save_strategy",
+        "no",
+    ]
+
+
 def test_a_plain_trainer_script_with_device_map_and_a_4bit_config_matches_the_plain_run(files, tmp_path, monkeypatch):
-    script = str(ROOT / "examples" / "train_qlora.py")
+    monkeypatch.setattr(sys, "argv", [QLORA_SCRIPT] + _qlora_script_args(files, tmp_path / "plain"))
+    runpy.run_path(QLORA_SCRIPT, run_name="__main__")
+    assert cli.main(["run", "--slots", "2", QLORA_SCRIPT] + _qlora_script_args(files, tmp_path / "streamed")) == 0
+    plain, got = _losses(tmp_path / "plain"), _losses(tmp_path / "streamed")
+    assert len(plain) == 3 and got == plain
 
-    def args(out):
-        return [
-            "--model_name_or_path",
-            str(files["model"]),
-            "--load_in_4bit",
-            "--output_dir",
-            str(out),
-            "--max_steps",
-            "3",
-            "--logging_steps",
-            "1",
-            "--report_to",
-            "none",
-            "--use_cpu",
-            "--per_device_train_batch_size",
-            "4",
-            "--save_strategy",
-            "no",
-        ]
 
-    monkeypatch.setattr(sys, "argv", [script] + args(tmp_path / "plain"))
-    runpy.run_path(script, run_name="__main__")
-    assert cli.main(["run", "--slots", "2", script] + args(tmp_path / "streamed")) == 0
+def test_the_plain_qlora_script_with_layers_on_disk_matches_the_plain_run(files, tmp_path, monkeypatch, caplog):
+    """The script calls peft's prepare_model_for_kbit_training, which casts the norms of
+    every layer, those the disk tier reads too (a host_budget below the model)."""
+    loaded = layerstream.from_pretrained(
+        files["model"], quantization="nf4", stream=layerstream.StreamConfig(device="cpu")
+    )
+    budget = str(3 * layerstream.get_runtime(loaded).store.largest_layer_bytes)  # the ring and one layer
+    monkeypatch.setattr(sys, "argv", [QLORA_SCRIPT] + _qlora_script_args(files, tmp_path / "plain"))
+    runpy.run_path(QLORA_SCRIPT, run_name="__main__")
+    streamed = ["run", "--slots", "2", "--host-budget", budget, "--disk-cache-dir", str(tmp_path / "cache")]
+    with caplog.at_level(logging.WARNING, logger="layerstream"):
+        assert cli.main(streamed + [QLORA_SCRIPT] + _qlora_script_args(files, tmp_path / "streamed")) == 0
+    assert any("of layers the disk tier reads were changed" in r.getMessage() for r in caplog.records)
     plain, got = _losses(tmp_path / "plain"), _losses(tmp_path / "streamed")
     assert len(plain) == 3 and got == plain
 

@@ -300,19 +300,20 @@ def test_a_change_to_a_disk_layer_weight_is_refused(checkpoint):
 
 
 def test_a_cast_of_a_disk_layer_weight_is_refused_naming_the_cast(checkpoint):
-    """peft's prepare_model_for_kbit_training casts the norms to float32 through ``.data``: a
-    disk layer cannot take it (a RAM layer takes the cast into the store), and the refusal
-    names the tensor and the two dtypes."""
+    """A cast through ``.data`` of a weight too large to stay on the device: a disk layer
+    cannot take it (a RAM layer takes the cast into the store; a disk layer's norms stay on
+    the device, tests/tiers/test_disk_changes.py), and the refusal names the tensor and the
+    two dtypes."""
     fed = load_streamed(checkpoint, small_budget(checkpoint))
     runtime = layerstream.get_runtime(fed)
     disk, ram = runtime.disk.tiers.disk[0], runtime.disk.tiers.ram[0]
-    fed.model.layers[ram].input_layernorm.weight.data = fed.model.layers[ram].input_layernorm.weight.data.double()
-    norm = fed.model.layers[disk].input_layernorm.weight
-    norm.data = norm.data.double()
+    fed.model.layers[ram].mlp.up_proj.weight.data = fed.model.layers[ram].mlp.up_proj.weight.data.double()
+    weight = fed.model.layers[disk].mlp.up_proj.weight
+    weight.data = weight.data.double()
     with pytest.raises(StreamingError, match="read from disk each time") as refused:
         fed(torch.tensor([[3, 4, 5]]))
     said = str(refused.value)
-    assert f"a cast of model.layers.{disk}.input_layernorm.weight from torch.float32 to torch.float64" in said
+    assert f"a cast of model.layers.{disk}.mlp.up_proj.weight from torch.float32 to torch.float64" in said
     assert "would not reach the copies on cpu" in said and "Keep the layers in host RAM" in said
     assert "model.layers.{}.".format(ram) not in said
 

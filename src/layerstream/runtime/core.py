@@ -36,6 +36,7 @@ from ..tiers.store import LAYOUT, SAME, HostStore, LayerRecord
 from . import meter, passes, report, timeline
 from .backward_slots import BackwardSlots
 from .budget_check import BudgetCheck
+from .disk_changes import DiskChanges
 from .experts import ExpertsByNeed
 from .long_settings import LongSettingsPolicy
 from .offload_policy import OffloadPolicy
@@ -62,6 +63,7 @@ class StreamRuntime:
         self.records = records
         self.store = store
         self.disk = store.disk  # the layers read from disk each time (disk.DiskTier), or None
+        self.disk_changes = DiskChanges(self.device, store)  # their changed norms and biases, kept on the device
         self.backward = BackwardSlots(config)
         self.pool = SlotPool(
             config.device, config.slots, store.largest_layer_bytes, backward_slots=self.backward.capacity
@@ -300,6 +302,7 @@ class StreamRuntime:
         for record in self.records:  # changes made between passes, quant states included
             if not record.fresh_deep():
                 self._refresh(record.index, Phase.TRAIN_FORWARD, pass_start=True)
+        self.disk_changes.report()
         if self._placed_at != layer_mod.registrations():  # adapters may have come since
             self._place_resident_tensors()
         self.pass_offloader = None
@@ -361,20 +364,21 @@ class StreamRuntime:
                 "backward would differ from the forward it differentiates (autograd refuses the "
                 "same for a resident weight it saved). Change weights between steps."
             )
-        self.refuse_host_write(index, report.what_changed(record))
-        outcome = self.store.sync(record)
-        if outcome == SAME:
-            return
-        if outcome == LAYOUT:
-            if not pass_start:
-                raise StreamingError(
-                    f"a weight of {record.name} changed shape or dtype during a forward pass; do it "
-                    "between passes, or unstream_model first."
-                )
-            self.store.repack(record)
-            self._streamed_dtypes = {e.dtype for r in self.records for e in r.entries}
-            if record.nbytes > self.pool.slot_bytes:
-                self._rebuild_pool()
+        if not (pass_start and self.unstreaming is None and self.disk_changes.keep(record)):
+            self.refuse_host_write(index, report.what_changed(record))
+            outcome = self.store.sync(record)
+            if outcome == SAME:
+                return
+            if outcome == LAYOUT:
+                if not pass_start:
+                    raise StreamingError(
+                        f"a weight of {record.name} changed shape or dtype during a forward pass; do it "
+                        "between passes, or unstream_model first."
+                    )
+                self.store.repack(record)
+                self._streamed_dtypes = {e.dtype for r in self.records for e in r.entries}
+                if record.nbytes > self.pool.slot_bytes:
+                    self._rebuild_pool()
         changes.watch(record)
         self._index_modules(record)
         self.experts.restack(record)

@@ -12,6 +12,7 @@ from ..errors import StreamingError
 from ..long import chunked_loss, trl_head
 from ..modules import nf4, packed_experts
 from ..units import GiB, MiB, gib, size
+from .disk_changes import SHARE
 
 
 def stats(runtime) -> dict:
@@ -334,16 +335,18 @@ def shared_store_write(name: str, change: str) -> str:
 
 
 def disk_layer_write(name: str, change: str, device) -> str:
-    """A change to a layer the disk tier reads: it would not reach the device. A cast is
-    usually peft's prepare_model_for_kbit_training (QLoRA scripts call it); a layer in host
-    RAM takes it, as the plain model does."""
+    """A change to a layer the disk tier reads that cannot stay on the device
+    (``disk_changes``: a 4-bit weight, a quantisation state, a large tensor): it would not
+    reach the device. A layer in host RAM takes it, as the plain model does."""
     device = torch.device(device)
     where = "the GPU" if device.type == "cuda" else f"the copies on {device}"
     if change.startswith(_CAST):
         what_to_do = (
-            "The disk tier reads each layer as it is stored. Keep the layers in host RAM: raise host_budget "
-            "or leave it unset (a layer in host RAM takes the cast, and trains as the plain model does; "
-            "peft's prepare_model_for_kbit_training casts every weight that is not 4-bit to float32)."
+            "The disk tier reads each layer as it is stored; a disk layer's changed norms and biases (peft's "
+            "prepare_model_for_kbit_training casts them to float32) stay on the device, but not a 4-bit weight, a "
+            f"quantisation state, or tensors of more than 1/{SHARE} of the layer's bytes. Keep the layers in host "
+            "RAM: raise host_budget or leave it unset (a layer in host RAM takes the cast, and trains as the plain "
+            "model does)."
         )
     else:
         what_to_do = "Change or merge weights only of layers in host RAM: raise host_budget or leave it unset."

@@ -1,0 +1,140 @@
+"""A change to a disk layer's small tensors: kept on the device, as a plain model holds it.
+
+The disk tier reads a layer's bytes from the checkpoint's files (or the NF4 layer cache)
+as they are stored, so a change to one of its tensors cannot reach the copies the layer
+computes from. The change QLoRA scripts make is peft's ``prepare_model_for_kbit_training``:
+it casts every weight that is not 4-bit to float32 (``param.data = param.data.to(float32)``),
+which in a 4-bit layer means the norms and biases: a few KiB of a layer of hundreds of MiB.
+Between passes, such changed tensors leave the layer's streamed set and stay on the device
+for good, holding the new values (a Parameter keeps its identity, so an optimizer made
+before holds it still); the computation is the plain model's, which holds them there too.
+The layer's other tensors stream from disk as before; the bytes the files hold for the
+changed ones are still read and are not used.
+
+What is refused as before (``report.disk_layer_write``): a change to a 4-bit weight or its
+quantisation state, to a tensor's shape, to anything but a floating-point tensor, or one
+whose tensors would hold more than ``1 / SHARE`` of the layer's bytes on the device (a
+bfloat16 model cast whole would move its layers to the GPU, which the disk tier is there
+to avoid).
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+from torch import nn
+
+from ..modules import changes, nf4, swap
+from ..system.log import get_logger
+from ..tiers import disk_files
+from ..tiers.store import HostStore, LayerRecord
+from ..units import size_text
+
+logger = get_logger(__name__)
+
+SHARE = 8  # the changed tensors may hold at most this fraction (1 / SHARE) of the layer's bytes
+
+
+def changed_positions(record: LayerRecord) -> List[int]:
+    """The positions of the layer's bound entries whose tensor changed since the device
+    copies were made (another tensor, another version, other memory)."""
+    bound = [position for position, entry in enumerate(record.entries) if entry.bound]
+    changed = []
+    for position, (table, name, tensor, alias, version), address in zip(bound, record.watch, record.addresses):
+        current = table.get(name)
+        if current is not tensor or alias._version != version or current.data_ptr() != address:
+            changed.append(position)
+    return changed
+
+
+def _quant_states_unchanged(record: LayerRecord) -> bool:
+    for table, name, obj, alias, version in record.watch_deep:
+        if table.get(name) is not obj or (alias is not None and alias._version != version):
+            return False
+    return True
+
+
+def _keepable(record: LayerRecord, positions: List[int]) -> Optional[int]:
+    """The bytes the changed tensors hold now, or None when they cannot stay on the device."""
+    total = 0
+    for position in positions:
+        entry = record.entries[position]
+        current = entry.current()
+        if (
+            current is None
+            or nf4.is_packed(current)
+            or not current.is_floating_point()
+            or tuple(current.shape) != tuple(entry.shape)
+        ):
+            return None
+        total += current.numel() * current.element_size()
+    return total if total * SHARE <= record.nbytes else None
+
+
+class DiskChanges:
+    """Keeps the changed small tensors of disk layers on ``device``, and says so once."""
+
+    def __init__(self, device: torch.device, store: HostStore):
+        self.device = device
+        self.store = store
+        self.tensors = 0
+        self.bytes = 0
+        self._unreported: List[str] = []
+        self._said = False
+
+    def keep(self, record: LayerRecord) -> bool:
+        """Take the changed tensors of ``record`` (a disk layer) out of its streamed set and
+        onto the device; False (nothing changed) where the change cannot be kept, or where
+        the layer is not a disk layer (a layer in host RAM takes any change into the store;
+        one in a node-shared store refuses it)."""
+        disk = self.store.disk
+        if disk is None or not disk.holds(record.index) or self.store.segment is not None:
+            return False
+        positions = changed_positions(record)
+        if not positions or not _quant_states_unchanged(record):
+            return False
+        nbytes = _keepable(record, positions)
+        if nbytes is None:
+            return False
+        with torch.no_grad():
+            for position in positions:
+                self._move(record.entries[position])
+        self._unreported += [record.entries[position].qualified_name for position in positions]
+        keep = [position for position in range(len(record.entries)) if position not in set(positions)]
+        record.entries = [record.entries[position] for position in keep]
+        record.arena_views = [record.arena_views[position] for position in keep]
+        record.host_values = [record.host_values[position] for position in keep]
+        HostStore._bound(record)  # what each call binds and restores, and the watch, without them
+        self.tensors += len(positions)
+        self.bytes += nbytes
+        return True
+
+    def _move(self, entry) -> None:
+        current = entry.current()
+        disk_files.unguard(current)  # its values are no longer the files'
+        if isinstance(current, nn.Parameter):
+            swap.swap_out(current, changes.WritesVisible)
+            current.data = current.data.to(self.device, copy=True)  # the same Parameter; not the files' map
+        else:
+            entry.table[entry.name] = current.to(self.device, copy=True)
+
+    def report(self) -> None:
+        """Once, after the pass start that first kept any: what stays on the device, and why."""
+        if not self._unreported:
+            return
+        first, count = self._unreported[0], len(self._unreported)
+        self._unreported = []
+        if self._said:
+            return
+        self._said = True
+        logger.warning(
+            "layerstream: %d tensors of layers the disk tier reads were changed (e.g. %s; peft's "
+            "prepare_model_for_kbit_training casts every weight that is not 4-bit to float32). The disk tier "
+            "reads each layer as stored, so these stay on %s for good with their new values (%s), as a plain "
+            "model holds them; the rest of each layer streams from disk as before.",
+            count,
+            first,
+            self.device,
+            size_text(self.bytes),
+        )
