@@ -350,16 +350,25 @@ def _copies_out(model: nn.Module, runtime: StreamRuntime, device) -> tuple:
             runtime.store.repack(record)
     copies = [runtime.store.copies_out(record, target) for record in runtime.records]
     ends = runtime.embeddings.copies_out(target) if runtime.embeddings is not None else None
-    return copies, ends
+    # a disk layer's tensors kept on the stream device (runtime/disk_changes) go with the layers
+    kept = [
+        (table, name, table[name].detach().to(target, copy=True)) for r in runtime.records for table, name, *_ in r.kept
+    ]
+    return copies, ends, kept
 
 
-def _commit_unstream(model: nn.Module, runtime: StreamRuntime, copies: list, ends) -> None:
+def _commit_unstream(model: nn.Module, runtime: StreamRuntime, copies: list, ends, kept: list) -> None:
     """Point the model at the copies and take every streamed behaviour off: plain
     assignments and class swaps, nothing that allocates. A layer still streamed refuses to
     run until the last is plain, and the modules above refuse a move until released."""
     for record, values in zip(runtime.records, copies):
         changes.unwatch(record)
         HostStore.restore(record, values)
+    for table, name, value in kept:
+        if isinstance(table[name], nn.Parameter):
+            table[name].data = value  # the same Parameter (an optimizer may hold it)
+        else:
+            table[name] = value
     for module in nf4.streamed_linear4bit_modules(runtime.records):
         nf4.make_plain(module)
     if runtime.embeddings is not None:

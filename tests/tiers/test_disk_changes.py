@@ -101,6 +101,29 @@ def test_new_values_of_a_disk_layers_norms_reach_the_computation(checkpoint, tmp
         assert_traces_equal(train_steps(unscaled, 1), want)
 
 
+def test_a_second_load_from_the_same_nf4_cache_trains_as_the_plain_model(checkpoint, tmp_path):
+    """A layer read back from the NF4 cache: a cast of one norm is not taken for a write to
+    every tensor of the layer (which would refuse the run)."""
+    _streamed(checkpoint, tmp_path / "cache", "cpu")  # writes the cache
+    streamed = _peft(prepare_model_for_kbit_training(_streamed(checkpoint, tmp_path / "cache", "cpu"), False))
+    resident = _peft(prepare_model_for_kbit_training(_plain(checkpoint, "cpu"), False))
+    assert_traces_equal(train_steps(streamed, 2), train_steps(resident, 2))
+
+
+def test_a_kept_norm_changed_between_a_forward_and_its_backward_is_refused(checkpoint, tmp_path):
+    """Kept on the device, a norm is still watched: the recompute would use the new values
+    where autograd differentiates the old ones."""
+    model = _peft(prepare_model_for_kbit_training(_streamed(checkpoint, tmp_path / "cache", "cpu"), False))
+    train_steps(model, 1)
+    disk_layer = layerstream.get_runtime(model).disk.tiers.disk[0]
+    ids = torch.randint(3, 90, (2, 12), generator=torch.Generator().manual_seed(1))
+    loss = model(input_ids=ids, labels=ids).loss
+    with torch.no_grad():
+        model.base_model.model.model.layers[disk_layer].input_layernorm.weight.mul_(2)
+    with pytest.raises(StreamingError, match="changed between its forward and its backward"):
+        loss.backward()
+
+
 def test_without_the_cast_on_the_streamed_side_the_runs_differ_negative_control(checkpoint, tmp_path):
     """The parity above sees the norms' dtype: the streamed model left in bfloat16 differs."""
     streamed = _peft(_streamed(checkpoint, tmp_path / "cache", "cpu"))
@@ -109,13 +132,16 @@ def test_without_the_cast_on_the_streamed_side_the_runs_differ_negative_control(
         assert_traces_equal(train_steps(streamed, 1), train_steps(resident, 1))
 
 
-def test_a_cast_of_a_large_disk_layer_weight_is_refused_naming_the_cast(checkpoint):
+def test_a_cast_of_a_large_disk_layer_weight_is_refused_naming_it(tmp_path):
     """A bfloat16 load cast whole would move its disk layers to the device: a weight past
-    the share a layer may keep there is refused, naming the tensor and both dtypes."""
-    model = _streamed(checkpoint, None, "cpu", quantization=None)
+    the share a layer may keep there is refused, naming that weight (not a smaller cast
+    before it, here Qwen2's query bias) and both dtypes."""
+    directory = save_tiny(tmp_path / "qwen2", family="qwen2", layers=LAYERS, dtype=torch.bfloat16, wide=True)
+    model = _streamed(directory, None, "cpu", quantization=None)
     disk_layer = layerstream.get_runtime(model).disk.tiers.disk[0]
-    weight = model.model.layers[disk_layer].mlp.up_proj.weight
-    weight.data = weight.data.float()
+    layer = model.model.layers[disk_layer]
+    for tensor in (layer.self_attn.q_proj.bias, layer.mlp.up_proj.weight):
+        tensor.data = tensor.data.float()
     with pytest.raises(StreamingError, match="read from disk each time") as refused:
         model(torch.tensor([[3, 4, 5]]))
     said = str(refused.value)
@@ -132,3 +158,17 @@ def test_a_changed_quant_state_of_a_disk_layer_is_refused_with_its_norms_cast(ch
     state.absmax.mul_(2)
     with pytest.raises(StreamingError, match="read from disk each time"):
         model(torch.tensor([[3, 4, 5]]))
+
+
+def test_after_unstream_model_the_kept_norms_compute_as_the_plain_models(checkpoint, tmp_path):
+    streamed = _peft(prepare_model_for_kbit_training(_streamed(checkpoint, tmp_path / "cache", "cpu"), False))
+    resident = _peft(prepare_model_for_kbit_training(_plain(checkpoint, "cpu"), False))
+    assert_traces_equal(train_steps(streamed, 1), train_steps(resident, 1))
+    disk_layer = layerstream.get_runtime(streamed).disk.tiers.disk[0]
+    layerstream.unstream_model(streamed)
+    norm = streamed.base_model.model.model.layers[disk_layer].input_layernorm.weight
+    assert norm.dtype == torch.float32 and type(norm) is torch.nn.Parameter
+    ids = torch.randint(3, 90, (2, 6), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = resident.generate(input_ids=ids, max_new_tokens=6, do_sample=False)
+        assert torch.equal(streamed.generate(input_ids=ids, max_new_tokens=6, do_sample=False), want)

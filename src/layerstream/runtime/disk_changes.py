@@ -55,21 +55,17 @@ def _quant_states_unchanged(record: LayerRecord) -> bool:
     return True
 
 
-def _keepable(record: LayerRecord, positions: List[int]) -> Optional[int]:
-    """The bytes the changed tensors hold now, or None when they cannot stay on the device."""
-    total = 0
-    for position in positions:
-        entry = record.entries[position]
-        current = entry.current()
-        if (
-            current is None
-            or nf4.is_packed(current)
-            or not current.is_floating_point()
-            or tuple(current.shape) != tuple(entry.shape)
-        ):
-            return None
-        total += current.numel() * current.element_size()
-    return total if total * SHARE <= record.nbytes else None
+def _can_stay(tensor: Optional[torch.Tensor], shape) -> bool:
+    return (
+        tensor is not None
+        and not nf4.is_packed(tensor)
+        and tensor.is_floating_point()
+        and tuple(tensor.shape) == tuple(shape)
+    )
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 class DiskChanges:
@@ -85,29 +81,40 @@ class DiskChanges:
 
     def keep(self, record: LayerRecord) -> bool:
         """Take the changed tensors of ``record`` (a disk layer) out of its streamed set and
-        onto the device; False (nothing changed) where the change cannot be kept, or where
-        the layer is not a disk layer (a layer in host RAM takes any change into the store;
-        one in a node-shared store refuses it)."""
+        onto the device, and take changes to those kept before; False (nothing changed)
+        where the change cannot be kept, or where the layer is not a disk layer (a layer in
+        host RAM takes any change into the store; one in a node-shared store refuses it)."""
         disk = self.store.disk
         if disk is None or not disk.holds(record.index) or self.store.segment is not None:
             return False
-        positions = changed_positions(record)
-        if not positions or not _quant_states_unchanged(record):
+        if not _quant_states_unchanged(record):
             return False
-        nbytes = _keepable(record, positions)
-        if nbytes is None:
+        positions = changed_positions(record)
+        entries = [record.entries[position] for position in positions]
+        keys = [(table, name) for table, name, *_ in record.kept] + [(e.table, e.name) for e in entries]
+        held = [table.get(name) for table, name in keys]
+        if any(tensor is None for tensor in held[: len(record.kept)]):
+            return False  # a kept tensor removed from its module: refused, as for a streamed one
+        if not all(_can_stay(e.current(), e.shape) for e in entries):
+            return False
+        nbytes = sum(_nbytes(tensor) for tensor in held)
+        if nbytes * SHARE > record.nbytes:  # what the layer keeps on the device, all passes together
             return False
         with torch.no_grad():
-            for position in positions:
-                self._move(record.entries[position])
-        self._unreported += [record.entries[position].qualified_name for position in positions]
+            for entry in entries:
+                self._move(entry)
+            for table, name in keys[: len(record.kept)]:  # assigned anew since: to the device too
+                if table[name].device != self.device:
+                    self._place(table, name)
+        self._unreported += [entry.qualified_name for entry in entries]
         keep = [position for position in range(len(record.entries)) if position not in set(positions)]
         record.entries = [record.entries[position] for position in keep]
         record.arena_views = [record.arena_views[position] for position in keep]
         record.host_values = [record.host_values[position] for position in keep]
         HostStore._bound(record)  # what each call binds and restores, and the watch, without them
-        self.tensors += len(positions)
-        self.bytes += nbytes
+        record.watch_kept(keys)
+        self.tensors += len(entries)
+        self.bytes += sum(_nbytes(entry.current()) for entry in entries)
         return True
 
     def _move(self, entry) -> None:
@@ -115,9 +122,14 @@ class DiskChanges:
         disk_files.unguard(current)  # its values are no longer the files'
         if isinstance(current, nn.Parameter):
             swap.swap_out(current, changes.WritesVisible)
+        self._place(entry.table, entry.name)
+
+    def _place(self, table: dict, name: str) -> None:
+        current = table[name]
+        if isinstance(current, nn.Parameter):
             current.data = current.data.to(self.device, copy=True)  # the same Parameter; not the files' map
         else:
-            entry.table[entry.name] = current.to(self.device, copy=True)
+            table[name] = current.to(self.device, copy=True)
 
     def report(self) -> None:
         """Once, after the pass start that first kept any: what stays on the device, and why."""

@@ -317,14 +317,18 @@ _CAST = "a cast of "  # how what_changed names a cast, which disk_layer_write ad
 
 
 def what_changed(record) -> str:
-    """How a refusal names a change to ``record``'s tensors: the first dtype cast (as peft's
-    prepare_model_for_kbit_training makes), else a change to its weights."""
+    """How a refusal names a change to ``record``'s tensors: the largest dtype cast (peft's
+    prepare_model_for_kbit_training casts a layer's norms and, where they are not 4-bit,
+    larger weights: a disk layer refuses the large ones), else a change to its weights."""
+    casts = []
     for entry in record.entries:
-        if entry.bound:
-            tensor = entry.table.get(entry.name)
-            if tensor is not None and tensor.dtype != entry.dtype:
-                return f"{_CAST}{entry.qualified_name} from {entry.dtype} to {tensor.dtype}"
-    return "a change to its weights"
+        tensor = entry.table.get(entry.name) if entry.bound else None
+        if tensor is not None and tensor.dtype != entry.dtype:
+            casts.append((tensor.numel() * tensor.element_size(), entry, tensor.dtype))
+    if not casts:
+        return "a change to its weights"
+    _, entry, dtype = max(casts, key=lambda cast: cast[0])  # the first of the largest
+    return f"{_CAST}{entry.qualified_name} from {entry.dtype} to {dtype}"
 
 
 def shared_store_write(name: str, change: str) -> str:

@@ -229,14 +229,19 @@ def _blocks_against_absmax(quant: dict, stored: dict, path: str) -> List[str]:
 
 
 def restore(layer: nn.Module, layout: dict, data: torch.Tensor) -> None:
-    """Give a meta layer the tensors ``layout`` describes, as views of ``data`` (a layer
-    file's bytes): the quantised layer as ``nf4.quantise_layer`` left it, without
-    quantising."""
+    """Give a meta layer the tensors ``layout`` describes, over ``data`` (a layer file's
+    bytes): the quantised layer as ``nf4.quantise_layer`` left it, without quantising.
+
+    Each tensor gets a storage of its own over its bytes, not a view of ``data``: views
+    share their base's version counter, so a write to one tensor (peft's cast of a norm
+    through ``.data``) would look like a write to every tensor of the layer."""
     views: Dict[int, torch.Tensor] = {}
     by_module: Dict[str, Dict[Tuple[str, str], torch.Tensor]] = {}
+    array = data.numpy()
     for module_path, kind, name, offset, nbytes, shape, dtype in layout["entries"]:
         if offset not in views:
-            views[offset] = data[offset : offset + nbytes].view(nf4.parse_dtype(dtype)).view(shape)
+            raw = torch.frombuffer(array[offset : offset + nbytes], dtype=torch.uint8) if nbytes else data[:0].clone()
+            views[offset] = raw.view(nf4.parse_dtype(dtype)).view(shape)
         by_module.setdefault(module_path, {})[(kind, name)] = views[offset]
     for module_path, tensors in by_module.items():
         module = layer.get_submodule(module_path)

@@ -118,6 +118,10 @@ class LayerRecord:
     addresses: List[int] = field(default_factory=list)
     # a disk-tier layer (no host region) in debug mode: the checksum of its bytes at load
     reference_checksum: Optional[int] = None
+    # a disk layer's tensors kept on the device for good once changed (runtime/disk_changes),
+    # watched like the bound ones so that a change between a forward and its backward is
+    # refused: (table, name, tensor, alias, version, address)
+    kept: List[tuple] = field(default_factory=list)
 
     def uncovered(self) -> List[tuple]:
         """(begin, end) of the region bytes no tensor covers (alignment padding)."""
@@ -136,6 +140,9 @@ class LayerRecord:
         from (the per-visit check: a dict lookup and a version read per tensor, no sync)."""
         for table, name, tensor, alias, version in self.watch:
             if table.get(name) is not tensor or alias._version != version:
+                return False
+        for table, name, tensor, alias, version, address in self.kept:
+            if table.get(name) is not tensor or alias._version != version or tensor.data_ptr() != address:
                 return False
         return True
 
@@ -170,6 +177,10 @@ class LayerRecord:
             holder = nf4.quant_holder(state, entry.quant_path).__dict__
             deep.append((holder, entry.quant_path[-1], view, _alias(view), view._version))
         self.watch_deep = deep
+
+    def watch_kept(self, keys: List[Tuple[dict, str]]) -> None:
+        """Watch, as ``kept``, the tensors now held under ``keys`` (table, name)."""
+        self.kept = [(t, n, t[n], _alias(t[n]), t[n]._version, t[n].data_ptr()) for t, n in keys]
 
 
 def _alias(tensor: torch.Tensor) -> torch.Tensor:
