@@ -5,6 +5,8 @@
 #
 #   bash scripts/gpu-suite.sh order            # in order
 #   bash scripts/gpu-suite.sh shuffled 1 2     # shuffled with seeds 1 and 2, one after the other
+#   bash scripts/gpu-suite.sh all              # in order and seeds 1 and 2, side by side (about
+#                                              # the time of one run on a 16-core GPU machine)
 #   COMMIT=abc1234 bash scripts/gpu-suite.sh order   # logs named by that commit
 #
 # Logs go to $OUT (else benchmarks/results/gpu-suite/), named by the commit; each opens with
@@ -32,6 +34,25 @@ versions() {
 mode=${1:-order}
 shift || true
 status=0
+if [ "$mode" = all ]; then
+  # each run in its own shared-memory folder (the shared host store's segments) and its own
+  # temporary folder; waited for with `wait` (a `pgrep -f gpu-suite.sh` loop matches the
+  # command line that started this script, and never ends)
+  pids=()
+  for run in order "shuffled 1" "shuffled 2"; do
+    shm=$(mktemp -d /dev/shm/gpu-suite-shm.XXXXXX)
+    # shellcheck disable=SC2086  # "shuffled 1" is two arguments
+    LAYERSTREAM_SHM_DIR=$shm bash "${BASH_SOURCE[0]}" $run > /dev/null 2>&1 &
+    pids+=($!)
+  done
+  for pid in "${pids[@]}"; do
+    wait "$pid" || status=1
+  done
+  for run in in-order seed1 seed2; do
+    tail -n 1 "$out/$commit-$run.log"
+  done
+  exit "$status"
+fi
 if [ "$mode" = order ]; then
   { versions; "${suite[@]}"; } 2>&1 | tee "$out/$commit-in-order.log"
   status=${PIPESTATUS[0]}
