@@ -172,3 +172,21 @@ def test_after_unstream_model_the_kept_norms_compute_as_the_plain_models(checkpo
     with torch.no_grad():
         want = resident.generate(input_ids=ids, max_new_tokens=6, do_sample=False)
         assert torch.equal(streamed.generate(input_ids=ids, max_new_tokens=6, do_sample=False), want)
+
+
+def test_a_kept_norm_changed_during_a_forward_is_refused_naming_it(checkpoint, tmp_path):
+    model = _peft(prepare_model_for_kbit_training(_streamed(checkpoint, tmp_path / "cache", "cpu"), False))
+    train_steps(model, 1)
+    disk = layerstream.get_runtime(model).disk.tiers.disk
+    layers = model.base_model.model.model.layers
+
+    def change_a_later_norm(module, args):
+        with torch.no_grad():
+            layers[disk[-1]].input_layernorm.weight.mul_(1.01)
+
+    layers[disk[0]].register_forward_pre_hook(change_a_later_norm)
+    with pytest.raises(StreamingError, match="could not be taken") as refused:
+        train_steps(model, 1)
+    said = str(refused.value)
+    assert f"keeps on the device, model.layers.{disk[-1]}.input_layernorm.weight" in said
+    assert "change them between passes" in said

@@ -91,8 +91,8 @@ class DiskChanges:
             return False
         positions = changed_positions(record)
         entries = [record.entries[position] for position in positions]
-        keys = [(table, name) for table, name, *_ in record.kept] + [(e.table, e.name) for e in entries]
-        held = [table.get(name) for table, name in keys]
+        keys = [(k[0], k[1], k[-1]) for k in record.kept] + [(e.table, e.name, e.qualified_name) for e in entries]
+        held = [table.get(name) for table, name, _ in keys]
         if any(tensor is None for tensor in held[: len(record.kept)]):
             return False  # a kept tensor removed from its module: refused, as for a streamed one
         if not all(_can_stay(e.current(), e.shape) for e in entries):
@@ -103,7 +103,7 @@ class DiskChanges:
         with torch.no_grad():
             for entry in entries:
                 self._move(entry)
-            for table, name in keys[: len(record.kept)]:  # assigned anew since: to the device too
+            for table, name, _ in keys[: len(record.kept)]:  # assigned anew since: to the device too
                 if table[name].device != self.device:
                     self._place(table, name)
         self._unreported += [entry.qualified_name for entry in entries]

@@ -314,6 +314,7 @@ def trainable_streamed_tensor(name: str) -> str:
 
 
 _CAST = "a cast of "  # how what_changed names a cast, which disk_layer_write advises on
+_KEPT = "a change to a tensor the disk tier keeps on the device, "  # and one of a kept tensor
 
 
 def what_changed(record) -> str:
@@ -326,7 +327,8 @@ def what_changed(record) -> str:
         if tensor is not None and tensor.dtype != entry.dtype:
             casts.append((tensor.numel() * tensor.element_size(), entry, tensor.dtype))
     if not casts:
-        return "a change to its weights"
+        kept = record.kept_changed()
+        return f"{_KEPT}{kept[0]}" if kept else "a change to its weights"
     _, entry, dtype = max(casts, key=lambda cast: cast[0])  # the first of the largest
     return f"{_CAST}{entry.qualified_name} from {entry.dtype} to {dtype}"
 
@@ -351,6 +353,13 @@ def disk_layer_write(name: str, change: str, device) -> str:
             f"quantisation state, or tensors of more than 1/{SHARE} of the layer's bytes. Keep the layers in host "
             "RAM: raise host_budget or leave it unset (a layer in host RAM takes the cast, and trains as the plain "
             "model does)."
+        )
+    elif change.startswith(_KEPT):
+        return (
+            f"{name} is read from disk each time (host_budget): {change} could not be taken. A disk layer keeps its "
+            f"changed norms and biases on the device, up to 1/{SHARE} of the layer's bytes, and takes their changes "
+            "between passes: change them between passes (not during a forward) and within that share, or keep the "
+            "layers in host RAM (raise host_budget or leave it unset)."
         )
     else:
         what_to_do = "Change or merge weights only of layers in host RAM: raise host_budget or leave it unset."

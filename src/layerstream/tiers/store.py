@@ -120,7 +120,7 @@ class LayerRecord:
     reference_checksum: Optional[int] = None
     # a disk layer's tensors kept on the device for good once changed (runtime/disk_changes),
     # watched like the bound ones so that a change between a forward and its backward is
-    # refused: (table, name, tensor, alias, version, address)
+    # refused: (table, name, tensor, alias, version, address, qualified name)
     kept: List[tuple] = field(default_factory=list)
 
     def uncovered(self) -> List[tuple]:
@@ -141,10 +141,15 @@ class LayerRecord:
         for table, name, tensor, alias, version in self.watch:
             if table.get(name) is not tensor or alias._version != version:
                 return False
-        for table, name, tensor, alias, version, address in self.kept:
-            if table.get(name) is not tensor or alias._version != version or tensor.data_ptr() != address:
-                return False
-        return True
+        return not self.kept_changed()
+
+    def kept_changed(self) -> List[str]:
+        """The qualified names of the ``kept`` tensors changed since they were watched."""
+        return [
+            qualified
+            for table, name, tensor, alias, version, address, qualified in self.kept
+            if table.get(name) is not tensor or alias._version != version or tensor.data_ptr() != address
+        ]
 
     def fresh_deep(self) -> bool:
         """``fresh``, the tensors' memory (a swapped tensor keeps its object), and the 4-bit
@@ -178,9 +183,9 @@ class LayerRecord:
             deep.append((holder, entry.quant_path[-1], view, _alias(view), view._version))
         self.watch_deep = deep
 
-    def watch_kept(self, keys: List[Tuple[dict, str]]) -> None:
-        """Watch, as ``kept``, the tensors now held under ``keys`` (table, name)."""
-        self.kept = [(t, n, t[n], _alias(t[n]), t[n]._version, t[n].data_ptr()) for t, n in keys]
+    def watch_kept(self, keys: List[Tuple[dict, str, str]]) -> None:
+        """Watch, as ``kept``, the tensors now held under ``keys`` (table, name, qualified name)."""
+        self.kept = [(t, n, t[n], _alias(t[n]), t[n]._version, t[n].data_ptr(), q) for t, n, q in keys]
 
 
 def _alias(tensor: torch.Tensor) -> torch.Tensor:
