@@ -351,7 +351,9 @@ def _copies_out(model: nn.Module, runtime: StreamRuntime, device) -> tuple:
     copies = [runtime.store.copies_out(record, target) for record in runtime.records]
     ends = runtime.embeddings.copies_out(target) if runtime.embeddings is not None else None
     # a disk layer's tensors kept on the stream device (runtime/disk_changes) go with the layers
-    kept = [(k[0], k[1], k[0][k[1]].detach().to(target, copy=True)) for r in runtime.records for k in r.kept]
+    kept = [
+        (table, name, table[name].detach().to(target, copy=True)) for r in runtime.records for table, name, *_ in r.kept
+    ]
     return copies, ends, kept
 
 

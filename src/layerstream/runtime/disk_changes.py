@@ -36,25 +36,6 @@ logger = get_logger(__name__)
 SHARE = 8  # the changed tensors may hold at most this fraction (1 / SHARE) of the layer's bytes
 
 
-def changed_positions(record: LayerRecord) -> List[int]:
-    """The positions of the layer's bound entries whose tensor changed since the device
-    copies were made (another tensor, another version, other memory)."""
-    bound = [position for position, entry in enumerate(record.entries) if entry.bound]
-    changed = []
-    for position, (table, name, tensor, alias, version), address in zip(bound, record.watch, record.addresses):
-        current = table.get(name)
-        if current is not tensor or alias._version != version or current.data_ptr() != address:
-            changed.append(position)
-    return changed
-
-
-def _quant_states_unchanged(record: LayerRecord) -> bool:
-    for table, name, obj, alias, version in record.watch_deep:
-        if table.get(name) is not obj or (alias is not None and alias._version != version):
-            return False
-    return True
-
-
 def _can_stay(tensor: Optional[torch.Tensor], shape) -> bool:
     return (
         tensor is not None
@@ -87,11 +68,12 @@ class DiskChanges:
         disk = self.store.disk
         if disk is None or not disk.holds(record.index) or self.store.segment is not None:
             return False
-        if not _quant_states_unchanged(record):
+        if not record.quant_states_unchanged():
             return False
-        positions = changed_positions(record)
+        positions = record.changed_positions()
         entries = [record.entries[position] for position in positions]
-        keys = [(k[0], k[1], k[-1]) for k in record.kept] + [(e.table, e.name, e.qualified_name) for e in entries]
+        keys = [(table, name, qualified) for table, name, *_, qualified in record.kept]
+        keys += [(e.table, e.name, e.qualified_name) for e in entries]
         held = [table.get(name) for table, name, _ in keys]
         if any(tensor is None for tensor in held[: len(record.kept)]):
             return False  # a kept tensor removed from its module: refused, as for a streamed one
@@ -107,7 +89,8 @@ class DiskChanges:
                 if table[name].device != self.device:
                     self._place(table, name)
         self._unreported += [entry.qualified_name for entry in entries]
-        keep = [position for position in range(len(record.entries)) if position not in set(positions)]
+        moved = set(positions)
+        keep = [position for position in range(len(record.entries)) if position not in moved]
         record.entries = [record.entries[position] for position in keep]
         record.arena_views = [record.arena_views[position] for position in keep]
         record.host_values = [record.host_values[position] for position in keep]

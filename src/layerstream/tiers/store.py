@@ -159,10 +159,24 @@ class LayerRecord:
         for (_, _, tensor, _, _), address in zip(self.watch, self.addresses):
             if tensor.data_ptr() != address:
                 return False
+        return self.quant_states_unchanged()
+
+    def quant_states_unchanged(self) -> bool:
+        """Whether the 4-bit weights' quant states (``watch_deep``) are as last snapshot."""
         for table, name, obj, alias, version in self.watch_deep:
             if table.get(name) is not obj or (alias is not None and alias._version != version):
                 return False
         return True
+
+    def changed_positions(self) -> List[int]:
+        """The positions of the bound entries whose tensor changed since the snapshot
+        (another tensor, another version, other memory)."""
+        bound = [position for position, entry in enumerate(self.entries) if entry.bound]
+        return [
+            position
+            for position, (table, name, tensor, alias, version), address in zip(bound, self.watch, self.addresses)
+            if table.get(name) is not tensor or alias._version != version or table[name].data_ptr() != address
+        ]
 
     def snapshot(self) -> None:
         """Remember the tensors and versions the device copies are made from from now on."""
