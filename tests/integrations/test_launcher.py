@@ -62,12 +62,11 @@ def _losses(out):
     return [e["loss"] for e in _history(out) if "loss" in e]
 
 
-def _common(files, out, data="sft"):
+def _trainer_args(files, out):
+    """TrainingArguments every client here runs with: three logged steps on the CPU."""
     return [
         "--model_name_or_path",
         str(files["model"]),
-        "--dataset_name",
-        str(files[data]),
         "--output_dir",
         str(out),
         "--max_steps",
@@ -79,6 +78,13 @@ def _common(files, out, data="sft"):
         "--use_cpu",
         "--per_device_train_batch_size",
         "4",
+    ]
+
+
+def _common(files, out, data="sft"):
+    return _trainer_args(files, out) + [
+        "--dataset_name",
+        str(files[data]),
         "--save_strategy",
         "steps",
         "--save_steps",
@@ -165,32 +171,20 @@ def test_trl_dpo_unchanged_under_the_launcher_matches_the_plain_run(files, tmp_p
 QLORA_SCRIPT = str(ROOT / "examples" / "train_qlora.py")
 
 
-def _qlora_script_args(files, out):
-    return [
-        "--model_name_or_path",
-        str(files["model"]),
-        "--load_in_4bit",
-        "--output_dir",
-        str(out),
-        "--max_steps",
-        "3",
-        "--logging_steps",
-        "1",
-        "--report_to",
-        "none",
-        "--use_cpu",
-        "--per_device_train_batch_size",
-        "4",
-        "--save_strategy",
-        "no",
-    ]
+def _qlora_script_losses(files, tmp_path, monkeypatch, launcher_flags):
+    """The plain QLoRA script's losses, and the same script's behind `layerstream run`."""
+
+    def args(out):
+        return _trainer_args(files, out) + ["--load_in_4bit", "--save_strategy", "no"]
+
+    monkeypatch.setattr(sys, "argv", [QLORA_SCRIPT] + args(tmp_path / "plain"))
+    runpy.run_path(QLORA_SCRIPT, run_name="__main__")
+    assert cli.main(["run", "--slots", "2", *launcher_flags, QLORA_SCRIPT] + args(tmp_path / "streamed")) == 0
+    return _losses(tmp_path / "plain"), _losses(tmp_path / "streamed")
 
 
 def test_a_plain_trainer_script_with_device_map_and_a_4bit_config_matches_the_plain_run(files, tmp_path, monkeypatch):
-    monkeypatch.setattr(sys, "argv", [QLORA_SCRIPT] + _qlora_script_args(files, tmp_path / "plain"))
-    runpy.run_path(QLORA_SCRIPT, run_name="__main__")
-    assert cli.main(["run", "--slots", "2", QLORA_SCRIPT] + _qlora_script_args(files, tmp_path / "streamed")) == 0
-    plain, got = _losses(tmp_path / "plain"), _losses(tmp_path / "streamed")
+    plain, got = _qlora_script_losses(files, tmp_path, monkeypatch, [])
     assert len(plain) == 3 and got == plain
 
 
@@ -201,13 +195,10 @@ def test_the_plain_qlora_script_with_layers_on_disk_matches_the_plain_run(files,
         files["model"], quantization="nf4", stream=layerstream.StreamConfig(device="cpu")
     )
     budget = str(3 * layerstream.get_runtime(loaded).store.largest_layer_bytes)  # the ring and one layer
-    monkeypatch.setattr(sys, "argv", [QLORA_SCRIPT] + _qlora_script_args(files, tmp_path / "plain"))
-    runpy.run_path(QLORA_SCRIPT, run_name="__main__")
-    streamed = ["run", "--slots", "2", "--host-budget", budget, "--disk-cache-dir", str(tmp_path / "cache")]
     with caplog.at_level(logging.WARNING, logger="layerstream"):
-        assert cli.main(streamed + [QLORA_SCRIPT] + _qlora_script_args(files, tmp_path / "streamed")) == 0
+        flags = ["--host-budget", budget, "--disk-cache-dir", str(tmp_path / "cache")]
+        plain, got = _qlora_script_losses(files, tmp_path, monkeypatch, flags)
     assert any("of layers the disk tier reads were changed" in r.getMessage() for r in caplog.records)
-    plain, got = _losses(tmp_path / "plain"), _losses(tmp_path / "streamed")
     assert len(plain) == 3 and got == plain
 
 
