@@ -61,6 +61,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import statistics
 import subprocess
@@ -188,6 +189,12 @@ def median_of(runs: list):
     return statistics.median(timed) if timed else None
 
 
+def same_card(one: dict, other: dict) -> bool:
+    """Whether two attempts ran on the same GPU model (either unknown: taken as the same; a
+    speed ratio across cards would say nothing about layerstream)."""
+    return not one.get("gpu") or not other.get("gpu") or one["gpu"] == other["gpu"]
+
+
 def rows_from(attempts: list) -> list:
     """One row per client and cap: the longest length a streamed attempt trained, its median
     timed step, and the client's plain baseline at that length (or why there is none)."""
@@ -200,12 +207,16 @@ def rows_from(attempts: list) -> list:
             continue
         tokens = max(a["tokens"] for a in trained)
         at = sorted((a for a in trained if a["tokens"] == tokens), key=lambda a: a["round"])
+        at = [a for a in at if same_card(a, at[-1])]  # one card's runs (the last round's)
         failing = [a["tokens"] for a in runs if a["verdict"] == OOM and a["tokens"] > tokens]
         residents = sorted(
             (
                 a
                 for a in attempts
-                if not a["streamed"] and a["tokens"] == tokens and client_of(a) == BASELINE_CLIENT[client]
+                if not a["streamed"]
+                and a["tokens"] == tokens
+                and client_of(a) == BASELINE_CLIENT[client]
+                and same_card(a, at[0])
             ),
             key=lambda a: a["round"],
         )
@@ -267,7 +278,16 @@ class Results:
             if isinstance(loaded, list):  # a long-context.json: rows
                 self.base_rows = merge_rows(self.base_rows, loaded)
             else:
-                self.attempts.update({a["name"]: a for a in loaded.get("attempts", [])})
+                for record in loaded.get("attempts", []):
+                    self.keep(record)
+
+    def keep(self, record: dict) -> None:
+        """Add a merged attempt; one of the same name from another GPU is kept beside it
+        (its name gets the card's), since a row pairs runs of one card only."""
+        known = self.attempts.get(record["name"])
+        if known is not None and known.get("gpu") and record.get("gpu") and known["gpu"] != record["gpu"]:
+            record = dict(record, name=f"{record['name']}-{card_of(record['gpu'])}")
+        self.attempts[record["name"]] = record
 
     def add(self, record: dict) -> dict:
         self.attempts[record["name"]] = record
@@ -288,6 +308,12 @@ class Results:
         payload = {"attempts": list(self.attempts.values()), "rows": mine, "versions": versions()}
         self.attempts_path.write_text(json.dumps(payload, indent=1))
         self.rows_path.write_text(json.dumps(merge_rows(self.base_rows, mine), indent=1))
+
+
+def card_of(gpu: str) -> str:
+    """A short name of a GPU for attempt names: "NVIDIA H100 80GB HBM3" -> "h100"."""
+    model = re.search(r"\b[A-Z]+\d+[A-Z]*\b", gpu or "")
+    return model.group(0).lower() if model else "gpu"
 
 
 def merge_rows(rows: list, new: list) -> list:

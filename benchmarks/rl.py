@@ -54,6 +54,7 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -208,6 +209,31 @@ def client_command(work: Path, data: Path, settings: Settings, out: Path) -> lis
     return ["layerstream", "run"] + args + settings.extra
 
 
+def adapter_digest(output_dir: Path):
+    """The adapter a run saved last (its highest ``checkpoint-N``): the step and a SHA-256 of
+    every tensor's name, dtype, shape and bytes, so two runs' adapters compare bit for bit
+    without keeping them; None when the run saved none (it stopped before saving)."""
+    import hashlib
+
+    import torch
+    from safetensors.torch import load_file
+
+    saved = [
+        (int(folder.name.split("-")[-1]), folder / "adapter_model.safetensors")
+        for folder in output_dir.glob("checkpoint-*")
+        if folder.name.split("-")[-1].isdigit() and (folder / "adapter_model.safetensors").exists()
+    ]
+    if not saved:
+        return None
+    step, path = max(saved)
+    tensors = load_file(str(path))
+    digest = hashlib.sha256()
+    for name, tensor in sorted(tensors.items()):
+        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}:".encode())
+        digest.update(tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return {"step": step, "sha256": digest.hexdigest(), "tensors": len(tensors)}
+
+
 def _text(part) -> str:
     return part.decode(errors="replace") if isinstance(part, bytes) else part or ""
 
@@ -267,6 +293,7 @@ def measure_grpo_pair(settings: Settings, args, command: str, save, deadline: fl
         quantised = "" if settings.grpo_quantization == "nf4" else f"-{settings.grpo_quantization}"
         side = "streamed" if streamed else "resident"
         name = f"{settings.grpo_trainer}-{settings.grpo_shape}{quantised}-{side}-round{args.round}"
+        shutil.rmtree(work / "runs" / name, ignore_errors=True)  # no adapter left by an earlier run
         target = script_command(checkpoint, data, settings, work / "runs" / name, streamed)
         cap = settings.grpo_cap if streamed else WHOLE
         run = run_capped(name, cap, target, work, Path(args.out), deadline - time.monotonic(), settings.dry_run)
@@ -274,6 +301,7 @@ def measure_grpo_pair(settings: Settings, args, command: str, save, deadline: fl
         run.update(kind="grpo-pair", model=MODELS[settings.grpo_shape], streamed=streamed, round=args.round)
         run.update(quantization=settings.grpo_quantization, trainer=settings.grpo_trainer)
         run.update(layer_bytes=mean_layer_bytes(settings.grpo_shape, settings.grpo_quantization))
+        run.update(adapter=adapter_digest(work / "runs" / name))
         save([dict(run, settings_used=dict(used, steps=settings.grpo_steps), rl_command=command)])
 
 

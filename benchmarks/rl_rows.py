@@ -205,6 +205,7 @@ def grpo_pair_row(runs: list) -> dict:
         "layerstream_train": figures(list(streamed.values()), TRAIN_FIGURES, "", TIMED_FROM_STEP),
         "losses_equal": verdict.get("losses_equal"),
         "grad_norms_equal": all(n == norms[0] for n in norms) if norms else None,
+        **adapters_compared(plains + streameds),
         "target": f"speed_vs_resident >= {TARGETS[trainer]}" if trainer in TARGETS else None,
         "meets_target": speed >= TARGETS[trainer] if speed is not None and trainer in TARGETS else None,
         "rounds": len(both),
@@ -217,6 +218,17 @@ def grpo_pair_row(runs: list) -> dict:
             if chosen
         },
     }
+
+
+def adapters_compared(runs: list) -> dict:
+    """``adapters_equal``: whether every run saved the same adapter at the same step, bit for
+    bit (``rl.adapter_digest``); None, with ``adapters_note`` naming the runs, where one saved
+    none."""
+    missing = [run["name"] for run in runs if not run.get("adapter")]
+    if not runs or missing:
+        return {"adapters_equal": None, "adapters_note": f"no saved adapter: {', '.join(missing) or 'no runs'}"}
+    saved = {(run["adapter"]["step"], run["adapter"]["sha256"]) for run in runs}
+    return {"adapters_equal": len(saved) == 1, "adapter_step": min(step for step, _ in saved)}
 
 
 def grpo_big_rows(runs: list) -> list:

@@ -90,3 +90,55 @@ def test_the_plan_the_walk_starts_from_is_the_clients_run():
     shape = ROOT / "configs" / "shapes" / "llama-3.1-8b.json"
     sft, trainer = planned_longest(shape, "sft", 12), planned_longest(shape, "trainer", 12)
     assert 36864 < sft and trainer < sft
+
+
+def test_a_row_pairs_runs_of_one_gpu_and_merging_keeps_both_cards(tmp_path):
+    """Attempts of the same name measured on another card are kept beside the first when
+    merged, and a row's baseline is the plain run on its own card: an H100 baseline never
+    divides an H200 step."""
+
+    def run(name, streamed, gpu, step):
+        return {
+            "name": name,
+            "kind": "streamed" if streamed else "resident",
+            "streamed": streamed,
+            "cap": "12GiB" if streamed else "whole",
+            "tokens": 4096,
+            "round": 1,
+            "client": "sft",
+            "shape": "llama3-8b",
+            "vram_gib": 12.0 if streamed else None,
+            "bench_command": "python benchmarks/long_context_client.py",
+            "client_command": "x",
+            "warmup_steps": 0,
+            "verdict": long_context_client.TRAINED,
+            "step_s": [step],
+            "losses": [],
+            "peak_allocated_gib": 1.0,
+            "peak_reserved_gib": 1.0,
+            "long_settings": None,
+            "gpu": gpu,
+        }
+
+    h200, h100 = "NVIDIA H200", "NVIDIA H100 80GB HBM3"
+    first = {
+        "attempts": [
+            run("streamed-12GiB-4096-round1", True, h200, 2.0),
+            run("resident-whole-4096-round1", False, h200, 1.0),
+        ]
+    }
+    second = {"attempts": [run("resident-whole-4096-round1", False, h100, 1.9)]}
+    for name, payload in (("first.json", first), ("second.json", second)):
+        (tmp_path / name).write_text(json.dumps(payload))
+    out = tmp_path / "out"
+    results = long_context_client.Results(
+        out / "attempts.json", out / "rows.json", [tmp_path / "first.json", tmp_path / "second.json"], False
+    )
+    assert set(results.attempts) == {
+        "streamed-12GiB-4096-round1",
+        "resident-whole-4096-round1",
+        "resident-whole-4096-round1-h100",
+    }
+    (row,) = results.rows()
+    assert row["gpu"] == h200 and row["baseline_step_s"] == 1.0 and row["speed_vs_resident"] == 0.5
+    assert long_context_client.card_of(h100) == "h100" and long_context_client.card_of(None) == "gpu"

@@ -45,7 +45,9 @@ def _recorded(row: dict) -> list:
         recorded = [
             dict(a, step_s=a["median_timed_s"], max_tokens=a["tokens"])
             for a in recorded["attempts"]
-            if a["streamed"] and a["verdict"] == "trained"
+            if a["streamed"]
+            and a["verdict"] == "trained"
+            and a.get("client", "sft") == plot_long_context.client_of(row)
         ]
     return [
         r

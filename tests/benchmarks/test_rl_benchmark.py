@@ -96,6 +96,7 @@ def test_the_grpo_rows_time_the_script_and_the_client_with_layerstreams_generati
     assert pair["resident_step_s"] > 0 and pair["speed_vs_resident"] > 0
     assert (pair["generations"], pair["completion_tokens"]) == (settings.generations, settings.completion_tokens)
     assert pair["losses_equal"] and pair["grad_norms_equal"], "the streamed script trains as the resident one"
+    assert pair["adapters_equal"] is True and pair["adapter_step"] == settings.grpo_steps, pair.get("adapters_note")
     runs = [run for run in dry_run["runs"] if run.get("kind") == "grpo-pair"]
     assert all(any(norm > 0 for norm in run["grad_norms"]) for run in runs), "zero gradients: nothing to compare"
     generating, layers = pair["layerstream_generate"], rl.TINY["num_hidden_layers"]
@@ -126,6 +127,7 @@ def test_a_pair_of_another_trainer_and_quantization_has_its_own_row(tmp_path):
     (pair,) = rows_of(result, trainer, quantization=quantization)
     assert pair["client"] == f"trl.scripts.{trainer}, unchanged"
     assert pair["losses_equal"] and pair["grad_norms_equal"] and pair["failed_runs"] == []
+    assert pair["adapters_equal"] is True, pair.get("adapters_note")
     runs = [run for run in result["runs"] if run.get("kind") == "grpo-pair"]
     assert {(run["trainer"], run["quantization"]) for run in runs} == {(trainer, quantization)}
     assert all(f"trl.scripts.{trainer}" in run["command"] for run in runs)
@@ -211,3 +213,29 @@ def test_each_capped_batch_leaves_one_profiled_call_of_its_streamed_generation(d
         stem = dry_run["profiles"] / f"generate-{row['cap']}-b{row['generations']}"
         assert Path(str(stem) + ".json.gz").stat().st_size > 0
         assert "aten::" in Path(str(stem) + ".txt").read_text()
+
+
+def test_the_adapters_compare_bit_for_bit_and_a_missing_one_is_named(tmp_path):
+    """Each run's last saved adapter is digested by its tensors' bytes: one value changed in
+    one run's adapter makes the pair unequal, and a run that saved none leaves the
+    comparison open, naming it, instead of passing."""
+    import torch
+    from safetensors.torch import save_file
+
+    tensors = {"a.lora_A.weight": torch.randn(4, 8, dtype=torch.bfloat16), "a.lora_B.weight": torch.randn(8, 4)}
+    digests = []
+    for name, change in (("plain", False), ("same", False), ("changed", True)):
+        folder = tmp_path / name / "checkpoint-5"
+        folder.mkdir(parents=True)
+        saved = {k: v.clone() for k, v in tensors.items()}
+        if change:
+            saved["a.lora_B.weight"][0, 0] = torch.nextafter(saved["a.lora_B.weight"][0, 0], torch.tensor(1e9))
+        save_file(saved, str(folder / "adapter_model.safetensors"))
+        (tmp_path / name / "checkpoint-2").mkdir()  # an earlier, adapter-less checkpoint is passed over
+        digests.append(dict(name=name, adapter=rl.adapter_digest(tmp_path / name)))
+    assert digests[0]["adapter"]["step"] == 5 and digests[0]["adapter"]["tensors"] == 2
+    assert rl_rows.adapters_compared(digests[:2]) == {"adapters_equal": True, "adapter_step": 5}
+    assert rl_rows.adapters_compared([digests[0], digests[2]])["adapters_equal"] is False
+    assert rl.adapter_digest(tmp_path / "nothing") is None
+    missing = rl_rows.adapters_compared([digests[0], dict(name="stopped", adapter=None)])
+    assert missing["adapters_equal"] is None and "stopped" in missing["adapters_note"]
