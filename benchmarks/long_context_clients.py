@@ -109,9 +109,11 @@ def write_dataset(work: Path, checkpoint: Path, tokens: int) -> Path:
 CLIENT_ADAPTERS = {
     "sft": dict(adapter_dtype="bfloat16", lora_dropout=True, autocast=True, trl_fused_head=True),
     "train": dict(adapter_dtype="bfloat16", lora_dropout=False, autocast=True, trl_fused_head=True),
-    # prepare_model_for_kbit_training casts the embeddings, head and norms to float32; the
-    # runtime plans such a model at the embeddings' dtype, and so does the walk's start
-    "trainer": dict(adapter_dtype="float32", lora_dropout=True, autocast=True, trl_fused_head=False, dtype="float32"),
+    # prepare_model_for_kbit_training casts the embeddings, head and norms to float32: a
+    # float32 residual stream, as the runtime plans it
+    "trainer": dict(
+        adapter_dtype="float32", lora_dropout=True, autocast=True, trl_fused_head=False, residual_dtype="float32"
+    ),
 }
 
 

@@ -6,6 +6,8 @@ the engine's own host-store layout, PEFT's adapters, bitsandbytes' quant state),
 by calling the function under test.
 """
 
+import re
+
 import pytest
 from model_shapes import LLAMA3_8B, config_of, write_config
 
@@ -250,6 +252,21 @@ def test_cli_plan_options_reach_the_plan(tmp_path, capsys):
     assert "2.00 GiB" in out  # the reserve
 
 
+def test_a_plain_qlora_scripts_float32_residual_stream_is_planned(tmp_path, capsys):
+    """--residual-dtype float32 (peft's prepare_model_for_kbit_training) plans float32
+    embeddings and head beside bf16 layers: more memory than the same step without it."""
+    write_config(tmp_path, LLAMA3_8B)
+    argv = ["plan", "--model", str(tmp_path), "--vram-budget", "80GB", "--seq", "8192", "--quantization", "nf4"]
+    argv += ["--autocast", "--lora-dropout", "0.05"]
+    peaks = {}
+    for extra in ([], ["--residual-dtype", "float32"]):
+        assert cli.main(argv + extra) == 0
+        out = capsys.readouterr().out
+        assert ("(float32 residual stream)" in out) == bool(extra)
+        peaks[bool(extra)] = float(re.search(r"peak VRAM\s+([\d.]+) GiB", out).group(1))
+    assert peaks[True] > peaks[False]
+
+
 @pytest.mark.parametrize(
     "argv",
     [
@@ -273,3 +290,47 @@ def test_cli_demo_still_receives_its_arguments(monkeypatch):
     monkeypatch.setattr(demo, "main", lambda argv: seen.append(argv))
     assert cli.main(["demo", "--steps", "3", "--device", "cpu"]) == 0
     assert seen == [["--steps", "3", "--device", "cpu"]]
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        # a plain QLoRA Trainer script (prepare_model_for_kbit_training, bf16)
+        dict(quantization="nf4", residual_dtype="float32", lora_rank=32, lora_dropout=True, autocast=True),
+        # TRL's sft.py with --load_in_4bit, its head in host memory
+        dict(
+            quantization="nf4",
+            adapter_dtype="bfloat16",
+            lora_dropout=True,
+            autocast=True,
+            trl_fused_head=True,
+            lora_targets="q_proj,v_proj",
+            stream_embeddings=True,
+        ),
+        dict(dtype="float16", lora_rank=8),
+    ],
+    ids=["trainer-script", "trl-sft", "fp16"],
+)
+def test_the_flags_an_advice_names_plan_the_same_request(tmp_path, monkeypatch, fields):
+    """``plan_flags`` spells a request as `layerstream plan` flags (the out-of-memory advice
+    names them); the command given them plans the request they came from."""
+    import layerstream.plan as plan_package
+    from layerstream.plan.request import PlanRequest, plan_flags
+    from layerstream.plan.shapes import parse_dtype
+
+    write_config(tmp_path, LLAMA3_8B)
+    request = PlanRequest(load_config(tmp_path), 2048, 1, 16 * GiB, **fields)
+    seen = []
+    real = plan_package.make_plan
+    monkeypatch.setattr(plan_package, "make_plan", lambda asked: seen.append(asked) or real(asked))
+    argv = ["plan", "--model", str(tmp_path), "--vram-budget", "16GiB", "--seq", "2048"]
+    assert cli.main(argv + plan_flags(request)) == 0
+    planned = seen[0]
+    for name in ("quantization", "lora_rank", "lora_targets", "lora_dropout", "autocast", "trl_fused_head"):
+        assert getattr(planned, name) == getattr(request, name), name
+    assert planned.stream_embeddings == request.stream_embeddings
+    for name in ("dtype", "adapter_dtype"):
+        assert parse_dtype(getattr(planned, name)) == parse_dtype(getattr(request, name)), name
+    assert (planned.residual_dtype is None) == (request.residual_dtype is None)
+    if request.residual_dtype is not None:
+        assert parse_dtype(planned.residual_dtype) == parse_dtype(request.residual_dtype)

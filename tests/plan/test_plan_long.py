@@ -223,6 +223,46 @@ def test_planning_trl_runs_as_peft_defaults_misses_their_peaks():
         assert abs(_first_step_error(run, default)) > 0.05, run["name"]
 
 
+def _trainer_script_runs():
+    """The plain QLoRA Trainer script with --layer_stream (benchmarks/long_trainer_script.py:
+    peft's prepare_model_for_kbit_training, float32 adapters, dropout 0.05, bf16) on an H100
+    under 12 GiB, as benchmarks/long_context_client.py --client trainer ran it."""
+    attempts = json.loads((CLIENT_RESULTS / "long-context-client.json").read_text())["attempts"]
+    runs = [a for a in attempts if a["streamed"] and a["verdict"] == "trained" and a.get("client") == "trainer"]
+    assert len(runs) >= 2
+    return runs
+
+
+def _trainer_script_request(run, **fields):
+    """Its plan as the runtime makes it: bf16 compute under autocast around float32
+    embeddings, head and residual stream, float32 adapters with dropout, and the loss
+    chunks, MLP tiles and offloading "auto" chose (the model's own loss, no TRL head)."""
+    auto = run["long_settings"]["auto_decided"]
+    own = dict(
+        trl_fused_head=False,
+        loss_chunk_tokens=auto["loss_chunk_tokens"] or None,
+        adapter_dtype=torch.float32,
+        residual_dtype=torch.float32,
+    )
+    return _trl_sft_request(run, **{**own, **fields})
+
+
+def test_the_plan_predicts_a_plain_qlora_trainer_scripts_peaks_within_five_percent():
+    """16,384 and 24,576 tokens under 12 GiB, each run's first step (before AdamW's state
+    and the resident window, which took 7 layers after it at 16,384)."""
+    for run in _trainer_script_runs():
+        error = _first_step_error(run, _trainer_script_request(run))
+        assert abs(error) < 0.05, (run["name"], error)
+
+
+def test_planning_the_trainer_script_in_float32_throughout_misses_its_peaks():
+    """The control: planned with every term at its embeddings' float32, as before the
+    residual stream had its own dtype, the same runs are more than 10% over."""
+    for run in _trainer_script_runs():
+        error = _first_step_error(run, _trainer_script_request(run, dtype=torch.float32, residual_dtype=None))
+        assert error > 0.10, (run["name"], error)
+
+
 HARNESS_BEFORE_TILED_NORMS = {  # file, its cap's row: benchmarks/long_context.py, norms untiled then
     "long-context-3b60494.json": 36864,
     "long-context-cdef4a0.json": 57344,

@@ -52,7 +52,9 @@ def _cuda_dropout(input, p=0.5, training=True, inplace=False):
     return torch.native_dropout(input, p, training)[0] if training and p > 0 else input
 
 
-def _saved_by_the_adapter(adapter_dtype, dropout: float, autocast: bool, four_bit: bool, monkeypatch) -> int:
+def _saved_by_the_adapter(
+    adapter_dtype, dropout: float, autocast: bool, four_bit: bool, monkeypatch, input_dtype=torch.bfloat16
+) -> int:
     """Bytes of the (tokens x in) tensors autograd saves in one adapted projection's
     forward, the input itself not counted (it is the layer's, not the adapter's)."""
     torch.manual_seed(0)
@@ -60,7 +62,7 @@ def _saved_by_the_adapter(adapter_dtype, dropout: float, autocast: bool, four_bi
     for name, param in model.named_parameters():
         if "lora_" in name:
             param.data = param.data.to(adapter_dtype)
-    x = torch.randn(TOKENS, IN, dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(TOKENS, IN, dtype=input_dtype, requires_grad=True)
     saved = {}
 
     def pack(tensor):
@@ -89,6 +91,18 @@ def test_what_a_lora_projection_keeps_is_what_the_plan_counts(adapter_dtype, dro
     measured = _saved_by_the_adapter(adapter_dtype, dropout, autocast, four_bit, monkeypatch)
     adapter_elem = torch.empty((), dtype=adapter_dtype).element_size()
     assert measured == TOKENS * lora_saved_bytes(IN, 2, adapter_elem, dropout > 0, autocast, four_bit)
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["no-autocast", "autocast"])
+@pytest.mark.parametrize("dropout", [0.0, 0.05], ids=["no-dropout", "dropout"])
+def test_a_float32_input_keeps_what_the_plan_counts(dropout, autocast, monkeypatch):
+    """peft's prepare_model_for_kbit_training makes the norms' outputs, which q, k, v, gate
+    and up take, float32 beside float32 adapters and a bf16 compute dtype: under autocast
+    each adapter keeps its own bf16 copy (and the mask), without it the float32 input."""
+    measured = _saved_by_the_adapter(torch.float32, dropout, autocast, True, monkeypatch, input_dtype=torch.float32)
+    assert measured == TOKENS * lora_saved_bytes(IN, 2, 4, dropout > 0, autocast, True, in_elem=4)
+    if autocast and not dropout:  # the control: counted as a bf16 input, it would be nothing
+        assert measured == TOKENS * IN * 2 != TOKENS * lora_saved_bytes(IN, 2, 4, False, True, True)
 
 
 def test_the_count_tells_dropout_a_cast_and_the_layer_kind_apart(monkeypatch):
@@ -129,3 +143,25 @@ def test_a_streamed_training_pass_tells_the_plan_whether_it_runs_under_autocast(
     streamed(input_ids=ids, labels=ids).loss.backward()
     assert runtime.long_settings.autocast is True
     assert runtime.long_settings.plan_request(1, 8).autocast is True
+
+
+def test_a_kbit_prepared_model_is_planned_with_a_float32_residual_stream(tmp_path):
+    """After peft's prepare_model_for_kbit_training the embeddings are float32 while the
+    4-bit layers compute in bf16: under autocast the live request says both (and the plan
+    counts the float32 embeddings and head, not bf16 ones); without autocast, or for a model
+    left as loaded, it plans one dtype as before."""
+    from peft import prepare_model_for_kbit_training
+
+    from tiny import nf4_pair
+
+    loaded, _ = nf4_pair(tmp_path, layers=2)
+    plain = model_plan_request(loaded, 64, 1, autocast=True)
+    assert plain.dtype == torch.bfloat16 and plain.residual_dtype is None
+    prepared = prepare_model_for_kbit_training(loaded.base_model.model, use_gradient_checkpointing=False)
+    assert prepared.get_input_embeddings().weight.dtype == torch.float32
+    request = model_plan_request(prepared, 64, 1, autocast=True)
+    assert request.dtype == torch.bfloat16 and request.residual_dtype == torch.float32
+    without_autocast = model_plan_request(prepared, 64, 1, autocast=False)
+    assert without_autocast.dtype == torch.float32 and without_autocast.residual_dtype is None
+    # float32 embeddings and head: twice their bf16 bytes (the rest beside them is small)
+    assert make_plan(request).resident_bytes == pytest.approx(2 * make_plan(plain).resident_bytes, rel=0.01)

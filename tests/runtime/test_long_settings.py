@@ -26,6 +26,7 @@ from layerstream.plan import PlanRequest, advice, load_config, make_plan, plan_f
 from layerstream.plan.long_settings import LONG_ORDER, OFF, LongDecision, decide, decide_for, describe, limit_for
 from layerstream.plan.longest import oom_advice
 from layerstream.plan.memory import _build
+from layerstream.plan.request import plan_flags
 from layerstream.units import GiB
 
 from tiny import assert_traces_equal, batch, peft_pair, tiny_model, train_steps
@@ -364,6 +365,9 @@ def test_the_runtime_explains_out_of_memory_with_the_long_sequence_settings(smal
     frees = _needed(resident, 48) - _needed(resident, 48, loss_chunk_tokens=16)
     assert f"(--loss-chunk-tokens 16, stream.loss_chunk_tokens: 16): frees {size_text(frees)} at batch 2 x 48" in text
     assert re.search(r"fits up to \d+ tokens a sequence at batch 2 under 2.00 GiB", text)
+    # the plan command it names describes this run (quantization, adapters, rank, targets)
+    command = re.search(r"`layerstream plan --model <model> --vram-budget <GPU memory> --seq <tokens>(.*)`", text)
+    assert command.group(1).split() == plan_flags(runtime.long_settings.plan_request(1, 1))
 
 
 def test_the_plan_command_says_what_a_runs_defaults_turn_on_at_this_length(capsys):

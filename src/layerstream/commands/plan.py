@@ -81,6 +81,13 @@ def add_arguments(plan: argparse.ArgumentParser) -> None:
         help="the steps run under autocast (the Trainer with bf16 or fp16; TRL's default is bf16)",
     )
     plan.add_argument(
+        "--residual-dtype",
+        default=None,
+        choices=["float32"],
+        help="the embeddings', head's and residual stream's dtype where wider than --dtype: float32 "
+        "after peft's prepare_model_for_kbit_training (a plain QLoRA Trainer script); with --autocast",
+    )
+    plan.add_argument(
         "--max-seq",
         action="store_true",
         help="also find the longest sequence that fits, with and without each long-sequence option",
@@ -156,6 +163,7 @@ def run(args, parser: argparse.ArgumentParser) -> int:
             adapter_dtype=args.adapter_dtype,
             lora_dropout=args.lora_dropout > 0,
             autocast=args.autocast,
+            residual_dtype=args.residual_dtype,
         )
         longest = max_seq(request) if args.max_seq else None
         request = request.replace(seq=args.seq if args.seq is not None else max(longest, 1))

@@ -89,6 +89,7 @@ class MemoryPlan:
     trl_fused_head: bool = False  # TRL's fused log-prob head computes the loss (no loss chunks then)
     adapter_dtype: str = "float32"  # the LoRA weights', their gradients' and AdamW states' dtype
     vocab_size: int = 0  # the head's outputs (the loss chunk's default depends on it)
+    residual_dtype: Optional[str] = None  # the embeddings' and residual stream's, where wider than dtype
     advice: List[str] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)
 
@@ -244,6 +245,10 @@ def _build(request: PlanRequest) -> MemoryPlan:
     _check_quantization(quantization)
     dtype = parse_dtype(request.dtype)
     elem = dtype.itemsize
+    # the embeddings', head's and residual stream's dtype (float32 after peft's
+    # prepare_model_for_kbit_training), where it differs from the compute dtype
+    residual_dtype = dtype if request.residual_dtype is None else parse_dtype(request.residual_dtype)
+    residual_elem = residual_dtype.itemsize
     model_type = getattr(config, "model_type", "") or "unknown"
 
     shapes = layer_shapes(config, dtype)
@@ -254,12 +259,12 @@ def _build(request: PlanRequest) -> MemoryPlan:
     tokens = batch * seq
     hidden, vocab = int(config.hidden_size), int(config.vocab_size)
 
-    resident = resident_bytes(config, dtype, stream_embeddings)
-    all_resident = resident_bytes(config, dtype)  # on the host until model.to(device), streamed or not
-    head_copy = head_bytes(config, dtype) if stream_embeddings else 0
+    resident = resident_bytes(config, residual_dtype, stream_embeddings)
+    all_resident = resident_bytes(config, residual_dtype)  # on the host until model.to(device), streamed or not
+    head_copy = head_bytes(config, residual_dtype) if stream_embeddings else 0
     # the ends' host store: each matrix at the store's alignment
-    ends_host = ends_host_bytes(config, dtype) if stream_embeddings else 0
-    ends_copies = 2 * head_copy + (tokens * hidden * elem if stream_embeddings else 0)
+    ends_host = ends_host_bytes(config, residual_dtype) if stream_embeddings else 0
+    ends_copies = 2 * head_copy + (tokens * hidden * residual_elem if stream_embeddings else 0)
     adapter_dtype = parse_dtype(request.adapter_dtype)
     adapter_elem = adapter_dtype.itemsize
     lora_bytes = lora_grads = lora_params * adapter_elem  # gradients take the adapters' dtype
@@ -267,8 +272,10 @@ def _build(request: PlanRequest) -> MemoryPlan:
     # with offload_activations the checkpointed inputs are in host memory but a few
     # (config.offload_device_layers says which)
     on_device = offload_device_layers(len(shapes)) if offload_activations else len(shapes)
-    boundary = on_device * tokens * hidden * elem
-    activation_host = offloaded_layers(len(shapes)) * aligned(tokens * hidden * elem) if offload_activations else 0
+    boundary = on_device * tokens * hidden * residual_elem
+    activation_host = (
+        offloaded_layers(len(shapes)) * aligned(tokens * hidden * residual_elem) if offload_activations else 0
+    )
     working = max(
         layer_working_bytes(
             config,
@@ -281,6 +288,7 @@ def _build(request: PlanRequest) -> MemoryPlan:
             adapter_elem=adapter_elem,
             lora_dropout=request.lora_dropout,
             autocast=request.autocast,
+            residual_elem=residual_elem,
         )
         for shape, layer in zip(shapes, adapted)
     )
@@ -288,6 +296,8 @@ def _build(request: PlanRequest) -> MemoryPlan:
         loss, loss_chunk_tokens = trl_head.footprint_bytes(tokens, hidden, elem), None
     else:
         loss = LOSS_LOGIT_COPIES * (min(tokens, loss_chunk_tokens) if loss_chunk_tokens else tokens) * vocab * 4
+        if request.autocast and residual_elem != elem:  # autocast's copy of a wider head for its matmul
+            loss += vocab * hidden * elem
     max_layer = max(sizes)
     # everything but the slots; gradients are counted for the whole step (they outlive
     # backward when gradients accumulate over micro-batches)
@@ -378,6 +388,7 @@ def _build(request: PlanRequest) -> MemoryPlan:
         trl_fused_head=trl_fused_head,
         adapter_dtype=str(adapter_dtype).removeprefix("torch."),
         vocab_size=vocab,
+        residual_dtype=str(residual_dtype).removeprefix("torch.") if residual_elem != elem else None,
     )
 
 

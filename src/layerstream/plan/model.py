@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ..long import trl_head
@@ -28,6 +30,16 @@ def adapters_of(model) -> dict:
     return {}
 
 
+def four_bit_compute_dtype(model) -> Optional[torch.dtype]:
+    """The compute dtype of the model's first 4-bit projection (bitsandbytes' ``Linear4bit``),
+    or None."""
+    for module in model.modules():
+        dtype = getattr(module, "compute_dtype", None)
+        if isinstance(dtype, torch.dtype) and hasattr(getattr(module, "weight", None), "quant_state"):
+            return dtype
+    return None
+
+
 def model_plan_request(model, seq: int, batch: int, vram_bytes: int = 1 << 50, **settings) -> PlanRequest:
     """The request of a live (possibly PEFT-wrapped) model: its config, 4-bit state,
     compute dtype, LoRA rank, targets, dtype and dropout; ``settings`` are the request's
@@ -41,6 +53,12 @@ def model_plan_request(model, seq: int, batch: int, vram_bytes: int = 1 << 50, *
     quantization = "nf4" if getattr(model, "is_loaded_in_4bit", False) else "none"
     embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     dtype = embeddings.weight.dtype if embeddings is not None else torch.bfloat16
+    residual_dtype = None
+    compute = four_bit_compute_dtype(model) if quantization == "nf4" and settings.get("autocast") else None
+    if compute is not None and compute.itemsize < dtype.itemsize:
+        # prepare_model_for_kbit_training's float32 embeddings, head and norms around layers
+        # that compute, under autocast, in the 4-bit compute dtype
+        dtype, residual_dtype = compute, dtype
     rank, targets, parameters, ranks = 0, "all-linear", "", ()
     peft_configs = getattr(model, "peft_config", None) or {}
     if len(peft_configs) > 1:
@@ -71,6 +89,7 @@ def model_plan_request(model, seq: int, batch: int, vram_bytes: int = 1 << 50, *
         lora_targets=targets,
         lora_parameters=parameters,
         lora_rank_pattern=ranks,
+        residual_dtype=residual_dtype,
         **{"trl_fused_head": trl_head.installed(model), **adapters_of(model), **settings},
     )
 

@@ -81,6 +81,7 @@ def format_plan(plan: MemoryPlan) -> str:
     lines.append(
         f"layerstream plan: {plan.model_type}, {plan.num_layers} layers, "
         f"seq {plan.seq} x batch {plan.batch}, {plan.dtype}"
+        f"{f' ({plan.residual_dtype} residual stream)' if plan.residual_dtype else ''}"
         f"{', NF4' if plan.quantization == 'nf4' else ''}, {lora}"
     )
     lines.append("")
@@ -110,6 +111,8 @@ def format_plan(plan: MemoryPlan) -> str:
     loss_peak = plan.loss_phase_bytes >= plan.layer_working_bytes
     chunk = f", chunks of {plan.loss_chunk_tokens} tokens" if plan.loss_chunk_tokens else ""
     what = f"fp32 logits x{LOSS_LOGIT_COPIES}{chunk}"
+    if plan.residual_dtype and not plan.trl_fused_head:
+        what += f", the head's {plan.dtype} copy"
     if plan.trl_fused_head:
         what = f"TRL's fused head, {trl_head.TOKEN_TILE} x {trl_head.VOCAB_TILE} tile, hidden-state copies"
     row(f"loss: {what}" + ("" if loss_peak else " (not at the peak)"), plan.loss_bytes)

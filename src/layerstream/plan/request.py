@@ -78,6 +78,12 @@ class PlanRequest:
         for "all-linear" (a MoE's fused experts and router) there in a live model's config.
     lora_rank_pattern: (pattern, rank) pairs, as PEFT's ``rank_pattern`` takes them: the
         ranks that differ from ``lora_rank`` (PEFT gives a fused gate and up stack twice it).
+    residual_dtype: the hidden states' dtype between layers and of the embeddings, head and
+        norms where it differs from ``dtype`` (None: ``dtype``). peft's
+        ``prepare_model_for_kbit_training`` makes them float32 while the 4-bit layers and
+        autocast compute in ``dtype``: the residual stream, the boundaries, the MLP's
+        activations (bitsandbytes returns its input's dtype) and the norms are then float32,
+        attention and the adapters' kept inputs ``dtype`` (``working_set``).
     """
 
     config: Any
@@ -104,6 +110,7 @@ class PlanRequest:
     autocast: bool = False
     lora_parameters: str = ""
     lora_rank_pattern: tuple = ()
+    residual_dtype: Any = None
 
     def replace(self, **changes) -> "PlanRequest":
         """A copy with some fields changed (an unknown name is a TypeError)."""
@@ -135,3 +142,38 @@ def request_for(settings: Mapping[str, Any], budget: int, **fields) -> PlanReque
     if values.get("backward_slots") == AUTO:
         values["backward_slots"] = 0
     return PlanRequest(**{**fields, **values, "vram_bytes": budget})
+
+
+def plan_flags(request: PlanRequest, dropout: float = 0.05) -> list:
+    """The ``layerstream plan`` flags that describe ``request``'s model and step beyond
+    ``--model``, ``--vram-budget`` and ``--seq`` (where they differ from the command's
+    defaults), so an advice line can name a command that plans the run as the runtime
+    does; ``dropout``: the value to give ``--lora-dropout`` (the plan only asks whether it
+    is above 0)."""
+    from .shapes import parse_dtype
+
+    def name(dtype) -> str:
+        return str(parse_dtype(dtype)).removeprefix("torch.")
+
+    flags = []
+    if request.quantization != "none":
+        flags += ["--quantization", request.quantization]
+    if name(request.dtype) != "bfloat16":
+        flags += ["--dtype", name(request.dtype)]
+    if request.residual_dtype is not None:
+        flags += ["--residual-dtype", name(request.residual_dtype)]
+    if request.lora_rank != 16:
+        flags += ["--lora-rank", str(request.lora_rank)]
+    if request.lora_targets != "all-linear":
+        flags += ["--lora-targets", request.lora_targets]
+    if name(request.adapter_dtype) != "float32":
+        flags += ["--adapter-dtype", name(request.adapter_dtype)]
+    if request.lora_dropout:
+        flags += ["--lora-dropout", f"{dropout:g}"]
+    if request.autocast:
+        flags.append("--autocast")
+    if request.trl_fused_head:
+        flags.append("--trl-fused-head")
+    if request.stream_embeddings:
+        flags.append("--stream-embeddings")
+    return flags

@@ -55,7 +55,13 @@ NORM_BACKWARD_WIDTHS = 4
 
 
 def lora_saved_bytes(
-    in_features: int, elem: int, adapter_elem: int, dropout: bool, autocast: bool, four_bit: bool = False
+    in_features: int,
+    elem: int,
+    adapter_elem: int,
+    dropout: bool,
+    autocast: bool,
+    four_bit: bool = False,
+    in_elem: Optional[int] = None,
 ) -> int:
     """Per token, what one LoRA-adapted projection keeps for backward beyond the base layer.
 
@@ -65,11 +71,16 @@ def lora_saved_bytes(
     under autocast the matmul casts back to the compute dtype (that copy is what is kept);
     a 4-bit projection (PEFT's bitsandbytes layer) does not cast under autocast at all.
     With neither a cast nor dropout the adapter keeps the projection's own input, which is
-    counted once per input elsewhere, so nothing here."""
-    cast = adapter_elem != elem and (not autocast or not four_bit)
-    kept = elem if autocast or not cast else adapter_elem
+    counted once per input elsewhere, so nothing here; but an input wider than the compute
+    dtype (``in_elem``: a float32 residual stream) gets autocast's own copy in each adapter."""
+    in_elem = elem if in_elem is None else in_elem
+    cast = adapter_elem != in_elem and (not autocast or not four_bit)
+    received = adapter_elem if cast else in_elem  # what the dropout and lora_A receive
+    kept = elem if autocast else received
     if dropout:
         return in_features * (kept + 1)
+    if autocast and received != elem:
+        return in_features * elem
     return in_features * kept if cast else 0
 
 
@@ -82,10 +93,10 @@ def attention_backward_bytes_per_token(q_dim: int, kv_dim: int, elem: int) -> in
     return 4 * q_dim + (2 * q_dim + 2 * kv_dim) * elem + expanded
 
 
-def norms_are_tiled(mlp_tiled: bool, elem: int) -> bool:
+def norms_are_tiled(mlp_tiled: bool, residual_elem: int) -> bool:
     """Whether a layer's norms run tiled (``long/tiled_norm``): along with the MLP's tiles,
-    for 16-bit inputs (a float32 input runs untiled)."""
-    return mlp_tiled and elem == 2
+    for a 16-bit residual stream (a float32 input runs untiled)."""
+    return mlp_tiled and residual_elem == 2
 
 
 def _is_mlp(name: str) -> bool:
@@ -106,55 +117,84 @@ def layer_working_bytes(
     adapter_elem: int = 4,
     lora_dropout: bool = False,
     autocast: bool = False,
+    residual_elem: Optional[int] = None,
 ) -> int:
     """Activation bytes of one layer's backward at ``tokens`` tokens: the largest phase.
 
     Args:
+        elem: bytes per element of the compute dtype.
         dequantised: NF4 layers in training (their projections keep dequantised weights).
         mlp_tile_tokens: the sequence-tiled MLP's tile (dense layers), which also tiles the
             norms of a 16-bit model.
         adapter_elem, lora_dropout, autocast: the adapters' bytes per element, whether
             their dropout is above 0, and whether the step runs under autocast: together
             what each adapted projection keeps (``lora_saved_bytes``).
+        residual_elem: bytes per element of the residual stream where it is wider than the
+            compute dtype (None: ``elem``). A float32 residual stream (peft's
+            ``prepare_model_for_kbit_training``) keeps the norms untiled and float32, makes
+            the MLP's input, its gradients and (bitsandbytes returning its input's dtype)
+            the MLP's activations float32, while autocast runs attention and keeps the
+            adapters' inputs in ``elem``: a CPU allocation trace of that step
+            (``docs/plan.md``) shows those dtypes.
     """
     config = _text_config(config)
     hidden, heads, kv_heads, head_dim = _attention_dims(config)
     q_dim, kv_dim = heads * head_dim, kv_heads * head_dim
+    residual = elem if residual_elem is None else residual_elem
+    attention_elem = elem if autocast else residual  # autocast casts q, k and v for attention
+    mlp_elem = residual if dequantised or not autocast else elem  # bitsandbytes: its input's dtype
     tiled = bool(mlp_tile_tokens) and not shape.sparse
-    norms_tiled = norms_are_tiled(tiled, elem)
+    norms_tiled = norms_are_tiled(tiled, residual)
+
+    def input_elem(lin) -> int:
+        """The dtype of a projection's input: the output projection's is attention's, the
+        down projection's the MLP's activations, the others' a norm's output."""
+        if lin is output_projection:
+            return attention_elem
+        return mlp_elem if lin is down_projection else residual
 
     def kept(lin) -> int:
         four_bit = dequantised and lin.quantised
-        return lora_saved_bytes(lin.in_features, elem, adapter_elem, lora_dropout, autocast, four_bit)
+        return lora_saved_bytes(
+            lin.in_features, elem, adapter_elem, lora_dropout, autocast, four_bit, in_elem=input_elem(lin)
+        )
 
     attention_linears = [lin for lin in adapted.linears if not _is_mlp(lin.name)]
     mlp_linears = [lin for lin in adapted.linears if _is_mlp(lin.name)]
     # the output projection is the attention module's last (its input is attention's output)
     output_projection = attention_linears[-1] if len(attention_linears) > 1 else None
+    # the MLP's projection from its width back to hidden (a dense MLP's last)
+    down_projection = next((lin for lin in reversed(mlp_linears) if lin.in_features == shape.mlp_width), None)
     # adapters keep the projections' input itself: no dropout and no cast
-    raw_input = not lora_dropout and (adapter_elem == elem or (autocast and dequantised))
+    raw_input = not lora_dropout and residual == elem and (adapter_elem == elem or (autocast and dequantised))
 
-    saved = (2 * q_dim + 2 * kv_dim) * elem + sum(kept(lin) for lin in attention_linears)
+    saved = (2 * q_dim + 2 * kv_dim) * attention_elem + sum(kept(lin) for lin in attention_linears)
     if shape.qk_norm:
         saved += 4 * (q_dim + kv_dim)
     if raw_input and attention_linears:
         saved += hidden * elem  # the first norm's output, kept once for q, k and v
-    second_norm = hidden * elem if norms_tiled else 4 * hidden
-    saved += second_norm + (0 if norms_tiled else 4 * hidden)
+    second_norm = hidden * residual if norms_tiled else 4 * hidden
+    # an untiled norm keeps its float32 upcast of the input: a copy unless it is float32
+    first_norm_copy = 4 * hidden if not norms_tiled and residual < 4 else 0
+    saved += second_norm + first_norm_copy
 
-    mlp_per_token = MLP_WIDTHS * shape.mlp_width * elem + sum(kept(lin) for lin in mlp_linears)
-    if tiled:
-        mlp_per_token += TILE_OUTPUT_WIDTHS * hidden * elem
+    mlp_per_token = MLP_WIDTHS * shape.mlp_width * mlp_elem + sum(kept(lin) for lin in mlp_linears)
+    if lora_dropout and autocast and mlp_linears:
+        # the adapter running at the peak holds its dropout's output in the input's dtype
+        # until autocast's copy of it replaces it
+        mlp_per_token += max(lin.in_features * max(0, input_elem(lin) - elem) for lin in mlp_linears)
+    if tiled:  # the down projection's output, PEFT's clone and the sum; the adapter's output
+        mlp_per_token += (TILE_OUTPUT_WIDTHS - 1) * hidden * mlp_elem + hidden * elem
     mlp_tokens = min(tokens, mlp_tile_tokens) if tiled else tokens
-    mlp_phase_per_token = saved + 3 * hidden * elem
+    mlp_phase_per_token = saved + 3 * hidden * residual
     if shape.sparse:
         mlp_phase_per_token += 2 * shape.top_k * hidden * elem + 2 * 4 * _num_experts(config)
     attention_phase_per_token = (
         saved
         - second_norm
         - (kept(output_projection) if output_projection is not None else 0)
-        + attention_backward_bytes_per_token(q_dim, kv_dim, elem)
-        + hidden * elem
+        + attention_backward_bytes_per_token(q_dim, kv_dim, attention_elem)
+        + hidden * residual
     )
 
     merged = sum(param.numel for param in adapted.params) * elem

@@ -201,6 +201,26 @@ def _launcher_set_segments() -> bool:
     return os.environ.get("LAYERSTREAM_SET_ALLOC_CONF") == "1"
 
 
+def _plan_flags(runtime) -> str:
+    """`layerstream plan`'s flags for this model and step as the runtime plans them (its
+    dtypes, adapters, autocast, loss head), each after a space; "" where the adapters
+    cannot be described to the planner."""
+    from ..plan.request import plan_flags
+
+    try:
+        request = runtime.long_settings.plan_request(1, 1)
+    except ValueError:
+        return ""
+    dropouts = (
+        dropout.p
+        for module in runtime.model.modules()
+        if isinstance(getattr(module, "lora_dropout", None), torch.nn.ModuleDict)
+        for dropout in module.lora_dropout.values()
+        if isinstance(dropout, torch.nn.Dropout) and dropout.p > 0
+    )
+    return "".join(f" {flag}" for flag in plan_flags(request, next(dropouts, 0.05)))
+
+
 def explain_oom(runtime, exc: BaseException, where: str) -> BaseException:
     """The same out-of-memory error, with what streaming holds and which budget to change.
 
@@ -244,7 +264,10 @@ def explain_oom(runtime, exc: BaseException, where: str) -> BaseException:
                 "less one head copied in for the loss;"
             )
     lines += [f"  - {line};" for line in _long_sequence_advice(runtime)]
-    lines.append("  - `layerstream plan --model <model> --vram-budget <GPU memory> --seq <tokens>` predicts what fits.")
+    lines.append(
+        f"  - `layerstream plan --model <model> --vram-budget <GPU memory> --seq <tokens>{_plan_flags(runtime)}` "
+        "predicts what fits."
+    )
     explained = type(exc)("\n".join(lines))
     explained._layerstream_explained = True
     return explained
