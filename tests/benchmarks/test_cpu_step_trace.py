@@ -127,12 +127,20 @@ def test_two_lengths_split_each_figure_into_bytes_per_token_and_a_constant():
 
 
 @pytest.mark.parametrize("setup", ["prepared", "reference"])
-def test_the_committed_trace_is_within_5_percent_of_the_planner(setup):
+def test_the_committed_trace_is_within_5_percent_of_the_planner(setup, tmp_path):
     """The measured layer working set (activations and dequantised weights alive at the
     step's peak) of the committed run at each length, against layer_working_bytes then."""
     result = json.loads((RESULTS / f"{setup}.json").read_text())
     assert result["setup"] == setup and len(result["lengths"]) >= 2
+    from cpu_step_trace import planned as planned_now
+
+    config = dict(result["model"])
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
     for length in result["lengths"]:
         measured, planned = length["layer_working_bytes"], length["planned_bytes"]
         assert measured == pytest.approx(planned, rel=0.05), (setup, length["tokens"], measured, planned)
         assert length["peak_bytes"] >= measured
+        # and against the planner as it is now, not only as the run recorded it
+        now = planned_now(str(tmp_path), setup, length["tokens"], result["tile"])
+        assert measured == pytest.approx(now, rel=0.05), (setup, length["tokens"], measured, now)

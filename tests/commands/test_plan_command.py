@@ -334,3 +334,23 @@ def test_the_flags_an_advice_names_plan_the_same_request(tmp_path, monkeypatch, 
     assert (planned.residual_dtype is None) == (request.residual_dtype is None)
     if request.residual_dtype is not None:
         assert parse_dtype(planned.residual_dtype) == parse_dtype(request.residual_dtype)
+
+
+def test_a_request_the_command_cannot_spell_is_refused_not_planned_otherwise(tmp_path):
+    """Adapted Parameters, a rank pattern and NF4 without double quantisation have no flags:
+    ``plan_flags`` says so (the out-of-memory advice then names the command without flags)
+    rather than spell a request the command would plan differently."""
+    from layerstream.plan.request import PlanRequest, plan_flags
+
+    write_config(tmp_path, LLAMA3_8B)
+    request = PlanRequest(load_config(tmp_path), 2048, 1, 16 * GiB, "nf4")
+    assert plan_flags(request) == ["--quantization", "nf4"]
+    for changes, named in (
+        (dict(lora_targets="none", lora_parameters="mlp.experts.gate_up_proj"), "adapted Parameters"),
+        (dict(lora_rank_pattern=((".*q_proj", 8),)), "rank pattern"),
+        (dict(double_quant=False), "double quantisation"),
+    ):
+        with pytest.raises(ValueError, match=named):
+            plan_flags(request.replace(**changes))
+    same = request.replace(dtype="float32", residual_dtype="float32")
+    assert plan_flags(same) == ["--quantization", "nf4", "--dtype", "float32"]

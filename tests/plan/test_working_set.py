@@ -2,6 +2,8 @@
 (``plan/working_set.lora_saved_bytes``), against what PEFT's layers really save; and the
 runtime handing the planner what the model's adapters and the step are."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
@@ -16,6 +18,7 @@ from layerstream.runtime import long_settings
 from tiny import peft_pair, stream, tiny_model
 
 TOKENS, IN, OUT = 16, 64, 48
+LLAMA3_8B = Path(__file__).resolve().parents[2] / "configs" / "shapes" / "llama-3.1-8b.json"
 
 
 class _Projection(nn.Module):
@@ -147,9 +150,9 @@ def test_a_streamed_training_pass_tells_the_plan_whether_it_runs_under_autocast(
 
 def test_a_kbit_prepared_model_is_planned_with_a_float32_residual_stream(tmp_path):
     """After peft's prepare_model_for_kbit_training the embeddings are float32 while the
-    4-bit layers compute in bf16: under autocast the live request says both (and the plan
-    counts the float32 embeddings and head, not bf16 ones); without autocast, or for a model
-    left as loaded, it plans one dtype as before."""
+    4-bit layers compute (and dequantise) in bf16: the live request says both, with autocast
+    or without (and the plan counts the float32 embeddings and head, not bf16 ones); a model
+    left as loaded is planned in one dtype as before."""
     from peft import prepare_model_for_kbit_training
 
     from tiny import nf4_pair
@@ -162,6 +165,63 @@ def test_a_kbit_prepared_model_is_planned_with_a_float32_residual_stream(tmp_pat
     request = model_plan_request(prepared, 64, 1, autocast=True)
     assert request.dtype == torch.bfloat16 and request.residual_dtype == torch.float32
     without_autocast = model_plan_request(prepared, 64, 1, autocast=False)
-    assert without_autocast.dtype == torch.float32 and without_autocast.residual_dtype is None
+    assert without_autocast.dtype == torch.bfloat16 and without_autocast.residual_dtype == torch.float32
     # float32 embeddings and head: twice their bf16 bytes (the rest beside them is small)
     assert make_plan(request).resident_bytes == pytest.approx(2 * make_plan(plain).resident_bytes, rel=0.01)
+
+
+def test_a_prepared_moe_layer_is_planned_with_its_float32_expert_stacks(tmp_path):
+    """bitsandbytes packs only nn.Linear: a MoE's fused expert stacks stay Parameters, which
+    prepare_model_for_kbit_training casts to float32 with the norms. The plan's layer holds
+    them at that size, not at the compute dtype's half."""
+    from peft import prepare_model_for_kbit_training
+
+    from tiny import nf4_pair
+
+    loaded, _ = nf4_pair(tmp_path, family="mixtral", layers=2)
+    prepared = prepare_model_for_kbit_training(loaded.base_model.model, use_gradient_checkpointing=False)
+    experts = prepared.model.layers[0].mlp.experts
+    stacks = [p for p in experts.parameters() if p.dim() == 3]
+    assert stacks and all(p.dtype == torch.float32 for p in stacks)
+    plan = make_plan(model_plan_request(prepared, 64, 1, autocast=True))
+    assert plan.residual_dtype == "float32"
+    assert plan.max_layer_bytes >= sum(p.numel() * 4 for p in stacks)
+
+
+def test_the_output_projection_is_known_by_name_whichever_projections_are_adapted():
+    """PEFT's default Llama targets are q_proj and v_proj: v_proj takes the norm's output, not
+    attention's, so with a float32 residual stream under autocast its adapter keeps its own
+    bf16 copy, as q_proj's does: adapting it beside q_proj adds that copy."""
+    from layerstream.plan import PlanRequest, load_config
+
+    config = load_config(str(LLAMA3_8B))
+    base = dict(quantization="nf4", lora_rank=16, autocast=True, residual_dtype="float32", slots=3)
+    working = {
+        targets: make_plan(PlanRequest(config, 4096, 1, 80 << 30, lora_targets=targets, **base)).layer_working_bytes
+        for targets in ("q_proj", "q_proj,v_proj")
+    }
+    assert working["q_proj,v_proj"] - working["q_proj"] == 4096 * 4096 * 2
+
+
+def test_a_float32_norm_keeps_no_copy_of_its_input_and_a_bf16_one_does():
+    """The untiled RMSNorm upcasts its input to float32 and keeps that for backward: a new
+    tensor of 4 bytes an element for a bf16 input, the input itself for a float32 one (the
+    plan counts the first norm's copy only below float32). Its weight is frozen, as in LoRA
+    training (a trained weight would also keep the normalised input for its gradient)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    kept = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        norm = LlamaRMSNorm(64).to(dtype).requires_grad_(False)
+        x = torch.randn(16, 64, dtype=dtype, requires_grad=True)
+        saved = {}
+
+        def pack(tensor, x=x, saved=saved):
+            if tensor.shape == x.shape and tensor.data_ptr() != x.data_ptr():
+                saved[tensor.data_ptr()] = tensor.numel() * tensor.element_size()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            norm(x)
+        kept[dtype] = sum(saved.values())
+    assert kept[torch.bfloat16] == 16 * 64 * 4 and kept[torch.float32] == 0

@@ -85,7 +85,7 @@ def add_arguments(plan: argparse.ArgumentParser) -> None:
         default=None,
         choices=["float32"],
         help="the embeddings', head's and residual stream's dtype where wider than --dtype: float32 "
-        "after peft's prepare_model_for_kbit_training (a plain QLoRA Trainer script); with --autocast",
+        "after peft's prepare_model_for_kbit_training (a plain QLoRA Trainer script)",
     )
     plan.add_argument(
         "--max-seq",

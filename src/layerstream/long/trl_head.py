@@ -26,7 +26,7 @@ and DPO computes reference log-probabilities before the first training step.
 from __future__ import annotations
 
 import weakref
-from typing import Callable, List
+from typing import Callable, List, Optional
 
 from torch import nn
 
@@ -113,15 +113,18 @@ def sft_trainer_fuses_head() -> bool:
     return hasattr(sft_trainer, "add_fused_lm_head")
 
 
-def footprint_bytes(tokens: int, hidden: int, elem: int) -> int:
+def footprint_bytes(tokens: int, hidden: int, elem: int, residual_elem: Optional[int] = None) -> int:
     """What TRL's fused loss holds at its peak, in its backward, beside the hidden states it
     is given, for ``tokens`` counted tokens in a compute dtype of ``elem`` bytes: its tile
     buffer (min(tokens, TOKEN_TILE) x VOCAB_TILE, whatever the vocabulary), the counted
     tokens' hidden states gathered into a copy, and their gradient accumulated in fp32 and
     cast back. Measured on an H200 (8B's 4096 x 128256 head, bf16): 2.417 GB at 65,536
     tokens against 2.416 GB here, 1.343 GB against 1.342 at 16,384 tokens of a 8192-wide
-    model; 0.470 GB against 0.403 at 4096 tokens."""
-    return min(tokens, TOKEN_TILE) * VOCAB_TILE * elem + tokens * hidden * (2 * elem + 4)
+    model; 0.470 GB against 0.403 at 4096 tokens. ``residual_elem``: the hidden states' bytes
+    where wider than the compute dtype (a float32 residual stream: the copy and the cast-back
+    gradient are float32 then; from TRL's source, not measured)."""
+    hidden_elem = elem if residual_elem is None else residual_elem
+    return min(tokens, TOKEN_TILE) * VOCAB_TILE * elem + tokens * hidden * (2 * hidden_elem + 4)
 
 
 def warn_bypassed(model: nn.Module, loss_chunk_tokens: int) -> None:

@@ -90,6 +90,7 @@ class MemoryPlan:
     adapter_dtype: str = "float32"  # the LoRA weights', their gradients' and AdamW states' dtype
     vocab_size: int = 0  # the head's outputs (the loss chunk's default depends on it)
     residual_dtype: Optional[str] = None  # the embeddings' and residual stream's, where wider than dtype
+    head_cast_bytes: int = 0  # the loss's copy of a wider head in the compute dtype (in loss_bytes)
     advice: List[str] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)
 
@@ -252,7 +253,9 @@ def _build(request: PlanRequest) -> MemoryPlan:
     model_type = getattr(config, "model_type", "") or "unknown"
 
     shapes = layer_shapes(config, dtype)
-    sizes = layer_bytes(config, quantization, dtype, request.double_quant)
+    # what a layer holds: its 4-bit weights packed, the rest (norms, an MoE's expert stacks and
+    # router) in the residual stream's dtype, as prepare_model_for_kbit_training casts them
+    sizes = layer_bytes(config, quantization, residual_dtype, request.double_quant)
     adapted, lora_params = lora_adapters(
         config, shapes, lora_targets, lora_rank, dtype, request.lora_parameters, request.lora_rank_pattern
     )
@@ -292,12 +295,16 @@ def _build(request: PlanRequest) -> MemoryPlan:
         )
         for shape, layer in zip(shapes, adapted)
     )
+    # a head wider than the compute dtype is cast for its matmul: autocast's copy of all of it,
+    # or TRL's of one vocabulary tile at a time
+    head_cast = 0
     if trl_fused_head:  # its own tiles, whatever loss_chunk_tokens says
-        loss, loss_chunk_tokens = trl_head.footprint_bytes(tokens, hidden, elem), None
+        loss, loss_chunk_tokens = trl_head.footprint_bytes(tokens, hidden, elem, residual_elem), None
+        head_cast = trl_head.VOCAB_TILE * hidden * elem if residual_elem != elem else 0
     else:
         loss = LOSS_LOGIT_COPIES * (min(tokens, loss_chunk_tokens) if loss_chunk_tokens else tokens) * vocab * 4
-        if request.autocast and residual_elem != elem:  # autocast's copy of a wider head for its matmul
-            loss += vocab * hidden * elem
+        head_cast = vocab * hidden * elem if request.autocast and residual_elem != elem else 0
+    loss += head_cast
     max_layer = max(sizes)
     # everything but the slots; gradients are counted for the whole step (they outlive
     # backward when gradients accumulate over micro-batches)
@@ -319,7 +326,7 @@ def _build(request: PlanRequest) -> MemoryPlan:
     # transformers' own load (then stream_model) dequantises experts layerstream's loader keeps in MXFP4
     loaded_sizes = sizes
     if any(shape.dequantised for shape in shapes):
-        loaded_sizes = layer_bytes(mxfp4.dequantised_config(config), quantization, dtype, request.double_quant)
+        loaded_sizes = layer_bytes(mxfp4.dequantised_config(config), quantization, residual_dtype, request.double_quant)
     loaded_store, loaded_layer = sum(loaded_sizes), max(loaded_sizes)
     unquantised = max(layer_bytes(config, "none", dtype)) if quantization != "none" else max_layer
 
@@ -389,6 +396,7 @@ def _build(request: PlanRequest) -> MemoryPlan:
         adapter_dtype=str(adapter_dtype).removeprefix("torch."),
         vocab_size=vocab,
         residual_dtype=str(residual_dtype).removeprefix("torch.") if residual_elem != elem else None,
+        head_cast_bytes=head_cast,
     )
 
 

@@ -54,10 +54,10 @@ def model_plan_request(model, seq: int, batch: int, vram_bytes: int = 1 << 50, *
     embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     dtype = embeddings.weight.dtype if embeddings is not None else torch.bfloat16
     residual_dtype = None
-    compute = four_bit_compute_dtype(model) if quantization == "nf4" and settings.get("autocast") else None
+    compute = four_bit_compute_dtype(model) if quantization == "nf4" else None
     if compute is not None and compute.itemsize < dtype.itemsize:
-        # prepare_model_for_kbit_training's float32 embeddings, head and norms around layers
-        # that compute, under autocast, in the 4-bit compute dtype
+        # prepare_model_for_kbit_training's float32 embeddings, head and norms around 4-bit
+        # layers that compute (and dequantise) in their compute dtype
         dtype, residual_dtype = compute, dtype
     rank, targets, parameters, ranks = 0, "all-linear", "", ()
     peft_configs = getattr(model, "peft_config", None) or {}

@@ -146,21 +146,33 @@ def request_for(settings: Mapping[str, Any], budget: int, **fields) -> PlanReque
 
 def plan_flags(request: PlanRequest, dropout: float = 0.05) -> list:
     """The ``layerstream plan`` flags that describe ``request``'s model and step beyond
-    ``--model``, ``--vram-budget`` and ``--seq`` (where they differ from the command's
-    defaults), so an advice line can name a command that plans the run as the runtime
-    does; ``dropout``: the value to give ``--lora-dropout`` (the plan only asks whether it
-    is above 0)."""
+    ``--model``, ``--vram-budget``, ``--seq`` and ``--batch`` (where they differ from the
+    command's defaults), so an advice line can name a command that plans the run as the
+    runtime does; ``dropout``: the value to give ``--lora-dropout`` (the plan only asks
+    whether it is above 0). ValueError for what the command has no flags for: adapted
+    Parameters, a rank pattern, NF4 without double quantisation."""
     from .shapes import parse_dtype
 
     def name(dtype) -> str:
         return str(parse_dtype(dtype)).removeprefix("torch.")
 
+    missing = [
+        what
+        for what, present in (
+            ("adapted Parameters (target_parameters)", request.lora_parameters or request.lora_targets == "none"),
+            ("a rank pattern", request.lora_rank_pattern),
+            ("NF4 without double quantisation", request.quantization == "nf4" and not request.double_quant),
+        )
+        if present
+    ]
+    if missing:
+        raise ValueError(f"`layerstream plan` has no flags for {' and '.join(missing)}")
     flags = []
     if request.quantization != "none":
         flags += ["--quantization", request.quantization]
     if name(request.dtype) != "bfloat16":
         flags += ["--dtype", name(request.dtype)]
-    if request.residual_dtype is not None:
+    if request.residual_dtype is not None and name(request.residual_dtype) != name(request.dtype):
         flags += ["--residual-dtype", name(request.residual_dtype)]
     if request.lora_rank != 16:
         flags += ["--lora-rank", str(request.lora_rank)]

@@ -142,7 +142,8 @@ def layer_working_bytes(
     q_dim, kv_dim = heads * head_dim, kv_heads * head_dim
     residual = elem if residual_elem is None else residual_elem
     attention_elem = elem if autocast else residual  # autocast casts q, k and v for attention
-    mlp_elem = residual if dequantised or not autocast else elem  # bitsandbytes: its input's dtype
+    # bitsandbytes returns its input's dtype; autocast's matmuls (an MoE's expert stacks) its own
+    mlp_elem = residual if (dequantised and not shape.sparse) or not autocast else elem
     tiled = bool(mlp_tile_tokens) and not shape.sparse
     norms_tiled = norms_are_tiled(tiled, residual)
 
@@ -161,18 +162,23 @@ def layer_working_bytes(
 
     attention_linears = [lin for lin in adapted.linears if not _is_mlp(lin.name)]
     mlp_linears = [lin for lin in adapted.linears if _is_mlp(lin.name)]
-    # the output projection is the attention module's last (its input is attention's output)
-    output_projection = attention_linears[-1] if len(attention_linears) > 1 else None
+    # the output projection is the attention module's last linear (its input is attention's
+    # output), whichever of them LoRA adapts
+    layer_attention = [lin for lin in shape.linears if not _is_mlp(lin.name)]
+    output_name = layer_attention[-1].name if len(layer_attention) > 1 else None
+    output_projection = next((lin for lin in attention_linears if lin.name == output_name), None)
     # the MLP's projection from its width back to hidden (a dense MLP's last)
     down_projection = next((lin for lin in reversed(mlp_linears) if lin.in_features == shape.mlp_width), None)
-    # adapters keep the projections' input itself: no dropout and no cast
-    raw_input = not lora_dropout and residual == elem and (adapter_elem == elem or (autocast and dequantised))
+    # the adapters of q, k and v keep the first norm's output itself (no dropout, no cast, no
+    # autocast copy of a wider input): once for the three
+    first_inputs = [lin for lin in attention_linears if lin is not output_projection]
+    raw_input = bool(first_inputs) and kept(first_inputs[0]) == 0
 
     saved = (2 * q_dim + 2 * kv_dim) * attention_elem + sum(kept(lin) for lin in attention_linears)
     if shape.qk_norm:
         saved += 4 * (q_dim + kv_dim)
-    if raw_input and attention_linears:
-        saved += hidden * elem  # the first norm's output, kept once for q, k and v
+    if raw_input:
+        saved += hidden * residual  # the first norm's output, kept once for q, k and v
     second_norm = hidden * residual if norms_tiled else 4 * hidden
     # an untiled norm keeps its float32 upcast of the input: a copy unless it is float32
     first_norm_copy = 4 * hidden if not norms_tiled and residual < 4 else 0
@@ -188,7 +194,7 @@ def layer_working_bytes(
     mlp_tokens = min(tokens, mlp_tile_tokens) if tiled else tokens
     mlp_phase_per_token = saved + 3 * hidden * residual
     if shape.sparse:
-        mlp_phase_per_token += 2 * shape.top_k * hidden * elem + 2 * 4 * _num_experts(config)
+        mlp_phase_per_token += 2 * shape.top_k * hidden * residual + 2 * 4 * _num_experts(config)
     attention_phase_per_token = (
         saved
         - second_norm
@@ -197,7 +203,7 @@ def layer_working_bytes(
         + hidden * residual
     )
 
-    merged = sum(param.numel for param in adapted.params) * elem
+    merged = sum(param.numel for param in adapted.params) * residual  # stacks and routers: not 4-bit
     attention_weights = mlp_weights = 0
     if dequantised:
         for lin in shape.linears:

@@ -203,14 +203,10 @@ def _launcher_set_segments() -> bool:
 
 def _plan_flags(runtime) -> str:
     """`layerstream plan`'s flags for this model and step as the runtime plans them (its
-    dtypes, adapters, autocast, loss head), each after a space; "" where the adapters
-    cannot be described to the planner."""
+    dtypes, adapters, autocast, loss head), each after a space; "" where the planner cannot
+    describe the adapters or the command cannot spell them."""
     from ..plan.request import plan_flags
 
-    try:
-        request = runtime.long_settings.plan_request(1, 1)
-    except ValueError:
-        return ""
     dropouts = (
         dropout.p
         for module in runtime.model.modules()
@@ -218,7 +214,11 @@ def _plan_flags(runtime) -> str:
         for dropout in module.lora_dropout.values()
         if isinstance(dropout, torch.nn.Dropout) and dropout.p > 0
     )
-    return "".join(f" {flag}" for flag in plan_flags(request, next(dropouts, 0.05)))
+    try:  # adapters the planner cannot describe, or the command cannot spell: no flags
+        flags = plan_flags(runtime.long_settings.plan_request(1, 1), next(dropouts, 0.05))
+    except ValueError:
+        return ""
+    return "".join(f" {flag}" for flag in flags)
 
 
 def explain_oom(runtime, exc: BaseException, where: str) -> BaseException:
