@@ -2,19 +2,22 @@
 
 A streamed gpt-oss layer keeps its experts in MXFP4 and dequantises them at each experts
 call; a training step with gradient checkpointing does it twice a layer. This times that
-call for a whole layer (both projections, every expert), as layerstream does it
-(``layerstream.modules.packed_experts.dequantise``: a table of each byte's two values kept
-on the device, one lookup per byte, the transposition written straight into the stacks)
-and by calling transformers' ``convert_moe_packed_tensors`` on the same groups of experts
-(which builds its table from a Python list at each call, a copy to the device that waits for
-the stream, and returns a transposed copy). The two results are compared bit for bit before
-they are timed.
+call for a whole layer (both projections, every expert) three ways, after checking each
+against transformers' values bit for bit:
+
+- layerstream's (``layerstream.modules.packed_experts.dequantise``): on the GPU its one-pass
+  Triton kernel (``mxfp4_kernel``), elsewhere torch ops;
+- torch ops alone (``packed_experts.dequantise_with_torch``, the fallback: a table of each
+  byte's two values kept on the device, one lookup per byte, the transposition written
+  straight into the stacks);
+- transformers' ``convert_moe_packed_tensors`` on the same groups of experts (which builds its
+  table from a Python list at each call and returns a transposed copy).
 
     python benchmarks/mxfp4_dequantise.py                 # GPU; gpt-oss-20b and 120b layers
     python benchmarks/mxfp4_dequantise.py --device cpu --experts 4   # the check only
 
-``results/moe/mxfp4-dequantise-9a8f9a1.json`` was measured before layerstream took this way: its
-``candidate`` is today's ``packed_experts.dequantise`` and its ``transformers`` the one here.
+``results/moe/mxfp4-dequantise-a8e6cad.json`` was measured before layerstream took the kernel:
+its ``layerstream`` is today's torch ops and its ``triton`` today's kernel.
 """
 
 from __future__ import annotations
@@ -31,9 +34,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
 
-import mxfp4_triton  # noqa: E402
-
-from layerstream.modules import packed_experts  # noqa: E402
+from layerstream.modules import mxfp4_kernel, packed_experts  # noqa: E402
 
 SHAPES = {  # experts, hidden, intermediate (configs/shapes)
     "gpt-oss-20b": (32, 2880, 2880),
@@ -82,57 +83,40 @@ def layer(name: str, experts: int, device: str, repeats: int) -> dict:
         scales.view(-1)[:256] = torch.arange(256, dtype=torch.uint8)  # every exponent once
         rows.append((proj, blocks.to(device), scales.to(device)))
     dtype = torch.bfloat16
+    ways = {"layerstream": packed_experts.dequantise, "torch_ops": packed_experts.dequantise_with_torch}
     for _, blocks, scales in rows:  # exactness first: NaN and infinity where they come out, too
         theirs = through_transformers(blocks, scales, dtype)
-        ours = packed_experts.dequantise(blocks, scales, dtype)
-        if not torch.equal(theirs.view(torch.int16), ours.view(torch.int16)):
-            raise SystemExit(f"{name}: layerstream's values differ from transformers'")
-        del theirs, ours
+        for way, function in ways.items():
+            ours = function(blocks, scales, dtype)
+            if not torch.equal(theirs.view(torch.int16), ours.view(torch.int16)):
+                raise SystemExit(f"{name}: {way}'s values differ from transformers'")
+            del ours
+        del theirs
     out_bytes = sum(b.shape[0] * b.shape[1] * b.shape[2] * 32 * dtype.itemsize for _, b, _ in rows)
 
     def run(function):
         return lambda: [function(b, s, dtype) for _, b, s in rows]
 
     now = timed(run(through_transformers), repeats, device)
-    new = timed(run(packed_experts.dequantise), repeats, device)
-    median_now, median_new = statistics.median(now[1:] or now), statistics.median(new[1:] or new)
-    return dict(
-        triton_candidate(rows, dtype, run, repeats, device, out_bytes),
+    row = dict(
         shape=name,
         experts=experts,
         device=device,
+        layerstream_way="kernel" if mxfp4_kernel.usable(rows[0][1], dtype) else "torch ops",
         dequantised_gib=out_bytes / 2**30,
-        transformers_ms=median_now * 1e3,
-        layerstream_ms=median_new * 1e3,
-        transformers_gbps=out_bytes / median_now / 1e9,
-        layerstream_gbps=out_bytes / median_new / 1e9,
-        speedup=median_now / median_new,
         exact=True,
+        transformers_ms=statistics.median(now[1:] or now) * 1e3,
         transformers_ms_all=[t * 1e3 for t in now],
-        layerstream_ms_all=[t * 1e3 for t in new],
     )
-
-
-def triton_candidate(rows: list, dtype, run, repeats: int, device: str, out_bytes: int) -> dict:
-    """``mxfp4_triton``'s one-pass kernel where Triton and CUDA are here: bit for bit against
-    transformers (which values differ, if any), then timed. Never raises: a failure is a
-    field of the row."""
-    if not mxfp4_triton.available(device):
-        return dict(triton="not available here")
-    try:
-        differing = 0
-        for _, blocks, scales in rows:
-            theirs = through_transformers(blocks, scales, dtype).view(torch.int16)
-            ours = mxfp4_triton.dequantise(blocks, scales, dtype).view(torch.int16)
-            differing += int((theirs != ours).sum())
-        found = dict(triton_exact=differing == 0, triton_values_differing=differing)
-        times = timed(run(mxfp4_triton.dequantise), repeats, device)
+    for way, function in ways.items():
+        times = timed(run(function), repeats, device)
         best = statistics.median(times[1:] or times)
-        return dict(
-            found, triton_ms=best * 1e3, triton_gbps=out_bytes / best / 1e9, triton_ms_all=[t * 1e3 for t in times]
+        row.update(
+            {f"{way}_ms": best * 1e3, f"{way}_gbps": out_bytes / best / 1e9, f"{way}_ms_all": [t * 1e3 for t in times]}
         )
-    except Exception as error:  # noqa: BLE001
-        return dict(triton_error=f"{type(error).__name__}: {error}"[:2000])
+    row["speedup"] = row["transformers_ms"] / row["layerstream_ms"]
+    row["transformers_gbps"] = out_bytes / (row["transformers_ms"] / 1e3) / 1e9
+    return row
 
 
 def main(argv=None) -> int:

@@ -17,8 +17,8 @@ def test_dequantising_a_group_of_experts_at_a_time_gives_transformers_whole_resu
     scales = torch.randint(118, 132, (5, 64, 2), dtype=torch.uint8, generator=generator)
     whole = convert_moe_packed_tensors(blocks, scales, dtype=torch.bfloat16)
     monkeypatch.setattr(packed_experts, "GROUP_BYTES", 2 * 64 * 64 * 2)  # two experts a group
-    assert torch.equal(packed_experts.dequantise(blocks, scales, torch.bfloat16), whole)
-    assert not torch.equal(packed_experts.dequantise(blocks, scales.flip(0), torch.bfloat16), whole)
+    assert torch.equal(packed_experts.dequantise_with_torch(blocks, scales, torch.bfloat16), whole)
+    assert not torch.equal(packed_experts.dequantise_with_torch(blocks, scales.flip(0), torch.bfloat16), whole)
 
 
 @pytest.mark.parametrize("implementation", ["eager", "grouped_mm"])
@@ -117,3 +117,63 @@ def test_dequantise_takes_rows_as_a_router_gives_them_and_refuses_rows_out_of_ra
     for wrong in ([4], [-1], torch.tensor([0, 7])):
         with pytest.raises(ValueError, match=r"\[0, 4\)"):
             packed_experts.dequantise(blocks, scales, torch.float32, wrong)
+
+
+def _every_byte_under_every_exponent(device):
+    """4 experts x 128 outputs x 8 blocks of 16 bytes: block b has exponent b % 256 and bytes
+    16 * (b // 256) + 0..15, so each exponent meets each byte once."""
+    block = torch.arange(4 * 128 * 8)
+    scales = (block % 256).to(torch.uint8).view(4, 128, 8).to(device)
+    blocks = (16 * (block // 256)[:, None] + torch.arange(16)).to(torch.uint8).view(4, 128, 8, 16).to(device)
+    return blocks, scales
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_on_the_gpu_the_kernel_dequantises_and_gives_torch_ops_bits(dtype):
+    """On CUDA a call takes the one-pass kernel, and its stacks (whole, by rows, compacted)
+    equal the torch ops' bit for bit, every byte under every exponent; swapped halves differ."""
+    from layerstream.modules import mxfp4_kernel
+
+    blocks, scales = _every_byte_under_every_exponent("cuda")
+    assert mxfp4_kernel.usable(blocks, dtype), "no Triton on this CUDA machine: the kernel would not run"
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    for rows, compact in ((None, False), ([3, 0, 1], False), ([3, 0, 1], True), ([2], True)):
+        kernel = packed_experts.dequantise(blocks, scales, dtype, rows, compact=compact)
+        torch_ops = packed_experts.dequantise_with_torch(blocks, scales, dtype, rows, compact=compact)
+        chosen = slice(None) if rows is None or compact else sorted(rows)
+        assert torch.equal(kernel[chosen].view(bits), torch_ops[chosen].view(bits)), (rows, compact)
+    swapped = packed_experts.dequantise((blocks << 4) | (blocks >> 4), scales, dtype)
+    assert not torch.equal(swapped.view(bits), packed_experts.dequantise(blocks, scales, dtype).view(bits))
+    assert packed_experts._kernel_failed is None
+
+
+def test_a_kernel_that_fails_is_said_once_and_torch_ops_dequantise_from_then_on(monkeypatch, caplog):
+    """A Triton that cannot build or launch the kernel: one warning, the same values from
+    torch ops, and no second attempt; running out of memory stays the caller's to handle."""
+    from layerstream.modules import mxfp4_kernel
+
+    blocks, scales = _every_byte_under_every_exponent("cpu")
+    expected = packed_experts.dequantise_with_torch(blocks, scales, torch.bfloat16)
+    attempts = []
+
+    def failing(*args, **kwargs):
+        attempts.append(args)
+        raise RuntimeError("PassManager::run failed")
+
+    monkeypatch.setattr(packed_experts, "_kernel_failed", None)
+    monkeypatch.setattr(mxfp4_kernel, "usable", lambda blocks, dtype: True)
+    monkeypatch.setattr(mxfp4_kernel, "dequantise", failing)
+    with caplog.at_level("WARNING"):
+        for _ in range(2):
+            assert torch.equal(packed_experts.dequantise(blocks, scales, torch.bfloat16), expected)
+    assert len(attempts) == 1 and caplog.text.count("MXFP4 dequantising kernel failed") == 1
+    monkeypatch.setattr(packed_experts, "_kernel_failed", None)
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(mxfp4_kernel, "dequantise", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        packed_experts.dequantise(blocks, scales, torch.bfloat16)
+    assert packed_experts._kernel_failed is None

@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from ..system.log import get_logger
+from . import mxfp4_kernel
 
 logger = get_logger(__name__)
 
@@ -194,10 +195,58 @@ def dequantise(
     rows: Optional[List[int]] = None,
     compact: bool = False,
 ) -> torch.Tensor:
-    """``[experts, in, out]`` in ``dtype`` from MXFP4 blocks and scales, on their device, a
-    group of experts at a time. With ``rows``, only those experts': the others' rows are left
-    as allocated, or, ``compact``, left out (``[len(rows), in, out]``, the rows in ascending
-    order).
+    """``[experts, in, out]`` in ``dtype`` from MXFP4 blocks and scales, on their device. With
+    ``rows``, only those experts': the others' rows are left as allocated, or, ``compact``,
+    left out (``[len(rows), in, out]``, the rows in ascending order).
+
+    On the GPU in one pass (``mxfp4_kernel``), elsewhere with torch ops
+    (``dequantise_with_torch``): the same values, bit for bit."""
+    experts = blocks.shape[0]
+    if _kernel_failed is None and mxfp4_kernel.usable(blocks, dtype):
+        index = _every_expert(experts, blocks.device) if rows is None else ascending(rows, experts)
+        if not isinstance(index, torch.Tensor):
+            index = torch.tensor(index, dtype=torch.int64).to(blocks.device)
+        try:
+            return mxfp4_kernel.dequantise(blocks, scales, dtype, index, compact=compact or rows is None)
+        except torch.OutOfMemoryError:
+            raise  # the step's to handle (a smaller window, the explanation), not the kernel's
+        except Exception as error:  # a Triton that cannot build or launch the kernel here
+            _say_kernel_failed(error)
+    return dequantise_with_torch(blocks, scales, dtype, rows, compact)
+
+
+_kernel_failed: Optional[str] = None
+_EVERY_EXPERT: dict = {}
+
+
+def _every_expert(experts: int, device: torch.device) -> torch.Tensor:
+    """``arange(experts)`` on ``device``, made once (the kernel's expert index of a whole call)."""
+    key = (experts, str(device))
+    if key not in _EVERY_EXPERT:
+        _EVERY_EXPERT[key] = torch.arange(experts, dtype=torch.int64, device=device)
+    return _EVERY_EXPERT[key]
+
+
+def _say_kernel_failed(error: BaseException) -> None:
+    """Once, loudly: the kernel failed, so every later call dequantises with torch ops
+    (the same values, about eight times as long a layer)."""
+    global _kernel_failed
+    _kernel_failed = f"{type(error).__name__}: {error}"
+    logger.warning(
+        "layerstream: the MXFP4 dequantising kernel failed (%s); packed experts now dequantise "
+        "with torch ops: the same values, several times slower per layer",
+        _kernel_failed.splitlines()[0][:300],
+    )
+
+
+def dequantise_with_torch(
+    blocks: torch.Tensor,
+    scales: torch.Tensor,
+    dtype: torch.dtype,
+    rows: Optional[List[int]] = None,
+    compact: bool = False,
+) -> torch.Tensor:
+    """``dequantise`` with torch ops, a group of experts at a time (``GROUP_BYTES``).
 
     The arithmetic of transformers' ``convert_moe_packed_tensors``, value for value: its FP4
     table, the byte's low half first, ``torch.ldexp`` by the block's exponent less 127. It
