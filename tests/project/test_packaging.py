@@ -17,6 +17,9 @@ PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 DISTRIBUTION = {"yaml": "pyyaml"}
 # modules imported only by one command, and the extra that command needs
 COMMAND_MODULES = {"train.py": "train", "train_config.py": "train"}
+# installed with torch itself where they are used (torch's CUDA builds depend on Triton), and
+# imported only where importable, never at a module's top
+WITH_TORCH = {"triton"}
 
 
 def _name(requirement: str) -> str:
@@ -53,7 +56,7 @@ def _undeclared(paths):
         command = COMMAND_MODULES.get(path.name)
         needed_at_import = _declared() | (_declared(command) if command else set())
         for package, at_top in _third_party_imports(path):
-            if package not in (needed_at_import if at_top else everything):
+            if package not in (needed_at_import if at_top else everything | WITH_TORCH):
                 missing.append(f"{path.name}: {package}")
     return sorted(set(missing))
 
@@ -64,10 +67,11 @@ def test_every_imported_package_is_declared_where_its_importer_needs_it():
 
 def test_the_check_finds_an_undeclared_import(tmp_path):
     """Negative control: an extra's package imported at the top of a module every command
-    imports, a package declared nowhere, and one outside the extra of its command."""
+    imports, a package declared nowhere, Triton at a module's top (allowed only where
+    guarded), and one outside the extra of its command."""
     module = tmp_path / "module.py"
-    module.write_text("import yaml\nimport torch\n\n\ndef f():\n    import nosuchdist\n    import trl\n")
-    assert [m.split(": ")[1] for m in _undeclared([module])] == ["nosuchdist", "pyyaml"]
+    module.write_text("import yaml\nimport torch\nimport triton\n\n\ndef f():\n    import nosuchdist\n    import trl\n")
+    assert [m.split(": ")[1] for m in _undeclared([module])] == ["nosuchdist", "pyyaml", "triton"]
     (tmp_path / "train.py").write_text("import yaml\nimport matplotlib\n")
     assert [m.split(": ")[1] for m in _undeclared([tmp_path / "train.py"])] == ["matplotlib"]
 
