@@ -130,21 +130,42 @@ def _every_byte_under_every_exponent(device):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_on_the_gpu_the_kernel_dequantises_and_gives_torch_ops_bits(dtype):
+def test_on_the_gpu_the_kernel_dequantises_and_gives_torch_ops_bits(dtype, monkeypatch):
     """On CUDA a call takes the one-pass kernel, and its stacks (whole, by rows, compacted)
     equal the torch ops' bit for bit, every byte under every exponent; swapped halves differ."""
     from layerstream.modules import mxfp4_kernel
 
     blocks, scales = _every_byte_under_every_exponent("cuda")
     assert mxfp4_kernel.usable(blocks, dtype), "no Triton on this CUDA machine: the kernel would not run"
+    launches = []
+    launch = mxfp4_kernel.dequantise
+    monkeypatch.setattr(
+        mxfp4_kernel, "dequantise", lambda *args, **kwargs: launches.append(1) or launch(*args, **kwargs)
+    )
     bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
-    for rows, compact in ((None, False), ([3, 0, 1], False), ([3, 0, 1], True), ([2], True)):
+    cases = ((None, False), ([3, 0, 1], False), ([3, 0, 1], True), ([2], True))
+    for rows, compact in cases:
         kernel = packed_experts.dequantise(blocks, scales, dtype, rows, compact=compact)
         torch_ops = packed_experts.dequantise_with_torch(blocks, scales, dtype, rows, compact=compact)
         chosen = slice(None) if rows is None or compact else sorted(rows)
         assert torch.equal(kernel[chosen].view(bits), torch_ops[chosen].view(bits)), (rows, compact)
+    assert len(launches) == len(cases), "a call did not take the kernel"
     swapped = packed_experts.dequantise((blocks << 4) | (blocks >> 4), scales, dtype)
     assert not torch.equal(swapped.view(bits), packed_experts.dequantise(blocks, scales, dtype).view(bits))
+    assert packed_experts._kernel_failed is None
+
+
+def test_blocks_and_scales_that_do_not_match_are_refused_before_either_way_runs(monkeypatch):
+    """Scales of other experts than the blocks' would be read past their end by the kernel:
+    refused, naming both shapes, and not taken for a kernel failure."""
+    from layerstream.modules import mxfp4_kernel
+
+    blocks, scales = _every_byte_under_every_exponent("cpu")
+    monkeypatch.setattr(packed_experts, "_kernel_failed", None)
+    monkeypatch.setattr(mxfp4_kernel, "usable", lambda blocks, dtype: True)
+    for wrong_blocks, wrong_scales in ((blocks, scales[:1]), (blocks[..., 0], scales), (blocks[..., :8], scales)):
+        with pytest.raises(ValueError, match="do not match"):
+            packed_experts.dequantise(wrong_blocks, wrong_scales, torch.bfloat16)
     assert packed_experts._kernel_failed is None
 
 

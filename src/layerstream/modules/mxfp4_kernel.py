@@ -16,15 +16,17 @@ writes those bits with integer arithmetic: a normal number, a subnormal one (dow
 exact ``ldexp`` gives. The tests compare every byte under every exponent with transformers'
 function.
 
-Where Triton is missing, or the dtype is neither bf16 nor float32, ``packed_experts`` uses
-torch ops (the same values, slower); if a kernel launch fails it says so once and does the
-same from then on. ``TRITON_INTERPRET=1`` runs the kernel on the CPU (Triton's interpreter),
-which is how it is checked on a machine without a GPU.
+Where Triton is missing, off CUDA, or for a dtype other than bf16 and float32,
+``packed_experts`` uses torch ops (the same values, slower); if a kernel launch fails it says
+so once and does the same from then on. The timing above is of the same kernel before it
+took a table of experts (one more load a program). With ``TRITON_INTERPRET=1`` set before
+Triton is imported, ``dequantise`` runs the kernel on CPU tensors (Triton's interpreter):
+how it is checked on a machine without a GPU.
 """
 
 from __future__ import annotations
 
-import os
+import contextlib
 
 import torch
 
@@ -75,7 +77,7 @@ if triton is not None:
         """One program: the expert ``experts[program 0]`` (written at stack row program 0 when
         ``COMPACT``, else at its own row), a tile of ``BLOCK_OUT`` outputs (program 1), one
         block of 32 inputs (program 2)."""
-        index = tl.program_id(0).to(tl.int64)  # the output of 128 experts passes 2**31 elements
+        index = tl.program_id(0).to(tl.int64)  # 128 experts' output passes 2**31 bytes: int64 offsets
         expert = tl.load(experts_ptr + index).to(tl.int64)
         row = index if COMPACT else expert
         tile = tl.program_id(1)
@@ -99,12 +101,9 @@ if triton is not None:
 
 
 def usable(blocks: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether the kernel can dequantise these blocks to ``dtype``: Triton is installed, the
-    blocks are on a CUDA device (or Triton's interpreter runs kernels on the CPU), and the
-    dtype is bf16 or float32."""
-    if triton is None or dtype not in DTYPES or blocks.shape[-1] != 16:
-        return False
-    return blocks.is_cuda or (blocks.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+    """Whether ``packed_experts`` dequantises these blocks to ``dtype`` with the kernel:
+    Triton is installed, the blocks are on a CUDA device, and the dtype is bf16 or float32."""
+    return triton is not None and blocks.is_cuda and dtype in DTYPES
 
 
 def dequantise(
@@ -122,15 +121,17 @@ def dequantise(
         return out
     bits = out.view(torch.int16 if dtype == torch.bfloat16 else torch.int32)
     grid = (len(experts), triton.cdiv(outputs, BLOCK_OUT), groups)
-    _dequantise_kernel[grid](
-        blocks,
-        scales,
-        experts,
-        bits,
-        outputs,
-        groups,
-        BLOCK_OUT=BLOCK_OUT,
-        BF16=dtype == torch.bfloat16,
-        COMPACT=compact,
-    )
+    # Triton launches on the current device and its stream: make the blocks' device current
+    with torch.cuda.device(blocks.device) if blocks.is_cuda else contextlib.nullcontext():
+        _dequantise_kernel[grid](
+            blocks,
+            scales,
+            experts,
+            bits,
+            outputs,
+            groups,
+            BLOCK_OUT=BLOCK_OUT,
+            BF16=dtype == torch.bfloat16,
+            COMPACT=compact,
+        )
     return out

@@ -201,6 +201,11 @@ def dequantise(
 
     On the GPU in one pass (``mxfp4_kernel``), elsewhere with torch ops
     (``dequantise_with_torch``): the same values, bit for bit."""
+    if blocks.dim() != 4 or blocks.shape[-1] != BLOCK // 2 or tuple(scales.shape) != tuple(blocks.shape[:3]):
+        raise ValueError(
+            f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not match: blocks are "
+            f"[experts, outputs, groups, {BLOCK // 2}] and scales [experts, outputs, groups]"
+        )
     experts = blocks.shape[0]
     if _kernel_failed is None and mxfp4_kernel.usable(blocks, dtype):
         index = _every_expert(experts, blocks.device) if rows is None else ascending(rows, experts)
