@@ -297,7 +297,6 @@ def _build(request: PlanRequest) -> MemoryPlan:
     )
     # a head wider than the compute dtype is cast for its matmul: autocast's copy of all of it,
     # or TRL's of one vocabulary tile at a time
-    head_cast = 0
     if trl_fused_head:  # its own tiles, whatever loss_chunk_tokens says
         loss, loss_chunk_tokens = trl_head.footprint_bytes(tokens, hidden, elem, residual_elem), None
         head_cast = trl_head.VOCAB_TILE * hidden * elem if residual_elem != elem else 0

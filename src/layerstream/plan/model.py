@@ -22,12 +22,17 @@ def adapters_of(model) -> dict:
         weight = getattr(next(iter(lora_a.values())), "weight", None)
         if weight is None:
             continue
-        dropouts = getattr(module, "lora_dropout", None)
-        dropout = isinstance(dropouts, torch.nn.ModuleDict) and any(
-            isinstance(d, torch.nn.Dropout) and d.p > 0 for d in dropouts.values()
-        )
-        return {"adapter_dtype": weight.dtype, "lora_dropout": dropout}
+        return {"adapter_dtype": weight.dtype, "lora_dropout": dropout_probability(module) > 0}
     return {}
+
+
+def dropout_probability(module) -> float:
+    """The largest dropout probability of a LoRA-adapted module's ``lora_dropout`` (0: none,
+    or not an adapted module)."""
+    dropouts = getattr(module, "lora_dropout", None)
+    if not isinstance(dropouts, torch.nn.ModuleDict):
+        return 0.0
+    return max((d.p for d in dropouts.values() if isinstance(d, torch.nn.Dropout)), default=0.0)
 
 
 def four_bit_compute_dtype(model) -> Optional[torch.dtype]:

@@ -111,10 +111,10 @@ def format_plan(plan: MemoryPlan) -> str:
     loss_peak = plan.loss_phase_bytes >= plan.layer_working_bytes
     chunk = f", chunks of {plan.loss_chunk_tokens} tokens" if plan.loss_chunk_tokens else ""
     what = f"fp32 logits x{LOSS_LOGIT_COPIES}{chunk}"
-    if plan.head_cast_bytes:
-        what += f", the head's {plan.dtype} copy" if not plan.trl_fused_head else f", its {plan.dtype} head tile"
     if plan.trl_fused_head:
         what = f"TRL's fused head, {trl_head.TOKEN_TILE} x {trl_head.VOCAB_TILE} tile, hidden-state copies"
+    if plan.head_cast_bytes:
+        what += f", its {plan.dtype} head tile" if plan.trl_fused_head else f", the head's {plan.dtype} copy"
     row(f"loss: {what}" + ("" if loss_peak else " (not at the peak)"), plan.loss_bytes)
     if plan.head_copy_bytes:
         row("head weight copied in for the loss" + ("" if loss_peak else " (not at the peak)"), plan.head_copy_bytes)

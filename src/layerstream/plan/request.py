@@ -18,7 +18,7 @@ from typing import Any, Mapping, Union
 import torch
 
 from ..config import DEFAULT_ARENA_BYTES
-from .shapes import DEFAULT_BANDWIDTH_GBPS, DEFAULT_RESERVE_BYTES
+from .shapes import DEFAULT_BANDWIDTH_GBPS, DEFAULT_RESERVE_BYTES, parse_dtype
 
 AUTO = "auto"
 # the StreamConfig settings a plan takes, under their own names (the rest change no memory
@@ -151,7 +151,6 @@ def plan_flags(request: PlanRequest, dropout: float = 0.05) -> list:
     runtime does; ``dropout``: the value to give ``--lora-dropout`` (the plan only asks
     whether it is above 0). ValueError for what the command has no flags for: adapted
     Parameters, a rank pattern, NF4 without double quantisation."""
-    from .shapes import parse_dtype
 
     def name(dtype) -> str:
         return str(parse_dtype(dtype)).removeprefix("torch.")

@@ -205,15 +205,10 @@ def _plan_flags(runtime) -> str:
     """`layerstream plan`'s flags for this model and step as the runtime plans them (its
     dtypes, adapters, autocast, loss head), each after a space; "" where the planner cannot
     describe the adapters or the command cannot spell them."""
+    from ..plan.model import dropout_probability
     from ..plan.request import plan_flags
 
-    dropouts = (
-        dropout.p
-        for module in runtime.model.modules()
-        if isinstance(getattr(module, "lora_dropout", None), torch.nn.ModuleDict)
-        for dropout in module.lora_dropout.values()
-        if isinstance(dropout, torch.nn.Dropout) and dropout.p > 0
-    )
+    dropouts = (p for p in map(dropout_probability, runtime.model.modules()) if p > 0)
     try:  # adapters the planner cannot describe, or the command cannot spell: no flags
         flags = plan_flags(runtime.long_settings.plan_request(1, 1), next(dropouts, 0.05))
     except ValueError:
