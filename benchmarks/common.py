@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
 import time
 from pathlib import Path
@@ -124,6 +125,12 @@ def pinned_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
         times.append(cuda_timer() - start)
     del src, dst
     return nbytes / median(times[1:]) / 1e9
+
+
+def card_of(gpu) -> str:
+    """A short name of a GPU for run names: "NVIDIA H100 80GB HBM3" -> "h100" ("gpu": none known)."""
+    model = re.search(r"\b[A-Z]+\d+[A-Z]*\b", gpu or "")
+    return model.group(0).lower() if model else "gpu"
 
 
 def write_result(name: str, payload: dict, out_dir: str | None = None) -> str:

@@ -61,7 +61,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shlex
 import statistics
 import subprocess
@@ -94,6 +93,7 @@ from long_context_clients import (  # noqa: E402
 )
 
 import rl  # noqa: E402  (the harness runs as a script)
+from common import card_of  # noqa: E402
 from zero_edit import compare  # noqa: E402
 
 RESULTS = HERE / "results"
@@ -308,12 +308,6 @@ class Results:
         payload = {"attempts": list(self.attempts.values()), "rows": mine, "versions": versions()}
         self.attempts_path.write_text(json.dumps(payload, indent=1))
         self.rows_path.write_text(json.dumps(merge_rows(self.base_rows, mine), indent=1))
-
-
-def card_of(gpu: str) -> str:
-    """A short name of a GPU for attempt names: "NVIDIA H100 80GB HBM3" -> "h100"."""
-    model = re.search(r"\b[A-Z]+\d+[A-Z]*\b", gpu or "")
-    return model.group(0).lower() if model else "gpu"
 
 
 def merge_rows(rows: list, new: list) -> list:

@@ -100,6 +100,9 @@ class Settings:
     completion_tokens: int = 256
     # the resident run, then the streamed one, in one ten-minute command: 5 steps of 256 tokens
     grpo_steps: int = 5
+    # both runs with the script's own --full_determinism (deterministic kernels): without it
+    # attention's backward may differ between two runs of the same script, and so the adapters
+    full_determinism: bool = False
     big_shape: str = "llama3-70b"
     big_cap: str = "24GiB"
     # under 24 GiB a 70B token step copies most of its 80 NF4 layers, so a step's generation
@@ -194,6 +197,8 @@ def script_command(checkpoint: Path, data: Path, settings: Settings, out: Path, 
     args += ["--bf16", "false" if settings.dry_run else "true"]
     args += ["--per_device_train_batch_size", str(settings.generations), "--num_generations", str(settings.generations)]
     args += ["--max_completion_length", str(settings.completion_tokens), "--reward_funcs", "grpo_client.variety_reward"]
+    if settings.full_determinism:
+        args += ["--full_determinism", "true"]
     return (["layerstream", "run"] if streamed else [sys.executable]) + args + settings.extra
 
 
@@ -291,6 +296,7 @@ def measure_grpo_pair(settings: Settings, args, command: str, save, deadline: fl
             print(f"rl: under {MIN_RUN_S} s left of --deadline: the rest of round {args.round} is not run", flush=True)
             return
         quantised = "" if settings.grpo_quantization == "nf4" else f"-{settings.grpo_quantization}"
+        quantised += "-deterministic" if settings.full_determinism else ""
         side = "streamed" if streamed else "resident"
         name = f"{settings.grpo_trainer}-{settings.grpo_shape}{quantised}-{side}-round{args.round}"
         shutil.rmtree(work / "runs" / name, ignore_errors=True)  # no adapter left by an earlier run
@@ -298,6 +304,7 @@ def measure_grpo_pair(settings: Settings, args, command: str, save, deadline: fl
         cap = settings.grpo_cap if streamed else WHOLE
         run = run_capped(name, cap, target, work, Path(args.out), deadline - time.monotonic(), settings.dry_run)
         used = {"generations": settings.generations, "completion_tokens": settings.completion_tokens}
+        used["full_determinism"] = settings.full_determinism
         run.update(kind="grpo-pair", model=MODELS[settings.grpo_shape], streamed=streamed, round=args.round)
         run.update(quantization=settings.grpo_quantization, trainer=settings.grpo_trainer)
         run.update(layer_bytes=mean_layer_bytes(settings.grpo_shape, settings.grpo_quantization))
@@ -329,18 +336,42 @@ class Results:
     def __init__(self, out: Path, merge: list):
         self.out = out
         self.runs: dict = {}
+        self.machine = None  # the last merged file's machine (``--rows-only`` keeps it)
         for path in [*merge, out / "rl.json"]:
             if Path(path).exists():
-                for run in json.loads(Path(path).read_text()).get("runs", []):
-                    self.runs[run["name"]] = run
+                loaded = json.loads(Path(path).read_text())
+                for run in loaded.get("runs", []):
+                    self.keep(run)
+                self.machine = loaded.get("machine", self.machine)
+
+    def keep(self, run: dict) -> None:
+        """Keep ``run``; where a run of its name came from another GPU, that one stays too,
+        under its card's name (``-h200``): a row pairs runs of one card only."""
+        known = self.runs.get(run["name"])
+        if known is not None and known.get("gpu") and run.get("gpu") and known["gpu"] != run["gpu"]:
+            from common import card_of
+
+            kept = f"{known['name']}-{card_of(known['gpu'])}"
+            self.runs[kept] = dict(known, name=kept)
+        self.runs[run["name"]] = run
 
     def add(self, runs: list) -> None:
         from common import write_result
 
         for run in runs:
-            self.runs[run["name"]] = run
+            self.keep(run)
         measured = list(self.runs.values())
         write_result("rl", {"rows": rows(measured), "runs": measured}, out_dir=str(self.out))
+
+    def write_rows_only(self) -> None:
+        """rl.json again from the merged runs, their rows made anew, nothing measured: the
+        machine stays the one the runs were measured on (the last merged file's)."""
+        measured = list(self.runs.values())
+        when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+        payload = {"rows": rows(measured), "runs": measured, "machine": self.machine, "when": when}
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "rl.json").write_text(json.dumps(payload, indent=2))
+        print(f"wrote {self.out / 'rl.json'}", flush=True)
 
 
 def parse(argv):
@@ -371,6 +402,12 @@ def parse(argv):
         default=defaults.grpo_quantization,
         help="grpo-8b: QLoRA (--load_in_4bit) or LoRA on the bf16 checkpoint (16 GB: larger than the cap)",
     )
+    parser.add_argument(
+        "--full-determinism",
+        action="store_true",
+        help="grpo-8b: both runs get the script's own --full_determinism (deterministic kernels), so "
+        "two runs can save the same adapter bit for bit",
+    )
     parser.add_argument("--big-steps", type=int, default=defaults.big_steps)
     parser.add_argument("--big-completion-tokens", type=int, default=defaults.big_completion_tokens)
     parser.add_argument("--tflops", type=float, default=None, help="the decode term's compute-bound batch at this rate")
@@ -386,6 +423,11 @@ def parse(argv):
         action="store_true",
         help="generate: only the streamed model under --caps, with nothing else on the GPU (no resident rounds)",
     )
+    parser.add_argument(
+        "--rows-only",
+        action="store_true",
+        help="measure nothing: rl.json from the --merge files' runs, the rows made anew (on any machine)",
+    )
     parser.add_argument("--deadline", type=float, default=570, help="seconds this command may take, writing included")
     parser.add_argument(
         "--dry-run", action="store_true", help="every part on a tiny model on the CPU (the harness only)"
@@ -400,6 +442,7 @@ def settings_from(args) -> Settings:
         settings.whole_gpu = not args.capped_only
         settings.grpo_quantization = args.grpo_quantization
         settings.grpo_trainer = args.grpo_trainer
+        settings.full_determinism = args.full_determinism
         return settings
     return Settings(
         profile=args.profile_generate or "",
@@ -410,6 +453,7 @@ def settings_from(args) -> Settings:
         grpo_steps=args.grpo_steps,
         grpo_quantization=args.grpo_quantization,
         grpo_trainer=args.grpo_trainer,
+        full_determinism=args.full_determinism,
         big_steps=args.big_steps,
         big_completion_tokens=args.big_completion_tokens,
     )
@@ -434,6 +478,10 @@ def main(argv=None) -> int:
     args.out = str(output_folder(args))
     Path(args.work).mkdir(parents=True, exist_ok=True)
     results = Results(Path(args.out), args.merge)
+    if args.rows_only:
+        results.write_rows_only()
+        print(summary(rows(list(results.runs.values()))))
+        return 0
     command = shlex.join(["python", "benchmarks/rl.py", *argv])
     for part in PARTS if args.part == "all" else (args.part,):
         print(f"rl: {part}", flush=True)

@@ -142,10 +142,11 @@ def pooled(runs: list, key: str, start: int) -> list:
 
 
 def grpo_pair_rows(runs: list) -> list:
-    """One row per trainer, model and quantization (runs measured before these were recorded
-    were GRPO and NF4)."""
+    """One row per trainer, model, quantization, GPU and determinism setting (runs measured
+    before these were recorded were GRPO, NF4 and not deterministic): a row pairs runs of one
+    card, timed and compared alike."""
     pairs = [run for run in runs if run.get("kind") == "grpo-pair"]
-    kinds = sorted({pair_kind(r) for r in pairs})
+    kinds = sorted({pair_kind(r) for r in pairs}, key=str)
     return [grpo_pair_row([r for r in pairs if pair_kind(r) == kind]) for kind in kinds]
 
 
@@ -157,8 +158,12 @@ def trainer_of(run: dict) -> str:
     return run.get("trainer", "grpo")
 
 
+def deterministic(run: dict) -> bool:
+    return bool(run.get("settings_used", {}).get("full_determinism"))
+
+
 def pair_kind(run: dict) -> tuple:
-    return trainer_of(run), run["model"], quantization_of(run)
+    return trainer_of(run), run["model"], quantization_of(run), run.get("gpu") or "", deterministic(run)
 
 
 def grpo_pair_row(runs: list) -> dict:
@@ -178,7 +183,6 @@ def grpo_pair_row(runs: list) -> dict:
     step = median(pooled(list(streamed.values()), "step_s", TIMED_FROM_STEP))
     resident_step = median(pooled(list(resident.values()), "step_s", TIMED_FROM_STEP))
     speed = verdict.get("speed_vs_plain")
-    norms = [run["grad_norms"] for run in plains + streameds]
     generating = figures(list(streamed.values()), GENERATE_FIGURES, "generate_", TIMED_FROM_STEP)
     return {
         "model": first["model"],
@@ -203,9 +207,8 @@ def grpo_pair_row(runs: list) -> dict:
         "window_layers": generating["window_layers"],
         "layerstream_generate": generating,
         "layerstream_train": figures(list(streamed.values()), TRAIN_FIGURES, "", TIMED_FROM_STEP),
-        "losses_equal": verdict.get("losses_equal"),
-        "grad_norms_equal": all(n == norms[0] for n in norms) if norms else None,
-        **adapters_compared(plains + streameds),
+        "full_determinism": deterministic(first),
+        **training_compared(verdict, plains, streameds),
         "target": f"speed_vs_resident >= {TARGETS[trainer]}" if trainer in TARGETS else None,
         "meets_target": speed >= TARGETS[trainer] if speed is not None and trainer in TARGETS else None,
         "rounds": len(both),
@@ -217,6 +220,25 @@ def grpo_pair_row(runs: list) -> dict:
             for kind, chosen in (("resident", resident), ("streamed", streamed))
             if chosen
         },
+    }
+
+
+def training_compared(verdict: dict, plains: list, streameds: list) -> dict:
+    """Whether the streamed runs trained as the resident ones: losses, gradient norms, saved
+    adapters, and whether the resident runs saved the same adapter as each other (where not,
+    the script itself is not repeatable and a differing adapter says nothing about
+    streaming). Runs whose every gradient norm is 0 trained nothing: not compared."""
+    norms = [run["grad_norms"] for run in plains + streameds]
+    if norms and not any(value for run_norms in norms for value in run_norms):
+        note = "every gradient norm is 0: the runs trained nothing, so they do not compare training"
+        return {"losses_equal": None, "grad_norms_equal": None, "adapters_equal": None, "adapters_note": note}
+    residents = [run for run in plains if run.get("adapter")]
+    repeat = adapters_compared(residents)["adapters_equal"] if len(residents) > 1 else None
+    return {
+        "losses_equal": verdict.get("losses_equal"),
+        "grad_norms_equal": all(n == norms[0] for n in norms) if norms else None,
+        **adapters_compared(plains + streameds),
+        "resident_adapters_repeat": repeat,
     }
 
 

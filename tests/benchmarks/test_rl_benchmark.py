@@ -239,3 +239,83 @@ def test_the_adapters_compare_bit_for_bit_and_a_missing_one_is_named(tmp_path):
     assert rl.adapter_digest(tmp_path / "nothing") is None
     missing = rl_rows.adapters_compared([digests[0], dict(name="stopped", adapter=None)])
     assert missing["adapters_equal"] is None and "stopped" in missing["adapters_note"]
+
+
+def on_card(run: dict, gpu: str, **changes) -> dict:
+    return dict(run, gpu=gpu, **changes)
+
+
+H100, H200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
+
+
+def test_a_run_from_another_card_is_kept_apart_and_a_row_pairs_one_card(tmp_path):
+    """Round 1 measured again on an H100 over an H200 file: the H200's round 1 stays under
+    its card's name, and each card gets its own row, so no row pairs an H100 step with an
+    H200 one. Control: the same runs as one card's make one row of two rounds."""
+    earlier = tmp_path / "earlier.json"
+    h200 = [grpo_run(r, s, [9.0] * 4 if not s else [30.0] * 4) for r in (1, 2) for s in (False, True)]
+    earlier.write_text(json.dumps({"runs": [on_card(run, H200) for run in h200]}))
+    results = rl.Results(tmp_path / "out", [str(earlier)])
+    results.add([on_card(grpo_run(1, s, [8.0] * 4 if not s else [10.0] * 4), H100) for s in (False, True)])
+    written = json.loads((tmp_path / "out" / "rl.json").read_text())
+    names = sorted(run["name"] for run in written["runs"])
+    assert names == sorted(
+        ["grpo-r1-False", "grpo-r1-True", "grpo-r1-False-h200", "grpo-r1-True-h200", "grpo-r2-False", "grpo-r2-True"]
+    )
+    by_card = {row["gpu"]: row for row in written["rows"]}
+    assert set(by_card) == {H100, H200}
+    assert by_card[H100]["rounds"] == 1 and by_card[H100]["step_s"] == 10.0
+    assert by_card[H100]["speed_vs_resident"] == pytest.approx(0.8)
+    assert by_card[H200]["rounds"] == 2 and by_card[H200]["speed_vs_resident"] == pytest.approx(0.3)
+    mixed = [on_card(run, H200) for run in h200[:2]] + [on_card(run, H200) for run in h200[2:]]
+    (one,) = rl_rows.grpo_pair_rows(mixed)
+    assert one["rounds"] == 2
+
+
+def test_runs_with_no_gradient_are_not_compared_and_a_script_that_does_not_repeat_is_named():
+    """Runs whose every gradient norm is 0 trained nothing: the row says so instead of
+    comparing them. Where the resident runs of two rounds saved different adapters, the
+    script itself does not repeat (``resident_adapters_repeat`` False)."""
+    zero = [dict(grpo_run(1, s, [9.0] * 4), grad_norms=[0.0] * 4) for s in (False, True)]
+    (row,) = rl_rows.grpo_pair_rows(zero)
+    assert row["losses_equal"] is None and row["adapters_equal"] is None and "trained nothing" in row["adapters_note"]
+
+    def saved(run, sha):
+        return dict(run, adapter={"step": 4, "sha256": sha, "tensors": 2})
+
+    runs = [
+        saved(grpo_run(r, s, [9.0] * 4), "a" if (r, s) != (2, False) else "b") for r in (1, 2) for s in (False, True)
+    ]
+    (row,) = rl_rows.grpo_pair_rows(runs)
+    assert row["losses_equal"] and row["adapters_equal"] is False and row["resident_adapters_repeat"] is False
+    same = [saved(run, "a") for run in runs]
+    (row,) = rl_rows.grpo_pair_rows(same)
+    assert row["adapters_equal"] is True and row["resident_adapters_repeat"] is True
+
+
+def test_full_determinism_reaches_both_runs_and_makes_its_own_row():
+    settings = rl.Settings(full_determinism=True)
+    for streamed in (False, True):
+        command = rl.script_command(Path("ckpt"), Path("data"), settings, Path("out"), streamed=streamed)
+        assert command[command.index("--full_determinism") + 1] == "true"
+    assert "--full_determinism" not in rl.script_command(Path("c"), Path("d"), rl.Settings(), Path("o"), False)
+    assert rl.settings_from(rl.parse(["--full-determinism"])).full_determinism
+    plain = [grpo_run(1, s, [9.0] * 4) for s in (False, True)]
+    strict = [
+        dict(
+            grpo_run(1, s, [9.0] * 4, name=f"d{s}"),
+            settings_used={**plain[0]["settings_used"], "full_determinism": True},
+        )
+        for s in (False, True)
+    ]
+    rows = rl_rows.grpo_pair_rows(plain + strict)
+    assert sorted(row["full_determinism"] for row in rows) == [False, True]
+
+
+def test_rows_only_remakes_the_rows_and_keeps_the_measuring_machine(tmp_path):
+    measured = tmp_path / "measured.json"
+    runs = [on_card(grpo_run(1, s, [9.0] * 4), H100) for s in (False, True)]
+    measured.write_text(json.dumps({"rows": [], "runs": runs, "machine": {"gpu": H100}, "when": "then"}))
+    assert rl.main(["--rows-only", "--merge", str(measured), "--out", str(tmp_path / "out")]) == 0
+    written = json.loads((tmp_path / "out" / "rl.json").read_text())
+    assert written["machine"] == {"gpu": H100} and len(written["rows"]) == 1 and written["runs"] == runs
