@@ -10,7 +10,7 @@ from torch import nn
 from .config import StreamConfig, resolve_device
 from .errors import StreamConfigError, StreamingError
 from .long import chunked_loss, tiled_mlp
-from .modules import changes, layer, nf4
+from .modules import changes, cpu_repacking, layer, nf4
 from .modules.discovery import find_decoder_layers, layer_name, unwrap_peft
 from .runtime.core import StreamRuntime
 from .system.log import get_logger
@@ -120,6 +120,7 @@ def stream_model(model: nn.Module, config: Optional[StreamConfig] = None, **over
         )
     _refuse_unsupported(model)
     path, layers = find_decoder_layers(model)
+    _refuse_cpu_repacked(layers, path)
     streamed = _streamed_predicate(model, layers)
     devices = _layer_devices(layers, path, streamed)
     gpus = sorted({d for d in devices if d.type == "cuda"}, key=str)
@@ -191,6 +192,20 @@ def _refuse_unsupported(model: nn.Module) -> None:
                 "which a streamed layer, checkpointed under autograd, cannot read. Use prompt tuning "
                 "(PromptTuningConfig) or LoRA with layerstream, or train prefix tuning without it."
             )
+
+
+def _refuse_cpu_repacked(layers: nn.ModuleList, path: str) -> None:
+    """4-bit weights bitsandbytes repacked for its CPU inference kernel, refused before
+    anything changes: the streamed 4-bit path reads bitsandbytes' standard layout, so it would
+    compute with other values (``modules.cpu_repacking``)."""
+    repacked = cpu_repacking.repacked_projections(layers, lambda index: layer_name(path, index))
+    if repacked:
+        raise StreamingError(
+            f"{len(repacked)} 4-bit projections ({repacked[0]}, ...) were repacked in place by bitsandbytes "
+            "for its CPU inference kernel: the model ran a forward on the CPU in eval mode before "
+            "stream_model. layerstream streams bitsandbytes' standard 4-bit layout only. Load the model "
+            "again and call stream_model before running it (or load it with layerstream.from_pretrained)."
+        )
 
 
 def _automatic_slots(config: StreamConfig, largest_layer: int) -> StreamConfig:

@@ -7,7 +7,7 @@ import torch
 
 import layerstream
 from layerstream.decisions.schedule import PrefetchSchedule
-from layerstream.modules import nf4
+from layerstream.modules import cpu_repacking, nf4
 
 from tiny import (
     assert_traces_equal,
@@ -206,3 +206,85 @@ def test_missing_bitsandbytes_is_named_with_the_install_command(tmp_path, monkey
         layerstream.from_pretrained(
             checkpoint, quantization="nf4", stream=layerstream.StreamConfig(device="cpu", slots=2)
         )
+
+
+def _linear4bit(model) -> list:
+    return [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+
+
+def _repack_for_the_cpu_kernel(model, layer: int) -> list:
+    """What bitsandbytes' Linear4bit.forward does, on its first eval-mode call on an
+    AVX512-BF16 CPU, to each 4-bit weight of one layer (done directly, on any CPU)."""
+    from bitsandbytes.functional import _convert_weight_packed_for_cpu
+
+    names = []
+    for name, module in model.named_modules():
+        if isinstance(module, bnb.nn.Linear4bit) and f"layers.{layer}." in name:
+            module.weight.data, _ = _convert_weight_packed_for_cpu(module.weight.data, module.weight.quant_state)
+            names.append(name)
+    return names
+
+
+def test_weights_repacked_for_the_cpu_kernel_are_refused_before_streaming(tmp_path, monkeypatch):
+    """A model that ran an eval-mode forward on an AVX512-BF16 CPU has its 4-bit weights
+    repacked in place (another byte layout, bfloat16 scales). Streamed, they would be read in
+    the standard layout: stream_model refuses, naming one, before anything changes.
+    Control: with the refusal switched off, the streamed model computes other logits than
+    the same model resident on bitsandbytes' own (repacked) path, by far more than rounding."""
+    from layerstream import api
+
+    streamed, resident = nf4_pair(tmp_path, "llama", layers=3)
+    names = _repack_for_the_cpu_kernel(streamed, 1)
+    _repack_for_the_cpu_kernel(resident, 1)
+    # not state_dict(): bitsandbytes undoes the repacking when it saves
+    held = [(m.weight, m.weight.data.clone(), m.weight.quant_state.absmax.clone()) for m in _linear4bit(streamed)]
+    with pytest.raises(layerstream.StreamingError, match=r"layers\.1\..*repacked in place by bitsandbytes"):
+        layerstream.stream_model(streamed, device="cpu", slots=2)
+    assert not layerstream.is_streamed(streamed) and names
+    for weight, data, absmax in held:
+        assert torch.equal(weight.data, data) and torch.equal(weight.quant_state.absmax, absmax), "changed"
+
+    monkeypatch.setattr(api, "_refuse_cpu_repacked", lambda layers, path: None)
+    stream(streamed, "cpu", slots=2)
+    ids = torch.randint(3, 90, (2, 6))
+    with torch.no_grad():
+        wrong, right = streamed(ids).logits, resident.eval()(ids).logits
+    assert not torch.allclose(wrong, right, atol=0.1), "repacked weights streamed as if standard: other values"
+
+
+def test_an_eval_forward_on_this_cpu_repacks_exactly_when_bitsandbytes_says(tmp_path):
+    """Which CPUs the refusal above meets: bitsandbytes repacks on the first eval-mode,
+    no-grad forward where its CPU kernel is supported, and not otherwise."""
+    streamed, _ = nf4_pair(tmp_path, "llama", layers=2)
+    module = _linear4bit(streamed)[0]
+    streamed.eval()
+    with torch.no_grad():
+        streamed(torch.randint(3, 90, (1, 4)))
+    assert cpu_repacking.repacked(module) == bool(module.support_avx512bf16_for_cpu)
+    if cpu_repacking.repacked(module):
+        with pytest.raises(layerstream.StreamingError, match="repacked in place"):
+            layerstream.stream_model(streamed, device="cpu", slots=2)
+    else:
+        stream(streamed, "cpu", slots=2)
+
+
+def test_streamed_inference_where_bitsandbytes_would_repack_is_said_once(tmp_path, caplog, monkeypatch):
+    """Where bitsandbytes' own forward would repack (eval mode, no gradient, a CPU kernel it
+    supports: set here on any CPU), streamed layers run its portable path and say so once; a
+    training forward says nothing, and the weights stay in the standard layout."""
+    monkeypatch.setattr(cpu_repacking, "_noted", False)
+    streamed, _ = nf4_pair(tmp_path, "llama", layers=3)
+    stream(streamed, "cpu", slots=2)
+    ids = torch.randint(3, 90, (1, 5))
+    with caplog.at_level("WARNING", logger="layerstream"):
+        streamed.train()
+        streamed(ids).logits.sum().backward()
+        for module in _linear4bit(streamed):
+            module.support_avx512bf16_for_cpu = True
+        assert "portable CPU path" not in caplog.text, "training is not affected"
+        streamed.eval()
+        with torch.no_grad():
+            streamed(ids)
+            streamed(ids)
+    assert caplog.text.count("portable CPU path") == 1
+    assert not any(cpu_repacking.repacked(m) for m in _linear4bit(streamed))

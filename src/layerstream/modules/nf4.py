@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..system.log import get_logger
-from . import swap
+from . import cpu_repacking, swap
 
 logger = get_logger(__name__)
 
@@ -454,6 +454,8 @@ def streamed_nf4_forward(module, x: torch.Tensor, owner=None, counters: Optional
     """
     weight = module.weight
     state = weight.quant_state
+    if x.device.type == "cpu":
+        cpu_repacking.note_portable_inference(module, x)
     if not module.compute_type_is_set:
         module.set_compute_type(x)
         module.compute_type_is_set = True
