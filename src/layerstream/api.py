@@ -197,14 +197,31 @@ def _refuse_unsupported(model: nn.Module) -> None:
 def _refuse_cpu_repacked(layers: nn.ModuleList, path: str) -> None:
     """4-bit weights bitsandbytes repacked for its CPU inference kernel, refused before
     anything changes: the streamed 4-bit path reads bitsandbytes' standard layout, so it would
-    compute with other values (``modules.cpu_repacking``)."""
-    repacked = cpu_repacking.repacked_projections(layers, lambda index: layer_name(path, index))
+    compute with other values. Weights it repacked and converted back stream (they equal the
+    model resident), said once (``modules.cpu_repacking``)."""
+
+    def name_of(index):
+        return layer_name(path, index)
+
+    repacked = cpu_repacking.projections(layers, name_of, cpu_repacking.repacked)
     if repacked:
+        count = f"{len(repacked)} 4-bit projections" if len(repacked) > 1 else "a 4-bit projection"
+        more = ", ..." if len(repacked) > 1 else ""
         raise StreamingError(
-            f"{len(repacked)} 4-bit projections ({repacked[0]}, ...) were repacked in place by bitsandbytes "
-            "for its CPU inference kernel: the model ran a forward on the CPU in eval mode before "
-            "stream_model. layerstream streams bitsandbytes' standard 4-bit layout only. Load the model "
-            "again and call stream_model before running it (or load it with layerstream.from_pretrained)."
+            f"{count} of the decoder layers ({repacked[0]}{more}) hold weights bitsandbytes repacked in place "
+            "for its CPU inference kernel, as its Linear4bit does when it runs in eval mode on this CPU; "
+            "layerstream streams bitsandbytes' standard 4-bit layout only. Stream the model before anything "
+            "runs it on the CPU: load it again and call stream_model (or hand it to the Trainer with "
+            "--layer_stream) first, or load it with layerstream.from_pretrained."
+        )
+    changed = cpu_repacking.projections(layers, name_of, cpu_repacking.round_tripped)
+    if changed:
+        logger.warning(
+            "layerstream: bitsandbytes repacked %d 4-bit projections of this model for its CPU kernel and "
+            "converted them back (%s, ...): their block scales are rounded, no longer the loaded weights. "
+            "They stream as they are, equal to this model resident; load the model again for the loaded weights.",
+            len(changed),
+            changed[0],
         )
 
 

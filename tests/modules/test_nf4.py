@@ -238,7 +238,7 @@ def test_weights_repacked_for_the_cpu_kernel_are_refused_before_streaming(tmp_pa
     _repack_for_the_cpu_kernel(resident, 1)
     # not state_dict(): bitsandbytes undoes the repacking when it saves
     held = [(m.weight, m.weight.data.clone(), m.weight.quant_state.absmax.clone()) for m in _linear4bit(streamed)]
-    with pytest.raises(layerstream.StreamingError, match=r"layers\.1\..*repacked in place by bitsandbytes"):
+    with pytest.raises(layerstream.StreamingError, match=r"layers\.1\..*bitsandbytes repacked in place"):
         layerstream.stream_model(streamed, device="cpu", slots=2)
     assert not layerstream.is_streamed(streamed) and names
     for weight, data, absmax in held:
@@ -252,9 +252,9 @@ def test_weights_repacked_for_the_cpu_kernel_are_refused_before_streaming(tmp_pa
     assert not torch.allclose(wrong, right, atol=0.1), "repacked weights streamed as if standard: other values"
 
 
-def test_an_eval_forward_on_this_cpu_repacks_exactly_when_bitsandbytes_says(tmp_path):
-    """Which CPUs the refusal above meets: bitsandbytes repacks on the first eval-mode,
-    no-grad forward where its CPU kernel is supported, and not otherwise."""
+def test_an_eval_forward_repacks_only_where_bitsandbytes_supports_its_kernel_and_is_then_refused(tmp_path):
+    """On this machine's CPU: bitsandbytes repacks on an eval-mode forward where its CPU kernel
+    is supported, and not otherwise; stream_model then refuses, or streams."""
     streamed, _ = nf4_pair(tmp_path, "llama", layers=2)
     module = _linear4bit(streamed)[0]
     streamed.eval()
@@ -262,29 +262,67 @@ def test_an_eval_forward_on_this_cpu_repacks_exactly_when_bitsandbytes_says(tmp_
         streamed(torch.randint(3, 90, (1, 4)))
     assert cpu_repacking.repacked(module) == bool(module.support_avx512bf16_for_cpu)
     if cpu_repacking.repacked(module):
-        with pytest.raises(layerstream.StreamingError, match="repacked in place"):
+        with pytest.raises(layerstream.StreamingError, match="bitsandbytes repacked in place"):
             layerstream.stream_model(streamed, device="cpu", slots=2)
     else:
         stream(streamed, "cpu", slots=2)
 
 
+def test_weights_repacked_and_converted_back_stream_as_the_resident_model_and_are_said(tmp_path, caplog):
+    """bitsandbytes converts repacked weights back when it saves a state dict, with rounded
+    block scales: they stream (nothing to refuse: streamed equals the same model resident, bit
+    for bit), and stream_model says they are no longer the loaded weights. Control: the
+    round trip did change the weights."""
+    streamed, resident = nf4_pair(tmp_path, "llama", layers=3, nested=False)
+    loaded = [m.weight.quant_state.absmax.clone() for m in _linear4bit(streamed)]
+    for model in (streamed, resident):
+        _repack_for_the_cpu_kernel(model, 1)
+        model.state_dict()  # bitsandbytes converts back
+    assert not any(cpu_repacking.repacked(m) for m in _linear4bit(streamed))
+    changed = [m.weight.quant_state.absmax for m in _linear4bit(streamed)]
+    assert any(a.shape != b.shape or not torch.equal(a, b) for a, b in zip(loaded, changed)), "a control"
+    portable_cpu_nf4(resident)
+    with caplog.at_level("WARNING", logger="layerstream"):
+        stream(streamed, "cpu", slots=2)
+    assert "converted them back" in caplog.text and "layers.1." in caplog.text
+    ids = torch.randint(3, 90, (2, 6))
+    with torch.no_grad():
+        assert torch.equal(streamed.eval()(ids).logits, resident.eval()(ids).logits)
+
+
 def test_streamed_inference_where_bitsandbytes_would_repack_is_said_once(tmp_path, caplog, monkeypatch):
-    """Where bitsandbytes' own forward would repack (eval mode, no gradient, a CPU kernel it
-    supports: set here on any CPU), streamed layers run its portable path and say so once; a
-    training forward says nothing, and the weights stay in the standard layout."""
+    """Where bitsandbytes' own forward would repack (its CPU kernel supported: set here on any
+    CPU; eval mode; an input that does not require grad), streamed layers run its portable
+    path and say so once; train mode says nothing, and the weights stay in the standard layout."""
     monkeypatch.setattr(cpu_repacking, "_noted", False)
     streamed, _ = nf4_pair(tmp_path, "llama", layers=3)
     stream(streamed, "cpu", slots=2)
+    for module in _linear4bit(streamed):
+        module.support_avx512bf16_for_cpu = True
     ids = torch.randint(3, 90, (1, 5))
     with caplog.at_level("WARNING", logger="layerstream"):
         streamed.train()
         streamed(ids).logits.sum().backward()
-        for module in _linear4bit(streamed):
-            module.support_avx512bf16_for_cpu = True
-        assert "portable CPU path" not in caplog.text, "training is not affected"
+        assert "portable CPU path" not in caplog.text, "train mode is not affected"
         streamed.eval()
         with torch.no_grad():
             streamed(ids)
             streamed(ids)
     assert caplog.text.count("portable CPU path") == 1
     assert not any(cpu_repacking.repacked(m) for m in _linear4bit(streamed))
+
+
+def test_the_portable_path_note_follows_bitsandbytes_own_condition(monkeypatch, caplog):
+    """bitsandbytes repacks in eval mode for an input that does not require grad, on a CPU
+    whose kernel it supports: the note follows each of the three, not torch.no_grad."""
+    module = bnb.nn.Linear4bit(64, 64, compute_dtype=torch.bfloat16)
+    plain, tracked = torch.randn(2, 64), torch.randn(2, 64, requires_grad=True)
+    cases = [(True, False, plain, 0), (False, False, tracked, 0), (False, True, plain, 0), (False, False, plain, 1)]
+    for training, unsupported, x, said in cases:
+        monkeypatch.setattr(cpu_repacking, "_noted", False)
+        module.train(training)
+        module.support_avx512bf16_for_cpu = not unsupported
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="layerstream"):
+            cpu_repacking.note_portable_path(module, x)
+        assert caplog.text.count("portable CPU path") == said, (training, unsupported, x.requires_grad)

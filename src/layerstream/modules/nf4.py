@@ -455,7 +455,7 @@ def streamed_nf4_forward(module, x: torch.Tensor, owner=None, counters: Optional
     weight = module.weight
     state = weight.quant_state
     if x.device.type == "cpu":
-        cpu_repacking.note_portable_inference(module, x)
+        cpu_repacking.note_portable_path(module, x)
     if not module.compute_type_is_set:
         module.set_compute_type(x)
         module.compute_type_is_set = True
