@@ -44,7 +44,9 @@ granularity, up while a length trains, down while it runs out of memory.
 run and the same command as plain ``python -m trl.scripts.sft`` with the whole GPU (streamed,
 resident, streamed, resident for ``--rounds 2``); the resident run may run out of memory, which
 is recorded. ``--deadline`` (seconds) starts no run it cannot finish and always writes what was
-measured.
+measured. A step near ten minutes (80 GiB at 400,000 tokens) leaves no room for writing the
+checkpoint and data in its command: ``--prepare-only`` writes them in ``--work`` in an earlier
+command on the same warm machine, and the run's command reuses them.
 
 Output: every attempt in ``long-context-client.json`` ($OUT, else
 benchmarks/results/long-context/) with the end of each log beside it (``long-context-client-logs/``;
@@ -443,6 +445,12 @@ def parse(argv):
         action="store_true",
         help="write each run's first-step tensors alive at its peak, by source (GPU), beside its log",
     )
+    parser.add_argument(
+        "--prepare-only",
+        action="store_true",
+        help="write the checkpoint and the data for --cells (or the search) in --work, run nothing: a "
+        "step too long to share a ten-minute command with them then runs in the next command",
+    )
     parser.add_argument("--dry-run", action="store_true", help="a tiny llama on the CPU: the harness only")
     parser.add_argument(
         "--dry-run-limit", type=int, default=384, help="dry run: longer attempts stand in for out of memory"
@@ -489,6 +497,9 @@ def main(argv=None) -> int:
         args.hi = planned_longest(ctx.checkpoint, args.client, args.cap) + 8 * args.granularity
     longest = max([t for _, t in cells] + ([args.hi] if args.cap is not None else []))
     ctx.data = write_dataset(ctx.work, ctx.checkpoint, longest)
+    if args.prepare_only:
+        print(f"long-context-client: {ctx.checkpoint} and {ctx.data} ready; nothing run", flush=True)
+        return 0
     for cap_gib, tokens in cells:
         alternate(ctx, f"{cap_gib:g}GiB", tokens)
     if args.cap is not None:

@@ -142,3 +142,19 @@ def test_a_row_pairs_runs_of_one_gpu_and_merging_keeps_both_cards(tmp_path):
     (row,) = results.rows()
     assert row["gpu"] == h200 and row["baseline_step_s"] == 1.0 and row["speed_vs_resident"] == 0.5
     assert long_context_client.card_of(h100) == "h100" and long_context_client.card_of(None) == "gpu"
+
+
+def test_prepare_only_writes_the_checkpoint_and_data_that_the_next_command_reuses(tmp_path):
+    """--prepare-only leaves the checkpoint and the rows in --work and runs no attempt; the next
+    command with the same --work and cells reads them instead of writing them again."""
+    argv = ["--dry-run", "--cells", "1:256", "--work", str(tmp_path), "--out", str(tmp_path / "out")]
+    assert long_context_client.main([*argv, "--prepare-only"]) == 0
+    checked = tmp_path / "data-words-256" / "checked.json"
+    assert checked.exists()
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "out" / "long-context-client.json").exists()
+    index = tmp_path / "tiny" / "model.safetensors.index.json"
+    written = checked.stat().st_mtime_ns, index.stat().st_mtime_ns
+    assert long_context_client.main(argv) == 0
+    assert (checked.stat().st_mtime_ns, index.stat().st_mtime_ns) == written, "written again"
+    attempts = json.loads((tmp_path / "out" / "long-context-client.json").read_text())["attempts"]
+    assert [a["verdict"] for a in attempts] == ["trained"]
