@@ -242,9 +242,10 @@ def _trace_first_step_memory(path: str) -> None:
     _add_to_every_trainer(FirstStepMemory)
 
 
-def prepare(cap: str, used_first: bool, times, profile_dir=None, memory_trace=None) -> None:
-    """The cap, the earlier use of the GPU, the step timer, the profiler and the first
-    step's memory trace, in this process."""
+def prepare(cap: str, used_first: bool, times, profile_dir=None, memory_trace=None, profile_steps=(8, 8)) -> None:
+    """The cap, the earlier use of the GPU, the step timer, the profiler (``profile_steps``:
+    the first step and the count Python's profiler takes) and the first step's memory trace,
+    in this process."""
     from layerstream.commands.run import allocator_defaults
     from layerstream.units import parse_bytes
 
@@ -267,7 +268,7 @@ def prepare(cap: str, used_first: bool, times, profile_dir=None, memory_trace=No
     if times:
         _time_trainer_steps(times)
     if profile_dir:
-        _profile_trainer_steps(profile_dir)
+        _profile_trainer_steps(profile_dir, *profile_steps)
     if memory_trace:
         _trace_first_step_memory(memory_trace)
 
@@ -278,7 +279,16 @@ def main():
     parser.add_argument("--used-first", action="store_true", help="use and free the GPU before the command")
     parser.add_argument("--times", default=None, help="write each Trainer step's time here (JSON)")
     parser.add_argument(
-        "--profile", default=None, metavar="DIR", help="profile steps 8-15 (Python) and 16-17 (torch) into DIR"
+        "--profile",
+        default=None,
+        metavar="DIR",
+        help="profile steps (--profile-steps: 8-15 Python, 16-17 torch) into DIR",
+    )
+    parser.add_argument(
+        "--profile-steps",
+        default="8,8",
+        metavar="FIRST,COUNT",
+        help="--profile: Python's profiler over COUNT steps from step FIRST (counted from 0), torch's over the next two",
     )
     parser.add_argument(
         "--memory-trace", default=None, metavar="FILE", help="the first step's tensors alive at its peak (JSON)"
@@ -286,7 +296,8 @@ def main():
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    prepare(args.cap, args.used_first, args.times, args.profile, args.memory_trace)
+    profile_steps = tuple(int(v) for v in args.profile_steps.split(","))
+    prepare(args.cap, args.used_first, args.times, args.profile, args.memory_trace, profile_steps)
     # processes the command starts (``trl sft``, ``accelerate launch``) get the same
     os.environ["CAPPED_CHILD"] = json.dumps(
         {
@@ -295,6 +306,7 @@ def main():
             "used_first": args.used_first,
             "times": args.times,
             "profile": args.profile,
+            "profile_steps": profile_steps,
             "memory_trace": args.memory_trace,
         }
     )

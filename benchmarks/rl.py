@@ -103,6 +103,7 @@ class Settings:
     # both runs with the script's own --full_determinism (deterministic kernels): without it
     # attention's backward may differ between two runs of the same script, and so the adapters
     full_determinism: bool = False
+    profile_grpo: str = ""  # grpo-8b: a folder for each run's profile of steady steps (``--profile-grpo``)
     big_shape: str = "llama3-70b"
     big_cap: str = "24GiB"
     # under 24 GiB a 70B token step copies most of its 80 NF4 layers, so a step's generation
@@ -243,14 +244,17 @@ def _text(part) -> str:
     return part.decode(errors="replace") if isinstance(part, bytes) else part or ""
 
 
-def run_capped(name: str, cap: str, target: list, work: Path, out: Path, timeout: float, dry_run: bool) -> dict:
-    """``target`` under ``capped.py`` in a fresh process: its step and generate times and its
-    logs; stopped after ``timeout`` seconds (what it wrote by then is kept)."""
+def run_capped(
+    name: str, cap: str, target: list, work: Path, out: Path, timeout: float, dry_run: bool, profile: list = ()
+) -> dict:
+    """``target`` under ``capped.py`` in a fresh process (``profile``: its profiler's arguments):
+    its step and generate times and its logs; stopped after ``timeout`` seconds (what it wrote
+    by then is kept)."""
     runs = work / "runs"
     runs.mkdir(parents=True, exist_ok=True)
     times = runs / f"{name}-times.json"
     times.unlink(missing_ok=True)
-    argv = [sys.executable, str(HERE / "capped.py"), "--cap", cap, "--times", str(times), "--", *target]
+    argv = [sys.executable, str(HERE / "capped.py"), "--cap", cap, "--times", str(times), *profile, "--", *target]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])))
     env.setdefault("HF_HUB_OFFLINE", "1")  # everything is on disk; the GPU machine reaches no hub
     if dry_run:  # OpenMP's spinning workers and the copy thread share the CPU badly
@@ -302,7 +306,10 @@ def measure_grpo_pair(settings: Settings, args, command: str, save, deadline: fl
         shutil.rmtree(work / "runs" / name, ignore_errors=True)  # no adapter left by an earlier run
         target = script_command(checkpoint, data, settings, work / "runs" / name, streamed)
         cap = settings.grpo_cap if streamed else WHOLE
-        run = run_capped(name, cap, target, work, Path(args.out), deadline - time.monotonic(), settings.dry_run)
+        profile = profile_arguments(settings, name)
+        run = run_capped(
+            name, cap, target, work, Path(args.out), deadline - time.monotonic(), settings.dry_run, profile
+        )
         used = {"generations": settings.generations, "completion_tokens": settings.completion_tokens}
         used["full_determinism"] = settings.full_determinism
         run.update(kind="grpo-pair", model=MODELS[settings.grpo_shape], streamed=streamed, round=args.round)
@@ -310,6 +317,15 @@ def measure_grpo_pair(settings: Settings, args, command: str, save, deadline: fl
         run.update(layer_bytes=mean_layer_bytes(settings.grpo_shape, settings.grpo_quantization))
         run.update(adapter=adapter_digest(work / "runs" / name))
         save([dict(run, settings_used=dict(used, steps=settings.grpo_steps), rl_command=command)])
+
+
+def profile_arguments(settings: Settings, name: str) -> list:
+    """``--profile-grpo``: capped.py's profiler on one steady step (Python's profiler; from the
+    third, as the rows time, where the run has steps enough), torch's on the next two."""
+    if not settings.profile_grpo:
+        return []
+    first = max(0, min(2, settings.grpo_steps - 3))
+    return ["--profile", str(Path(settings.profile_grpo) / name), "--profile-steps", f"{first},1"]
 
 
 def measure_grpo_big(settings: Settings, args, command: str, save, deadline: float) -> None:
@@ -408,6 +424,13 @@ def parse(argv):
         help="grpo-8b: both runs get the script's own --full_determinism (deterministic kernels), so "
         "two runs can save the same adapter bit for bit",
     )
+    parser.add_argument(
+        "--profile-grpo",
+        default=None,
+        metavar="DIR",
+        help="grpo-8b: profile one steady step of each run (Python's profiler), then two (torch's), into DIR/<run>: "
+        "where a step's host time goes, resident against streamed",
+    )
     parser.add_argument("--big-steps", type=int, default=defaults.big_steps)
     parser.add_argument("--big-completion-tokens", type=int, default=defaults.big_completion_tokens)
     parser.add_argument("--tflops", type=float, default=None, help="the decode term's compute-bound batch at this rate")
@@ -443,6 +466,7 @@ def settings_from(args) -> Settings:
         settings.grpo_quantization = args.grpo_quantization
         settings.grpo_trainer = args.grpo_trainer
         settings.full_determinism = args.full_determinism
+        settings.profile_grpo = args.profile_grpo or ""
         return settings
     return Settings(
         profile=args.profile_generate or "",
@@ -454,6 +478,7 @@ def settings_from(args) -> Settings:
         grpo_quantization=args.grpo_quantization,
         grpo_trainer=args.grpo_trainer,
         full_determinism=args.full_determinism,
+        profile_grpo=args.profile_grpo or "",
         big_steps=args.big_steps,
         big_completion_tokens=args.big_completion_tokens,
     )

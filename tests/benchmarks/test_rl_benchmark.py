@@ -319,3 +319,21 @@ def test_rows_only_remakes_the_rows_and_keeps_the_measuring_machine(tmp_path):
     assert rl.main(["--rows-only", "--merge", str(measured), "--out", str(tmp_path / "out")]) == 0
     written = json.loads((tmp_path / "out" / "rl.json").read_text())
     assert written["machine"] == {"gpu": H100} and len(written["rows"]) == 1 and written["runs"] == runs
+
+
+def test_profile_grpo_leaves_each_runs_python_and_torch_profiles(tmp_path):
+    """``--profile-grpo DIR``: each run of the pair writes where one steady step's host time
+    went (Python's profiler) and two more steps' operators (torch's), resident and streamed
+    alike, so the two can be compared; without it, no profiler runs."""
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}
+    argv = [sys.executable, str(ROOT / "benchmarks" / "rl.py"), "--dry-run", "--work", str(tmp_path), "--part"]
+    argv += ["grpo-8b", "--profile-grpo", str(tmp_path / "profiles")]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    for side in ("resident", "streamed"):
+        folder = tmp_path / "profiles" / f"grpo-tiny-{side}-round1"
+        assert "1 steps from step 0" in (folder / "python-profile.txt").read_text()
+        assert "generate" in (folder / "python-profile.txt").read_text()
+        assert "aten::" in (folder / "torch-profile.txt").read_text()
+    assert rl.profile_arguments(rl.Settings(), "x") == []
+    assert rl.profile_arguments(rl.Settings(profile_grpo="p"), "x")[-1] == "2,1", "from the third of five steps"
