@@ -9,6 +9,9 @@ part in time to write what it measured):
     python benchmarks/rl.py --part grpo-8b --round 2 --work /tmp/rl --merge benchmarks/results/rl.json
     python benchmarks/rl.py --part grpo-8b --grpo-quantization bf16 --round 1 --work /tmp/rl ...
     python benchmarks/rl.py --part grpo-8b --grpo-trainer rloo --round 1 --work /tmp/rl ...
+    python benchmarks/rl.py --part grpo-8b --full-determinism --round 1 ...  # adapters comparable
+    python benchmarks/rl.py --part grpo-8b --profile-grpo DIR ...  # a steady step's host time
+    python benchmarks/rl.py --rows-only --merge A.json --merge B.json --out DIR  # rows again
     python benchmarks/rl.py --part grpo-70b --work /tmp/rl --merge benchmarks/results/rl.json
     python benchmarks/rl.py --dry-run --work /tmp/rl-dry     # every part, tiny, on the CPU
 
