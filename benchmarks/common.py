@@ -133,6 +133,17 @@ def card_of(gpu) -> str:
     return model.group(0).lower() if model else "gpu"
 
 
+def keep_by_card(runs: dict, run: dict) -> None:
+    """Put ``run`` in ``runs`` under its name. Where one of that name was measured on another
+    GPU, that one stays too, under its card's name (``-h200``): the run added last keeps the
+    plain name, and each card's runs stay to be paired with their own card's only."""
+    known = runs.get(run["name"])
+    if known is not None and known.get("gpu") and run.get("gpu") and known["gpu"] != run["gpu"]:
+        kept = f"{known['name']}-{card_of(known['gpu'])}"
+        runs[kept] = dict(known, name=kept)
+    runs[run["name"]] = run
+
+
 def write_result(name: str, payload: dict, out_dir: str | None = None) -> str:
     """``payload`` with the machine and the time, as ``<name>.json`` in ``out_dir`` (else
     ``$OUT``, else benchmarks/results)."""

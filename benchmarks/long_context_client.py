@@ -95,7 +95,7 @@ from long_context_clients import (  # noqa: E402
 )
 
 import rl  # noqa: E402  (the harness runs as a script)
-from common import card_of  # noqa: E402
+from common import keep_by_card  # noqa: E402
 from zero_edit import compare  # noqa: E402
 
 RESULTS = HERE / "results"
@@ -284,15 +284,12 @@ class Results:
                     self.keep(record)
 
     def keep(self, record: dict) -> None:
-        """Add a merged attempt; one of the same name from another GPU is kept beside it
-        (its name gets the card's), since a row pairs runs of one card only."""
-        known = self.attempts.get(record["name"])
-        if known is not None and known.get("gpu") and record.get("gpu") and known["gpu"] != record["gpu"]:
-            record = dict(record, name=f"{record['name']}-{card_of(record['gpu'])}")
-        self.attempts[record["name"]] = record
+        """Add an attempt; one of the same name from another GPU stays beside it under its
+        card's name (the attempt added last keeps the plain one), since a row pairs one card."""
+        keep_by_card(self.attempts, record)
 
     def add(self, record: dict) -> dict:
-        self.attempts[record["name"]] = record
+        self.keep(record)
         shown = {k: record.get(k) for k in ("name", "verdict", "wall_s", "step_s", "peak_allocated_gib")}
         print(json.dumps(shown), flush=True)
         self.save()

@@ -364,15 +364,10 @@ class Results:
                 self.machine = loaded.get("machine", self.machine)
 
     def keep(self, run: dict) -> None:
-        """Keep ``run``; where a run of its name came from another GPU, that one stays too,
-        under its card's name (``-h200``): a row pairs runs of one card only."""
-        known = self.runs.get(run["name"])
-        if known is not None and known.get("gpu") and run.get("gpu") and known["gpu"] != run["gpu"]:
-            from common import card_of
+        """Keep ``run`` (a run of its name from another card stays under the card's name)."""
+        from common import keep_by_card
 
-            kept = f"{known['name']}-{card_of(known['gpu'])}"
-            self.runs[kept] = dict(known, name=kept)
-        self.runs[run["name"]] = run
+        keep_by_card(self.runs, run)
 
     def add(self, runs: list) -> None:
         from common import write_result

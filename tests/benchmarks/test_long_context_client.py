@@ -13,6 +13,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import long_context_client  # noqa: E402
 import plot_long_context  # noqa: E402
 
+import common  # noqa: E402
+
 STREAMED_START = {
     "sft": "layerstream run -m trl.scripts.sft ",
     "train": "layerstream train ",
@@ -137,11 +139,16 @@ def test_a_row_pairs_runs_of_one_gpu_and_merging_keeps_both_cards(tmp_path):
     assert set(results.attempts) == {
         "streamed-12GiB-4096-round1",
         "resident-whole-4096-round1",
-        "resident-whole-4096-round1-h100",
+        "resident-whole-4096-round1-h200",
     }
     (row,) = results.rows()
     assert row["gpu"] == h200 and row["baseline_step_s"] == 1.0 and row["speed_vs_resident"] == 0.5
-    assert long_context_client.card_of(h100) == "h100" and long_context_client.card_of(None) == "gpu"
+    assert results.attempts["resident-whole-4096-round1"]["gpu"] == h100
+    assert common.card_of(h100) == "h100" and common.card_of(None) == "gpu"
+    results.add(run("streamed-12GiB-4096-round1", True, h100, 3.0))  # measured now, on the H100
+    assert results.attempts["streamed-12GiB-4096-round1-h200"]["step_s"] == [2.0], "the H200 attempt dropped"
+    (row,) = results.rows()  # one row per client and cap, of one card's runs
+    assert (row["step_s"], row["baseline_step_s"]) == ((2.0, 1.0) if row["gpu"] == h200 else (3.0, 1.9))
 
 
 def test_prepare_only_writes_the_checkpoint_and_data_that_the_next_command_reuses(tmp_path):
