@@ -260,6 +260,7 @@ def run_capped(
     argv = [sys.executable, str(HERE / "capped.py"), "--cap", cap, "--times", str(times), *profile, "--", *target]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])))
     env.setdefault("HF_HUB_OFFLINE", "1")  # everything is on disk; the GPU machine reaches no hub
+    env["PYTHONUNBUFFERED"] = "1"  # a run the deadline stops keeps the steps it logged
     if dry_run:  # OpenMP's spinning workers and the copy thread share the CPU badly
         env["OMP_NUM_THREADS"] = "1"
     start = time.perf_counter()
@@ -294,11 +295,15 @@ def run_capped(
     }
 
 
+SIDES = ("resident", "streamed")
+
+
 def measure_grpo_pair(settings: Settings, args, command: str, save, deadline: float) -> None:
-    """One round: TRL's script resident with the whole GPU, then streamed under the cap."""
+    """One round: TRL's script resident with the whole GPU, then streamed under the cap
+    (``--sides``: one of them, the other's run of this round kept from ``--merge``)."""
     work = Path(args.work)
     data, checkpoint = write_prompts(work), write_checkpoint(work, settings.grpo_shape)
-    for streamed in (False, True):
+    for streamed in [side == "streamed" for side in SIDES if side in args.sides.split(",")]:
         if deadline - time.monotonic() < MIN_RUN_S:
             print(f"rl: under {MIN_RUN_S} s left of --deadline: the rest of round {args.round} is not run", flush=True)
             return
@@ -400,6 +405,12 @@ def parse(argv):
         "--merge", action="append", default=[], help="an earlier rl.json: its runs are kept unless run again"
     )
     parser.add_argument("--round", type=int, default=1, help="grpo-8b: the alternated round this command runs")
+    parser.add_argument(
+        "--sides",
+        default=",".join(SIDES),
+        help="grpo-8b: the runs of the round to measure, resident,streamed (one, where the other's "
+        "run of this round is in a --merge file: a side a deadline stopped)",
+    )
     parser.add_argument("--rounds", type=int, default=defaults.rounds, help="generate: timed rounds after a warm-up")
     parser.add_argument("--batches", default=",".join(map(str, defaults.batches)), help="generate: batch sizes")
     parser.add_argument("--caps", default=",".join(defaults.generate_caps), help="generate: caps after the whole GPU")
@@ -453,7 +464,11 @@ def parse(argv):
     parser.add_argument(
         "--dry-run", action="store_true", help="every part on a tiny model on the CPU (the harness only)"
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    unknown = set(args.sides.split(",")) - set(SIDES)
+    if unknown:
+        parser.error(f"--sides {args.sides}: {', '.join(sorted(unknown))} is not one of {', '.join(SIDES)}")
+    return args
 
 
 def settings_from(args) -> Settings:
