@@ -357,11 +357,11 @@ class Results:
     """The runs measured so far, by name (an earlier command's, from ``--merge`` files and
     an rl.json already in the output folder), written with their rows after each ``add``."""
 
-    def __init__(self, out: Path, merge: list):
+    def __init__(self, out: Path, merge: list, own: bool = True):
         self.out = out
         self.runs: dict = {}
         self.machine = None  # the last merged file's machine (``--rows-only`` keeps it)
-        for path in [*merge, out / "rl.json"]:
+        for path in [*merge, out / "rl.json"] if own else merge:  # own: the output folder's rl.json too
             if Path(path).exists():
                 loaded = json.loads(Path(path).read_text())
                 for run in loaded.get("runs", []):
@@ -515,7 +515,7 @@ def main(argv=None) -> int:
     settings = settings_from(args)
     args.out = str(output_folder(args))
     Path(args.work).mkdir(parents=True, exist_ok=True)
-    results = Results(Path(args.out), args.merge)
+    results = Results(Path(args.out), args.merge, own=not args.rows_only)  # --rows-only: the merged runs alone
     if args.rows_only:
         results.write_rows_only()
         print(summary(rows(list(results.runs.values()))))

@@ -212,6 +212,7 @@ def grpo_pair_row(runs: list) -> dict:
         "target": f"speed_vs_resident >= {TARGETS[trainer]}" if trainer in TARGETS else None,
         "meets_target": speed >= TARGETS[trainer] if speed is not None and trainer in TARGETS else None,
         "rounds": len(both),
+        "rounds_measured_apart": measured_apart(plains, streameds),
         "failed_runs": [run["name"] for run in runs if run["returncode"] != 0],
         "gpu": next((run["gpu"] for run in runs if run.get("gpu")), None),
         "command": sorted({run["rl_command"] for run in runs}),
@@ -234,12 +235,29 @@ def training_compared(verdict: dict, plains: list, streameds: list) -> dict:
         return {"losses_equal": None, "grad_norms_equal": None, "adapters_equal": None, "adapters_note": note}
     residents = [run for run in plains if run.get("adapter")]
     repeat = adapters_compared(residents)["adapters_equal"] if len(residents) > 1 else None
-    return {
+    compared = {
         "losses_equal": verdict.get("losses_equal"),
         "grad_norms_equal": all(n == norms[0] for n in norms) if norms else None,
         **adapters_compared(plains + streameds),
         "resident_adapters_repeat": repeat,
     }
+    logged = {run["name"]: len(run["losses"]) for run in plains + streameds}
+    if len(set(logged.values())) > 1:  # a run stopped early: its steps against the others' first ones
+        shortest = min(logged.values())
+        first = [run["losses"][:shortest] for run in plains + streameds]
+        alike = all(losses == first[0] for losses in first)
+        compared["losses_equal"] = None
+        compared["losses_note"] = (
+            f"the runs logged different numbers of steps ({', '.join(f'{n}: {c}' for n, c in logged.items())}); "
+            f"over the first {shortest} the losses are {'equal' if alike else 'not equal'}"
+        )
+    return compared
+
+
+def measured_apart(plains: list, streameds: list) -> list:
+    """The rounds whose resident and streamed runs came from different commands (``--sides``:
+    another machine start, maybe another machine), so their speed is not a same-process pair."""
+    return [p["round"] for p, s in zip(plains, streameds) if p.get("rl_command") != s.get("rl_command")]
 
 
 def adapters_compared(runs: list) -> dict:

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -319,6 +320,11 @@ def test_rows_only_remakes_the_rows_and_keeps_the_measuring_machine(tmp_path):
     assert rl.main(["--rows-only", "--merge", str(measured), "--out", str(tmp_path / "out")]) == 0
     written = json.loads((tmp_path / "out" / "rl.json").read_text())
     assert written["machine"] == {"gpu": H100} and len(written["rows"]) == 1 and written["runs"] == runs
+    # the output folder's own older rl.json does not overwrite the merged runs
+    newer = [dict(run, step_s=[7.0] * 4) for run in runs]
+    measured.write_text(json.dumps({"rows": [], "runs": newer, "machine": {"gpu": H100}, "when": "later"}))
+    assert rl.main(["--rows-only", "--merge", str(measured), "--out", str(tmp_path / "out")]) == 0
+    assert json.loads((tmp_path / "out" / "rl.json").read_text())["runs"] == newer
 
 
 def test_profile_grpo_leaves_each_runs_python_and_torch_profiles(tmp_path):
@@ -337,3 +343,44 @@ def test_profile_grpo_leaves_each_runs_python_and_torch_profiles(tmp_path):
         assert "aten::" in (folder / "torch-profile.txt").read_text()
     assert rl.profile_arguments(rl.Settings(), "x") == []
     assert rl.profile_arguments(rl.Settings(profile_grpo="p"), "x")[-1] == "2,1", "from the third of five steps"
+
+
+def test_a_side_stopped_early_is_compared_over_the_steps_it_logged():
+    """A deadline stopped the streamed run after 3 of 5 steps: the row does not call the
+    losses unequal for that, but says over how many steps they agree. Control: a differing
+    loss within those steps is named as not equal."""
+    plain, stopped = grpo_run(1, False, [9.0] * 5), grpo_run(1, True, [9.0] * 3)
+    (row,) = rl_rows.grpo_pair_rows([plain, stopped])
+    assert row["losses_equal"] is None and "over the first 3 the losses are equal" in row["losses_note"]
+    (row,) = rl_rows.grpo_pair_rows([plain, dict(stopped, losses=[0.0, 0.5, 0.0])])
+    assert "over the first 3 the losses are not equal" in row["losses_note"]
+    (row,) = rl_rows.grpo_pair_rows([plain, grpo_run(1, True, [9.0] * 5)])
+    assert row["losses_equal"] is True and "losses_note" not in row
+
+
+def test_sides_measure_one_side_and_the_row_says_the_round_was_measured_apart(tmp_path):
+    """``--sides streamed`` runs the streamed side only; a row whose round pairs runs of two
+    commands says so. Unknown sides are refused."""
+    assert rl.parse(["--sides", "streamed"]).sides == "streamed"
+    with pytest.raises(SystemExit):
+        rl.parse(["--sides", "streamed,plain"])
+    plain = grpo_run(1, False, [9.0] * 4)
+    later = dict(grpo_run(1, True, [9.0] * 4), rl_command=plain["rl_command"] + " --sides streamed")
+    (row,) = rl_rows.grpo_pair_rows([plain, later])
+    assert row["rounds_measured_apart"] == [1]
+    (row,) = rl_rows.grpo_pair_rows([plain, grpo_run(1, True, [9.0] * 4)])
+    assert row["rounds_measured_apart"] == []
+
+
+def test_sides_streamed_runs_only_the_streamed_script(tmp_path, monkeypatch):
+    ran = []
+    monkeypatch.setattr(rl, "write_prompts", lambda work: work / "prompts")
+    monkeypatch.setattr(rl, "write_checkpoint", lambda work, shape: work / shape)
+    monkeypatch.setattr(rl, "mean_layer_bytes", lambda *a: 1)
+    monkeypatch.setattr(rl, "run_capped", lambda name, *a, **k: ran.append(name) or {"name": name})
+    saved = []
+    for sides, expected in (("streamed", ["streamed"]), ("resident,streamed", ["resident", "streamed"])):
+        ran.clear()
+        args = rl.parse(["--part", "grpo-8b", "--sides", sides, "--work", str(tmp_path), "--out", str(tmp_path)])
+        rl.measure_grpo_pair(rl.settings_from(args), args, "cmd", saved.extend, time.monotonic() + 3600)
+        assert [name.split("-")[-2] for name in ran] == expected
