@@ -141,6 +141,29 @@ def test_nf4_generation_matches_resident(tmp_path):
     assert torch.equal(streamed.generate(input_ids=ids, **kwargs), resident.generate(input_ids=ids, **kwargs))
 
 
+def test_inference_calls_bitsandbytes_gemm_4bit_as_a_resident_layer_does(tmp_path, monkeypatch):
+    """Without grad (generation), a streamed projection makes the call bitsandbytes'
+    matmul_4bit makes: its gemm_4bit op, which chooses the kernel, never the Function or
+    layerstream's own dequantise + linear; training still routes through those."""
+    from bitsandbytes.autograd import _functions
+
+    streamed, _ = nf4_pair(tmp_path, "llama", layers=4)
+    stream(streamed, "cpu", slots=2, prefetch=1)
+    ops, around = [], []
+    original = nf4._gemm_4bit
+    monkeypatch.setattr(nf4, "_gemm_4bit", lambda *a: ops.append(1) or original(*a))
+    monkeypatch.setattr(_functions.MatMul4Bit, "apply", lambda *a, **k: around.append(1))
+    monkeypatch.setattr(bnb, "matmul_4bit", lambda *a, **k: around.append(2))
+    ids = torch.randint(3, 90, (2, 5))
+    kwargs = dict(max_new_tokens=4, do_sample=False, attention_mask=torch.ones_like(ids), pad_token_id=0)
+    streamed.generate(input_ids=ids, **kwargs)
+    stats = layerstream.get_runtime(streamed).stats()
+    assert ops and not around and stats["nf4_inference_calls"] == len(ops)
+    assert stats["nf4_function_calls"] == stats["nf4_dequant_calls"] == 0
+    train_steps(streamed, 1)
+    assert layerstream.get_runtime(streamed).stats()["nf4_dequant_calls"] > 0, "training takes its own route"
+
+
 def test_nf4_state_dict_is_unchanged(tmp_path):
     streamed, resident = nf4_pair(tmp_path, "qwen2", layers=3)
     stream(streamed, "cpu", slots=2)

@@ -53,7 +53,7 @@ def test_parity_at_a_training_m(tmp_path, dtype, nested):
 @pytest.mark.parametrize("use_cache", [True, False], ids=["cache", "no-cache"])
 @pytest.mark.parametrize("size", [1, 8])
 def test_greedy_generation_matches_resident_token_for_token(tmp_path, size, use_cache):
-    """32 greedy tokens through the NF4 Function path (bitsandbytes' fused inference kernel
+    """32 greedy tokens through bitsandbytes' own gemm_4bit call (its fused inference kernel
     at these small M) equal resident bitsandbytes', batch 1 and 8, with the KV cache and
     without it (every token step then runs the whole sequence again)."""
     streamed, resident = _pair(tmp_path)
@@ -64,7 +64,19 @@ def test_greedy_generation_matches_resident_token_for_token(tmp_path, size, use_
     expected = resident.generate(input_ids=ids, **kwargs)
     assert torch.equal(expected, resident.generate(input_ids=ids, **kwargs)), "the resident run is not repeatable"
     assert torch.equal(streamed.generate(input_ids=ids, **kwargs), expected)
-    assert layerstream.get_runtime(streamed).stats()["nf4_function_calls"] > 0
+    stats = layerstream.get_runtime(streamed).stats()
+    assert stats["nf4_inference_calls"] > 0 and stats["nf4_function_calls"] == stats["nf4_dequant_calls"] == 0
+
+
+@pytest.mark.parametrize("seq", [FUSED_SEQ, TRAINING_SEQ], ids=["fused-m", "dequantise-m"])
+def test_no_grad_logits_equal_resident_where_bitsandbytes_picks_either_kernel(tmp_path, seq):
+    """A forward without grad at a fused M and at a dequantise M: logits equal the resident
+    model's bit for bit (bitsandbytes' gemm_4bit op chooses the kernel on both sides)."""
+    streamed, resident = _pair(tmp_path)
+    ids = batch(96, size=1, seq=seq, device="cuda")
+    with torch.no_grad():
+        assert torch.equal(streamed(input_ids=ids).logits, resident(input_ids=ids).logits)
+    assert layerstream.get_runtime(streamed).stats()["nf4_inference_calls"] > 0
 
 
 # -- mutations: each must turn a check red ------------------------------------------------
@@ -79,6 +91,18 @@ def test_generation_from_another_layers_packed_bytes_is_caught(tmp_path):
     ids = batch(96, size=8, seq=4, device="cuda")
     kwargs = dict(max_new_tokens=32, do_sample=False, attention_mask=torch.ones_like(ids), pad_token_id=0)
     assert not torch.equal(streamed.generate(input_ids=ids, **kwargs), resident.generate(input_ids=ids, **kwargs))
+
+
+def test_inference_through_dequantise_at_a_fused_m_is_caught(tmp_path, monkeypatch):
+    """Negative control for the no-grad logits: dequantise + linear where bitsandbytes runs
+    its fused kernel (M = 4) changes the logits."""
+    monkeypatch.setattr(
+        nf4, "_gemm_4bit", lambda x, packed, state, bias: nf4.dequantized_linear(x, packed, state, bias)
+    )
+    streamed, resident = _pair(tmp_path)
+    ids = batch(96, size=1, seq=FUSED_SEQ, device="cuda")
+    with torch.no_grad():
+        assert not torch.equal(streamed(input_ids=ids).logits, resident(input_ids=ids).logits)
 
 
 def test_gate_always_off_is_caught(tmp_path, monkeypatch):

@@ -10,15 +10,19 @@ A streamed projection never goes through bitsandbytes' ``MatMul4Bit``: that Func
 keeps the packed weight on ``ctx`` rather than in ``save_for_backward``, so under
 checkpointing its backward reads whatever the slot holds by then. Instead:
 
-- where bitsandbytes itself would run its fused ``gemm_4bit`` kernel for this call
+- with nothing to differentiate (generation, evaluation, a frozen input), it makes the
+  call ``matmul_4bit`` makes without grad: the ``gemm_4bit`` op, whose dispatch picks the
+  kernel; no graph is kept, so nothing refers to the slot afterwards;
+- otherwise, where bitsandbytes itself would run its fused ``gemm_4bit`` kernel for this call
   (decided by :func:`fused_kernel_would_run`, which reads bitsandbytes' own dispatch
   names at call time), the projection runs through :class:`NF4Matmul`, a checkpoint-
   visible Function that saves the packed tensors, runs the same ``gemm_4bit`` op in
   forward and dequantises in backward, as ``MatMul4Bit`` does;
-- everywhere else it runs ``dequantize_4bit`` + ``F.linear`` as plain autograd ops inside
+- and elsewhere it runs ``dequantize_4bit`` + ``F.linear`` as plain autograd ops inside
   the checkpointed region, the same computation bitsandbytes' unfused fallback does.
 
-Both give the same bits as an unpatched resident bitsandbytes model.
+Each gives the same bits as an unpatched resident bitsandbytes model (on the CPU, its
+portable path: see ``cpu_repacking``).
 """
 
 from __future__ import annotations
@@ -299,7 +303,7 @@ def _warn_gate_once(reason: str) -> None:
         _warned_gate = True
         logger.warning(
             "layerstream: cannot read bitsandbytes' gemm_4bit dispatch (%s); every streamed NF4 "
-            "projection on CUDA now goes through layerstream's checkpoint-visible Function. "
+            "projection on CUDA that trains now goes through layerstream's checkpoint-visible Function. "
             "Results stay exact; training-sized calls may be slower. Pin bitsandbytes to a "
             "tested version (0.50.x) to restore the usual routing.",
             reason,
@@ -337,7 +341,7 @@ def fused_kernel_would_run(x: torch.Tensor, shape: Sequence[int], blocksize: int
     return bool(use_custom(x.device.index, x.dtype, M, N, K))
 
 
-# -- the two routes ------------------------------------------------------------------------
+# -- the routes ----------------------------------------------------------------------------
 def _gemm_4bit(x, packed, state, bias):
     """bitsandbytes' gemm_4bit op, called exactly as MatMul4Bit.forward calls it."""
     if not state.nested:
@@ -447,7 +451,11 @@ class _StateTemplate:
 
 
 def streamed_nf4_forward(module, x: torch.Tensor, owner=None, counters: Optional[dict] = None):
-    """Linear4bit.forward for a streamed weight: same dtype handling, routed as above.
+    """Linear4bit.forward for a streamed weight: same dtype handling, routed as
+    ``bitsandbytes.matmul_4bit`` routes it. Without anything to differentiate, its gemm_4bit
+    op as that function calls it (bitsandbytes' own dispatch between its fused kernel and
+    dequantise + linear); with one, the checkpoint-visible Function where the op would run
+    its fused kernel, else dequantise + linear as autograd sees them.
 
     bitsandbytes' CPU inference repacking (AVX512-BF16) is not applied: it rewrites the
     weight in place, which would rewrite the host store.
@@ -465,7 +473,15 @@ def streamed_nf4_forward(module, x: torch.Tensor, owner=None, counters: Optional
     bias = module.bias
     if bias is not None:
         bias = bias.to(x.dtype).to(module.compute_dtype) if module.compute_dtype is not None else bias.to(x.dtype)
-    if fused_kernel_would_run(x, state.shape, state.blocksize):
+    if not (torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))):
+        # nothing to differentiate (generation, a frozen input): bitsandbytes' own call,
+        # as matmul_4bit makes it without grad; nothing keeps a reference into the slot
+        if counters is not None:
+            counters["nf4_inference_calls"] += 1
+        if x.numel() == 0:  # as matmul_4bit answers an empty input
+            return torch.empty((*x.shape[:-1], state.shape[0]), dtype=x.dtype, device=x.device).to(inp_dtype)
+        out = _gemm_4bit(x, weight.data.view(-1, 1), state, bias)
+    elif fused_kernel_would_run(x, state.shape, state.blocksize):
         if counters is not None:
             counters["nf4_function_calls"] += 1
         nested = state.nested

@@ -86,7 +86,7 @@ class StreamRuntime:
         self._warned_cache = False
         self._warned_placed = False
         self._placed_at = 0  # layer.registrations() when tensors were last placed
-        self.nf4_counts = {"nf4_function_calls": 0, "nf4_dequant_calls": 0}
+        self.nf4_counts = {"nf4_function_calls": 0, "nf4_dequant_calls": 0, "nf4_inference_calls": 0}
         self._recording = None  # timeline.Recording while a step is recorded
         self._inference_mode = False  # the layer being called was called under torch.inference_mode
         self.budget_check = BudgetCheck()  # an explicit vram_budget, checked per step shape
