@@ -15,7 +15,7 @@ import bitsandbytes as bnb
 import pytest
 import torch
 
-from layerstream.modules import nf4
+from layerstream.modules import nf4_gate
 
 CUDA_OPS = Path(bnb.__file__).parent / "backends" / "cuda" / "ops.py"
 
@@ -44,8 +44,8 @@ def test_bitsandbytes_still_exposes_the_names_the_gate_reads():
         for t in node.targets
         if isinstance(t, ast.Name)
     }
-    missing = [name for name in nf4.GATE_NAMES if name not in assigned]
-    assert not missing, f"bitsandbytes moved {missing}: update layerstream.modules.nf4.fused_kernel_would_run"
+    missing = [name for name in nf4_gate.GATE_NAMES if name not in assigned]
+    assert not missing, f"bitsandbytes moved {missing}: update layerstream.modules.nf4_gate.fused_kernel_would_run"
     _dispatch_function()
 
 
@@ -92,20 +92,20 @@ def test_gate_agrees_with_bitsandbytes_dispatch(max_m):
     bnb_decision = _bnb_dispatch(ops)
     for M, N, K, dtype, blocksize, rank in GRID:
         x = torch.empty((M, K) if rank == 2 else (1, M, K), dtype=dtype)
-        ours = nf4.fused_kernel_would_run(x, (N, K), blocksize, ops=ops)
+        ours = nf4_gate.fused_kernel_would_run(x, (N, K), blocksize, ops=ops)
         theirs = bnb_decision(x, (N, K), blocksize)
         assert ours == theirs, f"M={M} N={N} K={K} {dtype} blocksize={blocksize} rank={rank}"
 
 
 def test_gate_is_off_on_the_cpu_without_an_ops_table():
     x = torch.empty(1, 64, dtype=torch.bfloat16)
-    assert nf4.fused_kernel_would_run(x, (64, 64), 64) is False
+    assert nf4_gate.fused_kernel_would_run(x, (64, 64), 64) is False
 
 
 def test_missing_names_fall_toward_the_function_and_warn_once(caplog, monkeypatch):
-    monkeypatch.setattr(nf4, "_warned_gate", False)
+    monkeypatch.setattr(nf4_gate, "_warned_gate", False)
     x = torch.empty(1, 64, dtype=torch.bfloat16)
     with caplog.at_level("WARNING", logger="layerstream"):
-        assert nf4.fused_kernel_would_run(x, (64, 64), 64, ops=SimpleNamespace()) is True
-        assert nf4.fused_kernel_would_run(x, (64, 64), 64, ops=SimpleNamespace()) is True
+        assert nf4_gate.fused_kernel_would_run(x, (64, 64), 64, ops=SimpleNamespace()) is True
+        assert nf4_gate.fused_kernel_would_run(x, (64, 64), 64, ops=SimpleNamespace()) is True
     assert caplog.text.count("cannot read bitsandbytes' gemm_4bit dispatch") == 1
