@@ -165,7 +165,10 @@ def _time_trainer_steps(path: str) -> None:
     _add_to_every_trainer(lambda: step_times(path, generate_s))
 
 
-def _profile_trainer_steps(folder: str, first: int = 8, count: int = 8) -> None:
+PROFILE_STEPS = (8, 8)  # --profile: Python's profiler over steps 8-15 (from 0), torch's over 16-17
+
+
+def _profile_trainer_steps(folder: str, first: int, count: int) -> None:
     """Where the host's time goes in steady steps: Python's profiler over ``count`` steps
     from step ``first`` (by own time and by cumulative time), then torch's profiler over
     two more (operators by host time, kernel launches, device time). Written to
@@ -242,7 +245,9 @@ def _trace_first_step_memory(path: str) -> None:
     _add_to_every_trainer(FirstStepMemory)
 
 
-def prepare(cap: str, used_first: bool, times, profile_dir=None, memory_trace=None, profile_steps=(8, 8)) -> None:
+def prepare(
+    cap: str, used_first: bool, times, profile_dir=None, memory_trace=None, profile_steps=PROFILE_STEPS
+) -> None:
     """The cap, the earlier use of the GPU, the step timer, the profiler (``profile_steps``:
     the first step and the count Python's profiler takes) and the first step's memory trace,
     in this process."""
@@ -286,7 +291,7 @@ def main():
     )
     parser.add_argument(
         "--profile-steps",
-        default="8,8",
+        default=",".join(map(str, PROFILE_STEPS)),
         metavar="FIRST,COUNT",
         help="--profile: Python's profiler over COUNT steps from step FIRST (counted from 0), torch's over the next two",
     )

@@ -303,13 +303,13 @@ def measure_grpo_pair(settings: Settings, args, command: str, save, deadline: fl
     (``--sides``: one of them, the other's run of this round kept from ``--merge``)."""
     work = Path(args.work)
     data, checkpoint = write_prompts(work), write_checkpoint(work, settings.grpo_shape)
-    for streamed in [side == "streamed" for side in SIDES if side in args.sides.split(",")]:
+    for side in (side for side in SIDES if side in args.sides.split(",")):
         if deadline - time.monotonic() < MIN_RUN_S:
             print(f"rl: under {MIN_RUN_S} s left of --deadline: the rest of round {args.round} is not run", flush=True)
             return
         quantised = "" if settings.grpo_quantization == "nf4" else f"-{settings.grpo_quantization}"
         quantised += "-deterministic" if settings.full_determinism else ""
-        side = "streamed" if streamed else "resident"
+        streamed = side == "streamed"
         name = f"{settings.grpo_trainer}-{settings.grpo_shape}{quantised}-{side}-round{args.round}"
         shutil.rmtree(work / "runs" / name, ignore_errors=True)  # no adapter left by an earlier run
         target = script_command(checkpoint, data, settings, work / "runs" / name, streamed)

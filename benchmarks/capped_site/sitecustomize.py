@@ -21,5 +21,5 @@ if _settings:
         _settings["times"],
         _settings.get("profile"),
         _settings.get("memory_trace"),
-        tuple(_settings.get("profile_steps") or (8, 8)),
+        tuple(_settings.get("profile_steps") or capped.PROFILE_STEPS),
     )

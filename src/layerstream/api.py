@@ -200,10 +200,8 @@ def _refuse_cpu_repacked(layers: nn.ModuleList, path: str) -> None:
     compute with other values. Weights it repacked and converted back stream (they equal the
     model resident), said once (``modules.cpu_repacking``)."""
 
-    def name_of(index):
-        return layer_name(path, index)
-
-    repacked = cpu_repacking.projections(layers, name_of, cpu_repacking.repacked)
+    quantised = cpu_repacking.projections(layers, lambda index: layer_name(path, index))
+    repacked = [name for name, module in quantised if cpu_repacking.repacked(module)]
     if repacked:
         count = f"{len(repacked)} 4-bit projections" if len(repacked) > 1 else "a 4-bit projection"
         more = ", ..." if len(repacked) > 1 else ""
@@ -214,7 +212,7 @@ def _refuse_cpu_repacked(layers: nn.ModuleList, path: str) -> None:
             "runs it on the CPU: load it again and call stream_model (or hand it to the Trainer with "
             "--layer_stream) first, or load it with layerstream.from_pretrained."
         )
-    changed = cpu_repacking.projections(layers, name_of, cpu_repacking.round_tripped)
+    changed = [name for name, module in quantised if cpu_repacking.round_tripped(module)]
     if changed:
         logger.warning(
             "layerstream: bitsandbytes repacked %d 4-bit projections of this model for its CPU kernel and "

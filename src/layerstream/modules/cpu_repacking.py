@@ -8,7 +8,7 @@ exactly: the scales stay rounded (re-quantised under double quantisation). A str
 lives in the host store and is read in bitsandbytes' standard layout, so:
 
 - a model whose layers hold repacked weights is refused by ``stream_model``
-  (``projections`` that are ``repacked``): their bytes would be read as the standard layout, other values;
+  (the ``projections`` that are ``repacked``): their bytes would be read as the standard layout, other values;
 - weights repacked and converted back stream as they now are, equal to the same model resident,
   and ``stream_model`` says once that they are no longer the loaded weights (``round_tripped``);
 - a streamed layer called where bitsandbytes would have repacked runs its portable path, which
@@ -18,7 +18,7 @@ lives in the host store and is read in bitsandbytes' standard layout, so:
 
 from __future__ import annotations
 
-from typing import List
+from typing import List, Tuple
 
 import torch
 from torch import nn
@@ -46,14 +46,14 @@ def round_tripped(module: nn.Module) -> bool:
     return state is not None and not repacked(module) and hasattr(state, "original_qshape")
 
 
-def projections(layers: nn.ModuleList, name_of, which) -> List[str]:
-    """The qualified names of the 4-bit projections of ``layers`` for which ``which(module)``
-    holds (``name_of(index)``: a layer's qualified name)."""
+def projections(layers: nn.ModuleList, name_of) -> List[Tuple[str, nn.Module]]:
+    """The 4-bit projections of ``layers`` with their qualified names (``name_of(index)``: a
+    layer's qualified name)."""
     return [
-        f"{name_of(index)}.{name}"
+        (f"{name_of(index)}.{name}", module)
         for index, layer in enumerate(layers)
         for name, module in layer.named_modules()
-        if _state(module) is not None and which(module)
+        if _state(module) is not None
     ]
 
 
