@@ -165,13 +165,14 @@ def _time_trainer_steps(path: str) -> None:
     _add_to_every_trainer(lambda: step_times(path, generate_s))
 
 
-PROFILE_STEPS = (8, 8)  # --profile: Python's profiler over steps 8-15 (from 0), torch's over 16-17
+PROFILE_STEPS = (8, 8, 2)  # --profile: Python's profiler over steps 8-15 (from 0), torch's over 16-17
 
 
-def _profile_trainer_steps(folder: str, first: int, count: int) -> None:
+def _profile_trainer_steps(folder: str, first: int, count: int, torch_steps: int = 2) -> None:
     """Where the host's time goes in steady steps: Python's profiler over ``count`` steps
     from step ``first`` (by own time and by cumulative time), then torch's profiler over
-    two more (operators by host time, kernel launches, device time). Written to
+    ``torch_steps`` more (operators by host time, kernel launches, device time; none where
+    0: a GRPO step's hundreds of decode steps take torch's summary minutes). Written to
     ``folder``; for comparing a plain and a streamed run of the same script."""
     import cProfile
     import io
@@ -190,7 +191,7 @@ def _profile_trainer_steps(folder: str, first: int, count: int) -> None:
         def on_step_begin(self, args, state, control, **kwargs):
             if self.seen == first:
                 self.python.enable()
-            elif self.seen == first + count:
+            elif self.seen == first + count and torch_steps:
                 activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * torch.cuda.is_available()
                 self.torch_prof = profile(activities=activities)
                 self.torch_prof.__enter__()
@@ -205,13 +206,13 @@ def _profile_trainer_steps(folder: str, first: int, count: int) -> None:
                 stats.sort_stats("cumulative").print_stats(80)
                 with open(os.path.join(folder, "python-profile.txt"), "w") as handle:
                     handle.write(f"{count} steps from step {first}\n" + text.getvalue())
-            elif self.seen == first + count + 2 and self.torch_prof is not None:
+            elif self.seen == first + count + torch_steps and self.torch_prof is not None:
                 if torch.cuda.is_available():
                     torch.cuda.synchronize()
                 self.torch_prof.__exit__(None, None, None)
                 averages = self.torch_prof.key_averages()
                 with open(os.path.join(folder, "torch-profile.txt"), "w") as handle:
-                    handle.write("2 steps\n")
+                    handle.write(f"{torch_steps} steps\n")
                     handle.write(averages.table(sort_by="self_cpu_time_total", row_limit=60))
                     handle.write(averages.table(sort_by="self_device_time_total", row_limit=30))
                 self.torch_prof = None
@@ -292,8 +293,9 @@ def main():
     parser.add_argument(
         "--profile-steps",
         default=",".join(map(str, PROFILE_STEPS)),
-        metavar="FIRST,COUNT",
-        help="--profile: Python's profiler over COUNT steps from step FIRST (counted from 0), torch's over the next two",
+        metavar="FIRST,COUNT[,TORCH]",
+        help="--profile: Python's profiler over COUNT steps from step FIRST (counted from 0), torch's over the next "
+        "TORCH (default 2; 0: none)",
     )
     parser.add_argument(
         "--memory-trace", default=None, metavar="FILE", help="the first step's tensors alive at its peak (JSON)"

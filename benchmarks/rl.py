@@ -328,12 +328,13 @@ def measure_grpo_pair(settings: Settings, args, command: str, save, deadline: fl
 
 
 def profile_arguments(settings: Settings, name: str) -> list:
-    """``--profile-grpo``: capped.py's profiler on one steady step (Python's profiler; from the
-    third, as the rows time, where the run has steps enough), torch's on the next two."""
+    """``--profile-grpo``: Python's profiler on one steady step (from the third, as the rows
+    time, where the run has steps enough); not torch's, whose summary of a GRPO step's
+    hundreds of decode steps outlasted a command's deadline."""
     if not settings.profile_grpo:
         return []
     first = max(0, min(2, settings.grpo_steps - 3))
-    return ["--profile", str(Path(settings.profile_grpo) / name), "--profile-steps", f"{first},1"]
+    return ["--profile", str(Path(settings.profile_grpo) / name), "--profile-steps", f"{first},1,0"]
 
 
 def measure_grpo_big(settings: Settings, args, command: str, save, deadline: float) -> None:
@@ -437,7 +438,7 @@ def parse(argv):
         "--profile-grpo",
         default=None,
         metavar="DIR",
-        help="grpo-8b: profile one steady step of each run (Python's profiler), then two (torch's), into DIR/<run>: "
+        help="grpo-8b: profile one steady step of each run (Python's profiler) into DIR/<run>: "
         "where a step's host time goes, resident against streamed",
     )
     parser.add_argument("--big-steps", type=int, default=defaults.big_steps)
@@ -553,7 +554,7 @@ def summary(table: list) -> str:
     lines.append("|---|---|---|---|---|---|---|---|---|---|")
     for row in table:
         by_hand = " (by hand)" if row.get("window") == WINDOWS["all"] else ""
-        window = f"{row['window_layers']}{by_hand}" if row.get("window_layers") is not None else "-"
+        window = f"{row['window_layers']:g}{by_hand}" if row.get("window_layers") is not None else "-"
         lines.append(
             f"| {row['model']} | {row['cap']} | {row['trainer']} | {row['generations']} | {row['completion_tokens']} | "
             f"{window} | {number(row['step_s'])} | {number(row['resident_step_s'])} | "

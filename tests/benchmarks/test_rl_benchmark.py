@@ -327,10 +327,11 @@ def test_rows_only_remakes_the_rows_and_keeps_the_measuring_machine(tmp_path):
     assert json.loads((tmp_path / "out" / "rl.json").read_text())["runs"] == newer
 
 
-def test_profile_grpo_leaves_each_runs_python_and_torch_profiles(tmp_path):
+def test_profile_grpo_leaves_each_runs_python_profile_and_no_torch_profile(tmp_path):
     """``--profile-grpo DIR``: each run of the pair writes where one steady step's host time
-    went (Python's profiler) and two more steps' operators (torch's), resident and streamed
-    alike, so the two can be compared; without it, no profiler runs."""
+    went (Python's profiler), resident and streamed alike, so the two can be compared; not
+    torch's, whose summary of GRPO steps outlasted a command on the GPU; without it, no
+    profiler runs."""
     env = {k: v for k, v in os.environ.items() if k != "OUT"}
     argv = [sys.executable, str(ROOT / "benchmarks" / "rl.py"), "--dry-run", "--work", str(tmp_path), "--part"]
     argv += ["grpo-8b", "--profile-grpo", str(tmp_path / "profiles")]
@@ -340,9 +341,9 @@ def test_profile_grpo_leaves_each_runs_python_and_torch_profiles(tmp_path):
         folder = tmp_path / "profiles" / f"grpo-tiny-{side}-round1"
         assert "1 steps from step 0" in (folder / "python-profile.txt").read_text()
         assert "generate" in (folder / "python-profile.txt").read_text()
-        assert "aten::" in (folder / "torch-profile.txt").read_text()
+        assert not (folder / "torch-profile.txt").exists()
     assert rl.profile_arguments(rl.Settings(), "x") == []
-    assert rl.profile_arguments(rl.Settings(profile_grpo="p"), "x")[-1] == "2,1", "from the third of five steps"
+    assert rl.profile_arguments(rl.Settings(profile_grpo="p"), "x")[-1] == "2,1,0", "from the third of five steps"
 
 
 def test_a_side_stopped_early_is_compared_over_the_steps_it_logged():
