@@ -11,6 +11,7 @@ part in time to write what it measured):
     python benchmarks/rl.py --part grpo-8b --grpo-trainer rloo --round 1 --work /tmp/rl ...
     python benchmarks/rl.py --part grpo-8b --full-determinism --round 1 ...  # adapters comparable
     python benchmarks/rl.py --part grpo-8b --profile-grpo DIR ...  # a steady step's host time
+    python benchmarks/rl.py --part grpo-8b --grpo-cap whole ...  # streamed uncapped: the cap's cost
     python benchmarks/rl.py --rows-only --merge A.json --merge B.json --out DIR  # rows again
     python benchmarks/rl.py --part grpo-70b --work /tmp/rl --merge benchmarks/results/rl.json
     python benchmarks/rl.py --dry-run --work /tmp/rl-dry     # every part, tiny, on the CPU
@@ -67,7 +68,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from rl_rows import WHOLE, WINDOWS, rows  # noqa: E402  (the harness runs as a script)
+from rl_rows import DEFAULT_GRPO_CAP, WHOLE, WINDOWS, rows  # noqa: E402  (the harness runs as a script)
 
 MODELS = {"llama3-8b": "llama-3.1-8b", "llama3-70b": "llama-3.1-70b", "tiny": "tiny"}  # configs/shapes names
 TINY = dict(
@@ -96,7 +97,9 @@ class Settings:
     rounds: int = 3  # of the generation part (the GRPO pair's are separate commands)
     slots: object = "auto"
     grpo_shape: str = "llama3-8b"
-    grpo_cap: str = "12GiB"
+    grpo_cap: str = (
+        DEFAULT_GRPO_CAP  # the streamed side's (``--grpo-cap``; "whole": no cap, to tell the cap's cost apart)
+    )
     grpo_quantization: str = "nf4"  # or "bf16": LoRA on the bf16 checkpoint, larger than the cap
     grpo_trainer: str = "grpo"  # or "rloo": TRL's rloo.py, the same arguments
     generations: int = 8
@@ -309,6 +312,7 @@ def measure_grpo_pair(settings: Settings, args, command: str, save, deadline: fl
             return
         quantised = "" if settings.grpo_quantization == "nf4" else f"-{settings.grpo_quantization}"
         quantised += "-deterministic" if settings.full_determinism else ""
+        quantised += "" if settings.grpo_cap == DEFAULT_GRPO_CAP else f"-cap-{settings.grpo_cap}"
         streamed = side == "streamed"
         name = f"{settings.grpo_trainer}-{settings.grpo_shape}{quantised}-{side}-round{args.round}"
         shutil.rmtree(work / "runs" / name, ignore_errors=True)  # no adapter left by an earlier run
@@ -320,6 +324,7 @@ def measure_grpo_pair(settings: Settings, args, command: str, save, deadline: fl
         )
         used = {"generations": settings.generations, "completion_tokens": settings.completion_tokens}
         used["full_determinism"] = settings.full_determinism
+        used["streamed_cap"] = settings.grpo_cap  # on both sides: the resident run pairs with this cap's
         run.update(kind="grpo-pair", model=MODELS[settings.grpo_shape], streamed=streamed, round=args.round)
         run.update(quantization=settings.grpo_quantization, trainer=settings.grpo_trainer)
         run.update(layer_bytes=mean_layer_bytes(settings.grpo_shape, settings.grpo_quantization))
@@ -429,6 +434,12 @@ def parse(argv):
         help="grpo-8b: QLoRA (--load_in_4bit) or LoRA on the bf16 checkpoint (16 GB: larger than the cap)",
     )
     parser.add_argument(
+        "--grpo-cap",
+        default=DEFAULT_GRPO_CAP,
+        help=f"grpo-8b: the streamed run's cap (default {DEFAULT_GRPO_CAP}; {WHOLE}: the whole GPU, as the resident "
+        "run has, to tell what the cap costs from what streaming costs)",
+    )
+    parser.add_argument(
         "--full-determinism",
         action="store_true",
         help="grpo-8b: both runs get the script's own --full_determinism (deterministic kernels), so "
@@ -481,6 +492,7 @@ def settings_from(args) -> Settings:
         settings.grpo_trainer = args.grpo_trainer
         settings.full_determinism = args.full_determinism
         settings.profile_grpo = args.profile_grpo or ""
+        settings.grpo_cap = args.grpo_cap
         return settings
     return Settings(
         profile=args.profile_generate or "",
@@ -493,6 +505,7 @@ def settings_from(args) -> Settings:
         grpo_trainer=args.grpo_trainer,
         full_determinism=args.full_determinism,
         profile_grpo=args.profile_grpo or "",
+        grpo_cap=args.grpo_cap,
         big_steps=args.big_steps,
         big_completion_tokens=args.big_completion_tokens,
     )

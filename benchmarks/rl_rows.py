@@ -14,6 +14,7 @@ import math
 import statistics
 
 WHOLE = "whole"  # a cap: the whole GPU, no per-process memory fraction
+DEFAULT_GRPO_CAP = "12GiB"  # the GRPO pair's streamed run's, unless ``rl.py --grpo-cap`` says
 TIMED_FROM_STEP = 2  # GRPO steps before this fill slots and size the window: not timed
 GENERATE_FIGURES = ("calls", "seconds", "layer_loads", "h2d_gbps", "stall_fraction", "window_layers")
 TRAIN_FIGURES = ("h2d_gbps", "stall_fraction", "layer_loads", "window_layers", "peak_vram_gib", "oom_retries")
@@ -142,9 +143,9 @@ def pooled(runs: list, key: str, start: int) -> list:
 
 
 def grpo_pair_rows(runs: list) -> list:
-    """One row per trainer, model, quantization, GPU and determinism setting (runs measured
-    before these were recorded were GRPO, NF4 and not deterministic): a row pairs runs of one
-    card, timed and compared alike."""
+    """One row per trainer, model, quantization, GPU, determinism setting and streamed cap
+    (runs measured before these were recorded were GRPO, NF4, not deterministic and under
+    12 GiB): a row pairs runs of one card, timed and compared alike."""
     pairs = [run for run in runs if run.get("kind") == "grpo-pair"]
     kinds = sorted({pair_kind(r) for r in pairs}, key=str)
     return [grpo_pair_row([r for r in pairs if pair_kind(r) == kind]) for kind in kinds]
@@ -162,8 +163,21 @@ def deterministic(run: dict) -> bool:
     return bool(run.get("settings_used", {}).get("full_determinism"))
 
 
+def streamed_cap(run: dict) -> str:
+    """The cap the streamed run of this run's command had (the resident run's too: it pairs
+    with that one); runs measured before it was recorded had 12 GiB."""
+    return run.get("settings_used", {}).get("streamed_cap", DEFAULT_GRPO_CAP)
+
+
 def pair_kind(run: dict) -> tuple:
-    return trainer_of(run), run["model"], quantization_of(run), run.get("gpu") or "", deterministic(run)
+    return (
+        trainer_of(run),
+        run["model"],
+        quantization_of(run),
+        run.get("gpu") or "",
+        deterministic(run),
+        streamed_cap(run),
+    )
 
 
 def grpo_pair_row(runs: list) -> dict:

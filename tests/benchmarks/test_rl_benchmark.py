@@ -385,3 +385,23 @@ def test_sides_streamed_runs_only_the_streamed_script(tmp_path, monkeypatch):
         args = rl.parse(["--part", "grpo-8b", "--sides", sides, "--work", str(tmp_path), "--out", str(tmp_path)])
         rl.measure_grpo_pair(rl.settings_from(args), args, "cmd", saved.extend, time.monotonic() + 3600)
         assert [name.split("-")[-2] for name in ran] == expected
+
+
+def test_a_pair_streamed_with_the_whole_gpu_is_a_row_of_its_own():
+    """``--grpo-cap whole`` (the streamed run uncapped, to tell the cap's cost from
+    streaming's): its runs, resident side included, pair with each other and not with the
+    12 GiB pair's. Control: without the recorded cap, the four runs would make one row."""
+    capped = [grpo_run(1, False, [9.0] * 4), grpo_run(1, True, [12.0] * 4)]
+    uncapped = [grpo_run(1, False, [9.5] * 4, name="w-r"), dict(grpo_run(1, True, [10.0] * 4, name="w-s"), cap="whole")]
+    for run in uncapped:
+        run["settings_used"] = dict(run["settings_used"], streamed_cap="whole")
+    rows = rl_rows.grpo_pair_rows(capped + uncapped)
+    assert sorted(row["cap"] for row in rows) == ["12GiB", "whole GPU"]
+    by_cap = {row["cap"]: row for row in rows}
+    assert by_cap["whole GPU"]["step_s"] == 10.0 and by_cap["whole GPU"]["resident_step_s"] == 9.5
+    assert by_cap["12GiB"]["step_s"] == 12.0 and by_cap["12GiB"]["resident_step_s"] == 9.0
+    for run in uncapped:
+        del run["settings_used"]["streamed_cap"]
+    assert len(rl_rows.grpo_pair_rows(capped + uncapped)) == 1
+    settings = rl.settings_from(rl.parse(["--grpo-cap", "whole"]))
+    assert settings.grpo_cap == "whole" and rl.settings_from(rl.parse([])).grpo_cap == "12GiB"
