@@ -177,6 +177,81 @@ def test_without_a_window_a_call_out_of_memory_is_explained_not_run_again():
     assert runtime.stats()["oom_retries"] == 0
 
 
+def _continue_from(model, cache):
+    """Greedy tokens after a prompt of 6 whose first 3 tokens ``cache`` holds already (the
+    call caches 10 tokens, as the window was sized for)."""
+    prompt = torch.arange(3, 9).reshape(1, 6)
+    with torch.no_grad():
+        model(input_ids=prompt[:, :3], past_key_values=cache, use_cache=True)
+    kwargs = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=False, pad_token_id=0)
+    return model.generate(prompt, past_key_values=cache, **kwargs)
+
+
+def test_a_call_out_of_memory_with_a_cache_of_its_callers_is_explained_not_run_again():
+    """The failed attempt added tokens to the cache the caller passed: run again, the call
+    would decode after them and give other tokens than the resident model, without a word.
+    Control: run again anyway (the check switched off), the tokens differ."""
+    from transformers import DynamicCache
+
+    from layerstream.integrations import generation
+
+    model, resident, runtime = _streamed_pair()
+    _generate(model, 1)
+    _generate(model, 1)
+    assert len(runtime.window) == 3
+    handle = model.model.layers[0].register_forward_pre_hook(_OutOfMemoryOnce(at=4))
+    try:
+        with pytest.raises(
+            torch.OutOfMemoryError, match="not run again with a smaller window: the past_key_values it was given"
+        ):
+            _continue_from(model, DynamicCache(config=model.config))
+    finally:
+        handle.remove()
+    assert runtime.stats()["oom_retries"] == 0 and len(runtime.window) == 3
+    expected = _continue_from(resident, DynamicCache(config=resident.config))
+    assert torch.equal(_continue_from(model, DynamicCache(config=model.config)), expected), "a fresh cache fits"
+
+    original = generation._not_run_again
+    generation._not_run_again = lambda kwargs: ""
+    handle = model.model.layers[0].register_forward_pre_hook(_OutOfMemoryOnce(at=4))
+    try:
+        again = _continue_from(model, DynamicCache(config=model.config))
+    finally:
+        handle.remove()
+        generation._not_run_again = original
+    assert runtime.stats()["oom_retries"] == 1
+    assert not torch.equal(again, expected), "run again on the extended cache, the tokens differ"
+
+
+def test_a_call_out_of_memory_with_a_streamer_is_explained_not_run_again():
+    """Its streamer has shown the first tokens already: a second attempt would show them twice."""
+    from transformers.generation.streamers import BaseStreamer
+
+    class Shown(BaseStreamer):
+        def __init__(self):
+            self.tokens = []
+
+        def put(self, value):
+            self.tokens.append(value)
+
+        def end(self):
+            pass
+
+    model, _, runtime = _streamed_pair()
+    _generate(model, 1)
+    _generate(model, 1)
+    shown = Shown()
+    handle = model.model.layers[0].register_forward_pre_hook(_OutOfMemoryOnce(at=4))
+    try:
+        with pytest.raises(torch.OutOfMemoryError, match="not run again with a smaller window: its streamer"):
+            model.generate(
+                torch.arange(3, 7).reshape(1, 4), max_new_tokens=6, do_sample=False, pad_token_id=0, streamer=shown
+            )
+    finally:
+        handle.remove()
+    assert shown.tokens and runtime.stats()["oom_retries"] == 0
+
+
 @pytest.mark.gpu
 def test_on_the_gpu_a_model_that_fits_keeps_every_layer_for_generation_and_copies_none():
     """The real device and its own memory readings: a model that fits the GPU generates

@@ -21,6 +21,7 @@ import torch
 
 from ..api import get_runtime, is_streamed, on_stream
 from ..errors import StreamingError
+from ..modules.layer import CACHE_KWARGS
 from ..runtime.meter import wanted_bytes
 from ..runtime.passes import outside_inference_mode
 from ..system.log import get_logger
@@ -103,18 +104,41 @@ class RandomState:
             torch.cuda.set_rng_state(self.cuda, self.device)
 
 
+def _not_run_again(kwargs: dict) -> str:
+    """Why a ``generate`` call that ran out of memory cannot simply run again ("" where it
+    can): a streamer has printed the first tokens already, and a KV cache the caller passed
+    in holds the tokens the failed attempt added (a second attempt would decode after them,
+    and give other tokens than a call that never failed)."""
+    if kwargs.get("streamer") is not None:
+        return "its streamer has printed the first tokens already"
+    passed = [name for name in CACHE_KWARGS if kwargs.get(name) is not None]
+    if passed:
+        return (
+            f"the {passed[0]} it was given holds the tokens the failed attempt added; run it again with a fresh cache"
+        )
+    return ""
+
+
 def _run_again_after_oom(original, model, runtime, args: tuple, kwargs: dict):
     """``generate``; where it runs out of memory with a resident window, the window shrinks
     and the call runs again from the random state it began with, so its tokens are those
-    of a call that never failed (as a Trainer step is run again). Not with a streamer,
-    which has printed the first tokens already."""
+    of a call that never failed (as a Trainer step is run again). Not where a second
+    attempt could not be the same call (``_not_run_again``): the error says why."""
     while True:
         start = RandomState(runtime)
         try:
             return original(model, *args, **kwargs)
         except torch.OutOfMemoryError as exc:
-            if not runtime.window or kwargs.get("streamer") is not None:
+            if not runtime.window:
                 raise runtime.explain_oom(exc, "in generate") from exc
+            why = _not_run_again(kwargs)
+            if why:
+                explained = runtime.explain_oom(exc, "in generate")
+                refused = type(explained)(
+                    f"{explained}\n\nlayerstream: generate is not run again with a smaller window: {why}."
+                )
+                refused._layerstream_explained = True
+                raise refused from exc
             wanted = wanted_bytes(exc) or 0
         # outside the except block: the failed call's frames and tensors are gone
         if not runtime.resident_window.recover_from_oom(wanted):
