@@ -158,6 +158,7 @@ def stream_model(model: nn.Module, config: Optional[StreamConfig] = None, **over
         except ImportError as exc:
             raise StreamingError(str(exc)) from None
     _check_host_budget(config, store_bytes)
+    _say_held_elsewhere(model, records)
     store = HostStore(config.arena_bytes, pin=bool(config.pin))
     store.build(records, new_bytes=store_bytes if gpus else None)
     if gpus:
@@ -171,6 +172,25 @@ def stream_model(model: nn.Module, config: Optional[StreamConfig] = None, **over
             store_bytes / GiB,
         )
     return attach_runtime(model, path, layers, config, records, store)
+
+
+def _say_held_elsewhere(model: nn.Module, records) -> None:
+    """One warning where tensors outside the model share streamed weights' memory (taken
+    before stream_model): the streamed model computes from its own copy from now on."""
+    from .modules.aliases import held_elsewhere
+
+    shared = held_elsewhere(model, records)
+    if shared:
+        logger.warning(
+            "layerstream: %d streamed layer tensor(s) (%s%s) share their memory with tensors held outside the "
+            "model, such as a state_dict(), .data or .detach() taken before stream_model, or the graph of a forward "
+            "whose backward has not run. The streamed model "
+            "computes from its own copy in host memory from now on: a write through those tensors does not reach "
+            "it (write to the model's parameters instead), and their memory stays allocated while they are held.",
+            len(shared),
+            ", ".join(shared[:3]),
+            ", ..." if len(shared) > 3 else "",
+        )
 
 
 def _refuse_unsupported(model: nn.Module) -> None:
