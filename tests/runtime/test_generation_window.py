@@ -212,7 +212,7 @@ def test_a_call_out_of_memory_with_a_cache_of_its_callers_is_explained_not_run_a
     assert torch.equal(_continue_from(model, DynamicCache(config=model.config)), expected), "a fresh cache fits"
 
     original = generation._not_run_again
-    generation._not_run_again = lambda kwargs: ""
+    generation._not_run_again = lambda args, kwargs: ""
     handle = model.model.layers[0].register_forward_pre_hook(_OutOfMemoryOnce(at=4))
     try:
         again = _continue_from(model, DynamicCache(config=model.config))
@@ -223,7 +223,8 @@ def test_a_call_out_of_memory_with_a_cache_of_its_callers_is_explained_not_run_a
     assert not torch.equal(again, expected), "run again on the extended cache, the tokens differ"
 
 
-def test_a_call_out_of_memory_with_a_streamer_is_explained_not_run_again():
+@pytest.mark.parametrize("passed", ["by name", "by position"])
+def test_a_call_out_of_memory_with_a_streamer_is_explained_not_run_again(passed):
     """Its streamer has shown the first tokens already: a second attempt would show them twice."""
     from transformers.generation.streamers import BaseStreamer
 
@@ -244,9 +245,11 @@ def test_a_call_out_of_memory_with_a_streamer_is_explained_not_run_again():
     handle = model.model.layers[0].register_forward_pre_hook(_OutOfMemoryOnce(at=4))
     try:
         with pytest.raises(torch.OutOfMemoryError, match="not run again with a smaller window: its streamer"):
-            model.generate(
-                torch.arange(3, 7).reshape(1, 4), max_new_tokens=6, do_sample=False, pad_token_id=0, streamer=shown
-            )
+            prompt, settings = torch.arange(3, 7).reshape(1, 4), dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+            if passed == "by name":
+                model.generate(prompt, streamer=shown, **settings)
+            else:  # generate(inputs, generation_config, logits_processor, ..., assistant_model, streamer)
+                model.generate(prompt, None, None, None, None, None, None, shown, **settings)
     finally:
         handle.remove()
     assert shown.tokens and runtime.stats()["oom_retries"] == 0

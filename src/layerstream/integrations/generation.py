@@ -104,12 +104,14 @@ class RandomState:
             torch.cuda.set_rng_state(self.cuda, self.device)
 
 
-def _not_run_again(kwargs: dict) -> str:
+def _not_run_again(args: tuple, kwargs: dict) -> str:
     """Why a ``generate`` call that ran out of memory cannot simply run again ("" where it
     can): a streamer has printed the first tokens already, and a KV cache the caller passed
     in holds the tokens the failed attempt added (a second attempt would decode after them,
     and give other tokens than a call that never failed)."""
-    if kwargs.get("streamer") is not None:
+    from transformers.generation.streamers import BaseStreamer
+
+    if kwargs.get("streamer") is not None or any(isinstance(arg, BaseStreamer) for arg in args):
         return "its streamer has printed the first tokens already"
     passed = [name for name in CACHE_KWARGS if kwargs.get(name) is not None]
     if passed:
@@ -131,7 +133,7 @@ def _run_again_after_oom(original, model, runtime, args: tuple, kwargs: dict):
         except torch.OutOfMemoryError as exc:
             if not runtime.window:
                 raise runtime.explain_oom(exc, "in generate") from exc
-            why = _not_run_again(kwargs)
+            why = _not_run_again(args, kwargs)
             if why:
                 explained = runtime.explain_oom(exc, "in generate")
                 refused = type(explained)(
