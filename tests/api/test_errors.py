@@ -1,5 +1,6 @@
 """Bad input fails early with a message that says what to do."""
 
+import copy
 import re
 
 import pytest
@@ -173,6 +174,46 @@ def test_decoding_from_a_cache_a_forward_with_autograd_left_unfilled_is_refused(
             step = model(input_ids=out.logits[:, -1:].argmax(-1), past_key_values=out.past_key_values, use_cache=True)
         tokens.append(step.logits)
     assert torch.equal(*tokens)
+
+
+def test_a_copy_of_a_cache_a_forward_with_autograd_left_unfilled_is_refused_too():
+    """Copied (copy.deepcopy, as transformers' prompt-reuse recipe does), the unfilled cache
+    is a new object: decoding from it is refused as from the original. Control: a copy of a
+    cache filled under no_grad decodes the resident model's logits."""
+    streamed, resident = peft_pair("llama", layers=3)
+    stream(streamed, "cpu")
+    ids = torch.randint(3, 90, (1, 6), generator=torch.Generator().manual_seed(0))
+    streamed.eval(), resident.eval()
+    cache = copy.deepcopy(streamed(input_ids=ids, use_cache=True).past_key_values)
+    with torch.no_grad(), pytest.raises(layerstream.StreamingError, match="or the cache it was copied from"):
+        streamed(input_ids=ids[:, -1:], past_key_values=cache, use_cache=True)
+    logits = []
+    for model in (streamed, resident):
+        with torch.no_grad():
+            filled = copy.deepcopy(model(input_ids=ids[:, :-1], use_cache=True).past_key_values)
+            logits.append(model(input_ids=ids[:, -1:], past_key_values=filled, use_cache=True).logits)
+    assert torch.equal(*logits)
+
+
+def test_a_frozen_model_steered_by_a_hook_with_autograd_on_trains_its_input_as_the_resident_one():
+    """Nothing of the model requires grad, and neither does any layer's input: a trainable
+    vector outside the model enters layer 1's attention output through a forward hook (as
+    activation steering and layer attribution do). Every visit with autograd on is
+    checkpointed, so the vector's gradient and the logits equal the resident model's; a
+    visit run as inference would let autograd keep slot memory later copies overwrite."""
+    streamed = tiny_model(layers=5)
+    streamed.requires_grad_(False)
+    resident = copy.deepcopy(streamed)
+    stream(streamed, "cpu", slots=2, prefetch=1)
+    ids = torch.randint(3, 90, (2, 8), generator=torch.Generator().manual_seed(0))
+    results = []
+    for model in (streamed, resident):
+        delta = torch.linspace(-0.5, 0.5, 32).requires_grad_(True)
+        model.model.layers[1].self_attn.register_forward_hook(lambda m, i, o, d=delta: (o[0] + d, *o[1:]))
+        out = model(input_ids=ids, use_cache=False, output_hidden_states=True)
+        out.hidden_states[2].square().mean().backward()
+        results.append((out.logits.detach(), delta.grad))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
 
 
 def test_slots_larger_than_the_vram_budget_are_refused_before_any_copy():

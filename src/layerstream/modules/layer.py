@@ -140,39 +140,55 @@ def without_cache(kwargs: dict, warned: bool):
         get_logger("layerstream.runtime.core").warning(
             "layerstream: streamed layers are checkpointed while autograd is on, so they do "
             "not fill the KV cache passed to them (as with transformers' gradient "
-            "checkpointing). Set model.config.use_cache = False for training to silence this."
+            "checkpointing). Run inference under torch.no_grad() to fill it; set "
+            "model.config.use_cache = False for training to silence this."
         )
     return kwargs, True
 
 
 # caches a streamed layer was given with autograd on and did not fill: a later pass that
-# decodes from one would run without the tokens it should hold
+# decodes from one would run without the tokens it should hold. Each is marked too (an
+# attribute, which copy.deepcopy and pickling carry to a copy of it), and held weakly
+# where it takes no attribute.
 _UNFILLED = weakref.WeakSet()
+_UNFILLED_MARK = "_layerstream_unfilled"
+_any_unfilled = False  # whether any cache was left unfilled in this process (the hot path's check)
 
 
 def _remember_unfilled(cache) -> None:
+    global _any_unfilled
+    _any_unfilled = True
+    try:
+        setattr(cache, _UNFILLED_MARK, True)
+        return
+    except (AttributeError, TypeError):  # a class with __slots__, or a tuple
+        pass
     try:
         _UNFILLED.add(cache)
     except TypeError:  # not weakly referable: a cache class of the model's own
         pass
 
 
+def _unfilled(cache) -> bool:
+    return getattr(cache, _UNFILLED_MARK, False) is True or (bool(_UNFILLED) and cache in _UNFILLED)
+
+
 def refuse_unfilled_cache(kwargs: dict) -> None:
     """Refuse a KV cache that streamed layers were given with autograd on, which they did
-    not fill (``without_cache``): decoding from it, as a loop continuing from a forward's
-    ``past_key_values`` does, would attend to none of the tokens that forward saw and give
-    other tokens than the resident model, without a word."""
-    if not _UNFILLED:
+    not fill (``without_cache``), or a copy of one: decoding from it, as a loop continuing
+    from a forward's ``past_key_values`` does, would attend to none of the tokens that
+    forward saw and give other tokens than the resident model, without a word."""
+    if not _any_unfilled:
         return
     for name in CACHE_KWARGS:
         cache = kwargs.get(name)
-        if cache is not None and cache in _UNFILLED:
+        if cache is not None and _unfilled(cache):
             raise StreamingError(
-                "this KV cache was passed to streamed layers by a forward with autograd on, which "
-                "did not fill it (streamed layers are checkpointed under autograd, as with "
-                "transformers' gradient checkpointing), so decoding from it would ignore the tokens "
-                "of that forward. Run the forward that fills the cache under torch.no_grad() "
-                "(model.generate does)."
+                "this KV cache (or the cache it was copied from) was passed to streamed layers by a "
+                "forward with autograd on, which did not fill it (streamed layers are checkpointed "
+                "under autograd, as with transformers' gradient checkpointing), so decoding from it "
+                "would ignore the tokens of that forward. Run the forward that fills the cache under "
+                "torch.no_grad() (model.generate does), with a new cache."
             )
 
 
