@@ -12,10 +12,17 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
-from typing import List
+from typing import List, Optional
 
 import torch
 from torch import nn
+
+
+def storage_owners(tensor: torch.Tensor) -> Optional[int]:
+    """How many owners ``tensor``'s storage has, as torch counts them: each tensor on it, and
+    the storage object this asks through, is one. None where torch does not offer the count."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    return None if count is None else count(tensor.untyped_storage()._cdata)
 
 
 def held_elsewhere(model: nn.Module, records) -> List[str]:
@@ -23,8 +30,7 @@ def held_elsewhere(model: nn.Module, records) -> List[str]:
     storage more tensors share than the model's own: torch counts a storage's owners, and
     each of the model's parameters and buffers on it, and the storage object asked, is
     one. Empty where torch does not offer the count."""
-    count = getattr(torch._C, "_storage_Use_Count", None)
-    if count is None:
+    if getattr(torch._C, "_storage_Use_Count", None) is None:
         return []
     owners = Counter()
     for tensor in itertools.chain(model.parameters(), model.buffers()):
@@ -36,8 +42,7 @@ def held_elsewhere(model: nn.Module, records) -> List[str]:
             tensor = entry.current() if entry.bound else None
             if tensor is None or tensor.device.type == "meta":
                 continue
-            storage = tensor.untyped_storage()
-            if count(storage._cdata) > owners[_key(tensor)] + 1:
+            if storage_owners(tensor) > owners[_key(tensor)] + 1:
                 shared.append(entry.qualified_name)
     return shared
 

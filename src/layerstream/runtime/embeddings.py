@@ -41,6 +41,7 @@ from torch.autograd.function import once_differentiable
 from ..errors import StreamingError
 from ..long import trl_head
 from ..modules import nf4, swap
+from ..modules.aliases import storage_owners
 from ..modules.discovery import unwrap_peft
 from ..system.log import get_logger
 from ..tiers.store import HostStore, LayerRecord, set_data
@@ -343,8 +344,8 @@ def _shared_elsewhere(weight: torch.Tensor) -> bool:
     """Whether another tensor holds the storage of ``weight``'s data. The count is of the
     storage's owners: the Parameter and the storage object asked here make two. Where torch
     does not offer the count, every swap counts as shared (and is refused)."""
-    count = getattr(torch._C, "_storage_Use_Count", None)
-    return count is None or count(weight.untyped_storage()._cdata) > 2
+    owners = storage_owners(weight)
+    return owners is None or owners > 2
 
 
 # -- the streamed ends ----------------------------------------------------------------------
