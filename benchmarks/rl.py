@@ -97,9 +97,8 @@ class Settings:
     rounds: int = 3  # of the generation part (the GRPO pair's are separate commands)
     slots: object = "auto"
     grpo_shape: str = "llama3-8b"
-    grpo_cap: str = (
-        DEFAULT_GRPO_CAP  # the streamed side's (``--grpo-cap``; "whole": no cap, to tell the cap's cost apart)
-    )
+    # the streamed side's (``--grpo-cap``; "whole": no cap, to tell the cap's cost apart)
+    grpo_cap: str = DEFAULT_GRPO_CAP
     grpo_quantization: str = "nf4"  # or "bf16": LoRA on the bf16 checkpoint, larger than the cap
     grpo_trainer: str = "grpo"  # or "rloo": TRL's rloo.py, the same arguments
     generations: int = 8
@@ -310,11 +309,11 @@ def measure_grpo_pair(settings: Settings, args, command: str, save, deadline: fl
         if deadline - time.monotonic() < MIN_RUN_S:
             print(f"rl: under {MIN_RUN_S} s left of --deadline: the rest of round {args.round} is not run", flush=True)
             return
-        quantised = "" if settings.grpo_quantization == "nf4" else f"-{settings.grpo_quantization}"
-        quantised += "-deterministic" if settings.full_determinism else ""
-        quantised += "" if settings.grpo_cap == DEFAULT_GRPO_CAP else f"-cap-{settings.grpo_cap}"
+        variant = "" if settings.grpo_quantization == "nf4" else f"-{settings.grpo_quantization}"
+        variant += "-deterministic" if settings.full_determinism else ""
+        variant += "" if settings.grpo_cap == DEFAULT_GRPO_CAP else f"-cap-{settings.grpo_cap}"
         streamed = side == "streamed"
-        name = f"{settings.grpo_trainer}-{settings.grpo_shape}{quantised}-{side}-round{args.round}"
+        name = f"{settings.grpo_trainer}-{settings.grpo_shape}{variant}-{side}-round{args.round}"
         shutil.rmtree(work / "runs" / name, ignore_errors=True)  # no adapter left by an earlier run
         target = script_command(checkpoint, data, settings, work / "runs" / name, streamed)
         cap = settings.grpo_cap if streamed else WHOLE
