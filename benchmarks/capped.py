@@ -119,6 +119,7 @@ def step_times_class():
         def __init__(self, path=None, generate_s=None):
             self.path, self.generate_s = path, [] if generate_s is None else generate_s
             self.times, self.start, self.counters, self.logs = [], None, [], []
+            self.alloc_retries = []  # the caching allocator's free-and-retry count after each step
 
         def on_step_begin(self, args, state, control, **kwargs):
             if torch.cuda.is_available():
@@ -130,6 +131,8 @@ def step_times_class():
                 torch.cuda.synchronize()
             self.times.append(time.perf_counter() - self.start)
             self.counters.append(_stream_counters(kwargs.get("model")))
+            if torch.cuda.is_available():
+                self.alloc_retries.append(torch.cuda.memory_stats().get("num_alloc_retries", 0))
             self.write()
 
         def on_log(self, args, state, control, logs=None, **kwargs):
@@ -148,6 +151,7 @@ def step_times_class():
                         "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
                         "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else None,
                         "stream_counters": self.counters,
+                        "alloc_retries": self.alloc_retries,
                         "logs": self.logs,
                         "generate_s": self.generate_s,
                         "gpu": torch.cuda.get_device_name() if cuda else None,

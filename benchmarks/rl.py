@@ -292,6 +292,7 @@ def run_capped(
         "layerstream": {key: [entry.get(key) for entry in logs] for key in figures},
         "peak_allocated_gib": timing.get("peak_allocated_gib"),
         "peak_reserved_gib": timing.get("peak_reserved_gib"),
+        "alloc_retries": timing.get("alloc_retries"),
         "gpu": timing.get("gpu"),
         "command": shlex.join(argv),
     }

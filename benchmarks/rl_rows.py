@@ -221,6 +221,10 @@ def grpo_pair_row(runs: list) -> dict:
         "window_layers": generating["window_layers"],
         "layerstream_generate": generating,
         "layerstream_train": figures(list(streamed.values()), TRAIN_FIGURES, "", TIMED_FROM_STEP),
+        "alloc_retries": {  # the caching allocator's free-and-retry count by the last step, per side
+            side: max((run["alloc_retries"][-1] for run in chosen.values() if run.get("alloc_retries")), default=None)
+            for side, chosen in (("streamed", streamed), ("resident", resident))
+        },
         "full_determinism": deterministic(first),
         **training_compared(verdict, plains, streameds),
         "target": f"speed_vs_resident >= {TARGETS[trainer]}" if trainer in TARGETS else None,

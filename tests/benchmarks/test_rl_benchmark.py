@@ -405,3 +405,15 @@ def test_a_pair_streamed_with_the_whole_gpu_is_a_row_of_its_own():
     assert len(rl_rows.grpo_pair_rows(capped + uncapped)) == 1
     settings = rl.settings_from(rl.parse(["--grpo-cap", "whole"]))
     assert settings.grpo_cap == "whole" and rl.settings_from(rl.parse([])).grpo_cap == "12GiB"
+
+
+def test_the_row_counts_each_sides_allocator_retries_by_its_last_step():
+    """A cap near the step's peak makes the caching allocator free its cache and retry
+    (``num_alloc_retries``), which synchronises: the row keeps each side's count, so a slow
+    capped side can be told from a slow streamed one. Runs that did not record it give None."""
+    runs = [grpo_run(1, False, [9.0] * 4), grpo_run(1, True, [12.0] * 4)]
+    (row,) = rl_rows.grpo_pair_rows(runs)
+    assert row["alloc_retries"] == {"streamed": None, "resident": None}
+    runs[0]["alloc_retries"], runs[1]["alloc_retries"] = [0, 0, 0, 0], [0, 3, 5, 9]
+    (row,) = rl_rows.grpo_pair_rows(runs)
+    assert row["alloc_retries"] == {"streamed": 9, "resident": 0}
