@@ -1,7 +1,9 @@
 """The planner's decode term: one token step's copies and copy bound, and the batch from
 which the frozen layers' compute hides them, pinned against hand computations."""
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -46,6 +48,55 @@ def test_the_planned_copies_of_a_token_step_are_the_runtimes(slots):
         model(ids)
     planned = decode_term([1] * 6, slots=slots, bandwidth_gbps=1, params=1).layers_copied
     assert runtime.stats()["layer_loads"] - loads == planned
+
+
+def test_layers_the_window_keeps_are_not_copied_and_the_rest_stream_as_before():
+    sizes = [10, 30, 20, 40, 50]
+    term = decode_term(sizes, slots=2, bandwidth_gbps=1, params=1, kept={1, 3})
+    assert term.layers_copied == 3 and term.copy_bytes == 10 + 20 + 50
+    assert decode_term(sizes, slots=3, bandwidth_gbps=1, params=1, kept={1, 3}).layers_copied == 0, (
+        "the three left fit the slots"
+    )
+    assert decode_term(sizes, slots=2, bandwidth_gbps=1, params=1).copy_bytes == sum(sizes), "control: no window"
+
+
+@pytest.mark.parametrize("kept", [[1, 4], [0, 2, 5], [2, 3, 4, 5]])
+def test_the_planned_copies_of_a_token_step_with_a_window_are_the_runtimes(kept):
+    """With layers in the resident window, a token step loads what the plan says of the rest."""
+    model = tiny_model("llama", layers=6)
+    stream(model, slots=2, prefetch=1)
+    runtime = layerstream.get_runtime(model)
+    runtime.set_window(kept)
+    ids = torch.tensor([[5, 6, 7]])
+    with torch.no_grad():
+        model(ids)
+        loads = runtime.stats()["layer_loads"]
+        model(ids)
+    planned = decode_term([1] * 6, slots=2, bandwidth_gbps=1, params=1, kept=set(kept)).layers_copied
+    assert runtime.stats()["layer_loads"] - loads == planned
+    assert planned == (6 - len(kept) if 6 - len(kept) > 2 else 0)
+
+
+def test_plan_prints_generations_copies_with_the_window_it_keeps(tmp_path, capsys):
+    """70B NF4 under 24 GiB at batch 8: the window the plan keeps (``plan.window_layers``,
+    the layers ``spread_resident`` picks) copies the other layers per token step."""
+    from layerstream.decisions.schedule import spread_resident
+
+    shape = str(Path(__file__).resolve().parents[2] / "configs" / "shapes" / "llama-3.1-70b.json")
+    args = ["plan", "--model", shape, "--quantization", "nf4", "--vram-budget", "24GiB", "--batch", "8", "--seq", "256"]
+    cli.main(args)
+    out = capsys.readouterr().out
+    window = int(out.split("the resident window keeps ")[1].split(" of 80 layers on the GPU")[0])
+    assert 0 < window < 80
+    sizes = layer_bytes(config_of(json.loads(Path(shape).read_text())), "nf4", torch.bfloat16)
+    kept = set(spread_resident(80, window))
+    term = decode_term(sizes, slots=3, bandwidth_gbps=55, params=1, kept=kept)
+    said = " ".join(out.split("the resident window keeps")[-1].split())
+    assert f"{window} of 80 layers for generation too" in said
+    assert f"{term.layers_copied} layer copies" in said and f"{term.copy_seconds * 1e3:.1f} ms" in said
+    assert term.layers_copied == 80 - window
+    cli.main([*args[:6], "4GiB", *args[7:]])  # control: no room for a window, no line
+    assert "for generation too" not in capsys.readouterr().out
 
 
 def test_a_mixture_of_experts_computes_with_the_experts_a_token_is_routed_to():

@@ -193,13 +193,19 @@ def run(args, parser: argparse.ArgumentParser) -> int:
 
 
 def _decode_lines(args, config, plan, request) -> str:
+    from ..decisions.schedule import spread_resident
     from ..plan import layer_shapes, parse_dtype
     from ..plan.decode import active_params, decode_term, routed_bytes
     from ..plan.report import format_decode_term
 
     shapes = layer_shapes(config)
     routed = routed_bytes(shapes, parse_dtype(request.dtype).itemsize)
-    term = decode_term(
-        plan.layer_bytes, plan.slots, plan.bandwidth_gbps, active_params(shapes), args.tflops, routed, args.batch
-    )
-    return format_decode_term(plan, term, args.batch)
+    params = active_params(shapes)
+    term = decode_term(plan.layer_bytes, plan.slots, plan.bandwidth_gbps, params, args.tflops, routed, args.batch)
+    windowed = None
+    if plan.window_layers:
+        kept = frozenset(spread_resident(plan.num_layers, plan.window_layers))
+        windowed = decode_term(
+            plan.layer_bytes, plan.slots, plan.bandwidth_gbps, params, args.tflops, routed, args.batch, kept
+        )
+    return format_decode_term(plan, term, args.batch, windowed)

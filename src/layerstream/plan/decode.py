@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Collection, List, Optional, Sequence, Tuple
 
 from ..checkpoints import mxfp4
 from ..decisions.experts import copy_by_need, expected_share_hit
@@ -50,13 +50,16 @@ def decode_term(
     tflops: Optional[float] = None,
     routed: Optional[Sequence[Routed]] = None,
     batch: int = 1,
+    kept: Collection[int] = (),
 ) -> DecodeTerm:
-    """One token step of ``batch`` sequences: every layer is copied, unless the slots hold
-    them all (a token step runs the layers first to last, and the previous one left the
-    last layers in the slots, so the ring has copied each of them again by the time it
-    reaches them); ``routed`` (per layer, in the order of ``sizes``): what of a
-    mixture-of-experts layer is copied by need."""
-    layers = sorted(zip(sizes, routed or [(0, 0, 0)] * len(sizes)))
+    """One token step of ``batch`` sequences: every streamed layer is copied, unless the
+    slots hold them all (a token step runs the layers first to last, and the previous one
+    left the last layers in the slots, so the ring has copied each of them again by the
+    time it reaches them); ``routed`` (per layer, in the order of ``sizes``): what of a
+    mixture-of-experts layer is copied by need; ``kept``: the indices of the layers the
+    resident window keeps on the device, which stream no more."""
+    every = zip(sizes, routed or [(0, 0, 0)] * len(sizes))
+    layers = sorted(layer for index, layer in enumerate(every) if index not in kept)
     copied = [] if len(layers) <= slots else layers
     copy_bytes = _bytes_at(copied, batch)
     seconds = copy_bytes / (bandwidth_gbps * 1e9) if bandwidth_gbps > 0 else 0.0

@@ -211,9 +211,11 @@ def format_host_check(plan: MemoryPlan, memory) -> str:
     return "\n".join(textwrap.wrap(f"{head}: DOES NOT FIT this host; {fixes}", width=88, subsequent_indent="  "))
 
 
-def format_decode_term(plan: MemoryPlan, term, batch: int = 1) -> str:
+def format_decode_term(plan: MemoryPlan, term, batch: int = 1, windowed=None) -> str:
     """Generation's lines: one token step's copies and copy bound, and the batch from which
-    the frozen layers' compute hides them (``plan.decode.decode_term``)."""
+    the frozen layers' compute hides them (``plan.decode.decode_term``); ``windowed``: the
+    same term with the layers the plan's resident window keeps (``plan.window_layers``),
+    which generation shares with training."""
     lines = ["", f"Generation: one token step of decoding (batch {batch} at once, every layer streamed)"]
     copies = (
         f"{term.layers_copied} layer copies (every layer, each step)"
@@ -229,4 +231,14 @@ def format_decode_term(plan: MemoryPlan, term, batch: int = 1) -> str:
         )
     else:
         lines.append("  --tflops T: the batch from which decoding is compute-bound rather than copy-bound")
+    if windowed is not None:
+        seconds = f"{windowed.copy_seconds * 1e3:.1f} ms"
+        said = (
+            f"with vram_budget={_gib(plan.vram_bytes)} the resident window keeps {plan.window_layers} of "
+            f"{plan.num_layers} layers for generation too (from a training process's third step, or a generating "
+            f"process's second call): {windowed.layers_copied} layer copies, {_gib(windowed.copy_bytes)}, {seconds}"
+        )
+        lines.extend(textwrap.wrap(said, width=88, initial_indent="  ", subsequent_indent="    "))
+        if windowed.compute_bound_batch is not None:
+            lines.append(f"  with that window, compute-bound from batch {windowed.compute_bound_batch}")
     return "\n".join(lines)
