@@ -144,13 +144,15 @@ def keep_by_card(runs: dict, run: dict) -> None:
     runs[run["name"]] = run
 
 
-def write_result(name: str, payload: dict, out_dir: str | None = None) -> str:
+def write_result(name: str, payload: dict, out_dir: str | None = None, measured_on: dict | None = None) -> str:
     """``payload`` with the machine and the time, as ``<name>.json`` in ``out_dir`` (else
-    ``$OUT``, else benchmarks/results)."""
+    ``$OUT``, else benchmarks/results); ``measured_on``: the machine the payload's runs were
+    measured on, where that is not this one (rows remade from earlier results)."""
     out_dir = out_dir or os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, f"{name}.json")
-    payload = dict(payload, machine=machine(), when=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()))
+    when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    payload = dict(payload, machine=measured_on or machine(), when=when)
     with open(path, "w") as handle:
         json.dump(payload, handle, indent=2)
     print(f"wrote {path}")

@@ -391,12 +391,10 @@ class Results:
     def write_rows_only(self) -> None:
         """rl.json again from the merged runs, their rows made anew, nothing measured: the
         machine stays the one the runs were measured on (the last merged file's)."""
+        from common import write_result
+
         measured = list(self.runs.values())
-        when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
-        payload = {"rows": rows(measured), "runs": measured, "machine": self.machine, "when": when}
-        self.out.mkdir(parents=True, exist_ok=True)
-        (self.out / "rl.json").write_text(json.dumps(payload, indent=2))
-        print(f"wrote {self.out / 'rl.json'}", flush=True)
+        write_result("rl", {"rows": rows(measured), "runs": measured}, str(self.out), self.machine)
 
 
 def parse(argv):
