@@ -247,3 +247,64 @@ def test_a_model_without_trls_head_is_not_taken_for_one():
     assert not trl_head.installed(model)
     trl_utils.add_fused_lm_head(model)
     assert trl_head.installed(model)
+
+
+BYTE_VOCAB = 260  # layerstream.data.byte_tokenizer's ids
+
+
+def _distill(student, out, rows) -> list:
+    from trl import DistillationConfig, DistillationTrainer
+
+    teacher = tiny_model("llama", layers=2, seed=9, vocab_size=BYTE_VOCAB).requires_grad_(False)
+    tokenizer = embedded.byte_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    args = DistillationConfig(
+        output_dir=str(out),
+        use_cpu=True,
+        report_to=[],
+        max_steps=2,
+        logging_steps=1,
+        per_device_train_batch_size=4,
+        save_strategy="no",
+        learning_rate=1e-2,
+        seed=7,
+        max_completion_length=6,
+        log_completions=False,
+    )
+    trainer = DistillationTrainer(
+        model=student,
+        teacher_model=teacher,
+        args=args,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer,
+    )
+    return _losses(trainer)
+
+
+@pytest.mark.parametrize("recognised", [True, False], ids=["fetched", "control-host-weight"])
+def test_trls_distillation_loss_computes_with_the_fetched_head_copy(tmp_path, monkeypatch, recognised):
+    """TRL's DistillationTrainer reads the student head's weight itself and moves the hidden
+    states to its device: a streamed head hands it a device copy (on a GPU the host weight
+    would put the loss on the host). Control: unrecognised, the host weight itself reaches
+    the kernel, which the assertion catches."""
+    import trl.trainer.distillation_trainer as distillation
+
+    seen, kernel = [], distillation._chunked_divergence_loss
+
+    def spy(student_hidden, teacher_hidden, student_weight, *args, **kwargs):
+        seen.append(student_weight.data_ptr())
+        return kernel(student_hidden, teacher_hidden, student_weight, *args, **kwargs)
+
+    monkeypatch.setattr(distillation, "_chunked_divergence_loss", spy)
+    if not recognised:
+        monkeypatch.setattr(trl_head, "_READ_HEAD_WEIGHT", set())
+    rows = [{"prompt": "Q: hi\nA:", "completion": " yes" + "!" * i} for i in range(8)]
+    streamed, resident = peft_pair("llama", layers=3, vocab_size=BYTE_VOCAB)
+    plain = _distill(resident, tmp_path / "plain", rows)
+    stream(streamed, stream_embeddings=True)
+    seen.clear()
+    got = _distill(streamed, tmp_path / "streamed", rows)
+    host = streamed.get_base_model().lm_head.weight
+    assert seen and got == plain and len(plain) == 2
+    handed_host = any(ptr == host.data_ptr() for ptr in seen)
+    assert handed_host is not recognised, "the kernel got the host weight" if recognised else "control"

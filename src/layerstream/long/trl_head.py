@@ -151,10 +151,21 @@ def warn_bypassed(model: nn.Module, loss_chunk_tokens: int) -> None:
 
 
 # -- a streamed head for TRL's loss ---------------------------------------------------------
+# TRL's losses other than the fused forward that read the head's weight themselves, by
+# (module, function): the distillation trainers' chunked divergence loss, which also moves
+# the hidden states to that weight's device (trl 1.16)
+_READ_HEAD_WEIGHT = {
+    ("trl.trainer.distillation_trainer", "_compute_loss"),
+    ("trl.experimental.async_distillation.async_distillation_trainer", "_compute_loss"),
+}
+
+
 def reads_head_itself(frame) -> bool:
-    """Whether ``frame`` (the caller of ``get_output_embeddings``) is TRL's fused forward,
-    which reads the head's weight itself instead of calling the head."""
-    return _is_fused_code(frame.f_code, frame.f_globals)
+    """Whether ``frame`` (the caller of ``get_output_embeddings``) is TRL's fused forward or
+    another TRL loss that reads the head's weight itself instead of calling the head."""
+    if _is_fused_code(frame.f_code, frame.f_globals):
+        return True
+    return (frame.f_globals.get("__name__", ""), frame.f_code.co_name) in _READ_HEAD_WEIGHT
 
 
 class DeviceHead:

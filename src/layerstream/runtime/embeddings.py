@@ -46,6 +46,7 @@ from ..modules.discovery import unwrap_peft
 from ..system.log import get_logger
 from ..tiers.store import HostStore, LayerRecord, set_data
 from ..units import GiB
+from . import ends_in_place
 
 logger = get_logger(__name__)
 
@@ -363,6 +364,7 @@ class StreamedEnds:
         self.head_h2d_bytes = 0
         self.embedding_h2d_bytes = 0
         self.models: List[nn.Module] = []  # transformers models whose device this reports
+        self._hooks: List = []  # their forward pre-hooks (``watch_models``)
 
     @property
     def tied(self) -> bool:
@@ -514,7 +516,16 @@ class StreamedEnds:
             _make_plain(self.found.head, StreamedHead)
         for module in self.models:
             _make_plain(module, ComputeDevice)
-        self.models = []
+        for hook in self._hooks:
+            hook.remove()
+        self.models, self._hooks = [], []
+
+    def watch_models(self) -> None:
+        """At each forward of a transformers model in the tree (the backbone called alone
+        included, as TRL's losses call it), refuse code that goes around a streamed end
+        (``ends_in_place``): a few attribute reads per forward."""
+        outer = self.models[0]
+        self._hooks = [m.register_forward_pre_hook(lambda *_: ends_in_place.check(self, outer)) for m in self.models]
 
     def close(self) -> None:
         self.store.release()
@@ -542,6 +553,8 @@ def stream_embeddings(model: nn.Module, runtime) -> StreamedEnds:
     if found.head is not None:
         _swap(found.head, StreamedHead, ends)
     ends.models = _swap_device(model, ends)
+    if ends.models:
+        ends.watch_models()
     return ends
 
 
