@@ -145,9 +145,11 @@ def stream_model(model: nn.Module, config: Optional[StreamConfig] = None, **over
         # checked whole before any copy; the host must hold and may page-lock both stores
         from .runtime.embeddings import find_ends
 
-        ends_bytes = [w.numel() * w.element_size() for _, w in find_ends(model).weights()]
+        weights = [w for _, w in find_ends(model).weights()]
+        ends_bytes = [w.numel() * w.element_size() for w in weights]
+        from_gpu = bool(gpus) or any(w.device.type == "cuda" for w in weights)  # nothing on the host to free
         check_host_memory(
-            max(largest, *ends_bytes),
+            store_bytes + sum(ends_bytes) if from_gpu else max(largest, *ends_bytes),
             store_bytes + sum(ends_bytes),
             bool(config.pin),
             "streaming this model with its embedding and head",

@@ -579,3 +579,29 @@ def test_on_cuda_the_ends_stay_pinned_on_the_host_and_only_a_transient_head_reac
     assert torch.cuda.memory_allocated() < before + head_bytes // 2, "and not kept"
     streamed.zero_grad(set_to_none=True)
     assert_traces_equal(train_steps(streamed, STEPS, "cuda"), train_steps(resident, STEPS, "cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_a_model_already_on_the_gpu_streams_its_ends_from_the_host_as_resident(tied):
+    """A script that loads with device_map="auto" hands stream_model a model on the GPU:
+    the ends move into pinned host memory as the decoder layers do, their GPU memory goes
+    back, and training stays bit for bit the resident model's. The ends are cast to
+    float32 first, as PEFT's prepare_model_for_kbit_training leaves them. The vocabulary is
+    large enough that the ends outweigh the layers, the slots and the adapters together, so
+    the memory check fails while the ends' GPU copies are kept."""
+    streamed, resident = peft_pair("llama", layers=5, attn="eager", tie_word_embeddings=tied, vocab_size=65536)
+    for model in (streamed, resident):
+        for end in _ends(model):
+            end.weight.data = end.weight.data.float()
+        model.to("cuda")
+    embedding, head = _ends(streamed)
+    ends_bytes = ends_mod.host_bytes(streamed)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    stream(streamed, "cuda", slots=2, prefetch=1, stream_embeddings=True)
+    for weight in (embedding.weight, head.weight):
+        assert weight.device.type == "cpu" and weight.is_pinned()
+    assert torch.cuda.memory_allocated() <= before - ends_bytes, "the ends' GPU memory was not freed"
+    assert_traces_equal(train_steps(streamed, STEPS, "cuda"), train_steps(resident, STEPS, "cuda"))
+    assert layerstream.get_runtime(streamed).stats()["head_copies"] == 2 * STEPS

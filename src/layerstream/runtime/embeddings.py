@@ -182,10 +182,10 @@ def _check_weight(name: str, weight: torch.Tensor, chosen: bool) -> None:
         raise StreamingError(
             f"{name} is on the meta device (no weights loaded). Load real weights before stream_model."
         )
-    if weight.device.type != "cpu":
+    if weight.device.type not in ("cpu", "cuda"):
         raise StreamingError(
-            f"{name} is already on {weight.device}. stream_model takes a model in host memory: load "
-            "it on CPU, stream it, then call model.to('cuda') to place the resident part."
+            f"{name} is on {weight.device}; stream_embeddings copies the embedding and head into host "
+            "memory from the CPU or a CUDA GPU. Load the model on the CPU (or a CUDA GPU) first."
         )
     if not weight.dtype.is_floating_point or nf4.is_4bit_param(weight):
         raise StreamingError(
@@ -539,7 +539,9 @@ def _host_store(found: Ends, config) -> Tuple[List[LayerRecord], HostStore]:
         module = found.embedding if index == 0 else found.head
         records.append(HostStore.plan_layer(index, name.rsplit(".", 1)[0], module, lambda t, w=weight: t is w))
     store = HostStore(config.arena_bytes, pin=bool(config.pin))
-    store.build(records)
+    # weights on the GPU free no host memory as they are copied: the whole store is new
+    from_gpu = any(weight.device.type == "cuda" for _, weight in found.weights())
+    store.build(records, new_bytes=sum(r.nbytes for r in records) if from_gpu else None)
     return records, store
 
 
@@ -547,7 +549,16 @@ def stream_embeddings(model: nn.Module, runtime) -> StreamedEnds:
     """Move ``model``'s embedding and head weights into a host store of their own (pinned
     as the runtime's config says) and swap the modules' classes."""
     found = find_ends(model)
+    on_gpu = sorted({str(weight.device) for _, weight in found.weights() if weight.device.type == "cuda"})
     records, store = _host_store(found, runtime.config)
+    if on_gpu:  # their GPU copies are unreferenced now (the Parameters hold host memory)
+        torch.cuda.empty_cache()
+        logger.warning(
+            "layerstream: the embedding and head were on %s; their weights (%.2f GiB) moved into host "
+            "memory (stream_embeddings) and their GPU memory was freed.",
+            ", ".join(on_gpu),
+            store.host_bytes / GiB,
+        )
     ends = StreamedEnds(runtime, found, records, store)
     _swap(found.embedding, StreamedEmbedding, ends)
     if found.head is not None:
