@@ -21,6 +21,7 @@ computes the loss, the long-sequence settings) and what "auto" turned on.
     python benchmarks/long_context_client.py --cells 12:36864,16:61440 --work /tmp/lcc
     python benchmarks/long_context_client.py --client train --cells 12:36864 --baseline --work /tmp/lcc
     python benchmarks/long_context_client.py --client trainer --cells 12:36864 --baseline --work /tmp/lcc
+    python benchmarks/long_context_client.py --client trainer-ends --cap 12 --from-plan --baseline --work /tmp/lcc
     python benchmarks/long_context_client.py --cap 12 --lo 32768 --hi 49152 --granularity 2048 --work /tmp/lcc
     python benchmarks/long_context_client.py --cap 12 --from-plan --baseline --work /tmp/lcc  # from the plan
     python benchmarks/long_context_client.py --cells 12:36864 --baseline --rounds 2 --work /tmp/lcc \\
@@ -33,7 +34,9 @@ the long recipe ``configs/llama-3.1-8b-qlora-long-24gb.yaml`` as shipped, its mo
 length and steps set to the run's and ``stream.vram_budget=auto``, so the cap is its budget;
 baseline: TRL's plain script, the same SFTTrainer loss) or ``trainer`` (``long_trainer_script.py``,
 a plain QLoRA Trainer script with ``--layer_stream`` and no other layerstream flag; baseline:
-the script without it). Each client's rows are its own.
+the script without it) or ``trainer-ends`` (the same script with ``--layer_stream_embeddings``
+too: its float32 embedding and head, which ``prepare_model_for_kbit_training`` leaves, in host
+memory; the row's options say so). Each client's rows are its own.
 
 ``--cells CAP:N,...`` tries each length under its cap (GiB); ``--cap C --lo A --hi B`` bisects
 for the longest N (a multiple of ``--granularity``) that trains its steps without running out
@@ -77,6 +80,7 @@ sys.path.insert(0, str(HERE))
 
 from long_context_clients import (  # noqa: E402
     BASELINE_CLIENT,
+    CLIENT_OPTIONS,
     CLIENTS,
     LONG_SETTINGS,
     LORAS,
@@ -232,7 +236,7 @@ def rows_from(attempts: list) -> list:
             "step_s": step,
             "tokens_per_s": tokens / step,
             "baseline_step_s": base,
-            "options": recipe_options() if client == "train" else {},  # else at "auto": no flag
+            "options": recipe_options() if client == "train" else CLIENT_OPTIONS.get(client, {}),  # else "auto"
             "lora": LORAS[client],
             "batch": 1,
             "client": client_label(client),
@@ -255,7 +259,7 @@ def rows_from(attempts: list) -> list:
         if not base_runs:
             why = [f"{a['name']}: {a['verdict']}" for a in residents]
             row["baseline_note"] = "; ".join(why) if why else "no resident run at this length (--baseline)"
-        elif residents and at and BASELINE_CLIENT[client] == client:  # the same script and LoRA
+        elif residents and at and LORAS[BASELINE_CLIENT[client]] == LORAS[client]:  # the same script and LoRA
             pair = compare(("sft", "llama3-8b", "nf4", f"{cap:g}GiB"), base_runs, at[: len(base_runs)])
             row["losses_equal"], row["max_loss_difference"] = pair["losses_equal"], pair["max_loss_difference"]
         rows.append(row)
@@ -414,7 +418,8 @@ def parse(argv):
         choices=CLIENTS,
         default="sft",
         help="sft: TRL's sft.py behind layerstream run; train: layerstream train with the long recipe; "
-        "trainer: a plain Trainer script with --layer_stream",
+        "trainer: a plain Trainer script with --layer_stream; trainer-ends: the same with "
+        "--layer_stream_embeddings",
     )
     parser.add_argument("--cap", type=float, default=None, help="search mode: the cap in GiB")
     parser.add_argument("--lo", type=int, default=0, help="search: a length known to train (0: none)")

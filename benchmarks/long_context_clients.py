@@ -20,15 +20,20 @@ TRAINED, OOM = "trained", "out of memory"
 
 RECIPE = HERE.parent / "configs" / "llama-3.1-8b-qlora-long-24gb.yaml"  # `--client train`'s long recipe
 TRAINER_SCRIPT = HERE / "long_trainer_script.py"  # `--client trainer`'s plain Trainer script
-CLIENTS = ("sft", "train", "trainer")
+# trainer-ends: the Trainer script with --layer_stream_embeddings too (its float32 ends, from
+# prepare_model_for_kbit_training, are 4.2 GB of an 8B model's budget)
+CLIENTS = ("sft", "train", "trainer", "trainer-ends")
 # whose plain run is each client's baseline: TRL's script for the two that train through TRL's
 # SFTTrainer (the same loss), the Trainer script itself without --layer_stream
-BASELINE_CLIENT = {"sft": "sft", "train": "sft", "trainer": "trainer"}
+BASELINE_CLIENT = {"sft": "sft", "train": "sft", "trainer": "trainer", "trainer-ends": "trainer"}
 LORAS = {
     "sft": LORA,
     "train": "the recipe's: r=32 alpha=64 all-linear, dropout 0",
     "trainer": "r=32 alpha=16 all-linear, dropout 0.05",
+    "trainer-ends": "r=32 alpha=16 all-linear, dropout 0.05",
 }
+# the layerstream flags each client's streamed run adds beyond its one word (the row's options)
+CLIENT_OPTIONS = {"trainer-ends": {"stream_embeddings": "true"}}
 
 
 def recipe_options() -> dict:
@@ -51,6 +56,8 @@ def client_label(client: str = "sft") -> str:
         return f"layerstream train {RECIPE.name} (TRL {version('trl')} SFTTrainer), with the cap as vram_budget"
     if client == "trainer":
         return "Trainer script (BitsAndBytesConfig, device_map, PEFT) with --layer_stream"
+    if client == "trainer-ends":
+        return "Trainer script (BitsAndBytesConfig, device_map, PEFT) with --layer_stream --layer_stream_embeddings"
     return f"TRL {version('trl')} trl.scripts.sft, unchanged, behind layerstream run"
 
 
@@ -115,6 +122,7 @@ CLIENT_ADAPTERS = {
         adapter_dtype="float32", lora_dropout=True, autocast=True, trl_fused_head=False, residual_dtype="float32"
     ),
 }
+CLIENT_ADAPTERS["trainer-ends"] = dict(CLIENT_ADAPTERS["trainer"], stream_embeddings=True)
 
 
 def planned_longest(checkpoint: Path, client: str, cap_gib: float) -> int:
@@ -145,8 +153,8 @@ def client_command(ctx, client: str, tokens: int, out: Path, streamed: bool) -> 
     """The command of ``client`` at ``tokens``: streamed, or its plain baseline."""
     if client == "train" and streamed:
         return train_command(ctx, tokens, out)
-    if client == "trainer":
-        return trainer_command(ctx, tokens, out, streamed)
+    if client in ("trainer", "trainer-ends"):
+        return trainer_command(ctx, tokens, out, streamed, ends=client == "trainer-ends")
     return sft_command(ctx, tokens, out, streamed)
 
 
@@ -184,13 +192,16 @@ def run_flags(ctx, out: Path) -> list:
     return ["--output_dir", str(out), "--max_steps", steps] + EVERY_STEP_LOGGED_NOTHING_SAVED
 
 
-def trainer_command(ctx, tokens: int, out: Path, streamed: bool) -> list:
-    """The plain Trainer script, with ``--layer_stream`` (and no other layerstream flag) or without."""
+def trainer_command(ctx, tokens: int, out: Path, streamed: bool, ends: bool = False) -> list:
+    """The plain Trainer script, with ``--layer_stream`` (and no other layerstream flag but
+    ``--layer_stream_embeddings`` where ``ends``) or without."""
     args = [sys.executable, str(TRAINER_SCRIPT), "--model_name_or_path", str(ctx.checkpoint)]
     args += ["--dataset_file", str(ctx.data / "train.jsonl"), "--max_length", str(tokens)]
     args += run_flags(ctx, out)
     args += ["--per_device_train_batch_size", "1", "--gradient_checkpointing", "true"]
     args += ["--use_cpu", "true", "--bf16", "false"] if ctx.args.dry_run else ["--bf16", "true"]
+    if streamed and ends:
+        args += ["--layer_stream_embeddings", "true"]
     return args + (["--layer_stream", "true"] if streamed else [])
 
 

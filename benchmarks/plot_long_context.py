@@ -38,9 +38,11 @@ SERIES = {
     "sft": ("layerstream, TRL sft.py", "tab:red", "^"),
     "train": ("layerstream train, long recipe", "tab:purple", "v"),
     "trainer": ("layerstream, Trainer script", "tab:orange", "D"),
+    "trainer-ends": ("layerstream, Trainer script, streamed ends", "tab:brown", "s"),
 }
 # the start of each client's label in a row (long_context_client.client_label)
 _CLIENT_LABELS = {"harness": "harness", "TRL ": "sft", "layerstream train ": "train", "Trainer script": "trainer"}
+_ENDS_FLAG = "--layer_stream_embeddings"  # a Trainer script's row with it is a series of its own
 
 
 def size_of(row: dict) -> str:
@@ -49,10 +51,11 @@ def size_of(row: dict) -> str:
 
 def client_of(row: dict) -> str:
     """Which command a row measured: "harness" (the project's own loop), "sft" (TRL's script),
-    "train" (`layerstream train`) or "trainer" (a plain Trainer script)."""
+    "train" (`layerstream train`), "trainer" (a plain Trainer script) or "trainer-ends" (the
+    same with --layer_stream_embeddings)."""
     for start, kind in _CLIENT_LABELS.items():
         if row["client"].startswith(start):
-            return kind
+            return "trainer-ends" if kind == "trainer" and _ENDS_FLAG in row["client"] else kind
     raise ValueError(f"a row of an unknown client: {row['client']!r}")
 
 

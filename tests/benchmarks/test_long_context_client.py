@@ -19,7 +19,10 @@ STREAMED_START = {
     "sft": "layerstream run -m trl.scripts.sft ",
     "train": "layerstream train ",
     "trainer": "python ",
+    "trainer-ends": "python ",
 }
+# the one flag beyond --layer_stream that a client is defined by (its row's options say it)
+CLIENT_FLAG = {"trainer-ends": "--layer_stream_embeddings true"}
 LAYERSTREAM_FLAGS = ("--layer_stream_", "--offload", "--mlp", "--loss-chunk", "--slots", "stream.offload")
 
 
@@ -42,7 +45,11 @@ def test_the_streamed_run_is_the_users_command_with_no_layerstream_setting(dry_r
     assert streamed and plain and all(a["verdict"] == "trained" for a in attempts)
     for a in streamed:
         assert a["client"] == client and a["client_command"].startswith(STREAMED_START[client])
-        assert not any(flag in a["client_command"] for flag in LAYERSTREAM_FLAGS)
+        command = a["client_command"]
+        if client in CLIENT_FLAG:
+            assert CLIENT_FLAG[client] in command
+            command = command.replace(CLIENT_FLAG[client], "")
+        assert not any(flag in command for flag in LAYERSTREAM_FLAGS)
         assert any(line.startswith("layerstream: streaming decoder layers") for line in a["layerstream_lines"])
     for a in plain:  # the baseline streams nothing
         assert a["client"] == long_context_client.BASELINE_CLIENT[client]
@@ -58,6 +65,7 @@ def test_the_row_names_its_client_and_keeps_the_committed_rows(dry_run):
     assert plot_long_context.client_of(mine) == client
     assert mine["command"].startswith(f"python benchmarks/long_context_client.py --dry-run --client {client}")
     assert mine["max_tokens"] == 256 and mine["baseline_step_s"] > 0
+    assert mine["options"] == long_context_client.CLIENT_OPTIONS.get(client, mine["options"])
     if client == "train":  # its baseline is TRL's script with other LoRA settings: no loss comparison
         assert "losses_equal" not in mine and mine["options"] == long_context_client.recipe_options()
     else:  # the streamed script's losses are the plain script's on the CPU, where both repeat
@@ -86,12 +94,14 @@ def test_the_walk_from_the_plan_finds_the_longest_in_a_few_attempts(monkeypatch,
 
 def test_the_plan_the_walk_starts_from_is_the_clients_run():
     """For TRL's sft.py under 12 GiB the plan fits more than the 36,864 tokens measured to
-    train, and less for the plain Trainer script, whose float32 adapters keep more."""
+    train, and less for the plain Trainer script, whose float32 adapters keep more; with its
+    float32 embedding and head in host memory, the script fits more than without."""
     from long_context_clients import planned_longest
 
     shape = ROOT / "configs" / "shapes" / "llama-3.1-8b.json"
     sft, trainer = planned_longest(shape, "sft", 12), planned_longest(shape, "trainer", 12)
     assert 36864 < sft and trainer < sft
+    assert planned_longest(shape, "trainer-ends", 12) > trainer
 
 
 def test_a_row_pairs_runs_of_one_gpu_and_merging_keeps_both_cards(tmp_path):
