@@ -252,15 +252,15 @@ def test_a_model_without_trls_head_is_not_taken_for_one():
 BYTE_VOCAB = 260  # layerstream.data.byte_tokenizer's ids
 
 
-def _distill(student, out, rows) -> list:
+def _distill(student, out, rows, device="cpu") -> list:
     from trl import DistillationConfig, DistillationTrainer
 
-    teacher = tiny_model("llama", layers=2, seed=9, vocab_size=BYTE_VOCAB).requires_grad_(False)
+    teacher = tiny_model("llama", layers=2, seed=9, vocab_size=BYTE_VOCAB).requires_grad_(False).to(device)
     tokenizer = embedded.byte_tokenizer()
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     args = DistillationConfig(
         output_dir=str(out),
-        use_cpu=True,
+        use_cpu=device == "cpu",
         report_to=[],
         max_steps=2,
         logging_steps=1,
@@ -308,3 +308,25 @@ def test_trls_distillation_loss_computes_with_the_fetched_head_copy(tmp_path, mo
     assert seen and got == plain and len(plain) == 2
     handed_host = any(ptr == host.data_ptr() for ptr in seen)
     assert handed_host is not recognised, "the kernel got the host weight" if recognised else "control"
+
+
+@pytest.mark.gpu
+def test_on_cuda_trls_distillation_loss_runs_on_the_gpu_with_the_streamed_head(tmp_path, monkeypatch):
+    import trl.trainer.distillation_trainer as distillation
+
+    seen, kernel = [], distillation._chunked_divergence_loss
+
+    def spy(student_hidden, teacher_hidden, student_weight, *args, **kwargs):
+        seen.append((student_hidden.device.type, student_weight.device.type))
+        return kernel(student_hidden, teacher_hidden, student_weight, *args, **kwargs)
+
+    monkeypatch.setattr(distillation, "_chunked_divergence_loss", spy)
+    rows = [{"prompt": "Q: hi\nA:", "completion": " yes" + "!" * i} for i in range(8)]
+    streamed, resident = peft_pair("llama", layers=3, vocab_size=BYTE_VOCAB)
+    plain = _distill(resident.to("cuda"), tmp_path / "plain", rows, device="cuda")
+    stream(streamed, device="cuda", stream_embeddings=True)
+    seen.clear()
+    got = _distill(streamed, tmp_path / "streamed", rows, device="cuda")
+    assert streamed.get_base_model().lm_head.weight.device.type == "cpu", "the head streams"
+    assert seen and all(call == ("cuda", "cuda") for call in seen), f"TRL's distillation loss ran on {seen}"
+    assert len(plain) == 2 and got == plain
