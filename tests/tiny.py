@@ -230,6 +230,7 @@ def stream(model, device="cpu", **config):
     config.setdefault("offload_activations", False)
     config.setdefault("loss_chunk_tokens", None)
     config.setdefault("mlp_tile_tokens", None)
+    config.setdefault("stream_embeddings", False)  # "auto" streams them under a small budget
     layerstream.stream_model(model, device=device, **config)
     return model.to(device)
 

@@ -141,7 +141,7 @@ def stream_model(model: nn.Module, config: Optional[StreamConfig] = None, **over
     config = _automatic_slots(config, largest)
     _check_slots_fit_budget(config, largest)
     store_bytes = sum(r.nbytes for r in records)
-    if config.stream_embeddings:
+    if config.stream_embeddings is True:
         # checked whole before any copy; the host must hold and may page-lock both stores
         from .runtime.embeddings import find_ends
 

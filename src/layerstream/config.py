@@ -215,7 +215,16 @@ class StreamConfig:
             "layer streams"
         ),
     )
-    stream_embeddings: bool = _setting(False, FLAG, ("keep the input embedding and output head in host memory too"))
+    stream_embeddings: Union[bool, str] = _setting(
+        "auto",
+        SWITCH,
+        (
+            "keep the input embedding and output head in host memory too, copied in as they run. auto: only "
+            "where a training step's memory plan still needs more than "
+            f"{100 - round(100 * OFFLOAD_AUTO_MARGIN)}% of vram_budget with the long-sequence settings on; "
+            "they then move to host memory at that step and stay there"
+        ),
+    )
     backward_slots: Union[int, str] = _setting(
         "auto",
         COUNT,
@@ -285,8 +294,8 @@ class StreamConfig:
     def __post_init__(self) -> None:
         if self.share_host_store not in (True, False, "auto"):
             raise StreamConfigError(f"share_host_store must be True, False or 'auto', got {self.share_host_store!r}")
-        if not isinstance(self.stream_embeddings, bool):
-            raise StreamConfigError(f"stream_embeddings must be True or False, got {self.stream_embeddings!r}")
+        if self.stream_embeddings not in (True, False, "auto"):
+            raise StreamConfigError(f"stream_embeddings must be True, False or 'auto', got {self.stream_embeddings!r}")
         self.vram_budget = _budget(self.vram_budget)
         self.loss_chunk_tokens = _tokens_setting("loss_chunk_tokens", self.loss_chunk_tokens)
         self.mlp_tile_tokens = _tokens_setting("mlp_tile_tokens", self.mlp_tile_tokens)

@@ -118,7 +118,7 @@ def _check_host_memory(config, quantization, dtype, stream: StreamConfig, double
         unquantised = max(plan.layer_bytes(config, "none", dtype))
         resident = plan.resident_bytes(config, dtype)
         # streamed embedding and head: a store of their own, page-locked with the layers'
-        ends = plan.embedding_bytes(config, dtype) if stream.stream_embeddings else 0
+        ends = plan.embedding_bytes(config, dtype) if stream.stream_embeddings is True else 0
     except (ValueError, AttributeError, TypeError):
         return None  # a layout the planner cannot size: loading reports its own problems
     if tiers is not None:
@@ -388,7 +388,7 @@ def from_pretrained(
         # embedding stays the checkpoint's (transformers warns), one it lacks is tied
         model.tie_weights(missing_keys=set(missing), recompute_mapping=False)
         missing = [m for m in missing if not m.endswith("lm_head.weight")]
-    if config_stream.stream_embeddings:  # refused now rather than after every layer is read
+    if config_stream.stream_embeddings is True:  # refused now rather than after every layer is read
         from .runtime.embeddings import find_ends
 
         find_ends(model)

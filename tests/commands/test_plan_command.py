@@ -117,9 +117,13 @@ def test_a_runs_settings_are_planned_as_the_run_takes_them():
     shape = dict(config=config_of(LLAMA3_8B), seq=8192, batch=1)
     request = request_for(settings_of(StreamConfig(device="cpu")), 16 * GiB, **shape)
     assert (request.slots, request.backward_slots, request.loss_chunk_tokens) == ("auto", 0, "auto")
+    assert request.stream_embeddings == "auto"
     plan = make_plan(request)
     assert plan.fits and plan.slots_auto and plan.backward_slots == 0 and plan.loss_chunk_tokens == 512
-    assert not make_plan(request.replace(loss_chunk_tokens=None, slots=3)).fits, "auto made it fit"
+    assert not plan.stream_embeddings, "the loss chunk sufficed: the ends stay"
+    unchunked = request.replace(loss_chunk_tokens=None, slots=3)
+    assert not make_plan(unchunked.replace(stream_embeddings=False)).fits, "auto made it fit"
+    assert make_plan(unchunked).stream_embeddings, "without the chunk, auto streams the ends"
     given = StreamConfig(device="cpu", slots=4, backward_slots=2, loss_chunk_tokens=0, offload_activations=True)
     request = request_for(settings_of(given), 16 * GiB, **shape)
     assert (request.slots, request.backward_slots, request.loss_chunk_tokens) == (4, 2, None)
@@ -206,7 +210,7 @@ def test_cli_plan_does_not_fit(tmp_path, capsys):
     write_config(tmp_path, LLAMA3_8B)
     argv = ["plan", "--model", str(tmp_path), "--vram-budget", "16GiB", "--seq", "8192", "--slots", "2"]
     off = ["--offload-activations", "false", "--loss-chunk-tokens", "none", "--mlp-tile-tokens", "none"]
-    code = cli.main(argv + off + ["--bandwidth", "7"])
+    code = cli.main(argv + off + ["--stream-embeddings", "false", "--bandwidth", "7"])
     out = capsys.readouterr().out
     assert code == 1
     assert "DOES NOT FIT, short by 2.14 GiB" in out
@@ -343,8 +347,9 @@ def test_a_request_the_command_cannot_spell_is_refused_not_planned_otherwise(tmp
     from layerstream.plan.request import PlanRequest, plan_flags
 
     write_config(tmp_path, LLAMA3_8B)
-    request = PlanRequest(load_config(tmp_path), 2048, 1, 16 * GiB, "nf4")
+    request = PlanRequest(load_config(tmp_path), 2048, 1, 16 * GiB, "nf4", stream_embeddings="auto")
     assert plan_flags(request) == ["--quantization", "nf4"]
+    assert plan_flags(request.replace(stream_embeddings=False))[-2:] == ["--stream-embeddings", "false"]
     for changes, named in (
         (dict(lora_targets="none", lora_parameters="mlp.experts.gate_up_proj"), "adapted Parameters"),
         (dict(lora_rank_pattern=((".*q_proj", 8),)), "rank pattern"),

@@ -99,8 +99,8 @@ def test_overrides_need_a_section_and_a_key(tmp_path):
 
 
 def test_a_run_that_does_not_fit_says_what_to_change_in_config_terms(tmp_path):
-    """A 32-layer 4096-wide model at 4 x 4096 tokens in 6 GiB: the planner's advice comes
-    back naming the YAML keys to change."""
+    """A 32-layer 4096-wide model at 4 x 4096 tokens in 6 GiB, its ends kept on the GPU: the
+    planner's advice comes back naming the YAML keys to change."""
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(
@@ -119,7 +119,7 @@ def test_a_run_that_does_not_fit_says_what_to_change_in_config_terms(tmp_path):
     path = _write(
         tmp_path,
         f"model: {{name: {model}, dtype: bfloat16}}\n"
-        "stream: {device: cpu, vram_budget: 6GiB, slots: 3}\n"
+        "stream: {device: cpu, vram_budget: 6GiB, slots: 3, stream_embeddings: false}\n"
         "training: {max_length: 4096, per_device_train_batch_size: 4}\n",
     )
     with pytest.raises(TrainConfigError) as error:

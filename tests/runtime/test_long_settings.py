@@ -137,6 +137,7 @@ def _needed(model, seq, **settings):
 
 
 def _stream(model, budget, **settings):
+    settings.setdefault("stream_embeddings", False)  # the three alone; the ends' "auto": test_ends_on_demand
     layerstream.stream_model(model, device="cpu", slots=2, prefetch=1, vram_budget=budget, **settings)
     return layerstream.get_runtime(model)
 

@@ -384,7 +384,12 @@ def test_summary_says_the_embedding_and_head_stream():
     assert "resident     final norm, and every trainable tensor" in summary
     plain, _ = peft_pair("llama", layers=3)
     stream(plain, "cpu")
-    assert "embeddings   resident (stream_embeddings=False)" in layerstream.get_runtime(plain).summary()
+    assert "embeddings   resident (stream_embeddings=auto: to host memory at a step the long-sequence" in (
+        layerstream.get_runtime(plain).summary()
+    )
+    kept, _ = peft_pair("llama", layers=3)
+    stream(kept, "cpu", stream_embeddings=False)
+    assert "embeddings   resident (stream_embeddings=False)" in layerstream.get_runtime(kept).summary()
 
 
 # -- refusals -------------------------------------------------------------------------------
@@ -450,9 +455,10 @@ def test_an_embedding_with_max_norm_is_refused():
         layerstream.stream_model(model, device="cpu", stream_embeddings=True)
 
 
-def test_stream_embeddings_must_be_a_bool():
-    with pytest.raises(layerstream.StreamConfigError, match="stream_embeddings must be True or False"):
+def test_stream_embeddings_must_be_true_false_or_auto():
+    with pytest.raises(layerstream.StreamConfigError, match="stream_embeddings must be True, False or 'auto'"):
         layerstream.StreamConfig(device="cpu", stream_embeddings="yes")
+    assert layerstream.StreamConfig(device="cpu").stream_embeddings == "auto"
 
 
 # -- configuration paths --------------------------------------------------------------------
@@ -469,7 +475,7 @@ def test_yaml_launcher_and_trainer_flags_accept_stream_embeddings(tmp_path, monk
         ["stream.stream_embeddings=true", "stream.device=cpu", f"training.output_dir={tmp_path / 'never'}"],
     )
     assert stream_config(config).stream_embeddings is True
-    with pytest.raises(TrainConfigError, match="stream.stream_embeddings must be true or false"):
+    with pytest.raises(TrainConfigError, match="stream.stream_embeddings must be true, false or auto"):
         load(str(default), ["stream.stream_embeddings=maybe", "stream.device=cpu"])
     (streaming,) = HfArgumentParser((layerstream.StreamingArguments,)).parse_args_into_dataclasses(
         ["--layer_stream_embeddings", "--layer_stream_device", "cpu", "--layer_stream_slots", "2"]

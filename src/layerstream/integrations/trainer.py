@@ -49,7 +49,7 @@ from ..config import (
 from ..errors import StreamingError
 from ..long import chunked_loss, trl_head
 from ..modules.layer import registrations
-from ..plan.long_settings import LONG_ORDER, setting_text
+from ..plan.long_settings import AUTO_ORDER, setting_text
 from ..runtime import report, timeline
 from ..runtime.meter import wanted_bytes
 from ..system.log import get_logger
@@ -122,7 +122,7 @@ class _LogWindow:
         self.decisions_logged = len(said)
         batch, seq, decision = said[-1]
         figures = {"auto_long_tokens": batch * seq}
-        for name in LONG_ORDER:
+        for name in AUTO_ORDER:  # stream_embeddings: 1 where this decision moved the ends
             value = decision.value(name)
             figures[name] = int(value or 0)
         figures["auto_long_plan_without_gib"] = round(decision.needed_without / GiB, 3)
@@ -502,11 +502,14 @@ def _streaming_arguments_class():
         )
     ]
     for setting in settings():
+        metadata = {"help": argparse_help(setting)}
+        if setting.metadata["kind"] == SWITCH:  # the flag alone: true, as on `layerstream run`
+            metadata.update(nargs="?", const="true")
         fields.append(
             (
                 argument_name(setting.name),
                 _ARGUMENT_TYPES[setting.metadata["kind"]],
-                dataclasses.field(default=setting_default_text(setting), metadata={"help": argparse_help(setting)}),
+                dataclasses.field(default=setting_default_text(setting), metadata=metadata),
             )
         )
 

@@ -274,6 +274,17 @@ class _Capture:
         self.head, self.hidden = head, None
 
 
+@contextlib.contextmanager
+def not_capturing():
+    """A head call inside the chunked forward that is not the model's own (a check that
+    runs the head's forward on a placeholder) computes as it would outside it."""
+    token = _capturing.set(None)
+    try:
+        yield
+    finally:
+        _capturing.reset(token)
+
+
 class CapturingHead:
     """Mixed in front of the head's class: while the chunked forward runs the model, the
     head hands back its input instead of logits (an empty placeholder goes on)."""

@@ -9,6 +9,13 @@ needs no more than that, and then any one that those turned on after it made unn
 turned off again (the costlier first). Where even all of them leave the plan over, every
 one that frees memory stays on.
 
+``stream_embeddings`` left at "auto" (the default) is the last resort, after the three
+(``AUTO_ORDER``): where they leave the plan over the limit, the embedding and head move
+to host memory, copied in as they run, and stay there for the rest of the run, whatever
+later steps need (moving them back would cost as much again, for nothing the plan lacks).
+It frees the ends' bytes (4 GiB for an 8B Llama-3 in float32, as PEFT's k-bit preparation
+leaves them) and costs their copies each step: the head twice, the embedding's rows once.
+
 ``LONG_ORDER`` is cheapest first for the memory each frees; what each frees at the step's
 length comes from the plan (``LongDecision.frees``), what each costs is per step:
 
@@ -42,6 +49,10 @@ from .shapes import layer_shapes
 LONG_ORDER = ("loss_chunk_tokens", "mlp_tile_tokens", "offload_activations")
 # each setting as it is when off, in a PlanRequest and StreamConfig alike
 OFF = {"loss_chunk_tokens": None, "mlp_tile_tokens": None, "offload_activations": False}
+# what "auto" may turn on for a step, in order: the per-step settings, then the ends, which
+# once streamed stay streamed
+ENDS = "stream_embeddings"
+AUTO_ORDER = LONG_ORDER + (ENDS,)
 
 
 @dataclass(frozen=True)
@@ -96,7 +107,7 @@ def decide(
     ``needed(on)`` is the plan's peak plus reserve with the settings in ``on`` turned on and
     the other candidates off; it is asked at most eight times, each set once."""
     limit = limit_for(budget, margin)
-    order = [name for name in LONG_ORDER if name in candidates]
+    order = [name for name in AUTO_ORDER if name in candidates]
     plans: Dict[frozenset, int] = {}
 
     def need(names: List[str]) -> int:
@@ -131,17 +142,22 @@ def decide(
 # -- from a plan request -------------------------------------------------------------------
 def auto_values(request: PlanRequest) -> Dict[str, object]:
     """The value each setting left at "auto" in ``request`` takes when turned on: offloading
-    on, the loss chunk sized to the vocabulary, the default MLP tile."""
-    return {
+    and streamed ends on, the loss chunk sized to the vocabulary, the default MLP tile."""
+    values = {
         name: option_value(name, request.replace(**{name: OFF[name]}))
         for name in LONG_ORDER
         if getattr(request, name) == AUTO
     }
+    if request.stream_embeddings == AUTO:
+        values[ENDS] = True
+    return values
 
 
 def as_planned(request: PlanRequest, on: Optional[Dict[str, object]] = None) -> PlanRequest:
     """``request`` as a plan is built of it: each setting left at "auto" off, but those in ``on``."""
     off = {name: OFF[name] for name in LONG_ORDER if getattr(request, name) == AUTO}
+    if request.stream_embeddings == AUTO:
+        off[ENDS] = False
     return request.replace(**{**off, **(on or {})})
 
 
@@ -163,7 +179,7 @@ def resolve_auto(request: PlanRequest) -> PlanRequest:
     search): as a run decides them for this step under ``vram_bytes`` (``decide_for``), the
     others off. slots and backward_slots at "auto" are counted with the memory the plan
     leaves them (``memory._build``: ``config.auto_slots``, ``backward_slot_count``)."""
-    if AUTO not in (getattr(request, name) for name in LONG_ORDER):
+    if AUTO not in (getattr(request, name) for name in AUTO_ORDER):
         return request
     request = _without_what_the_model_refuses(request)
     return as_planned(request, dict(decide_for(request, request.vram_bytes).on))
@@ -216,7 +232,10 @@ def describe(decision: LongDecision, batch: int, seq: int, offloaded: bool = Tru
         if offloaded or name != "offload_activations"
     ]
     turned = [
-        f"{name}='auto' is on" + (f" at {value} tokens" if value is not True else "") + f" (frees {size_text(frees)})"
+        f"{name}='auto' is on"
+        + (f" at {value} tokens" if value is not True else "")
+        + f" (frees {size_text(frees)})"
+        + (": the embedding and head stay in host memory from this step on" if name == ENDS else "")
         for name, value, frees in kept
     ]
     needed = decision.needed if offloaded else decision.needed_without_offload

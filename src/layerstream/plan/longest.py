@@ -20,7 +20,14 @@ MAX_SEQ_LIMIT = 1 << 24
 
 
 def _without(request: PlanRequest) -> PlanRequest:
-    return request.replace(offload_activations=False, loss_chunk_tokens=None, mlp_tile_tokens=None)
+    """``request`` with none of the long-sequence settings, and ends resident unless asked
+    to stream (True; "auto" streams them only as a last resort, its own row)."""
+    return request.replace(
+        offload_activations=False,
+        loss_chunk_tokens=None,
+        mlp_tile_tokens=None,
+        stream_embeddings=request.stream_embeddings is True,
+    )
 
 
 def option_label(name: str, value) -> str:
@@ -39,7 +46,7 @@ def option_rows(request: PlanRequest) -> List[Tuple[str, PlanRequest]]:
         rows.append((option_label(name, value), base.replace(**{name: value})))
     every = base.replace(**{name: option_value(name, request) for name in names})
     rows.append(("all three" if len(names) == 3 else "both", every))
-    if not request.stream_embeddings:
+    if request.stream_embeddings is not True:
         rows.append((f"{rows[-1][0]}, stream_embeddings", every.replace(stream_embeddings=True)))
     return rows
 

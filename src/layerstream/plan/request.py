@@ -55,7 +55,8 @@ class PlanRequest:
     double_quant: NF4 with double quantisation (bnb_4bit_use_double_quant).
     arena_bytes: StreamConfig.arena_bytes (host RAM of layerstream.from_pretrained).
     stream_embeddings: StreamConfig.stream_embeddings: the input embedding and head stay
-        in host memory; the loss phase holds one transient copy of the head weight.
+        in host memory; the loss phase holds one transient copy of the head weight. "auto":
+        only where the long-sequence settings leave the step over (``plan.long_settings``).
     backward_slots: StreamConfig.backward_slots; "auto": as many as the loss phase's memory
         holds (``backward_slot_count``), what the runtime's "auto" takes where it takes any
         (CUDA, expandable segments, no vram_budget; ``request_for`` plans a run's "auto").
@@ -99,7 +100,7 @@ class PlanRequest:
     reserve_bytes: int = DEFAULT_RESERVE_BYTES
     double_quant: bool = True
     arena_bytes: int = DEFAULT_ARENA_BYTES
-    stream_embeddings: bool = False
+    stream_embeddings: Union[bool, str] = False
     backward_slots: Union[int, str] = 0
     offload_activations: Union[bool, str] = False
     loss_chunk_tokens: Union[int, str, None] = None
@@ -130,8 +131,8 @@ def request_for(settings: Mapping[str, Any], budget: int, **fields) -> PlanReque
     under a vram_budget of ``budget`` bytes; ``fields`` are the request's other fields. How
     a run's "auto" is planned:
 
-    - slots, offload_activations, loss_chunk_tokens, mlp_tile_tokens: kept "auto", which
-      ``make_plan`` resolves as the run does;
+    - slots, offload_activations, loss_chunk_tokens, mlp_tile_tokens, stream_embeddings:
+      kept "auto", which ``make_plan`` resolves as the run does;
     - backward_slots: under a vram_budget the runtime's "auto" takes none (it leaves the
       budget to the resident window, ``runtime.backward_slots``), so 0.
     A loss chunk or MLP tile of 0 is off, as StreamConfig takes it."""
@@ -185,6 +186,6 @@ def plan_flags(request: PlanRequest, dropout: float = 0.05) -> list:
         flags.append("--autocast")
     if request.trl_fused_head:
         flags.append("--trl-fused-head")
-    if request.stream_embeddings:
-        flags.append("--stream-embeddings")
+    if request.stream_embeddings != AUTO:  # the command's default
+        flags += ["--stream-embeddings", str(bool(request.stream_embeddings)).lower()]
     return flags

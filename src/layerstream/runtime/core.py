@@ -37,6 +37,7 @@ from . import meter, passes, report, timeline
 from .backward_slots import BackwardSlots
 from .budget_check import BudgetCheck
 from .disk_changes import DiskChanges
+from .ends_on_demand import EndsOnDemand
 from .experts import ExpertsByNeed
 from .long_settings import LongSettingsPolicy
 from .offload_policy import OffloadPolicy
@@ -101,12 +102,12 @@ class StreamRuntime:
         self._packed_projections = packed_experts.projection_names(model)  # MXFP4 stacks' Parameter names
         self.pass_offloader = None  # the offloader of the training pass under way, or None
         self.pass_tiles = None  # the MLP tiles by length the training pass under way began with
-        self.embeddings = None
-        if config.stream_embeddings:
+        self.embeddings = None  # embeddings.StreamedEnds once the embedding and head stream
+        if config.stream_embeddings is True:
             from .embeddings import stream_embeddings
 
             self.embeddings = stream_embeddings(model, self)
-        self.long_settings = LongSettingsPolicy(model, config, self.offload_policy, self.embeddings is not None)
+        self.long_settings = LongSettingsPolicy(model, config, self.offload_policy, EndsOnDemand(self))
         if self._checker is not None:
             logger.warning("layerstream: debug checksums on (checksum=True, LAYERSTREAM_CHECKSUM=1): every copy waits")
 

@@ -39,7 +39,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from ..errors import StreamingError
-from ..long import trl_head
+from ..long import chunked_loss, trl_head
 from ..modules import nf4, swap
 from ..modules.aliases import storage_owners
 from ..modules.discovery import unwrap_peft
@@ -205,7 +205,7 @@ def _probe(module: nn.Module, replacement: type, dummy: torch.Tensor, name: str,
     _swap(module, replacement, _Probe())
     reached, problem = False, ""
     try:
-        with torch.no_grad():
+        with torch.no_grad(), chunked_loss.not_capturing():  # the chunked loss may be computing now
             module.forward(dummy)
     except _Reached:
         reached = True

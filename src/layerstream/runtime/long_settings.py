@@ -11,7 +11,10 @@ decision. Applying a decision adds no work per layer visit:
 - the tiled MLP is mixed into the MLPs' class once a step first needs it; each MLP looks
   its tile up by its input's token count, so a step's recompute runs as its forward did
   even when a step of another length ran in between;
-- offloading is ``OffloadPolicy``'s, asked once per training pass with this decision.
+- offloading is ``OffloadPolicy``'s, asked once per training pass with this decision;
+- stream_embeddings left at "auto" is the last resort (``plan.long_settings``): a decision
+  that turns it on has ``EndsOnDemand`` move the ends to host memory before the step's
+  head runs, for good; later steps are planned with them streamed.
 
 What was turned on, and why, is said once per set of settings turned on (padded batches
 bring a new length at nearly every step): in the log at the step's start, and in the
@@ -30,9 +33,20 @@ from ..errors import StreamingError
 from ..long import chunked_loss, tiled_mlp
 from ..long.tiles import TilesByLength
 from ..modules.discovery import unwrap_peft
-from ..plan.long_settings import AUTO, LONG_ORDER, NOTHING, OFF, LongDecision, decide_for, describe, setting_text
+from ..plan.long_settings import (
+    AUTO,
+    ENDS,
+    LONG_ORDER,
+    NOTHING,
+    OFF,
+    LongDecision,
+    decide_for,
+    describe,
+    setting_text,
+)
 from ..plan.model import model_plan_request
 from ..system.log import get_logger
+from .ends_on_demand import EndsOnDemand
 from .offload_policy import OffloadPolicy
 
 logger = get_logger("layerstream.runtime.core")
@@ -62,14 +76,15 @@ class LongSettingsPolicy:
 
     Collaborators, passed in: the model, the runtime's config (the runtime hands a new one
     whenever it replaces it), its ``OffloadPolicy`` (whether an offloader is there for "auto"
-    to turn on) and whether the embeddings stream (the plan counts them).
+    to turn on) and its ``EndsOnDemand`` (whether the embeddings stream, which the plan
+    counts, or may be made to).
     """
 
-    def __init__(self, model: torch.nn.Module, config: StreamConfig, offload: OffloadPolicy, embeddings_streamed: bool):
+    def __init__(self, model: torch.nn.Module, config: StreamConfig, offload: OffloadPolicy, ends: EndsOnDemand):
         self.model = model
         self.config = config
         self.offload = offload
-        self.embeddings_streamed = embeddings_streamed
+        self.ends = ends
         # what the settings left at "auto" have decided and said
         self._decided: Dict[int, LongDecision] = {}  # tokens -> decision with some on
         self._plain_up_to = 0  # the most tokens decided to need none: fewer are not planned
@@ -145,6 +160,10 @@ class LongSettingsPolicy:
         """Around a recompute: the MLPs and norms tile as its forward did (``tiles_of_pass``)."""
         return self._tiles.replaying(tiles)
 
+    @property
+    def embeddings_streamed(self) -> bool:
+        return self.ends.runtime.embeddings is not None
+
     # -- deciding ---------------------------------------------------------------------------
     def decision(self, tokens: int) -> LongDecision:
         """What the settings left at "auto" are for a step of ``tokens`` tokens."""
@@ -154,6 +173,8 @@ class LongSettingsPolicy:
         if decision is not None:
             return decision
         decision = self._decide(tokens)
+        if ENDS in decision.names and not self.ends.stream():
+            decision = self._decide(tokens)  # planned with the ends where they stay
         if not decision.on:
             self._plain_up_to = tokens
             return decision
@@ -179,6 +200,8 @@ class LongSettingsPolicy:
         for name in LONG_ORDER:
             value = getattr(config, name)
             values[name] = OFF[name] if value == AUTO and not possible[name] else value
+        ends_auto = config.stream_embeddings == AUTO and self.ends.possible()
+        values[ENDS] = AUTO if ends_auto else self.embeddings_streamed
         return values
 
     def _decide(self, tokens: int) -> LongDecision:
@@ -275,7 +298,7 @@ class LongSettingsPolicy:
             batch,
             vram_bytes,
             slots=self.config.slots,
-            stream_embeddings=self.embeddings_streamed,
+            stream_embeddings=settings.pop(ENDS, self.embeddings_streamed),
             backward_slots=backward_slots,
             autocast=self.autocast if self.autocast is not None else _autocast_now(),
             **settings,

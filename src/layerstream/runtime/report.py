@@ -139,8 +139,13 @@ def summary(runtime) -> str:
             "  resident     final norm, and every trainable tensor",
         ]
     else:
+        why = (
+            "stream_embeddings=auto: to host memory at a step the long-sequence settings leave over the plan's limit"
+            if runtime.config.stream_embeddings == "auto"
+            else "stream_embeddings=False"
+        )
         lines += [
-            "  embeddings   resident (stream_embeddings=False)",
+            f"  embeddings   resident ({why})",
             "  resident     embeddings, final norm, head, and every trainable tensor",
         ]
     lines.append(f"  loss         {_loss_line(runtime)}")
@@ -209,8 +214,11 @@ def _plan_flags(runtime) -> str:
     from ..plan.request import plan_flags
 
     dropouts = (p for p in map(dropout_probability, runtime.model.modules()) if p > 0)
+    request = runtime.long_settings.plan_request(1, 1)
+    if not request.stream_embeddings and runtime.config.stream_embeddings == "auto":
+        request = request.replace(stream_embeddings="auto")  # as the run decides it
     try:  # adapters the planner cannot describe, or the command cannot spell: no flags
-        flags = plan_flags(runtime.long_settings.plan_request(1, 1), next(dropouts, 0.05))
+        flags = plan_flags(request, next(dropouts, 0.05))
     except ValueError:
         return ""
     return "".join(f" {flag}" for flag in flags)

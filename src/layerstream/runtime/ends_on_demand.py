@@ -1,0 +1,77 @@
+"""stream_embeddings="auto": the embedding and head move to host memory at the first
+training step whose memory plan needs it, and stay there.
+
+``EndsOnDemand`` is a component of ``StreamRuntime``. ``LongSettingsPolicy`` asks it whether
+the ends may stream (``possible``) as it plans a step with "auto" settings, and has it move
+them (``stream``) when its decision turns ``stream_embeddings`` on, before the step's head
+runs. Moving them is what ``stream_model(stream_embeddings=True)`` does at stream time
+(``embeddings.stream_embeddings``), later: the weights are copied into a host store of their
+own (from the GPU too, whose memory goes back), the modules' classes are swapped, and from
+then on each forward copies them in. The arithmetic is the same before and after: the
+streamed embedding and head run the resident kernels on a device copy of the same values,
+so every step equals the resident model's.
+
+Where the ends cannot stream (a trainable end, a module the streamed code cannot step into,
+too little host memory), "auto" leaves them where they are, says why once, and plans the
+step without them.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from ..errors import HostMemoryError, StreamingError
+from ..system.log import get_logger
+from ..tiers.store import check_host_memory
+
+logger = get_logger("layerstream.runtime.core")
+
+
+class EndsOnDemand:
+    """Whether and when the ends of ``runtime``'s model stream under stream_embeddings="auto"."""
+
+    def __init__(self, runtime):
+        self.runtime = runtime
+        self.refused: Optional[str] = None  # why they cannot stream, once found out
+
+    def possible(self) -> bool:
+        """Whether a step's plan may count on streaming the ends: not yet streamed and not
+        found unable to (a cheap check: the full one runs when they are to move)."""
+        return self.runtime.embeddings is None and self.refused is None
+
+    def stream(self) -> bool:
+        """Move the ends to host memory now; False, said once, where they cannot go."""
+        from .embeddings import find_ends, stream_embeddings
+
+        runtime = self.runtime
+        try:
+            found = find_ends(runtime.model)
+            trained = [name for name, weight in found.weights() if weight.requires_grad]
+            if trained:
+                raise StreamingError(f"{trained[0]} trains, and a streamed end stays frozen in host memory")
+            weights = [weight for _, weight in found.weights()]
+            ends_bytes = sum(weight.numel() * weight.element_size() for weight in weights)
+            on_host = all(weight.device.type == "cpu" for weight in weights)
+            check_host_memory(
+                # the largest end at a time where they are on the host already, all of them from a GPU
+                max(weight.numel() * weight.element_size() for weight in weights) if on_host else ends_bytes,
+                runtime.store.host_bytes + ends_bytes,
+                bool(runtime.config.pin),
+                "moving the embedding and head to host memory (stream_embeddings='auto')",
+            )
+            runtime.embeddings = stream_embeddings(runtime.model, runtime)
+        except (StreamingError, HostMemoryError) as exc:
+            self.refused = str(exc)
+            logger.warning(
+                "layerstream: stream_embeddings='auto' would move the embedding and head to host memory for "
+                "this step's memory, but they stay where they are: %s. The step is planned without it.",
+                exc,
+            )
+            return False
+        logger.warning(
+            "layerstream: stream_embeddings='auto' moved the embedding and head to host memory (%.2f GiB), "
+            "for the rest of the run: the long-sequence settings alone left this step over the memory plan's "
+            "limit. Each step now copies them in (stream_embeddings=False keeps them on the GPU).",
+            runtime.embeddings.host_bytes / 2**30,
+        )
+        return True

@@ -1,0 +1,173 @@
+"""stream_embeddings left at "auto" (the default): the last resort after the three
+long-sequence settings. Where they leave a step's plan over the limit, the embedding and
+head move to host memory at that step and stay there; training equals the resident model
+bit for bit across the move (non-zero LoRA B, more layers than slots, with a negative
+control); ends that cannot stream stay, said once; every surface takes the setting."""
+
+import argparse
+import logging
+
+import pytest
+import torch
+from transformers import HfArgumentParser
+
+import layerstream
+from layerstream.commands import flags
+from layerstream.config import OFFLOAD_AUTO_MARGIN, StreamConfig
+from layerstream.long import chunked_loss, tiled_mlp
+from layerstream.plan import advice, plan_for_model
+from layerstream.plan.long_settings import AUTO_ORDER, ENDS, LONG_ORDER, decide
+
+from tiny import assert_traces_equal, peft_pair, train_steps
+
+EVERY = dict(offload_activations=True, loss_chunk_tokens=16, mlp_tile_tokens=16)
+CANDIDATES = {"loss_chunk_tokens": 512, "mlp_tile_tokens": 4096, "offload_activations": True, ENDS: True}
+# a made-up plan: 100 bytes that do not grow and 15 a token, of which the chunked loss frees 6,
+# the tiled MLP 2 and offloading 3; the ends free 600 bytes whatever the length
+FREES_PER_TOKEN = {"loss_chunk_tokens": 6, "mlp_tile_tokens": 2, "offload_activations": 3}
+
+
+def _made_up_plan(tokens):
+    return lambda on: 100 + tokens * (15 - sum(FREES_PER_TOKEN.get(n, 0) for n in on)) - (600 if ENDS in on else 0)
+
+
+@pytest.mark.parametrize(
+    "tokens, expected, fits",
+    [
+        (51, ("loss_chunk_tokens",), True),  # the three suffice: the ends stay
+        (150, LONG_ORDER, True),  # the three bring 2350 to 700, under the 850 allowed
+        (190, ("loss_chunk_tokens", "mlp_tile_tokens", ENDS), True),  # three 860; with the ends 260, and
+        # 830 without offloading, which goes again
+        (300, AUTO_ORDER, True),  # three 1300, all four 700, without offloading 1600
+        (400, AUTO_ORDER, False),  # all four still 1100: each stays on
+    ],
+)
+def test_the_ends_are_the_last_resort_after_the_three(tokens, expected, fits):
+    decision = decide(tokens, 1000, CANDIDATES, _made_up_plan(tokens))
+    assert decision.names == expected
+    assert decision.fits == fits
+    assert decision.on == tuple((name, CANDIDATES[name]) for name in expected)
+
+
+# -- the runtime -----------------------------------------------------------------------------
+@pytest.fixture
+def small_tiles(monkeypatch):
+    monkeypatch.setattr(advice, "DEFAULT_LONG_TOKENS", 16)
+    monkeypatch.setattr(advice, "MIN_LOSS_CHUNK_TOKENS", 8)
+
+
+def _pair():
+    return peft_pair(layers=5, vocab_size=400)  # the loss outweighs a layer, as in Llama-3
+
+
+def _budget(resident) -> int:
+    """What a step of 2 x 48 tokens needs with the three on: within the budget, over the
+    margin, so "auto" turns the ends on too."""
+    return plan_for_model(resident, 48, 2, slots=2, **EVERY).needed_bytes
+
+
+def _stream(model, budget, **settings):
+    layerstream.stream_model(model, device="cpu", slots=2, prefetch=1, vram_budget=budget, **settings)
+    return layerstream.get_runtime(model)
+
+
+def _resident_as_streamed(resident):
+    chunked_loss.apply(resident, 16)
+    tiled_mlp.apply(resident, 16)
+    return resident
+
+
+@pytest.mark.parametrize(
+    "loss_chunk_tokens", ["auto", 16], ids=["decided-before-the-embedding", "decided-after-the-embedding"]
+)
+def test_a_step_the_three_leave_over_moves_the_ends_and_trains_as_resident(small_tiles, caplog, loss_chunk_tokens):
+    """Decided before the embedding runs (the loss chunk's hook on the model asks first), or
+    after it ran on the weights where they were (the first streamed layer asks): either way
+    the step and the next equal the resident model's, and the ends stay on the host."""
+    streamed, resident = _pair()
+    runtime = _stream(streamed, _budget(resident), loss_chunk_tokens=loss_chunk_tokens)
+    assert runtime.embeddings is None and runtime.config.stream_embeddings == "auto"
+    with caplog.at_level(logging.WARNING, logger="layerstream"):
+        got = train_steps(streamed, 3, seq=48)
+    assert_traces_equal(got, train_steps(_resident_as_streamed(resident), 3, seq=48))
+    assert runtime.embeddings is not None, "the ends moved"
+    assert runtime.long_settings.plan_request(2, 12).stream_embeddings is True, "later steps plan them streamed"
+    inner = streamed.get_base_model()
+    assert inner.lm_head.weight.data_ptr() == runtime.embeddings._host[id(inner.lm_head.weight)][1]
+    assert runtime.stats()["head_copies"] == 3, "once a step: the chunked loss keeps its copy for the gradient"
+    moved = [r.getMessage() for r in caplog.records if "moved the embedding and head to host memory" in r.getMessage()]
+    assert len(moved) == 1
+    said = [r.getMessage() for r in caplog.records if "stream_embeddings='auto' is on" in r.getMessage()]
+    assert len(said) == 1 and "stay in host memory from this step on" in said[0]
+    assert "embeddings   streamed" in runtime.summary()
+
+
+def test_the_comparison_across_the_move_fails_when_the_host_copy_differs(small_tiles):
+    """Negative control: the same runs, with one value of the head's host copy changed as
+    the ends move: the streamed logits and gradients come from the host copy."""
+    from layerstream.runtime import ends_on_demand
+
+    streamed, resident = _pair()
+    runtime = _stream(streamed, _budget(resident))
+    real = ends_on_demand.EndsOnDemand.stream
+
+    def stream_then_change(self):
+        moved = real(self)
+        with torch.no_grad():
+            streamed.get_base_model().lm_head.weight[0, 0] += 1.0
+        return moved
+
+    ends_on_demand.EndsOnDemand.stream = stream_then_change
+    try:
+        got = train_steps(streamed, 1, seq=48)
+    finally:
+        ends_on_demand.EndsOnDemand.stream = real
+    assert runtime.embeddings is not None
+    with pytest.raises(AssertionError):
+        assert_traces_equal(got, train_steps(_resident_as_streamed(resident), 1, seq=48))
+
+
+def test_a_step_the_three_bring_under_keeps_the_ends_where_they_are(small_tiles):
+    streamed, resident = _pair()
+    budget = int(plan_for_model(resident, 48, 2, slots=2, **EVERY).needed_bytes / (1 - OFFLOAD_AUTO_MARGIN)) + 2
+    runtime = _stream(streamed, budget)
+    train_steps(streamed, 1, seq=48)
+    assert runtime.embeddings is None
+    assert runtime.long_settings.decision(96).names and ENDS not in runtime.long_settings.decision(96).names
+
+
+def test_stream_embeddings_false_keeps_the_ends_on_the_device_under_any_budget(small_tiles):
+    streamed, resident = _pair()
+    runtime = _stream(streamed, _budget(resident), stream_embeddings=False)
+    train_steps(streamed, 1, seq=48)
+    assert runtime.embeddings is None
+    assert runtime.long_settings.decision(96).names == LONG_ORDER
+
+
+def test_ends_that_train_stay_and_the_step_is_planned_without_them(small_tiles, caplog):
+    streamed, resident = peft_pair(layers=5, vocab_size=400, lora={"modules_to_save": ["lm_head"]})
+    runtime = _stream(streamed, _budget(resident))
+    with caplog.at_level(logging.WARNING, logger="layerstream"):
+        train_steps(streamed, 2, seq=48)
+    assert runtime.embeddings is None
+    refused = [r.getMessage() for r in caplog.records if "stream_embeddings='auto' would move" in r.getMessage()]
+    assert len(refused) == 1 and "they stay where they are" in refused[0]
+    assert ENDS not in runtime.long_settings.decision(96).names
+
+
+# -- the surfaces ----------------------------------------------------------------------------
+def test_every_surface_defaults_to_auto_and_the_flag_alone_is_true():
+    assert StreamConfig(device="cpu").stream_embeddings == "auto"
+    parser = argparse.ArgumentParser()
+    flags.add_setting_flags(parser)
+    assert parser.parse_args([]).stream_embeddings == "auto"
+    assert parser.parse_args(["--stream-embeddings"]).stream_embeddings == "true"
+    assert parser.parse_args(["--stream-embeddings", "false"]).stream_embeddings == "false"
+    arguments = HfArgumentParser(layerstream.StreamingArguments)
+    for argv, expected in (
+        ([], "auto"),
+        (["--layer_stream_embeddings"], True),
+        (["--layer_stream_embeddings", "no"], False),
+    ):
+        (parsed,) = arguments.parse_args_into_dataclasses(argv + ["--layer_stream_device", "cpu"])
+        assert parsed.to_config().stream_embeddings == expected, argv
