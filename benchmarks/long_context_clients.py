@@ -127,7 +127,8 @@ CLIENT_ADAPTERS["trainer-ends"] = dict(CLIENT_ADAPTERS["trainer"], stream_embedd
 
 def planned_longest(checkpoint: Path, client: str, cap_gib: float) -> int:
     """The longest length the memory plan fits under ``cap_gib`` for this client's run, its
-    long-sequence settings left at "auto" as the run leaves them (GiB budget, batch 1)."""
+    long-sequence settings and streamed ends left at "auto" as the run leaves them (GiB
+    budget, batch 1; trainer-ends streams its ends from the start)."""
     from layerstream.plan import PlanRequest, load_config, max_seq
     from layerstream.units import GiB
 
@@ -140,11 +141,14 @@ def planned_longest(checkpoint: Path, client: str, cap_gib: float) -> int:
         int(cap_gib * GiB),
         "nf4",
         lora_rank=32,
-        slots="auto",
-        offload_activations="auto",
-        mlp_tile_tokens="auto",
-        loss_chunk_tokens="auto",
-        **CLIENT_ADAPTERS[client],
+        **{
+            "slots": "auto",
+            "offload_activations": "auto",
+            "mlp_tile_tokens": "auto",
+            "loss_chunk_tokens": "auto",
+            "stream_embeddings": "auto",
+            **CLIENT_ADAPTERS[client],
+        },
     )
     return max_seq(request)
 
