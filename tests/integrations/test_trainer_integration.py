@@ -485,3 +485,24 @@ def test_the_summarys_predicted_peak_is_the_plan_of_what_auto_turns_on():
     assert predicted == pytest.approx(planned.peak_vram_bytes / 2**30, abs=0.006)
     without = runtime.memory_plan(1, seq, offload=False).peak_vram_bytes / 2**30
     assert without - predicted > 0.2, "the control: the plan without offloading is larger"
+
+
+def test_a_start_that_moves_the_ends_says_so_before_a_summary_that_shows_them_moved(tmp_path, caplog):
+    """The start-up summary plans the script's max_length: where "auto" moves the embedding
+    and head for it (stream_embeddings left at its default), the move is said first and the
+    summary shows them streamed, not resident."""
+    from datasets import Dataset
+
+    model, _ = peft_pair("llama", layers=4)
+    layerstream.stream_model(model, device="cpu", slots=2, vram_budget="2GiB")  # the step itself fits
+    data = Dataset.from_list([{"input_ids": [3, 4, 5, 6, 7, 8], "labels": [3, 4, 5, 6, 7, 8]}] * 4)
+    args = TrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=1, per_device_train_batch_size=1
+    )
+    args.max_length = 2_000_000  # as TRL's configs carry it
+    with caplog.at_level("WARNING", logger="layerstream"):
+        Trainer(model=model, args=args, train_dataset=data).train()
+    text = caplog.text
+    assert text.index("moved the embedding and head to host memory") < text.index("embeddings   streamed")
+    assert "embeddings   resident" not in text
+    assert layerstream.get_runtime(model).embeddings is not None
