@@ -294,7 +294,7 @@ class StreamConfig:
     def __post_init__(self) -> None:
         if self.share_host_store not in (True, False, "auto"):
             raise StreamConfigError(f"share_host_store must be True, False or 'auto', got {self.share_host_store!r}")
-        if self.stream_embeddings not in (True, False, "auto"):
+        if not isinstance(self.stream_embeddings, bool) and self.stream_embeddings != "auto":
             raise StreamConfigError(f"stream_embeddings must be True, False or 'auto', got {self.stream_embeddings!r}")
         self.vram_budget = _budget(self.vram_budget)
         self.loss_chunk_tokens = _tokens_setting("loss_chunk_tokens", self.loss_chunk_tokens)

@@ -392,7 +392,7 @@ def test_modules_to_save_naming_a_streamed_head_is_refused_before_peft_changes_t
     before, modules = _logits_of(model, ids), {name for name, _ in model.named_modules()}
     config = lora_config(target_modules=["q_proj"], modules_to_save=["lm_head"])
     with pytest.raises(
-        layerstream.StreamingError, match=r"modules_to_save='lm_head'.*stream without stream_embeddings"
+        layerstream.StreamingError, match=r"modules_to_save='lm_head'.*stream with stream_embeddings=False"
     ):
         get_peft_model(model, config)
     assert {name for name, _ in model.named_modules()} == modules

@@ -82,8 +82,9 @@ def _resident_as_streamed(resident):
 )
 def test_a_step_the_three_leave_over_moves_the_ends_and_trains_as_resident(small_tiles, caplog, loss_chunk_tokens):
     """Decided before the embedding runs (the loss chunk's hook on the model asks first), or
-    after it ran on the weights where they were (the first streamed layer asks): either way
-    the step and the next equal the resident model's, and the ends stay on the host."""
+    after it (the first streamed layer asks): the ends move at the step's start, after the
+    embedding ran on the weights where they were, and stay on the host; every step equals
+    the resident model's."""
     streamed, resident = _pair()
     runtime = _stream(streamed, _budget(resident), loss_chunk_tokens=loss_chunk_tokens)
     assert runtime.embeddings is None and runtime.config.stream_embeddings == "auto"
@@ -109,19 +110,18 @@ def test_the_comparison_across_the_move_fails_when_the_host_copy_differs(small_t
 
     streamed, resident = _pair()
     runtime = _stream(streamed, _budget(resident))
-    real = ends_on_demand.EndsOnDemand.stream
+    real = ends_on_demand.EndsOnDemand.move
 
-    def stream_then_change(self):
-        moved = real(self)
+    def move_then_change(self):
+        real(self)
         with torch.no_grad():
             streamed.get_base_model().lm_head.weight[0, 0] += 1.0
-        return moved
 
-    ends_on_demand.EndsOnDemand.stream = stream_then_change
+    ends_on_demand.EndsOnDemand.move = move_then_change
     try:
         got = train_steps(streamed, 1, seq=48)
     finally:
-        ends_on_demand.EndsOnDemand.stream = real
+        ends_on_demand.EndsOnDemand.move = real
     assert runtime.embeddings is not None
     with pytest.raises(AssertionError):
         assert_traces_equal(got, train_steps(_resident_as_streamed(resident), 1, seq=48))
@@ -153,6 +153,31 @@ def test_ends_that_train_stay_and_the_step_is_planned_without_them(small_tiles, 
     refused = [r.getMessage() for r in caplog.records if "stream_embeddings='auto' would move" in r.getMessage()]
     assert len(refused) == 1 and "they stay where they are" in refused[0]
     assert ENDS not in runtime.long_settings.decision(96).names
+
+
+def test_a_step_refused_before_it_runs_moves_nothing(small_tiles):
+    """A budget the step misses even with all four on: the budget check refuses it before
+    any layer runs, and the ends stay where they were (the decision only planned them)."""
+    streamed, resident = _pair()
+    every = plan_for_model(resident, 48, 2, slots=2, stream_embeddings=True, **EVERY).needed_bytes
+    runtime = _stream(streamed, every - 1024)
+    head = streamed.get_base_model().lm_head.weight
+    where = head.data_ptr()
+    with pytest.raises(layerstream.StreamingError, match="does not fit vram_budget"):
+        train_steps(streamed, 1, seq=48)
+    assert ENDS in runtime.long_settings.decision(96).names, "the decision counted on them"
+    assert runtime.embeddings is None and head.data_ptr() == where
+
+
+def test_an_end_unfrozen_after_auto_moved_it_is_refused_naming_the_setting_to_change(small_tiles):
+    streamed, resident = _pair()
+    runtime = _stream(streamed, _budget(resident))
+    train_steps(streamed, 1, seq=48)
+    assert runtime.embeddings is not None
+    streamed.get_base_model().model.embed_tokens.weight.requires_grad_(True)
+    with pytest.raises(layerstream.StreamingError, match=r"stream with stream_embeddings=False") as error:
+        train_steps(streamed, 1, seq=48)
+    assert "stream_embeddings=True" not in str(error.value)
 
 
 # -- the surfaces ----------------------------------------------------------------------------

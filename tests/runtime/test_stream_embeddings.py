@@ -383,7 +383,7 @@ def test_summary_says_the_embedding_and_head_stream():
     assert "embeddings   streamed: input embedding and the head tied to it (one host copy)" in summary
     assert "resident     final norm, and every trainable tensor" in summary
     plain, _ = peft_pair("llama", layers=3)
-    stream(plain, "cpu")
+    stream(plain, "cpu", stream_embeddings="auto")
     assert "embeddings   resident (stream_embeddings=auto: to host memory at a step the long-sequence" in (
         layerstream.get_runtime(plain).summary()
     )
@@ -401,8 +401,8 @@ def test_a_trained_head_is_refused_at_stream_time():
         param.requires_grad = name.startswith("lm_head")
     with pytest.raises(
         layerstream.StreamingError,
-        match=r"lm_head.weight requires grad, but stream_embeddings=True keeps it in host memory.*"
-        r"freeze it .*or stream without stream_embeddings",
+        match=r"lm_head.weight requires grad, but stream_embeddings keeps it in host memory.*"
+        r"freeze it .*or stream with stream_embeddings=False",
     ):
         layerstream.stream_model(model, device="cpu", stream_embeddings=True)
     assert not layerstream.is_streamed(model)
@@ -456,8 +456,9 @@ def test_an_embedding_with_max_norm_is_refused():
 
 
 def test_stream_embeddings_must_be_true_false_or_auto():
-    with pytest.raises(layerstream.StreamConfigError, match="stream_embeddings must be True, False or 'auto'"):
-        layerstream.StreamConfig(device="cpu", stream_embeddings="yes")
+    for value in ("yes", 1, 0):  # 1 == True, but a surface that tests `is True` would take it as off
+        with pytest.raises(layerstream.StreamConfigError, match="stream_embeddings must be True, False or 'auto'"):
+            layerstream.StreamConfig(device="cpu", stream_embeddings=value)
     assert layerstream.StreamConfig(device="cpu").stream_embeddings == "auto"
 
 

@@ -169,8 +169,8 @@ def refuse_untrainable_targets(model: nn.Module, adapter: str, config) -> None:
             raise StreamingError(
                 f"PEFT adapter {adapter!r} has modules_to_save={target!r}, which matches {name}, an embedding or "
                 "head that streams (stream_embeddings): its weight stays in the host store and frozen, and PEFT's "
-                "trainable copy of it (copy.deepcopy) cannot be made. To train it, stream without "
-                "stream_embeddings; otherwise leave it out of modules_to_save."
+                "trainable copy of it (copy.deepcopy) cannot be made. To train it, stream with "
+                "stream_embeddings=False; otherwise leave it out of modules_to_save."
             )
         if layer is not None:
             raise StreamingError(

@@ -435,8 +435,7 @@ class StreamStatsCallback(_CallbackBase):
         if runtime.long_settings.autocast is None:  # the Trainer's steps run under autocast with bf16/fp16
             runtime.long_settings.autocast = bool(getattr(args, "bf16", False) or getattr(args, "fp16", False))
         if state.is_world_process_zero:
-            predicted = predicted_vram(model, args)  # first: deciding at max_length may move the ends
-            logger.warning("\n%s\n%s", runtime.summary(), predicted)
+            logger.warning("\n%s\n%s", runtime.summary(), predicted_vram(model, args))
 
     def on_step_begin(self, args, state, control, model=None, **kwargs):
         if self._spans is not None or self._runtime is not None or model is None or not is_streamed(model):

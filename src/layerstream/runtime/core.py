@@ -97,8 +97,7 @@ class StreamRuntime:
             changes.watch(record)
             self._index_modules(record)
         self.offload_policy = OffloadPolicy(config, self.device, len(records), store)
-        # debug checksums compare whole slots with the host: no partial copies under them
-        self.experts = ExpertsByNeed(records, self.pool, enabled=not config.checksum)
+        self.experts = ExpertsByNeed(records, self.pool, enabled=not config.checksum)  # whole slots under checksums
         self._packed_projections = packed_experts.projection_names(model)  # MXFP4 stacks' Parameter names
         self.pass_offloader = None  # the offloader of the training pass under way, or None
         self.pass_tiles = None  # the MLP tiles by length the training pass under way began with
@@ -322,9 +321,10 @@ class StreamRuntime:
         decision = self.long_settings.decision(tokens)  # the MLP tiles, before any MLP runs
         self.pass_offloader = self.offload_policy.for_pass(hidden, self.last_shape, decision)
         self.pass_tiles = self.long_settings.tiles_of_pass()
-        self.long_settings.say(self.last_shape, self.pass_offloader is not None)
         if isinstance(self.config.vram_budget, int):
             self.budget_check.check(self, *self.last_shape)
+        self.long_settings.say(self.last_shape, self.pass_offloader is not None)  # for a step that runs
+        self.long_settings.start_step(decision)  # the ends move for it
         self.resident_window.size_for_step(tokens, hidden.numel() * hidden.element_size())
         if self.backward.auto:
             self._decide_backward_slots(hidden)

@@ -52,7 +52,7 @@ logger = get_logger(__name__)
 
 _FIX = (
     "freeze it (PEFT does, unless modules_to_save or target_modules name it), or stream "
-    "without stream_embeddings to keep it trainable on the GPU"
+    "with stream_embeddings=False to keep it trainable on the GPU"
 )
 
 
@@ -162,9 +162,9 @@ def _wrapper_hint(module: nn.Module) -> str:
     if hasattr(module, "base_layer") or hasattr(module, "modules_to_save"):
         return (
             " PEFT wraps it (its target_modules or modules_to_save name it), so it would be "
-            "trained; leave it out of the PEFT config, or stream without stream_embeddings."
+            "trained; leave it out of the PEFT config, or stream with stream_embeddings=False."
         )
-    return " Stream without stream_embeddings."
+    return " Stream with stream_embeddings=False."
 
 
 def trainables_chosen(model: nn.Module) -> bool:
@@ -190,11 +190,11 @@ def _check_weight(name: str, weight: torch.Tensor, chosen: bool) -> None:
     if not weight.dtype.is_floating_point or nf4.is_4bit_param(weight):
         raise StreamingError(
             f"{name} is quantised ({type(weight).__name__}, {weight.dtype}); "
-            "stream_embeddings streams unquantised weights only. Stream without it."
+            "stream_embeddings streams unquantised weights only. Stream with stream_embeddings=False."
         )
     if weight.requires_grad and chosen:
         raise StreamingError(
-            f"{name} requires grad, but stream_embeddings=True keeps it in host memory, frozen "
+            f"{name} requires grad, but stream_embeddings keeps it in host memory, frozen "
             f"(its gradient would have nowhere to live): {_FIX}."
         )
 
@@ -216,8 +216,8 @@ def _probe(module: nn.Module, replacement: type, dummy: torch.Tensor, name: str,
     if not reached:
         raise StreamingError(
             f"{name} is a {type(module).__name__} whose forward does not call {base}.forward"
-            f"{problem}, so layerstream cannot move its weight to the host. Stream without "
-            "stream_embeddings."
+            f"{problem}, so layerstream cannot move its weight to the host. Stream with "
+            "stream_embeddings=False."
         )
 
 
@@ -233,7 +233,7 @@ def find_ends(model: nn.Module) -> Ends:
     if embedding is None:
         raise StreamingError(
             "stream_embeddings=True: the model has no input embedding "
-            "(get_input_embeddings() is None). Stream without stream_embeddings."
+            "(get_input_embeddings() is None). Stream with stream_embeddings=False."
         )
     emb_name = names.get(id(embedding), "input embedding")
     if not isinstance(embedding, nn.Embedding):
@@ -245,7 +245,7 @@ def find_ends(model: nn.Module) -> Ends:
         raise StreamingError(
             f"{emb_name} has max_norm={embedding.max_norm}: the lookup would renormalise rows of the "
             "weight in place, on the host instead of the GPU, which is not bit for bit the same. Set "
-            "max_norm=None or stream without stream_embeddings."
+            "max_norm=None or stream with stream_embeddings=False."
         )
     _check_weight(f"{emb_name}.weight", embedding.weight, chosen)
     try:
@@ -399,7 +399,7 @@ class StreamedEnds:
             )
         if weight.requires_grad and torch.is_grad_enabled():
             raise StreamingError(
-                f"{known[0]} requires grad, but stream_embeddings=True keeps it in host "
+                f"{known[0]} requires grad, but stream_embeddings keeps it in host "
                 f"memory, frozen (its gradient would have nowhere to live): {_FIX}."
             )
 

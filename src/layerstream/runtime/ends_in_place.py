@@ -28,7 +28,7 @@ from torch import nn
 from ..errors import StreamingError
 
 _UNSTREAM = "unstream_model(model), make the change, then stream the model again"
-_WITHOUT = "stream without stream_embeddings"
+_WITHOUT = "stream with stream_embeddings=False"
 
 
 def _through_lora(module: nn.Module, streamed: nn.Module) -> Optional[nn.Module]:

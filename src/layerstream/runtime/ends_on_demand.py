@@ -36,42 +36,61 @@ class EndsOnDemand:
 
     def possible(self) -> bool:
         """Whether a step's plan may count on streaming the ends: not yet streamed and not
-        found unable to (a cheap check: the full one runs when they are to move)."""
+        found unable to (``can_move`` checks before a decision counts on it)."""
         return self.runtime.embeddings is None and self.refused is None
 
-    def stream(self) -> bool:
-        """Move the ends to host memory now; False, said once, where they cannot go."""
-        from .embeddings import find_ends, stream_embeddings
+    def can_move(self) -> bool:
+        """Whether the ends can move now, changing nothing; False, said once, where not."""
+        try:
+            self._check()
+        except (StreamingError, HostMemoryError) as exc:
+            self._refuse(exc)
+            return False
+        return True
+
+    def move(self) -> None:
+        """Move the ends to host memory now: at the start of a step whose decision counts on
+        it, once its own checks passed (a step refused before it runs moves nothing)."""
+        from .embeddings import stream_embeddings
 
         runtime = self.runtime
+        if runtime.embeddings is not None or self.refused is not None:
+            return
         try:
-            found = find_ends(runtime.model)
-            trained = [name for name, weight in found.weights() if weight.requires_grad]
-            if trained:
-                raise StreamingError(f"{trained[0]} trains, and a streamed end stays frozen in host memory")
-            weights = [weight for _, weight in found.weights()]
-            ends_bytes = sum(weight.numel() * weight.element_size() for weight in weights)
-            on_host = all(weight.device.type == "cpu" for weight in weights)
-            check_host_memory(
-                # the largest end at a time where they are on the host already, all of them from a GPU
-                max(weight.numel() * weight.element_size() for weight in weights) if on_host else ends_bytes,
-                runtime.store.host_bytes + ends_bytes,
-                bool(runtime.config.pin),
-                "moving the embedding and head to host memory (stream_embeddings='auto')",
-            )
-            runtime.embeddings = stream_embeddings(runtime.model, runtime)
+            self._check()  # the model may have changed since the decision
         except (StreamingError, HostMemoryError) as exc:
-            self.refused = str(exc)
-            logger.warning(
-                "layerstream: stream_embeddings='auto' would move the embedding and head to host memory for "
-                "this step's memory, but they stay where they are: %s. The step is planned without it.",
-                exc,
-            )
-            return False
+            self._refuse(exc)
+            return
+        runtime.embeddings = stream_embeddings(runtime.model, runtime)
         logger.warning(
-            "layerstream: stream_embeddings='auto' moved the embedding and head to host memory (%.2f GiB), "
-            "for the rest of the run: the long-sequence settings alone left this step over the memory plan's "
-            "limit. Each step now copies them in (stream_embeddings=False keeps them on the GPU).",
+            "layerstream: stream_embeddings='auto' moved the embedding and head to host memory (%.2f GiB) for "
+            "the rest of the run: the long-sequence settings alone left this step over the memory plan's limit. "
+            "Each step now copies them in (stream_embeddings=False keeps them on the GPU).",
             runtime.embeddings.host_bytes / 2**30,
         )
-        return True
+
+    def _check(self) -> None:
+        """What stream_model(stream_embeddings=True) checks before it copies, and host memory."""
+        from .embeddings import find_ends
+
+        runtime = self.runtime
+        found = find_ends(runtime.model)
+        trained = [name for name, weight in found.weights() if weight.requires_grad]
+        if trained:
+            raise StreamingError(f"{trained[0]} trains, and a streamed end stays frozen in host memory")
+        sizes = [weight.numel() * weight.element_size() for _, weight in found.weights()]
+        on_host = all(weight.device.type == "cpu" for _, weight in found.weights())
+        check_host_memory(
+            max(sizes) if on_host else sum(sizes),  # one end at a time on the host, all of them from a GPU
+            runtime.store.host_bytes + sum(sizes),
+            bool(runtime.config.pin),
+            "moving the embedding and head to host memory (stream_embeddings='auto')",
+        )
+
+    def _refuse(self, exc: Exception) -> None:
+        self.refused = str(exc)
+        logger.warning(
+            "layerstream: stream_embeddings='auto' would move the embedding and head to host memory for a "
+            "step's memory, but they stay where they are: %s. Steps are planned without it.",
+            exc,
+        )

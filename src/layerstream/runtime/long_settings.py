@@ -13,8 +13,9 @@ decision. Applying a decision adds no work per layer visit:
   even when a step of another length ran in between;
 - offloading is ``OffloadPolicy``'s, asked once per training pass with this decision;
 - stream_embeddings left at "auto" is the last resort (``plan.long_settings``): a decision
-  that turns it on has ``EndsOnDemand`` move the ends to host memory before the step's
-  head runs, for good; later steps are planned with them streamed.
+  that turns it on has ``EndsOnDemand`` check that the ends can move, and the step's start
+  (``start_step``, once the step passed its checks) move them to host memory, for good;
+  the step and later ones are planned with them streamed.
 
 What was turned on, and why, is said once per set of settings turned on (padded batches
 bring a new length at nearly every step): in the log at the step's start, and in the
@@ -173,7 +174,7 @@ class LongSettingsPolicy:
         if decision is not None:
             return decision
         decision = self._decide(tokens)
-        if ENDS in decision.names and not self.ends.stream():
+        if ENDS in decision.names and not self.ends.can_move():
             decision = self._decide(tokens)  # planned with the ends where they stay
         if not decision.on:
             self._plain_up_to = tokens
@@ -221,6 +222,12 @@ class LongSettingsPolicy:
                     exc,
                 )
             return NOTHING
+
+    def start_step(self, decision: LongDecision) -> None:
+        """A training step that ``decision`` planned passed its checks and runs: the ends
+        move now where it counts on them (not when a step is only planned or refused)."""
+        if ENDS in decision.names:
+            self.ends.move()
 
     def pass_starts(self) -> None:
         """A training pass starts: note whether it runs under autocast (what each LoRA
@@ -312,4 +319,6 @@ class LongSettingsPolicy:
 
         settings = self.settings_for(batch * seq)
         settings["offload_activations"] = offload
+        # the ends as this step runs: streamed, or about to move for it
+        settings[ENDS] = self.embeddings_streamed or ENDS in self.decision(batch * seq).names
         return make_plan(self.plan_request(batch, seq, vram_bytes, backward_slots, **settings))
