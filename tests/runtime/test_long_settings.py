@@ -369,6 +369,14 @@ def test_the_runtime_explains_out_of_memory_with_the_long_sequence_settings(smal
     # the plan command it names describes this run (quantization, adapters, rank, targets)
     command = re.search(r"`layerstream plan --model <model> --vram-budget <GPU memory> --seq <tokens>(.*)`", text)
     assert command.group(1).split() == plan_flags(runtime.long_settings.plan_request(1, 1))
+    # the ends on the device: the way to move them, as each surface spells it
+    spelled = "(--stream-embeddings, --layer_stream_embeddings true, stream.stream_embeddings: true) frees"
+    assert "keep the input embedding and head in host memory" in text and spelled in text
+    streamed_ends, _ = _pair()
+    runtime = _stream(streamed_ends, 2 * GiB, stream_embeddings=True, loss_chunk_tokens=0, mlp_tile_tokens=0)
+    train_steps(streamed_ends, 1, seq=48)
+    text = str(runtime.explain_oom(torch.OutOfMemoryError("CUDA out of memory."), "in a training step"))
+    assert "keep the input embedding and head in host memory" not in text, "they stream already"
 
 
 def test_the_plan_command_says_what_a_runs_defaults_turn_on_at_this_length(capsys):

@@ -263,7 +263,8 @@ def explain_oom(runtime, exc: BaseException, where: str) -> BaseException:
         if ends_bytes:
             lines.append(
                 f"  - keep the input embedding and head in host memory: StreamConfig(stream_embeddings=True) "
-                f"(--stream-embeddings, stream.stream_embeddings: true) frees {ends_bytes / GiB:.2f} GiB, "
+                f"(--stream-embeddings, --layer_stream_embeddings true, stream.stream_embeddings: true) frees "
+                f"{ends_bytes / GiB:.2f} GiB, "
                 "less one head copied in for the loss;"
             )
     lines += [f"  - {line};" for line in _long_sequence_advice(runtime)]
