@@ -39,7 +39,6 @@ COUNT = "integer or auto"
 SIZE = "size"
 BUDGET = "size, auto or none"
 DEVICE = "device"
-FLAG = "flag"
 TRISTATE = "true, false or unset"
 TOKENS = "integer, auto or none"
 SWITCH = "true, false or auto"
@@ -449,7 +448,7 @@ def setting_default_text(setting: dataclasses.Field) -> Optional[str]:
     default = setting.default
     if setting.metadata["kind"] == SWITCH:
         return default if isinstance(default, str) else str(default).lower()
-    if setting.metadata["kind"] in (FLAG, TRISTATE) or default is None:
+    if setting.metadata["kind"] == TRISTATE or default is None:
         return default
     if setting.metadata["kind"] == SIZE:
         return f"{default // GiB}GiB" if default % GiB == 0 else str(default)
@@ -477,7 +476,7 @@ def parse_setting(name: str, value: Any, spelled: Optional[str] = None) -> Any:
             raise StreamConfigError(f"{spelled} must be an integer or 'auto', got {value!r}") from None
     if kind == SWITCH and text == "auto":
         return "auto"
-    if kind in (FLAG, TRISTATE, SWITCH):
+    if kind in (TRISTATE, SWITCH):
         if isinstance(value, bool) or (value is None and kind == TRISTATE):
             return value
         if text in _TRUE:

@@ -13,16 +13,14 @@ def flag_name(setting_name: str) -> str:
 def add_setting_flags(parser, names=None) -> None:
     """One flag per StreamConfig setting (those in ``names``; None: all), with its help and
     default (``config.settings``). ``parser``: a parser or one of its argument groups."""
-    from ..config import FLAG, SWITCH, TRISTATE, argparse_help, setting_default_text, settings
+    from ..config import SWITCH, TRISTATE, argparse_help, setting_default_text, settings
 
     for setting in settings():
         if names is not None and setting.name not in names:
             continue
         kind, help_text = setting.metadata["kind"], argparse_help(setting)
         name = flag_name(setting.name)
-        if kind == FLAG:
-            parser.add_argument(name, dest=setting.name, action="store_true", help=help_text)
-        elif kind == TRISTATE:
+        if kind == TRISTATE:
             parser.add_argument(
                 name, dest=setting.name, action=argparse.BooleanOptionalAction, default=None, help=help_text
             )

@@ -2,9 +2,10 @@
 training step whose memory plan needs it, and stay there.
 
 ``EndsOnDemand`` is a component of ``StreamRuntime``. ``LongSettingsPolicy`` asks it whether
-the ends may stream (``possible``) as it plans a step with "auto" settings, and has it move
-them (``stream``) when its decision turns ``stream_embeddings`` on, before the step's head
-runs. Moving them is what ``stream_model(stream_embeddings=True)`` does at stream time
+the ends may stream (``possible``) as it plans a step with "auto" settings, whether they can
+move now (``can_move``, changing nothing) when its decision turns ``stream_embeddings`` on,
+and has it move them (``move``) at the start of that step, once the step passed its own
+checks. Moving them is what ``stream_model(stream_embeddings=True)`` does at stream time
 (``embeddings.stream_embeddings``), later: the weights are copied into a host store of their
 own (from the GPU too, whose memory goes back), the modules' classes are swapped, and from
 then on each forward copies them in. The arithmetic is the same before and after: the
