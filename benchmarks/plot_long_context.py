@@ -40,6 +40,8 @@ SERIES = {
     "trainer": ("layerstream, Trainer script", "tab:orange", "D"),
     "trainer-ends": ("layerstream, Trainer script, streamed ends", "tab:brown", "s"),
 }
+# the series whose points carry their figures: more notes at one cap would overlap
+NOTED = ("harness", "sft")
 # the start of each client's label in a row (long_context_client.client_label)
 _CLIENT_LABELS = {"harness": "harness", "TRL ": "sft", "layerstream train ": "train", "Trainer script": "trainer"}
 _ENDS_FLAG = "--layer_stream_embeddings"  # a Trainer script's row with it is a series of its own
@@ -94,7 +96,9 @@ def draw(points: dict, path: str) -> None:
             label, colour, marker = SERIES[kind]
             caps, tokens = [p[0] for p in ours], [p[1] for p in ours]
             ax.plot(caps, tokens, marker=marker, linewidth=2, color=colour, label=f"{label} (measured)")
-            below = kind == "harness"  # the harness's notes below its line, the clients' above
+            if kind not in NOTED:  # the other clients' figures are in docs/workloads.md's table
+                continue
+            below = kind == "harness"  # the harness's notes below its line, TRL's above
             for cap, tokens, ratio in ours:
                 note = f"{tokens:,}" + (f"\n{ratio:.2f}x speed" if ratio else "\nno baseline fits")
                 offset = (6, -22) if below else (-46, 8)

@@ -196,3 +196,26 @@ def test_every_surface_defaults_to_auto_and_the_flag_alone_is_true():
     ):
         (parsed,) = arguments.parse_args_into_dataclasses(argv + ["--layer_stream_device", "cpu"])
         assert parsed.to_config().stream_embeddings == expected, argv
+
+
+# -- CUDA ------------------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_on_cuda_ends_left_on_the_gpu_move_at_the_step_that_needs_it_and_train_as_resident(small_tiles):
+    """A device_map script's model: everything on the GPU, the ends float32 as PEFT's k-bit
+    preparation leaves them. Streamed with "auto" under a budget the three settings leave
+    over, the ends move to pinned host memory at the first step and every step equals the
+    resident model's on the same GPU (the vocabulary as _pair()'s, so all four are on, as on
+    the resident side)."""
+    streamed, resident = peft_pair(layers=5, vocab_size=400, attn="eager")  # as _pair(): all four on
+    for model in (streamed, resident):
+        for end in (model.get_input_embeddings(), model.get_output_embeddings()):
+            end.weight.data = end.weight.data.float()
+        model.to("cuda")
+    layerstream.stream_model(streamed, device="cuda", slots=2, prefetch=1, vram_budget=_budget(resident))
+    runtime = layerstream.get_runtime(streamed)
+    head = streamed.get_output_embeddings()
+    assert head.weight.device.type == "cuda", "nothing moves before a step needs it"
+    got = train_steps(streamed, 3, "cuda", seq=48)
+    assert head.weight.device.type == "cpu" and head.weight.is_pinned(), "the ends moved"
+    assert runtime.embeddings is not None
+    assert_traces_equal(got, train_steps(_resident_as_streamed(resident), 3, "cuda", seq=48))
