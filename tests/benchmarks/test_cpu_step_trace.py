@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -144,3 +145,42 @@ def test_the_committed_trace_is_within_5_percent_of_the_planner(setup, tmp_path)
         # and against the planner as it is now, not only as the run recorded it
         now = planned_now(str(tmp_path), setup, length["tokens"], result["tile"])
         assert measured == pytest.approx(now, rel=0.05), (setup, length["tokens"], measured, now)
+
+
+def test_tiling_float32_norms_changes_the_norms_phase_as_the_planner_says(tmp_path, monkeypatch):
+    """The prepared setup (a float32 residual stream) traced with its norms untiled
+    (prepared.json) and tiled (prepared-float32-norms-tiled.json): at each length the second
+    norm's phase moved by what the planner's norm phase moves, one float32 width a token
+    fewer and the tile's temporaries more."""
+    from cpu_step_trace import LORA, planner_arguments
+    from transformers import AutoConfig
+
+    from layerstream.plan import working_set
+    from layerstream.plan.lora import lora_adapters
+    from layerstream.plan.shapes import layer_shapes
+
+    untiled = json.loads((RESULTS / "prepared.json").read_text())
+    tiled = json.loads((RESULTS / "prepared-float32-norms-tiled.json").read_text())
+    assert untiled["model"] == tiled["model"] and untiled["tile"] == tiled["tile"]
+    (tmp_path / "config.json").write_text(json.dumps(tiled["model"]))
+    config = AutoConfig.from_pretrained(tmp_path)
+    shapes = layer_shapes(config, torch.bfloat16)
+    adapted, _ = lora_adapters(config, shapes, LORA["target_modules"], LORA["r"], torch.bfloat16)
+
+    def norm_phase(tokens):
+        arguments = planner_arguments("prepared", tiled["tile"])
+        return working_set.layer_phase_bytes(config, shapes[0], adapted[0], tokens, **arguments)["norm"]
+
+    for before, after in zip(untiled["lengths"], tiled["lengths"]):
+        tokens = after["tokens"]
+        assert before["tokens"] == tokens
+        measured = after["phase_peaks"]["norm-bw"] - before["phase_peaks"]["norm-bw"]
+        planned_tiled = norm_phase(tokens)
+        with monkeypatch.context() as patch:
+            patch.setattr(working_set, "norms_are_tiled", lambda mlp_tiled: False)
+            planned = planned_tiled - norm_phase(tokens)
+        assert measured == pytest.approx(planned, abs=0.02 * before["phase_peaks"]["norm-bw"]), (
+            tokens,
+            measured,
+            planned,
+        )

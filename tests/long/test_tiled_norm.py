@@ -39,14 +39,52 @@ def test_tiled_norms_give_the_untiled_models_bits(family, device, monkeypatch):
     assert calls["backward"] == 3 * (3 * per_layer - 1), "every norm took its tiled backward"
 
 
-def test_float32_inputs_run_the_norms_own_backward(monkeypatch):
-    """A float32 input is read by the norm's operations directly; their gradients and the
-    residual branch's are summed in an order tiling would change, so it runs untiled."""
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "phi3"])
+def test_float32_inputs_give_the_untiled_models_bits(family, device, monkeypatch):
+    """A float32 residual stream (peft's prepare_model_for_kbit_training): the norm's
+    operations read the input directly and autograd adds each one's term to the residual
+    branch's in turn; the tiled backward hands them over one by one in that order."""
     calls = _counting(monkeypatch)
+    tiled, plain = peft_pair(family, layers=3)
+    tiled.to(device), plain.to(device)
+    tiled_norm.apply(tiled, TILE)
+    assert_traces_equal(train_steps(tiled, 3, device, seq=SEQ), train_steps(plain, 3, device, seq=SEQ))
+    per_layer = 4 if family == "gemma3_text" else 2
+    assert calls["backward"] == 3 * (3 * per_layer - 1), "every norm took its tiled backward"
+
+
+def test_float32_inputs_under_autocast_and_checkpointing_give_the_untiled_bits(monkeypatch):
+    """As a prepared QLoRA Trainer script runs them: bf16 autocast around a float32 residual
+    stream, each layer checkpointed (its recompute counts the norm's reads again)."""
+    calls = _counting(monkeypatch)
+    tiled, plain = peft_pair("llama", layers=3, lora={"lora_dropout": 0.1})
+    for model in (tiled, plain):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    tiled_norm.apply(tiled, TILE)
+    torch.manual_seed(0)
+    got = train_steps(tiled, 2, seq=SEQ, autocast=torch.bfloat16)
+    torch.manual_seed(0)
+    assert_traces_equal(got, train_steps(plain, 2, seq=SEQ, autocast=torch.bfloat16))
+    # checkpointing makes the embedding's output take a gradient: the first norm tiles too
+    assert calls["backward"] == 2 * 3 * 2
+
+
+def test_float32_terms_handed_over_already_summed_give_other_bits(monkeypatch):
+    """Negative control: the same tiles, with each tile's terms added together before
+    autograd adds them to the residual branch's (``residual + (scale + square)``)."""
+    real = tiled_norm._each_reads_gradient
+
+    def summed(module, leaf, grad, terms, a, b):
+        real(module, leaf, grad, terms, a, b)
+        assert len(terms) == 2, "an RMSNorm reads a float32 input twice: the square and the scale"
+        terms[0][a:b] += terms[1][a:b]
+        terms[1][a:b] = 0
+
+    monkeypatch.setattr(tiled_norm, "_each_reads_gradient", summed)
     tiled, plain = peft_pair("llama", layers=3)
     tiled_norm.apply(tiled, TILE)
-    assert_traces_equal(train_steps(tiled, 2, seq=SEQ), train_steps(plain, 2, seq=SEQ))
-    assert calls["backward"] == 0
+    with pytest.raises(AssertionError):
+        assert_traces_equal(train_steps(tiled, 3, seq=SEQ), train_steps(plain, 3, seq=SEQ))
 
 
 def test_the_comparison_catches_a_tile_left_out(monkeypatch):
@@ -62,9 +100,10 @@ def test_the_comparison_catches_a_tile_left_out(monkeypatch):
         assert_traces_equal(train_steps(tiled, 2, seq=SEQ), train_steps(plain, 2, seq=SEQ))
 
 
-def test_streamed_tiled_norms_match_the_resident_ones(monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_streamed_tiled_norms_match_the_resident_ones(monkeypatch, dtype):
     calls = _counting(monkeypatch)
-    streamed, resident = peft_pair("llama", layers=5, dtype=torch.bfloat16)
+    streamed, resident = peft_pair("llama", layers=5, dtype=dtype)
     stream(streamed, "cpu", mlp_tile_tokens=TILE)
     tiled_mlp.apply(resident, TILE)
     assert_traces_equal(train_steps(streamed, 3, seq=SEQ), train_steps(resident, 3, seq=SEQ))
@@ -83,16 +122,17 @@ def _saved_bytes(norm, x):
     return sum(saved)
 
 
-def test_a_tiled_norm_keeps_only_its_input_in_the_compute_dtype():
-    model = tiny_model("llama", layers=1, dtype=torch.bfloat16).requires_grad_(False)  # frozen, as under LoRA
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_tiled_norm_keeps_only_its_input(dtype):
+    model = tiny_model("llama", layers=1, dtype=dtype).requires_grad_(False)  # frozen, as under LoRA
     norm = model.model.layers[0].post_attention_layernorm
-    x = torch.randn(2, SEQ, model.config.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(2, SEQ, model.config.hidden_size, dtype=dtype, requires_grad=True)
     untiled = _saved_bytes(norm, x)
     tiled_norm.apply(model, TILE)
     tiled = _saved_bytes(norm, x)
     weight = norm.weight.numel() * norm.weight.element_size()
-    assert tiled == x.numel() * x.element_size() + weight, "the input and the (frozen) weight, nothing else"
-    assert untiled >= 2 * x.numel() * 4, "untiled, autograd keeps float32 copies of the input"
+    assert tiled == x.numel() * x.element_size() + weight, "the input once and the (frozen) weight, nothing else"
+    assert untiled >= 2 * x.numel() * 4, "untiled, autograd keeps float32 tensors of the input's size"
 
 
 def test_a_norm_with_a_trainable_weight_runs_untiled_and_says_so(monkeypatch, caplog):
@@ -131,21 +171,28 @@ def test_removing_the_tiles_restores_the_norms_classes():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("family", ["llama", "gemma3_text"])
-def test_at_an_8b_width_a_tiled_norms_input_gradient_has_the_untiled_bits(family):
+def test_at_an_8b_width_a_tiled_norms_input_gradient_has_the_untiled_bits(family, dtype):
     """On CUDA a reduction's kernel is chosen by its sizes: the row sums of a 4,096-token
-    tile must be taken as in the whole 16,384-token norm, at Llama-3-8B's width."""
+    tile must be taken as in the whole 16,384-token norm, at Llama-3-8B's width. The input
+    also feeds a residual branch, whose gradient autograd adds to the norm's terms."""
     config = dict(hidden_size=4096, intermediate_size=64, num_attention_heads=32, num_key_value_heads=8, head_dim=128)
-    model = tiny_model(family, layers=1, dtype=torch.bfloat16, **config).requires_grad_(False).cuda()
+    model = tiny_model(family, layers=1, dtype=dtype, **config).requires_grad_(False).cuda()
     norm = model.model.layers[0].post_attention_layernorm
     gen = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(1, 16384, 4096, device="cuda", dtype=torch.bfloat16, generator=gen)
-    grad = torch.randn(1, 16384, 4096, device="cuda", dtype=torch.bfloat16, generator=gen)
-    plain_x = x.clone().requires_grad_(True)
-    norm(plain_x).backward(grad)
+    x = torch.randn(1, 16384, 4096, device="cuda", dtype=dtype, generator=gen)
+    grad = torch.randn(1, 16384, 4096, device="cuda", dtype=dtype, generator=gen)
+    residual_grad = torch.randn(1, 16384, 4096, device="cuda", dtype=dtype, generator=gen)
+
+    def input_gradient():
+        leaf = x.clone().requires_grad_(True)
+        out = norm(leaf)
+        torch.autograd.backward([leaf * 1.0, out], [residual_grad, grad])
+        return leaf.grad, out.grad_fn
+
+    plain, _ = input_gradient()
     tiled_norm.apply(model, 4096)
-    tiled_x = x.clone().requires_grad_(True)
-    out = norm(tiled_x)
-    assert type(out.grad_fn).__name__ == "TiledNormFunctionBackward", "the tiled norm ran"
-    out.backward(grad)
-    assert torch.equal(tiled_x.grad, plain_x.grad)
+    tiled, node = input_gradient()
+    assert type(node).__name__ == "TiledNormFunctionBackward", "the tiled norm ran"
+    assert torch.equal(tiled, plain)

@@ -121,7 +121,7 @@ def _kept(tensor):
     return tensor
 
 
-def _span_graph():
+def span_graph():
     """Where a span's graph is built: it lives only until its gradients are taken, so
     saved-tensor hooks around the step (TRL's activation_offloading, save_on_cpu) are
     shadowed. They would copy each span's logits or MLP activations to the host and back,
@@ -139,7 +139,7 @@ def span_gradients(rows, parts, trainables, wanted, run, grad_rows=None) -> List
     not wanted). The loss chunks and the MLP tiles both take their gradients here."""
     params = [p for p, need in zip(trainables, wanted) if need]
     sums: List[Optional[torch.Tensor]] = [None] * len(params)
-    with torch.enable_grad(), _span_graph():
+    with torch.enable_grad(), span_graph():
         for a, b in parts:
             leaf = rows[a:b].detach().requires_grad_(grad_rows is not None)
             out, grad_out = run(leaf, a, b)

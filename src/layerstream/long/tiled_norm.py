@@ -13,11 +13,16 @@ the norm's forward again on ``tile`` tokens at a time and takes each tile's inpu
 so only one tile's float32 temporaries exist at once. A norm is per token: each row's
 gradient is computed from that row alone, by the same operations as untiled.
 
-Only inputs in bf16 or fp16 are tiled, which is where the memory is (a float32 copy of a
-16-bit input). A float32 input is read by the norm's operations directly, so autograd sums
-their gradients for it together with the gradient of the residual branch, in an order that
-tiling would change; the upcast makes the norm's part one term, added to the residual's as
-untiled. Float32 inputs run untiled.
+The input's gradient keeps the untiled bits whatever its dtype. A 16-bit input reaches the
+norm through one operation (the upcast), so the norm hands autograd one term, which autograd
+adds to the residual branch's. A float32 input (peft's ``prepare_model_for_kbit_training``
+leaves the residual stream in float32) is read by several of the norm's operations directly
+(the square and the scale in an RMSNorm), and autograd adds each one's term to the residual
+branch's in turn: ``(residual + scale) + square`` is not ``residual + (scale + square)`` in
+floating point. So the Function takes the input once per operation that reads it (counted
+on one row, once per norm), and backward hands back each operation's own term, as
+each tile's graph delivered it, in the order autograd delivered them: autograd adds them to
+the residual's as it would have untiled.
 
 Only norms whose weights take no gradient are tiled (LoRA and QLoRA freeze them): a
 trainable norm weight's gradient sums over every token, and summing it tile by tile would
@@ -30,7 +35,7 @@ it bound) and bound again around the backward's tiles, as the tiled MLP does.
 
 from __future__ import annotations
 
-from typing import List
+from typing import Dict, List
 
 import torch
 from torch import nn
@@ -38,15 +43,14 @@ from torch import nn
 from ..modules import swap
 from ..modules.discovery import find_decoder_layers
 from ..system.log import get_logger
-from .chunked_loss import autocast_as, autocast_state, refuse_second_order, span_gradients, spans
+from .chunked_loss import autocast_as, autocast_state, refuse_second_order, span_graph, spans
 from .tiles import bound_to, frozen_tensors, tile_for
 
 logger = get_logger(__name__)
 
 _TILE = "_layerstream_norm_tile_tokens"
-# inputs the norms upcast to float32: only through the upcast is the input's gradient from
-# inside the norm one term (see the module's docstring)
-_UPCAST = (torch.bfloat16, torch.float16)
+# how many of a norm's operations read its input, by (norm, class, dtype, device type, autocast)
+_READS: Dict[tuple, int] = {}
 _said_trainable = False
 
 
@@ -54,15 +58,75 @@ def _plain(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return super(TiledNorm, module).forward(x)
 
 
+def _edges_to(leaf: torch.Tensor, out: torch.Tensor) -> Dict[torch.autograd.graph.Node, List[int]]:
+    """The nodes of ``out``'s graph that hand ``leaf`` a gradient, each with the indices of
+    its edges to it (an operation may read the leaf twice)."""
+    edges: Dict[torch.autograd.graph.Node, List[int]] = {}
+    seen, todo = set(), [out.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for index, (child, _) in enumerate(node.next_functions):
+            if child is not None and getattr(child, "variable", None) is leaf:
+                edges.setdefault(node, []).append(index)
+            elif child is not None:
+                todo.append(child)
+    return edges
+
+
+def _reads(module: nn.Module, x: torch.Tensor) -> int:
+    """How many of the norm's operations read its input: one row's graph, once per norm,
+    dtype, device type and autocast state. Its saved tensors stay out of any hooks around
+    the step (a checkpoint's, offloading's)."""
+    key = (id(module), type(module), x.dtype, x.device.type, str(autocast_state(x.device.type)))
+    if key not in _READS:
+        row = x.detach().reshape(-1, x.shape[-1])[:1].requires_grad_()
+        with torch.enable_grad(), span_graph():
+            _READS[key] = sum(len(indices) for indices in _edges_to(row, _plain(module, row)).values())
+    return _READS[key]
+
+
+def _each_reads_gradient(
+    module: nn.Module, leaf: torch.Tensor, grad: torch.Tensor, terms: list, a: int, b: int
+) -> None:
+    """Rows ``a:b`` of ``terms``: the gradient each operation reading ``leaf`` hands it, in
+    the order autograd hands them over (the order it adds them in), for the norm's forward
+    on ``leaf``. Each is copied as its operation's backward returns it."""
+    out = _plain(module, leaf)
+    delivered = 0
+
+    def keep(indices):
+        def hook(grad_inputs, _grad_outputs):
+            nonlocal delivered
+            for i in indices:
+                if delivered < len(terms):
+                    terms[delivered][a:b] = grad_inputs[i]
+                delivered += 1
+
+        return hook
+
+    handles = [node.register_hook(keep(indices)) for node, indices in _edges_to(leaf, out).items()]
+    try:
+        torch.autograd.grad(out, leaf, grad)
+    finally:
+        for handle in handles:
+            handle.remove()
+    if delivered != len(terms):  # the graph differs from the one counted in forward
+        raise RuntimeError(f"layerstream: a tiled norm's input was read {delivered} times, not {len(terms)}")
+
+
 class TiledNormFunction(torch.autograd.Function):
-    """The norm on the whole of ``x``; backward recomputes it ``tile`` rows at a time."""
+    """The norm on the whole of ``x``; backward recomputes it ``tile`` rows at a time. ``x``
+    comes once per operation of the norm that reads it, and each gets that operation's term."""
 
     @staticmethod
-    def forward(ctx, x, module, tile, specs, *frozen):
+    def forward(ctx, x, module, tile, specs, reads, *copies_and_frozen):
         with torch.no_grad():
             out = _plain(module, x)
-        ctx.save_for_backward(x, *frozen)
-        ctx.module, ctx.tile, ctx.specs = module, tile, specs
+        ctx.save_for_backward(x, *copies_and_frozen[reads - 1 :])
+        ctx.module, ctx.tile, ctx.specs, ctx.reads = module, tile, specs, reads
         ctx.autocast = autocast_state(x.device.type)
         return out
 
@@ -72,14 +136,13 @@ class TiledNormFunction(torch.autograd.Function):
         x, *frozen = ctx.saved_tensors
         rows = x.reshape(-1, x.shape[-1])
         grad_rows = grad.reshape(-1, grad.shape[-1])
-        grad_x = torch.empty_like(rows)
-
-        def run(leaf, a, b):
-            return _plain(ctx.module, leaf), grad_rows[a:b]
-
-        with bound_to(ctx.specs, frozen), autocast_as(ctx.autocast):
-            span_gradients(rows, spans(rows.shape[0], ctx.tile), [], [], run, grad_x)
-        return (grad_x.reshape(x.shape), None, None, None, *([None] * len(frozen)))
+        terms = [torch.empty_like(rows) for _ in range(ctx.reads)]
+        with bound_to(ctx.specs, frozen), autocast_as(ctx.autocast), torch.enable_grad(), span_graph():
+            for a, b in spans(rows.shape[0], ctx.tile):
+                leaf = rows[a:b].detach().requires_grad_()
+                _each_reads_gradient(ctx.module, leaf, grad_rows[a:b], terms, a, b)
+        terms = [term.reshape(x.shape) for term in terms]
+        return (terms[0], None, None, None, None, *terms[1:], *([None] * len(frozen)))
 
 
 class TiledNorm:
@@ -95,14 +158,17 @@ class TiledNorm:
             or x.dim() < 2
             or x.numel() // x.shape[-1] <= tile
             or not (torch.is_grad_enabled() and x.requires_grad)
-            or x.dtype not in _UPCAST
         ):
             return super().forward(x, *args, **kwargs)
         if any(p.requires_grad for p in self.parameters()):
             _say_trainable(self)
             return super().forward(x, *args, **kwargs)
         specs = frozen_tensors(self)
-        return TiledNormFunction.apply(x, self, tile, specs, *[table[name] for table, name in specs])
+        reads = _reads(self, x)
+        if not reads:  # nothing of the input reaches the output's graph: nothing to tile
+            return super().forward(x, *args, **kwargs)
+        copies = [x] * (reads - 1)
+        return TiledNormFunction.apply(x, self, tile, specs, reads, *copies, *[table[name] for table, name in specs])
 
 
 def _say_trainable(norm: nn.Module) -> None:

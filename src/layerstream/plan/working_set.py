@@ -15,7 +15,7 @@ of ``e`` bytes, query and key/value widths ``q`` and ``kv``):
 - attention's saved tensors, alive in both phases: q and k after the rotary embedding, v
   and the attention output, ``(2q + 2kv) e``; what each LoRA-adapted attention projection
   keeps (``lora_saved_bytes``); the norms: their float32 input copies untiled, or with the
-  norms tiled (``long/tiled_norm``) the second norm's input in the compute dtype (the first
+  norms tiled (``long/tiled_norm``) the second norm's input in its own dtype (the first
   one's input is the layer's input, a boundary state);
 - the MLP's phase adds the MLP's input (its second norm's output, which the tiled MLP
   keeps), its input gradient, the gradient arriving from the next layer (``3 h e``), and
@@ -25,9 +25,11 @@ of ``e`` bytes, query and key/value widths ``q`` and ``kv``):
 - attention's phase drops the second norm's saved input and what the output projection's
   adapter kept (both are differentiated before attention), and adds attention backward's
   temporaries (``attention_backward_bytes_per_token``) and the residual stream's gradient;
-- between the two, an untiled second norm's backward makes float32 temporaries of tokens x
-  hidden (``NORM_BACKWARD_WIDTHS`` of them) beside attention's saved tensors: at long
-  sequences the largest phase when the norms are not tiled.
+- between the two, the second norm's backward beside attention's saved tensors: untiled,
+  float32 temporaries of tokens x hidden (``NORM_BACKWARD_WIDTHS`` of them), at long
+  sequences the largest phase; tiled, the gradients arriving and the input gradients it
+  hands back whole (``tiled_norm_reads``), which a float32 residual stream makes as large
+  as the MLP's phase.
 
 Per layer, NF4 projections keep their dequantised weight for the input gradient (all of
 them in the MLP's phase, the attention projections' in attention's), and Parameters adapted
@@ -52,6 +54,10 @@ TILE_OUTPUT_WIDTHS = 4
 # float32 input (the gradient through the scale, the normalised input, their product, the
 # upcast's gradient): this many at once
 NORM_BACKWARD_WIDTHS = 4
+# a tiled norm's backward holds, for the tile it differentiates, the tile's recompute and
+# its backward's float32 temporaries: this many float32 widths a tile token (a CPU trace of a
+# float32 residual stream: 6 MiB more at tiles of 512 x 512, results/cpu/step-trace/)
+NORM_TILE_WIDTHS = 6
 
 
 def lora_saved_bytes(
@@ -93,10 +99,16 @@ def attention_backward_bytes_per_token(q_dim: int, kv_dim: int, elem: int) -> in
     return 4 * q_dim + (2 * q_dim + 2 * kv_dim) * elem + expanded
 
 
-def norms_are_tiled(mlp_tiled: bool, residual_elem: int) -> bool:
-    """Whether a layer's norms run tiled (``long/tiled_norm``): along with the MLP's tiles,
-    for a 16-bit residual stream (a float32 input runs untiled)."""
-    return mlp_tiled and residual_elem == 2
+def norms_are_tiled(mlp_tiled: bool) -> bool:
+    """Whether a layer's norms run tiled (``long/tiled_norm``): along with the MLP's tiles."""
+    return mlp_tiled
+
+
+def tiled_norm_reads(residual_elem: int) -> int:
+    """How many input gradients a tiled norm's backward hands autograd whole, one per
+    operation of the norm that reads its input: a 16-bit input only through the upcast, a
+    float32 one by an RMSNorm's square and its scale."""
+    return 2 if residual_elem >= 4 else 1
 
 
 def _is_mlp(name: str) -> bool:
@@ -106,7 +118,7 @@ def _is_mlp(name: str) -> bool:
     return "attn" not in first and "attention" not in first
 
 
-def layer_working_bytes(
+def layer_phase_bytes(
     config,
     shape: LayerShape,
     adapted: LoraTargets,
@@ -118,20 +130,21 @@ def layer_working_bytes(
     lora_dropout: bool = False,
     autocast: bool = False,
     residual_elem: Optional[int] = None,
-) -> int:
-    """Activation bytes of one layer's backward at ``tokens`` tokens: the largest phase.
+) -> dict:
+    """Activation bytes of each phase of one layer's backward at ``tokens`` tokens: the
+    MLP's, attention's and the second norm's.
 
     Args:
         elem: bytes per element of the compute dtype.
         dequantised: NF4 layers in training (their projections keep dequantised weights).
         mlp_tile_tokens: the sequence-tiled MLP's tile (dense layers), which also tiles the
-            norms of a 16-bit model.
+            layers' norms.
         adapter_elem, lora_dropout, autocast: the adapters' bytes per element, whether
             their dropout is above 0, and whether the step runs under autocast: together
             what each adapted projection keeps (``lora_saved_bytes``).
         residual_elem: bytes per element of the residual stream where it is wider than the
             compute dtype (None: ``elem``). A float32 residual stream (peft's
-            ``prepare_model_for_kbit_training``) keeps the norms untiled and float32, makes
+            ``prepare_model_for_kbit_training``) keeps the norms float32, makes
             the MLP's input, its gradients and (bitsandbytes returning its input's dtype)
             the MLP's activations float32, while autocast runs attention and keeps the
             adapters' inputs in ``elem``: a CPU allocation trace of that step
@@ -145,7 +158,7 @@ def layer_working_bytes(
     # bitsandbytes returns its input's dtype; autocast's matmuls (an MoE's expert stacks) its own
     mlp_elem = residual if (dequantised and not shape.sparse) or not autocast else elem
     tiled = bool(mlp_tile_tokens) and not shape.sparse
-    norms_tiled = norms_are_tiled(tiled, residual)
+    norms_tiled = norms_are_tiled(tiled)
 
     def input_elem(lin) -> int:
         """The dtype of a projection's input: the output projection's is attention's, the
@@ -215,8 +228,19 @@ def layer_working_bytes(
     mlp_phase = tokens * mlp_phase_per_token + mlp_tokens * mlp_per_token + merged + mlp_weights + shape.dequantised
     attention_phase = tokens * attention_phase_per_token + attention_weights
     if norms_tiled:
-        return max(mlp_phase, attention_phase)
-    # an untiled norm's backward, the second norm's between the MLP's phase and attention's:
-    # its float32 temporaries beside attention's saved tensors and two gradients
-    norm_phase = tokens * (saved + NORM_BACKWARD_WIDTHS * 4 * hidden + 2 * hidden * elem) + attention_weights
-    return max(mlp_phase, attention_phase, norm_phase)
+        # the second norm's backward: the gradient arriving at its output, the residual
+        # branch's, and its input gradients, each of the whole length
+        reads = tiled_norm_reads(residual)
+        norm_tile = mlp_tokens * NORM_TILE_WIDTHS * 4 * hidden
+        norm_phase = tokens * (saved + (2 + reads) * hidden * residual) + norm_tile + attention_weights
+    else:
+        # an untiled norm's backward, the second norm's between the MLP's phase and
+        # attention's: its float32 temporaries beside attention's saved tensors and two gradients
+        norm_phase = tokens * (saved + NORM_BACKWARD_WIDTHS * 4 * hidden + 2 * hidden * elem) + attention_weights
+    return {"mlp": mlp_phase, "attention": attention_phase, "norm": norm_phase}
+
+
+def layer_working_bytes(*args, **kwargs) -> int:
+    """Activation bytes of one layer's backward: the largest of its phases
+    (``layer_phase_bytes``, which takes the same arguments)."""
+    return max(layer_phase_bytes(*args, **kwargs).values())
