@@ -289,6 +289,23 @@ def profiled_events(prof, depth: int = 40) -> List[dict]:
     return events
 
 
+def _peft_sees_autocast_as_on_a_gpu() -> None:
+    """PEFT's bitsandbytes LoRA layer asks ``torch.is_autocast_enabled()``, CUDA's state,
+    whether to cast its input to the adapters' dtype: on a GPU under ``bf16`` it does not.
+    Here the CPU's autocast stands in for CUDA's, so the layer answers as on the GPU (else it
+    casts attention's bf16 output to float32 for float32 adapters, which no GPU step does)."""
+    from peft.tuners.lora import bnb as peft_bnb
+
+    class TorchSeeingCpuAutocast:
+        def is_autocast_enabled(self, *args):
+            return torch.is_autocast_enabled(*args) if args else torch.is_autocast_enabled("cpu")
+
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+    peft_bnb.torch = TorchSeeingCpuAutocast()
+
+
 def trace_step(model_path: str, work: str, setup: str, tokens: int, tile: int, chunk: int) -> List[dict]:
     """Train two steps of the Trainer setup, its arguments parsed as long_trainer_script.py
     parses them; return the second step's events."""
@@ -319,6 +336,7 @@ def trace_step(model_path: str, work: str, setup: str, tokens: int, tile: int, c
         for param in model.parameters():
             if param.requires_grad:
                 param.data = param.data.to(torch.bfloat16)
+    _peft_sees_autocast_as_on_a_gpu()
     print("parameters (dtype, trainable):", dict(Counter((str(p.dtype), p.requires_grad) for p in model.parameters())))
     ids = torch.randint(0, MODEL["vocab_size"], (tokens,), generator=torch.Generator().manual_seed(1)).tolist()
     data = Dataset.from_list([{"input_ids": ids, "labels": ids, "attention_mask": [1] * tokens}] * 2)

@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from layerstream.plan import working_set
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 RESULTS = ROOT / "benchmarks" / "results" / "cpu" / "step-trace"
@@ -149,17 +151,18 @@ def test_the_committed_trace_is_within_5_percent_of_the_planner(setup, tmp_path)
 
 def test_tiling_float32_norms_changes_the_norms_phase_as_the_planner_says(tmp_path, monkeypatch):
     """The prepared setup (a float32 residual stream) traced with its norms untiled
-    (prepared.json) and tiled (prepared-float32-norms-tiled.json): at each length the second
+    (prepared-untiled-float32-norms.json) and tiled (prepared-float32-norms-tiled.json), its
+    adapters keeping their inputs in both: at each length the second
     norm's phase moved by what the planner's norm phase moves, one float32 width a token
     fewer and the tile's temporaries more."""
     from cpu_step_trace import LORA, planner_arguments
     from transformers import AutoConfig
 
-    from layerstream.plan import working_set
     from layerstream.plan.lora import lora_adapters
     from layerstream.plan.shapes import layer_shapes
 
-    untiled = json.loads((RESULTS / "prepared.json").read_text())
+    monkeypatch.setattr(working_set, "adapter_inputs_recomputed", lambda mlp_tiled: False)  # as both ran
+    untiled = json.loads((RESULTS / "prepared-untiled-float32-norms.json").read_text())
     tiled = json.loads((RESULTS / "prepared-float32-norms-tiled.json").read_text())
     assert untiled["model"] == tiled["model"] and untiled["tile"] == tiled["tile"]
     (tmp_path / "config.json").write_text(json.dumps(tiled["model"]))
@@ -184,3 +187,24 @@ def test_tiling_float32_norms_changes_the_norms_phase_as_the_planner_says(tmp_pa
             measured,
             planned,
         )
+
+
+def test_drawing_the_attention_adapters_dropout_again_frees_what_the_planner_says(tmp_path, monkeypatch):
+    """The prepared setup traced with its attention adapters keeping their dropped inputs
+    (prepared-float32-norms-tiled.json) and drawing their dropout again (prepared.json): at
+    each length the layer working set at the step's peak moved by what the plan's moves."""
+    from cpu_step_trace import planned
+
+    kept = json.loads((RESULTS / "prepared-float32-norms-tiled.json").read_text())
+    drawn = json.loads((RESULTS / "prepared.json").read_text())
+    assert kept["model"] == drawn["model"] and kept["tile"] == drawn["tile"]
+    (tmp_path / "config.json").write_text(json.dumps(drawn["model"]))
+    for before, after in zip(kept["lengths"], drawn["lengths"]):
+        tokens = after["tokens"]
+        measured = after["layer_working_bytes"] - before["layer_working_bytes"]
+        now = planned(str(tmp_path), "prepared", tokens, drawn["tile"])
+        with monkeypatch.context() as patch:
+            patch.setattr(working_set, "adapter_inputs_recomputed", lambda mlp_tiled: False)
+            freed = now - planned(str(tmp_path), "prepared", tokens, drawn["tile"])
+        assert freed < 0 and measured < 0
+        assert measured == pytest.approx(freed, rel=0.25), (tokens, measured, freed)

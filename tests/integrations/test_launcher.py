@@ -139,13 +139,26 @@ def test_trl_sft_qlora_under_the_launcher_matches_the_plain_run(files, tmp_path,
 def test_trl_sft_with_its_lora_dropout_trains_under_the_tiled_mlp_as_the_plain_run(files, tmp_path, monkeypatch):
     """TRL's default lora_dropout (0.05) with --mlp-tile-tokens: the tiles' backward replays
     the forward's masks, and the launcher's run gives the losses of the plain script whose
-    resident model has the same tiles (tiles draw their own masks: not an untiled run's)."""
+    resident model has the same tiles (tiles draw their own masks: not an untiled run's);
+    the attention adapters, which draw their masks again in the launcher's run, add nothing
+    to the difference."""
     from transformers import PreTrainedModel
 
+    from layerstream.long import adapter_inputs, tiles
+
     loading = PreTrainedModel.__dict__["from_pretrained"].__func__
-    replays = []
-    replayed = tiled_mlp.ForwardRandomState.replayed
-    monkeypatch.setattr(tiled_mlp.ForwardRandomState, "replayed", lambda self: replays.append(1) or replayed(self))
+    replays, adapter_replays = [], []
+
+    def counting(into):
+        class Counting(tiles.ForwardRandomState):
+            def replayed(self):
+                into.append(1)
+                return super().replayed()
+
+        return Counting
+
+    monkeypatch.setattr(tiled_mlp, "ForwardRandomState", counting(replays))
+    monkeypatch.setattr(adapter_inputs, "ForwardRandomState", counting(adapter_replays))
     with monkeypatch.context() as plain:
         tiled = classmethod(lambda cls, *a, **k: tiled_mlp.apply(loading(cls, *a, **k), 16))
         plain.setattr(PreTrainedModel, "from_pretrained", tiled)
@@ -154,6 +167,10 @@ def test_trl_sft_with_its_lora_dropout_trains_under_the_tiled_mlp_as_the_plain_r
     streamed = ["run", "--slots", "2", "--mlp-tile-tokens", "16", "-m", "trl.scripts.sft"]
     assert cli.main(streamed + _common(files, tmp_path / "streamed")) == 0
     assert plain_replays > 0 and len(replays) == 2 * plain_replays, "each run's tiles replayed their masks"
+    # TRL injects the adapters after the model streamed: their dropout is drawn again from the
+    # first step (the plain run's tiles were applied before TRL's injection: its adapters keep
+    # their inputs), and the losses are the same
+    assert adapter_replays, "the attention adapters drew their masks again"
     plain, got = _losses(tmp_path / "plain"), _losses(tmp_path / "streamed")
     assert len(plain) == 3 and got == plain
 

@@ -196,3 +196,25 @@ def test_at_an_8b_width_a_tiled_norms_input_gradient_has_the_untiled_bits(family
     tiled, node = input_gradient()
     assert type(node).__name__ == "TiledNormFunctionBackward", "the tiled norm ran"
     assert torch.equal(tiled, plain)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_non_contiguous_input_runs_the_norms_own_backward(dtype, monkeypatch):
+    """Rows of a strided input would be a copy, whose reductions take other kernels: such an
+    input (a custom model's transposed states) runs untiled, with the untiled bits."""
+    calls = _counting(monkeypatch)
+    model = tiny_model("llama", layers=1, dtype=dtype).requires_grad_(False)
+    norm = model.model.layers[0].post_attention_layernorm
+    hidden = model.config.hidden_size
+    x = torch.randn(2, hidden, SEQ, dtype=dtype).transpose(1, 2)
+    grad, residual_grad = torch.randn_like(x), torch.randn_like(x)
+
+    def input_gradient():
+        leaf = x.detach().requires_grad_(True)
+        torch.autograd.backward([leaf * 1.0, norm(leaf)], [residual_grad, grad])
+        return leaf.grad
+
+    plain = input_gradient()
+    tiled_norm.apply(model, TILE)
+    assert torch.equal(input_gradient(), plain)
+    assert calls["backward"] == 0

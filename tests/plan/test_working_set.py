@@ -11,6 +11,7 @@ from peft.tuners.lora import bnb as peft_bnb
 from torch import nn
 
 from layerstream.api import get_runtime
+from layerstream.long import adapter_inputs
 from layerstream.plan import make_plan, model_plan_request
 from layerstream.plan.working_set import lora_saved_bytes
 from layerstream.runtime import long_settings
@@ -56,7 +57,13 @@ def _cuda_dropout(input, p=0.5, training=True, inplace=False):
 
 
 def _saved_by_the_adapter(
-    adapter_dtype, dropout: float, autocast: bool, four_bit: bool, monkeypatch, input_dtype=torch.bfloat16
+    adapter_dtype,
+    dropout: float,
+    autocast: bool,
+    four_bit: bool,
+    monkeypatch,
+    input_dtype=torch.bfloat16,
+    recomputed: bool = False,
 ) -> int:
     """Bytes of the (tokens x in) tensors autograd saves in one adapted projection's
     forward, the input itself not counted (it is the layer's, not the adapter's)."""
@@ -65,6 +72,9 @@ def _saved_by_the_adapter(
     for name, param in model.named_parameters():
         if "lora_" in name:
             param.data = param.data.to(adapter_dtype)
+    if recomputed and dropout:  # as long/adapter_inputs sets up an attention adapter
+        proj = model.base_model.model.proj
+        adapter_inputs.recompute(proj.lora_dropout["default"], proj.lora_A["default"], TOKENS // 2, proj.base_layer)
     x = torch.randn(TOKENS, IN, dtype=input_dtype, requires_grad=True)
     saved = {}
 
@@ -94,6 +104,31 @@ def test_what_a_lora_projection_keeps_is_what_the_plan_counts(adapter_dtype, dro
     measured = _saved_by_the_adapter(adapter_dtype, dropout, autocast, four_bit, monkeypatch)
     adapter_elem = torch.empty((), dtype=adapter_dtype).element_size()
     assert measured == TOKENS * lora_saved_bytes(IN, 2, adapter_elem, dropout > 0, autocast, four_bit)
+
+
+# a bf16 projection takes a float32 input only under autocast (or as 4-bit)
+_INPUTS = [
+    (autocast, four_bit, input_dtype)
+    for autocast in (False, True)
+    for four_bit in (False, True)
+    for input_dtype in (torch.bfloat16, torch.float32)
+    if not (input_dtype == torch.float32 and not autocast and not four_bit)
+]
+
+
+@pytest.mark.parametrize("autocast, four_bit, input_dtype", _INPUTS)
+@pytest.mark.parametrize("adapter_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_an_adapter_whose_dropout_is_drawn_again_keeps_what_the_plan_counts(
+    adapter_dtype, autocast, four_bit, input_dtype, monkeypatch
+):
+    """Its input only: nothing beyond the projection's own, or PEFT's cast of it; a cast to
+    wider adapters under autocast stays as PEFT keeps it (the cast would keep more)."""
+    measured = _saved_by_the_adapter(adapter_dtype, 0.05, autocast, four_bit, monkeypatch, input_dtype, True)
+    adapter_elem = torch.empty((), dtype=adapter_dtype).element_size()
+    in_elem = torch.empty((), dtype=input_dtype).element_size()
+    planned = lora_saved_bytes(IN, 2, adapter_elem, True, autocast, four_bit, in_elem=in_elem, recomputed=True)
+    assert measured == TOKENS * planned
+    assert measured <= _saved_by_the_adapter(adapter_dtype, 0.05, autocast, four_bit, monkeypatch, input_dtype)
 
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["no-autocast", "autocast"])

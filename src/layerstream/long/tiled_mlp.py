@@ -22,20 +22,18 @@ drawn tile by tile, so they are not those of an untiled MLP with the same seed.
 
 from __future__ import annotations
 
-import contextlib
 from typing import List
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import get_device_states, set_device_states
 
 from ..config import check_tokens
 from ..errors import StreamingError
 from ..modules import swap
 from ..modules.discovery import describe_family, find_decoder_layers, layer_name
-from . import tiled_norm
+from . import adapter_inputs, tiled_norm
 from .chunked_loss import autocast_as, autocast_state, refuse_second_order, span_gradients, spans
-from .tiles import bound_to, frozen_tensors, tile_for
+from .tiles import ForwardRandomState, bound_to, frozen_tensors, tile_for
 
 _TILE = "_layerstream_mlp_tile_tokens"
 _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -43,26 +41,6 @@ _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 def _plain(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return super(TiledMLP, module).forward(x)
-
-
-class ForwardRandomState:
-    """The random state the forward's tiles start from: the CPU's and that of the device
-    the input is on. Backward runs its tiles in the forward's order inside ``replayed``, so
-    each tile draws the dropout masks its forward drew. ``fork_rng`` puts back the state
-    backward found: the recompute takes no numbers from the stream the rest of the step
-    draws from, so a streamed and a resident run consume the same numbers in one order."""
-
-    def __init__(self, x: torch.Tensor):
-        self.device_type = x.device.type
-        self.cpu = torch.get_rng_state()
-        self.devices, self.states = get_device_states(x)
-
-    @contextlib.contextmanager
-    def replayed(self):
-        with torch.random.fork_rng(devices=self.devices, device_type=self.device_type):
-            torch.set_rng_state(self.cpu)
-            set_device_states(self.devices, self.states, device_type=self.device_type)
-            yield
 
 
 class StashInputs(torch.autograd.Function):
@@ -185,12 +163,14 @@ def check(model: nn.Module, tokens: int) -> None:
 
 
 def apply(model: nn.Module, tokens: int) -> nn.Module:
-    """Run each decoder layer's MLP ``tokens`` tokens at a time, and differentiate its norms
-    as many at a time (``tiled_norm``). Returns the same model."""
+    """Run each decoder layer's MLP ``tokens`` tokens at a time, differentiate its norms as
+    many at a time (``tiled_norm``), and keep only the inputs of its attention adapters'
+    dropout (``adapter_inputs``). Returns the same model."""
     check_tokens("mlp_tile_tokens", tokens)
     for mlp in mlps(model):  # every layer's, or a refusal before any changes
         swap.swap_in(mlp, TiledMLP)
         object.__setattr__(mlp, _TILE, tokens)
+    adapter_inputs.apply(model, tokens)
     return tiled_norm.apply(model, tokens)
 
 
@@ -202,6 +182,7 @@ def apply_per_length(model: nn.Module, tiles: dict) -> nn.Module:
     for mlp in mlps(model):
         swap.swap_in(mlp, TiledMLP)
         object.__setattr__(mlp, _TILE, tiles)
+    adapter_inputs.apply(model, tiles)
     return tiled_norm.apply(model, tiles)
 
 
@@ -213,4 +194,5 @@ def remove(model: nn.Module) -> nn.Module:
         if mlp is not None and swap.has(mlp, TiledMLP):
             swap.swap_out(mlp, TiledMLP)
             mlp.__dict__.pop(_TILE, None)
+    adapter_inputs.remove(model)
     return tiled_norm.remove(model)

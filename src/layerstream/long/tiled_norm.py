@@ -35,6 +35,7 @@ it bound) and bound again around the backward's tiles, as the tiled MLP does.
 
 from __future__ import annotations
 
+import weakref
 from typing import Dict, List
 
 import torch
@@ -49,8 +50,8 @@ from .tiles import bound_to, frozen_tensors, tile_for
 logger = get_logger(__name__)
 
 _TILE = "_layerstream_norm_tile_tokens"
-# how many of a norm's operations read its input, by (norm, class, dtype, device type, autocast)
-_READS: Dict[tuple, int] = {}
+# how many of a norm's operations read its input, by norm (weakly) and (dtype, device, autocast)
+_READS: "weakref.WeakKeyDictionary[nn.Module, Dict[tuple, int]]" = weakref.WeakKeyDictionary()
 _said_trainable = False
 
 
@@ -77,15 +78,16 @@ def _edges_to(leaf: torch.Tensor, out: torch.Tensor) -> Dict[torch.autograd.grap
 
 
 def _reads(module: nn.Module, x: torch.Tensor) -> int:
-    """How many of the norm's operations read its input: one row's graph, once per norm,
-    dtype, device type and autocast state. Its saved tensors stay out of any hooks around
-    the step (a checkpoint's, offloading's)."""
-    key = (id(module), type(module), x.dtype, x.device.type, str(autocast_state(x.device.type)))
-    if key not in _READS:
-        row = x.detach().reshape(-1, x.shape[-1])[:1].requires_grad_()
+    """How many of the norm's operations read its input: counted on one row's graph, once
+    per norm (held weakly), dtype, device type and autocast state. Its saved tensors stay out
+    of any hooks around the step (a checkpoint's, offloading's)."""
+    known = _READS.setdefault(module, {})
+    key = (x.dtype, x.device.type, str(autocast_state(x.device.type)))
+    if key not in known:
+        row = x.detach()[(0,) * (x.dim() - 1)].clone().unsqueeze(0).requires_grad_()
         with torch.enable_grad(), span_graph():
-            _READS[key] = sum(len(indices) for indices in _edges_to(row, _plain(module, row)).values())
-    return _READS[key]
+            known[key] = sum(len(indices) for indices in _edges_to(row, _plain(module, row)).values())
+    return known[key]
 
 
 def _each_reads_gradient(
@@ -158,6 +160,7 @@ class TiledNorm:
             or x.dim() < 2
             or x.numel() // x.shape[-1] <= tile
             or not (torch.is_grad_enabled() and x.requires_grad)
+            or not x.is_contiguous()  # the tiles' rows would be a copy, reduced by other kernels
         ):
             return super().forward(x, *args, **kwargs)
         if any(p.requires_grad for p in self.parameters()):

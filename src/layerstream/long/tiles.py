@@ -13,6 +13,7 @@ from typing import Dict, List, Optional
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import get_device_states, set_device_states
 
 
 def frozen_tensors(module: nn.Module) -> List[tuple]:
@@ -74,3 +75,23 @@ def tile_for(setting, x: torch.Tensor):
     if isinstance(setting, dict):
         return setting.get(x.numel() // x.shape[-1]) if x.dim() >= 2 and torch.is_grad_enabled() else None
     return setting
+
+
+class ForwardRandomState:
+    """The random state the forward's tiles start from: the CPU's and that of the device
+    the input is on. Backward runs its tiles in the forward's order inside ``replayed``, so
+    each tile draws the dropout masks its forward drew. ``fork_rng`` puts back the state
+    backward found: the recompute takes no numbers from the stream the rest of the step
+    draws from, so a streamed and a resident run consume the same numbers in one order."""
+
+    def __init__(self, x: torch.Tensor):
+        self.device_type = x.device.type
+        self.cpu = torch.get_rng_state()
+        self.devices, self.states = get_device_states(x)
+
+    @contextlib.contextmanager
+    def replayed(self):
+        with torch.random.fork_rng(devices=self.devices, device_type=self.device_type):
+            torch.set_rng_state(self.cpu)
+            set_device_states(self.devices, self.states, device_type=self.device_type)
+            yield

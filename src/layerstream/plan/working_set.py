@@ -68,6 +68,7 @@ def lora_saved_bytes(
     autocast: bool,
     four_bit: bool = False,
     in_elem: Optional[int] = None,
+    recomputed: bool = False,
 ) -> int:
     """Per token, what one LoRA-adapted projection keeps for backward beyond the base layer.
 
@@ -78,10 +79,19 @@ def lora_saved_bytes(
     a 4-bit projection (PEFT's bitsandbytes layer) does not cast under autocast at all.
     With neither a cast nor dropout the adapter keeps the projection's own input, which is
     counted once per input elsewhere, so nothing here; but an input wider than the compute
-    dtype (``in_elem``: a float32 residual stream) gets autocast's own copy in each adapter."""
+    dtype (``in_elem``: a float32 residual stream) gets autocast's own copy in each adapter.
+
+    ``recomputed``: the dropout and ``lora_A`` run again in backward (``long/adapter_inputs``,
+    the attention's adapters where the MLP is tiled), keeping only what they received: the
+    projection's own input (counted elsewhere, as without dropout), or PEFT's cast of it;
+    not a cast to wider adapters under autocast, which would keep more than it frees."""
     in_elem = elem if in_elem is None else in_elem
     cast = adapter_elem != in_elem and (not autocast or not four_bit)
     received = adapter_elem if cast else in_elem  # what the dropout and lora_A receive
+    # a 16-bit projection's input wider than its weight under autocast stays as PEFT keeps it
+    # (long/adapter_inputs: it is taken for PEFT's cast to wider adapters)
+    if recomputed and dropout and not (autocast and not four_bit and received > elem):
+        return in_features * received if cast else 0
     kept = elem if autocast else received
     if dropout:
         return in_features * (kept + 1)
@@ -101,6 +111,12 @@ def attention_backward_bytes_per_token(q_dim: int, kv_dim: int, elem: int) -> in
 
 def norms_are_tiled(mlp_tiled: bool) -> bool:
     """Whether a layer's norms run tiled (``long/tiled_norm``): along with the MLP's tiles."""
+    return mlp_tiled
+
+
+def adapter_inputs_recomputed(mlp_tiled: bool) -> bool:
+    """Whether the attention adapters' dropout runs again in backward, keeping only their
+    inputs (``long/adapter_inputs``): along with the MLP's tiles."""
     return mlp_tiled
 
 
@@ -169,8 +185,16 @@ def layer_phase_bytes(
 
     def kept(lin) -> int:
         four_bit = dequantised and lin.quantised
+        recomputed = adapter_inputs_recomputed(tiled) and not _is_mlp(lin.name)
         return lora_saved_bytes(
-            lin.in_features, elem, adapter_elem, lora_dropout, autocast, four_bit, in_elem=input_elem(lin)
+            lin.in_features,
+            elem,
+            adapter_elem,
+            lora_dropout,
+            autocast,
+            four_bit,
+            in_elem=input_elem(lin),
+            recomputed=recomputed,
         )
 
     attention_linears = [lin for lin in adapted.linears if not _is_mlp(lin.name)]

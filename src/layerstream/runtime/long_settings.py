@@ -31,7 +31,7 @@ import torch
 from ..config import OFFLOAD_AUTO_MARGIN, StreamConfig
 from ..decisions.disk import size_text
 from ..errors import StreamingError
-from ..long import chunked_loss, tiled_mlp
+from ..long import adapter_inputs, chunked_loss, tiled_mlp
 from ..long.tiles import TilesByLength
 from ..modules.discovery import unwrap_peft
 from ..plan.long_settings import (
@@ -228,6 +228,9 @@ class LongSettingsPolicy:
         move now where it counts on them (not when a step is only planned or refused)."""
         if ENDS in decision.names:
             self.ends.move()
+        tiles = self._tiles if self._tiled else self.config.mlp_tile_tokens
+        if isinstance(tiles, int) or self._tiled:  # adapters added since the tiles were set up
+            adapter_inputs.apply(self.model, tiles)
 
     def pass_starts(self) -> None:
         """A training pass starts: note whether it runs under autocast (what each LoRA

@@ -1,0 +1,184 @@
+"""The attention adapters' dropped inputs drawn again in backward (with ``mlp_tile_tokens``).
+
+Why: with LoRA dropout above 0 (TRL's default 0.05), PEFT computes ``lora_A(dropout(x))``
+for each adapted projection, and autograd keeps, per projection, the dropout's mask and
+``lora_A``'s input (the dropped ``x``, cast to the compute dtype under autocast). For the
+four attention projections of a Llama layer that is ``4 x 3 x hidden`` bytes a token,
+about a third of what a layer's backward holds at long sequences, though ``q``, ``k`` and
+``v`` read the same ``x``. Once the MLP runs in tiles it is the largest term left that
+does not need to be kept.
+
+Here, where a step's MLP is tiled, each attention adapter's dropout and ``lora_A`` run as
+one Function that keeps only ``x`` (one tensor for the three that share it) and the random
+state the dropout drew from; backward runs the dropout and ``lora_A`` again on ``x`` with
+that state replayed (as ``torch.utils.checkpoint`` does with ``preserve_rng_state``, and
+the tiled MLP for its tiles), so the mask is the one the forward drew, and takes the
+gradients of ``x`` and of ``lora_A``'s weight from the same operations on the same values:
+the bits are the untiled ones. The forward computes exactly what PEFT's does.
+
+How it is reached without rewriting PEFT's forward: the adapter's ``nn.Dropout`` hands
+its input back unchanged and marks its ``lora_A`` (``DeferredDropout``), and ``lora_A``
+then runs both (``DroppedInputLinear``), in PEFT's own ``lora_A(dropout(x))``. Adapters
+with a variant (DoRA and others), whose forward reads the dropout's output elsewhere, are
+left as they are; so are the MLP's, which its tiles already recompute.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+from torch import nn
+
+from ..modules import swap
+from ..modules.discovery import find_decoder_layers
+from .chunked_loss import autocast_as, autocast_state, refuse_second_order, span_graph
+from .tiles import ForwardRandomState, tile_for
+
+_TILE = "_layerstream_adapter_tile_tokens"  # the tile setting: recompute where a tile is decided
+_PAIRED = "_layerstream_paired_lora_A"
+_PENDING = "_layerstream_pending_dropout"
+_BASE_LAYER = "_layerstream_adapted_base_layer"
+_MLP_NAMES = ("mlp", "feed_forward", "block_sparse_moe")
+
+
+def _dropped_then_linear(linear: nn.Module, dropout: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """PEFT's ``lora_A(dropout(x))`` with both modules' own forwards."""
+    dropped = super(DeferredDropout, dropout).forward(x)
+    return super(DroppedInputLinear, linear).forward(dropped)
+
+
+class DroppedInputFunction(torch.autograd.Function):
+    """``lora_A(dropout(x))``, keeping ``x`` and the random state; backward draws the same
+    mask again and differentiates the same operations."""
+
+    @staticmethod
+    def forward(ctx, x, linear, dropout, *trainables):
+        ctx.random = ForwardRandomState(x)
+        ctx.trainables = trainables
+        with torch.no_grad():
+            out = _dropped_then_linear(linear, dropout, x)
+        ctx.save_for_backward(x)
+        ctx.linear, ctx.dropout = linear, dropout
+        ctx.autocast = autocast_state(x.device.type)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        refuse_second_order("mlp_tile_tokens", "the attention adapters' recomputed dropout")
+        (x,) = ctx.saved_tensors
+        trainables, wanted = ctx.trainables, ctx.needs_input_grad[3:]
+        with autocast_as(ctx.autocast), ctx.random.replayed(), torch.enable_grad(), span_graph():
+            leaf = x.detach().requires_grad_(ctx.needs_input_grad[0])
+            out = _dropped_then_linear(ctx.linear, ctx.dropout, leaf)
+            inputs = ([leaf] if ctx.needs_input_grad[0] else []) + [p for p, need in zip(trainables, wanted) if need]
+            grads = list(torch.autograd.grad(out, inputs, grad, allow_unused=True)) if inputs else []
+        grad_x = grads.pop(0) if ctx.needs_input_grad[0] else None
+        taken = iter(grads)
+        return (grad_x, None, None, *[next(taken) if need else None for need in wanted])
+
+
+def _a_wide_cast_under_autocast(x: torch.Tensor, base: Optional[nn.Module]) -> bool:
+    """Whether ``x`` is PEFT's cast of a 16-bit projection's input to wider adapters (float32
+    adapters on a bf16 model) under autocast: kept as PEFT keeps it, that cast is not kept
+    at all (the mask and autocast's 16-bit copy are, 3 bytes an element), where drawing again
+    would keep the 4-byte cast. A projection whose weight is not floating point (4-bit)
+    takes its input uncast under autocast."""
+    if base is None or not torch.is_autocast_enabled(x.device.type):
+        return False
+    weight = getattr(base, "weight", None)
+    if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
+        return False
+    return x.element_size() > weight.element_size()
+
+
+class DeferredDropout:
+    """Mixed in front of an attention adapter's ``nn.Dropout``: where the step's MLP is
+    tiled, hands its input back and leaves the dropout to its ``lora_A``."""
+
+    def forward(self, x):
+        linear = self.__dict__.get(_PAIRED)
+        tile = tile_for(self.__dict__.get(_TILE), x) if linear is not None else None
+        if (
+            not tile
+            or not self.training
+            or not torch.is_grad_enabled()
+            or x.dim() < 2
+            or x.numel() // x.shape[-1] <= tile
+            or _a_wide_cast_under_autocast(x, self.__dict__.get(_BASE_LAYER))
+        ):
+            return super().forward(x)
+        linear.__dict__[_PENDING] = (self, x)
+        return x
+
+
+class DroppedInputLinear:
+    """Mixed in front of an attention adapter's ``lora_A``: runs the dropout its
+    ``DeferredDropout`` left to it, with its own forward, keeping only the input."""
+
+    def forward(self, x):
+        pending = self.__dict__.pop(_PENDING, None)
+        if pending is None or pending[1] is not x:  # called directly, not as lora_A(dropout(x))
+            return super().forward(x)
+        trainables = [p for p in self.parameters() if p.requires_grad]
+        return DroppedInputFunction.apply(x, self, pending[0], *trainables)
+
+
+def _attention_adapters(layer: nn.Module) -> List[tuple]:
+    """(dropout, lora_A, base layer) of each plain LoRA adapter outside the layer's MLP whose
+    dropout is an ``nn.Dropout`` above 0 and whose ``lora_A`` is an ``nn.Linear``."""
+    found = []
+    for child_name, child in layer.named_children():
+        if child_name in _MLP_NAMES:
+            continue
+        for module in child.modules():
+            dropouts, lora_As = getattr(module, "lora_dropout", None), getattr(module, "lora_A", None)
+            if not isinstance(dropouts, nn.ModuleDict) or not isinstance(lora_As, nn.ModuleDict):
+                continue
+            variants = getattr(module, "lora_variant", None) or {}
+            for name, dropout in dropouts.items():
+                linear = lora_As[name] if name in lora_As else None
+                if name in variants or not isinstance(linear, nn.Linear):
+                    continue
+                if isinstance(dropout, nn.Dropout) and dropout.p > 0:
+                    found.append((dropout, linear, getattr(module, "base_layer", None)))
+    return found
+
+
+def apply(model: nn.Module, tiles) -> nn.Module:
+    """Recompute the attention adapters' dropped inputs in backward where a step's MLP is
+    tiled: ``tiles`` is the tile setting (a number, or the dict "auto" fills). Adapters
+    already set up are left as they are, so it can be called again for adapters added since
+    (PEFT's injection after streaming)."""
+    _, layers = find_decoder_layers(model)
+    for layer in layers:
+        for dropout, linear, base in _attention_adapters(layer):
+            recompute(dropout, linear, tiles, base)
+    return model
+
+
+def recompute(dropout: nn.Dropout, linear: nn.Linear, tiles, base: Optional[nn.Module] = None) -> None:
+    """One adapter's ``lora_dropout`` and ``lora_A``: drawn again in backward where ``tiles``
+    has a tile for the input's token count. ``base``: the adapted projection (its weight's
+    dtype tells PEFT's cast of the input apart)."""
+    if not swap.has(dropout, DeferredDropout):
+        swap.swap_in(dropout, DeferredDropout)
+    if not swap.has(linear, DroppedInputLinear):
+        swap.swap_in(linear, DroppedInputLinear)
+    object.__setattr__(dropout, _TILE, tiles)
+    object.__setattr__(dropout, _PAIRED, linear)
+    object.__setattr__(dropout, _BASE_LAYER, base)
+
+
+def remove(model: nn.Module) -> nn.Module:
+    """Undo ``apply``."""
+    for module in model.modules():
+        if swap.has(module, DeferredDropout):
+            swap.swap_out(module, DeferredDropout)
+            module.__dict__.pop(_TILE, None)
+            module.__dict__.pop(_PAIRED, None)
+            module.__dict__.pop(_BASE_LAYER, None)
+        if swap.has(module, DroppedInputLinear):
+            swap.swap_out(module, DroppedInputLinear)
+            module.__dict__.pop(_PENDING, None)
+    return model
