@@ -3,6 +3,7 @@ of the adapters that keep their dropped inputs, streamed and resident, with only
 kept, and a recompute that draws fresh masks caught."""
 
 import contextlib
+import logging
 
 import pytest
 import torch
@@ -151,3 +152,71 @@ def test_mlp_and_dora_adapters_are_left_as_they_are_and_remove_restores_classes(
     dora = get_peft_model(tiny_model("llama", layers=2), lora_config(use_dora=True, **DROPOUT))
     tiled_mlp.apply(dora, TILE)
     assert not any(swap.has(m, adapter_inputs.DeferredDropout) for m in dora.modules())
+
+
+def test_a_direct_dropout_call_drops_and_a_hook_on_lora_a_sees_the_dropped_input(monkeypatch, caplog):
+    """Outside PEFT's own forward the dropout drops as always; a pre-hook on lora_A that
+    swaps its input gets PEFT's behaviour (the dropout runs first, so the hook sees it)."""
+    calls = _counting(monkeypatch)
+    model = get_peft_model(tiny_model("llama", layers=1), lora_config(lora_dropout=0.5))
+    tiled_mlp.apply(model, TILE)
+    model.train()
+    q = model.get_base_model().model.layers[0].self_attn.q_proj
+    x = torch.randn(2, SEQ, model.config.hidden_size, requires_grad=True)
+    assert not torch.equal(q.lora_dropout["default"](x), x), "a direct call drops"
+    assert torch.equal(q.lora_A["default"](x), torch.nn.functional.linear(x, q.lora_A["default"].weight))
+    recomputed, kept = peft_pair("llama", layers=2, lora=DROPOUT)
+    for model in (recomputed, kept):
+        for module in model.modules():
+            if hasattr(module, "lora_A") and isinstance(module.lora_A, torch.nn.ModuleDict):
+                module.lora_A["default"].register_forward_pre_hook(lambda m, args: (args[0] * 1.0,))
+    tiled_mlp.apply(recomputed, TILE)
+    monkeypatch.setattr(adapter_inputs, "_said_hooked", False)
+    with caplog.at_level(logging.WARNING, logger="layerstream"):
+        assert_traces_equal(_steps(recomputed), _steps(_tiled_keeping_inputs(kept)))
+    assert calls["backward"] == 0, "hooked adapters keep their inputs"
+    assert sum("forward hooks" in r.getMessage() for r in caplog.records) == 1, "said once"
+
+
+def test_eval_between_forward_and_backward_keeps_the_forwards_masks(monkeypatch):
+    calls = _counting(monkeypatch)
+    recomputed, kept = peft_pair("llama", layers=2, lora=DROPOUT)
+    tiled_mlp.apply(recomputed, TILE)
+    _tiled_keeping_inputs(kept)
+    grads = []
+    for model in (recomputed, kept):
+        model.train()
+        torch.manual_seed(0)
+        ids = torch.randint(3, 96, (2, SEQ), generator=torch.Generator().manual_seed(1))
+        loss = model(input_ids=ids, labels=ids).loss
+        model.eval()
+        loss.backward()
+        grads.append([p.grad.clone() for p in model.parameters() if p.requires_grad])
+    assert calls["backward"] > 0
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_a_deferred_dropout_whose_lora_a_never_runs_keeps_no_input_alive():
+    """An exception between PEFT's dropout and lora_A leaves the mark behind: it holds the
+    input weakly, and the next call of lora_A on another tensor drops that one."""
+    import gc
+    import weakref
+
+    model = get_peft_model(tiny_model("llama", layers=1), lora_config(**DROPOUT))
+    tiled_mlp.apply(model, TILE)
+    model.train()
+    q = model.get_base_model().model.layers[0].self_attn.q_proj
+    x = torch.randn(2, SEQ, model.config.hidden_size, requires_grad=True)
+    q.__dict__[adapter_inputs._INSIDE] = 1  # as inside PEFT's forward
+    assert q.lora_dropout["default"](x) is x, "deferred to lora_A"
+    q.__dict__[adapter_inputs._INSIDE] = 0
+    ref = weakref.ref(x)
+    del x
+    gc.collect()
+    assert ref() is None
+    y = torch.randn(2, SEQ, model.config.hidden_size)
+    torch.manual_seed(0)
+    got = q.lora_A["default"](y)
+    torch.manual_seed(0)
+    dropped = torch.nn.functional.dropout(y, DROPOUT["lora_dropout"], True)
+    assert torch.equal(got, torch.nn.functional.linear(dropped, q.lora_A["default"].weight))

@@ -74,7 +74,9 @@ def _saved_by_the_adapter(
             param.data = param.data.to(adapter_dtype)
     if recomputed and dropout:  # as long/adapter_inputs sets up an attention adapter
         proj = model.base_model.model.proj
-        adapter_inputs.recompute(proj.lora_dropout["default"], proj.lora_A["default"], TOKENS // 2, proj.base_layer)
+        adapter_inputs.recompute(
+            proj.lora_dropout["default"], proj.lora_A["default"], TOKENS // 2, proj.base_layer, proj
+        )
     x = torch.randn(TOKENS, IN, dtype=input_dtype, requires_grad=True)
     saved = {}
 

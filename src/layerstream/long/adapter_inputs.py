@@ -25,13 +25,16 @@ left as they are; so are the MLP's, which its tiles already recompute.
 
 from __future__ import annotations
 
+import weakref
 from typing import List, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..modules import swap
 from ..modules.discovery import find_decoder_layers
+from ..system.log import get_logger
 from .chunked_loss import autocast_as, autocast_state, refuse_second_order, span_graph
 from .tiles import ForwardRandomState, tile_for
 
@@ -39,13 +42,22 @@ _TILE = "_layerstream_adapter_tile_tokens"  # the tile setting: recompute where 
 _PAIRED = "_layerstream_paired_lora_A"
 _PENDING = "_layerstream_pending_dropout"
 _BASE_LAYER = "_layerstream_adapted_base_layer"
+_ADAPTER = "_layerstream_lora_layer"  # the dropout's PEFT LoRA layer
+_INSIDE = "_layerstream_inside_lora_forward"
 _MLP_NAMES = ("mlp", "feed_forward", "block_sparse_moe")
+_said_hooked = False
+logger = get_logger(__name__)
 
 
-def _dropped_then_linear(linear: nn.Module, dropout: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """PEFT's ``lora_A(dropout(x))`` with both modules' own forwards."""
-    dropped = super(DeferredDropout, dropout).forward(x)
-    return super(DroppedInputLinear, linear).forward(dropped)
+def _dropped_then_linear(linear: nn.Module, drop: tuple, x: torch.Tensor) -> torch.Tensor:
+    """PEFT's ``lora_A(dropout(x))``: ``nn.Dropout``'s own operation with the dropout's
+    settings as the forward found them (``drop``: p, training, inplace), then ``lora_A``'s
+    own forward."""
+    return super(DroppedInputLinear, linear).forward(F.dropout(x, *drop))
+
+
+def _settings(dropout: nn.Dropout) -> tuple:
+    return dropout.p, dropout.training, dropout.inplace
 
 
 class DroppedInputFunction(torch.autograd.Function):
@@ -53,13 +65,13 @@ class DroppedInputFunction(torch.autograd.Function):
     mask again and differentiates the same operations."""
 
     @staticmethod
-    def forward(ctx, x, linear, dropout, *trainables):
+    def forward(ctx, x, linear, drop, *trainables):
         ctx.random = ForwardRandomState(x)
         ctx.trainables = trainables
         with torch.no_grad():
-            out = _dropped_then_linear(linear, dropout, x)
+            out = _dropped_then_linear(linear, drop, x)
         ctx.save_for_backward(x)
-        ctx.linear, ctx.dropout = linear, dropout
+        ctx.linear, ctx.drop = linear, drop  # the settings as the forward ran (eval() since changes nothing)
         ctx.autocast = autocast_state(x.device.type)
         return out
 
@@ -70,7 +82,7 @@ class DroppedInputFunction(torch.autograd.Function):
         trainables, wanted = ctx.trainables, ctx.needs_input_grad[3:]
         with autocast_as(ctx.autocast), ctx.random.replayed(), torch.enable_grad(), span_graph():
             leaf = x.detach().requires_grad_(ctx.needs_input_grad[0])
-            out = _dropped_then_linear(ctx.linear, ctx.dropout, leaf)
+            out = _dropped_then_linear(ctx.linear, ctx.drop, leaf)
             inputs = ([leaf] if ctx.needs_input_grad[0] else []) + [p for p, need in zip(trainables, wanted) if need]
             grads = list(torch.autograd.grad(out, inputs, grad, allow_unused=True)) if inputs else []
         grad_x = grads.pop(0) if ctx.needs_input_grad[0] else None
@@ -106,9 +118,11 @@ class DeferredDropout:
             or x.dim() < 2
             or x.numel() // x.shape[-1] <= tile
             or _a_wide_cast_under_autocast(x, self.__dict__.get(_BASE_LAYER))
+            or not _inside(self.__dict__.get(_ADAPTER))  # called directly, not by PEFT's forward
+            or _hooked(linear)
         ):
             return super().forward(x)
-        linear.__dict__[_PENDING] = (self, x)
+        linear.__dict__[_PENDING] = (self, weakref.ref(x))  # weakly: an exception before lora_A keeps nothing
         return x
 
 
@@ -118,15 +132,56 @@ class DroppedInputLinear:
 
     def forward(self, x):
         pending = self.__dict__.pop(_PENDING, None)
-        if pending is None or pending[1] is not x:  # called directly, not as lora_A(dropout(x))
+        if pending is None:  # called without its dropout deferring to it
             return super().forward(x)
+        dropout, deferred = pending
+        if deferred() is not x:  # not the tensor its dropout handed back: drop this one as PEFT would
+            return super().forward(super(DeferredDropout, dropout).forward(x))
         trainables = [p for p in self.parameters() if p.requires_grad]
-        return DroppedInputFunction.apply(x, self, pending[0], *trainables)
+        return DroppedInputFunction.apply(x, self, _settings(dropout), *trainables)
+
+
+class InsideLoraForward:
+    """Mixed in front of a PEFT LoRA layer whose attention adapters draw their dropout again:
+    marks its own forward, the one place that calls ``lora_A(dropout(x))``."""
+
+    def forward(self, *args, **kwargs):
+        depth = self.__dict__.get(_INSIDE, 0)
+        self.__dict__[_INSIDE] = depth + 1
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            self.__dict__[_INSIDE] = depth
+
+
+def _inside(adapter: Optional[nn.Module]) -> bool:
+    return adapter is not None and adapter.__dict__.get(_INSIDE, 0) > 0
+
+
+def _hooked(module: nn.Module) -> bool:
+    """Whether hooks around ``module``'s call could change or read its input: then its
+    dropout runs as PEFT's, so they see the dropped input (said once: it keeps more)."""
+    hooked = bool(
+        module._forward_pre_hooks
+        or module._forward_hooks
+        or torch.nn.modules.module._global_forward_pre_hooks
+        or torch.nn.modules.module._global_forward_hooks
+    )
+    global _said_hooked
+    if hooked and not _said_hooked:
+        _said_hooked = True
+        logger.warning(
+            "layerstream: a LoRA adapter's lora_A has forward hooks, so its dropout runs as PEFT's and "
+            "keeps its mask and dropped input for backward (more memory at long sequences than the plan "
+            "counts); remove the hooks to have it drawn again in backward instead."
+        )
+    return hooked
 
 
 def _attention_adapters(layer: nn.Module) -> List[tuple]:
-    """(dropout, lora_A, base layer) of each plain LoRA adapter outside the layer's MLP whose
-    dropout is an ``nn.Dropout`` above 0 and whose ``lora_A`` is an ``nn.Linear``."""
+    """(dropout, lora_A, base layer, LoRA layer) of each plain LoRA adapter outside the
+    layer's MLP whose dropout is an ``nn.Dropout`` above 0 and whose ``lora_A`` is an
+    ``nn.Linear``."""
     found = []
     for child_name, child in layer.named_children():
         if child_name in _MLP_NAMES:
@@ -141,7 +196,7 @@ def _attention_adapters(layer: nn.Module) -> List[tuple]:
                 if name in variants or not isinstance(linear, nn.Linear):
                     continue
                 if isinstance(dropout, nn.Dropout) and dropout.p > 0:
-                    found.append((dropout, linear, getattr(module, "base_layer", None)))
+                    found.append((dropout, linear, getattr(module, "base_layer", None), module))
     return found
 
 
@@ -152,15 +207,18 @@ def apply(model: nn.Module, tiles) -> nn.Module:
     (PEFT's injection after streaming)."""
     _, layers = find_decoder_layers(model)
     for layer in layers:
-        for dropout, linear, base in _attention_adapters(layer):
-            recompute(dropout, linear, tiles, base)
+        for dropout, linear, base, adapter in _attention_adapters(layer):
+            recompute(dropout, linear, tiles, base, adapter)
     return model
 
 
-def recompute(dropout: nn.Dropout, linear: nn.Linear, tiles, base: Optional[nn.Module] = None) -> None:
+def recompute(dropout: nn.Dropout, linear: nn.Linear, tiles, base: nn.Module, adapter: nn.Module) -> None:
     """One adapter's ``lora_dropout`` and ``lora_A``: drawn again in backward where ``tiles``
-    has a tile for the input's token count. ``base``: the adapted projection (its weight's
-    dtype tells PEFT's cast of the input apart)."""
+    has a tile for the input's token count, in ``adapter``'s (the PEFT LoRA layer's) forward.
+    ``base``: the adapted projection (its weight's dtype tells PEFT's cast of the input apart)."""
+    if not swap.has(adapter, InsideLoraForward):
+        swap.swap_in(adapter, InsideLoraForward)
+    object.__setattr__(dropout, _ADAPTER, adapter)
     if not swap.has(dropout, DeferredDropout):
         swap.swap_in(dropout, DeferredDropout)
     if not swap.has(linear, DroppedInputLinear):
@@ -178,6 +236,10 @@ def remove(model: nn.Module) -> nn.Module:
             module.__dict__.pop(_TILE, None)
             module.__dict__.pop(_PAIRED, None)
             module.__dict__.pop(_BASE_LAYER, None)
+            module.__dict__.pop(_ADAPTER, None)
+        if swap.has(module, InsideLoraForward):
+            swap.swap_out(module, InsideLoraForward)
+            module.__dict__.pop(_INSIDE, None)
         if swap.has(module, DroppedInputLinear):
             swap.swap_out(module, DroppedInputLinear)
             module.__dict__.pop(_PENDING, None)
