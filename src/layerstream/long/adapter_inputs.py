@@ -14,13 +14,19 @@ state the dropout drew from; backward runs the dropout and ``lora_A`` again on `
 that state replayed (as ``torch.utils.checkpoint`` does with ``preserve_rng_state``, and
 the tiled MLP for its tiles), so the mask is the one the forward drew, and takes the
 gradients of ``x`` and of ``lora_A``'s weight from the same operations on the same values:
-the bits are the untiled ones. The forward computes exactly what PEFT's does.
+the bits are those of adapters that keep their inputs. The forward computes exactly what
+PEFT's does; the dropout's settings are taken there (``eval()`` before backward changes
+nothing).
 
-How it is reached without rewriting PEFT's forward: the adapter's ``nn.Dropout`` hands
-its input back unchanged and marks its ``lora_A`` (``DeferredDropout``), and ``lora_A``
-then runs both (``DroppedInputLinear``), in PEFT's own ``lora_A(dropout(x))``. Adapters
-with a variant (DoRA and others), whose forward reads the dropout's output elsewhere, are
-left as they are; so are the MLP's, which its tiles already recompute.
+How it is reached without rewriting PEFT's forward: inside the PEFT layer's own forward
+(``InsideLoraForward``), the adapter's ``nn.Dropout`` hands its input back unchanged and
+marks its ``lora_A``, holding the input weakly (``DeferredDropout``), and ``lora_A`` then
+runs both (``DroppedInputLinear``), in PEFT's own ``lora_A(dropout(x))``. A dropout called
+from elsewhere drops as always; a ``lora_A`` with forward hooks (which could swap or read
+its input) keeps PEFT's way, said once. Adapters with a variant (DoRA and others), whose
+forward reads the dropout's output elsewhere, are left as they are; so are the MLP's, which
+its tiles already recompute; so are float32 adapters on a 16-bit projection under autocast
+(``_a_wide_cast_under_autocast``), where keeping PEFT's cast would cost more than it frees.
 """
 
 from __future__ import annotations
