@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..modules import swap
-from ..modules.discovery import find_decoder_layers
+from ..modules.discovery import find_decoder_layers, on_mlp_side
 from ..system.log import get_logger
 from .chunked_loss import autocast_as, autocast_state, refuse_second_order, span_graph
 from .tiles import ForwardRandomState, tile_for
@@ -50,7 +50,6 @@ _PENDING = "_layerstream_pending_dropout"
 _BASE_LAYER = "_layerstream_adapted_base_layer"
 _ADAPTER = "_layerstream_lora_layer"  # the dropout's PEFT LoRA layer
 _INSIDE = "_layerstream_inside_lora_forward"
-_MLP_NAMES = ("mlp", "feed_forward", "block_sparse_moe")
 _said_hooked = False
 logger = get_logger(__name__)
 
@@ -190,7 +189,7 @@ def _attention_adapters(layer: nn.Module) -> List[tuple]:
     ``nn.Linear``."""
     found = []
     for child_name, child in layer.named_children():
-        if child_name in _MLP_NAMES:
+        if on_mlp_side(child_name):  # the MLP's adapters: its tiles recompute them
             continue
         for module in child.modules():
             dropouts, lora_As = getattr(module, "lora_dropout", None), getattr(module, "lora_A", None)

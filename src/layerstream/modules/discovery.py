@@ -102,3 +102,11 @@ def _path_from(model: nn.Module, target: nn.Module) -> str:
 
 def layer_name(path: str, index: int) -> str:
     return f"{path}.{index}" if path else str(index)
+
+
+def on_mlp_side(name: str) -> bool:
+    """Whether a decoder layer's part, named from the layer down (``mlp.up_proj``,
+    ``self_attn.q_proj``), is on the MLP's side of the layer (an expert's or router's too):
+    everything outside the attention module."""
+    first = name.split(".", 1)[0].lower()
+    return "attn" not in first and "attention" not in first

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from ..modules.discovery import on_mlp_side
 from .lora import LoraTargets
 from .shapes import LayerShape, _attention_dims, _num_experts, _text_config
 
@@ -127,13 +128,6 @@ def tiled_norm_reads(residual_elem: int) -> int:
     return 2 if residual_elem >= 4 else 1
 
 
-def _is_mlp(name: str) -> bool:
-    """Whether a projection is on the MLP's side of the layer (an expert's or router's too):
-    every one outside the attention module."""
-    first = name.split(".", 1)[0].lower()
-    return "attn" not in first and "attention" not in first
-
-
 def layer_phase_bytes(
     config,
     shape: LayerShape,
@@ -185,7 +179,7 @@ def layer_phase_bytes(
 
     def kept(lin) -> int:
         four_bit = dequantised and lin.quantised
-        recomputed = adapter_inputs_recomputed(tiled) and not _is_mlp(lin.name)
+        recomputed = adapter_inputs_recomputed(tiled) and not on_mlp_side(lin.name)
         return lora_saved_bytes(
             lin.in_features,
             elem,
@@ -197,11 +191,11 @@ def layer_phase_bytes(
             recomputed=recomputed,
         )
 
-    attention_linears = [lin for lin in adapted.linears if not _is_mlp(lin.name)]
-    mlp_linears = [lin for lin in adapted.linears if _is_mlp(lin.name)]
+    attention_linears = [lin for lin in adapted.linears if not on_mlp_side(lin.name)]
+    mlp_linears = [lin for lin in adapted.linears if on_mlp_side(lin.name)]
     # the output projection is the attention module's last linear (its input is attention's
     # output), whichever of them LoRA adapts
-    layer_attention = [lin for lin in shape.linears if not _is_mlp(lin.name)]
+    layer_attention = [lin for lin in shape.linears if not on_mlp_side(lin.name)]
     output_name = layer_attention[-1].name if len(layer_attention) > 1 else None
     output_projection = next((lin for lin in attention_linears if lin.name == output_name), None)
     # the MLP's projection from its width back to hidden (a dense MLP's last)
@@ -247,7 +241,7 @@ def layer_phase_bytes(
             if lin.quantised:
                 size = lin.in_features * lin.out_features * elem
                 mlp_weights += size
-                attention_weights += 0 if _is_mlp(lin.name) else size
+                attention_weights += 0 if on_mlp_side(lin.name) else size
     # packed MXFP4 experts: the call's dequantised stacks, alive through the MLP's backward
     mlp_phase = tokens * mlp_phase_per_token + mlp_tokens * mlp_per_token + merged + mlp_weights + shape.dequantised
     attention_phase = tokens * attention_phase_per_token + attention_weights
