@@ -34,6 +34,7 @@ from ..errors import StreamingError
 from ..long import adapter_inputs, chunked_loss, tiled_mlp
 from ..long.tiles import TilesByLength
 from ..modules.discovery import unwrap_peft
+from ..modules.layer import registrations
 from ..plan.long_settings import (
     AUTO,
     ENDS,
@@ -97,6 +98,7 @@ class LongSettingsPolicy:
         self._said: set = set()  # the sets of settings said on
         self._reported: List[Tuple[int, int, LongDecision]] = []  # (batch, seq, decision)
         self._said_unplanned = False
+        self._adapters_at = 0  # modules.layer.registrations() when adapter_inputs last looked
         # whether training passes run under autocast, as the last one seen started (None:
         # none seen; the plan then reads the state of the moment)
         self.autocast: Optional[bool] = None
@@ -229,7 +231,8 @@ class LongSettingsPolicy:
         if ENDS in decision.names:
             self.ends.move()
         tiles = self._tiles if self._tiled else self.config.mlp_tile_tokens
-        if isinstance(tiles, int) or self._tiled:  # adapters added since the tiles were set up
+        if (self._tiled or isinstance(tiles, int)) and self._adapters_at != registrations():
+            self._adapters_at = registrations()  # adapters may have come since the tiles were set up
             adapter_inputs.apply(self.model, tiles)
 
     def pass_starts(self) -> None:
