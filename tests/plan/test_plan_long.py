@@ -384,11 +384,11 @@ def test_the_plan_says_when_this_host_cannot_hold_it(tmp_path, capsys, monkeypat
     out = " ".join(capsys.readouterr().out.split())
     assert status == 0, "the GPU verdict: fits"
     assert f"this machine: {ram - 8:.2f} GiB of host RAM available ({ram:.2f} GiB in all)" in out
-    assert "DOES NOT FIT this host" in out and ("offloaded inputs take 158.00 GiB" in out) is offload
+    assert "DOES NOT FIT;" in out and ("offloaded inputs take 158.00 GiB" in out) is offload
     monkeypatch.setattr(store, "host_memory", lambda: (1024 * GiB, 1024 * GiB))
     cli.main(argv)
     out = capsys.readouterr().out
-    assert "DOES NOT FIT this host" not in out and "the plan needs" in out
+    assert "DOES NOT FIT" not in out and "the plan needs" in out
     monkeypatch.setattr(store, "host_memory", lambda: None)
     cli.main(argv)
     assert "this machine" not in capsys.readouterr().out, "no /proc/meminfo: no line"
@@ -405,3 +405,62 @@ def test_auto_plans_what_a_run_of_the_model_takes(shape, chunked_and_tiled):
     settled = plan.long_settings.resolve_auto(request)
     assert (settled.loss_chunk_tokens is not None) is chunked_and_tiled
     assert (settled.mlp_tile_tokens is not None) is chunked_and_tiled
+
+
+def _host_bound_argv(tmp_path, *extra):
+    """TRL's sft.py at 80 GiB: the GPU fits far longer sequences than a 125 GiB host holds
+    the offloaded inputs of."""
+    path = write_config(tmp_path / "llama3-8b", dict(LLAMA3_8B, max_position_embeddings=1 << 20))
+    argv = ["plan", "--model", str(path), "--vram-budget", "80GiB", "--quantization", "nf4", "--lora-rank", "32"]
+    return argv + ["--trl-fused-head", "--adapter-dtype", "bfloat16", "--lora-dropout", "0.05", "--autocast", *extra]
+
+
+def test_the_longest_sequence_a_host_holds_counts_what_may_be_page_locked():
+    """The offloaded inputs grow with the sequence and are page-locked with the store and
+    the ends: the longest a host holds is the longest whose locked bytes stay within what
+    may be locked and whose loader peak within what is available; one token more is not."""
+    from layerstream.plan.long_settings import planned
+    from layerstream.system.memory_limits import lockable_bytes
+
+    assert lockable_bytes(125 * GiB) == 125 * GiB - 12.5 * GiB and lockable_bytes(16 * GiB) == 12 * GiB
+    request = PlanRequest(
+        config_of(LLAMA3_8B), 1, 1, 80 * GiB, quantization="nf4", lora_rank=32, trl_fused_head=True,
+        offload_activations=True, mlp_tile_tokens=4096, stream_embeddings=True,
+    )  # fmt: skip
+    host = (125 * GiB, 125 * GiB)
+    gpu_only, held = max_seq(request), max_seq(request, host=host)
+    assert 0 < held < gpu_only, "at 80 GiB the GPU is not what bounds it"
+    at, beyond = planned(request.replace(seq=held)), planned(request.replace(seq=held + 1))
+    assert at.fits and at.host_holds(*host) and beyond.fits and not beyond.host_holds(*host)
+    assert beyond.host_steady_bytes > lockable_bytes(host[1]) >= at.host_steady_bytes, "the lock is what binds"
+    assert beyond.loader_ram_bytes <= host[0], "not what is available"
+    # a host with less available than it may lock: the loader's peak binds instead
+    tight = (at.loader_ram_bytes - 1, 1 << 50)
+    assert max_seq(request, host=tight) < held and not at.host_holds(*tight)
+    assert max_seq(request, host=(1 << 50, 1 << 50)) == gpu_only
+
+
+def test_plan_with_host_ram_says_the_longest_that_host_holds(tmp_path, capsys):
+    """``--host-ram`` plans for the machine the run will use (not this one): at a length
+    it cannot hold, the plan says to shorten to the longest it holds, and that length is
+    said to fit and one token more not; with --max-seq at a length it holds, the plan says
+    how much of the GPU's longest the host holds."""
+    assert cli.main(_host_bound_argv(tmp_path, "--seq", "600000", "--host-ram", "125GiB")) == 0, "the GPU fits it"
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--host-ram 125GiB: 125.00 GiB of host RAM available (125.00 GiB in all)" in out
+    assert "DOES NOT FIT; the offloaded inputs take" in out
+    held = int(out.split("shorten --seq to ", 1)[1].split()[0])
+    assert 300000 < held < 600000
+    cli.main(_host_bound_argv(tmp_path, "--seq", str(held), "--host-ram", "125GiB"))
+    assert "125.00 GiB in all), the plan needs" in (out := capsys.readouterr().out) and "DOES NOT FIT" not in out
+    cli.main(_host_bound_argv(tmp_path, "--seq", str(held + 1), "--host-ram", "125GiB"))
+    assert f"shorten --seq to {held} tokens" in " ".join(capsys.readouterr().out.split())
+    cli.main(_host_bound_argv(tmp_path, "--seq", "400000", "--host-ram", "125GiB", "--max-seq"))
+    out = " ".join(capsys.readouterr().out.split())
+    longest = int(out.split("longest sequence that fits as given: ", 1)[1].split()[0])
+    assert f": fits of the longest that fits the GPU ({longest} tokens), the host holds {held}" in out
+    cli.main(_host_bound_argv(tmp_path, "--seq", "400000", "--host-ram", "1TiB", "--max-seq"))
+    assert "the host holds" not in capsys.readouterr().out, "a host that holds the GPU's longest: no line"
+    with pytest.raises(SystemExit):
+        cli.main(_host_bound_argv(tmp_path, "--seq", "400000", "--host-ram", "lots"))
+    assert "--host-ram lots" in capsys.readouterr().err

@@ -92,6 +92,13 @@ def add_arguments(plan: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also find the longest sequence that fits, with and without each long-sequence option",
     )
+    plan.add_argument(
+        "--host-ram",
+        default=None,
+        metavar="SIZE",
+        help="host RAM to check the plan against, e.g. 125GiB for the machine you will train on "
+        "(default: what this machine has available): the offloaded inputs grow with the sequence",
+    )
     from .disk import add_disk_arguments
 
     add_disk_arguments(plan)
@@ -180,8 +187,13 @@ def run(args, parser: argparse.ArgumentParser) -> int:
             print(format_disk_term(args, config, plan, settings["host_budget"]))
         except ValueError as exc:
             parser.error(str(exc))
-    elif (memory := host_memory()) is not None:
-        print(format_host_check(plan, memory))
+    elif (memory := _host_ram(args, parser) or host_memory()) is not None:
+        # where the host is what bounds the length: the longest it holds
+        held = None if plan.host_holds(*memory) else max_seq(request, host=memory)
+        machine = "this machine" if args.host_ram is None else f"--host-ram {args.host_ram}"
+        print(format_host_check(plan, memory, held, machine))
+        if longest is not None and held is None and (held := max_seq(request, host=memory)) < longest:
+            print(f"  of the longest that fits the GPU ({longest} tokens), the host holds {held}")
     print(_decode_lines(args, config, plan, request))
     print()
     print(format_comparison(rows, request.seq, args.batch))
@@ -190,6 +202,20 @@ def run(args, parser: argparse.ArgumentParser) -> int:
         print(f"\nlongest sequence that fits as given: {longest} tokens at batch {args.batch}")
         return 0 if longest > 0 else 1
     return 0 if plan.fits else 1
+
+
+def _host_ram(args, parser: argparse.ArgumentParser):
+    """--host-ram as (available, total) bytes, as ``host_memory`` gives this machine's; None
+    when not given."""
+    from ..units import parse_bytes
+
+    if args.host_ram is None:
+        return None
+    try:
+        size = parse_bytes(args.host_ram)
+    except ValueError as exc:
+        parser.error(f"--host-ram {args.host_ram}: {exc}")
+    return size, size
 
 
 def _decode_lines(args, config, plan, request) -> str:

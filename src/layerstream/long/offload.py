@@ -38,7 +38,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from ..config import OFFLOAD_KEPT_LAYERS, OFFLOAD_LOOKAHEAD, offloaded_layers
 from ..errors import ActivationChecksumError, HostMemoryError, PinError
-from ..system import cudart
+from ..system import cudart, memory_limits
 from ..system.log import get_logger
 from ..tiers.checksum import checksum
 from ..tiers.store import host_memory
@@ -192,7 +192,7 @@ class ActivationOffloader:
                     "(--host-budget): the layers beyond it are then read from disk at each visit"
                 )
             raise HostMemoryError(f"{what}, but only {available / GiB:.2f} GiB is available. {fixes}.")
-        keep = max(4 * GiB, total // 10)
+        keep = total - memory_limits.lockable_bytes(total)
         pinned = need + store_bytes + sum(a.nbytes for a in self.arenas if a.pinned)
         if self.pin and pinned > total - keep:
             raise HostMemoryError(

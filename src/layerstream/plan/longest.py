@@ -51,29 +51,34 @@ def option_rows(request: PlanRequest) -> List[Tuple[str, PlanRequest]]:
     return rows
 
 
-def fits(request: PlanRequest, seq: int) -> bool:
-    """Whether a step of ``seq`` tokens a sequence fits, its "auto" settings decided for it."""
-    return planned(request.replace(seq=seq)).fits
+def fits(request: PlanRequest, seq: int, host: Optional[Tuple[int, int]] = None) -> bool:
+    """Whether a step of ``seq`` tokens a sequence fits, its "auto" settings decided for it;
+    with ``host`` (available, total bytes), also whether that host holds it
+    (``MemoryPlan.host_holds``: the offloaded inputs grow with the sequence)."""
+    plan = planned(request.replace(seq=seq))
+    return plan.fits and (host is None or plan.host_holds(*host))
 
 
-def max_seq(request: PlanRequest, limit: int = MAX_SEQ_LIMIT) -> int:
+def max_seq(request: PlanRequest, limit: int = MAX_SEQ_LIMIT, host: Optional[Tuple[int, int]] = None) -> int:
     """The longest sequence (tokens, at the request's batch) whose step fits; 0 when not
-    even one token does. The peak grows with the sequence, so a bisection finds it."""
-    if not fits(request, 1):
+    even one token does. ``host``: (available, total) bytes of the host RAM, where it
+    bounds the length too; None: the GPU alone. The peaks grow with the sequence, so a
+    bisection finds it."""
+    if not fits(request, 1, host):
         return 0
     low, high = 1, 2
-    while high <= limit and fits(request, high):
+    while high <= limit and fits(request, high, host):
         low, high = high, high * 2
     if high > limit:
-        return limit if fits(request, limit) else _bisect(request, low, limit)
-    return _bisect(request, low, high)
+        return limit if fits(request, limit, host) else _bisect(request, low, limit, host)
+    return _bisect(request, low, high, host)
 
 
-def _bisect(request: PlanRequest, low: int, high: int) -> int:
+def _bisect(request: PlanRequest, low: int, high: int, host: Optional[int]) -> int:
     """Largest seq in [low, high) that fits, given that low fits and high does not."""
     while high - low > 1:
         middle = (low + high) // 2
-        if fits(request, middle):
+        if fits(request, middle, host):
             low = middle
         else:
             high = middle

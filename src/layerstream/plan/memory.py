@@ -11,6 +11,7 @@ from ..config import auto_slots, offload_device_layers, offloaded_layers
 from ..decisions.schedule import usable_backward_slots
 from ..decisions.window import margin_bytes
 from ..long import trl_head
+from ..system.memory_limits import lockable_bytes
 from ..units import GiB, aligned, arena_sizes
 from .lora import lora_adapters, plan_notes
 from .request import AUTO, PlanRequest
@@ -93,6 +94,13 @@ class MemoryPlan:
     head_cast_bytes: int = 0  # the loss's copy of a wider head in the compute dtype (in loss_bytes)
     advice: List[str] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)
+
+    def host_holds(self, available: int, total: int) -> bool:
+        """Whether a host with ``available`` of ``total`` bytes free holds the run: the
+        loader's peak fits what is available, and the page-locked bytes (the store, the
+        ends, the offloaded inputs) what may be locked (``lockable_bytes``, as the store
+        and the offloader refuse beyond it)."""
+        return self.loader_ram_bytes <= available and self.host_steady_bytes <= lockable_bytes(total)
 
     @property
     def static_bytes(self) -> int:

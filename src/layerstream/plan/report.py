@@ -8,6 +8,7 @@ from typing import List, Optional
 
 from ..config import offload_device_layers, offloaded_layers
 from ..long import trl_head
+from ..system.memory_limits import lockable_bytes
 from ..units import GiB
 from .memory import MemoryPlan, _gib, backward_slot_count
 from .shapes import LOSS_LOGIT_COPIES
@@ -196,19 +197,29 @@ def format_comparison(rows, seq: int, batch: int) -> str:
     return "\n".join(lines)
 
 
-def format_host_check(plan: MemoryPlan, memory) -> str:
+def format_host_check(plan: MemoryPlan, memory, longest: Optional[int] = None, machine: str = "this machine") -> str:
     """One line comparing the plan's host RAM peak with layerstream.from_pretrained (the
-    loader that never holds the whole model) with this machine's ``(available, total)``
-    bytes: the GPU verdict alone would call a step that the host cannot hold a fit."""
+    loader that never holds the whole model) with ``machine``'s ``(available, total)``
+    bytes: the GPU verdict alone would call a step that the host cannot hold a fit.
+    ``longest``: the longest sequence whose plan both budgets hold (said where the
+    offloaded inputs are what the host cannot hold)."""
     available, total = memory
     need = plan.loader_ram_bytes
-    head = f"this machine: {_gib(available)} of host RAM available ({_gib(total)} in all), the plan needs {_gib(need)}"
-    if need <= available:
+    head = f"{machine}: {_gib(available)} of host RAM available ({_gib(total)} in all), the plan needs {_gib(need)}"
+    if plan.host_holds(available, total):
         return f"{head}: fits"
+    if need <= available:  # what does not fit is the page-locked part
+        head += (
+            f", of which {_gib(plan.host_steady_bytes)} page-locked, more than the "
+            f"{_gib(lockable_bytes(total))} that may be (a tenth, at least 4 GiB, stays unlocked)"
+        )
     fixes = "read layers from disk (--host-budget) or run where there is more RAM"
     if plan.activation_host_bytes:
-        fixes = f"the offloaded inputs take {_gib(plan.activation_host_bytes)}: shorten --seq, " + fixes
-    return "\n".join(textwrap.wrap(f"{head}: DOES NOT FIT this host; {fixes}", width=88, subsequent_indent="  "))
+        shorten = (
+            "shorten --seq" if not longest else f"shorten --seq to {longest} tokens or fewer (the host holds those)"
+        )
+        fixes = f"the offloaded inputs take {_gib(plan.activation_host_bytes)}: {shorten}, " + fixes
+    return "\n".join(textwrap.wrap(f"{head}: DOES NOT FIT; {fixes}", width=88, subsequent_indent="  "))
 
 
 def format_decode_term(plan: MemoryPlan, term, batch: int = 1, windowed=None) -> str:

@@ -24,6 +24,14 @@ _V2 = ("memory.max", "memory.current", "inactive_file")
 _V1 = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
 
 
+def lockable_bytes(total: int) -> int:
+    """The most page-locked memory a run may hold of a host (or container) of ``total``
+    bytes: locked pages can be neither swapped nor reclaimed, so max(4 GiB, 10%) stays
+    unlocked for everything else (the layer store, the ends and the offloaded inputs are
+    page-locked; the store and the offloader refuse beyond it, and the plan counts it)."""
+    return total - max(4 << 30, total // 10)
+
+
 def host_memory(root: str = "/") -> Optional[Tuple[int, int]]:
     """(available, total) bytes this process may use: /proc/meminfo's MemAvailable and
     MemTotal, each lowered to the cgroup's where its limit is lower; None where /proc/meminfo

@@ -233,7 +233,7 @@ def check_host_memory(new_bytes: int, store_bytes: int, pin: bool, what: str) ->
             "memory, or load in NF4 (quantization='nf4': about a quarter of the bytes); "
             "`layerstream plan` shows the host RAM a run needs before it starts."
         )
-    keep = max(4 * GiB, total // 10)
+    keep = total - memory_limits.lockable_bytes(total)
     if pin and store_bytes > total - keep:
         raise HostMemoryError(
             f"{what} would page-lock {store_bytes / GiB:.1f} GiB of this host's {total / GiB:.1f} GiB, "
