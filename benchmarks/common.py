@@ -6,6 +6,7 @@ import json
 import os
 import re
 import statistics
+import subprocess
 import time
 from pathlib import Path
 
@@ -125,6 +126,28 @@ def pinned_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
         times.append(cuda_timer() - start)
     del src, dst
     return nbytes / median(times[1:]) / 1e9
+
+
+def commit() -> str | None:
+    """COMMIT where given (as scripts/gpu-suite.sh takes it), else HEAD, with "+modified" where
+    tracked files differ from it: a copy of the working tree (the GPU machine's) can carry a
+    HEAD older than the code that ran."""
+    if os.environ.get("COMMIT"):
+        return os.environ["COMMIT"]
+    try:
+        done = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
+        )
+        clean = (
+            subprocess.run(
+                ["git", "diff", "--quiet", "HEAD"], capture_output=True, cwd=Path(__file__).parent
+            ).returncode
+            == 0
+        )
+    except OSError:
+        return None
+    head = done.stdout.strip()
+    return (head if clean else f"{head}+modified") if head else None
 
 
 def card_of(gpu) -> str:

@@ -51,6 +51,10 @@ measured. A step near ten minutes (80 GiB at 400,000 tokens) leaves no room for 
 checkpoint and data in its command: ``--prepare-only`` writes them in ``--work`` in an earlier
 command on the same warm machine, and the run's command reuses them.
 
+Each attempt records the commit its code was at (``COMMIT=<sha>`` in the environment, as
+``scripts/gpu-suite.sh`` takes it, where the GPU machine's copy of the tree carries an older
+``.git``): the memory plan checks a run against the plan of the code that ran it.
+
 Output: every attempt in ``long-context-client.json`` ($OUT, else
 benchmarks/results/long-context/) with the end of each log beside it (``long-context-client-logs/``;
 whole logs under ``--work``/runs), and one row per cap in ``long-context.json`` ($OUT, else
@@ -99,7 +103,7 @@ from long_context_clients import (  # noqa: E402
 )
 
 import rl  # noqa: E402  (the harness runs as a script)
-from common import keep_by_card  # noqa: E402
+from common import commit, keep_by_card  # noqa: E402
 from zero_edit import compare  # noqa: E402
 
 RESULTS = HERE / "results"
@@ -127,6 +131,10 @@ def attempt(ctx, streamed: bool, cap: str, tokens: int):
     record["shape"] = ctx.shape
     record["vram_gib"] = None if cap == rl.WHOLE else float(cap[: -len("GiB")])
     record.update(bench_command=ctx.command, warmup_steps=ctx.args.warmup, timed_steps=ctx.args.steps)
+    record["commit"] = commit()  # the code that ran: the plan of a run is made as its code was
+    from layerstream.system.versions import versions
+
+    record["versions"] = versions()  # and the releases: a merge elsewhere must not restamp its row
     if ctx.args.dry_run and tokens > ctx.args.dry_run_limit:  # no GPU to run out of: a stand-in
         record.update(verdict=OOM, dry_run_stand_in=f"{tokens} > --dry-run-limit {ctx.args.dry_run_limit}")
         record.update(step_s=[], losses=[], logs=[])
@@ -255,6 +263,7 @@ def rows_from(attempts: list) -> list:
             "attempts": [a["name"] for a in at + residents],
             "result_file": f"long-context/{ATTEMPTS_FILE}",
             "gpu": at[0].get("gpu"),
+            "versions": at[-1].get("versions"),  # None for attempts from before they kept theirs
         }
         if not base_runs:
             why = [f"{a['name']}: {a['verdict']}" for a in residents]
@@ -305,23 +314,34 @@ class Results:
     def save(self) -> None:
         from layerstream.system.versions import versions
 
-        mine = [dict(row, versions=versions()) for row in self.rows()]
+        mine = [self._stamped(row, versions) for row in self.rows()]
         for path in (self.attempts_path, self.rows_path):
             path.parent.mkdir(parents=True, exist_ok=True)
         payload = {"attempts": list(self.attempts.values()), "rows": mine, "versions": versions()}
         self.attempts_path.write_text(json.dumps(payload, indent=1))
         self.rows_path.write_text(json.dumps(merge_rows(self.base_rows, mine), indent=1))
 
+    def _stamped(self, row: dict, versions) -> dict:
+        """The row with the versions its runs ran with: their own, else (attempts from before
+        they kept them) the committed row's made from the same attempts, else this machine's
+        (the command that ran them is this one)."""
+        if row.get("versions"):
+            return row
+        same = [b for b in self.base_rows if row_key(b) == row_key(row) and b.get("attempts") == row["attempts"]]
+        kept = same[0].get("versions") if same else None
+        return dict(row, versions=kept or versions())
+
+
+def row_key(row: dict) -> tuple:
+    """What a row is of: a row of the same key replaces it."""
+    return row["model"], row["quantization"], row["vram_gib"], row.get("client")
+
 
 def merge_rows(rows: list, new: list) -> list:
     """``rows`` with each of ``new`` in place of the row of its key (else after them)."""
-
-    def key(row):
-        return row["model"], row["quantization"], row["vram_gib"], row.get("client")
-
     out = list(rows)
     for row in new:
-        same = [i for i, old in enumerate(out) if key(old) == key(row)]
+        same = [i for i, old in enumerate(out) if row_key(old) == row_key(row)]
         if same:
             out[same[0]] = row
         else:

@@ -106,7 +106,7 @@ from moe_measure import (  # noqa: E402
     trainable_state,
 )
 
-from common import SHAPES, build_random_nf4, machine, shape_config  # noqa: E402
+from common import SHAPES, build_random_nf4, commit, machine, shape_config  # noqa: E402
 
 
 # -- the Python API route ------------------------------------------------------------------
@@ -396,21 +396,6 @@ def save(path: Path, base: list, rows: list) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"rows": merged}, indent=1) + "\n")
     print(f"moe: wrote {len(rows)} row(s) to {path}", flush=True)
-
-
-def commit() -> str | None:
-    """COMMIT where given (as scripts/gpu-suite.sh takes it), else HEAD, with "+modified" where
-    tracked files differ from it: a copy of the working tree (the GPU machine's) can carry a
-    HEAD older than the code that ran."""
-    if os.environ.get("COMMIT"):
-        return os.environ["COMMIT"]
-    try:
-        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE)
-        clean = subprocess.run(["git", "diff", "--quiet", "HEAD"], capture_output=True, cwd=HERE).returncode == 0
-    except OSError:
-        return None
-    head = done.stdout.strip()
-    return (head if clean else f"{head}+modified") if head else None
 
 
 def sizes_table(cases: dict) -> str:
