@@ -278,3 +278,60 @@ def test_gemma2_softcapped_logits_chunked_match_resident_bit_for_bit_and_the_mod
     monkeypatch.setattr(chunked_loss, "softcapped", lambda logits, cap: logits)
     with pytest.raises(AssertionError):
         _assert_close_traces(train_steps(uncapped, 1, seq=SEQ), train_steps(plain, 1, seq=SEQ))
+
+
+class _HeadCasts(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the casts of a tensor of the head weight's shape (autocast's ``to``)."""
+
+    def __init__(self, shape):
+        super().__init__()
+        self.shape, self.casts = tuple(shape), 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._to_copy.default and tuple(args[0].shape) == self.shape:
+            self.casts += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _autocast_loss(head, hidden, labels):
+    """The chunked loss and its hidden states' gradient under bf16 autocast, and the casts
+    of the head's weight it made."""
+    hidden = hidden.detach().requires_grad_()
+    with _HeadCasts(head.weight.shape) as casts, torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = chunked_loss.causal_lm_loss(head, hidden, labels, chunk=8)
+        loss.backward()
+    return loss.detach(), hidden.grad, casts.casts
+
+
+def test_under_autocast_a_frozen_float32_head_is_cast_once_with_the_bits_of_a_cast_per_chunk(monkeypatch):
+    """peft's k-bit preparation leaves a float32 head, which bf16 autocast casts at every call
+    (it caches the casts of trainable leaves only): the chunked loss casts it once for all
+    chunks, with the same loss and gradient bits as autocast's cast at each chunk (the
+    control: 6 chunks, 6 casts). A head with a hook of its own is called as a module."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(32, 96, bias=False).requires_grad_(False)
+    hidden, labels = torch.randn(1, 48, 32), torch.randint(0, 96, (1, 48))
+    once = _autocast_loss(head, hidden, labels)
+    monkeypatch.setattr(chunked_loss, "_cast_once", lambda weight: weight)
+    each = _autocast_loss(head, hidden, labels)
+    assert (once[2], each[2]) == (1, 6)
+    assert torch.equal(once[0], each[0]) and torch.equal(once[1], each[1])
+    monkeypatch.undo()
+    calls = []
+    head.register_forward_hook(lambda module, args, out: calls.append(out.dtype))
+    hooked = _autocast_loss(head, hidden, labels)
+    assert calls == [torch.bfloat16] * 6 and hooked[2] == 6
+    assert torch.equal(hooked[0], once[0]) and torch.equal(hooked[1], once[1])
+
+
+def test_a_trainable_or_bfloat16_head_is_not_cast_by_the_chunked_loss():
+    """Autocast caches a trainable head's cast itself, and a head already in its dtype needs
+    none: ``_cast_once`` leaves both, and everything outside autocast, as they are."""
+    trainable = torch.nn.Parameter(torch.randn(4, 4))
+    frozen = torch.randn(4, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert chunked_loss._cast_once(trainable) is trainable
+        for kept in (frozen.bfloat16(), frozen.double(), frozen.long()):
+            assert chunked_loss._cast_once(kept) is kept
+        assert chunked_loss._cast_once(frozen).dtype == torch.bfloat16
+    assert chunked_loss._cast_once(frozen) is frozen

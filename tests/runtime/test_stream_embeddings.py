@@ -18,6 +18,7 @@ from transformers import HfArgumentParser, Trainer, TrainingArguments
 import layerstream
 from layerstream.commands.train_config import TrainConfigError, load, stream_config
 from layerstream.integrations import launch
+from layerstream.long import chunked_loss
 from layerstream.runtime import embeddings as ends_mod
 from layerstream.runtime.embeddings import HeadLinear
 
@@ -92,6 +93,20 @@ def test_ends_cast_to_float32_after_streaming_train_as_resident(tied, device):
     embedding, head = _ends(streamed)
     assert embedding.weight.dtype == head.weight.dtype == torch.float32
     assert embedding.weight.device.type == head.weight.device.type == "cpu", "the ends stay on the host"
+    assert_traces_equal(got, train_steps(resident, STEPS, device, autocast=torch.bfloat16))
+
+
+def test_float32_ends_with_the_chunked_loss_under_autocast_train_as_resident(device):
+    """The same, with the loss in chunks on both sides (a plain QLoRA script under "auto" at
+    long lengths): the streamed head's one device copy and the resident head are each cast
+    once for all chunks, and give the same bits."""
+    streamed, resident = peft_pair("llama", layers=4, attn=_attn(device), dtype=torch.bfloat16)
+    stream(streamed, device, slots=2, prefetch=1, stream_embeddings=True, loss_chunk_tokens=5)
+    resident = chunked_loss.apply(resident.to(device), 5)
+    for model in (streamed, resident):
+        _replace_end_data(model, lambda data: data.to(torch.float32))
+    got = train_steps(streamed, STEPS, device, autocast=torch.bfloat16)
+    assert layerstream.get_runtime(streamed).stats()["head_copies"] == STEPS, "one a step: the chunks' gradients"
     assert_traces_equal(got, train_steps(resident, STEPS, device, autocast=torch.bfloat16))
 
 

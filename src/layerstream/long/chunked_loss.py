@@ -156,22 +156,57 @@ def span_gradients(rows, parts, trainables, wanted, run, grad_rows=None) -> List
 
 # -- the head, as the chunks call it ------------------------------------------------------------
 class _HeadCall:
-    """How each chunk computes its logits: the head module itself, or, for a streamed
-    plain ``nn.Linear`` head, ``F.linear`` on one device copy of its weight for all chunks
-    (the resident head runs the same ``F.linear``); then the model's softcap, if it has one."""
+    """How each chunk computes its logits: the head module itself, or, for a plain
+    ``nn.Linear`` head (streamed, or resident with no hook or forward of its own),
+    ``F.linear`` on one weight for all chunks: the streamed head's one device copy, and
+    under autocast a frozen weight wider than autocast's dtype cast once (``_cast_once``);
+    then the model's softcap, if it has one."""
 
     def __init__(self, head: nn.Module, softcap: Optional[float] = None):
         self.head, self.softcap = head, softcap
         ends = head.__dict__.get("_layerstream_ends")
         plain_linear = swap.original_class(head).forward is nn.Linear.forward
         self.ends = ends if plain_linear and hasattr(ends, "head_weight") else None
+        self.plain = plain_linear and _unhooked(head)
 
     def prepare(self):
         call = self.head
-        if self.ends is not None:
-            call = functools.partial(F.linear, weight=self.ends.head_weight(self.head), bias=self.head.bias)
+        weight = self.ends.head_weight(self.head) if self.ends is not None else None
+        if weight is not None or self.plain:
+            weight = _cast_once(self.head.weight if weight is None else weight)
+            call = functools.partial(F.linear, weight=weight, bias=self.head.bias)
         cap = self.softcap
         return call if cap is None else lambda x: softcapped(call(x), cap)
+
+
+def _unhooked(module: nn.Module) -> bool:
+    """Whether calling the module runs only its class's forward: no hooks of its own or
+    global ones, no forward set on the instance (accelerate's device hooks set one)."""
+    from torch.nn.modules import module as module_globals
+
+    hooks = (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks)
+    global_hooks = (
+        module_globals._global_forward_hooks,
+        module_globals._global_forward_pre_hooks,
+        module_globals._global_backward_hooks,
+        module_globals._global_backward_pre_hooks,
+    )
+    return "forward" not in module.__dict__ and not any(hooks) and not any(global_hooks)
+
+
+def _cast_once(weight: torch.Tensor) -> torch.Tensor:
+    """The weight as autocast would cast it for ``F.linear``, once for every chunk: autocast
+    caches the casts of trainable leaves only, so a frozen float32 head under bf16 autocast
+    (peft's ``prepare_model_for_kbit_training`` leaves one) would be cast again at each chunk,
+    reading and writing the whole head each time. The same ``to`` autocast runs: the same
+    bits; a copy of the head in autocast's dtype, which the memory plan counts."""
+    kind = weight.device.type
+    if weight.requires_grad or not torch.is_autocast_enabled(kind) or not weight.is_floating_point():
+        return weight
+    dtype = torch.get_autocast_dtype(kind)
+    if weight.dtype in (dtype, torch.float64):  # autocast leaves both as they are
+        return weight
+    return weight.to(dtype)
 
 
 def softcapped(logits: torch.Tensor, cap: float) -> torch.Tensor:
