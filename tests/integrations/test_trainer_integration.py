@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import HfArgumentParser, Trainer, TrainingArguments
 
 import layerstream
@@ -21,6 +22,7 @@ STAT_KEYS = {
     "layerstream/stall_fraction",
     "layerstream/layer_loads",
     "layerstream/peak_resident_layers",
+    "layerstream/alloc_retries",
 }
 
 
@@ -367,8 +369,6 @@ class _GeneratingTrainer(Trainer):
 
     def compute_loss(self, model, inputs, *args, **kwargs):
         if self.generate_tokens:
-            import torch
-
             with torch.no_grad():
                 model.generate(
                     input_ids=inputs["input_ids"][:, :3],
@@ -391,6 +391,8 @@ def _generating_run(tmp_path, generate_tokens):
     )
     trainer = _GeneratingTrainer(model=model, args=args, train_dataset=data)
     trainer.generate_tokens = generate_tokens
+    if hasattr(trainer, "generate_hook"):  # a test's probe on the model's forwards
+        trainer.generate_hook(model)
     at_start = layerstream.get_runtime(model).stats()["layer_loads"]
     trainer.train()
     loads = layerstream.get_runtime(model).stats()["layer_loads"] - at_start
@@ -414,6 +416,30 @@ def test_generation_inside_a_training_step_is_logged_apart_from_training(tmp_pat
         assert entry["layerstream/generate_window_layers"] == 0
 
 
+def test_the_allocators_retries_are_logged_for_training_and_generation_apart(tmp_path, monkeypatch):
+    """The CUDA allocator's retries (a stand-in counter here: 1 at each forward under
+    no_grad, generation's, and 100 at each forward with grad, training's) are logged as
+    training's and as generation's, each interval's own."""
+    from layerstream.runtime import report
+
+    count = {"retries": 0}
+    monkeypatch.setattr(report, "alloc_retries", lambda device: count["retries"])
+
+    def bump(module, args):
+        count["retries"] += 100 if torch.is_grad_enabled() else 1
+
+    monkeypatch.setattr(
+        _GeneratingTrainer,
+        "generate_hook",
+        lambda self, model: model.get_input_embeddings().register_forward_pre_hook(bump),
+        raising=False,
+    )
+    generating, _ = _generating_run(tmp_path, 4)
+    assert [e["layerstream/alloc_retries"] for e in generating] == [100, 100]
+    # four new tokens: a prefill and three decoding steps
+    assert [e["layerstream/generate_alloc_retries"] for e in generating] == [4, 4]
+
+
 def test_the_logged_bandwidth_is_the_intervals_own_not_a_difference_of_running_figures():
     """Only some copies are timed, and ``h2d_seconds`` scales the process's timed copies to
     all of its bytes: where the second interval's copies ran faster than the first's, the
@@ -432,6 +458,7 @@ def test_the_logged_bandwidth_is_the_intervals_own_not_a_difference_of_running_f
             peak_resident_layers=0,
             window_layers=0,
             oom_retries=0,
+            alloc_retries=0,
             stall_seconds=0.0,
             expert_visits=0,
             experts_copied=0,

@@ -39,6 +39,7 @@ COUNTED = (
     "stall_seconds",
     "expert_visits",
     "experts_copied",
+    "alloc_retries",
 )
 
 
@@ -56,6 +57,7 @@ class GenerationCounters:
     stall_seconds: float = 0.0
     expert_visits: int = 0  # calls of a mixture-of-experts layer's experts
     experts_copied: int = 0
+    alloc_retries: int = 0  # the CUDA allocator's retries (freeing its cache to allocate)
     window_layers: int = 0  # the resident window when the last call ended
     active: bool = False  # inside a call (a nested generate counts once)
 

@@ -91,6 +91,7 @@ class _LogWindow:
             PREFIX + "peak_resident_layers": now["peak_resident_layers"],
             PREFIX + "window_layers": now["window_layers"],
             PREFIX + "oom_retries": now["oom_retries"],
+            PREFIX + "alloc_retries": now["alloc_retries"] - self.last["alloc_retries"] - gen["alloc_retries"],
         }
         visits = now["expert_visits"] - self.last["expert_visits"] - gen["expert_visits"]
         if visits:
@@ -139,6 +140,7 @@ def _generation_figures(gen: dict, window_layers: int) -> dict:
         PREFIX + "generate_h2d_gbps": round(timed / seconds / 1e9, 3) if timed > 0 and seconds > 0 else 0.0,
         PREFIX + "generate_stall_fraction": round(gen["stall_seconds"] / max(gen["seconds"], 1e-9), 4),
         PREFIX + "generate_window_layers": window_layers,
+        PREFIX + "generate_alloc_retries": gen["alloc_retries"],
         **(
             {PREFIX + "generate_experts_per_visit": round(gen["experts_copied"] / gen["expert_visits"], 2)}
             if gen["expert_visits"]

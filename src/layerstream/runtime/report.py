@@ -45,6 +45,7 @@ def stats(runtime) -> dict:
         "window_layers": len(runtime.window),
         "window_changes": len(runtime.resident_window.window_changes),
         "oom_retries": runtime.resident_window.oom_retries,
+        "alloc_retries": alloc_retries(runtime.device),
         "refreshed_layers": runtime.refreshed_layers,
         "stream_embeddings": embeddings is not None,
         **(
@@ -57,6 +58,15 @@ def stats(runtime) -> dict:
         **disk_stats(runtime),
         **_offload_stats(runtime.offload_policy.offloader),
     }
+
+
+def alloc_retries(device: torch.device) -> int:
+    """The CUDA caching allocator's retries on ``device`` so far (0 off CUDA): allocations
+    that succeeded only after it freed its cached blocks, each a device-wide sync. Near a
+    memory limit they slow every step without failing any."""
+    if device.type != "cuda":
+        return 0
+    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
 
 
 def disk_stats(runtime) -> dict:
