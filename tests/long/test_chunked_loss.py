@@ -335,3 +335,35 @@ def test_a_trainable_or_bfloat16_head_is_not_cast_by_the_chunked_loss():
             assert chunked_loss._cast_once(kept) is kept
         assert chunked_loss._cast_once(frozen).dtype == torch.bfloat16
     assert chunked_loss._cast_once(frozen) is frozen
+
+
+class _Scale(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, weight):
+        return weight * self.scale
+
+
+def test_a_parametrized_heads_weight_is_computed_at_each_chunk_and_trains():
+    """A parametrization computes the head's weight at each call, from tensors that may
+    train: the chunks call the head as a module, so its parameter gets the gradient the
+    unchunked loss gives (within the chunks' other order of sums)."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(32, 96, bias=False).requires_grad_(False)
+    torch.nn.utils.parametrize.register_parametrization(head, "weight", _Scale())
+    hidden, labels = torch.randn(1, 48, 32), torch.randint(0, 96, (1, 48))
+    grads = []
+    for chunk in (8, None):
+        head.parametrizations.weight[0].scale.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            if chunk:
+                loss = chunked_loss.causal_lm_loss(head, hidden, labels, chunk=chunk)
+            else:
+                logits = head(hidden).float()[:, :-1]
+                loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 96), labels[:, 1:].reshape(-1))
+        loss.backward()
+        grads.append(head.parametrizations.weight[0].scale.grad)
+    assert grads[0] is not None
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-2, atol=1e-3)

@@ -7,6 +7,7 @@ parity comparison itself fails when an offloaded activation is perturbed.
 """
 
 import weakref
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ import layerstream
 from layerstream.config import OFFLOAD_AUTO_MARGIN, OFFLOAD_KEPT_LAYERS, StreamConfig, offloaded_layers, parse_setting
 from layerstream.errors import ActivationChecksumError, HostMemoryError, StreamConfigError
 from layerstream.long import offload
+from layerstream.system import memory_limits
 
 from tiny import assert_traces_equal, batch, peft_pair, stream, train_steps
 
@@ -467,3 +469,23 @@ def test_a_handle_reached_by_its_weak_reference_while_finalised_is_not_copied_ba
     ids = batch(96, seq=8)
     streamed(input_ids=ids, labels=ids).loss  # the graph and its handles are dropped unused
     assert fetched_while_finalised == [False] * offloaded_layers(4)
+
+
+def test_the_page_lock_limit_counts_the_ends_store_beside_the_layer_store(monkeypatch):
+    """The offloaded inputs, the layer store and the ends' store (where the embedding and
+    head stream) are all page-locked: an arena that fits the limit beside the layer store
+    alone is refused beside both, before anything is allocated."""
+    offloader = offload.ActivationOffloader(torch.device("cpu"), 5, pin=False, verify=False)
+    offloader.pin = True  # as on CUDA; the check refuses before any page is locked
+    hidden = torch.zeros(1, 12, 32)
+    need = offload.ActivationOffloader.pass_bytes(5, hidden)
+    total = 64 << 30
+    lockable = memory_limits.lockable_bytes(total)
+    store, ends = lockable - need - (1 << 20), 2 << 20  # 1 MiB under the limit, then 1 MiB over
+    monkeypatch.setattr(offload, "host_memory", lambda: (total, total))
+    arena = lambda nbytes, pin: SimpleNamespace(nbytes=nbytes, pinned=pin, used=0, release=lambda: None)  # noqa: E731
+    monkeypatch.setattr(offload, "_Arena", arena)
+    offloader.start_pass(hidden, store)
+    offloader.release()
+    with pytest.raises(HostMemoryError, match="page-lock"):
+        offloader.start_pass(hidden, store, ends)

@@ -475,7 +475,10 @@ def test_plan_with_host_ram_says_the_longest_that_host_holds(tmp_path, capsys):
     cli.main(_host_bound_argv(tmp_path, "--seq", str(held), "--host-ram", "125GiB"))
     assert "125.00 GiB in all), the plan needs" in (out := capsys.readouterr().out) and "DOES NOT FIT" not in out
     cli.main(_host_bound_argv(tmp_path, "--seq", str(held + 1), "--host-ram", "125GiB"))
-    assert f"shorten --seq to {held} tokens" in " ".join(capsys.readouterr().out.split())
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"shorten --seq to {held} tokens" in out
+    # what binds there is the page-locked part, not the RAM available
+    assert "page-locked, more than the 112.50 GiB that may be" in out and "StreamConfig(pin=False)" in out
     cli.main(_host_bound_argv(tmp_path, "--seq", "400000", "--host-ram", "125GiB", "--max-seq"))
     out = " ".join(capsys.readouterr().out.split())
     longest = int(out.split("longest sequence that fits as given: ", 1)[1].split()[0])
@@ -485,3 +488,28 @@ def test_plan_with_host_ram_says_the_longest_that_host_holds(tmp_path, capsys):
     with pytest.raises(SystemExit):
         cli.main(_host_bound_argv(tmp_path, "--seq", "400000", "--host-ram", "lots"))
     assert "--host-ram lots" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(_host_bound_argv(tmp_path, "--seq", "400000", "--host-ram", "125"))
+    assert "--host-ram 125: give a unit, e.g. 125GiB" in capsys.readouterr().err
+    # a host too small for the store and loader at any length: no length to shorten to
+    cli.main(_host_bound_argv(tmp_path, "--seq", "60000", "--host-ram", "1GiB", "--offload-activations"))
+    out = " ".join(capsys.readouterr().out.split())
+    assert "no length fits beside the rest (--offload-activations false keeps them on the GPU)" in out
+    assert "shorten --seq" not in out and "--host-budget: frees up to the store's" in out
+
+
+def test_the_page_locked_count_is_the_store_the_loader_keeps(tmp_path, capsys):
+    """gpt-oss's MXFP4 experts stay packed in layerstream.from_pretrained's store (the
+    loader the host check plans), where transformers' load would dequantise them: the
+    page-locked count is that store's, so 128 GiB holds gpt-oss-120b."""
+    from layerstream.plan import load_config, request_for
+
+    shape = CLIENT_RESULTS.parents[2] / "configs" / "shapes" / "gpt-oss-120b.json"
+    argv = ["plan", "--model", str(shape), "--vram-budget", "80GiB"]
+    cli.main(argv + ["--seq", "4096", "--lora-rank", "16", "--host-ram", "128GiB"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--host-ram 128GiB: 128.00 GiB of host RAM available (128.00 GiB in all)" in out
+    assert "DOES NOT FIT" not in out and "page-locked" not in out
+    config = load_config(str(shape))
+    planned = make_plan(request_for({}, 80 * GiB, config=config, seq=4096, batch=1, lora_rank=16))
+    assert planned.locked_host_bytes == planned.loader_store_bytes < planned.host_steady_bytes

@@ -627,3 +627,19 @@ def test_a_model_already_on_the_gpu_streams_its_ends_from_the_host_as_resident(t
     assert torch.cuda.memory_allocated() <= before - ends_bytes, "the ends' GPU memory was not freed"
     assert_traces_equal(train_steps(streamed, STEPS, "cuda"), train_steps(resident, STEPS, "cuda"))
     assert layerstream.get_runtime(streamed).stats()["head_copies"] == 2 * STEPS
+
+
+def test_a_hooked_streamed_head_runs_its_hooks_at_each_chunk_and_says_it_copies_for_each(device, caplog):
+    """A forward hook on the head (here doubling its logits) runs as on the resident head
+    when the loss is chunked: the streamed head is then called as a module at each chunk,
+    copied in for each, which is said once."""
+    streamed, resident = peft_pair("llama", layers=4, attn=_attn(device))
+    stream(streamed, device, slots=2, prefetch=1, stream_embeddings=True, loss_chunk_tokens=5)
+    resident = chunked_loss.apply(resident.to(device), 5)
+    for model in (streamed, resident):
+        _ends(model)[1].register_forward_hook(lambda module, args, out: out * 2)
+    chunked_loss._warned.discard("hooked-streamed-head")
+    with caplog.at_level("WARNING", logger="layerstream"):
+        got = train_steps(streamed, STEPS, device)
+    assert sum("the streamed head has hooks" in r.getMessage() for r in caplog.records) == 1
+    assert_traces_equal(got, train_steps(resident, STEPS, device))

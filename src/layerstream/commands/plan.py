@@ -211,6 +211,8 @@ def _host_ram(args, parser: argparse.ArgumentParser):
 
     if args.host_ram is None:
         return None
+    if args.host_ram.strip().isdigit():  # bytes, surely meant as GiB
+        parser.error(f"--host-ram {args.host_ram}: give a unit, e.g. {args.host_ram.strip()}GiB")
     try:
         size = parse_bytes(args.host_ram)
     except ValueError as exc:

@@ -40,6 +40,7 @@ from typing import List, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import parametrize
 
 from ..config import check_tokens
 from ..errors import StreamingError
@@ -165,23 +166,35 @@ class _HeadCall:
     def __init__(self, head: nn.Module, softcap: Optional[float] = None):
         self.head, self.softcap = head, softcap
         ends = head.__dict__.get("_layerstream_ends")
-        plain_linear = swap.original_class(head).forward is nn.Linear.forward
-        self.ends = ends if plain_linear and hasattr(ends, "head_weight") else None
-        self.plain = plain_linear and _unhooked(head)
+        plain = swap.original_class(head).forward is nn.Linear.forward and _unhooked(head)
+        streamed = hasattr(ends, "head_weight")
+        if streamed and not plain:
+            _warn_once(
+                "hooked-streamed-head",
+                "layerstream: the streamed head has hooks or a forward of its own; loss_chunk_tokens "
+                "calls it as a module at each chunk, which copies it in again for every chunk (slower, "
+                "exact). Remove the hooks, or set stream_embeddings=False, to copy it once a step.",
+            )
+        self.ends = ends if streamed and plain else None
+        self.plain = plain
 
     def prepare(self):
         call = self.head
-        weight = self.ends.head_weight(self.head) if self.ends is not None else None
-        if weight is not None or self.plain:
-            weight = _cast_once(self.head.weight if weight is None else weight)
+        if self.ends is not None:
+            weight = _cast_once(self.ends.head_weight(self.head))
+            call = functools.partial(F.linear, weight=weight, bias=self.head.bias)
+        elif self.plain and (weight := _cast_once(self.head.weight)) is not self.head.weight:
             call = functools.partial(F.linear, weight=weight, bias=self.head.bias)
         cap = self.softcap
         return call if cap is None else lambda x: softcapped(call(x), cap)
 
 
 def _unhooked(module: nn.Module) -> bool:
-    """Whether calling the module runs only its class's forward: no hooks of its own or
-    global ones, no forward set on the instance (accelerate's device hooks set one)."""
+    """Whether calling the module runs only its class's forward on its own parameters: no
+    hooks of its own or global ones, no forward set on the instance (accelerate's device
+    hooks set one), no parametrization (its weight is computed at each call)."""
+    if parametrize.is_parametrized(module):
+        return False
     from torch.nn.modules import module as module_globals
 
     hooks = (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks)
@@ -195,7 +208,8 @@ def _unhooked(module: nn.Module) -> bool:
 
 
 def _cast_once(weight: torch.Tensor) -> torch.Tensor:
-    """The weight as autocast would cast it for ``F.linear``, once for every chunk: autocast
+    """The weight as autocast would cast it for ``F.linear``, once for every chunk (a head whose
+    weight is a plain frozen tensor, not a parametrization's): autocast
     caches the casts of trainable leaves only, so a frozen float32 head under bf16 autocast
     (peft's ``prepare_model_for_kbit_training`` leaves one) would be cast again at each chunk,
     reading and writing the whole head each time. The same ``to`` autocast runs: the same

@@ -155,8 +155,10 @@ class ActivationOffloader:
         """No pass's inputs are held: the arenas can be released."""
         return self._live == 0
 
-    def start_pass(self, hidden: torch.Tensor, store_bytes: int) -> None:
-        """Before layer 0 of a training pass: make room for its inputs, or refuse."""
+    def start_pass(self, hidden: torch.Tensor, store_bytes: int, ends_bytes: int = 0) -> None:
+        """Before layer 0 of a training pass: make room for its inputs, or refuse
+        (``store_bytes``, ``ends_bytes``: the layer store's and the ends' store's host
+        bytes, page-locked beside the arena)."""
         need = self.pass_bytes(self.num_layers, hidden)
         if self._live == 0:
             self._stack = []
@@ -167,10 +169,10 @@ class ActivationOffloader:
             self.release()  # too small for this shape: one arena of the new size
         elif sum(a.nbytes - a.used for a in self.arenas) >= need:
             return
-        self._check_host_memory(need, hidden, store_bytes)
+        self._check_host_memory(need, hidden, store_bytes, ends_bytes)
         self.arenas.append(_Arena(need, self.pin))
 
-    def _check_host_memory(self, need: int, hidden: torch.Tensor, store_bytes: int) -> None:
+    def _check_host_memory(self, need: int, hidden: torch.Tensor, store_bytes: int, ends_bytes: int) -> None:
         memory = host_memory()
         if memory is None:
             return
@@ -193,7 +195,7 @@ class ActivationOffloader:
                 )
             raise HostMemoryError(f"{what}, but only {available / GiB:.2f} GiB is available. {fixes}.")
         keep = total - memory_limits.lockable_bytes(total)
-        pinned = need + store_bytes + sum(a.nbytes for a in self.arenas if a.pinned)
+        pinned = need + store_bytes + ends_bytes + sum(a.nbytes for a in self.arenas if a.pinned)
         if self.pin and pinned > total - keep:
             raise HostMemoryError(
                 f"{what}; with the layer store that would page-lock {pinned / GiB:.2f} GiB of this host's "

@@ -74,7 +74,7 @@ def max_seq(request: PlanRequest, limit: int = MAX_SEQ_LIMIT, host: Optional[Tup
     return _bisect(request, low, high, host)
 
 
-def _bisect(request: PlanRequest, low: int, high: int, host: Optional[int]) -> int:
+def _bisect(request: PlanRequest, low: int, high: int, host: Optional[Tuple[int, int]]) -> int:
     """Largest seq in [low, high) that fits, given that low fits and high does not."""
     while high - low > 1:
         middle = (low + high) // 2

@@ -95,12 +95,17 @@ class MemoryPlan:
     advice: List[str] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)
 
+    @property
+    def locked_host_bytes(self) -> int:
+        """What a run loaded by ``layerstream.from_pretrained`` (``loader_ram_bytes``'s)
+        page-locks: the layer store, the ends' store where they stream, the offloaded inputs."""
+        return self.loader_store_bytes + self.ends_host_bytes + self.activation_host_bytes
+
     def host_holds(self, available: int, total: int) -> bool:
         """Whether a host with ``available`` of ``total`` bytes free holds the run: the
-        loader's peak fits what is available, and the page-locked bytes (the store, the
-        ends, the offloaded inputs) what may be locked (``lockable_bytes``, as the store
-        and the offloader refuse beyond it)."""
-        return self.loader_ram_bytes <= available and self.host_steady_bytes <= lockable_bytes(total)
+        loader's peak fits what is available, and the page-locked bytes what may be locked
+        (``lockable_bytes``, as the store and the offloader refuse beyond it)."""
+        return self.loader_ram_bytes <= available and self.locked_host_bytes <= lockable_bytes(total)
 
     @property
     def static_bytes(self) -> int:

@@ -201,25 +201,36 @@ def format_host_check(plan: MemoryPlan, memory, longest: Optional[int] = None, m
     """One line comparing the plan's host RAM peak with layerstream.from_pretrained (the
     loader that never holds the whole model) with ``machine``'s ``(available, total)``
     bytes: the GPU verdict alone would call a step that the host cannot hold a fit.
-    ``longest``: the longest sequence whose plan both budgets hold (said where the
-    offloaded inputs are what the host cannot hold)."""
+    ``longest``: the longest sequence whose plan this host holds, said where the offloaded
+    inputs take part in what it cannot hold (0: none does)."""
     available, total = memory
     need = plan.loader_ram_bytes
     head = f"{machine}: {_gib(available)} of host RAM available ({_gib(total)} in all), the plan needs {_gib(need)}"
     if plan.host_holds(available, total):
         return f"{head}: fits"
-    if need <= available:  # what does not fit is the page-locked part
+    locked = need <= available  # what does not fit is the page-locked part
+    if locked:
         head += (
-            f", of which {_gib(plan.host_steady_bytes)} page-locked, more than the "
+            f", of which {_gib(plan.locked_host_bytes)} page-locked, more than the "
             f"{_gib(lockable_bytes(total))} that may be (a tenth, at least 4 GiB, stays unlocked)"
         )
-    fixes = "read layers from disk (--host-budget) or run where there is more RAM"
+    fixes = []
     if plan.activation_host_bytes:
-        shorten = (
-            "shorten --seq" if not longest else f"shorten --seq to {longest} tokens or fewer (the host holds those)"
-        )
-        fixes = f"the offloaded inputs take {_gib(plan.activation_host_bytes)}: {shorten}, " + fixes
-    return "\n".join(textwrap.wrap(f"{head}: DOES NOT FIT; {fixes}", width=88, subsequent_indent="  "))
+        offloaded = f"the offloaded inputs take {_gib(plan.activation_host_bytes)}: "
+        if longest:
+            fixes.append(f"{offloaded}shorten --seq to {longest} tokens or fewer (the host holds those)")
+        elif longest == 0:
+            fixes.append(
+                f"{offloaded}no length fits beside the rest (--offload-activations false keeps them on the GPU)"
+            )
+        else:
+            fixes.append(f"{offloaded}shorten --seq")
+    fixes.append(f"read layers from disk (--host-budget: frees up to the store's {_gib(plan.loader_store_bytes)})")
+    if locked:
+        fixes.append("page-lock nothing (StreamConfig(pin=False): pageable copies, slower)")
+    fixes.append("run where there is more RAM")
+    text = f"{head}: DOES NOT FIT; {', '.join(fixes[:-1])} or {fixes[-1]}"
+    return "\n".join(textwrap.wrap(text, width=88, subsequent_indent="  ", break_on_hyphens=False))
 
 
 def format_decode_term(plan: MemoryPlan, term, batch: int = 1, windowed=None) -> str:

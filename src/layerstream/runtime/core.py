@@ -96,7 +96,9 @@ class StreamRuntime:
         for record in records:
             changes.watch(record)
             self._index_modules(record)
-        self.offload_policy = OffloadPolicy(config, self.device, len(records), store)
+        self.offload_policy = OffloadPolicy(
+            config, self.device, len(records), store, lambda: getattr(self.embeddings, "store", None)
+        )
         self.experts = ExpertsByNeed(records, self.pool, enabled=not config.checksum)  # whole slots under checksums
         self._packed_projections = packed_experts.projection_names(model)  # MXFP4 stacks' Parameter names
         self.pass_offloader = None  # the offloader of the training pass under way, or None
@@ -536,16 +538,14 @@ class StreamRuntime:
         self.long_settings.forget_decisions()
 
     def memory_plan(self, batch: int, seq: int, vram_bytes: int = 1 << 50, backward_slots=0, offload=None):
-        """The memory planner's plan of this model streamed as it is, with the long-sequence
-        settings a step of batch x seq tokens takes; ``offload``: offload_activations (None:
-        as this pass runs)."""
+        """The planner's plan of this model as it streams, with the long-sequence settings a
+        batch x seq step takes; ``offload``: offload_activations (None: as this pass runs)."""
         offload = self.pass_offloader is not None if offload is None else offload
         return self.long_settings.memory_plan(batch, seq, vram_bytes, backward_slots, offload)
 
     # -- counters and text -----------------------------------------------------------
     def stats(self) -> dict:
-        """Counters since streaming began. Reads outstanding CUDA timing events (waits)."""
-        return report.stats(self)
+        return report.stats(self)  # counters since streaming began; waits for timing events
 
     def summary(self) -> str:
         """A one-screen description: what streams, slots, bytes, pinning."""

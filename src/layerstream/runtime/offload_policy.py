@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Dict, Optional, Tuple, Union
+from typing import Callable, Dict, Optional, Tuple, Union
 
 import torch
 
@@ -45,15 +45,24 @@ class OffloadPolicy:
     """The activation offloader of a streamed model and whether each training pass uses it.
 
     Collaborators, passed in: the runtime's config (the runtime hands a new one whenever it
-    replaces it), the device (new in ``move_to``), the number of streamed layers and the host
-    store (whose size the host-memory check counts beside a pass's arena).
+    replaces it), the device (new in ``move_to``), the number of streamed layers, the host
+    store and ``ends_store()``, the ends' store where they stream (whose sizes the
+    host-memory check counts beside a pass's arena: all three are page-locked).
     """
 
-    def __init__(self, config: StreamConfig, device: torch.device, num_layers: int, store: HostStore):
+    def __init__(
+        self,
+        config: StreamConfig,
+        device: torch.device,
+        num_layers: int,
+        store: HostStore,
+        ends_store: Callable[[], Optional[HostStore]] = lambda: None,
+    ):
         self.config = config
         self.device = device
         self.num_layers = num_layers
         self.store = store
+        self.ends_store = ends_store
         self.offloader: Optional[ActivationOffloader] = self._new_offloader()  # None: offloading off
         self._auto = AutoOffloadMemo()  # offload_activations="auto": decisions per shape
 
@@ -129,7 +138,8 @@ class OffloadPolicy:
         refused = margin_only and memo.refused_bytes is not None and need >= memo.refused_bytes
         if not refused:
             try:
-                self.offloader.start_pass(hidden, self.store.host_bytes)
+                ends = self.ends_store()
+                self.offloader.start_pass(hidden, self.store.host_bytes, ends.host_bytes if ends else 0)
             except HostMemoryError:
                 if not margin_only:
                     raise

@@ -29,7 +29,7 @@ def lockable_bytes(total: int) -> int:
     bytes: locked pages can be neither swapped nor reclaimed, so max(4 GiB, 10%) stays
     unlocked for everything else (the layer store, the ends and the offloaded inputs are
     page-locked; the store and the offloader refuse beyond it, and the plan counts it)."""
-    return total - max(4 << 30, total // 10)
+    return max(0, total - max(4 << 30, total // 10))
 
 
 def host_memory(root: str = "/") -> Optional[Tuple[int, int]]:
