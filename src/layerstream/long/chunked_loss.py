@@ -208,10 +208,10 @@ def _unhooked(module: nn.Module) -> bool:
 
 
 def _cast_once(weight: torch.Tensor) -> torch.Tensor:
-    """The weight as autocast would cast it for ``F.linear``, once for every chunk (a head whose
-    weight is a plain frozen tensor, not a parametrization's): autocast
-    caches the casts of trainable leaves only, so a frozen float32 head under bf16 autocast
-    (peft's ``prepare_model_for_kbit_training`` leaves one) would be cast again at each chunk,
+    """The weight as autocast would cast it for ``F.linear``, once for every chunk (a head
+    whose weight is a plain frozen tensor, not a parametrization's): autocast caches the
+    casts of trainable leaves only, so a frozen float32 head under bf16 autocast (peft's
+    ``prepare_model_for_kbit_training`` leaves one) would be cast again at each chunk,
     reading and writing the whole head each time. The same ``to`` autocast runs: the same
     bits; a copy of the head in autocast's dtype, which the memory plan counts."""
     kind = weight.device.type
