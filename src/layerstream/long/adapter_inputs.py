@@ -166,12 +166,7 @@ def _inside(adapter: Optional[nn.Module]) -> bool:
 def _hooked(module: nn.Module) -> bool:
     """Whether hooks around ``module``'s call could change or read its input: then its
     dropout runs as PEFT's, so they see the dropped input (said once: it keeps more)."""
-    hooked = bool(
-        module._forward_pre_hooks
-        or module._forward_hooks
-        or torch.nn.modules.module._global_forward_pre_hooks
-        or torch.nn.modules.module._global_forward_hooks
-    )
+    hooked = swap.hooked(module)
     global _said_hooked
     if hooked and not _said_hooked:
         _said_hooked = True

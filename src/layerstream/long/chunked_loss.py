@@ -193,18 +193,7 @@ def _unhooked(module: nn.Module) -> bool:
     """Whether calling the module runs only its class's forward on its own parameters: no
     hooks of its own or global ones, no forward set on the instance (accelerate's device
     hooks set one), no parametrization (its weight is computed at each call)."""
-    if parametrize.is_parametrized(module):
-        return False
-    from torch.nn.modules import module as module_globals
-
-    hooks = (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks)
-    global_hooks = (
-        module_globals._global_forward_hooks,
-        module_globals._global_forward_pre_hooks,
-        module_globals._global_backward_hooks,
-        module_globals._global_backward_pre_hooks,
-    )
-    return "forward" not in module.__dict__ and not any(hooks) and not any(global_hooks)
+    return not (parametrize.is_parametrized(module) or "forward" in module.__dict__ or swap.hooked(module, True))
 
 
 def _cast_once(weight: torch.Tensor) -> torch.Tensor:

@@ -28,6 +28,20 @@ def original_class(obj) -> type:
     return getattr(type(obj), _BASE, type(obj))
 
 
+def hooked(module, backward: bool = False) -> bool:
+    """Whether a call of ``module`` runs hooks beside its class's forward: forward hooks of
+    its own or global ones, and with ``backward`` backward hooks too (a caller that would
+    compute the module's output another way must not skip them)."""
+    from torch.nn.modules import module as torch_module
+
+    own = [module._forward_pre_hooks, module._forward_hooks]
+    shared = [torch_module._global_forward_pre_hooks, torch_module._global_forward_hooks]
+    if backward:
+        own += [module._backward_pre_hooks, module._backward_hooks]
+        shared += [torch_module._global_backward_pre_hooks, torch_module._global_backward_hooks]
+    return any(own) or any(shared)
+
+
 def behaviours(obj) -> Tuple[type, ...]:
     """The behaviours mixed into ``obj``'s class, oldest first."""
     return getattr(type(obj), _MIXINS, ())
