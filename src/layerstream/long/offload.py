@@ -194,12 +194,12 @@ class ActivationOffloader:
                     "(--host-budget): the layers beyond it are then read from disk at each visit"
                 )
             raise HostMemoryError(f"{what}, but only {available / GiB:.2f} GiB is available. {fixes}.")
-        keep = total - memory_limits.lockable_bytes(total)
+        lockable = memory_limits.lockable_bytes(total)
         pinned = need + store_bytes + ends_bytes + sum(a.nbytes for a in self.arenas if a.pinned)
-        if self.pin and pinned > total - keep:
+        if self.pin and pinned > lockable:
             raise HostMemoryError(
                 f"{what}; with the layer store that would page-lock {pinned / GiB:.2f} GiB of this host's "
-                f"{total / GiB:.2f} GiB, leaving less than {keep / GiB:.2f} GiB unlocked. {fixes}, or pass "
+                f"{total / GiB:.2f} GiB, leaving less than {(total - lockable) / GiB:.2f} GiB unlocked. {fixes}, or pass "
                 "pin=False (pageable copies, slower)."
             )
 

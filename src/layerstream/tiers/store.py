@@ -233,11 +233,11 @@ def check_host_memory(new_bytes: int, store_bytes: int, pin: bool, what: str) ->
             "memory, or load in NF4 (quantization='nf4': about a quarter of the bytes); "
             "`layerstream plan` shows the host RAM a run needs before it starts."
         )
-    keep = total - memory_limits.lockable_bytes(total)
-    if pin and store_bytes > total - keep:
+    lockable = memory_limits.lockable_bytes(total)
+    if pin and store_bytes > lockable:
         raise HostMemoryError(
             f"{what} would page-lock {store_bytes / GiB:.1f} GiB of this host's {total / GiB:.1f} GiB, "
-            f"leaving less than {keep / GiB:.1f} GiB for everything else. Load in NF4 "
+            f"leaving less than {(total - lockable) / GiB:.1f} GiB for everything else. Load in NF4 "
             "(quantization='nf4'), use a host with more RAM, or pass StreamConfig(pin=False) "
             "(pageable copies, about 8x slower)."
         )
