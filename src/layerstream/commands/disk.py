@@ -81,6 +81,17 @@ def stored_layer_files(directory) -> List[Path]:
     return sorted(found, key=lambda path: -path.stat().st_size)
 
 
+def disk_store(args, config, plan, host_budget: int):
+    """``plan`` with the host store the disk tier keeps under ``host_budget`` (its RAM layers
+    and staging ring), for the host check."""
+    from ..decisions.disk import split_tiers
+    from ..plan import layer_bytes
+    from ..plan.disk import with_disk_store
+
+    sizes = layer_bytes(config, args.quantization, args.dtype)
+    return with_disk_store(plan, sizes, split_tiers(list(sizes), host_budget, quantized=args.quantization == "nf4"))
+
+
 def format_disk_term(args, config, plan, host_budget: int) -> str:
     """The disk term of ``plan`` with a layer store of ``host_budget`` bytes in host RAM."""
     from ..plan import layer_bytes, layer_shapes

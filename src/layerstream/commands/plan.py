@@ -141,7 +141,7 @@ def run(args, parser: argparse.ArgumentParser) -> int:
     from ..plan.long_settings import LONG_ORDER, OFF, decide_for, plan_line
     from ..tiers.store import host_memory
     from ..units import parse_bytes
-    from .disk import format_disk_term, measure_disk
+    from .disk import disk_store, format_disk_term, measure_disk
 
     if args.measure_disk:
         return measure_disk(args, parser)
@@ -182,15 +182,20 @@ def run(args, parser: argparse.ArgumentParser) -> int:
     except (ValueError, OSError) as exc:
         parser.error(str(exc))  # exits with status 2
     print(format_plan(plan))
+    memory = _host_ram(args, parser) or host_memory()
+    machine = "this machine" if args.host_ram is None else f"--host-ram {args.host_ram}"
     if settings["host_budget"] is not None:  # a disk tier: its own host terms
         try:
             print(format_disk_term(args, config, plan, settings["host_budget"]))
         except ValueError as exc:
             parser.error(str(exc))
-    elif (memory := _host_ram(args, parser) or host_memory()) is not None:
+        if memory is not None:  # the host then holds the tier's store, not every layer
+            print(
+                format_host_check(disk_store(args, config, plan, settings["host_budget"]), memory, None, machine, True)
+            )
+    elif memory is not None:
         # where the host is what bounds the length: the longest it holds
         held = None if plan.host_holds(*memory) else max_seq(request, host=memory)
-        machine = "this machine" if args.host_ram is None else f"--host-ram {args.host_ram}"
         print(format_host_check(plan, memory, held, machine))
         if longest is not None and held is None and (held := max_seq(request, host=memory)) < longest:
             print(f"  of the longest that fits the GPU ({longest} tokens), the host holds {held}")
