@@ -179,6 +179,7 @@ def attempt(ctx, streamed: bool, cap: str, tokens: int):
         peak_allocated_gib=timing.get("peak_allocated_gib"),
         peak_reserved_gib=timing.get("peak_reserved_gib"),
         peak_host_rss_gib=timing.get("peak_host_rss_gib"),
+        alloc_retries=timing.get("alloc_retries"),  # the allocator's, cumulative after each step
         trainer_peak_vram_gib=max(
             (e["layerstream/peak_vram_gib"] for e in logs if "layerstream/peak_vram_gib" in e), default=None
         ),

@@ -43,6 +43,7 @@ def test_the_streamed_run_is_the_users_command_with_no_layerstream_setting(dry_r
     streamed = [a for a in attempts if a["streamed"]]
     plain = [a for a in attempts if not a["streamed"]]
     assert streamed and plain and all(a["verdict"] == "trained" for a in attempts)
+    assert all(a["alloc_retries"] == [] for a in attempts), "kept from the times file (none counted without CUDA)"
     for a in streamed:
         assert a["client"] == client and a["client_command"].startswith(STREAMED_START[client])
         command = a["client_command"]
