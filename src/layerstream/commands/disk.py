@@ -81,21 +81,12 @@ def stored_layer_files(directory) -> List[Path]:
     return sorted(found, key=lambda path: -path.stat().st_size)
 
 
-def disk_store(args, config, plan, host_budget: int):
-    """``plan`` with the host store the disk tier keeps under ``host_budget`` (its RAM layers
-    and staging ring), for the host check."""
-    from ..decisions.disk import split_tiers
-    from ..plan import layer_bytes
-    from ..plan.disk import with_disk_store
-
-    sizes = layer_bytes(config, args.quantization, args.dtype)
-    return with_disk_store(plan, sizes, split_tiers(list(sizes), host_budget, quantized=args.quantization == "nf4"))
-
-
-def format_disk_term(args, config, plan, host_budget: int) -> str:
-    """The disk term of ``plan`` with a layer store of ``host_budget`` bytes in host RAM."""
+def disk_tier(args, config, plan, host_budget: int):
+    """The disk term of ``plan`` with a layer store of ``host_budget`` bytes in host RAM, the
+    frozen linear parameters it computes over, and ``plan`` with the host store that tier
+    keeps (its RAM layers and staging ring), for the host check: ``(term, params, stored)``."""
     from ..plan import layer_bytes, layer_shapes
-    from ..plan.disk import disk_term, tokens_that_hide_the_disk
+    from ..plan.disk import disk_term, with_disk_store
 
     if not args.disk_gbps:
         raise ValueError("--host-budget needs --disk-gbps (measure it with --measure-disk DIR)")
@@ -112,6 +103,13 @@ def format_disk_term(args, config, plan, host_budget: int) -> str:
         args.tflops,
         quantized=args.quantization == "nf4",
     )
+    return term, params, with_disk_store(plan, sizes, term.tiers)
+
+
+def format_disk_term(args, term, params: int, host_budget: int) -> str:
+    """``disk_tier``'s term as the plan prints it."""
+    from ..plan.disk import tokens_that_hide_the_disk
+
     tiers = term.tiers
     lines = [
         "disk tier (host_budget {:.2f} GiB)".format(host_budget / GiB),

@@ -141,7 +141,7 @@ def run(args, parser: argparse.ArgumentParser) -> int:
     from ..plan.long_settings import LONG_ORDER, OFF, decide_for, plan_line
     from ..tiers.store import host_memory
     from ..units import parse_bytes
-    from .disk import disk_store, format_disk_term, measure_disk
+    from .disk import disk_tier, format_disk_term, measure_disk
 
     if args.measure_disk:
         return measure_disk(args, parser)
@@ -186,13 +186,12 @@ def run(args, parser: argparse.ArgumentParser) -> int:
     machine = "this machine" if args.host_ram is None else f"--host-ram {args.host_ram}"
     if settings["host_budget"] is not None:  # a disk tier: its own host terms
         try:
-            print(format_disk_term(args, config, plan, settings["host_budget"]))
+            term, params, stored = disk_tier(args, config, plan, settings["host_budget"])
         except ValueError as exc:
             parser.error(str(exc))
+        print(format_disk_term(args, term, params, settings["host_budget"]))
         if memory is not None:  # the host then holds the tier's store, not every layer
-            print(
-                format_host_check(disk_store(args, config, plan, settings["host_budget"]), memory, None, machine, True)
-            )
+            print(format_host_check(stored, memory, machine=machine, disk=True))
     elif memory is not None:
         # where the host is what bounds the length: the longest it holds
         held = None if plan.host_holds(*memory) else max_seq(request, host=memory)
