@@ -529,8 +529,21 @@ def test_a_disk_tier_plan_checks_the_host_for_its_store_and_the_offloaded_inputs
     needs = float(out.split("the plan needs ", 1)[1].split()[0])
     assert 90 < needs < whole - 2, "the offloaded inputs counted, most of the store not"
     assert "--host-ram 125GiB: 125.00 GiB of host RAM available" in out and "DOES NOT FIT" not in out
-    cli.main(tier[: tier.index("125GiB")] + ["64GiB"] + tier[tier.index("125GiB") + 1 :])
+
+    def swap(argv, values):  # argv with the arguments in ``values`` replaced
+        return [values.get(arg, arg) for arg in argv]
+
+    cli.main(swap(tier, {"125GiB": "64GiB"}))
     out = " ".join(capsys.readouterr().out.split())
-    assert "DOES NOT FIT; the offloaded inputs take" in out and "shorten --seq" in out
+    assert "DOES NOT FIT; the offloaded inputs take" in out
     assert "a smaller --host-budget (the tier's store and ring take" in out
     assert "read layers from disk" not in out, "the run reads from disk already"
+    # the length it names is the one whose inputs fit beside the tier's store, not every layer
+    held = int(out.split("shorten --seq to ", 1)[1].split()[0])
+    cli.main(swap(tier, {"125GiB": "64GiB", "400000": str(held)}))
+    assert "DOES NOT FIT" not in " ".join(capsys.readouterr().out.split()), f"{held} tokens fit beside the store"
+    cli.main(swap(tier, {"125GiB": "64GiB", "400000": str(held + 1)}))
+    assert "DOES NOT FIT" in " ".join(capsys.readouterr().out.split()), "and no longer one does"
+    cli.main(swap(base, {"125GiB": "64GiB"}))
+    whole_held = " ".join(capsys.readouterr().out.split()).split("shorten --seq to ", 1)[1].split()[0]
+    assert int(whole_held) < held, "every layer in RAM leaves the inputs less room than the tier's store"

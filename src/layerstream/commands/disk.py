@@ -12,6 +12,7 @@ holds, so a fresh file can promise a bandwidth the run never sees."""
 from __future__ import annotations
 
 import argparse
+import functools
 import mmap
 import os
 import time
@@ -83,8 +84,10 @@ def stored_layer_files(directory) -> List[Path]:
 
 def disk_tier(args, config, plan, host_budget: int):
     """The disk term of ``plan`` with a layer store of ``host_budget`` bytes in host RAM, the
-    frozen linear parameters it computes over, and ``plan`` with the host store that tier
-    keeps (its RAM layers and staging ring), for the host check: ``(term, params, stored)``."""
+    frozen linear parameters it computes over, and the host store that tier keeps (its RAM
+    layers and staging ring; ``plan.longest.HostStore``), for the host check: ``(term,
+    params, store)``. The tiers do not depend on the sequence, so ``store`` holds for a plan
+    of any length."""
     from ..plan import layer_bytes, layer_shapes
     from ..plan.disk import disk_term, with_disk_store
 
@@ -103,7 +106,7 @@ def disk_tier(args, config, plan, host_budget: int):
         args.tflops,
         quantized=args.quantization == "nf4",
     )
-    return term, params, with_disk_store(plan, sizes, term.tiers)
+    return term, params, functools.partial(with_disk_store, sizes=sizes, tiers=term.tiers)
 
 
 def format_disk_term(args, term, params: int, host_budget: int) -> str:

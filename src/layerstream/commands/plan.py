@@ -184,19 +184,19 @@ def run(args, parser: argparse.ArgumentParser) -> int:
     print(format_plan(plan))
     memory = _host_ram(args, parser) or host_memory()
     machine = "this machine" if args.host_ram is None else f"--host-ram {args.host_ram}"
-    if settings["host_budget"] is not None:  # a disk tier: its own host terms
+    store = None  # every layer in host RAM
+    if settings["host_budget"] is not None:  # a disk tier: the host holds its store instead
         try:
-            term, params, stored = disk_tier(args, config, plan, settings["host_budget"])
+            term, params, store = disk_tier(args, config, plan, settings["host_budget"])
         except ValueError as exc:
             parser.error(str(exc))
         print(format_disk_term(args, term, params, settings["host_budget"]))
-        if memory is not None:  # the host then holds the tier's store, not every layer
-            print(format_host_check(stored, memory, machine=machine, disk=True))
-    elif memory is not None:
+    if memory is not None:
         # where the host is what bounds the length: the longest it holds
-        held = None if plan.host_holds(*memory) else max_seq(request, host=memory)
-        print(format_host_check(plan, memory, held, machine))
-        if longest is not None and held is None and (held := max_seq(request, host=memory)) < longest:
+        checked = plan if store is None else store(plan)
+        held = None if checked.host_holds(*memory) else max_seq(request, host=memory, store=store)
+        print(format_host_check(checked, memory, held, machine, disk=store is not None))
+        if longest is not None and held is None and (held := max_seq(request, host=memory, store=store)) < longest:
             print(f"  of the longest that fits the GPU ({longest} tokens), the host holds {held}")
     print(_decode_lines(args, config, plan, request))
     print()
