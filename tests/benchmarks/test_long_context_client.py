@@ -183,3 +183,20 @@ def test_prepare_only_writes_the_checkpoint_and_data_that_the_next_command_reuse
     assert (checked.stat().st_mtime_ns, index.stat().st_mtime_ns) == written, "written again"
     attempts = json.loads((tmp_path / "out" / "long-context-client.json").read_text())["attempts"]
     assert [a["verdict"] for a in attempts] == ["trained"]
+
+
+def test_an_ablation_runs_the_streamed_command_with_its_flags_and_makes_no_row(tmp_path):
+    """--streamed-flags appends arguments to the streamed run (what one setting costs, against
+    the same client's auto run): they reach the run, its attempt is named by them, and it
+    makes no row, since a row stands for the user's command with no layerstream flag."""
+    out = tmp_path / "out"
+    flags = "--layer_stream_mlp_tile_tokens 64"
+    argv = ["--dry-run", "--client", "trainer", "--cells", "1:256", "--work", str(tmp_path), "--out", str(out)]
+    assert long_context_client.main(argv + ["--steps", "1", "--streamed-flags", flags]) == 0
+    [ablation] = json.loads((out / "long-context-client.json").read_text())["attempts"]
+    assert ablation["verdict"] == "trained" and ablation["streamed_flags"] == flags.split()
+    assert ablation["name"] == "trainer-ablation-layer-stream-mlp-tile-tokens-64-streamed-1GiB-256-round1"
+    assert ablation["client_command"].endswith(flags)
+    assert any("mlp_tile_tokens=64" in line for line in ablation["layerstream_lines"]), "the flag reached the run"
+    rows = json.loads((out / "long-context.json").read_text())
+    assert not [row for row in rows if row["model"] == long_context_client.MODELS["tiny"]]
