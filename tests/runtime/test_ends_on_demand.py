@@ -1,6 +1,7 @@
 """stream_embeddings left at "auto" (the default): the last resort after the three
 long-sequence settings. Where they leave a step's plan over the limit, the embedding and
-head move to host memory at that step and stay there; training equals the resident model
+head move to host memory at that step, and come back once a measured step leaves room for
+them; training equals the resident model
 bit for bit across the move (non-zero LoRA B, more layers than slots, with a negative
 control); ends that cannot stream stay, said once; every surface takes the setting."""
 
@@ -99,7 +100,7 @@ def test_a_step_the_three_leave_over_moves_the_ends_and_trains_as_resident(small
     moved = [r.getMessage() for r in caplog.records if "moved the embedding and head to host memory" in r.getMessage()]
     assert len(moved) == 1
     said = [r.getMessage() for r in caplog.records if "stream_embeddings='auto' is on" in r.getMessage()]
-    assert len(said) == 1 and "stay in host memory from this step on" in said[0]
+    assert len(said) == 1 and "stay in host memory until a measured step leaves them room" in said[0]
     assert "embeddings   streamed" in runtime.summary()
 
 
@@ -112,8 +113,8 @@ def test_the_comparison_across_the_move_fails_when_the_host_copy_differs(small_t
     runtime = _stream(streamed, _budget(resident))
     real = ends_on_demand.EndsOnDemand.move
 
-    def move_then_change(self):
-        real(self)
+    def move_then_change(self, tokens):
+        real(self, tokens)
         with torch.no_grad():
             streamed.get_base_model().lm_head.weight[0, 0] += 1.0
 
@@ -180,6 +181,95 @@ def test_an_end_unfrozen_after_auto_moved_it_is_refused_naming_the_setting_to_ch
     assert "stream_embeddings=True" not in str(error.value)
 
 
+# -- coming back ------------------------------------------------------------------------------
+@pytest.fixture
+def no_window_margin(monkeypatch):
+    """The window's margin (384 MiB) dwarfs a tiny model: without it, the measured room
+    decides, as it does for an 8B model under 12 GiB."""
+    from layerstream.decisions import window
+
+    monkeypatch.setattr(window, "MARGIN_BYTES", 0)
+
+
+def _roomy_budget(resident) -> int:
+    """Over the plan with the three on (so the ends move at the first step), but not by the
+    15% margin "auto" keeps: the measured steps then leave room for the ends."""
+    return int(plan_for_model(resident, 48, 2, slots=2, **EVERY).needed_bytes * 1.1)
+
+
+def test_a_measured_step_with_room_brings_the_ends_back_and_trains_as_resident(small_tiles, no_window_margin, caplog):
+    """The first step moves the ends (the plan is over its margin); the window, reading that
+    step, finds room for them and they come back before it takes layers; every step, across
+    both moves, equals the resident model's; later steps of that length keep them."""
+    streamed, resident = _pair()
+    runtime = _stream(streamed, _roomy_budget(resident))
+    head = streamed.get_base_model().lm_head.weight
+    with caplog.at_level(logging.WARNING, logger="layerstream"):
+        got = train_steps(streamed, 4, seq=48)
+    assert_traces_equal(got, train_steps(_resident_as_streamed(resident), 4, seq=48))
+    assert runtime.embeddings is None, "the ends came back"
+    assert "_layerstream_ends" not in streamed.get_base_model().lm_head.__dict__ and not head.is_pinned()
+    assert runtime.resident_window.layers, "the window took the room left after them"
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("moved the embedding and head to host memory" in m for m in messages) == 1
+    back = [m for m in messages if "brought the embedding and head back to the GPU" in m]
+    assert len(back) == 1 and "up to 96 tokens" in back[0]
+    ends = runtime.long_settings.ends
+    assert not ends.possible(96) and ends.possible(97), "a longer step is planned with them movable again"
+    assert runtime.long_settings.plan_request(2, 48).stream_embeddings is False
+
+
+def test_the_comparison_across_the_return_fails_when_the_copy_back_differs(small_tiles, no_window_margin):
+    """Negative control: the same runs, with one value of the head's copy changed as the
+    ends come back: the later steps' logits come from that copy."""
+    from layerstream.runtime import embeddings
+
+    streamed, resident = _pair()
+    runtime = _stream(streamed, _roomy_budget(resident))
+    real = embeddings.StreamedEnds.copies_out
+
+    def copies_then_change(self, target):
+        copies = real(self, target)
+        copies[-1][0, 0] += 1.0
+        return copies
+
+    embeddings.StreamedEnds.copies_out = copies_then_change
+    try:
+        got = train_steps(streamed, 3, seq=48)
+    finally:
+        embeddings.StreamedEnds.copies_out = real
+    assert runtime.embeddings is None and runtime.long_settings.ends.returns == 1
+    with pytest.raises(AssertionError):
+        assert_traces_equal(got, train_steps(_resident_as_streamed(resident), 3, seq=48))
+
+
+def test_a_longer_step_after_the_return_moves_the_ends_again(small_tiles, no_window_margin, caplog):
+    streamed, resident = _pair()
+    runtime = _stream(streamed, _roomy_budget(resident))
+    train_steps(streamed, 2, seq=48)
+    assert runtime.embeddings is None
+    with caplog.at_level(logging.INFO, logger="layerstream"):
+        train_steps(streamed, 1, seq=56)
+        assert runtime.embeddings is not None, "a step longer than any measured is planned again"
+        train_steps(streamed, 2, seq=56)
+    assert runtime.embeddings is None, "and measured: back again"
+    ends = runtime.long_settings.ends
+    assert ends.returns == 2 and ends.back_up_to == 112
+    messages = [(r.levelno, r.getMessage()) for r in caplog.records]
+    assert [level for level, m in messages if "moved the embedding and head to host memory again" in m] == [
+        logging.INFO
+    ]
+    back = [level for level, m in messages if "brought the embedding and head back" in m]
+    assert back == [logging.WARNING, logging.INFO], "said loudly only the first time"
+
+
+def test_ends_streamed_by_request_never_come_back(small_tiles, no_window_margin):
+    streamed, resident = _pair()
+    runtime = _stream(streamed, _roomy_budget(resident), stream_embeddings=True)
+    train_steps(streamed, 3, seq=48)
+    assert runtime.embeddings is not None and runtime.long_settings.ends.returns == 0
+
+
 # -- the surfaces ----------------------------------------------------------------------------
 def test_every_surface_defaults_to_auto_and_the_flag_alone_is_true():
     assert StreamConfig(device="cpu").stream_embeddings == "auto"
@@ -215,7 +305,27 @@ def test_on_cuda_ends_left_on_the_gpu_move_at_the_step_that_needs_it_and_train_a
     runtime = layerstream.get_runtime(streamed)
     head = streamed.get_output_embeddings()
     assert head.weight.device.type == "cuda", "nothing moves before a step needs it"
-    got = train_steps(streamed, 3, "cuda", seq=48)
+    got = train_steps(streamed, 1, "cuda", seq=48)  # the next step's start may bring them back (below)
     assert head.weight.device.type == "cpu" and head.weight.is_pinned(), "the ends moved"
     assert runtime.embeddings is not None
-    assert_traces_equal(got, train_steps(_resident_as_streamed(resident), 3, "cuda", seq=48))
+    assert_traces_equal(got, train_steps(_resident_as_streamed(resident), 1, "cuda", seq=48))
+
+
+@pytest.mark.gpu
+def test_on_cuda_ends_come_back_when_the_measured_steps_leave_room(small_tiles, no_window_margin):
+    """As above, with the CUDA meter: the plan's reserve keeps the first step over "auto"'s
+    margin, so the ends move; the measured steps of a tiny model leave the room, so they come
+    back to the GPU at the next step, and every step equals the resident model's."""
+    streamed, resident = peft_pair(layers=5, vocab_size=400, attn="eager")
+    for model in (streamed, resident):
+        for end in (model.get_input_embeddings(), model.get_output_embeddings()):
+            end.weight.data = end.weight.data.float()
+        model.to("cuda")
+    layerstream.stream_model(streamed, device="cuda", slots=2, prefetch=1, vram_budget=_roomy_budget(resident))
+    runtime = layerstream.get_runtime(streamed)
+    head = streamed.get_output_embeddings()
+    got = train_steps(streamed, 4, "cuda", seq=48)
+    ends = runtime.long_settings.ends
+    assert ends.returns == 1 and ends.back_up_to == 96, "moved at the first step, back at the second"
+    assert head.weight.device.type == "cuda" and not head.weight.is_pinned() and runtime.embeddings is None
+    assert_traces_equal(got, train_steps(_resident_as_streamed(resident), 4, "cuda", seq=48))

@@ -198,6 +198,21 @@ class WindowSizer:
         ):
             self.reference, self.reference_rise = reading, rise
 
+    def room(self, limit: int, tokens: int, window: int) -> Optional[int]:
+        """Bytes a step of ``tokens`` tokens with ``window`` layers would leave free under
+        ``limit`` and its margin (negative: over), as measured; None until a step has been
+        read after an optimizer step (the memory held for good is not known before)."""
+        if self.reference is None or not self.optimizer_seen:
+            return None
+        return limit - margin_bytes(limit) - self.predicted_peak(tokens, window)
+
+    def hold(self, nbytes: int) -> None:
+        """Memory held for good grew by ``nbytes`` between steps, outside any step (the
+        embedding and head came back to the GPU): every later prediction counts it."""
+        self.held_bare += nbytes
+        if self.held_with_grads:
+            self.held_with_grads += nbytes
+
     def size(self, limit: int, tokens: int, window: int) -> int:
         """The window for the next step of ``tokens`` tokens, under ``limit`` bytes, with
         ``window`` layers held now; before any measurement, none, and no growth before an

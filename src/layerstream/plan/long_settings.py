@@ -11,8 +11,9 @@ one that frees memory stays on.
 
 ``stream_embeddings`` left at "auto" (the default) is the last resort, after the three
 (``AUTO_ORDER``): where they leave the plan over the limit, the embedding and head move
-to host memory, copied in as they run, and stay there for the rest of the run, whatever
-later steps need (moving them back would cost as much again, for nothing the plan lacks).
+to host memory, copied in as they run, and stay there until a measured step leaves room
+for them on the GPU (the runtime's ``EndsOnDemand.bring_back``: the plan is cautious, a
+measurement is not).
 It frees the ends' bytes (4 GiB for an 8B Llama-3 in float32, as PEFT's k-bit preparation
 leaves them) and costs their copies each step: the head twice, the embedding's rows once.
 
@@ -235,7 +236,11 @@ def describe(decision: LongDecision, batch: int, seq: int, offloaded: bool = Tru
         f"{name}='auto' is on"
         + (f" at {value} tokens" if value is not True else "")
         + f" (frees {size_text(frees)})"
-        + (": the embedding and head stay in host memory from this step on" if name == ENDS else "")
+        + (
+            ": the embedding and head stay in host memory until a measured step leaves them room"
+            if name == ENDS
+            else ""
+        )
         for name, value, frees in kept
     ]
     needed = decision.needed if offloaded else decision.needed_without_offload

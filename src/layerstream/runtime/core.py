@@ -327,7 +327,7 @@ class StreamRuntime:
             self.budget_check.check(self, *self.last_shape)
         self.long_settings.say(self.last_shape, self.pass_offloader is not None)  # for a step that runs
         self.long_settings.start_step(decision)  # the ends move for it
-        self.resident_window.size_for_step(tokens, hidden.numel() * hidden.element_size())
+        self.resident_window.size_for_step(tokens, hidden.numel() * hidden.element_size(), self.long_settings.ends)
         if self.backward.auto:
             self._decide_backward_slots(hidden)
 

@@ -14,8 +14,9 @@ decision. Applying a decision adds no work per layer visit:
 - offloading is ``OffloadPolicy``'s, asked once per training pass with this decision;
 - stream_embeddings left at "auto" is the last resort (``plan.long_settings``): a decision
   that turns it on has ``EndsOnDemand`` check that the ends can move, and the step's start
-  (``start_step``, once the step passed its checks) move them to host memory, for good;
-  the step and later ones are planned with them streamed.
+  (``start_step``, once the step passed its checks) move them to host memory; the step and
+  later ones are planned with them streamed, until a measured step leaves room for them
+  on the GPU (``EndsOnDemand.bring_back``): steps no longer than it then keep them there.
 
 What was turned on, and why, is said once per set of settings turned on (padded batches
 bring a new length at nearly every step): in the log at the step's start, and in the
@@ -190,7 +191,7 @@ class LongSettingsPolicy:
                 self._tiled = True
         return decision
 
-    def _auto_settings(self) -> Dict[str, object]:
+    def _auto_settings(self, tokens: int) -> Dict[str, object]:
         """The settings as the plan takes them: "auto" for those left at it that this model
         and run can take, off for the other "auto" ones, the explicit values as given."""
         config = self.config
@@ -203,12 +204,12 @@ class LongSettingsPolicy:
         for name in LONG_ORDER:
             value = getattr(config, name)
             values[name] = OFF[name] if value == AUTO and not possible[name] else value
-        ends_auto = config.stream_embeddings == AUTO and self.ends.possible()
+        ends_auto = config.stream_embeddings == AUTO and self.ends.possible(tokens)
         values[ENDS] = AUTO if ends_auto else self.embeddings_streamed
         return values
 
     def _decide(self, tokens: int) -> LongDecision:
-        settings = self._auto_settings()
+        settings = self._auto_settings(tokens)
         if AUTO not in settings.values():
             return NOTHING
         budget = self.config.budget_bytes()
@@ -229,7 +230,7 @@ class LongSettingsPolicy:
         """A training step that ``decision`` planned passed its checks and runs: the ends
         move now where it counts on them (not when a step is only planned or refused)."""
         if ENDS in decision.names:
-            self.ends.move()
+            self.ends.move(decision.tokens)
         tiles = self._tiles if self._tiled else self.config.mlp_tile_tokens
         if (self._tiled or isinstance(tiles, int)) and self._adapters_at != registrations():
             self._adapters_at = registrations()  # adapters may have come since the tiles were set up
@@ -326,5 +327,8 @@ class LongSettingsPolicy:
         settings = self.settings_for(batch * seq)
         settings["offload_activations"] = offload
         # the ends as this step runs: streamed, or about to move for it
-        settings[ENDS] = self.embeddings_streamed or ENDS in self.decision(batch * seq).names
+        tokens = batch * seq
+        settings[ENDS] = self.embeddings_streamed or (
+            ENDS in self.decision(tokens).names and self.ends.possible(tokens)
+        )
         return make_plan(self.plan_request(batch, seq, vram_bytes, backward_slots, **settings))

@@ -150,7 +150,8 @@ def summary(runtime) -> str:
         ]
     else:
         why = (
-            "stream_embeddings=auto: to host memory at a step the long-sequence settings leave over the plan's limit"
+            "stream_embeddings=auto: to host memory at a step the long-sequence settings leave over the plan's "
+            "limit, back once a measured step leaves room"
             if runtime.config.stream_embeddings == "auto"
             else "stream_embeddings=False"
         )

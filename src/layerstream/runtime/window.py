@@ -85,9 +85,14 @@ class ResidentWindow:
         return index in self.bindings
 
     # -- sizing at step boundaries ---------------------------------------------------
-    def size_for_step(self, tokens: int, inputs: int = 0) -> None:
+    def size_for_step(self, tokens: int, inputs: int = 0, ends=None) -> None:
         """At the start of a training step (``inputs``: bytes of its first layer's input, on
-        the device already): read what the last one used and size the window."""
+        the device already): read what the last one used and size the window.
+
+        ``ends`` (``ends_on_demand.EndsOnDemand``), where "auto" moved the embedding and head
+        to host memory: they come back first when the measured room holds them, for they
+        are copied in at every step, where the window's layers are copied behind compute.
+        """
         meter = self.meter
         if meter is None:
             return
@@ -108,6 +113,11 @@ class ResidentWindow:
                 )
         else:
             meter.release_cache()
+        measured = self.sizer.reference
+        if ends is not None and measured is not None and tokens <= measured.tokens:  # measured, not scaled up
+            room = self.sizer.room(meter.limit(), tokens, len(self.bindings))
+            if room is not None:
+                self.sizer.hold(ends.bring_back(room, measured.tokens))
         target = self.sizer.size(meter.limit(), tokens, len(self.bindings))
         if target != len(self.bindings):
             shrinking = target < len(self.bindings)
