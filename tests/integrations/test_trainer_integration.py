@@ -533,3 +533,35 @@ def test_the_start_up_prediction_plans_the_ends_moving_but_only_a_step_moves_the
     assert "stream_embeddings" in predicted and "embeddings   resident (stream_embeddings=auto" in caplog.text
     assert "moved the embedding and head" not in caplog.text
     assert layerstream.get_runtime(model).embeddings is None
+
+
+def test_generation_inside_a_step_has_the_window_that_the_step_before_left_room_for(tmp_path):
+    """An online RL step generates before its training pass: the window sized after a step's
+    backward is there for the next step's generation, not only for its training pass (one
+    step later). Under a budget planned on the CPU, the window grows after the first step,
+    and the second step's generation and training both run with it."""
+    from datasets import Dataset
+
+    from layerstream.plan import plan_for_model
+
+    model, _ = peft_pair("llama", layers=4)
+    budget = plan_for_model(model, 6, 1, slots=2).needed_bytes + 10 * 2**30
+    layerstream.stream_model(model, device="cpu", slots=2, vram_budget=budget)
+    data = Dataset.from_list([{"input_ids": [3, 4, 5, 6, 7, 8], "labels": [3, 4, 5, 6, 7, 8]}] * 8)
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        report_to=[],
+        max_steps=3,
+        logging_steps=1,
+        save_strategy="no",
+        per_device_train_batch_size=1,
+    )
+    trainer = _GeneratingTrainer(model=model, args=args, train_dataset=data)
+    trainer.generate_tokens = 4
+    trainer.train()
+    logged = [e for e in trainer.state.log_history if "loss" in e]
+    training = [e["layerstream/window_layers"] for e in logged]
+    generation = [e["layerstream/generate_window_layers"] for e in logged]
+    assert training[0] == 0 and training[1] == 4, training
+    assert generation == [0, 4, 4], "the second step's generation had the window its training had"

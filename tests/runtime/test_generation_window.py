@@ -86,9 +86,30 @@ def test_once_training_begins_its_steps_size_the_window():
     _generate(model, 1)
     ids = torch.randint(3, 90, (1, 8), generator=torch.Generator().manual_seed(0))
     model(input_ids=ids, labels=ids).loss.backward()  # training's first step is being measured
-    begun = runtime.resident_window.meter.begun
+    window = runtime.resident_window
+    begun, readings = window.meter.begun, window.sizer.readings
+    # the step ran its backward: the call sizes the window for the next step, as its training
+    # pass would (an online RL step generates first), from the step's reading
     assert torch.equal(_generate(model, 1), _generate(resident, 1))
-    assert runtime.resident_window.meter.begun == begun, "generation measured nothing"
+    assert window.sizer.readings == readings + 1 and window.meter.begun == begun + 1
+    assert torch.equal(_generate(model, 1), _generate(resident, 1))
+    assert window.meter.begun == begun + 1, "no backward since: the step goes on, measured from then"
+
+
+def test_a_longer_step_than_the_generation_sized_the_window_for_shrinks_it_first():
+    """The window sized at a generation after a step's backward is for a step as long as
+    that one; the training pass that follows with more tokens takes layers off first."""
+    model, resident, runtime = _streamed_pair(adapters=True)
+    for seq in (8, 8):  # two steps, their gradients freed: the window may grow after them
+        ids = torch.randint(3, 90, (1, seq), generator=torch.Generator().manual_seed(seq))
+        model(input_ids=ids, labels=ids).loss.backward()
+        model.zero_grad(set_to_none=True)
+    assert torch.equal(_generate(model, 1), _generate(resident, 1))
+    assert runtime.window, "sized at the generation for an 8-token step"
+    longer = torch.randint(3, 90, (1, 40), generator=torch.Generator().manual_seed(40))
+    model(input_ids=longer, labels=longer).loss.backward()  # 40 MiB more than 8 tokens' rise
+    assert runtime.window == []
+    assert runtime.resident_window.window_changes[-1] == (40, 0)
 
 
 def test_without_a_budget_generation_keeps_no_window():

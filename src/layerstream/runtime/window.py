@@ -75,6 +75,7 @@ class ResidentWindow:
         self._backward_ran = False
         self._trainable, self._trainable_at, self._trainable_age = [], None, 0  # _gradients_held
         self._resets_left = WINDOW_RESETS
+        self._ends = None  # what size_for_step was last given: the window asks it before growing
 
     @property
     def layers(self) -> List[int]:
@@ -96,8 +97,13 @@ class ResidentWindow:
         meter = self.meter
         if meter is None:
             return
+        self._ends = ends
         if self._measured_tokens is not None and not self._backward_ran:
-            return  # the step measured has not run its backward yet (two forwards, or none): it goes on
+            # the step measured has not run its backward yet (two forwards, or a generation
+            # that sized the window first): it goes on, with fewer layers if it has more tokens
+            if tokens > self._measured_tokens and self.sizer.reference is not None:
+                self._shrink_for(tokens)
+            return
         grads = self._gradients_held()
         if self._measured_tokens is not None:
             reading = meter.read(len(self.bindings), self._measured_tokens, inputs, grads)
@@ -134,12 +140,21 @@ class ResidentWindow:
 
     # -- sizing around generation ------------------------------------------------------
     def before_generation(self, tokens: int) -> None:
-        """Before a ``generate`` call that caches ``tokens`` tokens (batch x final length),
-        in a process whose training has not begun sizing the window: size the window for
-        the call (none before one was measured), and measure the call."""
+        """Before a ``generate`` call that caches ``tokens`` tokens (batch x final length).
+        In a process whose training has not begun sizing the window: size the window for
+        the call (none before one was measured), and measure the call. In one that trains,
+        after a training step's backward: size the window for the next step now, from the
+        step before, so that the generation which opens the next step has it."""
         meter = self.meter
-        if meter is None or self._measured_tokens is not None or self._generating is not None:
-            return  # no sizing, training sizes it (its steps take in their generation), or nested
+        if meter is None or self._generating is not None:
+            return  # no sizing, or nested
+        if self._measured_tokens is not None:  # training sizes it: its steps take in their generation
+            if self._backward_ran:
+                # a training step ended since the window was last sized: size it now for the
+                # next, which starts by generating (TRL's GRPO and RLOO), and not only when
+                # its training pass starts, after the generation
+                self.size_for_step(self._measured_tokens, 0, self._ends)
+            return
         held = meter.allocated() - len(self.bindings) * self.store.largest_layer_bytes
         target = self.generation.size(meter.limit(), held, tokens)
         if target != len(self.bindings):
@@ -159,6 +174,17 @@ class ResidentWindow:
         if pending is not None and self.meter is not None:
             tokens, window = pending
             self.generation.record(self.meter.read(window, tokens))
+
+    def _shrink_for(self, tokens: int) -> None:
+        """Within a measured step that began for fewer tokens: as many layers fewer as a step
+        of ``tokens`` tokens needs (never more), measured from here as a step of that many."""
+        target = self.sizer.size(self.meter.limit(), tokens, len(self.bindings))
+        if target < len(self.bindings):
+            self.window_changes.append((tokens, target))
+            self._set_size(target, tokens)
+            self.meter.release_cache()
+            self._resets_left = WINDOW_RESETS
+        self._measured_tokens = tokens
 
     def step_reached_backward(self) -> None:
         """The step being measured ran its backward: the next step's start reads it."""
