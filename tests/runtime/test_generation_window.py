@@ -295,3 +295,88 @@ def test_on_the_gpu_a_model_that_fits_keeps_every_layer_for_generation_and_copie
     loads = runtime.stats()["layer_loads"]
     assert torch.equal(generate(model), generate(resident))
     assert runtime.stats()["layer_loads"] == loads, "a layer was copied for a model held whole"
+
+
+class StepMeter:
+    """A device whose memory between calls is ``HELD`` plus the window's layers and whatever
+    the ends brought back hold; a phase the test runs (``run``) allocates its bytes above
+    that, and the peak since ``begin`` is what ``read`` reports."""
+
+    HELD = 64 << 20
+
+    def __init__(self, runtime, limit: int):
+        self.runtime = runtime
+        self.layer = runtime.store.largest_layer_bytes
+        self._limit = limit
+        self.extra = 0  # held by the ends brought back
+        self.start = self.peak = 0
+
+    def limit(self):
+        return self._limit
+
+    def allocated(self):
+        return self.HELD + self.extra + len(self.runtime.window) * self.layer
+
+    def begin(self, reset, inputs=0, grads=False):
+        self.start = self.peak = self.allocated()
+
+    def run(self, rise: int) -> int:
+        """A phase that allocates ``rise`` bytes above what is held now; its peak."""
+        self.peak = max(self.peak, self.allocated() + rise)
+        return self.allocated() + rise
+
+    def read(self, window, tokens, next_inputs=0, grads=False):
+        peak = self.peak
+        return Reading(window, tokens, peak, self.start, peak, 0, end_allocated=self.allocated(), grads_at_end=grads)
+
+    def release_cache(self):
+        pass
+
+
+class _Ends:
+    """Stands in for ``EndsOnDemand`` with ends of ``nbytes`` in host memory: they come back
+    when the room offered holds them (the meter then holds them)."""
+
+    def __init__(self, meter, nbytes: int):
+        self.meter, self.nbytes, self.back = meter, nbytes, False
+
+    def bring_back(self, room, tokens):
+        if self.back or room < self.nbytes:
+            return 0
+        self.back, self.meter.extra = True, self.nbytes
+        return self.nbytes
+
+
+def test_the_window_sized_at_a_generation_leaves_room_for_the_call_though_no_step_measured_one():
+    """An online RL step generates, then trains. Its first generation comes before training
+    begins (the generation sizer measures it), so the first training step's measurement
+    holds no generation; a generation may rise more than a training pass (GRPO's caches
+    the accumulated micro-batches' sequences). The window sized when the next step's
+    generation starts, and the ends brought back then, leave room for the call as it was
+    measured: a call out of memory with the ends back and no window left to give up could
+    not run again."""
+    model, _, runtime = _streamed_pair()
+    window = runtime.resident_window
+    layer = runtime.store.largest_layer_bytes
+    train_rise, gen_rise = 2 * layer, 5 * layer
+    limit = MARGIN_BYTES + StepMeter.HELD + train_rise + int(5.5 * layer)  # 5 layers beside training
+    meter = window.meter = StepMeter(runtime, limit)
+    ends = _Ends(meter, layer)
+
+    def generation():
+        window.before_generation(40)
+        peak = meter.run(gen_rise)
+        window.after_generation()
+        return peak
+
+    def training_pass():
+        window.size_for_step(12, 0, ends)
+        meter.run(train_rise)
+        window.step_reached_backward()  # then the optimizer steps: no gradients are held
+
+    assert generation() <= limit - MARGIN_BYTES  # before training: streamed whole, measured
+    training_pass()
+    for _ in range(3):
+        assert generation() <= limit - MARGIN_BYTES, "sized from training steps, beside the call measured"
+        training_pass()
+    assert ends.back and runtime.window, "the room left beside the call went to the ends, then the window"

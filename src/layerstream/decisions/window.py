@@ -128,11 +128,12 @@ class WindowSizer:
         first micro-step of a cycle creates them), or held with them, whichever is more."""
         return max(self.held_bare + self.gradient_bytes, self.held_with_grads)
 
-    def predicted_peak(self, tokens: int, window: int) -> int:
+    def predicted_peak(self, tokens: int, window: int, floor: int = 0) -> int:
         """Peak reserved bytes of a step of ``tokens`` tokens with ``window`` layers: the
         memory held between steps, the window, and the most a step rose (activations grow
-        linearly with the tokens of a step; fewer never predict less)."""
-        rise = max(self.rises.values())
+        linearly with the tokens of a step; fewer never predict less), or ``floor`` where
+        more (a generation the step opens with, measured apart: ``GenerationSizer``)."""
+        rise = max(max(self.rises.values()), floor)
         if self.growing is not None:
             rise = max(rise, self.growing[2])
         reference = self.reference
@@ -198,13 +199,14 @@ class WindowSizer:
         ):
             self.reference, self.reference_rise = reading, rise
 
-    def room(self, limit: int, tokens: int, window: int) -> Optional[int]:
+    def room(self, limit: int, tokens: int, window: int, floor: int = 0) -> Optional[int]:
         """Bytes a step of ``tokens`` tokens with ``window`` layers would leave free under
-        ``limit`` and its margin (negative: over), as measured; None until a step has been
-        read after an optimizer step (the memory held for good is not known before)."""
+        ``limit`` and its margin (negative: over), as measured (``floor``: as
+        ``predicted_peak``); None until a step has been read after an optimizer step (the
+        memory held for good is not known before)."""
         if self.reference is None or not self.optimizer_seen:
             return None
-        return limit - margin_bytes(limit) - self.predicted_peak(tokens, window)
+        return limit - margin_bytes(limit) - self.predicted_peak(tokens, window, floor)
 
     def hold(self, nbytes: int) -> None:
         """Memory held for good grew by ``nbytes`` between steps, outside any step (the
@@ -213,13 +215,13 @@ class WindowSizer:
         if self.held_with_grads:
             self.held_with_grads += nbytes
 
-    def size(self, limit: int, tokens: int, window: int) -> int:
+    def size(self, limit: int, tokens: int, window: int, floor: int = 0) -> int:
         """The window for the next step of ``tokens`` tokens, under ``limit`` bytes, with
-        ``window`` layers held now; before any measurement, none, and no growth before an
-        optimizer step has been read."""
+        ``window`` layers held now (``floor``: as ``predicted_peak``); before any
+        measurement, none, and no growth before an optimizer step has been read."""
         if self.reference is None:
             return 0
-        room = limit - margin_bytes(limit) - self.predicted_peak(tokens, window)
+        room = limit - margin_bytes(limit) - self.predicted_peak(tokens, window, floor)
         if room >= 0:
             grown = window + room // self.layer_bytes if self.optimizer_seen else window
             return min(self.max_window, grown)
@@ -266,13 +268,19 @@ class GenerationSizer:
         self.rise_per_token = max(self.rise_per_token, rise / max(reading.tokens, 1))
         self.rise_at[reading.tokens] = max(self.rise_at.get(reading.tokens, 0), rise)
 
+    def predicted_rise(self, tokens: int) -> int:
+        """What a call that caches ``tokens`` tokens allocates above what it starts with,
+        and the allocator's overhead: what it adds to the memory held (after a call was
+        measured)."""
+        rise = self.rise_at.get(tokens)
+        if rise is None:
+            rise = max(self.rise, math.ceil(self.rise_per_token * tokens))
+        return rise + self.overhead
+
     def size(self, limit: int, held: int, tokens: int) -> int:
         """The window for a call that caches ``tokens`` tokens, ``held`` bytes being held
         outside the window when it starts; none before a call was measured."""
         if not self.measured:
             return 0
-        rise = self.rise_at.get(tokens)
-        if rise is None:
-            rise = max(self.rise, math.ceil(self.rise_per_token * tokens))
-        room = limit - margin_bytes(limit) - held - rise - self.overhead
+        room = limit - margin_bytes(limit) - held - self.predicted_rise(tokens)
         return max(0, min(self.num_layers, room // self.layer_bytes))

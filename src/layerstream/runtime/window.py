@@ -86,9 +86,10 @@ class ResidentWindow:
         return index in self.bindings
 
     # -- sizing at step boundaries ---------------------------------------------------
-    def size_for_step(self, tokens: int, inputs: int = 0, ends=None) -> None:
+    def size_for_step(self, tokens: int, inputs: int = 0, ends=None, floor: int = 0) -> None:
         """At the start of a training step (``inputs``: bytes of its first layer's input, on
-        the device already): read what the last one used and size the window.
+        the device already): read what the last one used and size the window (``floor``:
+        the least the step rises, a generation it opens with).
 
         ``ends`` (``ends_on_demand.EndsOnDemand``), where "auto" moved the embedding and head
         to host memory: they come back first when the measured room holds them, for they
@@ -121,10 +122,10 @@ class ResidentWindow:
             meter.release_cache()
         measured = self.sizer.reference
         if ends is not None and measured is not None and tokens <= measured.tokens:  # measured, not scaled up
-            room = self.sizer.room(meter.limit(), tokens, len(self.bindings))
+            room = self.sizer.room(meter.limit(), tokens, len(self.bindings), floor)
             if room is not None:
                 self.sizer.hold(ends.bring_back(room, measured.tokens))
-        target = self.sizer.size(meter.limit(), tokens, len(self.bindings))
+        target = self.sizer.size(meter.limit(), tokens, len(self.bindings), floor)
         if target != len(self.bindings):
             shrinking = target < len(self.bindings)
             self.window_changes.append((tokens, target))
@@ -149,11 +150,14 @@ class ResidentWindow:
         if meter is None or self._generating is not None:
             return  # no sizing, or nested
         if self._measured_tokens is not None:  # training sizes it: its steps take in their generation
-            if self._backward_ran:
+            if self._backward_ran and self.generation.measured:
                 # a training step ended since the window was last sized: size it now for the
                 # next, which starts by generating (TRL's GRPO and RLOO), and not only when
-                # its training pass starts, after the generation
-                self.size_for_step(self._measured_tokens, 0, self._ends)
+                # its training pass starts, after the generation; beside this call's cache as
+                # measured before training began, for the step read may have taken in no
+                # generation (the first does not), and a generation may rise more than a
+                # training pass (GRPO's caches the accumulated micro-batches' sequences)
+                self.size_for_step(self._measured_tokens, 0, self._ends, self.generation.predicted_rise(tokens))
             return
         held = meter.allocated() - len(self.bindings) * self.store.largest_layer_bytes
         target = self.generation.size(meter.limit(), held, tokens)
