@@ -263,6 +263,22 @@ def test_a_longer_step_after_the_return_moves_the_ends_again(small_tiles, no_win
     assert back == [logging.WARNING, logging.INFO], "said loudly only the first time"
 
 
+def test_the_window_counts_the_ends_once_however_often_they_come_back(small_tiles, no_window_margin):
+    """Each longer step moves the ends to host memory again and a measured one brings them
+    back: the memory the window is sized from holds them once, not once per return (that
+    took the room of more layers at each return, then kept the ends from coming back)."""
+    streamed, resident = _pair()
+    runtime = _stream(streamed, _roomy_budget(resident))
+    sizer, ends = runtime.resident_window.sizer, runtime.long_settings.ends
+    held = []
+    for seq in (48, 56, 64):  # each longer than any measured: planned again, moved, back
+        train_steps(streamed, 3, seq=seq)
+        assert runtime.embeddings is None
+        held.append(sizer.held)
+    assert ends.returns == 3
+    assert held == [held[0]] * 3, "the ends were counted again at each return"
+
+
 def test_ends_streamed_by_request_never_come_back(small_tiles, no_window_margin):
     streamed, resident = _pair()
     runtime = _stream(streamed, _roomy_budget(resident), stream_embeddings=True)

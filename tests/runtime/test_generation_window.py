@@ -340,6 +340,10 @@ class _Ends:
     def __init__(self, meter, nbytes: int):
         self.meter, self.nbytes, self.back = meter, nbytes, False
 
+    @property
+    def device_bytes(self):
+        return self.meter.extra
+
     def bring_back(self, room, tokens):
         if self.back or room < self.nbytes:
             return 0

@@ -210,10 +210,12 @@ class WindowSizer:
 
     def hold(self, nbytes: int) -> None:
         """Memory held for good grew by ``nbytes`` between steps, outside any step (the
-        embedding and head came back to the GPU): every later prediction counts it."""
-        self.held_bare += nbytes
+        embedding and head came back to the GPU): every later prediction counts it; a
+        negative ``nbytes``: it shrank (they left again), and every measurement since they
+        came back held them."""
+        self.held_bare = max(0, self.held_bare + nbytes)
         if self.held_with_grads:
-            self.held_with_grads += nbytes
+            self.held_with_grads = max(0, self.held_with_grads + nbytes)
 
     def size(self, limit: int, tokens: int, window: int, floor: int = 0) -> int:
         """The window for the next step of ``tokens`` tokens, under ``limit`` bytes, with

@@ -49,6 +49,7 @@ class EndsOnDemand:
         self.moved = False  # this component moved them (not stream_embeddings=True)
         self.back_up_to = 0  # steps of at most this many tokens were measured to fit them on the GPU
         self.returns = 0
+        self.device_bytes = 0  # what the ends brought back hold on the GPU now (0: not back)
 
     def possible(self, tokens: int) -> bool:
         """Whether the plan of a step of ``tokens`` tokens may count on streaming the ends:
@@ -83,6 +84,7 @@ class EndsOnDemand:
         home = {weight.device for _, weight in find_ends(runtime.model).weights()}
         runtime.embeddings = stream_embeddings(runtime.model, runtime)
         self.moved = home == {runtime.device}
+        self.device_bytes = 0
         if self.returns:  # a step longer than any measured: said once, at the first move
             logger.info("layerstream: stream_embeddings='auto' moved the embedding and head to host memory again")
             return
@@ -118,6 +120,7 @@ class EndsOnDemand:
         self.moved = False
         self.back_up_to = max(self.back_up_to, tokens)
         self.returns += 1
+        self.device_bytes = nbytes
         log = logger.warning if self.returns == 1 else logger.info
         log(
             "layerstream: stream_embeddings='auto' brought the embedding and head back to the GPU (%s): the "

@@ -76,6 +76,7 @@ class ResidentWindow:
         self._trainable, self._trainable_at, self._trainable_age = [], None, 0  # _gradients_held
         self._resets_left = WINDOW_RESETS
         self._ends = None  # what size_for_step was last given: the window asks it before growing
+        self._ends_held = 0  # the bytes of the ends brought back that the sizer counts (``_count_ends``)
 
     @property
     def layers(self) -> List[int]:
@@ -121,10 +122,13 @@ class ResidentWindow:
         else:
             meter.release_cache()
         measured = self.sizer.reference
+        if ends is not None:
+            self._count_ends(ends.device_bytes)  # they may have left again for this step
         if ends is not None and measured is not None and tokens <= measured.tokens:  # measured, not scaled up
             room = self.sizer.room(meter.limit(), tokens, len(self.bindings), floor)
             if room is not None:
-                self.sizer.hold(ends.bring_back(room, measured.tokens))
+                ends.bring_back(room, measured.tokens)
+                self._count_ends(ends.device_bytes)
         target = self.sizer.size(meter.limit(), tokens, len(self.bindings), floor)
         if target != len(self.bindings):
             shrinking = target < len(self.bindings)
@@ -138,6 +142,13 @@ class ResidentWindow:
         self._resets_left -= 1
         self._backward_ran = False
         meter.begin(reset, inputs, grads)
+
+    def _count_ends(self, nbytes: int) -> None:
+        """The ends brought back hold ``nbytes`` on the device now: the sizer counts them from
+        now on (once, however often they come back), and no more once they left again."""
+        if nbytes != self._ends_held:
+            self.sizer.hold(nbytes - self._ends_held)
+            self._ends_held = nbytes
 
     # -- sizing around generation ------------------------------------------------------
     def before_generation(self, tokens: int) -> None:
