@@ -279,6 +279,44 @@ def test_the_window_counts_the_ends_once_however_often_they_come_back(small_tile
     assert held == [held[0]] * 3, "the ends were counted again at each return"
 
 
+def _measured_below_the_plan(runtime, nbytes: int) -> None:
+    """The window's readings show ``nbytes`` less held than the plan predicts, as a GPU
+    measures less than the plan's cautious reserve."""
+    import dataclasses
+
+    meter = runtime.resident_window.meter
+    read = meter.read
+
+    def less(*args, **kwargs):
+        reading = read(*args, **kwargs)
+        return dataclasses.replace(
+            reading,
+            peak_reserved=reading.peak_reserved - nbytes,
+            peak_allocated=reading.peak_allocated - nbytes,
+            start_allocated=reading.start_allocated - nbytes,
+        )
+
+    meter.read = less
+
+
+def test_a_new_shape_no_longer_than_the_steps_that_brought_the_ends_back_is_not_refused(small_tiles, no_window_margin):
+    """An explicit vram_budget is checked against the plan at each new step shape. Under one
+    the plan meets only with the ends streamed, measured steps that leave room for them
+    bring them back; a new shape with no more tokens than those (a shorter batch of longer
+    rows) is then planned as before they came back, with the ends streamed as its plan
+    needs, not refused for their bytes: it runs, and they stay on the GPU as measured."""
+    streamed, resident = _pair()
+    budget = plan_for_model(resident, 48, 2, slots=2, **EVERY).needed_bytes - 1024  # all four needed
+    runtime = _stream(streamed, budget)
+    _measured_below_the_plan(runtime, 40 << 20)
+    train_steps(streamed, 3, seq=48)
+    assert runtime.embeddings is None and runtime.long_settings.ends.back_up_to == 96
+    train_steps(streamed, 1, seq=96, batch_size=1)
+    assert runtime.embeddings is None, "no more tokens than measured: they stay"
+    with pytest.raises(layerstream.StreamingError, match="does not fit vram_budget"):
+        train_steps(streamed, 1, seq=64, batch_size=4)  # more tokens, over even with the ends streamed
+
+
 def test_ends_streamed_by_request_never_come_back(small_tiles, no_window_margin):
     streamed, resident = _pair()
     runtime = _stream(streamed, _roomy_budget(resident), stream_embeddings=True)

@@ -27,6 +27,11 @@ class BudgetCheck:
         budget = runtime.config.vram_budget
         try:
             memory = runtime.memory_plan(batch, seq, vram_bytes=budget)
+            if not memory.fits and runtime.long_settings.ends.back_for(batch * seq):
+                # "auto" brought the ends back as measured steps this long left room for
+                # them: the plan, cautious, is met as before they came back, streaming them
+                offload = runtime.pass_offloader is not None
+                memory = runtime.long_settings.memory_plan(batch, seq, budget, 0, offload, ends=True)
             if not memory.fits:
                 raise report.budget_refusal(memory, budget)
         except ValueError as exc:

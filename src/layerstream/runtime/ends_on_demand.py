@@ -57,6 +57,11 @@ class EndsOnDemand:
         on it), and no measured step as long fitted them on the GPU."""
         return self.runtime.embeddings is None and self.refused is None and tokens > self.back_up_to
 
+    def back_for(self, tokens: int) -> bool:
+        """Whether the ends are on the GPU because measured steps of at least ``tokens``
+        tokens left room for them (``bring_back``), where a plan would stream them."""
+        return self.returns > 0 and self.runtime.embeddings is None and tokens <= self.back_up_to
+
     def can_move(self) -> bool:
         """Whether the ends can move now, changing nothing; False, said once, where not."""
         try:

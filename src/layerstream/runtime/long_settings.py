@@ -318,17 +318,21 @@ class LongSettingsPolicy:
             **settings,
         )
 
-    def memory_plan(self, batch: int, seq: int, vram_bytes: int, backward_slots: int, offload: bool):
+    def memory_plan(
+        self, batch: int, seq: int, vram_bytes: int, backward_slots: int, offload: bool, ends: Optional[bool] = None
+    ):
         """The memory planner's plan of this model streamed as it is, with the loss chunk and
         MLP tile a step of batch x seq tokens takes (``StreamRuntime.memory_plan`` says whether
-        the pass offloads)."""
+        the pass offloads); ``ends``: planned streamed or not, whatever they are now."""
         from ..plan import make_plan
 
         settings = self.settings_for(batch * seq)
         settings["offload_activations"] = offload
         # the ends as this step runs: streamed, or about to move for it
         tokens = batch * seq
-        settings[ENDS] = self.embeddings_streamed or (
-            ENDS in self.decision(tokens).names and self.ends.possible(tokens)
+        settings[ENDS] = (
+            ends
+            if ends is not None
+            else self.embeddings_streamed or (ENDS in self.decision(tokens).names and self.ends.possible(tokens))
         )
         return make_plan(self.plan_request(batch, seq, vram_bytes, backward_slots, **settings))
