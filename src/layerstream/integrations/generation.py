@@ -133,7 +133,7 @@ def _run_again_after_oom(original, model, runtime, args: tuple, kwargs: dict):
         try:
             return original(model, *args, **kwargs)
         except torch.OutOfMemoryError as exc:
-            if not runtime.window:
+            if not runtime.resident_window.can_give_back():
                 raise runtime.explain_oom(exc, "in generate") from exc
             why = _not_run_again(args, kwargs)
             if why:
@@ -150,7 +150,7 @@ def _run_again_after_oom(original, model, runtime, args: tuple, kwargs: dict):
                 "layerstream: generate ran out of memory and the resident window cannot shrink further"
             )
         logger.warning(
-            "layerstream: generate ran out of memory; the resident window shrank to %d layers and the call runs again.",
+            "layerstream: generate ran out of memory; the resident window now holds %d layers and the call runs again.",
             len(runtime.window),
         )
         start.restore()

@@ -238,23 +238,26 @@ def _training_step_with_retry(original, trainer, model, args, kwargs):
     runtime = get_runtime(trainer.model) if trainer.model is not None and is_streamed(trainer.model) else None
     if runtime is None:
         return original(trainer, model, *args, **kwargs)
-    state = _StepState(_parameters(trainer, trainer.model), runtime) if runtime.window else None
+    window = runtime.resident_window
+    # where the window is sized (a budget), the step's start may grow it or bring the ends
+    # back: what the step started from is kept, so that it can run again with less
+    state = _StepState(_parameters(trainer, trainer.model), runtime) if window.meter is not None else None
     while True:
         wanted = None
         try:
             return original(trainer, model, *args, **kwargs)
         except torch.OutOfMemoryError as exc:
-            if state is None or not state.restorable or not runtime.window or not state.same(trainer.model):
+            if state is None or not state.restorable or not window.can_give_back() or not state.same(trainer.model):
                 raise runtime.explain_oom(exc, "in a training step") from exc
             wanted = wanted_bytes(exc) or 0
         # outside the except block: the failed step's frames and tensors are gone
-        if not runtime.resident_window.recover_from_oom(wanted):
+        if not window.recover_from_oom(wanted):
             raise StreamingError(
                 "layerstream: a training step ran out of memory and the resident window "
                 "cannot shrink further; see the advice above"
             )
         logger.warning(
-            "layerstream: a training step ran out of memory; the resident window shrank to %d "
+            "layerstream: a training step ran out of memory; the resident window now holds %d "
             "layers and the step runs again from where it started.",
             len(runtime.window),
             main_process_only=False,

@@ -135,6 +135,29 @@ class EndsOnDemand:
         )
         return nbytes
 
+    def send_away(self) -> bool:
+        """After an out-of-memory error with no window layer left to give up: the ends that
+        ``bring_back`` returned go to host memory again, for the rest of the run (the
+        measurement that brought them was wrong about this memory). False where they are
+        not back, or cannot move."""
+        from .embeddings import stream_embeddings
+
+        runtime = self.runtime
+        if not self.device_bytes or runtime.embeddings is not None:
+            return False
+        try:
+            self._check()
+        except (StreamingError, HostMemoryError) as exc:
+            self._refuse(exc)
+            return False
+        runtime.embeddings = stream_embeddings(runtime.model, runtime)
+        self.device_bytes, self.moved, self.back_up_to = 0, False, 0  # moved=False: they never come back
+        logger.warning(
+            "layerstream: out of memory with the embedding and head back on the GPU and no window layer to give "
+            "up: stream_embeddings='auto' moved them to host memory again, for the rest of the run."
+        )
+        return True
+
     def _check(self) -> None:
         """What stream_model(stream_embeddings=True) checks before it copies, and host memory."""
         from .embeddings import find_ends

@@ -247,11 +247,27 @@ class ResidentWindow:
         find it too large)."""
         return self._resets_left > 0
 
+    def can_give_back(self) -> bool:
+        """Whether ``recover_from_oom`` has memory to give back: window layers, or ends that
+        "auto" brought back to the device."""
+        ends = self._ends
+        return bool(self.bindings) or (ends is not None and ends.device_bytes > 0)
+
     def recover_from_oom(self, wanted: int = 0) -> bool:
         """After a training step ran out of memory asking for ``wanted`` bytes: shrink the
-        window so that the step can run again. False when there is no window to shrink."""
-        if self.meter is None or not self.bindings:
+        window so that the step can run again; with none left, send the ends that "auto"
+        brought back to host memory again. False when there is neither."""
+        if self.meter is None:
             return False
+        if not self.bindings:
+            if self._ends is None or not self._ends.send_away():
+                return False
+            self._count_ends(0)
+            self.meter.release_cache()
+            self.oom_retries += 1
+            self._measured_tokens = None
+            self._resets_left = WINDOW_RESETS
+            return True
         limit = self.meter.limit()
         wanted = wanted or self.store.largest_layer_bytes
         count = self.sizer.shrink_after_oom(len(self.bindings), wanted, limit)
