@@ -3,6 +3,7 @@ unchanged behind `layerstream run`, `layerstream train` with the long recipe, an
 Trainer script with `--layer_stream`, each against its plain baseline, and the rows made."""
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -26,10 +27,19 @@ CLIENT_FLAG = {"trainer-ends": "--layer_stream_embeddings true"}
 LAYERSTREAM_FLAGS = ("--layer_stream_", "--offload", "--mlp", "--loss-chunk", "--slots", "stream.offload")
 
 
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """The dry run's tiny checkpoint, written once for the four clients' runs: each copies it
+    into its own --work, where the harness reuses a checkpoint whose index is there (writing
+    it, and reusing it, is test_prepare_only_writes_the_checkpoint_and_data_that_the_next_command_reuses)."""
+    return long_context_client.write_checkpoint(tmp_path_factory.mktemp("long-context-checkpoint"), "tiny", 300)
+
+
 @pytest.fixture(scope="module", params=long_context_client.CLIENTS)
-def dry_run(request, tmp_path_factory):
+def dry_run(request, tmp_path_factory, tiny_checkpoint):
     client = request.param
     work = tmp_path_factory.mktemp(f"long-context-{client}")
+    shutil.copytree(tiny_checkpoint, work / tiny_checkpoint.name)
     out = work / "out"
     argv = ["--dry-run", "--client", client, "--cells", "1:256", "--baseline", "--work", str(work), "--out", str(out)]
     assert long_context_client.main(argv) == 0
