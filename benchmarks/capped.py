@@ -108,6 +108,14 @@ def _time_generate_calls(calls: list) -> None:
     GenerationMixin.generate = generate
 
 
+def _peak_rss_gib() -> float:
+    """This process's peak resident host memory (page-locked store and offloaded inputs
+    included), from getrusage: what a long sequence's host arithmetic is checked against."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
 def step_times_class():
     """The Trainer callback class that times each step (the device synchronised at both
     ends) and keeps, step by step, the streaming counters and each log; given a ``path``,
@@ -150,6 +158,7 @@ def step_times_class():
                         "step_s": self.times,
                         "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
                         "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else None,
+                        "peak_host_rss_gib": _peak_rss_gib(),
                         "stream_counters": self.counters,
                         "alloc_retries": self.alloc_retries,
                         "logs": self.logs,

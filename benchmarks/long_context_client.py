@@ -178,6 +178,8 @@ def attempt(ctx, streamed: bool, cap: str, tokens: int):
         losses=[entry["loss"] for entry in logs],
         peak_allocated_gib=timing.get("peak_allocated_gib"),
         peak_reserved_gib=timing.get("peak_reserved_gib"),
+        peak_host_rss_gib=timing.get("peak_host_rss_gib"),
+        alloc_retries=timing.get("alloc_retries"),  # the allocator's, cumulative after each step
         trainer_peak_vram_gib=max(
             (e["layerstream/peak_vram_gib"] for e in logs if "layerstream/peak_vram_gib" in e), default=None
         ),
@@ -257,6 +259,7 @@ def rows_from(attempts: list) -> list:
             "speed_vs_resident": base / step if base else None,
             "peak_allocated_gib": max(a["peak_allocated_gib"] or 0 for a in at) or None,
             "peak_reserved_gib": max(a["peak_reserved_gib"] or 0 for a in at) or None,
+            "peak_host_rss_gib": max(a.get("peak_host_rss_gib") or 0 for a in at) or None,
             "long_settings": at[-1]["long_settings"],
             "timed_steps": sum(len(a["step_s"]) - a["warmup_steps"] for a in at),
             "warmup_steps": at[0]["warmup_steps"],

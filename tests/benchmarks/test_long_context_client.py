@@ -53,6 +53,7 @@ def test_the_streamed_run_is_the_users_command_with_no_layerstream_setting(dry_r
     streamed = [a for a in attempts if a["streamed"]]
     plain = [a for a in attempts if not a["streamed"]]
     assert streamed and plain and all(a["verdict"] == "trained" for a in attempts)
+    assert all(a["alloc_retries"] == [] for a in attempts), "kept from the times file (none counted without CUDA)"
     for a in streamed:
         assert a["client"] == client and a["client_command"].startswith(STREAMED_START[client])
         command = a["client_command"]
@@ -75,6 +76,7 @@ def test_the_row_names_its_client_and_keeps_the_committed_rows(dry_run):
     assert plot_long_context.client_of(mine) == client
     assert mine["command"].startswith(f"python benchmarks/long_context_client.py --dry-run --client {client}")
     assert mine["max_tokens"] == 256 and mine["baseline_step_s"] > 0
+    assert 0.05 < mine["peak_host_rss_gib"] < 64, "the run's own peak host memory, in GiB"
     assert mine["options"] == long_context_client.CLIENT_OPTIONS.get(client, mine["options"])
     if client == "train":  # its baseline is TRL's script with other LoRA settings: no loss comparison
         assert "losses_equal" not in mine and mine["options"] == long_context_client.recipe_options()

@@ -513,3 +513,37 @@ def test_the_page_locked_count_is_the_store_the_loader_keeps(tmp_path, capsys):
     config = load_config(str(shape))
     planned = make_plan(request_for({}, 80 * GiB, config=config, seq=4096, batch=1, lora_rank=16))
     assert planned.locked_host_bytes == planned.loader_store_bytes < planned.host_steady_bytes
+
+
+def test_a_disk_tier_plan_checks_the_host_for_its_store_and_the_offloaded_inputs(tmp_path, capsys):
+    """With --host-budget the host holds the tier's store (its RAM layers and ring) instead
+    of every layer, beside the offloaded inputs, which grow with the sequence: the host
+    check counts both, and where they do not fit it names the budget and the length."""
+    base = _host_bound_argv(tmp_path, "--seq", "400000", "--host-ram", "125GiB")
+    cli.main(base)
+    whole = float(" ".join(capsys.readouterr().out.split()).split("the plan needs ", 1)[1].split()[0])
+    tier = base + ["--host-budget", "1GiB", "--disk-gbps", "3"]
+    cli.main(tier)
+    out = " ".join(capsys.readouterr().out.split())
+    assert "read from disk" in out, "the disk term is still printed"
+    needs = float(out.split("the plan needs ", 1)[1].split()[0])
+    assert 90 < needs < whole - 2, "the offloaded inputs counted, most of the store not"
+    assert "--host-ram 125GiB: 125.00 GiB of host RAM available" in out and "DOES NOT FIT" not in out
+
+    def swap(argv, values):  # argv with the arguments in ``values`` replaced
+        return [values.get(arg, arg) for arg in argv]
+
+    cli.main(swap(tier, {"125GiB": "64GiB"}))
+    out = " ".join(capsys.readouterr().out.split())
+    assert "DOES NOT FIT; the offloaded inputs take" in out
+    assert "a smaller --host-budget (the tier's store and ring take" in out
+    assert "read layers from disk" not in out, "the run reads from disk already"
+    # the length it names is the one whose inputs fit beside the tier's store, not every layer
+    held = int(out.split("shorten --seq to ", 1)[1].split()[0])
+    cli.main(swap(tier, {"125GiB": "64GiB", "400000": str(held)}))
+    assert "DOES NOT FIT" not in " ".join(capsys.readouterr().out.split()), f"{held} tokens fit beside the store"
+    cli.main(swap(tier, {"125GiB": "64GiB", "400000": str(held + 1)}))
+    assert "DOES NOT FIT" in " ".join(capsys.readouterr().out.split()), "and no longer one does"
+    cli.main(swap(base, {"125GiB": "64GiB"}))
+    whole_held = " ".join(capsys.readouterr().out.split()).split("shorten --seq to ", 1)[1].split()[0]
+    assert int(whole_held) < held, "every layer in RAM leaves the inputs less room than the tier's store"

@@ -12,6 +12,7 @@ holds, so a fresh file can promise a bandwidth the run never sees."""
 from __future__ import annotations
 
 import argparse
+import functools
 import mmap
 import os
 import time
@@ -81,10 +82,14 @@ def stored_layer_files(directory) -> List[Path]:
     return sorted(found, key=lambda path: -path.stat().st_size)
 
 
-def format_disk_term(args, config, plan, host_budget: int) -> str:
-    """The disk term of ``plan`` with a layer store of ``host_budget`` bytes in host RAM."""
+def disk_tier(args, config, plan, host_budget: int):
+    """The disk term of ``plan`` with a layer store of ``host_budget`` bytes in host RAM, the
+    frozen linear parameters it computes over, and the host store that tier keeps (its RAM
+    layers and staging ring; ``plan.longest.HostStore``), for the host check: ``(term,
+    params, store)``. The tiers do not depend on the sequence, so ``store`` holds for a plan
+    of any length."""
     from ..plan import layer_bytes, layer_shapes
-    from ..plan.disk import disk_term, tokens_that_hide_the_disk
+    from ..plan.disk import disk_term, with_disk_store
 
     if not args.disk_gbps:
         raise ValueError("--host-budget needs --disk-gbps (measure it with --measure-disk DIR)")
@@ -101,6 +106,13 @@ def format_disk_term(args, config, plan, host_budget: int) -> str:
         args.tflops,
         quantized=args.quantization == "nf4",
     )
+    return term, params, functools.partial(with_disk_store, sizes=sizes, tiers=term.tiers)
+
+
+def format_disk_term(args, term, params: int, host_budget: int) -> str:
+    """``disk_tier``'s term as the plan prints it."""
+    from ..plan.disk import tokens_that_hide_the_disk
+
     tiers = term.tiers
     lines = [
         "disk tier (host_budget {:.2f} GiB)".format(host_budget / GiB),

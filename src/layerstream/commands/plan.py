@@ -141,7 +141,7 @@ def run(args, parser: argparse.ArgumentParser) -> int:
     from ..plan.long_settings import LONG_ORDER, OFF, decide_for, plan_line
     from ..tiers.store import host_memory
     from ..units import parse_bytes
-    from .disk import format_disk_term, measure_disk
+    from .disk import disk_tier, format_disk_term, measure_disk
 
     if args.measure_disk:
         return measure_disk(args, parser)
@@ -182,17 +182,21 @@ def run(args, parser: argparse.ArgumentParser) -> int:
     except (ValueError, OSError) as exc:
         parser.error(str(exc))  # exits with status 2
     print(format_plan(plan))
-    if settings["host_budget"] is not None:  # a disk tier: its own host terms
+    memory = _host_ram(args, parser) or host_memory()
+    machine = "this machine" if args.host_ram is None else f"--host-ram {args.host_ram}"
+    store = None  # every layer in host RAM
+    if settings["host_budget"] is not None:  # a disk tier: the host holds its store instead
         try:
-            print(format_disk_term(args, config, plan, settings["host_budget"]))
+            term, params, store = disk_tier(args, config, plan, settings["host_budget"])
         except ValueError as exc:
             parser.error(str(exc))
-    elif (memory := _host_ram(args, parser) or host_memory()) is not None:
+        print(format_disk_term(args, term, params, settings["host_budget"]))
+    if memory is not None:
         # where the host is what bounds the length: the longest it holds
-        held = None if plan.host_holds(*memory) else max_seq(request, host=memory)
-        machine = "this machine" if args.host_ram is None else f"--host-ram {args.host_ram}"
-        print(format_host_check(plan, memory, held, machine))
-        if longest is not None and held is None and (held := max_seq(request, host=memory)) < longest:
+        checked = plan if store is None else store(plan)
+        held = None if checked.host_holds(*memory) else max_seq(request, host=memory, store=store)
+        print(format_host_check(checked, memory, held, machine, disk=store is not None))
+        if longest is not None and held is None and (held := max_seq(request, host=memory, store=store)) < longest:
             print(f"  of the longest that fits the GPU ({longest} tokens), the host holds {held}")
     print(_decode_lines(args, config, plan, request))
     print()

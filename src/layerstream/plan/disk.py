@@ -5,6 +5,7 @@ copies, so the step takes at least the largest of the three (docs/plan.md)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -61,6 +62,20 @@ def disk_term(
     tiers = split_tiers(list(sizes), host_budget, quantized=quantized)
     compute = FLOPS_PER_TOKEN_PARAM * params * tokens / (tflops * 1e12) if tflops else None
     return DiskTerm(tiers, disk_bytes_per_step(sizes, tiers.disk, slots), disk_gbps, copy_seconds, compute)
+
+
+def with_disk_store(plan, sizes: Sequence[int], tiers: Tiers):
+    """``plan`` (a ``MemoryPlan``) with its host store as the disk tier keeps it: the
+    ``tiers.ram`` layers and the staging ring, in place of every layer. The host check then
+    counts what a run with that ``host_budget`` holds in host RAM and page-locks (the
+    offloaded inputs and the ends as before)."""
+    share = sum(sizes[i] for i in tiers.ram) / max(sum(sizes), 1)
+    store = round(plan.loader_store_bytes * share) + tiers.ring_bytes
+    return dataclasses.replace(
+        plan,
+        loader_store_bytes=store,
+        loader_ram_bytes=plan.loader_ram_bytes - plan.loader_store_bytes + store,
+    )
 
 
 def tokens_that_hide_the_disk(term: DiskTerm, params: int, tflops: float) -> int:

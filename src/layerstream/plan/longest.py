@@ -7,7 +7,7 @@ And what the options do for a step that ran out of memory (``oom_advice``)."""
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 from ..decisions.disk import size_text
 from .advice import LONG_OPTIONS, option_value
@@ -17,6 +17,10 @@ from .request import PlanRequest
 
 # the longest sequence ``max_seq`` looks for (tokens per sequence)
 MAX_SEQ_LIMIT = 1 << 24
+
+# a plan -> the same plan with the host store a run keeps (``plan.disk.with_disk_store``:
+# a disk tier's RAM layers and ring in place of every layer); None: every layer
+HostStore = Optional[Callable[[MemoryPlan], MemoryPlan]]
 
 
 def _without(request: PlanRequest) -> PlanRequest:
@@ -51,34 +55,44 @@ def option_rows(request: PlanRequest) -> List[Tuple[str, PlanRequest]]:
     return rows
 
 
-def fits(request: PlanRequest, seq: int, host: Optional[Tuple[int, int]] = None) -> bool:
+def fits(request: PlanRequest, seq: int, host: Optional[Tuple[int, int]] = None, store: HostStore = None) -> bool:
     """Whether a step of ``seq`` tokens a sequence fits, its "auto" settings decided for it;
     with ``host`` (available, total bytes), also whether that host holds it
-    (``MemoryPlan.host_holds``: the offloaded inputs grow with the sequence)."""
+    (``MemoryPlan.host_holds``: the offloaded inputs grow with the sequence), its layer
+    store as ``store`` keeps it."""
     plan = planned(request.replace(seq=seq))
+    if store is not None:
+        plan = store(plan)
     return plan.fits and (host is None or plan.host_holds(*host))
 
 
-def max_seq(request: PlanRequest, limit: int = MAX_SEQ_LIMIT, host: Optional[Tuple[int, int]] = None) -> int:
+def max_seq(
+    request: PlanRequest,
+    limit: int = MAX_SEQ_LIMIT,
+    host: Optional[Tuple[int, int]] = None,
+    store: HostStore = None,
+) -> int:
     """The longest sequence (tokens, at the request's batch) whose step fits; 0 when not
     even one token does. ``host``: (available, total) bytes of the host RAM, where it
-    bounds the length too; None: the GPU alone. The peaks grow with the sequence, so a
+    bounds the length too; None: the GPU alone. ``store``: the host store a disk tier
+    keeps (``HostStore``); None: every layer. The peaks grow with the sequence, so a
     bisection finds it."""
-    if not fits(request, 1, host):
+
+    def ok(seq: int) -> bool:
+        return fits(request, seq, host, store)
+
+    if not ok(1):
         return 0
     low, high = 1, 2
-    while high <= limit and fits(request, high, host):
+    while high <= limit and ok(high):
         low, high = high, high * 2
     if high > limit:
-        return limit if fits(request, limit, host) else _bisect(request, low, limit, host)
-    return _bisect(request, low, high, host)
-
-
-def _bisect(request: PlanRequest, low: int, high: int, host: Optional[Tuple[int, int]]) -> int:
-    """Largest seq in [low, high) that fits, given that low fits and high does not."""
-    while high - low > 1:
+        if ok(limit):
+            return limit
+        high = limit
+    while high - low > 1:  # the largest seq in [low, high) that fits: low fits, high does not
         middle = (low + high) // 2
-        if fits(request, middle, host):
+        if ok(middle):
             low = middle
         else:
             high = middle

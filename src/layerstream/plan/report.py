@@ -197,12 +197,15 @@ def format_comparison(rows, seq: int, batch: int) -> str:
     return "\n".join(lines)
 
 
-def format_host_check(plan: MemoryPlan, memory, longest: Optional[int] = None, machine: str = "this machine") -> str:
+def format_host_check(
+    plan: MemoryPlan, memory, longest: Optional[int] = None, machine: str = "this machine", disk: bool = False
+) -> str:
     """One line comparing the plan's host RAM peak with layerstream.from_pretrained (the
     loader that never holds the whole model) with ``machine``'s ``(available, total)``
     bytes: the GPU verdict alone would call a step that the host cannot hold a fit.
     ``longest``: the longest sequence whose plan this host holds, said where the offloaded
-    inputs take part in what it cannot hold (0: none does)."""
+    inputs take part in what it cannot hold (0: none does). ``disk``: the plan's store is a
+    disk tier's (``--host-budget``), whose budget is the lever to name."""
     available, total = memory
     need = plan.loader_ram_bytes
     head = f"{machine}: {_gib(available)} of host RAM available ({_gib(total)} in all), the plan needs {_gib(need)}"
@@ -225,7 +228,10 @@ def format_host_check(plan: MemoryPlan, memory, longest: Optional[int] = None, m
             )
         else:
             fixes.append(f"{offloaded}shorten --seq")
-    fixes.append(f"read layers from disk (--host-budget: frees up to the store's {_gib(plan.loader_store_bytes)})")
+    if disk:
+        fixes.append(f"a smaller --host-budget (the tier's store and ring take {_gib(plan.loader_store_bytes)})")
+    else:
+        fixes.append(f"read layers from disk (--host-budget: frees up to the store's {_gib(plan.loader_store_bytes)})")
     if locked:
         fixes.append("page-lock nothing (StreamConfig(pin=False): pageable copies, slower)")
     fixes.append("run where there is more RAM")
