@@ -1,3 +1,4 @@
+import gc
 import logging
 import warnings
 
@@ -23,6 +24,18 @@ def sharded_checkpoint(tmp_path):
     """A 4-layer bf16 Llama checkpoint in several safetensors shards with an index, which a
     test may edit (its own copy)."""
     return save_tiny(tmp_path / "ckpt", layers=4, dtype=torch.bfloat16, wide=True, shard="100KB")
+
+
+@pytest.fixture(autouse=True)
+def _earlier_objects_frozen():
+    """Each test starts with what is alive frozen (gc.freeze: out of the cyclic collector's
+    walks), the garbage of the tests before it collected first. The libraries imported
+    (half a million objects) would otherwise be walked by every full collection, about half
+    a second each: accelerate's at every Trainer.train, and the interpreter's own. What a
+    test makes is collected as before; an object alive at a test's start that later becomes
+    cyclic garbage is never collected (fixtures wider than a test: tiny)."""
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.fixture(autouse=True)
