@@ -27,6 +27,8 @@ computes the loss, the long-sequence settings) and what "auto" turned on.
     python benchmarks/long_context_client.py --cells 12:36864 --baseline --rounds 2 --work /tmp/lcc \\
         --merge benchmarks/results/long-context/long-context-client.json
     python benchmarks/long_context_client.py --cells 12:36864 --memory-trace --work /tmp/lcc  # where the peak is
+    python benchmarks/long_context_client.py --client trainer --cells 12:24576 --baseline --work /tmp/lcc \
+        --streamed-flags '--layer_stream_embeddings false'    # an ablation: what one setting costs
     python benchmarks/long_context_client.py --dry-run --work /tmp/lcc-dry    # tiny llama on the CPU
 
 ``--client`` picks the user's command: ``sft`` (the above), ``train`` (``layerstream train`` with
@@ -70,6 +72,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import statistics
 import subprocess
@@ -119,15 +122,20 @@ def attempt(ctx, streamed: bool, cap: str, tokens: int):
     saved; None when --deadline leaves no time for it."""
     kind = "streamed" if streamed else "resident"
     client = ctx.args.client if streamed else BASELINE_CLIENT[ctx.args.client]
+    flags = shlex.split(ctx.args.streamed_flags) if streamed else []
     rounds = [
         a
         for a in ctx.results.attempts.values()
-        if (a["kind"], a["cap"], a["tokens"], client_of(a)) == (kind, cap, tokens, client)
+        if (a["kind"], a["cap"], a["tokens"], client_of(a), a.get("streamed_flags", []))
+        == (kind, cap, tokens, client, flags)
     ]
     prefix = "" if client == "sft" else f"{client}-"  # TRL's script's names as they were
+    if flags:  # an ablation's attempts are named by their flags, apart from the client's own
+        prefix += "ablation-" + re.sub(r"[^A-Za-z0-9]+", "-", " ".join(flags)).strip("-") + "-"
     name = f"{prefix}{kind}-{cap}-{tokens}-round{len(rounds) + 1}"
     record = {"name": name, "kind": kind, "streamed": streamed, "cap": cap, "tokens": tokens, "round": len(rounds) + 1}
     record["client"] = client
+    record["streamed_flags"] = flags
     record["shape"] = ctx.shape
     record["vram_gib"] = None if cap == rl.WHOLE else float(cap[: -len("GiB")])
     record.update(bench_command=ctx.command, warmup_steps=ctx.args.warmup, timed_steps=ctx.args.steps)
@@ -147,7 +155,7 @@ def attempt(ctx, streamed: bool, cap: str, tokens: int):
     runs.mkdir(parents=True, exist_ok=True)
     times = runs / f"{name}-times.json"
     times.unlink(missing_ok=True)
-    target = client_command(ctx, client, tokens, runs / name, streamed)
+    target = client_command(ctx, client, tokens, runs / name, streamed) + flags
     argv = [sys.executable, str(HERE / "capped.py"), "--cap", cap, "--times", str(times)]
     ctx.logs.mkdir(parents=True, exist_ok=True)
     memory = ctx.logs / f"{name}-memory.json" if ctx.args.memory_trace else None
@@ -215,6 +223,7 @@ def rows_from(attempts: list) -> list:
     """One row per client and cap: the longest length a streamed attempt trained, its median
     timed step, and the client's plain baseline at that length (or why there is none)."""
     rows = []
+    attempts = [a for a in attempts if not a.get("streamed_flags")]  # a row is the client's command as is
     streamed = sorted({(CLIENTS.index(client_of(a)), a["vram_gib"]) for a in attempts if a["streamed"]})
     for client, cap in ((CLIENTS[index], cap) for index, cap in streamed):
         runs = [a for a in attempts if a["streamed"] and a["vram_gib"] == cap and client_of(a) == client]
@@ -466,6 +475,13 @@ def parse(argv):
         "--min-run-s", type=float, default=None, help=f"start no run with less left (default {MIN_RUN_S})"
     )
     parser.add_argument(
+        "--streamed-flags",
+        default="",
+        help="an ablation: these arguments appended to the streamed run's command (the Trainer script's "
+        "--layer_stream_* flags, TRL's script's own), e.g. '--layer_stream_embeddings false'; its attempts "
+        "are named by them and make no row",
+    )
+    parser.add_argument(
         "--memory-trace",
         action="store_true",
         help="write each run's first-step tensors alive at its peak, by source (GPU), beside its log",
@@ -540,6 +556,9 @@ def main(argv=None) -> int:
     verdicts = Counter(a["verdict"] for a in results.attempts.values() if a["bench_command"] == command)
     print(f"long-context-client: this command's attempts: {dict(verdicts)}", flush=True)
     print(summary(results.rows()))
+    for a in results.attempts.values():
+        if a.get("streamed_flags") and a["bench_command"] == command:
+            print(f"long-context-client: ablation {a['name']}: {a['verdict']}, median step {a['median_timed_s']} s")
     print(f"long-context-client: attempts in {attempts_path}; rows in {rows_path}", flush=True)
     return 0
 

@@ -213,3 +213,21 @@ def test_prepare_only_writes_the_checkpoint_and_data_that_the_next_command_reuse
     assert _written(work) == written, "written again"
     _, attempts, _ = sft_run
     assert [(a["streamed"], a["verdict"]) for a in attempts] == [(True, "trained"), (False, "trained")]
+
+
+def test_an_ablation_runs_the_streamed_command_with_its_flags_and_makes_no_row(prepared, tmp_path):
+    """--streamed-flags appends arguments to the streamed run (what one setting costs, against
+    the same client's auto run): they reach the run, its attempt is named by them, and it
+    makes no row, since a row stands for the user's command with no layerstream flag."""
+    shutil.copytree(prepared[0] / "tiny", tmp_path / "tiny")  # the dry runs' checkpoint, reused
+    out = tmp_path / "out"
+    flags = "--layer_stream_mlp_tile_tokens 64"
+    argv = ["--dry-run", "--client", "trainer", "--cells", "1:256", "--work", str(tmp_path), "--out", str(out)]
+    assert long_context_client.main(argv + ["--steps", "1", "--streamed-flags", flags]) == 0
+    [ablation] = json.loads((out / "long-context-client.json").read_text())["attempts"]
+    assert ablation["verdict"] == "trained" and ablation["streamed_flags"] == flags.split()
+    assert ablation["name"] == "trainer-ablation-layer-stream-mlp-tile-tokens-64-streamed-1GiB-256-round1"
+    assert ablation["client_command"].endswith(flags)
+    assert any("mlp_tile_tokens=64" in line for line in ablation["layerstream_lines"]), "the flag reached the run"
+    rows = json.loads((out / "long-context.json").read_text())
+    assert not [row for row in rows if row["model"] == long_context_client.MODELS["tiny"]]
