@@ -3,6 +3,7 @@ unchanged behind `layerstream run`, `layerstream train` with the long recipe, an
 Trainer script with `--layer_stream`, each against its plain baseline, and the rows made."""
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -26,16 +27,50 @@ CLIENT_FLAG = {"trainer-ends": "--layer_stream_embeddings true"}
 LAYERSTREAM_FLAGS = ("--layer_stream_", "--offload", "--mlp", "--loss-chunk", "--slots", "stream.offload")
 
 
-@pytest.fixture(scope="module", params=long_context_client.CLIENTS)
-def dry_run(request, tmp_path_factory):
-    client = request.param
-    work = tmp_path_factory.mktemp(f"long-context-{client}")
-    out = work / "out"
-    argv = ["--dry-run", "--client", client, "--cells", "1:256", "--baseline", "--work", str(work), "--out", str(out)]
-    assert long_context_client.main(argv) == 0
-    attempts = json.loads((out / "long-context-client.json").read_text())
-    rows = json.loads((out / "long-context.json").read_text())
+def _argv(client, work):
+    argv = ["--dry-run", "--client", client, "--cells", "1:256", "--baseline"]
+    return argv + ["--work", str(work), "--out", str(work / "out")]
+
+
+def _written(work):
+    """The data's check file and the checkpoint's index, each (exists, mtime)."""
+    paths = work / "data-words-256" / "checked.json", work / "tiny" / "model.safetensors.index.json"
+    return [(p.exists(), p.exists() and p.stat().st_mtime_ns) for p in paths]
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    """The sft client's --work after its command with --prepare-only, and what that left before
+    the run's command (sft_run) reuses it. Its tiny checkpoint is the dry runs' one, written
+    once: the other clients copy it into their own --work, where the harness reuses a
+    checkpoint whose index is there."""
+    work = tmp_path_factory.mktemp("long-context-sft")
+    assert long_context_client.main([*_argv("sft", work), "--prepare-only"]) == 0
+    ran = (work / "runs").exists() or (work / "out" / "long-context-client.json").exists()
+    return work, _written(work), ran
+
+
+def _dry_run(client, work):
+    assert long_context_client.main(_argv(client, work)) == 0
+    attempts = json.loads((work / "out" / "long-context-client.json").read_text())
+    rows = json.loads((work / "out" / "long-context.json").read_text())
     return client, attempts["attempts"], rows
+
+
+@pytest.fixture(scope="module")
+def sft_run(prepared):
+    """The sft client's dry run, in the --work its --prepare-only command left."""
+    return _dry_run("sft", prepared[0])
+
+
+@pytest.fixture(scope="module", params=long_context_client.CLIENTS)
+def dry_run(request, tmp_path_factory, prepared):
+    client = request.param
+    if client == "sft":
+        return request.getfixturevalue("sft_run")
+    work = tmp_path_factory.mktemp(f"long-context-{client}")
+    shutil.copytree(prepared[0] / "tiny", work / "tiny")
+    return _dry_run(client, work)
 
 
 def test_the_streamed_run_is_the_users_command_with_no_layerstream_setting(dry_run):
@@ -169,26 +204,22 @@ def test_a_row_pairs_runs_of_one_gpu_and_merging_keeps_both_cards(tmp_path):
     assert (row["step_s"], row["baseline_step_s"]) == ((2.0, 1.0) if row["gpu"] == h200 else (3.0, 1.9))
 
 
-def test_prepare_only_writes_the_checkpoint_and_data_that_the_next_command_reuses(tmp_path):
+def test_prepare_only_writes_the_checkpoint_and_data_that_the_next_command_reuses(prepared, sft_run):
     """--prepare-only leaves the checkpoint and the rows in --work and runs no attempt; the next
-    command with the same --work and cells reads them instead of writing them again."""
-    argv = ["--dry-run", "--cells", "1:256", "--work", str(tmp_path), "--out", str(tmp_path / "out")]
-    assert long_context_client.main([*argv, "--prepare-only"]) == 0
-    checked = tmp_path / "data-words-256" / "checked.json"
-    assert checked.exists()
-    assert not (tmp_path / "runs").exists() and not (tmp_path / "out" / "long-context-client.json").exists()
-    index = tmp_path / "tiny" / "model.safetensors.index.json"
-    written = checked.stat().st_mtime_ns, index.stat().st_mtime_ns
-    assert long_context_client.main(argv) == 0
-    assert (checked.stat().st_mtime_ns, index.stat().st_mtime_ns) == written, "written again"
-    attempts = json.loads((tmp_path / "out" / "long-context-client.json").read_text())["attempts"]
-    assert [a["verdict"] for a in attempts] == ["trained"]
+    command with the same --work and cells (the sft client's dry run) reads them instead of
+    writing them again."""
+    work, written, ran = prepared
+    assert [exists for exists, _ in written] == [True, True] and not ran
+    assert _written(work) == written, "written again"
+    _, attempts, _ = sft_run
+    assert [(a["streamed"], a["verdict"]) for a in attempts] == [(True, "trained"), (False, "trained")]
 
 
-def test_an_ablation_runs_the_streamed_command_with_its_flags_and_makes_no_row(tmp_path):
+def test_an_ablation_runs_the_streamed_command_with_its_flags_and_makes_no_row(prepared, tmp_path):
     """--streamed-flags appends arguments to the streamed run (what one setting costs, against
     the same client's auto run): they reach the run, its attempt is named by them, and it
     makes no row, since a row stands for the user's command with no layerstream flag."""
+    shutil.copytree(prepared[0] / "tiny", tmp_path / "tiny")  # the dry runs' checkpoint, reused
     out = tmp_path / "out"
     flags = "--layer_stream_mlp_tile_tokens 64"
     argv = ["--dry-run", "--client", "trainer", "--cells", "1:256", "--work", str(tmp_path), "--out", str(out)]

@@ -113,18 +113,28 @@ def test_the_grpo_rows_time_the_script_and_the_client_with_layerstreams_generati
     assert big["completion_tokens"] == settings.big_completion_tokens
 
 
-def test_a_pair_of_another_trainer_and_quantization_has_its_own_row(tmp_path):
+@pytest.fixture(scope="module")
+def other_pair(tmp_path_factory):
+    """The grpo-8b part alone with ``--grpo-quantization bf16 --grpo-trainer rloo
+    --profile-grpo``: each run costs a minute, so the three options share one dry run (the
+    module's dry run pairs the defaults, its GRPO runs unprofiled)."""
+    work = tmp_path_factory.mktemp("rl-other-pair")
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}
+    argv = [sys.executable, str(ROOT / "benchmarks" / "rl.py"), "--dry-run", "--work", str(work)]
+    argv += ["--part", "grpo-8b", "--grpo-quantization", "bf16", "--grpo-trainer", "rloo"]
+    argv += ["--profile-grpo", str(work / "profiles")]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    return dict(json.loads((work / "out" / "rl.json").read_text()), profiles=work / "profiles")
+
+
+def test_a_pair_of_another_trainer_and_quantization_has_its_own_row(other_pair):
     """``--grpo-quantization bf16`` runs the script without ``--load_in_4bit`` (LoRA on the bf16
     checkpoint); ``--grpo-trainer rloo`` runs TRL's rloo.py with the same arguments. The pair
     gets its own row, apart from the QLoRA GRPO pair's, its two runs training alike on
-    gradients that are not zero. (Both options in one dry run: each run costs a minute.)"""
+    gradients that are not zero."""
     trainer, quantization = "rloo", "bf16"
-    env = {k: v for k, v in os.environ.items() if k != "OUT"}
-    argv = [sys.executable, str(ROOT / "benchmarks" / "rl.py"), "--dry-run", "--work", str(tmp_path)]
-    argv += ["--part", "grpo-8b", "--grpo-quantization", quantization, "--grpo-trainer", trainer]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    result = json.loads((tmp_path / "out" / "rl.json").read_text())
+    result = other_pair
     (pair,) = rows_of(result, trainer, quantization=quantization)
     assert pair["client"] == f"trl.scripts.{trainer}, unchanged"
     assert pair["losses_equal"] and pair["grad_norms_equal"] and pair["failed_runs"] == []
@@ -327,21 +337,18 @@ def test_rows_only_remakes_the_rows_and_keeps_the_measuring_machine(tmp_path):
     assert json.loads((tmp_path / "out" / "rl.json").read_text())["runs"] == newer
 
 
-def test_profile_grpo_leaves_each_runs_python_profile_and_no_torch_profile(tmp_path):
+def test_profile_grpo_leaves_each_runs_python_profile_and_no_torch_profile(other_pair, dry_run):
     """``--profile-grpo DIR``: each run of the pair writes where one steady step's host time
     went (Python's profiler), resident and streamed alike, so the two can be compared; not
     torch's, whose summary of GRPO steps outlasted a command on the GPU; without it, no
     profiler runs."""
-    env = {k: v for k, v in os.environ.items() if k != "OUT"}
-    argv = [sys.executable, str(ROOT / "benchmarks" / "rl.py"), "--dry-run", "--work", str(tmp_path), "--part"]
-    argv += ["grpo-8b", "--profile-grpo", str(tmp_path / "profiles")]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     for side in ("resident", "streamed"):
-        folder = tmp_path / "profiles" / f"grpo-tiny-{side}-round1"
+        folder = other_pair["profiles"] / f"rloo-tiny-bf16-{side}-round1"
         assert "1 steps from step 0" in (folder / "python-profile.txt").read_text()
         assert "generate" in (folder / "python-profile.txt").read_text()
         assert not (folder / "torch-profile.txt").exists()
+    unasked = [p.name for p in dry_run["profiles"].iterdir() if not p.name.startswith("generate-")]
+    assert unasked == [], "the module's dry run, without --profile-grpo, profiled its GRPO runs"
     assert rl.profile_arguments(rl.Settings(), "x") == []
     assert rl.profile_arguments(rl.Settings(profile_grpo="p"), "x")[-1] == "2,1,0", "from the third of five steps"
 

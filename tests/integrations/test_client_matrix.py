@@ -183,19 +183,35 @@ def checkpoint(files_root):
     return get
 
 
-def _run(cell: Cell, checkpoint, data_dir, tmp_path, device: str = "cpu"):
+@pytest.fixture(scope="module")
+def plain_run(files_root):
+    """A cell's plain run on a device, run once per module (the negative controls below
+    compare against the plain runs of cells of the matrix): its output folder."""
+    done = {}
+
+    def get(cell: Cell, device: str, run) -> Path:
+        if (cell, device) not in done:
+            out = files_root / "plain" / f"{len(done)}-{cell.id}-{device}"
+            run(out)
+            done[cell, device] = out
+        return done[cell, device]
+
+    return get
+
+
+def _run(cell: Cell, checkpoint, data_dir, plain_run, tmp_path, device: str = "cpu"):
     client = CLIENTS[cell.client]
 
     def argv(out):
         return client.argv(checkpoint(cell.family), data_dir, out, cell.peft, cell.options, device)
 
-    plain, streamed = tmp_path / "plain", tmp_path / "streamed"
-    client.run_plain(argv(plain))
+    plain = plain_run(cell, device, lambda out: client.run_plain(argv(out)))
+    streamed = tmp_path / "streamed"
     return client, plain, streamed, argv(streamed)
 
 
-def _check(cell: Cell, checkpoint, data_dir, tmp_path, device: str) -> None:
-    client, plain, streamed, argv = _run(cell, checkpoint, data_dir, tmp_path, device)
+def _check(cell: Cell, checkpoint, data_dir, plain_run, tmp_path, device: str) -> None:
+    client, plain, streamed, argv = _run(cell, checkpoint, data_dir, plain_run, tmp_path, device)
     if cell.refused:
         with pytest.raises(Exception) as refusal:
             client.run_streamed(argv)
@@ -216,27 +232,29 @@ def _device_params():
 
 @pytest.mark.parametrize("device", _device_params())
 @pytest.mark.parametrize("cell", CELLS, ids=[c.id for c in CELLS])
-def test_the_streamed_client_logs_and_saves_what_the_plain_client_does(cell, device, checkpoint, data_dir, tmp_path):
+def test_the_streamed_client_logs_and_saves_what_the_plain_client_does(
+    cell, device, checkpoint, data_dir, plain_run, tmp_path
+):
     if device == "cuda" and not torch.cuda.is_available():
         pytest.fail("gpu-marked test selected on a machine without CUDA")
     if not cell.failing:
-        _check(cell, checkpoint, data_dir, tmp_path, device)
+        _check(cell, checkpoint, data_dir, plain_run, tmp_path, device)
         return
     try:
-        _check(cell, checkpoint, data_dir, tmp_path, device)
+        _check(cell, checkpoint, data_dir, plain_run, tmp_path, device)
     except AssertionError as difference:
         raise AssertionError(f"known failing cell: {cell.failing}\n{difference}") from difference
     pytest.fail("this cell now passes: drop its `failing` note here and in docs/reliability.md")
 
 
 def test_the_comparison_catches_one_changed_weight_and_one_changed_saved_value(
-    checkpoint, data_dir, tmp_path, monkeypatch
+    checkpoint, data_dir, plain_run, tmp_path, monkeypatch
 ):
     """Negative control: a streamed run whose layer 1 has one weight nudged after loading
     fails the comparison, and so does a copy of the plain run with one saved adapter value
     moved by one ulp."""
     cell = Cell("SFTTrainer", "llama")
-    client, plain, streamed, argv = _run(cell, checkpoint, data_dir, tmp_path)
+    client, plain, streamed, argv = _run(cell, checkpoint, data_dir, plain_run, tmp_path)
     load = autoload.load
 
     def nudged(cls, path, **kwargs):
@@ -269,7 +287,7 @@ def test_the_comparison_catches_one_changed_weight_and_one_changed_saved_value(
     "client", ["Trainer", "Trainer --layer_stream", "Trainer + layerstream.from_pretrained", "layerstream train"]
 )
 def test_each_loading_surface_catches_gemmas_embedding_scale_left_unset(
-    client, checkpoint, data_dir, tmp_path, monkeypatch
+    client, checkpoint, data_dir, plain_run, tmp_path, monkeypatch
 ):
     """Negative control for the surfaces that load through layerstream's loader: with the
     buffers no checkpoint holds left at zero (Gemma 2's ``embed_tokens.embed_scale``, what
@@ -281,7 +299,7 @@ def test_each_loading_surface_catches_gemmas_embedding_scale_left_unset(
             for name in module._non_persistent_buffers_set:
                 module._buffers[name].zero_()
 
-    runner, plain, streamed, argv = _run(Cell(client, "gemma2"), checkpoint, data_dir, tmp_path)
+    runner, plain, streamed, argv = _run(Cell(client, "gemma2"), checkpoint, data_dir, plain_run, tmp_path)
     monkeypatch.setattr(loading, "compute_buffers", unset)
     runner.run_streamed(argv)
     with pytest.raises(AssertionError, match="log entry 0 differs.*'loss'"):

@@ -106,9 +106,17 @@ def _plain_module(module, argv, monkeypatch):
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 
+@pytest.fixture(scope="module")
+def plain_sft(files, tmp_path_factory):
+    """TRL's sft.py run plainly with _common's arguments, once for the launcher's forms."""
+    out = tmp_path_factory.mktemp("plain-sft")
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        _plain_module("trl.scripts.sft", _common(files, out), monkeypatch)
+    return out
+
+
 @pytest.mark.parametrize("form", ["module", "command", "python-m-layerstream"])
-def test_trl_sft_unchanged_under_the_launcher_matches_the_plain_run(files, tmp_path, monkeypatch, form):
-    _plain_module("trl.scripts.sft", _common(files, tmp_path / "plain"), monkeypatch)
+def test_trl_sft_unchanged_under_the_launcher_matches_the_plain_run(files, plain_sft, tmp_path, monkeypatch, form):
     streamed = _common(files, tmp_path / "streamed")
     if form == "module":
         assert cli.main(["run", "--slots", "2", "-m", "trl.scripts.sft"] + streamed) == 0
@@ -119,7 +127,7 @@ def test_trl_sft_unchanged_under_the_launcher_matches_the_plain_run(files, tmp_p
         with pytest.raises(SystemExit) as exit_info:
             runpy.run_module("layerstream", run_name="__main__")
         assert exit_info.value.code == 0
-    plain, got = _losses(tmp_path / "plain"), _losses(tmp_path / "streamed")
+    plain, got = _losses(plain_sft), _losses(tmp_path / "streamed")
     assert len(plain) == 3 and got == plain
     logged = [e for e in _history(tmp_path / "streamed") if "loss" in e]
     assert all("layerstream/layer_loads" in e for e in logged)

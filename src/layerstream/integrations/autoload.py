@@ -91,13 +91,19 @@ def _plain(cls, path, *args, **kwargs):
 
 
 def is_causal_lm(cls) -> bool:
+    """A causal LM class: named ``*ForCausalLM``, else one transformers' causal-LM mapping
+    holds. The name is checked first: reading the mapping's classes imports every model
+    module it names (about 5 s, once per process), which a process loading a Llama need not
+    pay."""
+    if cls.__name__.endswith("ForCausalLM"):
+        return True
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
 
     try:
         known = set(MODEL_FOR_CAUSAL_LM_MAPPING.values())
     except Exception:  # a mapping entry that fails to import
         known = set()
-    return cls in known or cls.__name__.endswith("ForCausalLM")
+    return cls in known
 
 
 def _from_pretrained(cls, pretrained_model_name_or_path=None, *model_args, **kwargs):

@@ -132,15 +132,20 @@ def plot(spans: List[Span], slots: int, path: str, title: str = "") -> bool:
     y = {row: len(rows) - 1 - i for i, row in enumerate(rows)}
     end = max((s.end_ms for s in spans), default=1.0)
     fig, ax = plt.subplots(figsize=(14, 1.2 + 0.55 * len(rows)))
+    bars: dict = {}  # (row, kind) -> its spans' (start, width): one call draws them all
     for span in spans:
         width = max(span.end_ms - span.start_ms, end * 1e-4)
+        bars.setdefault((span.row, span.kind), []).append((span.start_ms, width))
+    for (row, kind), ranges in bars.items():
         ax.broken_barh(
-            [(span.start_ms, width)],
-            (y[span.row] - 0.4, 0.8),
-            facecolors=_COLOURS.get(span.kind, "#999999"),
-            edgecolors="white" if span.kind == "hold" else "none",
+            ranges,
+            (y[row] - 0.4, 0.8),
+            facecolors=_COLOURS.get(kind, "#999999"),
+            edgecolors="white" if kind == "hold" else "none",
             linewidth=0.5,
         )
+    for span in spans:
+        width = max(span.end_ms - span.start_ms, end * 1e-4)
         if width > end / 80:
             ax.text(
                 span.start_ms + width / 2,
