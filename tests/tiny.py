@@ -337,3 +337,28 @@ def data_parallel_losses(model, steps: int = 4, global_batch: int = 4, rank: int
             total /= world
         losses.append(total.item())
     return losses
+
+
+def trainer_losses(model, out, steps=4, accumulation=1, callbacks=(), seq=12, vocab=90):
+    """The HF Trainer's logged losses over ``steps`` steps of batch 2 (``accumulation``
+    micro-batches each), on rows of ``seq`` tokens below ``vocab``, writing to ``out``."""
+    from datasets import Dataset
+    from transformers import Trainer, TrainingArguments
+
+    rows = [[3 + (i * 7 + j) % vocab for j in range(seq)] for i in range(64)]
+    data = Dataset.from_list([{"input_ids": row, "labels": row} for row in rows])
+    args = TrainingArguments(
+        output_dir=str(out),
+        use_cpu=True,
+        report_to=[],
+        max_steps=steps,
+        logging_steps=1,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=accumulation,
+        save_strategy="no",
+        learning_rate=1e-2,
+        seed=0,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=list(callbacks))
+    trainer.train()
+    return [e["loss"] for e in trainer.state.log_history if "loss" in e]

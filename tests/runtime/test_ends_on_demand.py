@@ -19,7 +19,7 @@ from layerstream.long import chunked_loss, tiled_mlp
 from layerstream.plan import advice, plan_for_model
 from layerstream.plan.long_settings import AUTO_ORDER, ENDS, LONG_ORDER, decide
 
-from tiny import assert_traces_equal, peft_pair, train_steps
+from tiny import assert_traces_equal, peft_pair, train_steps, trainer_losses
 
 EVERY = dict(offload_activations=True, loss_chunk_tokens=16, mlp_tile_tokens=16)
 CANDIDATES = {"loss_chunk_tokens": 512, "mlp_tile_tokens": 4096, "offload_activations": True, ENDS: True}
@@ -317,30 +317,6 @@ def test_a_new_shape_no_longer_than_the_steps_that_brought_the_ends_back_is_not_
         train_steps(streamed, 1, seq=64, batch_size=4)  # more tokens, over even with the ends streamed
 
 
-def _trainer_losses(model, out, steps, hook=None):
-    """The HF Trainer on rows of 48 tokens, batch 2 (the steps the budgets here are planned
-    for); ``hook(runtime)`` before it trains, on a streamed model."""
-    from datasets import Dataset
-    from transformers import Trainer, TrainingArguments
-
-    rows = [[3 + (i * 7 + j) % 390 for j in range(48)] for i in range(2 * steps)]
-    data = Dataset.from_list([{"input_ids": row, "labels": row} for row in rows])
-    args = TrainingArguments(
-        output_dir=str(out),
-        use_cpu=True,
-        report_to=[],
-        max_steps=steps,
-        logging_steps=1,
-        per_device_train_batch_size=2,
-        save_strategy="no",
-        learning_rate=1e-2,
-        seed=0,
-    )
-    trainer = Trainer(model=model, args=args, train_dataset=data)
-    trainer.train()
-    return [e["loss"] for e in trainer.state.log_history if "loss" in e]
-
-
 def test_out_of_memory_with_the_ends_back_and_no_window_sends_them_away_and_runs_again(
     tmp_path, small_tiles, no_window_margin, caplog
 ):
@@ -348,7 +324,7 @@ def test_out_of_memory_with_the_ends_back_and_no_window_sends_them_away_and_runs
     that runs out of memory then sends them to host memory again, for good, and runs again
     from where it started; the losses are the uninterrupted resident run's."""
     streamed, resident = _pair()
-    plain = _trainer_losses(_resident_as_streamed(resident), tmp_path / "plain", 4)
+    plain = trainer_losses(_resident_as_streamed(resident), tmp_path / "plain", seq=48, vocab=390)
     runtime = _stream(streamed, _roomy_budget(resident))
     runtime.resident_window.sizer.max_window = 0  # the room goes to the ends alone
     ends, raised = runtime.long_settings.ends, []
@@ -360,7 +336,7 @@ def test_out_of_memory_with_the_ends_back_and_no_window_sends_them_away_and_runs
 
     streamed.get_base_model().model.layers[2].register_forward_pre_hook(out_of_memory)
     with caplog.at_level(logging.WARNING, logger="layerstream"):
-        got = _trainer_losses(streamed, tmp_path / "streamed", 4)
+        got = trainer_losses(streamed, tmp_path / "streamed", seq=48, vocab=390)
     assert raised and runtime.stats()["oom_retries"] == 1 and runtime.window == []
     assert runtime.embeddings is not None and ends.returns == 1, "sent away, and never back"
     assert "moved them to host memory again, for the rest of the run" in caplog.text

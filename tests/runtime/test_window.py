@@ -8,7 +8,7 @@ import layerstream
 from layerstream import plan
 from layerstream.decisions.schedule import spread_resident
 
-from tiny import assert_traces_equal, batch, nf4_pair, peft_pair, stream, train_steps
+from tiny import assert_traces_equal, batch, nf4_pair, peft_pair, stream, train_steps, trainer_losses
 
 
 def test_window_layers_are_not_copied_and_training_stays_exact(device):
@@ -170,36 +170,6 @@ def test_an_auto_budget_on_cuda_is_what_the_driver_reports_free_for_this_run():
     assert budget == min(total, free + torch.cuda.memory_reserved(), cap)
 
 
-def _trainer_losses(model, out, steps=4, accumulation=1, callbacks=()):
-    from datasets import Dataset
-    from transformers import Trainer, TrainingArguments
-
-    data = Dataset.from_list(
-        [
-            {
-                "input_ids": [3 + (i * 7 + j) % 90 for j in range(12)],
-                "labels": [3 + (i * 7 + j) % 90 for j in range(12)],
-            }
-            for i in range(64)
-        ]
-    )
-    args = TrainingArguments(
-        output_dir=str(out),
-        use_cpu=True,
-        report_to=[],
-        max_steps=steps,
-        logging_steps=1,
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=accumulation,
-        save_strategy="no",
-        learning_rate=1e-2,
-        seed=0,
-    )
-    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=list(callbacks))
-    trainer.train()
-    return [e["loss"] for e in trainer.state.log_history if "loss" in e]
-
-
 @pytest.mark.parametrize("accumulation", [1, 2])
 def test_a_step_that_runs_out_of_memory_is_run_again_with_a_smaller_window_and_stays_exact(
     tmp_path, caplog, accumulation
@@ -209,7 +179,7 @@ def test_a_step_that_runs_out_of_memory_is_run_again_with_a_smaller_window_and_s
     gradients accumulated), the window shrinks and the step runs again from the same
     gradients and random state; the losses are the uninterrupted run's (LoRA dropout on)."""
     streamed, resident = peft_pair("llama", layers=6, lora={"lora_dropout": 0.1})
-    plain = _trainer_losses(resident, tmp_path / "plain", accumulation=accumulation)
+    plain = trainer_losses(resident, tmp_path / "plain", accumulation=accumulation)
     runtime = _stream_with_window_room(streamed, extra_layers=4)
     layer = streamed.base_model.model.model.layers[1]
     calls = {"n": 0, "raised": False}
@@ -222,7 +192,7 @@ def test_a_step_that_runs_out_of_memory_is_run_again_with_a_smaller_window_and_s
 
     layer.register_forward_pre_hook(out_of_memory_in_a_backward)
     with caplog.at_level("WARNING", logger="layerstream"):
-        got = _trainer_losses(streamed, tmp_path / "streamed", accumulation=accumulation)
+        got = trainer_losses(streamed, tmp_path / "streamed", accumulation=accumulation)
     assert calls["raised"] and runtime.stats()["oom_retries"] == 1
     assert "runs again from where it started" in caplog.text
     assert got == plain
@@ -251,7 +221,7 @@ def test_a_step_that_runs_out_of_memory_after_an_unseen_new_parameter_is_not_run
 
     streamed.base_model.model.model.layers[1].register_forward_pre_hook(out_of_memory)
     with pytest.raises(torch.OutOfMemoryError, match="layerstream: the GPU ran out of memory"):
-        _trainer_losses(streamed, tmp_path / "streamed", steps=5, callbacks=[NewBias()])
+        trainer_losses(streamed, tmp_path / "streamed", steps=5, callbacks=[NewBias()])
     assert raised and runtime.stats()["oom_retries"] == 0
 
 
@@ -284,7 +254,7 @@ def test_an_out_of_memory_error_without_a_window_is_explained_and_raised(tmp_pat
 
     streamed.base_model.model.model.layers[2].register_forward_pre_hook(out_of_memory)
     with pytest.raises(torch.OutOfMemoryError, match="layerstream: the GPU ran out of memory"):
-        _trainer_losses(streamed, tmp_path / "streamed", steps=1)
+        trainer_losses(streamed, tmp_path / "streamed", steps=1)
 
 
 @pytest.mark.gpu
