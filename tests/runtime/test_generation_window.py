@@ -345,10 +345,8 @@ class _Ends:
         return self.meter.extra
 
     def bring_back(self, room, tokens):
-        if self.back or room < self.nbytes:
-            return 0
-        self.back, self.meter.extra = True, self.nbytes
-        return self.nbytes
+        if not self.back and room >= self.nbytes:
+            self.back, self.meter.extra = True, self.nbytes
 
 
 def test_the_window_sized_at_a_generation_leaves_room_for_the_call_though_no_step_measured_one():

@@ -100,15 +100,15 @@ class EndsOnDemand:
             runtime.embeddings.host_bytes / 2**30,
         )
 
-    def bring_back(self, room: int, tokens: int) -> int:
+    def bring_back(self, room: int, tokens: int) -> None:
         """At a training-step boundary before a step no longer than the longest measured
         (``tokens`` tokens), with ``room`` bytes that the measured steps leave free under
-        the limit and its margin: where
-        this component moved the ends and they fit in that room, copy them back to the GPU
-        and stream them no more. Returns the bytes they now hold there (0: they stay)."""
+        the limit and its margin: where this component moved the ends and they fit in that
+        room, copy them back to the GPU and stream them no more (``device_bytes`` says what
+        they hold there)."""
         runtime, ends = self.runtime, self.runtime.embeddings
         if ends is None or not self.moved or room < ends.host_bytes:
-            return 0
+            return
         try:
             copies = ends.copies_out(runtime.device)  # the model is not changed before all are made
         except torch.OutOfMemoryError:
@@ -117,7 +117,7 @@ class EndsOnDemand:
                 "layerstream: stream_embeddings='auto' keeps the embedding and head in host memory: "
                 "the GPU had no room for them after all."
             )
-            return 0
+            return
         nbytes = ends.host_bytes
         ends.restore(copies)
         ends.close()
@@ -133,7 +133,6 @@ class EndsOnDemand:
             size_text(nbytes),
             self.back_up_to,
         )
-        return nbytes
 
     def send_away(self) -> bool:
         """After an out-of-memory error with no window layer left to give up: the ends that
