@@ -143,9 +143,10 @@ def pooled(runs: list, key: str, start: int) -> list:
 
 
 def grpo_pair_rows(runs: list) -> list:
-    """One row per trainer, model, quantization, GPU, determinism setting and streamed cap
-    (runs measured before these were recorded were GRPO, NF4, not deterministic and under
-    12 GiB): a row pairs runs of one card, timed and compared alike."""
+    """One row per trainer, model, quantization, GPU, determinism setting, streamed cap and
+    step count (runs measured before these were recorded were GRPO, NF4, not deterministic
+    and under 12 GiB): a row pairs runs of one card, timed and compared alike (runs of other
+    lengths save their adapters at other steps and log other losses)."""
     pairs = [run for run in runs if run.get("kind") == "grpo-pair"]
     kinds = sorted({pair_kind(r) for r in pairs}, key=str)
     return [grpo_pair_row([r for r in pairs if pair_kind(r) == kind]) for kind in kinds]
@@ -177,6 +178,7 @@ def pair_kind(run: dict) -> tuple:
         run.get("gpu") or "",
         deterministic(run),
         streamed_cap(run),
+        run.get("settings_used", {}).get("steps"),
     )
 
 
@@ -207,6 +209,7 @@ def grpo_pair_row(runs: list) -> dict:
         "resident": "the same script without layerstream (python -m), the whole GPU",
         "generations": first["settings_used"]["generations"],
         "completion_tokens": first["settings_used"]["completion_tokens"],
+        "steps": first["settings_used"].get("steps"),
         "step_s": step,
         "resident_step_s": resident_step,
         "speed_vs_resident": speed,

@@ -156,7 +156,9 @@ def test_the_script_runs_unchanged_behind_the_launcher():
         assert plain[plain.index(flag) + 1] == value
 
 
-def grpo_run(round_index, streamed, steps, name=None):
+def grpo_run(round_index, streamed, steps, name=None, planned=None):
+    """A run's record as rl.py keeps it: ``steps`` its step times, ``planned`` the steps its
+    command asked for (where a deadline stopped it earlier)."""
     return {
         "name": name or f"grpo-r{round_index}-{streamed}",
         "kind": "grpo-pair",
@@ -171,7 +173,7 @@ def grpo_run(round_index, streamed, steps, name=None):
         "grad_norms": [1.0] * len(steps),
         "completion_lengths": [256] * len(steps),
         "layerstream": {"layerstream/generate_window_layers": [0, 20, 24, 24]} if streamed else {},
-        "settings_used": {"generations": 8, "completion_tokens": 256, "steps": len(steps)},
+        "settings_used": {"generations": 8, "completion_tokens": 256, "steps": planned or len(steps)},
         "rl_command": f"python benchmarks/rl.py --part grpo-8b --round {round_index}",
         "command": f"capped.py round {round_index}",
     }
@@ -357,13 +359,30 @@ def test_a_side_stopped_early_is_compared_over_the_steps_it_logged():
     """A deadline stopped the streamed run after 3 of 5 steps: the row does not call the
     losses unequal for that, but says over how many steps they agree. Control: a differing
     loss within those steps is named as not equal."""
-    plain, stopped = grpo_run(1, False, [9.0] * 5), grpo_run(1, True, [9.0] * 3)
+    plain, stopped = grpo_run(1, False, [9.0] * 5), grpo_run(1, True, [9.0] * 3, planned=5)
     (row,) = rl_rows.grpo_pair_rows([plain, stopped])
     assert row["losses_equal"] is None and "over the first 3 the losses are equal" in row["losses_note"]
     (row,) = rl_rows.grpo_pair_rows([plain, dict(stopped, losses=[0.0, 0.5, 0.0])])
     assert "over the first 3 the losses are not equal" in row["losses_note"]
     (row,) = rl_rows.grpo_pair_rows([plain, grpo_run(1, True, [9.0] * 5)])
     assert row["losses_equal"] is True and "losses_note" not in row
+
+
+def test_runs_of_other_lengths_make_rows_of_their_own():
+    """A round of 4 steps and one of 5 log other losses and save adapters at other steps:
+    pooled into one row, they would read as a streamed run that trained differently. Each
+    length is a row of its own, with its step count; control: two rounds of one length pool."""
+
+    def saved(run, sha):
+        return dict(run, adapter={"step": len(run["losses"]), "sha256": sha, "tensors": 2})
+
+    five = [saved(grpo_run(1, s, [9.0] * 5), "a") for s in (False, True)]
+    four = [saved(dict(grpo_run(2, s, [9.0] * 4), losses=[1.0] * 4), "b") for s in (False, True)]
+    rows = rl_rows.grpo_pair_rows(five + four)
+    assert sorted(row["steps"] for row in rows) == [4, 5]
+    assert all(row["losses_equal"] and row["grad_norms_equal"] and row["adapters_equal"] for row in rows)
+    (pooled,) = rl_rows.grpo_pair_rows(five + [saved(grpo_run(2, s, [9.0] * 5), "a") for s in (False, True)])
+    assert pooled["rounds"] == 2 and pooled["adapters_equal"] is True
 
 
 def test_sides_measure_one_side_and_the_row_says_the_round_was_measured_apart(tmp_path):
