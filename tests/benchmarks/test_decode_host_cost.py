@@ -1,0 +1,28 @@
+"""decode_host_cost.py on the CPU: both models decode the same tokens, and the figures it
+writes are the ones docs/workloads.md quotes."""
+
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import decode_host_cost  # noqa: E402
+
+
+def test_a_small_run_writes_equal_tokens_and_the_extra_python_calls(tmp_path):
+    out = tmp_path / "cost.json"
+    argv = ["--layers", "3", "--hidden", "32", "--new-tokens", "3", "--rounds", "1", "--out", str(out)]
+    assert decode_host_cost.main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["same_tokens"] is True
+    assert set(result["median_token_step_ms"]) == {"resident", "streamed"}
+    # the streamed model's runtime runs Python of its own at every layer visit
+    assert result["extra_python_calls_per_layer_visit"] > 0
+    assert result["settings"]["lora"] and result["settings"]["train"]
+
+
+def test_the_committed_cpu_result_is_one_this_script_writes():
+    committed = json.loads((ROOT / "benchmarks/results/decode-host-cost/cpu-lora-train.json").read_text())
+    assert committed["same_tokens"] is True
+    assert set(committed) >= {"token_step_ms", "streamed_over_resident", "python_calls_per_call"}
