@@ -296,6 +296,27 @@ def test_backward_copies_the_head_weight_again():
     assert any(not torch.equal(a, b) for a, b in zip(input_grad(False), input_grad(True)))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("id_dtype", [torch.int64, torch.int32])
+def test_the_host_gather_is_the_embedding_lookup(dtype, id_dtype):
+    """The rows the streamed embedding copies in are F.embedding's forward, whatever the ids'
+    shape and the module's padding_idx (which changes only the gradient). Control: ids one
+    off give other rows."""
+    weight = torch.randn(97, 24).to(dtype)
+    for shape in [(3, 11), (1, 1), (40,)]:
+        ids = torch.randint(0, 97, shape, dtype=id_dtype)
+        ids.view(-1)[0] = 5  # the padding row is looked up as any other
+        gathered = ends_mod.gather_rows(weight, ids, pinned=False)
+        assert gathered.shape == (*shape, 24)
+        assert torch.equal(gathered, F.embedding(ids, weight, padding_idx=5))
+        assert not torch.equal(ends_mod.gather_rows(weight, (ids + 1) % 97, pinned=False), gathered)
+
+
+def test_an_id_outside_the_vocabulary_is_refused_as_the_lookup_refuses_it():
+    with pytest.raises(IndexError):
+        ends_mod.gather_rows(torch.randn(10, 4), torch.tensor([[3, 10]]), pinned=False)
+
+
 def test_a_wrong_host_embedding_row_is_caught_by_parity():
     """Negative control: one host embedding row off by a little must turn parity red."""
     streamed, resident = _pair("cpu")
@@ -601,6 +622,21 @@ def test_on_cuda_the_ends_stay_pinned_on_the_host_and_only_a_transient_head_reac
     assert torch.cuda.memory_allocated() < before + head_bytes // 2, "and not kept"
     streamed.zero_grad(set_to_none=True)
     assert_traces_equal(train_steps(streamed, STEPS, "cuda"), train_steps(resident, STEPS, "cuda"))
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_embedding_rows_are_gathered_into_pinned_memory_and_equal_the_lookup():
+    """The rows come to the GPU from page-locked memory (an asynchronous copy at the pinned
+    rate), and are the resident lookup's, also after the host block is reused."""
+    streamed, resident = peft_pair("llama", layers=3, attn="eager", vocab_size=512, hidden_size=64, head_dim=16)
+    stream(streamed, "cuda", slots=2, prefetch=1, stream_embeddings=True)
+    resident.to("cuda")
+    embedding, _ = _ends(streamed)
+    ids = batch(512, device="cuda")
+    assert ends_mod.gather_rows(embedding.weight.detach(), ids.cpu(), pinned=True).is_pinned()
+    for _ in range(3):
+        assert torch.equal(streamed.get_input_embeddings()(ids), resident.get_input_embeddings()(ids))
+        ids = (ids + 7) % 512
 
 
 @pytest.mark.gpu

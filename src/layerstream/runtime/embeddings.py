@@ -5,8 +5,9 @@ weights left on the GPU (Llama-3-70B: 2 x 2.1 GB of bf16), and each is touched o
 per forward. ``StreamConfig(stream_embeddings=True)`` keeps both in (pinned) host memory:
 
 - The embedding lookup is a gather, that is a copy of rows. The ids come to the host (one
-  device-to-host sync per forward), the rows are gathered there with the module's own
-  settings, and only the rows are copied to the device: bit for bit the resident lookup.
+  device-to-host sync per forward), the rows are gathered there (into page-locked memory
+  when the store is pinned, so their copy is asynchronous), and only the rows are copied to
+  the device: bit for bit the resident lookup.
 - The head's weight is copied to the device for the forward (``HeadLinear``) and dropped
   after it; backward copies it again and computes the input's gradient with the kernel
   autograd runs for ``F.linear``, so the gradient is bit for bit a resident head's. No
@@ -350,6 +351,20 @@ def _shared_elsewhere(weight: torch.Tensor) -> bool:
 
 
 # -- the streamed ends ----------------------------------------------------------------------
+def gather_rows(weight: torch.Tensor, ids: torch.Tensor, pinned: bool) -> torch.Tensor:
+    """The embedding lookup's forward on the host: the rows of ``weight`` that ``ids`` name,
+    shaped ``ids.shape + (dim,)`` (``F.embedding``'s forward is this gather: padding_idx,
+    scale_grad_by_freq and sparse change only its backward, and max_norm is refused). Where
+    ``pinned``, the rows are gathered straight into page-locked memory (torch's caching host
+    allocator, which keeps a block until the copies reading it have run), so the copy to the
+    GPU is asynchronous and at the pinned rate: from pageable memory CUDA first waits for the
+    stream, then stages the rows through a pinned buffer of its own."""
+    flat = ids.reshape(-1)
+    rows = torch.empty((flat.numel(), weight.shape[1]), dtype=weight.dtype, pin_memory=pinned)
+    torch.index_select(weight, 0, flat, out=rows)
+    return rows.view(*ids.shape, weight.shape[1])
+
+
 class StreamedEnds:
     """The embedding and head of one streamed model: their host store, the calls that
     use it, and what they copied."""
@@ -443,15 +458,7 @@ class StreamedEnds:
             raise StreamingError(
                 "max_norm was set on the streamed input embedding after stream_model; unstream_model first."
             )
-        rows = F.embedding(
-            ids.to("cpu"),
-            weight.detach(),
-            module.padding_idx,
-            None,
-            module.norm_type,
-            module.scale_grad_by_freq,
-            module.sparse,
-        )
+        rows = gather_rows(weight.detach(), ids.to("cpu"), pinned=self.pool.cuda and bool(self.runtime.config.pin))
         self.embedding_h2d_bytes += rows.numel() * rows.element_size()
         return self.pool.fetch(rows)
 
