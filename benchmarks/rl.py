@@ -35,11 +35,12 @@ the runtime counted per token step are kept beside it.
 ``grpo-8b``: TRL's ``trl.scripts.grpo``, unchanged, on a random-weight Llama-3.1-8B checkpoint
 written to disk (``checkpoints.py``), ``--load_in_4bit`` QLoRA (or, ``--grpo-quantization bf16``,
 LoRA on the 16 GB bf16 checkpoint, larger than the cap; ``--grpo-trainer rloo``: TRL's rloo.py),
-8 generations of 256 tokens per prompt: resident with the whole GPU (``python -m``), then
+8 generations of 256 tokens per prompt: resident with the whole GPU (``python -m``) and
 streamed under a 12 GiB cap (``layerstream run -m``), each in a fresh process under ``capped.py``, which times each step
 and each ``generate`` call and keeps the Trainer's logs (layerstream's ``generate_*`` figures
-among them). A round is one resident and one streamed run, in that order; the pair's speed is
-``zero_edit.compare``'s, over the rounds measured so far.
+among them). A round is one resident and one streamed run, resident first in odd rounds and
+streamed first in even ones (``side_order``); the pair's speed is ``zero_edit.compare``'s,
+over the rounds measured so far.
 
 ``grpo-70b``: ``grpo_client.py`` (GRPOTrainer on a model built in memory: a 70B-shaped
 checkpoint does not fit the GPU machine's disk) under ``layerstream run`` and a 24 GiB cap,
@@ -301,12 +302,21 @@ def run_capped(
 SIDES = ("resident", "streamed")
 
 
+def side_order(round_index: int) -> tuple:
+    """The order of a round's two runs: resident first in odd rounds, streamed first in even
+    ones. The host's speed drifts between processes (by up to 2x within seconds, LOG.md), and
+    a host-bound step such as decoding follows it: with one fixed order, a drift over the
+    minutes of a round would fall on one side every time."""
+    return SIDES if round_index % 2 else tuple(reversed(SIDES))
+
+
 def measure_grpo_pair(settings: Settings, args, command: str, save, deadline: float) -> None:
-    """One round: TRL's script resident with the whole GPU, then streamed under the cap
-    (``--sides``: one of them, the other's run of this round kept from ``--merge``)."""
+    """One round: TRL's script resident with the whole GPU and streamed under the cap, in
+    ``side_order`` (``--sides``: one of them, the other's run of this round kept from
+    ``--merge``)."""
     work = Path(args.work)
     data, checkpoint = write_prompts(work), write_checkpoint(work, settings.grpo_shape)
-    for side in (side for side in SIDES if side in args.sides.split(",")):
+    for side in (side for side in side_order(args.round) if side in args.sides.split(",")):
         if deadline - time.monotonic() < MIN_RUN_S:
             print(f"rl: under {MIN_RUN_S} s left of --deadline: the rest of round {args.round} is not run", flush=True)
             return
@@ -326,6 +336,7 @@ def measure_grpo_pair(settings: Settings, args, command: str, save, deadline: fl
         used["full_determinism"] = settings.full_determinism
         used["streamed_cap"] = settings.grpo_cap  # on both sides: the resident run pairs with this cap's
         run.update(kind="grpo-pair", model=MODELS[settings.grpo_shape], streamed=streamed, round=args.round)
+        run.update(ran_first=side == side_order(args.round)[0])
         run.update(quantization=settings.grpo_quantization, trainer=settings.grpo_trainer)
         run.update(layer_bytes=mean_layer_bytes(settings.grpo_shape, settings.grpo_quantization))
         run.update(adapter=adapter_digest(work / "runs" / name))

@@ -443,3 +443,10 @@ def test_the_row_counts_each_sides_allocator_retries_by_its_last_step():
     runs[0]["alloc_retries"], runs[1]["alloc_retries"] = [0, 0, 0, 0], [0, 3, 5, 9]
     (row,) = rl_rows.grpo_pair_rows(runs)
     assert row["alloc_retries"] == {"streamed": 9, "resident": 0}
+
+
+def test_rounds_alternate_which_side_runs_first():
+    """A drift of the host's speed over a round falls on each side alike over two rounds."""
+    assert rl.side_order(1) == ("resident", "streamed")
+    assert rl.side_order(2) == ("streamed", "resident")
+    assert rl.side_order(3) == rl.side_order(1)
