@@ -20,6 +20,7 @@ from layerstream.commands.train_config import TrainConfigError, load, stream_con
 from layerstream.integrations import launch
 from layerstream.long import chunked_loss
 from layerstream.runtime import embeddings as ends_mod
+from layerstream.runtime import ends_rows
 from layerstream.runtime.embeddings import HeadLinear
 
 from tiny import assert_traces_equal, batch, lora_config, peft_pair, save_tiny, stream, tiny_model, train_steps
@@ -306,15 +307,28 @@ def test_the_host_gather_is_the_embedding_lookup(dtype, id_dtype):
     for shape in [(3, 11), (1, 1), (40,)]:
         ids = torch.randint(0, 97, shape, dtype=id_dtype)
         ids.view(-1)[0] = 5  # the padding row is looked up as any other
-        gathered = ends_mod.gather_rows(weight, ids, pinned=False)
+        gathered = ends_rows.gather_rows(weight, ids, pinned=False)
         assert gathered.shape == (*shape, 24)
         assert torch.equal(gathered, F.embedding(ids, weight, padding_idx=5))
-        assert not torch.equal(ends_mod.gather_rows(weight, (ids + 1) % 97, pinned=False), gathered)
+        assert not torch.equal(ends_rows.gather_rows(weight, (ids + 1) % 97, pinned=False), gathered)
+
+
+def test_rows_that_cannot_be_page_locked_are_gathered_into_ordinary_memory_said_once(monkeypatch, caplog):
+    """Where page-locked memory cannot be had (here: no CUDA), the rows are the same, in
+    ordinary memory, and the slower copy is said once."""
+    monkeypatch.setattr(ends_rows, "_warned", False)
+    weight, ids = torch.randn(50, 8), torch.randint(0, 50, (2, 9))
+    with caplog.at_level("WARNING"):
+        for _ in range(2):
+            rows = ends_rows.gather_rows(weight, ids, pinned=True)
+            assert torch.equal(rows, F.embedding(ids, weight)) and not rows.is_pinned()
+    said = [r for r in caplog.records if "could not be page-locked" in r.getMessage()]
+    assert len(said) == 1
 
 
 def test_an_id_outside_the_vocabulary_is_refused_as_the_lookup_refuses_it():
     with pytest.raises(IndexError):
-        ends_mod.gather_rows(torch.randn(10, 4), torch.tensor([[3, 10]]), pinned=False)
+        ends_rows.gather_rows(torch.randn(10, 4), torch.tensor([[3, 10]]), pinned=False)
 
 
 def test_a_wrong_host_embedding_row_is_caught_by_parity():
@@ -633,7 +647,7 @@ def test_on_cuda_the_embedding_rows_are_gathered_into_pinned_memory_and_equal_th
     resident.to("cuda")
     embedding, _ = _ends(streamed)
     ids = batch(512, device="cuda")
-    assert ends_mod.gather_rows(embedding.weight.detach(), ids.cpu(), pinned=True).is_pinned()
+    assert ends_rows.gather_rows(embedding.weight.detach(), ids.cpu(), pinned=True).is_pinned()
     for _ in range(3):
         assert torch.equal(streamed.get_input_embeddings()(ids), resident.get_input_embeddings()(ids))
         ids = (ids + 7) % 512

@@ -48,6 +48,7 @@ from ..system.log import get_logger
 from ..tiers.store import HostStore, LayerRecord, set_data
 from ..units import GiB
 from . import ends_in_place
+from .ends_rows import gather_rows
 
 logger = get_logger(__name__)
 
@@ -351,20 +352,6 @@ def _shared_elsewhere(weight: torch.Tensor) -> bool:
 
 
 # -- the streamed ends ----------------------------------------------------------------------
-def gather_rows(weight: torch.Tensor, ids: torch.Tensor, pinned: bool) -> torch.Tensor:
-    """The embedding lookup's forward on the host: the rows of ``weight`` that ``ids`` name,
-    shaped ``ids.shape + (dim,)`` (``F.embedding``'s forward is this gather: padding_idx,
-    scale_grad_by_freq and sparse change only its backward, and max_norm is refused). Where
-    ``pinned``, the rows are gathered straight into page-locked memory (torch's caching host
-    allocator, which keeps a block until the copies reading it have run), so the copy to the
-    GPU is asynchronous and at the pinned rate: from pageable memory CUDA first waits for the
-    stream, then stages the rows through a pinned buffer of its own."""
-    flat = ids.reshape(-1)
-    rows = torch.empty((flat.numel(), weight.shape[1]), dtype=weight.dtype, pin_memory=pinned)
-    torch.index_select(weight, 0, flat, out=rows)
-    return rows.view(*ids.shape, weight.shape[1])
-
-
 class StreamedEnds:
     """The embedding and head of one streamed model: their host store, the calls that
     use it, and what they copied."""
