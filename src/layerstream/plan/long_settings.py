@@ -194,7 +194,8 @@ def _without_what_the_model_refuses(request: PlanRequest) -> PlanRequest:
     changes = {}
     if request.mlp_tile_tokens == AUTO and any(shape.sparse for shape in layer_shapes(request.config)):
         changes["mlp_tile_tokens"] = None
-    if request.loss_chunk_tokens == AUTO and not _loss_chunks_possible(request.config):
+    no_lm_head = request.head_outputs is not None  # a classifier's score: no causal LM loss to chunk
+    if request.loss_chunk_tokens == AUTO and (no_lm_head or not _loss_chunks_possible(request.config)):
         changes["loss_chunk_tokens"] = None
     return request.replace(**changes) if changes else request
 

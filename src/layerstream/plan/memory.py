@@ -12,6 +12,7 @@ from ..decisions.schedule import usable_backward_slots
 from ..decisions.window import margin_bytes
 from ..long import trl_head
 from ..system.memory_limits import lockable_bytes
+from ..tiers.store import region_bytes
 from ..units import GiB, aligned, arena_sizes
 from .lora import lora_adapters, plan_notes
 from .request import AUTO, PlanRequest
@@ -26,6 +27,7 @@ from .shapes import (
     head_bytes,
     layer_bytes,
     layer_shapes,
+    model_shape,
     parse_dtype,
     resident_bytes,
 )
@@ -280,6 +282,10 @@ def _build(request: PlanRequest) -> MemoryPlan:
     head_copy = head_bytes(config, residual_dtype) if stream_embeddings else 0
     # the ends' host store: each matrix at the store's alignment
     ends_host = ends_host_bytes(config, residual_dtype) if stream_embeddings else 0
+    if request.head_outputs is not None:  # not the causal LM's head: a classifier's score, or none
+        resident, all_resident, head_copy, ends_host, vocab = _other_head(
+            config, residual_dtype, stream_embeddings, request.head_outputs, resident, all_resident
+        )
     ends_copies = 2 * head_copy + (tokens * hidden * residual_elem if stream_embeddings else 0)
     adapter_dtype = parse_dtype(request.adapter_dtype)
     adapter_elem = adapter_dtype.itemsize
@@ -410,6 +416,20 @@ def _build(request: PlanRequest) -> MemoryPlan:
         residual_dtype=str(residual_dtype).removeprefix("torch.") if residual_elem != elem else None,
         head_cast_bytes=head_cast,
     )
+
+
+def _other_head(config, residual_dtype, stream_embeddings, outputs: int, resident: int, all_resident: int) -> tuple:
+    """(resident, all resident, head copy, ends' host store, logit width) of a model whose head
+    is not the causal LM's that the config builds: its own ``outputs``-wide head instead of the
+    vocabulary-wide one (a tied one took nothing of its own), and only the embedding streams
+    (``find_ends`` finds no output embeddings)."""
+    shape = model_shape(config, residual_dtype)
+    lm_head = 0 if shape.tied else shape.head.nbytes
+    own_head = int(config.hidden_size) * outputs * parse_dtype(residual_dtype).itemsize
+    # streamed, ``resident`` holds neither the embedding nor an untied causal head already
+    resident += own_head if stream_embeddings else own_head - lm_head
+    ends_host = region_bytes([shape.embedding.nbytes]) if stream_embeddings else 0
+    return resident, all_resident + own_head - lm_head, 0, ends_host, outputs
 
 
 def _gib(nbytes: float) -> str:

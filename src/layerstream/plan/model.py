@@ -7,6 +7,7 @@ from typing import Optional
 import torch
 
 from ..long import trl_head
+from ..modules.discovery import unwrap_peft
 from .memory import MemoryPlan
 from .planner import make_plan
 from .request import PlanRequest
@@ -43,6 +44,19 @@ def four_bit_compute_dtype(model) -> Optional[torch.dtype]:
         if isinstance(dtype, torch.dtype) and hasattr(getattr(module, "weight", None), "quant_state"):
             return dtype
     return None
+
+
+def head_outputs_of(model) -> Optional[int]:
+    """What ``PlanRequest.head_outputs`` says of a live model: None for a causal LM (it has
+    output embeddings); the width of a classifier's ``score`` (transformers' sequence and
+    token classifiers of decoder models; TRL's reward models), PEFT's copy of it included;
+    0 where the model has no head at all."""
+    inner = unwrap_peft(model)
+    if getattr(inner, "get_output_embeddings", lambda: None)() is not None:
+        return None
+    score = getattr(inner, "score", None)
+    linear = next((m for m in score.modules() if isinstance(m, torch.nn.Linear)), None) if score is not None else None
+    return int(linear.out_features) if linear is not None else 0
 
 
 def model_plan_request(model, seq: int, batch: int, vram_bytes: int = 1 << 50, **settings) -> PlanRequest:
@@ -95,6 +109,7 @@ def model_plan_request(model, seq: int, batch: int, vram_bytes: int = 1 << 50, *
         lora_parameters=parameters,
         lora_rank_pattern=ranks,
         residual_dtype=residual_dtype,
+        head_outputs=head_outputs_of(model),
         **{"trl_fused_head": trl_head.installed(model), **adapters_of(model), **settings},
     )
 

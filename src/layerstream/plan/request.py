@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Mapping, Union
+from typing import Any, Mapping, Optional, Union
 
 import torch
 
@@ -85,6 +85,10 @@ class PlanRequest:
         autocast compute in ``dtype``: the residual stream, the boundaries, the MLP's
         activations (bitsandbytes returns its input's dtype) and the norms are then float32,
         attention and the adapters' kept inputs ``dtype`` (``working_set``).
+    head_outputs: the width of the model's output head where it is not the causal LM's
+        (None): a sequence classifier's (TRL's reward model's) ``score`` has ``num_labels``
+        outputs, so its logits and loss are that narrow, its head that small, no head
+        streams with the embedding and no loss is chunked; 0 for a model with no head.
     """
 
     config: Any
@@ -112,6 +116,7 @@ class PlanRequest:
     lora_parameters: str = ""
     lora_rank_pattern: tuple = ()
     residual_dtype: Any = None
+    head_outputs: Optional[int] = None
 
     def replace(self, **changes) -> "PlanRequest":
         """A copy with some fields changed (an unknown name is a TypeError)."""

@@ -120,6 +120,12 @@ class LongSettingsPolicy:
         if config.mlp_tile_tokens == AUTO:
             self._tiles_possible = self._tileable(model)
 
+    @property
+    def loss_chunks_possible(self) -> bool:
+        """Whether loss_chunk_tokens="auto" can chunk this model's loss (its forward was
+        checked at stream time); False for an explicit setting too."""
+        return self._chunked is not None
+
     @staticmethod
     def _chunkable(model) -> bool:
         try:

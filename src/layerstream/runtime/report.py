@@ -200,8 +200,10 @@ def _loss_line(runtime) -> str:
         return f"Liger-Kernel's fused linear cross-entropy{bypassed}"
     if chunk:
         return f"layerstream's chunked loss, {chunk} tokens at a time (loss_chunk_tokens)"
-    if runtime.config.loss_chunk_tokens == "auto":
+    if runtime.config.loss_chunk_tokens == "auto" and runtime.long_settings.loss_chunks_possible:
         return "the model's own forward, full logits (loss_chunk_tokens auto: chunked once a step needs it)"
+    if runtime.config.loss_chunk_tokens == "auto":
+        return "the model's own forward (loss_chunk_tokens auto stays off: this model's loss is not one layerstream chunks)"
     return "the model's own forward, full logits (loss_chunk_tokens off)"
 
 
