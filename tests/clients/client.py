@@ -10,7 +10,7 @@ import argparse
 import json
 from pathlib import Path
 
-TRAINERS = ("trainer", "sft", "dpo", "kto", "orpo", "cpo", "grpo", "rloo")
+TRAINERS = ("trainer", "sft", "dpo", "kto", "orpo", "cpo", "grpo", "rloo", "reward")
 DATA = {  # which data file each trainer reads
     "trainer": "sft",
     "sft": "sft",
@@ -20,6 +20,7 @@ DATA = {  # which data file each trainer reads
     "kto": "unpaired",
     "grpo": "prompt",
     "rloo": "prompt",
+    "reward": "preference",
 }
 PEFT_METHODS = (
     "lora",
@@ -108,6 +109,10 @@ def trl_config(trainer: str, common: dict):
         from trl.experimental.cpo import CPOConfig
 
         return CPOConfig(max_length=48, **common)
+    if trainer == "reward":
+        from trl import RewardConfig
+
+        return RewardConfig(max_length=48, **common)
     online = dict(num_generations=2, max_completion_length=8, **common)
     if trainer == "grpo":
         from trl import GRPOConfig
@@ -129,7 +134,7 @@ def trl_trainer(name: str, model: str, args, data, peft):
     elif name == "cpo":
         from trl.experimental.cpo import CPOTrainer as cls
     else:
-        cls = {"sft": trl.SFTTrainer, "dpo": trl.DPOTrainer, "kto": trl.KTOTrainer}[name]
+        cls = {"sft": trl.SFTTrainer, "dpo": trl.DPOTrainer, "kto": trl.KTOTrainer, "reward": trl.RewardTrainer}[name]
     return cls(model=model, args=args, train_dataset=data, peft_config=peft)
 
 
@@ -177,6 +182,8 @@ def main(argv=None):
         use_cpu=options.use_cpu,
     )
     peft = peft_config(options.peft, options.model, options.lora_dropout)
+    if options.trainer == "reward":  # a reward model scores sequences: PEFT's task for it (TRL's --lora_task_type)
+        peft.task_type = "SEQ_CLS"
     if options.trainer == "trainer":
         from transformers import TrainingArguments
 

@@ -50,6 +50,7 @@ CLIENTS = {
     "CPOTrainer": Client("client", "cpo"),
     "GRPOTrainer": Client("client", "grpo"),
     "RLOOTrainer": Client("client", "rloo"),
+    "RewardTrainer": Client("client", "reward"),
     "Trainer": Client("client", "trainer"),
     # the surfaces beside the launcher: a flag in the script's arguments, the API, the command
     "Trainer --layer_stream": Client("flag", "trainer"),
