@@ -179,3 +179,32 @@ def test_copy_time_is_measured_on_one_copy_in_n_and_scaled_to_every_byte(device)
     assert stats["h2d_seconds"] == pytest.approx(pool._timed_seconds * stats["h2d_bytes"] / pool._timed_bytes)
     assert stats["h2d_seconds"] > pool._timed_seconds
     assert stats["h2d_gbps"] == pytest.approx(pool._timed_bytes / pool._timed_seconds / 1e9)
+
+
+def _layer_tensors_streamed(model) -> int:
+    return sum(len(record.entries) for record in layerstream.get_runtime(model).records)
+
+
+def test_a_statistic_the_architecture_freezes_does_not_keep_the_layers_resident():
+    """ERNIE-4.5-MoE freezes its expert-score correction bias, a one-row matrix, when it is
+    built: fresh from from_pretrained, before PEFT, every layer tensor still streams (PEFT
+    freezes them later), and the model then trains with LoRA as the resident one. Control:
+    a weight matrix frozen by hand says what trains, and the trainable ones stay resident."""
+    config = dict(moe_num_experts=4, moe_k=2, moe_intermediate_size=32, moe_layer_start_index=0)
+    fresh = tiny_model("ernie4_5_moe", layers=4, **config)
+    assert any(not p.requires_grad for p in fresh.parameters())  # the bias, frozen as built
+    resident = get_peft_model(copy.deepcopy(fresh), lora_config())
+    stream(fresh)
+    every = sum(1 for layer in fresh.model.layers for _ in (*layer.parameters(), *layer.buffers()))
+    assert _layer_tensors_streamed(fresh) == every
+    streamed = get_peft_model(fresh, lora_config())
+    streamed.load_state_dict(resident.state_dict())
+    torch.manual_seed(0)
+    expected = train_steps(resident, 2)
+    torch.manual_seed(0)
+    assert_traces_equal(train_steps(streamed, 2), expected)
+
+    chosen = tiny_model("ernie4_5_moe", layers=4, **config)
+    chosen.model.layers[0].self_attn.q_proj.weight.requires_grad_(False)
+    stream(chosen)
+    assert _layer_tensors_streamed(chosen) < every

@@ -33,6 +33,14 @@ def unwrap_peft(model: nn.Module) -> nn.Module:
     return model
 
 
+def a_choice_of_training(param) -> bool:
+    """Whether a frozen ``param`` says that what trains was chosen (by PEFT or by hand): a
+    matrix of more than one row. A vector, or a one-row matrix, is how architectures keep
+    statistics they freeze at construction (ERNIE-4.5-MoE's and Laguna's expert-score
+    correction bias, AFMoE's expert bias), which say nothing of what the user trains."""
+    return param.dim() >= 2 and param.shape[0] > 1
+
+
 def describe_family(model: nn.Module) -> str:
     """The model's class and transformers model type, as a refusal names them:
     "MixtralForCausalLM (model type 'mixtral')"."""

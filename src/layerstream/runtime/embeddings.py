@@ -43,7 +43,7 @@ from ..errors import StreamingError
 from ..long import chunked_loss, trl_head
 from ..modules import nf4, swap
 from ..modules.aliases import storage_owners
-from ..modules.discovery import unwrap_peft
+from ..modules.discovery import a_choice_of_training, unwrap_peft
 from ..system.log import get_logger
 from ..tiers.store import HostStore, LayerRecord, set_data
 from ..units import GiB
@@ -175,7 +175,9 @@ def trainables_chosen(model: nn.Module) -> bool:
     frozen as loaded, cannot train), and PEFT freezes the embedding and head later; once
     it is chosen, an embedding or head that still requires grad is meant to train."""
     return any(
-        not p.requires_grad for p in model.parameters() if p.dtype.is_floating_point and not nf4.is_4bit_param(p)
+        not p.requires_grad
+        for p in model.parameters()
+        if p.dtype.is_floating_point and not nf4.is_4bit_param(p) and a_choice_of_training(p)
     )
 
 
