@@ -33,6 +33,14 @@ CHECKED = frozenset(
         "Qwen3MoeExperts",
         "GptOssExperts",
         "OlmoeExperts",
+        # the routed experts of GLM-4.5 (-Air), DeepSeek-V3 and dots.llm1 beside their shared
+        # experts (a module of its own, always copied), Qwen3-Next, Granite-MoE, ERNIE-4.5
+        "Glm4MoeExperts",
+        "DeepseekV3Experts",
+        "Dots1Experts",
+        "Qwen3NextExperts",
+        "GraniteMoeExperts",
+        "Ernie4_5_MoeExperts",
     }
 )
 # transformers' experts implementations that read only the rows of the chosen experts

@@ -1,0 +1,103 @@
+"""Families beyond the client matrix's, streamed: recent dense models and the routed-expert
+designs of the 100B-class mixtures people bring to a small GPU (GLM-4.5-Air's glm4_moe,
+DeepSeek-V3's shared experts and latent attention, Llama-4-Scout's interleaved experts,
+Qwen3-Next's linear attention, ERNIE-4.5's and AFMoE's experts). Each trains two steps with LoRA, streamed through two slots,
+and greedy-decodes with its KV cache; losses, logits, every LoRA gradient and the tokens
+equal the resident model's bit for bit. Their default dropout (Seed-OSS: attention and
+residual 0.1) is left on: the recompute draws the forward's masks."""
+
+import pytest
+import torch
+
+from tiny import assert_traces_equal, peft_pair, stream, train_steps
+
+ROUTED = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1)
+GROUPED = dict(ROUTED, n_group=1, topk_group=1, first_k_dense_replace=1)  # the first layer dense
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+# family -> (config values that give it its design at a tiny size, LoRA targets or None: all-linear)
+CASES = {
+    "glm4": ({}, None),
+    "glm4_moe": (dict(GROUPED, partial_rotary_factor=0.5), None),
+    "deepseek_v3": (
+        dict(GROUPED, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8),
+        None,
+    ),
+    "dots1": (GROUPED, None),
+    "qwen2_moe": (
+        dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32),
+        None,
+    ),
+    "qwen3_next": (
+        dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+            linear_num_value_heads=4,
+            linear_num_key_heads=2,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            full_attention_interval=2,
+        ),
+        None,
+    ),
+    # PEFT's all-linear on Llama-4's experts fails on the plain model too: LoRA on attention
+    "llama4_text": (
+        dict(num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=64, interleave_moe_layer_step=2),
+        ATTENTION,
+    ),
+    "olmoe": (dict(num_experts=4, num_experts_per_tok=2), None),
+    "granitemoe": (dict(num_local_experts=4, num_experts_per_tok=2), None),
+    "ernie4_5_moe": (dict(moe_num_experts=4, moe_k=2, moe_intermediate_size=32, moe_layer_start_index=1), None),
+    # AFMoE and Laguna freeze an expert bias when built: the layers stream all the same
+    "afmoe": (dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, num_dense_layers=1), None),
+    "laguna": (dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32), None),
+    "exaone4": (dict(sliding_window=8), None),
+    "seed_oss": ({}, None),
+    "apertus": ({}, None),
+}
+
+
+def _pair(family):
+    overrides, targets = CASES[family]
+    if family == "deepseek_v3":
+        overrides = dict(overrides, num_key_value_heads=4)  # latent attention: as many as the heads
+    lora = None if targets is None else dict(target_modules=targets)
+    return peft_pair(family, layers=5, lora=lora, **overrides)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("family", sorted(CASES))
+def test_streamed_training_and_greedy_decoding_equal_resident(family):
+    streamed, resident = _pair(family)
+    stream(streamed)
+    torch.manual_seed(5)
+    expected = train_steps(resident, 2)
+    torch.manual_seed(5)
+    assert_traces_equal(train_steps(streamed, 2), expected)
+    ids = torch.randint(3, resident.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(2))
+    settings = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, use_cache=True)
+    for model in (resident, streamed):
+        model.eval()
+    with torch.no_grad():
+        assert torch.equal(streamed.generate(input_ids=ids, **settings), resident.generate(input_ids=ids, **settings))
+
+
+def test_a_changed_streamed_weight_is_caught():
+    """Control: one weight of one streamed layer changed by a little must turn parity red."""
+    streamed, resident = _pair("glm4_moe")
+    with torch.no_grad():
+        next(p for n, p in streamed.named_parameters() if "layers.2." in n and "experts" in n).mul_(1.001)
+    stream(streamed)
+    torch.manual_seed(5)
+    expected = train_steps(resident, 1)
+    torch.manual_seed(5)
+    with pytest.raises(AssertionError):
+        assert_traces_equal(train_steps(streamed, 1), expected)
