@@ -70,3 +70,65 @@ def test_planned_as_a_causal_lm_the_same_step_is_refused(monkeypatch):
     ids = torch.randint(3, VOCAB, (1, TOKENS), generator=torch.Generator().manual_seed(1))
     with pytest.raises(StreamingError, match="does not fit vram_budget"):
         streamed(input_ids=ids, labels=torch.tensor([1.0]))
+
+
+def _request(model, budget, **settings):
+    from layerstream.plan.model import model_plan_request
+
+    return model_plan_request(model, 8192, 1, budget, slots=2, **settings)
+
+
+def test_advice_for_a_classifier_offers_no_loss_chunk_and_streams_its_embedding_alone():
+    """The advice of a classifier that does not fit: no --loss-chunk-tokens (no causal LM loss
+    to chunk), and --stream-embeddings moves the embedding alone, with no head copied in.
+    Control: the causal LM of the same config is offered both, its head copied twice."""
+    from layerstream.plan import make_plan
+
+    reward = _reward_model()
+    lm = AutoModelForCausalLM.from_config(reward.config)
+    budget = 1 << 30
+    classifier = " ".join(make_plan(_request(reward, budget)).advice)
+    causal = " ".join(make_plan(_request(lm, budget)).advice)
+    assert "--loss-chunk-tokens" not in classifier and "--loss-chunk-tokens" in causal
+    embedding = f"{VOCAB * 64 * 4 / 2**20:.2f} MiB"
+    assert f"the input embedding ({embedding}) stays in host memory" in classifier
+    assert "copied to the GPU" not in classifier
+    assert "the input embedding and head" in causal and "copied to the GPU twice per step" in causal
+
+
+def test_host_memory_of_a_streamed_classifier_counts_its_embedding_as_it_moves():
+    """Moving the ends copies the embedding into their store: the streamed plan's host peak
+    holds it beside the store, as a causal LM's holds its largest end."""
+    reward = _reward_model()
+    plain, streamed = (
+        plan_for_model(reward, TOKENS, 1, slots=2),
+        plan_for_model(reward, TOKENS, 1, slots=2, stream_embeddings=True),
+    )
+    embedding, layer = VOCAB * 64 * 4, max(plain.layer_bytes)
+    assert streamed.host_ram_bytes - plain.host_ram_bytes == max(layer, embedding) - layer
+
+
+def test_head_outputs_must_be_a_width_or_none():
+    from layerstream.plan import make_plan
+    from layerstream.plan.request import PlanRequest
+
+    config = AutoModelForCausalLM.from_config(_reward_model().config).config
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ValueError, match="head_outputs"):
+            make_plan(PlanRequest(config, 16, 1, 1 << 34, head_outputs=bad))
+
+
+def test_a_model_that_does_not_say_its_head_is_planned_as_its_causal_lm():
+    class Silent(torch.nn.Module):
+        def get_output_embeddings(self):
+            raise NotImplementedError
+
+    class ScoreMethod(torch.nn.Module):
+        def get_output_embeddings(self):
+            return None
+
+        def score(self, x):
+            return x
+
+    assert plan_model.head_outputs_of(Silent()) is None
+    assert plan_model.head_outputs_of(ScoreMethod()) == 0

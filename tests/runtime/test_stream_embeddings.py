@@ -314,9 +314,17 @@ def test_the_host_gather_is_the_embedding_lookup(dtype, id_dtype):
 
 
 def test_rows_that_cannot_be_page_locked_are_gathered_into_ordinary_memory_said_once(monkeypatch, caplog):
-    """Where page-locked memory cannot be had (here: no CUDA), the rows are the same, in
-    ordinary memory, and the slower copy is said once."""
+    """Where page-locked memory cannot be had (cudaHostAlloc failing, as without CUDA), the
+    rows are the same, in ordinary memory, and the slower copy is said once."""
     monkeypatch.setattr(ends_rows, "_warned", False)
+    empty = torch.empty
+
+    def no_pinned_memory(*args, pin_memory=False, **kwargs):
+        if pin_memory:
+            raise RuntimeError("CUDA error: out of memory (cudaHostAlloc)")
+        return empty(*args, **kwargs)
+
+    monkeypatch.setattr(ends_rows.torch, "empty", no_pinned_memory)
     weight, ids = torch.randn(50, 8), torch.randint(0, 50, (2, 9))
     with caplog.at_level("WARNING"):
         for _ in range(2):
@@ -639,18 +647,30 @@ def test_on_cuda_the_ends_stay_pinned_on_the_host_and_only_a_transient_head_reac
 
 
 @pytest.mark.gpu
-def test_on_cuda_the_embedding_rows_are_gathered_into_pinned_memory_and_equal_the_lookup():
+def test_on_cuda_the_embedding_rows_are_gathered_into_pinned_memory_and_equal_the_lookup(monkeypatch):
     """The rows come to the GPU from page-locked memory (an asynchronous copy at the pinned
-    rate), and are the resident lookup's, also after the host block is reused."""
+    rate), and are the resident lookup's: also lookups queued without a sync behind a busy
+    stream, whose host blocks the caching allocator must not hand out again too early."""
     streamed, resident = peft_pair("llama", layers=3, attn="eager", vocab_size=512, hidden_size=64, head_dim=16)
     stream(streamed, "cuda", slots=2, prefetch=1, stream_embeddings=True)
     resident.to("cuda")
-    embedding, _ = _ends(streamed)
-    ids = batch(512, device="cuda")
-    assert ends_rows.gather_rows(embedding.weight.detach(), ids.cpu(), pinned=True).is_pinned()
-    for _ in range(3):
-        assert torch.equal(streamed.get_input_embeddings()(ids), resident.get_input_embeddings()(ids))
-        ids = (ids + 7) % 512
+    pinned = []
+    gather = ends_mod.gather_rows
+
+    def recording(*args, **kwargs):
+        rows = gather(*args, **kwargs)
+        pinned.append(rows.is_pinned())
+        return rows
+
+    monkeypatch.setattr(ends_mod, "gather_rows", recording)
+    ids = [(batch(512, device="cuda") + 7 * n) % 512 for n in range(6)]
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # the stream busy: the copies below queue behind it
+    got = [streamed.get_input_embeddings()(i) for i in ids]  # no sync between the lookups
+    torch.cuda.synchronize()
+    assert pinned == [True] * len(ids)
+    for i, rows in zip(ids, got):
+        assert torch.equal(rows, resident.get_input_embeddings()(i))
 
 
 @pytest.mark.gpu

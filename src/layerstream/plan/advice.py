@@ -13,6 +13,7 @@ from .shapes import (
     STREAM_EMBEDDINGS_ADVICE_SHARE,
     _text_config,
     embedding_bytes,
+    model_shape,
 )
 
 # the tile the advice and `layerstream plan`'s comparison try when none is given, and the
@@ -68,6 +69,8 @@ def _long_sequence_advice(plan: MemoryPlan, request: PlanRequest, verdict) -> Li
     for name, flag, what in LONG_OPTIONS:
         if getattr(plan, name):
             continue
+        if name == "loss_chunk_tokens" and request.head_outputs is not None:
+            continue  # a classifier's score: no causal LM loss to chunk (chunked_loss refuses it)
         value = option_value(name, request)
         other = _build(request.replace(slots=plan.slots, **{name: value}))
         saved = plan.peak_vram_bytes - other.peak_vram_bytes
@@ -102,14 +105,24 @@ def advice(plan: MemoryPlan, request: PlanRequest) -> List[str]:
         saved = (plan.slots - 2) * plan.max_layer_bytes
         out.append(f"use fewer slots: --slots 2 saves {size(saved)} ({verdict(saved)})")
     ends = embedding_bytes(request.config, request.dtype)
+    if request.head_outputs is not None:  # a classifier's score is no end that streams: the embedding alone
+        ends = model_shape(request.config, request.dtype).embedding.nbytes
     if not plan.stream_embeddings and ends >= STREAM_EMBEDDINGS_ADVICE_SHARE * plan.static_bytes:
         streamed = _build(request.replace(stream_embeddings=True, slots=plan.slots))
         saved = plan.peak_vram_bytes - streamed.peak_vram_bytes
+        what = (
+            f"the input embedding and head ({size(ends)}) stay"
+            if streamed.head_copy_bytes
+            else f"the input embedding ({size(ends)}) stays"
+        )
+        copies = (
+            f"; the head ({size(streamed.head_copy_bytes)}) is then copied to the GPU twice per step"
+            if streamed.head_copy_bytes
+            else ""
+        )
         if saved > 0:
             out.append(
-                f"{STREAM_EMBEDDINGS_ADVICE}: the input embedding and head ({size(ends)}) stay in "
-                f"host memory, saving {size(saved)} ({verdict(saved)}); the head "
-                f"({size(streamed.head_copy_bytes)}) is then copied to the GPU twice per step"
+                f"{STREAM_EMBEDDINGS_ADVICE}: {what} in host memory, saving {size(saved)} ({verdict(saved)}){copies}"
             )
     out.extend(_long_sequence_advice(plan, request, verdict))
     # activations grow linearly with batch x seq; find the largest that fits

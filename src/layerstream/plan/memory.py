@@ -229,6 +229,9 @@ def _check_arguments(request: PlanRequest) -> None:
     lora_rank = request.lora_rank
     if isinstance(lora_rank, bool) or not isinstance(lora_rank, int) or lora_rank < 0:
         raise ValueError(f"lora_rank must be an integer >= 0 (0: no adapters), got {lora_rank!r}")
+    outputs = request.head_outputs
+    if outputs is not None and (isinstance(outputs, bool) or not isinstance(outputs, int) or outputs < 0):
+        raise ValueError(f"head_outputs must be None (a causal LM's head) or an integer >= 0, got {outputs!r}")
     if not request.bandwidth_gbps > 0:
         raise ValueError(f"bandwidth_gbps must be > 0, got {request.bandwidth_gbps!r}")
     if request.reserve_bytes < 0:
@@ -282,10 +285,12 @@ def _build(request: PlanRequest) -> MemoryPlan:
     head_copy = head_bytes(config, residual_dtype) if stream_embeddings else 0
     # the ends' host store: each matrix at the store's alignment
     ends_host = ends_host_bytes(config, residual_dtype) if stream_embeddings else 0
+    end_matrix = head_copy  # the largest end matrix copied into the ends' store as they move
     if request.head_outputs is not None:  # not the causal LM's head: a classifier's score, or none
         resident, all_resident, head_copy, ends_host, vocab = _other_head(
             config, residual_dtype, stream_embeddings, request.head_outputs, resident, all_resident
         )
+        end_matrix = model_shape(config, residual_dtype).embedding.nbytes if stream_embeddings else 0
     ends_copies = 2 * head_copy + (tokens * hidden * residual_elem if stream_embeddings else 0)
     adapter_dtype = parse_dtype(request.adapter_dtype)
     adapter_elem = adapter_dtype.itemsize
@@ -390,12 +395,12 @@ def _build(request: PlanRequest) -> MemoryPlan:
         # at the peak the store and one loaded layer (or one embedding matrix, copied into
         # the ends' store the same way) coexist; embeddings, head and adapters are on the
         # host too until model.to(device)
-        host_ram_bytes=loaded_store + max(loaded_layer, head_copy) + all_resident + lora_bytes + activation_host,
+        host_ram_bytes=loaded_store + max(loaded_layer, end_matrix) + all_resident + lora_bytes + activation_host,
         host_steady_bytes=loaded_store + ends_host + activation_host,
         # from_pretrained loads the resident part, then one layer at a time (unquantised,
         # then packed); PEFT's adapters come after loading, on the host until .to(device)
         loader_store_bytes=loader_store,
-        loader_ram_bytes=loader_store + all_resident + max(unquantised, lora_bytes, head_copy) + activation_host,
+        loader_ram_bytes=loader_store + all_resident + max(unquantised, lora_bytes, end_matrix) + activation_host,
         layers_copied_per_step=copied_layers,
         copy_bytes_per_step=copied_bytes,
         bandwidth_gbps=float(request.bandwidth_gbps),

@@ -52,10 +52,15 @@ def head_outputs_of(model) -> Optional[int]:
     token classifiers of decoder models; TRL's reward models), PEFT's copy of it included;
     0 where the model has no head at all."""
     inner = unwrap_peft(model)
-    if getattr(inner, "get_output_embeddings", lambda: None)() is not None:
+    try:
+        if getattr(inner, "get_output_embeddings", lambda: None)() is not None:
+            return None
+    except NotImplementedError:  # a model that does not say: planned as the causal LM its config is
         return None
     score = getattr(inner, "score", None)
-    linear = next((m for m in score.modules() if isinstance(m, torch.nn.Linear)), None) if score is not None else None
+    if not isinstance(score, torch.nn.Module):
+        return 0
+    linear = next((m for m in score.modules() if isinstance(m, torch.nn.Linear)), None)
     return int(linear.out_features) if linear is not None else 0
 
 
