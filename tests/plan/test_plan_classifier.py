@@ -132,3 +132,15 @@ def test_a_model_that_does_not_say_its_head_is_planned_as_its_causal_lm():
 
     assert plan_model.head_outputs_of(Silent()) is None
     assert plan_model.head_outputs_of(ScoreMethod()) == 0
+
+
+def test_a_checkpoint_saved_as_a_classifier_is_planned_as_one_from_its_config():
+    from layerstream.plan import make_plan
+    from layerstream.plan.request import request_for
+
+    config = _reward_model().config
+    config.architectures = ["LlamaForSequenceClassification"]
+    saved = make_plan(request_for({}, 1 << 34, config=config, seq=TOKENS, batch=1))
+    config.architectures = ["LlamaForCausalLM"]  # control: the causal LM it started from
+    causal = make_plan(request_for({}, 1 << 34, config=config, seq=TOKENS, batch=1))
+    assert saved.vocab_size == 1 and causal.vocab_size == VOCAB

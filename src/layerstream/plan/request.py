@@ -147,7 +147,21 @@ def request_for(settings: Mapping[str, Any], budget: int, **fields) -> PlanReque
             values[name] = None
     if values.get("backward_slots") == AUTO:
         values["backward_slots"] = 0
+    if "head_outputs" not in fields and "config" in fields:
+        fields = dict(fields, head_outputs=head_outputs_of_config(fields["config"]))
     return PlanRequest(**{**fields, **values, "vram_bytes": budget})
+
+
+CLASSIFIERS = ("ForSequenceClassification", "ForTokenClassification")
+
+
+def head_outputs_of_config(config) -> Optional[int]:
+    """``PlanRequest.head_outputs`` of a checkpoint's config: its labels where every class it
+    was saved as is a classifier (a reward model TRL saved), else None (its causal LM)."""
+    architectures = getattr(config, "architectures", None) or []
+    if architectures and all(name.endswith(CLASSIFIERS) for name in architectures):
+        return int(getattr(config, "num_labels", 2))
+    return None
 
 
 def plan_flags(request: PlanRequest, dropout: float = 0.05) -> list:
