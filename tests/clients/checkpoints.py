@@ -25,9 +25,29 @@ FAMILIES = {
     "granite": ("granite", {}),
     "smollm3": ("smollm3", {}),
     "gpt_oss": ("gpt_oss", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=8)),
-    # as gpt-oss is published: experts in MXFP4 (layerstream keeps them packed; transformers
-    # dequantises them on a machine without its kernels), 16 of them, 2 per token
-    "gpt_oss_mxfp4": ("gpt_oss", dict(num_local_experts=16, num_experts_per_tok=2, sliding_window=8)),
+    # routed experts beside shared ones, checkpoints with one tensor per expert (GLM-4.5-Air, DeepSeek-V3)
+    "glm4_moe": (
+        "glm4_moe",
+        dict(n_routed_experts=16, num_experts_per_tok=2, moe_intermediate_size=32, n_group=1, topk_group=1),
+    ),
+    "deepseek_v3": (
+        "deepseek_v3",
+        dict(
+            n_routed_experts=16,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            n_group=1,
+            topk_group=1,
+            num_key_value_heads=4,
+            q_lora_rank=16,
+            kv_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=8,
+        ),
+    ),
+    # an expert-score bias frozen when built (ERNIE-4.5-MoE)
+    "ernie4_5_moe": ("ernie4_5_moe", dict(moe_num_experts=16, moe_k=2, moe_intermediate_size=32)),
 }
 MXFP4 = {"gpt_oss_mxfp4"}
 

@@ -78,6 +78,8 @@ NO_DROPOUT = ("--lora_dropout", "0")  # PEFT's LoRA on fused expert weights refu
 # the float32 model bfloat16 experts, and its batched_mm generation fails on the mix)
 BF16 = ("--dtype", "bfloat16")
 OPTIONS_SHOWN = {NO_DROPOUT: " (dropout 0)", BF16: " (bfloat16)"}
+# SFTTrainer's options per family where its defaults cannot run plainly
+FAMILY_OPTIONS = {family: NO_DROPOUT for family in ("qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "ernie4_5_moe")}
 
 
 @dataclass(frozen=True)
@@ -112,7 +114,7 @@ CELLS = [
         Cell(
             "SFTTrainer",
             family,
-            options=NO_DROPOUT if family in ("qwen3_moe", "mixtral") else BF16 if family in checkpoints.MXFP4 else (),
+            options=FAMILY_OPTIONS.get(family, BF16 if family in checkpoints.MXFP4 else ()),
         )
         for family in checkpoints.FAMILIES
         if family != "llama"
