@@ -6,8 +6,13 @@ and greedy-decodes with its KV cache; losses, logits, every LoRA gradient and th
 equal the resident model's bit for bit. Their default dropout (Seed-OSS: attention and
 residual 0.1) is left on: the recompute draws the forward's masks."""
 
+import copy
+
 import pytest
 import torch
+from peft import LoraConfig, get_peft_model
+
+import layerstream
 
 from tiny import assert_traces_equal, peft_pair, stream, train_steps
 
@@ -101,3 +106,37 @@ def test_a_changed_streamed_weight_is_caught():
     torch.manual_seed(5)
     with pytest.raises(AssertionError):
         assert_traces_equal(train_steps(streamed, 1), expected)
+
+
+def test_qwen3_next_streamed_equals_the_plain_model_without_a_training_cache(tmp_path):
+    """Given a cache in a training forward, Qwen3-Next's linear attention takes another path;
+    streamed layers keep no cache under autograd (as transformers' gradient checkpointing),
+    so a streamed step equals the plain step with use_cache=False. Control: the plain step
+    that trains with a cache gets other gradients (which is why the client matrix, whose
+    plain runs train with transformers' default use_cache=True, has no Qwen3-Next cell)."""
+    from transformers import AutoModelForCausalLM
+
+    from tiny import save_model_of, tiny_config
+
+    # the client matrix's checkpoint of it, loaded from disk
+    config = tiny_config(
+        "qwen3_next", 4, **dict(CASES["qwen3_next"][0], num_experts=16, vocab_size=259, max_position_embeddings=256)
+    )
+    base = AutoModelForCausalLM.from_pretrained(save_model_of(config, tmp_path / "qwen3_next"))
+
+    def gradients(model, **kwargs):
+        torch.manual_seed(0)
+        lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
+        model = get_peft_model(model, lora)
+        model.train()
+        ids = torch.randint(3, 90, (2, 16), generator=torch.Generator().manual_seed(3))
+        model(input_ids=ids, labels=ids, **kwargs).loss.backward()
+        return {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+    without_cache = gradients(copy.deepcopy(base), use_cache=False)
+    with_cache = gradients(copy.deepcopy(base), use_cache=True)
+    streamed = copy.deepcopy(base)
+    layerstream.stream_model(streamed, slots=2, vram_budget=None, device="cpu")
+    got = gradients(streamed, use_cache=True)
+    assert all(torch.equal(got[name], without_cache[name]) for name in got)
+    assert any(not torch.equal(with_cache[name], without_cache[name]) for name in with_cache)
