@@ -11,7 +11,7 @@ from .config import StreamConfig, resolve_device
 from .errors import StreamConfigError, StreamingError
 from .long import chunked_loss, tiled_mlp
 from .modules import changes, cpu_repacking, layer, nf4
-from .modules.discovery import a_choice_of_training, find_decoder_layers, layer_name, unwrap_peft
+from .modules.discovery import find_decoder_layers, layer_name, trainables_chosen, unwrap_peft
 from .runtime.core import StreamRuntime
 from .system.log import get_logger
 from .tiers.store import LAYOUT, HostStore, check_host_memory
@@ -69,11 +69,11 @@ def _streamed_predicate(model: nn.Module, layers: nn.ModuleList):
 
     Frozen tensors and buffers stream. In a model where nothing is frozen yet (fresh
     from from_pretrained, PEFT not applied; statistics an architecture freezes at
-    construction do not count, ``a_choice_of_training``), every layer tensor streams: PEFT
+    construction do not count, ``trainables_chosen``), every layer tensor streams: PEFT
     freezes them later, and training a streamed tensor is refused with a clear error.
     Tensors shared with the resident part or with another layer stay resident.
     """
-    nothing_frozen = all(p.requires_grad for p in model.parameters() if a_choice_of_training(p))
+    nothing_frozen = not trainables_chosen(model)
     owner: dict = {}
     for index, module in enumerate(layers):
         for tensor in list(module.parameters()) + list(module.buffers()):

@@ -208,3 +208,19 @@ def test_a_statistic_the_architecture_freezes_does_not_keep_the_layers_resident(
     chosen.model.layers[0].self_attn.q_proj.weight.requires_grad_(False)
     stream(chosen)
     assert _layer_tensors_streamed(chosen) < every
+
+
+def test_frozen_norms_say_what_trains_and_the_trained_matrices_stay_resident():
+    """A user who froze the norms and trains every matrix chose what trains: the frozen norms
+    stream, the matrices stay on the device, and the steps equal the resident model's."""
+    model = tiny_model("llama", layers=3)
+    for name, param in model.named_parameters():
+        if "norm" in name:
+            param.requires_grad_(False)
+    resident = copy.deepcopy(model)
+    stream(model)
+    assert 0 < _layer_tensors_streamed(model) < sum(1 for _ in model.model.layers.parameters())
+    torch.manual_seed(0)
+    expected = train_steps(resident, 2)
+    torch.manual_seed(0)
+    assert_traces_equal(train_steps(model, 2), expected)

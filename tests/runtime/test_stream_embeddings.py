@@ -467,6 +467,23 @@ def test_a_trained_head_is_refused_at_stream_time():
     assert model.lm_head.weight.untyped_storage().data_ptr() != 0
 
 
+def test_a_qlora_model_whose_ends_train_is_refused_before_streaming(tmp_path):
+    """PEFT applied to a 4-bit model, the embedding and head made trainable by hand (new
+    tokens): stream_embeddings keeps the ends frozen on the host, so stream_model refuses
+    before it changes anything, not at the first training step."""
+    from tiny import nf4_pair
+
+    streamed, _ = nf4_pair(tmp_path, layers=2)
+    inner = streamed.base_model.model
+    inner.get_input_embeddings().weight.requires_grad_(True)
+    inner.get_output_embeddings().weight.requires_grad_(True)
+    with pytest.raises(
+        layerstream.StreamingError, match="requires grad, but stream_embeddings keeps it in host memory"
+    ):
+        stream(streamed, stream_embeddings=True)
+    assert not layerstream.is_streamed(streamed)
+
+
 def test_peft_modules_to_save_on_the_head_is_refused_at_stream_time():
     model = get_peft_model(tiny_model("llama", layers=3), lora_config(modules_to_save=["lm_head"]))
     with pytest.raises(layerstream.StreamingError, match=r"lm_head is a ModulesToSaveWrapper.*PEFT wraps it"):

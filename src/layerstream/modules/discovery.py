@@ -10,6 +10,8 @@ mistaken for its language stack.
 
 from __future__ import annotations
 
+import copy
+import weakref
 from typing import Iterable, List, Tuple
 
 from torch import nn
@@ -33,12 +35,38 @@ def unwrap_peft(model: nn.Module) -> nn.Module:
     return model
 
 
-def a_choice_of_training(param) -> bool:
-    """Whether a frozen ``param`` says that what trains was chosen (by PEFT or by hand): a
-    matrix of more than one row. A vector, or a one-row matrix, is how architectures keep
-    statistics they freeze at construction (ERNIE-4.5-MoE's and Laguna's expert-score
-    correction bias, AFMoE's expert bias), which say nothing of what the user trains."""
-    return param.dim() >= 2 and param.shape[0] > 1
+def trainables_chosen(model: nn.Module, counted=lambda param: True) -> bool:
+    """Whether what trains has been chosen (by PEFT or by hand): a PEFT model, or some
+    parameter ``counted`` accepts frozen that the model's own class does not freeze when it is
+    built (``frozen_when_built``: ERNIE-4.5-MoE's and Laguna's expert-score correction bias,
+    AFMoE's expert bias say nothing of what the user trains)."""
+    if unwrap_peft(model) is not model:
+        return True
+    built = frozen_when_built(model)
+    return any(not p.requires_grad and counted(p) for name, p in model.named_parameters() if name not in built)
+
+
+_BUILT: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def frozen_when_built(model: nn.Module) -> frozenset:
+    """The names of the parameters ``model``'s class freezes as it builds them, from an
+    instance built on the meta device from its config (empty where it cannot be built so)."""
+    if model in _BUILT:
+        return _BUILT[model]
+    config = getattr(model, "config", None)
+    names: frozenset = frozenset()
+    if config is not None:
+        import torch
+
+        try:
+            with torch.device("meta"):
+                fresh = type(model)(copy.deepcopy(config))
+            names = frozenset(n for n, p in fresh.named_parameters() if not p.requires_grad)
+        except Exception:  # noqa: BLE001 - a class built otherwise: every frozen parameter counts
+            names = frozenset()
+    _BUILT[model] = names
+    return names
 
 
 def describe_family(model: nn.Module) -> str:

@@ -41,9 +41,9 @@ from torch.autograd.function import once_differentiable
 
 from ..errors import StreamingError
 from ..long import chunked_loss, trl_head
-from ..modules import nf4, swap
+from ..modules import discovery, nf4, swap
 from ..modules.aliases import storage_owners
-from ..modules.discovery import a_choice_of_training, unwrap_peft
+from ..modules.discovery import unwrap_peft
 from ..system.log import get_logger
 from ..tiers.store import HostStore, LayerRecord, set_data
 from ..units import GiB
@@ -172,13 +172,10 @@ def _wrapper_hint(module: nn.Module) -> str:
 def trainables_chosen(model: nn.Module) -> bool:
     """Whether what trains has been chosen: some parameter that could train is frozen (by
     PEFT or by hand). Fresh from from_pretrained none is (bitsandbytes' 4-bit weights,
-    frozen as loaded, cannot train), and PEFT freezes the embedding and head later; once
-    it is chosen, an embedding or head that still requires grad is meant to train."""
-    return any(
-        not p.requires_grad
-        for p in model.parameters()
-        if p.dtype.is_floating_point and not nf4.is_4bit_param(p) and a_choice_of_training(p)
-    )
+    frozen as loaded, cannot train, and statistics a class freezes as it builds them say
+    nothing), and PEFT freezes the embedding and head later; once it is chosen, an
+    embedding or head that still requires grad is meant to train."""
+    return discovery.trainables_chosen(model, lambda p: p.dtype.is_floating_point and not nf4.is_4bit_param(p))
 
 
 def _check_weight(name: str, weight: torch.Tensor, chosen: bool) -> None:
