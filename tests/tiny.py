@@ -38,6 +38,49 @@ _EXTRA = {
 }
 
 
+def routed_design(family: str, experts: int) -> dict:
+    """tiny_model's overrides for the routed-expert designs of recent mixtures, ``experts``
+    experts with 2 chosen per token and every layer routed: shared experts beside the routed
+    ones (GLM-4.5, DeepSeek-V3 with its latent attention, dots.llm1), Qwen3-Next's linear
+    attention beside full attention, ERNIE-4.5's frozen expert-score bias, Granite-MoE."""
+    grouped = dict(
+        n_routed_experts=experts,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        n_shared_experts=1,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=0,
+    )
+    designs = {
+        "glm4_moe": dict(grouped, partial_rotary_factor=0.5),
+        "deepseek_v3": dict(
+            grouped,
+            q_lora_rank=16,
+            kv_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=8,
+            num_key_value_heads=4,  # latent attention: as many as the heads
+        ),
+        "dots1": grouped,
+        "qwen3_next": dict(
+            num_experts=experts,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+            linear_num_value_heads=4,
+            linear_num_key_heads=2,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            full_attention_interval=2,
+        ),
+        "granitemoe": dict(num_local_experts=experts, num_experts_per_tok=2),
+        "ernie4_5_moe": dict(moe_num_experts=experts, moe_k=2, moe_intermediate_size=32, moe_layer_start_index=0),
+    }
+    return designs[family]
+
+
 def tiny_config(family: str = "llama", layers: int = 5, **overrides):
     values = dict(_COMMON, num_hidden_layers=layers, **_EXTRA.get(family, {}))
     values.update(overrides)

@@ -7,6 +7,8 @@ from pathlib import Path
 
 from layerstream.data import byte_tokenizer
 
+from tiny import routed_design
+
 # family -> (model_type, the config values that give it its real shape)
 FAMILIES = {
     "llama": ("llama", {}),
@@ -25,29 +27,9 @@ FAMILIES = {
     "granite": ("granite", {}),
     "smollm3": ("smollm3", {}),
     "gpt_oss": ("gpt_oss", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=8)),
-    # routed experts beside shared ones, checkpoints with one tensor per expert (GLM-4.5-Air, DeepSeek-V3)
-    "glm4_moe": (
-        "glm4_moe",
-        dict(n_routed_experts=16, num_experts_per_tok=2, moe_intermediate_size=32, n_group=1, topk_group=1),
-    ),
-    "deepseek_v3": (
-        "deepseek_v3",
-        dict(
-            n_routed_experts=16,
-            num_experts_per_tok=2,
-            moe_intermediate_size=32,
-            n_group=1,
-            topk_group=1,
-            num_key_value_heads=4,
-            q_lora_rank=16,
-            kv_lora_rank=16,
-            qk_rope_head_dim=8,
-            qk_nope_head_dim=8,
-            v_head_dim=8,
-        ),
-    ),
-    # an expert-score bias frozen when built (ERNIE-4.5-MoE)
-    "ernie4_5_moe": ("ernie4_5_moe", dict(moe_num_experts=16, moe_k=2, moe_intermediate_size=32)),
+    # routed experts beside shared ones, checkpoints with one tensor per expert (GLM-4.5-Air,
+    # DeepSeek-V3), an expert-score bias frozen when built (ERNIE-4.5-MoE)
+    **{family: (family, routed_design(family, 16)) for family in ("glm4_moe", "deepseek_v3", "ernie4_5_moe")},
 }
 MXFP4 = {"gpt_oss_mxfp4"}
 

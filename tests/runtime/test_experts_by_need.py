@@ -11,39 +11,15 @@ from peft import get_peft_model
 import layerstream
 from layerstream.runtime import experts as by_need
 
-from tiny import assert_traces_equal, lora_config, peft_pair, stream, tiny_model, train_steps
+from tiny import assert_traces_equal, lora_config, peft_pair, routed_design, stream, tiny_model, train_steps
 
 # 16 experts, 2 per token: a pass of up to 5 tokens copies by need, longer ones whole
-_SHARED = dict(n_routed_experts=16, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1)
-_GROUPED = dict(_SHARED, n_group=1, topk_group=1, first_k_dense_replace=0)  # every layer routed
+_NEWER = ("glm4_moe", "deepseek_v3", "dots1", "qwen3_next", "granitemoe", "ernie4_5_moe")
 ROUTED = {
     "qwen3_moe": dict(num_experts=16, num_experts_per_tok=2),
     "mixtral": dict(num_local_experts=16, num_experts_per_tok=2),
     "gpt_oss": dict(num_local_experts=16, num_experts_per_tok=2, sliding_window=8),
-    "glm4_moe": dict(_GROUPED, partial_rotary_factor=0.5),
-    "deepseek_v3": dict(
-        _GROUPED,
-        q_lora_rank=16,
-        kv_lora_rank=16,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=8,
-        v_head_dim=8,
-        num_key_value_heads=4,
-    ),
-    "dots1": _GROUPED,
-    "qwen3_next": dict(
-        num_experts=16,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        shared_expert_intermediate_size=32,
-        linear_num_value_heads=4,
-        linear_num_key_heads=2,
-        linear_key_head_dim=8,
-        linear_value_head_dim=8,
-        full_attention_interval=2,
-    ),
-    "granitemoe": dict(num_local_experts=16, num_experts_per_tok=2),
-    "ernie4_5_moe": dict(moe_num_experts=16, moe_k=2, moe_intermediate_size=32, moe_layer_start_index=0),
+    **{family: routed_design(family, 16) for family in _NEWER},
 }
 LAYERS, EXPERTS = 5, 16
 ATTENTION_ONLY = dict(target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])

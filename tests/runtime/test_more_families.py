@@ -14,36 +14,16 @@ from peft import LoraConfig, get_peft_model
 
 import layerstream
 
-from tiny import assert_traces_equal, peft_pair, stream, train_steps
+from tiny import assert_traces_equal, peft_pair, routed_design, stream, train_steps
 
-ROUTED = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1)
-GROUPED = dict(ROUTED, n_group=1, topk_group=1, first_k_dense_replace=1)  # the first layer dense
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 # family -> (config values that give it its design at a tiny size, LoRA targets or None: all-linear)
 CASES = {
     "glm4": ({}, None),
-    "glm4_moe": (dict(GROUPED, partial_rotary_factor=0.5), None),
-    "deepseek_v3": (
-        dict(GROUPED, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8),
-        None,
-    ),
-    "dots1": (GROUPED, None),
+    **{family: (routed_design(family, 4), None) for family in ("glm4_moe", "deepseek_v3", "qwen3_next")},
+    "dots1": (dict(routed_design("dots1", 4), first_k_dense_replace=1), None),  # a dense first layer
     "qwen2_moe": (
         dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32),
-        None,
-    ),
-    "qwen3_next": (
-        dict(
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=32,
-            shared_expert_intermediate_size=32,
-            linear_num_value_heads=4,
-            linear_num_key_heads=2,
-            linear_key_head_dim=8,
-            linear_value_head_dim=8,
-            full_attention_interval=2,
-        ),
         None,
     ),
     # PEFT's all-linear on Llama-4's experts fails on the plain model too: LoRA on attention
@@ -52,8 +32,8 @@ CASES = {
         ATTENTION,
     ),
     "olmoe": (dict(num_experts=4, num_experts_per_tok=2), None),
-    "granitemoe": (dict(num_local_experts=4, num_experts_per_tok=2), None),
-    "ernie4_5_moe": (dict(moe_num_experts=4, moe_k=2, moe_intermediate_size=32, moe_layer_start_index=1), None),
+    "granitemoe": (routed_design("granitemoe", 4), None),
+    "ernie4_5_moe": (routed_design("ernie4_5_moe", 4), None),
     # AFMoE and Laguna freeze an expert bias when built: the layers stream all the same
     "afmoe": (dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, num_dense_layers=1), None),
     "laguna": (dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32), None),
@@ -65,8 +45,6 @@ CASES = {
 
 def _pair(family):
     overrides, targets = CASES[family]
-    if family == "deepseek_v3":
-        overrides = dict(overrides, num_key_value_heads=4)  # latent attention: as many as the heads
     lora = None if targets is None else dict(target_modules=targets)
     return peft_pair(family, layers=5, lora=lora, **overrides)
 
