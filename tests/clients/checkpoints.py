@@ -27,6 +27,9 @@ FAMILIES = {
     "granite": ("granite", {}),
     "smollm3": ("smollm3", {}),
     "gpt_oss": ("gpt_oss", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=8)),
+    # as gpt-oss is published: experts in MXFP4 (layerstream keeps them packed; transformers
+    # dequantises them on a machine without its kernels), 16 of them, 2 per token
+    "gpt_oss_mxfp4": ("gpt_oss", dict(num_local_experts=16, num_experts_per_tok=2, sliding_window=8)),
     # routed experts beside shared ones, checkpoints with one tensor per expert (GLM-4.5-Air,
     # DeepSeek-V3), an expert-score bias frozen when built (ERNIE-4.5-MoE)
     **{family: (family, routed_design(family, 16)) for family in ("glm4_moe", "deepseek_v3", "ernie4_5_moe")},
