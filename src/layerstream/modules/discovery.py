@@ -14,6 +14,7 @@ import copy
 import weakref
 from typing import Iterable, List, Tuple
 
+import torch
 from torch import nn
 
 from ..errors import NoDecoderStackError
@@ -42,8 +43,9 @@ def trainables_chosen(model: nn.Module, counted=lambda param: True) -> bool:
     AFMoE's expert bias say nothing of what the user trains)."""
     if unwrap_peft(model) is not model:
         return True
-    built = frozen_when_built(model)
-    return any(not p.requires_grad and counted(p) for name, p in model.named_parameters() if name not in built)
+    frozen = [name for name, p in model.named_parameters() if not p.requires_grad and counted(p)]
+    # the class is built only where something is frozen: a fresh model (nothing is) pays nothing
+    return bool(frozen) and not frozenset(frozen) <= frozen_when_built(model)
 
 
 _BUILT: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -57,8 +59,6 @@ def frozen_when_built(model: nn.Module) -> frozenset:
     config = getattr(model, "config", None)
     names: frozenset = frozenset()
     if config is not None:
-        import torch
-
         try:
             with torch.device("meta"):
                 fresh = type(model)(copy.deepcopy(config))
