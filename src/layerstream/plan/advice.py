@@ -110,16 +110,10 @@ def advice(plan: MemoryPlan, request: PlanRequest) -> List[str]:
     if not plan.stream_embeddings and ends >= STREAM_EMBEDDINGS_ADVICE_SHARE * plan.static_bytes:
         streamed = _build(request.replace(stream_embeddings=True, slots=plan.slots))
         saved = plan.peak_vram_bytes - streamed.peak_vram_bytes
-        what = (
-            f"the input embedding and head ({size(ends)}) stay"
-            if streamed.head_copy_bytes
-            else f"the input embedding ({size(ends)}) stays"
-        )
-        copies = (
-            f"; the head ({size(streamed.head_copy_bytes)}) is then copied to the GPU twice per step"
-            if streamed.head_copy_bytes
-            else ""
-        )
+        what, copies = f"the input embedding ({size(ends)}) stays", ""  # a classifier's: no head streams
+        if streamed.head_copy_bytes:
+            what = f"the input embedding and head ({size(ends)}) stay"
+            copies = f"; the head ({size(streamed.head_copy_bytes)}) is then copied to the GPU twice per step"
         if saved > 0:
             out.append(
                 f"{STREAM_EMBEDDINGS_ADVICE}: {what} in host memory, saving {size(saved)} ({verdict(saved)}){copies}"

@@ -287,10 +287,10 @@ def _build(request: PlanRequest) -> MemoryPlan:
     ends_host = ends_host_bytes(config, residual_dtype) if stream_embeddings else 0
     end_matrix = head_copy  # the largest end matrix copied into the ends' store as they move
     if request.head_outputs is not None:  # not the causal LM's head: a classifier's score, or none
-        resident, all_resident, head_copy, ends_host, vocab = _other_head(
+        resident, all_resident, ends_host, end_matrix = _other_head(
             config, residual_dtype, stream_embeddings, request.head_outputs, resident, all_resident
         )
-        end_matrix = model_shape(config, residual_dtype).embedding.nbytes if stream_embeddings else 0
+        head_copy, vocab = 0, request.head_outputs  # no head streams; its logits are that narrow
     ends_copies = 2 * head_copy + (tokens * hidden * residual_elem if stream_embeddings else 0)
     adapter_dtype = parse_dtype(request.adapter_dtype)
     adapter_elem = adapter_dtype.itemsize
@@ -424,17 +424,19 @@ def _build(request: PlanRequest) -> MemoryPlan:
 
 
 def _other_head(config, residual_dtype, stream_embeddings, outputs: int, resident: int, all_resident: int) -> tuple:
-    """(resident, all resident, head copy, ends' host store, logit width) of a model whose head
-    is not the causal LM's that the config builds: its own ``outputs``-wide head instead of the
-    vocabulary-wide one (a tied one took nothing of its own), and only the embedding streams
-    (``find_ends`` finds no output embeddings)."""
+    """(resident, all resident, ends' host store, the end matrix copied as they move) of a
+    model whose head is not the causal LM's that the config builds: its own ``outputs``-wide
+    head instead of the vocabulary-wide one (a tied one took nothing of its own), and only the
+    embedding streams (``find_ends`` finds no output embeddings)."""
     shape = model_shape(config, residual_dtype)
     lm_head = 0 if shape.tied else shape.head.nbytes
     own_head = int(config.hidden_size) * outputs * parse_dtype(residual_dtype).itemsize
     # streamed, ``resident`` holds neither the embedding nor an untied causal head already
     resident += own_head if stream_embeddings else own_head - lm_head
-    ends_host = region_bytes([shape.embedding.nbytes]) if stream_embeddings else 0
-    return resident, all_resident + own_head - lm_head, 0, ends_host, outputs
+    if not stream_embeddings:
+        return resident, all_resident + own_head - lm_head, 0, 0
+    embedding = shape.embedding.nbytes
+    return resident, all_resident + own_head - lm_head, region_bytes([embedding]), embedding
 
 
 def _gib(nbytes: float) -> str:
