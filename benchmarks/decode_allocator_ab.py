@@ -38,6 +38,7 @@ def child(args) -> dict:
     from peft import LoraConfig, get_peft_model
 
     import layerstream
+
     from rl import shape_values
     from rl_generate import build, prompts, timed_call
 
