@@ -123,7 +123,12 @@ def main(argv=None) -> int:
     print("decode-allocator: medians, ms a token step:", json.dumps(medians, indent=1), flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    result = {"command": "python benchmarks/decode_allocator_ab.py " + " ".join(own), "processes": processes}
+    tokens = [p["tokens"] for p in processes if "tokens" in p]
+    result = {
+        "command": "python benchmarks/decode_allocator_ab.py " + " ".join(own),
+        "processes": processes,
+        "same_tokens": bool(tokens) and all(t == tokens[0] for t in tokens),
+    }
     (out / "decode-allocator.json").write_text(json.dumps({**result, "medians_ms": medians}, indent=1) + "\n")
     return 0
 
