@@ -65,12 +65,12 @@ def child(args) -> dict:
     }
 
 
-def order(rounds: int) -> list:
+def order(rounds: int, models=MODELS) -> list:
     """(model, setting) per process, alternated: each model A B B A, rounds times over."""
     runs = []
     for index in range(rounds):
         pair = list(SETTINGS) if index % 2 == 0 else list(reversed(SETTINGS))
-        runs += [(model, setting) for setting in pair for model in MODELS]
+        runs += [(model, setting) for setting in pair for model in models]
     return runs
 
 
@@ -83,6 +83,7 @@ def main(argv=None) -> int:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--calls", type=int, default=2, help="timed calls in each process, after a warm-up")
     parser.add_argument("--rounds", type=int, default=2, help="A B (then B A) rounds of processes")
+    parser.add_argument("--models", default=",".join(MODELS), help="which of resident,streamed to run")
     parser.add_argument("--deadline", type=float, default=540, help="seconds; no process starts after it")
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results/decode-allocator"))
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -94,7 +95,7 @@ def main(argv=None) -> int:
         return 0
     start, processes = time.monotonic(), []
     own = list(argv if argv is not None else sys.argv[1:])
-    for model, setting in order(args.rounds):
+    for model, setting in order(args.rounds, args.models.split(",")):
         if time.monotonic() - start > args.deadline:
             print(f"decode-allocator: deadline reached, {model} with {setting} not run", flush=True)
             break
