@@ -88,7 +88,8 @@ def test_a_changed_streamed_weight_is_caught():
 
 def test_qwen3_next_streamed_equals_the_plain_model_without_a_training_cache(tmp_path):
     """Given a cache in a training forward, Qwen3-Next's linear attention takes another path
-    in some transformers releases (5.17 among them; 5.25 takes one path either way);
+    in some transformers releases (5.18 and 5.25 take one path either way; a release the
+    project's tests ran on took two);
     streamed layers keep no cache under autograd (as transformers' gradient checkpointing),
     so a streamed step equals the plain step with use_cache=False, whichever the release.
     Control: one linear-attention weight of the streamed copy changed by a little turns it
