@@ -1,14 +1,17 @@
-"""Does the CUDA allocator's setting slow decoding? Each side in a process of its own.
+"""Decoding in processes of its own: streamed against resident, and under each CUDA allocator setting.
 
-`layerstream run` turns on torch's expandable segments (``allocator_defaults``) where the user
-left the allocator alone; the plain script it is compared with runs torch's default. In TRL's
-GRPO and RLOO pairs, which run each side in a process of its own, streamed decoding with every
-layer in the window was about 20% slower than resident; in ``rl.py --part generate``, where
-both sides share one process (and so one allocator setting), it was within 5%. This runs the
-same decoding in separate processes, one per (model, allocator setting), alternated
-(A B B A ...): an 8B-shaped random NF4 model, resident (bitsandbytes) or streamed with every
-layer in the window, LoRA on every linear layer in train mode (as TRL's GRPO generates with
-it), greedy batch 8, a KV cache.
+Two questions, one set of runs. In TRL's GRPO and RLOO pairs (``rl.py --part grpo-8b``), each
+side in a process of its own, streamed decoding with every layer in the window was about 20%
+slower than resident; in ``rl.py --part generate``, where both models decode in one process,
+it was within 5%. Both harnesses give both sides the allocator `layerstream run` gives
+(expandable segments, ``allocator_defaults``), so that is not what differs between them.
+Here decoding runs without TRL, one process per (model, allocator setting): whether the gap
+appears between separate processes with nothing but the model differing. And `layerstream run`
+turns expandable segments on where the user left the allocator alone, while the plain script
+a user compares with runs torch's default: whether that setting alone changes decoding.
+Alternated (A B B A ...): an 8B-shaped random NF4 model, resident (bitsandbytes) or streamed
+with every layer in the window, LoRA on every linear layer in train mode (as TRL's GRPO
+generates with it), greedy batch 8, a KV cache.
 
     python benchmarks/decode_allocator_ab.py --out $OUT/decode-allocator   # on the GPU
     python benchmarks/decode_allocator_ab.py --shape tiny --device cpu ... # the harness only
