@@ -14,6 +14,7 @@ with every layer in the window, LoRA on every linear layer in train mode (as TRL
 generates with it), greedy batch 8, a KV cache.
 
     python benchmarks/decode_allocator_ab.py --out $OUT/decode-allocator   # on the GPU
+    python benchmarks/decode_allocator_ab.py --as-trl ...  # generating as TRL's GRPO does
     python benchmarks/decode_allocator_ab.py --shape tiny --device cpu ... # the harness only
 
 Writes ``decode-allocator.json``: per process, its setting, model and decode ms a token step
@@ -23,6 +24,7 @@ Writes ``decode-allocator.json``: per process, its setting, model and decode ms 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -56,16 +58,35 @@ def child(args) -> dict:
     model.train(True)
     ids = prompts(argparse.Namespace(prompt_tokens=args.prompt_tokens), args.batch, model.config.vocab_size)
     ids = ids.to(args.device)
-    timed_call(model, ids, 8)  # warm-up: kernels chosen, caches allocated
-    calls = [timed_call(model, ids, args.new_tokens) for _ in range(args.calls)]
+    call = timed_call
+    if args.as_trl:  # checkpointing on for training, off around each generate, under autocast
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        call = functools.partial(as_trl_generates, timed_call, args.device)
+    call(model, ids, 8)  # warm-up: kernels chosen, caches allocated
+    calls = [call(model, ids, args.new_tokens) for _ in range(args.calls)]
     return {
         "model": args.model,
         "setting": args.setting,
+        "as_trl": args.as_trl,
         "allocator_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
         "decode_ms_per_token_step": [call["decode_ms_per_token_step"] for call in calls],
         "tokens": calls[-1]["out"][:, -args.new_tokens :].tolist()[0][:8],
         "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
     }
+
+
+def as_trl_generates(timed_call, device: str, model, ids, new_tokens: int) -> dict:
+    """One call as TRL's GRPO and RLOO make it with transformers' generation: gradient
+    checkpointing turned off around it and on again after (``unwrap_model_for_generation``),
+    under bf16 autocast (accelerate's mixed-precision wrapper of the model's forward)."""
+    import torch
+
+    model.gradient_checkpointing_disable()
+    try:
+        with torch.autocast(device, dtype=torch.bfloat16):
+            return timed_call(model, ids, new_tokens)
+    finally:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def order(rounds: int, models=MODELS) -> list:
@@ -86,6 +107,11 @@ def main(argv=None) -> int:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--calls", type=int, default=2, help="timed calls in each process, after a warm-up")
     parser.add_argument("--rounds", type=int, default=2, help="A B (then B A) rounds of processes")
+    parser.add_argument(
+        "--as-trl",
+        action="store_true",
+        help="generate as TRL's GRPO does: checkpointing toggled around each call, bf16 autocast",
+    )
     parser.add_argument("--models", default=",".join(MODELS), help="which of resident,streamed to run")
     parser.add_argument("--deadline", type=float, default=540, help="seconds; no process starts after it")
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results/decode-allocator"))

@@ -5,6 +5,8 @@ import argparse
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import decode_allocator_ab  # noqa: E402
@@ -17,9 +19,10 @@ def test_each_model_runs_each_setting_first_in_turn():
         assert settings == ["default", "expandable", "expandable", "default"]
 
 
-def test_the_streamed_process_decodes_the_resident_tokens():
+@pytest.mark.parametrize("as_trl", [False, True])
+def test_the_streamed_process_decodes_the_resident_tokens(as_trl):
     args = argparse.Namespace(
-        shape="tiny", device="cpu", batch=2, prompt_tokens=8, new_tokens=3, calls=1, setting="default"
+        shape="tiny", device="cpu", batch=2, prompt_tokens=8, new_tokens=3, calls=1, setting="default", as_trl=as_trl
     )
     records = {
         model: decode_allocator_ab.child(argparse.Namespace(**vars(args), model=model))
