@@ -1,0 +1,32 @@
+# The GPU measurements the open issues still wait on, as a job list for scripts/gpu-queue.sh
+# (kept in the tree: a job list kept only on one checkout is lost with it). On the GPU machine:
+#
+#   source .gpu-setup.sh; bash scripts/gpu-queue.sh start benchmarks/pending-gpu-jobs.sh
+#   bash scripts/gpu-queue.sh wait 540     # again at once after each return, until all ended
+#
+# COMMIT=<sha> names the suite's logs (the machine's copy of the tree may carry an older .git).
+# Jobs run one after another, the most needed first; each writes under $QUEUE/out/NAME, which
+# the `wait` commands copy to $OUT/queue. Edit it as measurements land (LOG.md says what ran).
+export HF_HUB_OFFLINE=1
+gib=$(python3 -c "import torch; print(int(torch.cuda.get_device_properties(0).total_memory / 2**30))")
+echo "$(date -u +%T) GPU memory ${gib} GiB" >> "$QUEUE/progress.log"
+suite_beside() {  # the GPU suite, in order and shuffled, beside a job that writes checkpoints
+  "$@" > "$QUEUE/out/prepare.log" 2>&1 &
+  COMMIT=${COMMIT:-worktree} OMP_NUM_THREADS=5 OUT=$QUEUE/out/suite bash scripts/gpu-suite.sh all
+  wait
+}
+if [ "$gib" -gt 100 ]; then  # an H200: the long-context row that needs more than 80 GiB
+  job suite suite_beside python3 benchmarks/long_context_client.py --cells 80:400000 --prepare-only --work /tmp/lcc
+  job sft80 python3 benchmarks/long_context_client.py --cells 80:400000 --warmup 0 --steps 1 \
+    --work /tmp/lcc --deadline 840 --out "$QUEUE/out/sft80"
+else
+  job suite suite_beside python3 benchmarks/long_context_client.py --client train \
+    --cells 16:61440,24:118784 --prepare-only --work /tmp/lcc
+  # the decode gap of TRL's GRPO/RLOO pairs, with TRL's generation conditions and no TRL
+  job decode python3 benchmarks/decode_allocator_ab.py --as-trl --rounds 2 --calls 2 --deadline 420 \
+    --out "$QUEUE/out/decode"
+  job train python3 benchmarks/long_context_client.py --client train --cells 16:61440,24:118784 \
+    --baseline --work /tmp/lcc --deadline 700 --out "$QUEUE/out/train"
+  job trainer12 python3 benchmarks/long_context_client.py --client trainer --cells 12:24576 --baseline \
+    --work /tmp/lcc --deadline 400 --out "$QUEUE/out/trainer12"
+fi
