@@ -45,18 +45,19 @@ def child(args) -> dict:
     import layerstream
 
     from rl import shape_values
-    from rl_generate import build, prompts, timed_call
+    from rl_generate import build, prompts, streamed, timed_call
 
     shape = shape_values(args.shape)
-    model = build(shape)
-    if args.model == "streamed":
-        layerstream.stream_model(model, slots=3, vram_budget=None, device=args.device)
+    settings = argparse.Namespace(prompt_tokens=args.prompt_tokens, slots=3)
+    if args.model == "streamed":  # every layer in the window, as rl.py's generate part sets it
+        model = streamed(shape, settings, None)
         layerstream.get_runtime(model).set_window(range(model.config.num_hidden_layers))
-    model = model.to(args.device)
+    else:
+        model = build(shape).to(args.device)
     lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules="all-linear", task_type="CAUSAL_LM")
     model = get_peft_model(model, lora)
     model.train(True)
-    ids = prompts(argparse.Namespace(prompt_tokens=args.prompt_tokens), args.batch, model.config.vocab_size)
+    ids = prompts(settings, args.batch, model.config.vocab_size)
     ids = ids.to(args.device)
     call = timed_call
     if args.as_trl:  # checkpointing on for training, off around each generate, under autocast
