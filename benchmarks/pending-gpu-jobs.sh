@@ -25,8 +25,8 @@ else
   # the decode gap of TRL's GRPO/RLOO pairs, with TRL's generation conditions and no TRL
   job decode python3 benchmarks/decode_allocator_ab.py --as-trl --rounds 2 --calls 2 --deadline 420 \
     --out "$QUEUE/out/decode"
-  job train python3 benchmarks/long_context_client.py --client train --cells 16:61440,24:118784 \
-    --baseline --work /tmp/lcc --deadline 700 --out "$QUEUE/out/train"
   job trainer12 python3 benchmarks/long_context_client.py --client trainer --cells 12:24576 --baseline \
     --work /tmp/lcc --deadline 400 --out "$QUEUE/out/trainer12"
+  job train python3 benchmarks/long_context_client.py --client train --cells 16:61440,24:118784 \
+    --baseline --work /tmp/lcc --deadline 700 --out "$QUEUE/out/train"
 fi
