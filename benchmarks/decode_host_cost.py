@@ -1,4 +1,5 @@
-"""What streaming adds to the host's work per decoding token step, with no layer to copy.
+"""What streaming adds to the host's work per decoding token step, with no layer to copy
+(or, with ``--window N``, with all but N layers copied in each token step).
 
 Decoding a batch of 8 is bound by the host (Python, torch's dispatcher, kernel launches), so a
 streamed model with every layer in its resident window decodes as fast as the resident one
@@ -52,7 +53,8 @@ def build(args, streamed: bool):
     model = AutoModelForCausalLM.from_config(config).to(args.device)
     if streamed:
         layerstream.stream_model(model, slots=3, vram_budget=None, device=args.device)
-        layerstream.get_runtime(model).set_window(range(args.layers))
+        window = args.layers if args.window is None else args.window
+        layerstream.get_runtime(model).set_window(range(window))
     if args.lora:
         lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules="all-linear", task_type="CAUSAL_LM")
         model = get_peft_model(model, lora)
@@ -99,6 +101,9 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--window", type=int, default=None, help="layers kept resident (default: all); the rest are copied in each step"
+    )
     parser.add_argument("--no-lora", dest="lora", action="store_false")
     parser.add_argument("--eval", dest="train", action="store_false", help="eval mode (default: train, as TRL)")
     parser.add_argument("--out", default=None)
@@ -117,7 +122,10 @@ def main(argv=None) -> int:
             ms, outs[name] = token_step_ms(model, ids, args.new_tokens)
             steps[name].append(ms)
         same = same and torch.equal(outs["resident"], outs["streamed"])
+    runtime = layerstream.get_runtime(models["streamed"])
+    loads_before = runtime.stats()["layer_loads"]
     calls = {name: python_calls(model, ids, args.new_tokens) for name, model in models.items()}
+    loads_per_call = runtime.stats()["layer_loads"] - loads_before
     medians = {name: statistics.median(values) for name, values in steps.items()}
     visits = (args.new_tokens + 1) * args.layers
     result = {
@@ -129,6 +137,7 @@ def main(argv=None) -> int:
         "streamed_over_resident": medians["streamed"] / medians["resident"],
         "python_calls_per_call": calls,
         "extra_python_calls_per_layer_visit": (calls["streamed"] - calls["resident"]) / visits,
+        "layer_loads_per_call": loads_per_call,  # layers copied in during the profiled call
     }
     text = json.dumps(result, indent=1)
     print(text)

@@ -20,6 +20,19 @@ def test_a_small_run_writes_equal_tokens_and_the_extra_python_calls(tmp_path):
     # the streamed model's runtime runs Python of its own at every layer visit
     assert result["extra_python_calls_per_layer_visit"] > 0
     assert result["settings"]["lora"] and result["settings"]["train"]
+    assert result["layer_loads_per_call"] == 0  # every layer in the window: nothing copied
+
+
+def test_a_smaller_window_copies_the_other_layers_each_token_step(tmp_path):
+    out = tmp_path / "cost.json"
+    # 5 streamed layers through the runtime's 3 slots: each forward copies them in again
+    argv = ["--layers", "6", "--hidden", "32", "--new-tokens", "3", "--rounds", "1", "--window", "1"]
+    assert decode_host_cost.main([*argv, "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["same_tokens"] is True
+    # the profiled call makes 4 new tokens: 4 forwards (the prefill and 3 token steps), each
+    # copying the 5 streamed layers in
+    assert result["layer_loads_per_call"] == 5 * 4
 
 
 def test_the_committed_cpu_result_is_one_this_script_writes():
