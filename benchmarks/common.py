@@ -99,6 +99,19 @@ def cuda_timer():
     return time.perf_counter()
 
 
+def cap_fraction(cap_bytes: int, total: int) -> float:
+    """The fraction of the GPU's ``total`` bytes that caps a process at ``cap_bytes``
+    (``torch.cuda.set_per_process_memory_fraction``). A cap above the GPU's memory is
+    refused: run with the whole GPU instead, its figures would be recorded under a cap they
+    never had (80 GiB on an H100, which has 79.6 GiB)."""
+    if cap_bytes > total:
+        raise SystemExit(
+            f"a cap of {cap_bytes / 2**30:.1f} GiB is more than this GPU's {total / 2**30:.1f} GiB; "
+            "give a cap it has, or run with the whole GPU"
+        )
+    return cap_bytes / total
+
+
 def median(values):
     return statistics.median(values)
 

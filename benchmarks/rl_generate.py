@@ -26,7 +26,7 @@ import layerstream
 from layerstream.commands.run import allocator_defaults
 from layerstream.units import parse_bytes
 
-from common import build_random_nf4, greedy_tokens, pinned_bandwidth
+from common import build_random_nf4, cap_fraction, greedy_tokens, pinned_bandwidth
 from rl_rows import WHOLE
 
 MEASURED = ("generate_s", "prefill_s", "decode_ms_per_token_step", "loads_per_token_step", "bytes_per_token_step")
@@ -162,7 +162,7 @@ def build(shape: dict):
 def set_cap(cap: str) -> None:
     if torch.cuda.is_available():
         total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(1.0 if cap == WHOLE else min(1.0, parse_bytes(cap) / total))
+        torch.cuda.set_per_process_memory_fraction(1.0 if cap == WHOLE else cap_fraction(parse_bytes(cap), total))
 
 
 def prompts(settings, batch: int, vocab: int):

@@ -28,6 +28,7 @@ from layerstream.units import parse_bytes
 from common import (
     build_random,
     build_random_nf4,
+    cap_fraction,
     cuda_timer,
     median,
     parse_streamed_config,
@@ -242,7 +243,7 @@ def main():
         )
         if budget:
             total = torch.cuda.get_device_properties(0).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total))
+            torch.cuda.set_per_process_memory_fraction(cap_fraction(budget, total))
         model.cuda()
         runtime = layerstream.get_runtime(model)
         before = runtime.stats()
