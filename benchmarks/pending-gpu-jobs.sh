@@ -4,9 +4,11 @@
 #   source .gpu-setup.sh; bash scripts/gpu-queue.sh start benchmarks/pending-gpu-jobs.sh
 #   bash scripts/gpu-queue.sh wait 540     # again at once after each return, until all ended
 #
-# COMMIT=<sha> names the suite's logs (the machine's copy of the tree may carry an older .git).
-# Jobs run one after another, the most needed first; each writes under $QUEUE/out/NAME, which
-# the `wait` commands copy to $OUT/queue. Edit it as measurements land (LOG.md says what ran).
+# COMMIT=<sha> names the suite's logs (the machine's copy of the tree may carry an older .git);
+# SUITE=1 runs the GPU suite first (in order and shuffled), for code it has not run on: the
+# last whole run is LOG.md's newest "GPU suite at" entry. Jobs run one after another, the most
+# needed first; each writes under $QUEUE/out/NAME, which the `wait` commands copy to
+# $OUT/queue. Edit it as measurements land (LOG.md says what ran).
 export HF_HUB_OFFLINE=1
 gib=$(python3 -c "import torch; print(int(torch.cuda.get_device_properties(0).total_memory / 2**30))")
 echo "$(date -u +%T) GPU memory ${gib} GiB" >> "$QUEUE/progress.log"
@@ -15,18 +17,24 @@ suite_beside() {  # the GPU suite, in order and shuffled, beside a job that writ
   COMMIT=${COMMIT:-worktree} OMP_NUM_THREADS=5 OUT=$QUEUE/out/suite bash scripts/gpu-suite.sh all
   wait
 }
-if [ "$gib" -gt 100 ]; then  # an H200: the long-context row that needs more than 80 GiB
-  job suite suite_beside python3 benchmarks/long_context_client.py --cells 80:400000 --prepare-only --work /tmp/lcc
-  job sft80 python3 benchmarks/long_context_client.py --cells 80:400000 --warmup 0 --steps 1 \
-    --work /tmp/lcc --deadline 840 --out "$QUEUE/out/sft80"
-else
-  job suite suite_beside python3 benchmarks/long_context_client.py --client train \
-    --cells 16:61440,24:118784 --prepare-only --work /tmp/lcc
-  # the decode gap of TRL's GRPO/RLOO pairs, with TRL's generation conditions and no TRL
-  job decode python3 benchmarks/decode_allocator_ab.py --as-trl --rounds 2 --calls 2 --deadline 420 \
-    --out "$QUEUE/out/decode"
-  job trainer12 python3 benchmarks/long_context_client.py --client trainer --cells 12:24576 --baseline \
-    --work /tmp/lcc --deadline 400 --out "$QUEUE/out/trainer12"
-  job train python3 benchmarks/long_context_client.py --client train --cells 16:61440,24:118784 \
-    --baseline --work /tmp/lcc --deadline 700 --out "$QUEUE/out/train"
-fi
+prepare() {  # the checkpoint and data of the long rows, beside the suite where SUITE=1
+  if [ "${SUITE:-0}" = 1 ]; then
+    suite_beside "$@"
+  else
+    "$@"
+  fi
+}
+# TRL's sft.py at 400,000 tokens: under 80 GiB on an H200, under 79 GiB on an H100 (its whole
+# memory is 79.6 GiB; a cap above the card is refused). The plan: 46.70 GiB on the GPU, 100.32
+# GiB of host RAM (`layerstream plan ... --seq 400000 --host-ram 125GiB`).
+if [ "$gib" -gt 100 ]; then cap=80; else cap=79; fi
+job prepare prepare python3 benchmarks/long_context_client.py --cells "$cap:400000" --prepare-only --work /tmp/lcc
+job "sft$cap" python3 benchmarks/long_context_client.py --cells "$cap:400000" --warmup 0 --steps 1 \
+  --work /tmp/lcc --deadline 840 --out "$QUEUE/out/sft$cap"
+# the decode gap of TRL's GRPO/RLOO pairs, with TRL's generation conditions and no TRL
+job decode python3 benchmarks/decode_allocator_ab.py --as-trl --rounds 2 --calls 2 --deadline 420 \
+  --out "$QUEUE/out/decode"
+job trainer12 python3 benchmarks/long_context_client.py --client trainer --cells 12:24576 --baseline \
+  --work /tmp/lcc --deadline 400 --out "$QUEUE/out/trainer12"
+job train python3 benchmarks/long_context_client.py --client train --cells 16:61440,24:118784 \
+  --baseline --work /tmp/lcc --deadline 700 --out "$QUEUE/out/train"
