@@ -48,8 +48,12 @@ granularity, up while a length trains, down while it runs out of memory.
 ``--baseline`` alternates, at the cell's length (or the length the search found), the streamed
 run and the same command as plain ``python -m trl.scripts.sft`` with the whole GPU (streamed,
 resident, streamed, resident for ``--rounds 2``); the resident run may run out of memory, which
-is recorded. ``--deadline`` (seconds) starts no run it cannot finish and always writes what was
-measured. A step near ten minutes (80 GiB at 400,000 tokens) leaves no room for writing the
+is recorded. ``--same-loss-baseline`` (the Trainer script's clients, whose streamed run computes
+layerstream's chunked loss where the plain script computes the full logits') makes the baseline
+the script with ``--layer_stream`` on the whole GPU (its window keeps every layer that fits:
+all of an 8B's), given the streamed run's ``loss_chunk_tokens``: the same loss; a row divides
+by it where it trained, and says whose run it divided by. ``--deadline`` (seconds) starts no
+run it cannot finish and always writes what was measured. A step near ten minutes (80 GiB at 400,000 tokens) leaves no room for writing the
 checkpoint and data in its command: ``--prepare-only`` writes them in ``--work`` in an earlier
 command on the same warm machine, and the run's command reuses them.
 
@@ -86,13 +90,15 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from long_context_clients import (  # noqa: E402
-    BASELINE_CLIENT,
     CLIENT_OPTIONS,
     CLIENTS,
     LONG_SETTINGS,
     LORAS,
     OOM,
+    SAME_LOSS_BASELINE,
     TRAINED,
+    baseline_client,
+    baseline_runs,
     client_command,
     client_label,
     client_of,
@@ -100,6 +106,8 @@ from long_context_clients import (  # noqa: E402
     long_settings_seen,
     planned_longest,
     recipe_options,
+    same_card,
+    same_loss_chunk,
     verdict,
     write_checkpoint,
     write_dataset,
@@ -121,8 +129,11 @@ def attempt(ctx, streamed: bool, cap: str, tokens: int):
     """One run of the script at ``tokens`` under ``cap`` ('12GiB' or capped.WHOLE); its record,
     saved; None when --deadline leaves no time for it."""
     kind = "streamed" if streamed else "resident"
-    client = ctx.args.client if streamed else BASELINE_CLIENT[ctx.args.client]
+    client = ctx.args.client if streamed else baseline_client(ctx.args)
     flags = shlex.split(ctx.args.streamed_flags) if streamed else []
+    same_loss = client in SAME_LOSS_BASELINE.values()
+    chunk = same_loss_chunk(ctx.results.attempts.values(), ctx.args.client, tokens) if same_loss else None
+    loss_flags = ["--layer_stream_loss_chunk_tokens", str(chunk)] if chunk else []
     rounds = [
         a
         for a in ctx.results.attempts.values()
@@ -136,6 +147,8 @@ def attempt(ctx, streamed: bool, cap: str, tokens: int):
     record = {"name": name, "kind": kind, "streamed": streamed, "cap": cap, "tokens": tokens, "round": len(rounds) + 1}
     record["client"] = client
     record["streamed_flags"] = flags
+    if same_loss:  # what the streamed run's loss was, given to this one (none: it chunked none)
+        record["baseline_flags"] = loss_flags
     record["shape"] = ctx.shape
     record["vram_gib"] = None if cap == rl.WHOLE else float(cap[: -len("GiB")])
     record.update(bench_command=ctx.command, warmup_steps=ctx.args.warmup, timed_steps=ctx.args.steps)
@@ -155,7 +168,7 @@ def attempt(ctx, streamed: bool, cap: str, tokens: int):
     runs.mkdir(parents=True, exist_ok=True)
     times = runs / f"{name}-times.json"
     times.unlink(missing_ok=True)
-    target = client_command(ctx, client, tokens, runs / name, streamed) + flags
+    target = client_command(ctx, client, tokens, runs / name, streamed) + flags + loss_flags
     argv = [sys.executable, str(HERE / "capped.py"), "--cap", cap, "--times", str(times)]
     ctx.logs.mkdir(parents=True, exist_ok=True)
     memory = ctx.logs / f"{name}-memory.json" if ctx.args.memory_trace else None
@@ -192,7 +205,7 @@ def attempt(ctx, streamed: bool, cap: str, tokens: int):
             (e["layerstream/peak_vram_gib"] for e in logs if "layerstream/peak_vram_gib" in e), default=None
         ),
         window_shrank=sum("the resident window shrank" in line for line in lines),
-        long_settings=long_settings_seen(logs, lines) if streamed else None,
+        long_settings=long_settings_seen(logs, lines) if streamed or same_loss else None,
         layerstream_lines=lines,
         logs=logs,
         gpu=timing.get("gpu"),
@@ -213,12 +226,6 @@ def median_of(runs: list):
     return statistics.median(timed) if timed else None
 
 
-def same_card(one: dict, other: dict) -> bool:
-    """Whether two attempts ran on the same GPU model (either unknown: taken as the same; a
-    speed ratio across cards would say nothing about layerstream)."""
-    return not one.get("gpu") or not other.get("gpu") or one["gpu"] == other["gpu"]
-
-
 def rows_from(attempts: list) -> list:
     """One row per client and cap: the longest length a streamed attempt trained, its median
     timed step, and the client's plain baseline at that length (or why there is none)."""
@@ -234,18 +241,7 @@ def rows_from(attempts: list) -> list:
         at = sorted((a for a in trained if a["tokens"] == tokens), key=lambda a: a["round"])
         at = [a for a in at if same_card(a, at[-1])]  # one card's runs (the last round's)
         failing = [a["tokens"] for a in runs if a["verdict"] == OOM and a["tokens"] > tokens]
-        residents = sorted(
-            (
-                a
-                for a in attempts
-                if not a["streamed"]
-                and a["tokens"] == tokens
-                and client_of(a) == BASELINE_CLIENT[client]
-                and same_card(a, at[0])
-            ),
-            key=lambda a: a["round"],
-        )
-        base_runs = [a for a in residents if a["verdict"] == TRAINED]
+        residents, base_runs, baseline = baseline_runs(attempts, client, tokens, at[0])
         step, base = median_of(at), median_of(base_runs)
         row = {
             "model": MODELS[at[0].get("shape", SHAPE)],
@@ -263,6 +259,7 @@ def rows_from(attempts: list) -> list:
             "commands": sorted({a["bench_command"] for a in at + residents}),
             "client_command": at[0]["client_command"],
             "baseline_command": base_runs[0]["client_command"] if base_runs else None,
+            "baseline_client": client_label(baseline) if base_runs else None,
             "known_not_to_fit": min(failing) if failing else None,
             "bound": f"{min(failing)} tokens ran out of memory" if failing else "no longer length tried",
             "speed_vs_resident": base / step if base else None,
@@ -280,7 +277,7 @@ def rows_from(attempts: list) -> list:
         if not base_runs:
             why = [f"{a['name']}: {a['verdict']}" for a in residents]
             row["baseline_note"] = "; ".join(why) if why else "no resident run at this length (--baseline)"
-        elif residents and at and LORAS[BASELINE_CLIENT[client]] == LORAS[client]:  # the same script and LoRA
+        elif residents and at and LORAS[baseline] == LORAS[client]:  # the same script and LoRA
             pair = compare(("sft", "llama3-8b", "nf4", f"{cap:g}GiB"), base_runs, at[: len(base_runs)])
             row["losses_equal"], row["max_loss_difference"] = pair["losses_equal"], pair["max_loss_difference"]
         rows.append(row)
@@ -463,6 +460,12 @@ def parse(argv):
         help="search mode: start at the memory plan's longest and step by --granularity (no --lo/--hi)",
     )
     parser.add_argument("--baseline", action="store_true", help="also plain `python -m trl.scripts.sft`, whole GPU")
+    parser.add_argument(
+        "--same-loss-baseline",
+        action="store_true",
+        help="trainer clients: the baseline is the script with --layer_stream on the whole GPU (every layer "
+        "resident) and the streamed run's loss_chunk_tokens, the same loss, instead of the plain script",
+    )
     parser.add_argument("--rounds", type=int, default=1, help="streamed (, resident) rounds at each length")
     parser.add_argument("--steps", type=int, default=2, help="timed steps of each run, after --warmup")
     parser.add_argument("--warmup", type=int, default=1)
@@ -501,6 +504,11 @@ def parse(argv):
         parser.error("give --cells CAP:TOKENS,... or --cap GIB (with --lo/--hi) to search")
     if args.dry_run and args.cells is None and args.cap is None:  # a search, a stand-in OOM, a baseline
         args.cap, args.lo, args.hi, args.granularity, args.baseline, args.rounds = 1, 0, 512, 64, True, 2
+    if args.same_loss_baseline and args.client not in SAME_LOSS_BASELINE:
+        parser.error(
+            f"--same-loss-baseline is for the Trainer script's clients ({', '.join(SAME_LOSS_BASELINE)}); "
+            f"{args.client}'s plain baseline computes the same loss already (TRL's fused head)"
+        )
     if args.min_run_s is None:
         args.min_run_s = 5 if args.dry_run else MIN_RUN_S
     return args

@@ -32,6 +32,13 @@ LORAS = {
     "trainer": "r=32 alpha=16 all-linear, dropout 0.05",
     "trainer-ends": "r=32 alpha=16 all-linear, dropout 0.05",
 }
+# --same-loss-baseline: the Trainer script's streamed run computes its loss with layerstream's
+# chunked loss once "auto" turns it on, where the plain script computes the full logits' loss.
+# Its same-loss baseline is the script with --layer_stream on the whole GPU (the window keeps
+# every layer: nothing is copied) and the streamed run's loss_chunk_tokens: the same loss,
+# layers resident. TRL's clients compute their loss alike on both sides (TRL's fused head).
+SAME_LOSS_BASELINE = {"trainer": "trainer-same-loss", "trainer-ends": "trainer-same-loss"}
+LORAS["trainer-same-loss"] = LORAS["trainer"]
 # the layerstream flags each client's streamed run adds beyond its one word (the row's options)
 CLIENT_OPTIONS = {"trainer-ends": {"stream_embeddings": "true"}}
 
@@ -58,7 +65,60 @@ def client_label(client: str = "sft") -> str:
         return "Trainer script (BitsAndBytesConfig, device_map, PEFT) with --layer_stream"
     if client == "trainer-ends":
         return "Trainer script (BitsAndBytesConfig, device_map, PEFT) with --layer_stream --layer_stream_embeddings"
+    if client == "trainer-same-loss":
+        return "Trainer script with --layer_stream on the whole GPU and the streamed run's loss_chunk_tokens"
     return f"TRL {version('trl')} trl.scripts.sft, unchanged, behind layerstream run"
+
+
+# -- baselines --------------------------------------------------------------------------------
+def baseline_client(args) -> str:
+    """Whose run is the baseline: the client's plain script, or its same-loss run
+    (``--same-loss-baseline``, the Trainer script's clients)."""
+    if args.same_loss_baseline:
+        return SAME_LOSS_BASELINE[args.client]
+    return BASELINE_CLIENT[args.client]
+
+
+def same_loss_chunk(attempts, client: str, tokens: int):
+    """The loss_chunk_tokens the latest streamed run of ``client`` at ``tokens`` decided (None:
+    none, or no streamed run yet): what its same-loss baseline is given."""
+    runs = [
+        a
+        for a in attempts
+        if a["streamed"] and a["tokens"] == tokens and client_of(a) == client and not a.get("streamed_flags")
+    ]
+    runs.sort(key=lambda a: a["round"])
+    return chunk_of(runs[-1]) if runs else None
+
+
+def same_card(one: dict, other: dict) -> bool:
+    """Whether two attempts ran on the same GPU model (either unknown: taken as the same; a
+    speed ratio across cards would say nothing about layerstream)."""
+    return not one.get("gpu") or not other.get("gpu") or one["gpu"] == other["gpu"]
+
+
+def baseline_runs(attempts: list, client: str, tokens: int, streamed: dict) -> tuple:
+    """(the baseline attempts, those that trained, whose they are) at ``tokens`` on the card of
+    ``streamed``: the client's same-loss run where one trained (its loss is the streamed run's),
+    else its plain script's."""
+    chosen = None
+    for baseline in (SAME_LOSS_BASELINE.get(client), BASELINE_CLIENT[client]):
+        if baseline is None:
+            continue
+        residents = sorted(
+            (
+                a
+                for a in attempts
+                if not a["streamed"] and a["tokens"] == tokens and client_of(a) == baseline and same_card(a, streamed)
+            ),
+            key=lambda a: a["round"],
+        )
+        trained = [a for a in residents if a["verdict"] == TRAINED]
+        if trained:
+            return residents, trained, baseline
+        if chosen is None or (residents and not chosen[0]):
+            chosen = (residents, trained, baseline)
+    return chosen
 
 
 # -- inputs: the checkpoint and the dataset -------------------------------------------------
@@ -159,6 +219,8 @@ def client_command(ctx, client: str, tokens: int, out: Path, streamed: bool) -> 
         return train_command(ctx, tokens, out)
     if client in ("trainer", "trainer-ends"):
         return trainer_command(ctx, tokens, out, streamed, ends=client == "trainer-ends")
+    if client == "trainer-same-loss":  # run with the whole GPU: --layer_stream, layers resident
+        return trainer_command(ctx, tokens, out, True)
     return sft_command(ctx, tokens, out, streamed)
 
 
@@ -248,6 +310,12 @@ def summary_fields(lines: list) -> dict:
             key = line[2:15].strip()
             fields[key] = line[15:].strip()
     return fields
+
+
+def chunk_of(attempt: dict):
+    """The loss_chunk_tokens a streamed attempt's "auto" decided (None: not seen, or off)."""
+    decided = (attempt.get("long_settings") or {}).get("auto_decided") or {}
+    return decided.get("loss_chunk_tokens") or None
 
 
 def long_settings_seen(logs: list, lines: list) -> dict:

@@ -12,6 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import long_context_client  # noqa: E402
+import long_context_clients  # noqa: E402
 import plot_long_context  # noqa: E402
 
 import common  # noqa: E402
@@ -88,7 +89,7 @@ def test_the_streamed_run_is_the_users_command_with_no_layerstream_setting(dry_r
         assert not any(flag in command for flag in LAYERSTREAM_FLAGS)
         assert any(line.startswith("layerstream: streaming decoder layers") for line in a["layerstream_lines"])
     for a in plain:  # the baseline streams nothing
-        assert a["client"] == long_context_client.BASELINE_CLIENT[client]
+        assert a["client"] == long_context_clients.BASELINE_CLIENT[client]
         assert "layerstream" not in a["client_command"].split()[0] and "--layer_stream" not in a["client_command"]
         assert not any("streaming decoder layers" in line for line in a["layerstream_lines"])
 
@@ -231,3 +232,55 @@ def test_an_ablation_runs_the_streamed_command_with_its_flags_and_makes_no_row(p
     assert any("mlp_tile_tokens=64" in line for line in ablation["layerstream_lines"]), "the flag reached the run"
     rows = json.loads((out / "long-context.json").read_text())
     assert not [row for row in rows if row["model"] == long_context_client.MODELS["tiny"]]
+
+
+def test_the_same_loss_baseline_is_the_script_streamed_on_the_whole_gpu(prepared, tmp_path):
+    """--same-loss-baseline: the Trainer script's baseline runs with --layer_stream on the whole
+    GPU (every layer resident), given the streamed run's loss chunk, and the row divides by it
+    and names it; TRL's clients, whose plain script computes the same loss, refuse the flag."""
+    shutil.copytree(prepared[0] / "tiny", tmp_path / "tiny")
+    out = tmp_path / "out"
+    argv = ["--dry-run", "--client", "trainer", "--cells", "1:256", "--baseline", "--same-loss-baseline"]
+    assert long_context_client.main([*argv, "--steps", "1", "--work", str(tmp_path), "--out", str(out)]) == 0
+    streamed, baseline = json.loads((out / "long-context-client.json").read_text())["attempts"]
+    assert baseline["name"] == "trainer-same-loss-resident-whole-256-round1" and baseline["cap"] == "whole"
+    assert baseline["client_command"].endswith("--layer_stream true"), "streamed, as the streamed run"
+    assert baseline["baseline_flags"] == [], "the streamed run chunked no loss at this length"
+    assert baseline["long_settings"] is not None, "what its own auto did is kept"
+    (row,) = [r for r in json.loads((out / "long-context.json").read_text()) if r["model"].startswith("tiny")]
+    assert row["baseline_client"] == long_context_client.client_label("trainer-same-loss")
+    assert row["baseline_step_s"] == baseline["median_timed_s"]
+    with pytest.raises(SystemExit):
+        long_context_client.parse(["--client", "sft", "--cells", "12:4096", "--same-loss-baseline"])
+
+
+def test_the_same_loss_baseline_takes_the_latest_streamed_runs_chunk_and_comes_first():
+    def run(name, streamed, client, chunk=None, round_=1, verdict="trained", flags=()):
+        decided = {"loss_chunk_tokens": chunk} if chunk else {}
+        return {
+            "name": name,
+            "streamed": streamed,
+            "client": client,
+            "tokens": 4096,
+            "round": round_,
+            "verdict": verdict,
+            "streamed_flags": list(flags),
+            "long_settings": {"auto_decided": decided} if streamed else None,
+        }
+
+    attempts = [
+        run("s1", True, "trainer", 2048, 1),
+        run("s2", True, "trainer", 512, 2),
+        run("ablation", True, "trainer", 64, 3, flags=["--layer_stream_loss_chunk_tokens", "64"]),
+        run("s-other", True, "trainer-ends", 1024, 4),
+    ]
+    assert long_context_client.same_loss_chunk(attempts, "trainer", 4096) == 512
+    assert long_context_client.same_loss_chunk(attempts, "trainer", 8192) is None
+    plain, same = run("plain", False, "trainer"), run("same", False, "trainer-same-loss")
+    _, trained, whose = long_context_client.baseline_runs([plain, same], "trainer", 4096, attempts[1])
+    assert (whose, [a["name"] for a in trained]) == ("trainer-same-loss", ["same"])
+    same["verdict"] = "out of memory"  # where it did not train, the plain script's run is the baseline
+    _, trained, whose = long_context_client.baseline_runs([plain, same], "trainer", 4096, attempts[1])
+    assert (whose, [a["name"] for a in trained]) == ("trainer", ["plain"])
+    _, trained, whose = long_context_client.baseline_runs([plain], "sft", 4096, attempts[1])
+    assert whose == "sft" and trained == []
