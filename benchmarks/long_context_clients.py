@@ -71,6 +71,17 @@ def client_label(client: str = "sft") -> str:
 
 
 # -- baselines --------------------------------------------------------------------------------
+def baseline_label(baseline: str) -> str:
+    """What a row's baseline run was, by whose run it is."""
+    from importlib.metadata import version
+
+    if baseline == "trainer-same-loss":
+        return client_label(baseline)
+    if baseline == "trainer":
+        return "Trainer script without --layer_stream, the whole GPU"
+    return f"TRL {version('trl')} trl.scripts.sft, plain, the whole GPU"
+
+
 def baseline_client(args) -> str:
     """Whose run is the baseline: the client's plain script, or its same-loss run
     (``--same-loss-baseline``, the Trainer script's clients)."""

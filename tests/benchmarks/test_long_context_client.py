@@ -102,6 +102,9 @@ def test_the_row_names_its_client_and_keeps_the_committed_rows(dry_run):
     assert plot_long_context.client_of(mine) == client
     assert mine["command"].startswith(f"python benchmarks/long_context_client.py --dry-run --client {client}")
     assert mine["max_tokens"] == 256 and mine["baseline_step_s"] > 0
+    plain = long_context_clients.BASELINE_CLIENT[client]
+    assert mine["baseline_client"] == long_context_clients.baseline_label(plain)
+    assert ("without --layer_stream" if plain == "trainer" else "plain") in mine["baseline_client"]
     assert 0.05 < mine["peak_host_rss_gib"] < 64, "the run's own peak host memory, in GiB"
     assert mine["options"] == long_context_client.CLIENT_OPTIONS.get(client, mine["options"])
     if client == "train":  # its baseline is TRL's script with other LoRA settings: no loss comparison
@@ -248,7 +251,7 @@ def test_the_same_loss_baseline_is_the_script_streamed_on_the_whole_gpu(prepared
     assert baseline["baseline_flags"] == [], "the streamed run chunked no loss at this length"
     assert baseline["long_settings"] is not None, "what its own auto did is kept"
     (row,) = [r for r in json.loads((out / "long-context.json").read_text()) if r["model"].startswith("tiny")]
-    assert row["baseline_client"] == long_context_client.client_label("trainer-same-loss")
+    assert row["baseline_client"] == long_context_clients.client_label("trainer-same-loss")
     assert row["baseline_step_s"] == baseline["median_timed_s"]
     with pytest.raises(SystemExit):
         long_context_client.parse(["--client", "sft", "--cells", "12:4096", "--same-loss-baseline"])
