@@ -108,6 +108,8 @@ def main(argv=None) -> int:
     parser.add_argument("--eval", dest="train", action="store_false", help="eval mode (default: train, as TRL)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    if args.window is not None and not 0 <= args.window <= args.layers:
+        parser.error(f"--window {args.window}: give 0 to {args.layers} layers (--layers)")
     if args.device == "cpu":
         torch.set_num_threads(1)  # one thread: the host's own work, not how it spreads
     models = {"resident": build(args, False), "streamed": build(args, True)}

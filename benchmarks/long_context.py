@@ -58,6 +58,24 @@ def parse_cell(text: str) -> dict:
     return {"shape": fields[0], "quantization": fields[1], "vram_gib": float(fields[2])}
 
 
+def gpu_total_memory() -> int:
+    """The GPU's memory in bytes (0: no GPU), asked in a process of its own: this one starts
+    no CUDA context beside the probes."""
+    code = "import torch; print(torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else 0)"
+    return int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+
+
+def refuse_caps_above_the_gpu(cells) -> None:
+    """Before any search: a cell whose cap is more than the GPU has is refused (each probe would
+    refuse it, and the search would take that for "does not fit" and keep it)."""
+    total = gpu_total_memory()
+    if total:
+        from common import cap_fraction
+
+        for cell in cells:
+            cap_fraction(int(parse_cell(cell)["vram_gib"] * GiB), total)
+
+
 def stream_options(pairs) -> dict:
     """The long-context settings but the per-shape loss chunk (``cell_options``): the
     defaults, offload_activations where StreamConfig has it, then each --stream-option
@@ -516,6 +534,8 @@ def main(argv=None) -> int:
     cells = args.cells or DEFAULT_CELLS
     for cell in cells:
         parse_cell(cell)
+    if not args.dry_run:
+        refuse_caps_above_the_gpu(cells)
     rows = json.load(open(args.out)) if os.path.exists(args.out) else []
     if args.at:
         return time_at(cells, options, args, rows)

@@ -85,6 +85,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -97,18 +98,18 @@ from long_context_clients import (  # noqa: E402
     OOM,
     SAME_LOSS_BASELINE,
     TRAINED,
-    baseline_client,
+    baseline_for,
     baseline_label,
     baseline_runs,
     client_command,
     client_label,
     client_of,
+    latest_streamed,
     layerstream_lines,
     long_settings_seen,
     planned_longest,
     recipe_options,
     same_card,
-    same_loss_chunk,
     verdict,
     write_checkpoint,
     write_dataset,
@@ -126,30 +127,31 @@ WRITE_RESERVE_S = 10  # kept back from the last attempt for writing the results
 ATTEMPTS_FILE, ROWS_FILE, LOGS = "long-context-client.json", "long-context.json", "long-context-client-logs"
 
 
-def attempt(ctx, streamed: bool, cap: str, tokens: int):
+def attempt(ctx, streamed: bool, cap: str, tokens: int, matching: Optional[dict] = None):
     """One run of the script at ``tokens`` under ``cap`` ('12GiB' or capped.WHOLE); its record,
-    saved; None when --deadline leaves no time for it."""
+    saved; None when --deadline leaves no time for it. ``matching``: the streamed run a
+    baseline is for (a same-loss baseline takes its loss chunk)."""
     kind = "streamed" if streamed else "resident"
-    client = ctx.args.client if streamed else baseline_client(ctx.args)
+    client, loss_flags = (ctx.args.client, []) if streamed else baseline_for(ctx.args, matching)
     flags = shlex.split(ctx.args.streamed_flags) if streamed else []
     same_loss = client in SAME_LOSS_BASELINE.values()
-    chunk = same_loss_chunk(ctx.results.attempts.values(), ctx.args.client, tokens) if same_loss else None
-    loss_flags = ["--layer_stream_loss_chunk_tokens", str(chunk)] if chunk else []
     rounds = [
         a
         for a in ctx.results.attempts.values()
-        if (a["kind"], a["cap"], a["tokens"], client_of(a), a.get("streamed_flags", []))
-        == (kind, cap, tokens, client, flags)
+        if (a["kind"], a["cap"], a["tokens"], client_of(a), a.get("streamed_flags", []), a.get("baseline_flags", []))
+        == (kind, cap, tokens, client, flags, loss_flags)
     ]
     prefix = "" if client == "sft" else f"{client}-"  # TRL's script's names as they were
+    if loss_flags:  # a same-loss baseline is named by the chunk it was given
+        prefix += f"chunk{loss_flags[-1]}-"
     if flags:  # an ablation's attempts are named by their flags, apart from the client's own
         prefix += "ablation-" + re.sub(r"[^A-Za-z0-9]+", "-", " ".join(flags)).strip("-") + "-"
     name = f"{prefix}{kind}-{cap}-{tokens}-round{len(rounds) + 1}"
     record = {"name": name, "kind": kind, "streamed": streamed, "cap": cap, "tokens": tokens, "round": len(rounds) + 1}
     record["client"] = client
     record["streamed_flags"] = flags
-    if same_loss:  # what the streamed run's loss was, given to this one (none: it chunked none)
-        record["baseline_flags"] = loss_flags
+    if same_loss:  # the streamed run's loss chunk, given to this one
+        record.update(baseline_flags=loss_flags, same_loss_for=matching["name"])
     record["shape"] = ctx.shape
     record["vram_gib"] = None if cap == rl.WHOLE else float(cap[: -len("GiB")])
     record.update(bench_command=ctx.command, warmup_steps=ctx.args.warmup, timed_steps=ctx.args.steps)
@@ -242,7 +244,7 @@ def rows_from(attempts: list) -> list:
         at = sorted((a for a in trained if a["tokens"] == tokens), key=lambda a: a["round"])
         at = [a for a in at if same_card(a, at[-1])]  # one card's runs (the last round's)
         failing = [a["tokens"] for a in runs if a["verdict"] == OOM and a["tokens"] > tokens]
-        residents, base_runs, baseline = baseline_runs(attempts, client, tokens, at[0])
+        residents, base_runs, baseline = baseline_runs(attempts, client, tokens, at[-1])
         step, base = median_of(at), median_of(base_runs)
         row = {
             "model": MODELS[at[0].get("shape", SHAPE)],
@@ -260,7 +262,7 @@ def rows_from(attempts: list) -> list:
             "commands": sorted({a["bench_command"] for a in at + residents}),
             "client_command": at[0]["client_command"],
             "baseline_command": base_runs[0]["client_command"] if base_runs else None,
-            "baseline_client": baseline_label(baseline) if base_runs else None,
+            "baseline_client": baseline_label(baseline, base_runs[0]) if base_runs else None,
             "known_not_to_fit": min(failing) if failing else None,
             "bound": f"{min(failing)} tokens ran out of memory" if failing else "no longer length tried",
             "speed_vs_resident": base / step if base else None,
@@ -378,9 +380,13 @@ def alternate(ctx: Context, cap: str, tokens: int, streamed_done: bool = False) 
     """--rounds of (streamed under ``cap``, then resident with the whole GPU when --baseline);
     ``streamed_done``: the first round's streamed run has just run (the search's)."""
     for index in range(ctx.args.rounds):
-        if not (index == 0 and streamed_done) and attempt(ctx, True, cap, tokens) is None:
-            return
-        if ctx.args.baseline and attempt(ctx, False, rl.WHOLE, tokens) is None:
+        if index == 0 and streamed_done:
+            streamed = latest_streamed(ctx.results.attempts.values(), ctx.args.client, cap, tokens)
+        else:
+            streamed = attempt(ctx, True, cap, tokens)
+            if streamed is None:
+                return
+        if ctx.args.baseline and attempt(ctx, False, rl.WHOLE, tokens, matching=streamed) is None:
             return
 
 

@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 HERE = Path(__file__).resolve().parent
 LORA = "r=32 alpha=16 all-linear, dropout 0.05 (TRL's default)"
@@ -37,7 +38,7 @@ LORAS = {
 # Its same-loss baseline is the script with --layer_stream on the whole GPU (the window keeps
 # every layer: nothing is copied) and the streamed run's loss_chunk_tokens: the same loss,
 # layers resident. TRL's clients compute their loss alike on both sides (TRL's fused head).
-SAME_LOSS_BASELINE = {"trainer": "trainer-same-loss", "trainer-ends": "trainer-same-loss"}
+SAME_LOSS_BASELINE = {"trainer": "trainer-same-loss"}
 LORAS["trainer-same-loss"] = LORAS["trainer"]
 # the layerstream flags each client's streamed run adds beyond its one word (the row's options)
 CLIENT_OPTIONS = {"trainer-ends": {"stream_embeddings": "true"}}
@@ -71,35 +72,43 @@ def client_label(client: str = "sft") -> str:
 
 
 # -- baselines --------------------------------------------------------------------------------
-def baseline_label(baseline: str) -> str:
-    """What a row's baseline run was, by whose run it is."""
-    from importlib.metadata import version
-
+def baseline_label(baseline: str, run: dict) -> str:
+    """What a row's baseline ``run`` was, by whose run it is (TRL's release: the run's own)."""
     if baseline == "trainer-same-loss":
         return client_label(baseline)
     if baseline == "trainer":
         return "Trainer script without --layer_stream, the whole GPU"
-    return f"TRL {version('trl')} trl.scripts.sft, plain, the whole GPU"
+    trl = (run.get("versions") or {}).get("trl", "")
+    return f"TRL {trl} trl.scripts.sft, plain, the whole GPU".replace("  ", " ")
 
 
-def baseline_client(args) -> str:
-    """Whose run is the baseline: the client's plain script, or its same-loss run
-    (``--same-loss-baseline``, the Trainer script's clients)."""
-    if args.same_loss_baseline:
-        return SAME_LOSS_BASELINE[args.client]
-    return BASELINE_CLIENT[args.client]
+def baseline_for(args, streamed: Optional[dict]) -> tuple:
+    """(whose run, flags added to it) is the baseline of the ``streamed`` run: the client's
+    plain script, or with ``--same-loss-baseline`` (the Trainer script) its same-loss run
+    given the streamed run's loss chunk, where it chunked one (else the plain script's loss
+    is the streamed run's)."""
+    flags = same_loss_flags(streamed) if args.same_loss_baseline else []
+    return (SAME_LOSS_BASELINE[args.client], flags) if flags else (BASELINE_CLIENT[args.client], [])
 
 
-def same_loss_chunk(attempts, client: str, tokens: int):
-    """The loss_chunk_tokens the latest streamed run of ``client`` at ``tokens`` decided (None:
-    none, or no streamed run yet): what its same-loss baseline is given."""
+def same_loss_flags(streamed: Optional[dict]) -> list:
+    """What a same-loss baseline of the ``streamed`` run is given: the loss_chunk_tokens its
+    "auto" decided; [] where it chunked none (or said nothing): then the plain script's loss
+    is the streamed run's, and the plain script is the baseline."""
+    chunk = chunk_of(streamed) if streamed else None
+    return ["--layer_stream_loss_chunk_tokens", str(int(chunk))] if chunk else []
+
+
+def latest_streamed(attempts, client: str, cap: str, tokens: int) -> Optional[dict]:
+    """The latest streamed run of ``client`` (no ablation) under ``cap`` at ``tokens``."""
     runs = [
         a
         for a in attempts
-        if a["streamed"] and a["tokens"] == tokens and client_of(a) == client and not a.get("streamed_flags")
+        if a["streamed"]
+        and (a["cap"], a["tokens"], client_of(a)) == (cap, tokens, client)
+        and not a.get("streamed_flags")
     ]
-    runs.sort(key=lambda a: a["round"])
-    return chunk_of(runs[-1]) if runs else None
+    return max(runs, key=lambda a: a["round"]) if runs else None
 
 
 def same_card(one: dict, other: dict) -> bool:
@@ -110,17 +119,22 @@ def same_card(one: dict, other: dict) -> bool:
 
 def baseline_runs(attempts: list, client: str, tokens: int, streamed: dict) -> tuple:
     """(the baseline attempts, those that trained, whose they are) at ``tokens`` on the card of
-    ``streamed``: the client's same-loss run where one trained (its loss is the streamed run's),
-    else its plain script's."""
+    ``streamed`` (the row's latest streamed run): the client's same-loss runs given the loss
+    chunk ``streamed`` decided, where one trained, else its plain script's."""
     chosen = None
-    for baseline in (SAME_LOSS_BASELINE.get(client), BASELINE_CLIENT[client]):
+    flags = same_loss_flags(streamed)
+    for baseline in (SAME_LOSS_BASELINE.get(client) if flags else None, BASELINE_CLIENT[client]):
         if baseline is None:
             continue
         residents = sorted(
             (
                 a
                 for a in attempts
-                if not a["streamed"] and a["tokens"] == tokens and client_of(a) == baseline and same_card(a, streamed)
+                if not a["streamed"]
+                and a["tokens"] == tokens
+                and client_of(a) == baseline
+                and same_card(a, streamed)
+                and (baseline not in SAME_LOSS_BASELINE.values() or a.get("baseline_flags") == flags)
             ),
             key=lambda a: a["round"],
         )

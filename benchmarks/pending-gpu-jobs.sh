@@ -13,7 +13,7 @@ export HF_HUB_OFFLINE=1
 gib=$(python3 -c "import torch; print(int(torch.cuda.get_device_properties(0).total_memory / 2**30))")
 echo "$(date -u +%T) GPU memory ${gib} GiB" >> "$QUEUE/progress.log"
 suite_beside() {  # the GPU suite, in order and shuffled, beside a job that writes checkpoints
-  "$@" > "$QUEUE/out/prepare.log" 2>&1 &
+  "$@" > "$QUEUE/out/prepare-beside-suite.log" 2>&1 &
   COMMIT=${COMMIT:-worktree} OMP_NUM_THREADS=5 OUT=$QUEUE/out/suite bash scripts/gpu-suite.sh all
   wait
 }
@@ -28,7 +28,8 @@ prepare() {  # the checkpoint and data of the long rows, beside the suite where 
 # memory is 79.6 GiB; a cap above the card is refused). The plan: 46.70 GiB on the GPU, 100.32
 # GiB of host RAM (`layerstream plan ... --seq 400000 --host-ram 125GiB`).
 if [ "$gib" -gt 100 ]; then cap=80; else cap=79; fi
-job prepare prepare python3 benchmarks/long_context_client.py --cells "$cap:400000" --prepare-only --work /tmp/lcc
+job prepare prepare python3 benchmarks/long_context_client.py --cells "$cap:400000,12:45056,16:61440,24:118784" \
+  --prepare-only --work /tmp/lcc
 job "sft$cap" python3 benchmarks/long_context_client.py --cells "$cap:400000" --warmup 0 --steps 1 \
   --work /tmp/lcc --deadline 840 --out "$QUEUE/out/sft$cap"
 # the decode gap of TRL's GRPO/RLOO pairs, with TRL's generation conditions and no TRL

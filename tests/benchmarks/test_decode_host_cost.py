@@ -5,6 +5,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import decode_host_cost  # noqa: E402
@@ -39,3 +41,9 @@ def test_the_committed_cpu_result_is_one_this_script_writes():
     committed = json.loads((ROOT / "benchmarks/results/decode-host-cost/cpu-lora-train.json").read_text())
     assert committed["same_tokens"] is True
     assert set(committed) >= {"token_step_ms", "streamed_over_resident", "python_calls_per_call"}
+
+
+def test_a_window_outside_the_stack_is_refused():
+    for window in ("-1", "4"):
+        with pytest.raises(SystemExit):
+            decode_host_cost.main(["--layers", "3", "--window", window])

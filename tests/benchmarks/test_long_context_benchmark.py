@@ -155,10 +155,22 @@ def _probe_environments(monkeypatch, tmp_path):
         return subprocess.CompletedProcess(command, 0, stdout="PROBE " + json.dumps(result), stderr="")
 
     monkeypatch.setattr(long_context.subprocess, "run", fake_run)
+    monkeypatch.setattr(long_context, "gpu_total_memory", lambda: 81559 * 2**20)  # an H100 80GB
     argv = ["--cells", "llama3-8b:nf4:12", "--state", str(tmp_path / "s.json"), "--out", str(tmp_path / "r.json")]
     assert long_context.main(argv + ["--hi", "2048", "--granularity", "1024", "--no-from-plan"]) == 0
     assert seen, "no probe ran"
     return seen
+
+
+def test_a_cell_capped_above_the_gpu_is_refused_before_any_probe(monkeypatch, tmp_path):
+    import long_context
+
+    monkeypatch.setattr(long_context, "gpu_total_memory", lambda: 81559 * 2**20)  # an H100 80GB
+    monkeypatch.setattr(long_context.subprocess, "run", lambda *a, **k: pytest.fail("a probe ran"))
+    argv = ["--cells", "llama3-8b:nf4:80", "--state", str(tmp_path / "s.json"), "--out", str(tmp_path / "r.json")]
+    with pytest.raises(SystemExit, match="80.0 GiB is more than this GPU's 79.6 GiB"):
+        long_context.main(argv)
+    assert not (tmp_path / "s.json").exists(), "no search bound kept"
 
 
 def test_the_long_context_probes_run_with_expandable_segments(monkeypatch, tmp_path):

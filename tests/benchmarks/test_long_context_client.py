@@ -103,8 +103,14 @@ def test_the_row_names_its_client_and_keeps_the_committed_rows(dry_run):
     assert mine["command"].startswith(f"python benchmarks/long_context_client.py --dry-run --client {client}")
     assert mine["max_tokens"] == 256 and mine["baseline_step_s"] > 0
     plain = long_context_clients.BASELINE_CLIENT[client]
-    assert mine["baseline_client"] == long_context_clients.baseline_label(plain)
-    assert ("without --layer_stream" if plain == "trainer" else "plain") in mine["baseline_client"]
+    from importlib.metadata import version
+
+    expected = (
+        "Trainer script without --layer_stream"
+        if plain == "trainer"
+        else f"TRL {version('trl')} trl.scripts.sft, plain"
+    )
+    assert mine["baseline_client"].startswith(expected), "the run's own release, the plain script"
     assert 0.05 < mine["peak_host_rss_gib"] < 64, "the run's own peak host memory, in GiB"
     assert mine["options"] == long_context_client.CLIENT_OPTIONS.get(client, mine["options"])
     if client == "train":  # its baseline is TRL's script with other LoRA settings: no loss comparison
@@ -237,53 +243,65 @@ def test_an_ablation_runs_the_streamed_command_with_its_flags_and_makes_no_row(p
     assert not [row for row in rows if row["model"] == long_context_client.MODELS["tiny"]]
 
 
-def test_the_same_loss_baseline_is_the_script_streamed_on_the_whole_gpu(prepared, tmp_path):
+def test_the_same_loss_baseline_runs_with_the_streamed_runs_loss_chunk(prepared, tmp_path, monkeypatch):
     """--same-loss-baseline: the Trainer script's baseline runs with --layer_stream on the whole
-    GPU (every layer resident), given the streamed run's loss chunk, and the row divides by it
-    and names it; TRL's clients, whose plain script computes the same loss, refuse the flag."""
+    GPU, given the loss chunk its streamed run decided (here made to decide 64: the CPU's plan
+    turns nothing on), and the row divides by it and names it."""
+    monkeypatch.setattr(long_context_clients, "chunk_of", lambda attempt: 64)
     shutil.copytree(prepared[0] / "tiny", tmp_path / "tiny")
     out = tmp_path / "out"
     argv = ["--dry-run", "--client", "trainer", "--cells", "1:256", "--baseline", "--same-loss-baseline"]
     assert long_context_client.main([*argv, "--steps", "1", "--work", str(tmp_path), "--out", str(out)]) == 0
     streamed, baseline = json.loads((out / "long-context-client.json").read_text())["attempts"]
-    assert baseline["name"] == "trainer-same-loss-resident-whole-256-round1" and baseline["cap"] == "whole"
-    assert baseline["client_command"].endswith("--layer_stream true"), "streamed, as the streamed run"
-    assert baseline["baseline_flags"] == [], "the streamed run chunked no loss at this length"
-    assert baseline["long_settings"] is not None, "what its own auto did is kept"
+    assert baseline["name"] == "trainer-same-loss-chunk64-resident-whole-256-round1" and baseline["cap"] == "whole"
+    assert baseline["verdict"] == "trained" and baseline["same_loss_for"] == streamed["name"]
+    assert baseline["client_command"].endswith("--layer_stream true --layer_stream_loss_chunk_tokens 64")
+    assert any("loss_chunk_tokens=64" in line for line in baseline["layerstream_lines"]), "the flag reached the run"
     (row,) = [r for r in json.loads((out / "long-context.json").read_text()) if r["model"].startswith("tiny")]
     assert row["baseline_client"] == long_context_clients.client_label("trainer-same-loss")
     assert row["baseline_step_s"] == baseline["median_timed_s"]
-    with pytest.raises(SystemExit):
+
+
+def test_a_same_loss_baseline_of_a_run_that_chunked_nothing_is_the_plain_script(prepared, tmp_path):
+    shutil.copytree(prepared[0] / "tiny", tmp_path / "tiny")
+    out = tmp_path / "out"
+    argv = ["--dry-run", "--client", "trainer", "--cells", "1:256", "--baseline", "--same-loss-baseline"]
+    assert long_context_client.main([*argv, "--steps", "1", "--work", str(tmp_path), "--out", str(out)]) == 0
+    _, baseline = json.loads((out / "long-context-client.json").read_text())["attempts"]
+    assert (
+        baseline["name"] == "trainer-resident-whole-256-round1" and "--layer_stream" not in baseline["client_command"]
+    )
+    with pytest.raises(SystemExit):  # TRL's clients compute the same loss on both sides already
         long_context_client.parse(["--client", "sft", "--cells", "12:4096", "--same-loss-baseline"])
+    with pytest.raises(SystemExit):  # the ends client streams its ends on purpose: its baseline is plain
+        long_context_client.parse(["--client", "trainer-ends", "--cells", "12:4096", "--same-loss-baseline"])
 
 
-def test_the_same_loss_baseline_takes_the_latest_streamed_runs_chunk_and_comes_first():
-    def run(name, streamed, client, chunk=None, round_=1, verdict="trained", flags=()):
-        decided = {"loss_chunk_tokens": chunk} if chunk else {}
-        return {
-            "name": name,
-            "streamed": streamed,
-            "client": client,
-            "tokens": 4096,
-            "round": round_,
-            "verdict": verdict,
-            "streamed_flags": list(flags),
-            "long_settings": {"auto_decided": decided} if streamed else None,
-        }
+def _run(name, streamed, client, chunk=None, round_=1, verdict="trained", gpu=None, flags=None):
+    decided = {"loss_chunk_tokens": chunk} if chunk else {}
+    record = {"name": name, "streamed": streamed, "client": client, "tokens": 4096, "round": round_}
+    record.update(verdict=verdict, gpu=gpu, cap="12GiB" if streamed else "whole", streamed_flags=[])
+    record["long_settings"] = {"auto_decided": decided} if streamed else None
+    if flags is not None:
+        record["baseline_flags"] = flags
+    return record
 
-    attempts = [
-        run("s1", True, "trainer", 2048, 1),
-        run("s2", True, "trainer", 512, 2),
-        run("ablation", True, "trainer", 64, 3, flags=["--layer_stream_loss_chunk_tokens", "64"]),
-        run("s-other", True, "trainer-ends", 1024, 4),
-    ]
-    assert long_context_client.same_loss_chunk(attempts, "trainer", 4096) == 512
-    assert long_context_client.same_loss_chunk(attempts, "trainer", 8192) is None
-    plain, same = run("plain", False, "trainer"), run("same", False, "trainer-same-loss")
-    _, trained, whose = long_context_client.baseline_runs([plain, same], "trainer", 4096, attempts[1])
-    assert (whose, [a["name"] for a in trained]) == ("trainer-same-loss", ["same"])
+
+def test_a_row_divides_by_the_same_loss_runs_given_its_own_chunk_on_its_own_card():
+    streamed = _run("s", True, "trainer", chunk=512, gpu="H100")
+    given = lambda chunk: ["--layer_stream_loss_chunk_tokens", str(chunk)]  # noqa: E731
+    same = _run("same-512", False, "trainer-same-loss", gpu="H100", flags=given(512))
+    other_chunk = _run("same-2048", False, "trainer-same-loss", gpu="H100", flags=given(2048))
+    other_card = _run("same-512-h200", False, "trainer-same-loss", gpu="H200", flags=given(512))
+    plain = _run("plain", False, "trainer", gpu="H100")
+    runs = [same, other_chunk, other_card, plain]
+    _, trained, whose = long_context_client.baseline_runs(runs, "trainer", 4096, streamed)
+    assert (whose, [a["name"] for a in trained]) == ("trainer-same-loss", ["same-512"])
     same["verdict"] = "out of memory"  # where it did not train, the plain script's run is the baseline
-    _, trained, whose = long_context_client.baseline_runs([plain, same], "trainer", 4096, attempts[1])
+    _, trained, whose = long_context_client.baseline_runs(runs, "trainer", 4096, streamed)
     assert (whose, [a["name"] for a in trained]) == ("trainer", ["plain"])
-    _, trained, whose = long_context_client.baseline_runs([plain], "sft", 4096, attempts[1])
+    unchunked = _run("s0", True, "trainer", gpu="H100")  # its loss is the plain script's
+    _, trained, whose = long_context_client.baseline_runs(runs, "trainer", 4096, unchunked)
+    assert (whose, [a["name"] for a in trained]) == ("trainer", ["plain"])
+    _, trained, whose = long_context_client.baseline_runs([plain], "sft", 4096, streamed)
     assert whose == "sft" and trained == []
