@@ -271,12 +271,10 @@ def prepare(
     allocator_defaults()
     import torch
 
-    from common import cap_fraction  # imports torch: after the allocator is set
+    from common import cap_gpu  # imports torch: after the allocator is set
 
     if torch.cuda.is_available():
-        total = torch.cuda.get_device_properties(0).total_memory
-        if cap != WHOLE:
-            torch.cuda.set_per_process_memory_fraction(cap_fraction(parse_bytes(cap), total))
+        total = torch.cuda.get_device_properties(0).total_memory if cap == WHOLE else cap_gpu(parse_bytes(cap))
         print(
             f"capped: {cap} of {total / 2**30:.1f} GiB in process {os.getpid()}; "
             f"allocator {os.environ.get('PYTORCH_CUDA_ALLOC_CONF')}",

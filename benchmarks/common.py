@@ -112,6 +112,13 @@ def cap_fraction(cap_bytes: int, total: int) -> float:
     return cap_bytes / total
 
 
+def cap_gpu(cap_bytes: int) -> int:
+    """Cap this process's use of GPU 0 at ``cap_bytes`` (``cap_fraction``); the GPU's memory."""
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(cap_fraction(cap_bytes, total))
+    return total
+
+
 def median(values):
     return statistics.median(values)
 

@@ -160,13 +160,12 @@ def probe(args) -> dict:
     """Train ``args.steps`` steps at ``args.seq`` tokens; the step times, or the failure."""
     import torch
 
-    from common import cap_fraction
+    from common import cap_gpu
 
     cell = parse_cell(args.probe)
     device = "cuda" if torch.cuda.is_available() and not args.dry_run else "cpu"
     if device == "cuda" and args.cap:
-        total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(cap_fraction(cell["vram_gib"] * GiB, total))
+        cap_gpu(int(cell["vram_gib"] * GiB))
     if args.dry_run and args.seq > args.dry_run_limit:
         return {"ok": False, "why": f"dry run: {args.seq} > {args.dry_run_limit} tokens stands in for out of memory"}
     import layerstream

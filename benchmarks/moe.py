@@ -106,7 +106,7 @@ from moe_measure import (  # noqa: E402
     trainable_state,
 )
 
-from common import SHAPES, build_random_nf4, cap_fraction, commit, machine, shape_config  # noqa: E402
+from common import SHAPES, build_random_nf4, cap_gpu, commit, machine, shape_config  # noqa: E402
 
 
 # -- the Python API route ------------------------------------------------------------------
@@ -196,8 +196,7 @@ def run_api(case: Case, values: dict, sizes: dict, session: Session) -> list:
     data, adapters = token_rows(case.warmup + case.steps, case.tokens, vocab), trainable_state(model)
     if device == "cuda":  # the cap counts what the allocator keeps: the build's blocks go back first
         torch.cuda.empty_cache()
-        total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(cap_fraction(parse_bytes(case.cap), total))
+        cap_gpu(parse_bytes(case.cap))
     layerstream.stream_model(model, device=device)
     model.to(device)
     runtime = layerstream.get_runtime(model)

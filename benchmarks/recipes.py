@@ -25,7 +25,7 @@ import layerstream
 from layerstream import plan as planner
 from layerstream.commands.train_config import load
 
-from common import build_random, build_random_nf4, cap_fraction, cuda_timer, median, write_result
+from common import build_random, build_random_nf4, cap_gpu, cuda_timer, median, write_result
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 RECIPES = [
@@ -65,8 +65,7 @@ def run_recipe(name: str, steps: int) -> dict:
         ),
     )
     layerstream.stream_model(model, slots=stream["slots"], prefetch=stream["prefetch"], vram_budget=None)
-    total = torch.cuda.get_device_properties(0).total_memory
-    torch.cuda.set_per_process_memory_fraction(cap_fraction(budget, total))
+    cap_gpu(budget)
     model.cuda()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     ids = torch.randint(0, shape["vocab_size"], (batch, seq), device="cuda")

@@ -26,7 +26,7 @@ import layerstream
 from layerstream.commands.run import allocator_defaults
 from layerstream.units import parse_bytes
 
-from common import build_random_nf4, cap_fraction, greedy_tokens, pinned_bandwidth
+from common import build_random_nf4, cap_gpu, greedy_tokens, pinned_bandwidth
 from rl_rows import WHOLE
 
 MEASURED = ("generate_s", "prefill_s", "decode_ms_per_token_step", "loads_per_token_step", "bytes_per_token_step")
@@ -160,9 +160,10 @@ def build(shape: dict):
 
 
 def set_cap(cap: str) -> None:
-    if torch.cuda.is_available():
-        total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(1.0 if cap == WHOLE else cap_fraction(parse_bytes(cap), total))
+    if torch.cuda.is_available() and cap == WHOLE:  # an earlier cap in this process lifted
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    elif torch.cuda.is_available():
+        cap_gpu(parse_bytes(cap))
 
 
 def prompts(settings, batch: int, vocab: int):

@@ -28,7 +28,7 @@ from layerstream.units import parse_bytes
 from common import (
     build_random,
     build_random_nf4,
-    cap_fraction,
+    cap_gpu,
     cuda_timer,
     median,
     parse_streamed_config,
@@ -242,8 +242,7 @@ def main():
             backward_slots=backward,
         )
         if budget:
-            total = torch.cuda.get_device_properties(0).total_memory
-            torch.cuda.set_per_process_memory_fraction(cap_fraction(budget, total))
+            cap_gpu(budget)
         model.cuda()
         runtime = layerstream.get_runtime(model)
         before = runtime.stats()

@@ -168,12 +168,11 @@ def cell(
     from layerstream.units import parse_bytes
 
     from capped import _use_the_gpu_first
-    from common import build_random, build_random_nf4, cap_fraction
+    from common import build_random, build_random_nf4, cap_gpu
 
     allocator_defaults()
     budget = parse_bytes(budget_text)
-    total = torch.cuda.get_device_properties(0).total_memory
-    torch.cuda.set_per_process_memory_fraction(cap_fraction(budget, total))
+    cap_gpu(budget)
     _use_the_gpu_first()
     model = build_random_nf4(shape) if quantization == "nf4" else build_random(shape)
     model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
