@@ -53,9 +53,10 @@ layerstream's chunked loss where the plain script computes the full logits') mak
 the script with ``--layer_stream`` on the whole GPU (its window keeps every layer that fits:
 all of an 8B's), given the streamed run's ``loss_chunk_tokens``: the same loss; a row divides
 by it where it trained, and says whose run it divided by. ``--deadline`` (seconds) starts no
-run it cannot finish and always writes what was measured. A step near ten minutes (80 GiB at 400,000 tokens) leaves no room for writing the
-checkpoint and data in its command: ``--prepare-only`` writes them in ``--work`` in an earlier
-command on the same warm machine, and the run's command reuses them.
+run it cannot finish and always writes what was measured. A step near ten minutes (80 GiB at
+400,000 tokens) leaves no room for writing the checkpoint and data in its command:
+``--prepare-only`` writes them in ``--work`` in an earlier command on the same warm machine,
+and the run's command reuses them.
 
 Each attempt records the commit its code was at (``COMMIT=<sha>`` in the environment, as
 ``scripts/gpu-suite.sh`` takes it, where the GPU machine's copy of the tree carries an older
@@ -134,7 +135,6 @@ def attempt(ctx, streamed: bool, cap: str, tokens: int, matching: Optional[dict]
     kind = "streamed" if streamed else "resident"
     client, loss_flags = (ctx.args.client, []) if streamed else baseline_for(ctx.args, matching)
     flags = shlex.split(ctx.args.streamed_flags) if streamed else []
-    same_loss = client in SAME_LOSS_BASELINE.values()
     rounds = [
         a
         for a in ctx.results.attempts.values()
@@ -150,7 +150,7 @@ def attempt(ctx, streamed: bool, cap: str, tokens: int, matching: Optional[dict]
     record = {"name": name, "kind": kind, "streamed": streamed, "cap": cap, "tokens": tokens, "round": len(rounds) + 1}
     record["client"] = client
     record["streamed_flags"] = flags
-    if same_loss:  # the streamed run's loss chunk, given to this one
+    if loss_flags:  # a same-loss baseline: the streamed run's loss chunk, given to this one
         record.update(baseline_flags=loss_flags, same_loss_for=matching["name"])
     record["shape"] = ctx.shape
     record["vram_gib"] = None if cap == rl.WHOLE else float(cap[: -len("GiB")])
@@ -208,7 +208,7 @@ def attempt(ctx, streamed: bool, cap: str, tokens: int, matching: Optional[dict]
             (e["layerstream/peak_vram_gib"] for e in logs if "layerstream/peak_vram_gib" in e), default=None
         ),
         window_shrank=sum("the resident window shrank" in line for line in lines),
-        long_settings=long_settings_seen(logs, lines) if streamed or same_loss else None,
+        long_settings=long_settings_seen(logs, lines) if streamed or loss_flags else None,
         layerstream_lines=lines,
         logs=logs,
         gpu=timing.get("gpu"),

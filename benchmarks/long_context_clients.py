@@ -121,11 +121,11 @@ def baseline_runs(attempts: list, client: str, tokens: int, streamed: dict) -> t
     """(the baseline attempts, those that trained, whose they are) at ``tokens`` on the card of
     ``streamed`` (the row's latest streamed run): the client's same-loss runs given the loss
     chunk ``streamed`` decided, where one trained, else its plain script's."""
-    chosen = None
     flags = same_loss_flags(streamed)
-    for baseline in (SAME_LOSS_BASELINE.get(client) if flags else None, BASELINE_CLIENT[client]):
-        if baseline is None:
-            continue
+    wanted = [(SAME_LOSS_BASELINE[client], flags)] if flags and client in SAME_LOSS_BASELINE else []
+    wanted.append((BASELINE_CLIENT[client], []))  # a plain run was given no flag
+    candidates = []
+    for baseline, given in wanted:
         residents = sorted(
             (
                 a
@@ -133,17 +133,14 @@ def baseline_runs(attempts: list, client: str, tokens: int, streamed: dict) -> t
                 if not a["streamed"]
                 and a["tokens"] == tokens
                 and client_of(a) == baseline
+                and a.get("baseline_flags", []) == given
                 and same_card(a, streamed)
-                and (baseline not in SAME_LOSS_BASELINE.values() or a.get("baseline_flags") == flags)
             ),
             key=lambda a: a["round"],
         )
-        trained = [a for a in residents if a["verdict"] == TRAINED]
-        if trained:
-            return residents, trained, baseline
-        if chosen is None or (residents and not chosen[0]):
-            chosen = (residents, trained, baseline)
-    return chosen
+        candidates.append((residents, [a for a in residents if a["verdict"] == TRAINED], baseline))
+    # the first whose runs trained; else the first that ran (its failures are the row's note)
+    return next((c for c in candidates if c[1]), next((c for c in candidates if c[0]), candidates[0]))
 
 
 # -- inputs: the checkpoint and the dataset -------------------------------------------------
