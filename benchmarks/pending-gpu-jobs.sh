@@ -32,12 +32,13 @@ job prepare prepare python3 benchmarks/long_context_client.py --cells "$cap:4000
   --prepare-only --work /tmp/lcc
 job "sft$cap" python3 benchmarks/long_context_client.py --cells "$cap:400000" --warmup 0 --steps 1 \
   --work /tmp/lcc --deadline 840 --out "$QUEUE/out/sft$cap"
-# the decode gap of TRL's GRPO/RLOO pairs, with TRL's generation conditions and no TRL
-job decode python3 benchmarks/decode_allocator_ab.py --as-trl --rounds 2 --calls 2 --deadline 420 \
-  --out "$QUEUE/out/decode"
 # the Trainer script's 12 GiB row against its same-loss baseline (the plain script does not fit
 # its full logits there on an H100)
 job trainer12 python3 benchmarks/long_context_client.py --client trainer --cells 12:45056 --baseline \
   --same-loss-baseline --work /tmp/lcc --deadline 480 --out "$QUEUE/out/trainer12"
 job train python3 benchmarks/long_context_client.py --client train --cells 16:61440,24:118784 \
   --baseline --work /tmp/lcc --deadline 700 --out "$QUEUE/out/train"
+# the decode gap of TRL's GRPO/RLOO pairs, with TRL's generation conditions and no TRL (five of
+# eight processes ran in the fortieth session; more rounds settle the processes' spread)
+job decode python3 benchmarks/decode_allocator_ab.py --as-trl --rounds 2 --calls 2 --deadline 420 \
+  --out "$QUEUE/out/decode"
