@@ -105,9 +105,11 @@ from long_context_clients import (  # noqa: E402
     client_command,
     client_label,
     client_of,
+    followed,
     latest_streamed,
     layerstream_lines,
     long_settings_seen,
+    median_of,
     planned_longest,
     recipe_options,
     same_card,
@@ -223,12 +225,6 @@ def attempt(ctx, streamed: bool, cap: str, tokens: int, matching: Optional[dict]
 
 
 # -- the attempts and the rows made from them -------------------------------------------------
-def median_of(runs: list):
-    """The median of the runs' timed steps (after each one's warm-up), pooled."""
-    timed = [t for run in runs for t in run["step_s"][run["warmup_steps"] :]]
-    return statistics.median(timed) if timed else None
-
-
 def rows_from(attempts: list) -> list:
     """One row per client and cap: the longest length a streamed attempt trained, its median
     timed step, and the client's plain baseline at that length (or why there is none)."""
@@ -281,8 +277,10 @@ def rows_from(attempts: list) -> list:
             why = [f"{a['name']}: {a['verdict']}" for a in residents]
             row["baseline_note"] = "; ".join(why) if why else "no resident run at this length (--baseline)"
         elif residents and at and LORAS[baseline] == LORAS[client]:  # the same script and LoRA
-            pair = compare(("sft", "llama3-8b", "nf4", f"{cap:g}GiB"), base_runs, at[: len(base_runs)])
-            row["losses_equal"], row["max_loss_difference"] = pair["losses_equal"], pair["max_loss_difference"]
+            bases, runs = followed(base_runs, at)
+            if bases:
+                pair = compare(("sft", "llama3-8b", "nf4", f"{cap:g}GiB"), bases, runs)
+                row["losses_equal"], row["max_loss_difference"] = pair["losses_equal"], pair["max_loss_difference"]
         rows.append(row)
     return rows
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -73,13 +74,14 @@ def client_label(client: str = "sft") -> str:
 
 # -- baselines --------------------------------------------------------------------------------
 def baseline_label(baseline: str, run: dict) -> str:
-    """What a row's baseline ``run`` was, by whose run it is (TRL's release: the run's own)."""
+    """What a row's baseline ``run`` was, by whose run it is (TRL's release: the run's own,
+    where it kept one; runs from before they kept their versions say only TRL's)."""
     if baseline == "trainer-same-loss":
         return client_label(baseline)
     if baseline == "trainer":
         return "Trainer script without --layer_stream, the whole GPU"
-    trl = (run.get("versions") or {}).get("trl", "")
-    return f"TRL {trl} trl.scripts.sft, plain, the whole GPU".replace("  ", " ")
+    trl = (run.get("versions") or {}).get("trl")
+    return f"TRL {trl} trl.scripts.sft, plain, the whole GPU" if trl else "TRL's trl.scripts.sft, plain, the whole GPU"
 
 
 def baseline_for(args, streamed: Optional[dict]) -> tuple:
@@ -141,6 +143,27 @@ def baseline_runs(attempts: list, client: str, tokens: int, streamed: dict) -> t
         candidates.append((residents, [a for a in residents if a["verdict"] == TRAINED], baseline))
     # the first whose runs trained; else the first that ran (its failures are the row's note)
     return next((c for c in candidates if c[1]), next((c for c in candidates if c[0]), candidates[0]))
+
+
+def median_of(runs: list):
+    """The median of the runs' timed steps (after each one's warm-up), pooled."""
+    timed = [t for run in runs for t in run["step_s"][run["warmup_steps"] :]]
+    return statistics.median(timed) if timed else None
+
+
+def followed(base_runs: list, streamed_runs: list) -> tuple:
+    """(baseline runs, streamed runs) pairwise: each baseline with the streamed run it followed,
+    the one it names (``same_loss_for``) or else the one of its round; a baseline whose run is
+    not among ``streamed_runs`` is left out. So a row's losses are compared within a pair, not
+    against an earlier round that no baseline followed."""
+    by_name = {run["name"]: run for run in streamed_runs}
+    by_round = {run["round"]: run for run in streamed_runs}
+    pairs = [
+        (base, by_name.get(base.get("same_loss_for")) if base.get("same_loss_for") else by_round.get(base["round"]))
+        for base in base_runs
+    ]
+    pairs = [(base, run) for base, run in pairs if run is not None]
+    return [base for base, _ in pairs], [run for _, run in pairs]
 
 
 # -- inputs: the checkpoint and the dataset -------------------------------------------------

@@ -305,3 +305,26 @@ def test_a_row_divides_by_the_same_loss_runs_given_its_own_chunk_on_its_own_card
     assert (whose, [a["name"] for a in trained]) == ("trainer", ["plain"])
     _, trained, whose = long_context_client.baseline_runs([plain], "sft", 4096, streamed)
     assert whose == "sft" and trained == []
+
+
+def test_a_rows_losses_are_compared_with_the_streamed_run_each_baseline_followed():
+    """A row pools every streamed round at its length, but a baseline's losses are compared
+    with the run it followed: the one it names (a same-loss run), else the one of its round.
+    Compared with an earlier round (other code, other masks), a pair that differs would pass
+    for equal, and the other way round."""
+    older = dict(_run("s-round2", True, "trainer", round_=2), losses=[1.0, 2.0])
+    newer = dict(_run("s-round3", True, "trainer", round_=3), losses=[1.0, 2.5])
+    same = dict(_run("same-round1", False, "trainer-same-loss"), same_loss_for="s-round3", losses=[1.0, 2.5])
+    bases, runs = long_context_client.followed([same], [older, newer])
+    assert (bases, runs) == ([same], [newer])
+    plain = dict(_run("plain-round2", False, "trainer", round_=2), losses=[1.0, 2.0])
+    assert long_context_client.followed([plain], [older, newer]) == ([plain], [older])
+    orphan = _run("plain-round7", False, "trainer", round_=7)
+    assert long_context_client.followed([orphan], [older, newer]) == ([], [])
+
+
+def test_a_plain_baseline_names_the_trl_release_its_run_kept():
+    label = long_context_client.baseline_label
+    assert label("sft", {"versions": {"trl": "1.16.0"}}) == "TRL 1.16.0 trl.scripts.sft, plain, the whole GPU"
+    assert label("sft", {"versions": None}) == "TRL's trl.scripts.sft, plain, the whole GPU"
+    assert label("trainer", {}) == "Trainer script without --layer_stream, the whole GPU"
