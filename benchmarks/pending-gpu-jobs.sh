@@ -7,8 +7,8 @@
 # COMMIT=<sha> names the suite's logs (the machine's copy of the tree may carry an older .git);
 # SUITE=1 runs the GPU suite first (in order and shuffled), for code it has not run on: the
 # last whole run is LOG.md's newest "GPU suite at" entry. Jobs run one after another, the most
-# needed first; each writes under $QUEUE/out/NAME, which the `wait` commands copy to
-# $OUT/queue. Edit it as measurements land (LOG.md says what ran).
+# needed first; each writes under $QUEUE/out/NAME, which the `wait` commands pack in
+# $OUT/queue/out.tgz. Edit it as measurements land (LOG.md says what ran).
 export HF_HUB_OFFLINE=1
 gib=$(python3 -c "import torch; print(int(torch.cuda.get_device_properties(0).total_memory / 2**30))")
 echo "$(date -u +%T) GPU memory ${gib} GiB" >> "$QUEUE/progress.log"
@@ -24,20 +24,13 @@ prepare() {  # the checkpoint and data of the long rows, beside the suite where 
     "$@"
   fi
 }
-# TRL's sft.py at 400,000 tokens: under 80 GiB on an H200, under 79 GiB on an H100 (its whole
-# memory is 79.6 GiB; a cap above the card is refused). The plan: 46.70 GiB on the GPU, 100.32
-# GiB of host RAM (`layerstream plan ... --seq 400000 --host-ram 125GiB`).
-if [ "$gib" -gt 100 ]; then cap=80; else cap=79; fi
-job prepare prepare python3 benchmarks/long_context_client.py --cells "$cap:400000,12:45056,16:61440,24:118784" \
-  --prepare-only --work /tmp/lcc
-job "sft$cap" python3 benchmarks/long_context_client.py --cells "$cap:400000" --warmup 0 --steps 1 \
-  --work /tmp/lcc --deadline 840 --out "$QUEUE/out/sft$cap"
-# the Trainer script's 12 GiB row against its same-loss baseline (the plain script does not fit
-# its full logits there on an H100)
+job prepare prepare python3 benchmarks/long_context_client.py --client trainer --cells 12:45056 --prepare-only \
+  --work /tmp/lcc
+# a second pair of the Trainer script's 12 GiB row against its same-loss baseline (one pair so
+# far, 0.934); --merge numbers the rounds on from the committed attempts
 job trainer12 python3 benchmarks/long_context_client.py --client trainer --cells 12:45056 --baseline \
-  --same-loss-baseline --work /tmp/lcc --deadline 480 --out "$QUEUE/out/trainer12"
-job train python3 benchmarks/long_context_client.py --client train --cells 16:61440,24:118784 \
-  --baseline --work /tmp/lcc --deadline 700 --out "$QUEUE/out/train"
+  --same-loss-baseline --merge benchmarks/results/long-context/long-context-client.json --work /tmp/lcc \
+  --deadline 480 --out "$QUEUE/out/trainer12"
 # the decode gap of TRL's GRPO/RLOO pairs, with TRL's generation conditions and no TRL (five of
 # eight processes ran in the fortieth session; more rounds settle the processes' spread)
 job decode python3 benchmarks/decode_allocator_ab.py --as-trl --rounds 2 --calls 2 --deadline 420 \

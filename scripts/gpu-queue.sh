@@ -4,7 +4,8 @@
 #
 #   bash scripts/gpu-queue.sh start JOBS.sh   # starts JOBS.sh in its own session, returns at once
 #   bash scripts/gpu-queue.sh wait 580        # waits up to 580 s (or until the jobs end), then
-#                                             # copies the jobs' logs and outputs to $OUT/queue
+#                                             # packs the jobs' logs and outputs in
+#                                             # $OUT/queue/out.tgz (unpack with tar xzf)
 #
 # JOBS.sh is a bash file run with `job NAME COMMAND...` defined: each job's output goes to
 # $QUEUE/out/NAME.log, its start, end and exit status to $QUEUE/progress.log, and a job that
@@ -39,8 +40,9 @@ wait)
   while [ ! -e "$QUEUE/done" ] && [ "$SECONDS" -lt "$end" ]; do
     sleep 5
   done
-  if [ -n "${OUT:-}" ]; then
-    mkdir -p "$OUT/queue" && cp -r "$QUEUE/out/." "$QUEUE/progress.log" "$QUEUE/runner.log" "$OUT/queue/" 2>/dev/null
+  if [ -n "${OUT:-}" ]; then  # three files: the device tool brings back at most eight
+    mkdir -p "$OUT/queue" && cp "$QUEUE/progress.log" "$QUEUE/runner.log" "$OUT/queue/" 2>/dev/null
+    tar czf "$OUT/queue/out.tgz" -C "$QUEUE/out" . 2>/dev/null
   fi
   cat "$QUEUE/progress.log" 2>/dev/null
   if [ -e "$QUEUE/done" ]; then
