@@ -106,11 +106,14 @@ def draw(points: dict, path: str) -> None:
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xticks([12, 16, 24, 48, 80], ["12", "16", "24", "48", "80"])
+        ax.set_xlim(9, 110)  # room left of the 12 GiB notes and right of the 80 GiB ones
         ax.set_xlabel("GPU memory (GiB cap; published: the card's GB)")
         ax.set_title(f"Llama-3 {size}-shaped QLoRA, r=32 all-linear, batch 1", fontsize=9)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7, loc="lower right")
     axes[0].set_ylabel("longest sequence trained (tokens)")
+    low, high = axes[0].get_ylim()
+    axes[0].set_ylim(low, high * 2.5)  # room above the longest point for its note
     fig.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=110)
