@@ -12,6 +12,7 @@
 export HF_HUB_OFFLINE=1
 gib=$(python3 -c "import torch; print(int(torch.cuda.get_device_properties(0).total_memory / 2**30))")
 echo "$(date -u +%T) GPU memory ${gib} GiB" >> "$QUEUE/progress.log"
+if [ "$gib" -gt 100 ]; then cap=80; else cap=79; fi  # an H100's whole memory is 79.6 GiB
 suite_beside() {  # the GPU suite, in order and shuffled, beside a job that writes checkpoints
   "$@" > "$QUEUE/out/prepare-beside-suite.log" 2>&1 &
   COMMIT=${COMMIT:-worktree} OMP_NUM_THREADS=5 OUT=$QUEUE/out/suite bash scripts/gpu-suite.sh all
@@ -24,8 +25,16 @@ prepare() {  # the checkpoint and data of the long rows, beside the suite where 
     "$@"
   fi
 }
-job prepare prepare python3 benchmarks/long_context_client.py --client trainer --cells 12:45056 --prepare-only \
-  --work /tmp/lcc
+job prepare prepare python3 benchmarks/long_context_client.py --client trainer \
+  --cells "$cap:400000,$cap:217088,12:45056" --prepare-only --work /tmp/lcc
+# the 80 GB rows of the other two clients (TRL's sft.py trained 400,000 under 79 GiB on an H100):
+# `layerstream train`'s long recipe at 400,000; the Trainer script at the longest a 125 GiB host
+# holds its offloaded float32 residual stream (`layerstream plan ... --residual-dtype float32
+# --adapter-dtype float32 --autocast --host-ram 125GiB`: 222,465 tokens; 217,088 leaves 2 GiB)
+job "train$cap" python3 benchmarks/long_context_client.py --client train --cells "$cap:400000" --warmup 0 \
+  --steps 1 --work /tmp/lcc --deadline 840 --out "$QUEUE/out/train$cap"
+job "trainer$cap" python3 benchmarks/long_context_client.py --client trainer --cells "$cap:217088" \
+  --warmup 0 --steps 1 --work /tmp/lcc --deadline 600 --out "$QUEUE/out/trainer$cap"
 # a second pair of the Trainer script's 12 GiB row against its same-loss baseline (one pair so
 # far, 0.934); --merge numbers the rounds on from the committed attempts
 job trainer12 python3 benchmarks/long_context_client.py --client trainer --cells 12:45056 --baseline \
