@@ -56,6 +56,10 @@ done
 job trainer12 python3 benchmarks/long_context_client.py --client trainer --cells 12:45056 --baseline \
   --same-loss-baseline --merge benchmarks/results/long-context/long-context-client.json --work /tmp/lcc \
   --deadline 480 --out "$QUEUE/out/trainer12"
+# generation under 8 GiB against the same command's resident rounds with the whole GPU: the
+# capped rows' bound is the slower of the resident token step and the copies (fraction_of_bound)
+job generate python3 benchmarks/rl.py --part generate --caps 8GiB --rounds 3 --work /tmp/rl --deadline 560 \
+  --out "$QUEUE/out/generate"
 # the decode gap of TRL's GRPO/RLOO pairs, with TRL's generation conditions and no TRL (five of
 # eight processes ran in the fortieth session; more rounds settle the processes' spread)
 job decode python3 benchmarks/decode_allocator_ab.py --as-trl --rounds 2 --calls 2 --deadline 420 \

@@ -75,6 +75,9 @@ def test_generation_rows_stream_what_the_window_leaves_and_decode_the_resident_t
         assert all_in["window_layers"] == all_in["layers"] and all_in["layer_loads_per_token_step"] == 0
         assert all_in["planner_layers_copied"] == 0 and all_in["copy_bound_ms_per_token_step"] == 0
         assert capped["cap_applied"] is False and capped["decode_ms_per_token_step"] > 0, "no GPU: no cap"
+        # the command's resident rounds with the whole GPU bound the capped row too
+        assert capped["bound_ms_per_token_step"] >= capped["resident_decode_ms_per_token_step"] > 0
+        assert capped["fraction_of_bound"] > 0
 
 
 def assert_streams_what_the_window_leaves(row):
@@ -450,3 +453,41 @@ def test_rounds_alternate_which_side_runs_first():
     assert rl.side_order(1) == ("resident", "streamed")
     assert rl.side_order(2) == ("streamed", "resident")
     assert rl.side_order(3) == rl.side_order(1)
+
+
+def _generate_record(mode, cap, decode_ms, copy_bound=None, command="c"):
+    record = {
+        "name": f"generate-{mode}-{cap}",
+        "kind": "generate",
+        "model": "m",
+        "batch": 8,
+        "cap": cap,
+        "mode": mode,
+        "window": "none" if mode == "resident" else "runtime",
+        "new_tokens": 4,
+        "prompt_tokens": 4,
+        "command": command,
+        "generate_s": [1.0],
+        "prefill_s": [0.1],
+        "decode_ms_per_token_step": [decode_ms],
+        "loads_per_token_step": [0.0],
+        "bytes_per_token_step": [0.0],
+    }
+    if copy_bound is not None:
+        record.update(copy_bound_ms_per_token_step=copy_bound, window_layers=29, layers=32, slots=3)
+    return record
+
+
+@pytest.mark.parametrize("copy_bound, bound", [(6.0, 50.0), (80.0, 80.0)])
+def test_a_capped_generation_is_measured_against_the_slower_of_resident_decoding_and_its_copies(copy_bound, bound):
+    """Under a cap a token step can at best match the resident one (same kernels) or the copy
+    of the layers outside the window, whichever is slower; a row pairs with the resident run
+    of its own command only."""
+    resident = _generate_record("resident", rl_rows.WHOLE, 50.0)
+    capped = _generate_record("streamed", "8GiB", 64.0, copy_bound)
+    (row,) = rl_rows.generation_rows([resident, capped])
+    assert row["bound_ms_per_token_step"] == bound
+    assert row["fraction_of_bound"] == pytest.approx(bound / 64.0)
+    assert row["fraction_of_copy_bound"] == pytest.approx(copy_bound / 64.0)
+    (alone,) = rl_rows.generation_rows([dict(resident, command="other"), capped])
+    assert alone["bound_ms_per_token_step"] is None and alone["fraction_of_bound"] is None
