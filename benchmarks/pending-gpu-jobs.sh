@@ -28,9 +28,10 @@ prepare() {  # the checkpoint and data of the long rows, beside the suite where 
 job prepare prepare python3 benchmarks/long_context_client.py --client trainer \
   --cells "$cap:400000,$cap:217088,12:45056" --prepare-only --work /tmp/lcc
 # the 80 GB rows of the other two clients (TRL's sft.py trained 400,000 under 79 GiB on an H100):
-# `layerstream train`'s long recipe at 400,000; the Trainer script at the longest a 125 GiB host
-# holds its offloaded float32 residual stream (`layerstream plan ... --residual-dtype float32
-# --adapter-dtype float32 --autocast --host-ram 125GiB`: 222,465 tokens; 217,088 leaves 2 GiB)
+# `layerstream train`'s long recipe at 400,000; the Trainer script near the longest a 125 GiB
+# host holds its offloaded float32 residual stream: 230,740 by the plan
+# (long-context/plan-trainer-script-79gib-host-125gib.txt); at 217,088 the plan needs 110.36 GiB
+# of host RAM (plan-trainer-script-79gib-217088.txt), 2 GiB under what may be page-locked
 job "train$cap" python3 benchmarks/long_context_client.py --client train --cells "$cap:400000" --warmup 0 \
   --steps 1 --work /tmp/lcc --deadline 840 --out "$QUEUE/out/train$cap"
 job "trainer$cap" python3 benchmarks/long_context_client.py --client trainer --cells "$cap:217088" \
