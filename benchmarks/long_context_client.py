@@ -51,8 +51,9 @@ resident, streamed, resident for ``--rounds 2``); the resident run may run out o
 is recorded. ``--same-loss-baseline`` (the Trainer script's clients, whose streamed run computes
 layerstream's chunked loss where the plain script computes the full logits') makes the baseline
 the script with ``--layer_stream`` on the whole GPU (its window keeps every layer that fits:
-all of an 8B's), given the streamed run's ``loss_chunk_tokens``: the same loss; a row divides
-by it where it trained, and says whose run it divided by. ``--deadline`` (seconds) starts no
+all of an 8B's), given the streamed run's ``loss_chunk_tokens`` and every other long-sequence
+setting off (left at "auto" they turn on where the plan nears the whole GPU): the same loss,
+layers and activations resident; a row divides by it where it trained, and says whose run. ``--deadline`` (seconds) starts no
 run it cannot finish and always writes what was measured. A step near ten minutes (80 GiB at
 400,000 tokens) leaves no room for writing the checkpoint and data in its command:
 ``--prepare-only`` writes them in ``--work`` in an earlier command on the same warm machine,
@@ -77,7 +78,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shlex
 import statistics
 import subprocess
@@ -99,6 +99,7 @@ from long_context_clients import (  # noqa: E402
     OOM,
     SAME_LOSS_BASELINE,
     TRAINED,
+    attempt_name,
     baseline_for,
     baseline_label,
     baseline_runs,
@@ -137,19 +138,8 @@ def attempt(ctx, streamed: bool, cap: str, tokens: int, matching: Optional[dict]
     kind = "streamed" if streamed else "resident"
     client, loss_flags = (ctx.args.client, []) if streamed else baseline_for(ctx.args, matching)
     flags = shlex.split(ctx.args.streamed_flags) if streamed else []
-    rounds = [
-        a
-        for a in ctx.results.attempts.values()
-        if (a["kind"], a["cap"], a["tokens"], client_of(a), a.get("streamed_flags", []), a.get("baseline_flags", []))
-        == (kind, cap, tokens, client, flags, loss_flags)
-    ]
-    prefix = "" if client == "sft" else f"{client}-"  # TRL's script's names as they were
-    if loss_flags:  # a same-loss baseline is named by the chunk it was given
-        prefix += f"chunk{loss_flags[-1]}-"
-    if flags:  # an ablation's attempts are named by their flags, apart from the client's own
-        prefix += "ablation-" + re.sub(r"[^A-Za-z0-9]+", "-", " ".join(flags)).strip("-") + "-"
-    name = f"{prefix}{kind}-{cap}-{tokens}-round{len(rounds) + 1}"
-    record = {"name": name, "kind": kind, "streamed": streamed, "cap": cap, "tokens": tokens, "round": len(rounds) + 1}
+    name, round_ = attempt_name(ctx.results.attempts, kind, cap, tokens, client, flags, loss_flags)
+    record = {"name": name, "kind": kind, "streamed": streamed, "cap": cap, "tokens": tokens, "round": round_}
     record["client"] = client
     record["streamed_flags"] = flags
     if loss_flags:  # a same-loss baseline: the streamed run's loss chunk, given to this one

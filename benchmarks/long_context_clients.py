@@ -93,12 +93,45 @@ def baseline_for(args, streamed: Optional[dict]) -> tuple:
     return (SAME_LOSS_BASELINE[args.client], flags) if flags else (BASELINE_CLIENT[args.client], [])
 
 
+# a same-loss baseline's other long-sequence settings, off: left at "auto", a length whose plan
+# comes near the whole GPU would turn them on, and the baseline would no longer be resident
+NOTHING_ELSE_ON = [
+    "--layer_stream_mlp_tile_tokens",
+    "0",
+    "--layer_stream_offload_activations",
+    "false",
+    "--layer_stream_embeddings",
+    "false",
+]
+
+
 def same_loss_flags(streamed: Optional[dict]) -> list:
     """What a same-loss baseline of the ``streamed`` run is given: the loss_chunk_tokens its
-    "auto" decided; [] where it chunked none (or said nothing): then the plain script's loss
-    is the streamed run's, and the plain script is the baseline."""
+    "auto" decided and every other long-sequence setting off; [] where it chunked none (or
+    said nothing): then the plain script's loss is the streamed run's, and the plain script
+    is the baseline."""
     chunk = chunk_of(streamed) if streamed else None
-    return ["--layer_stream_loss_chunk_tokens", str(int(chunk))] if chunk else []
+    return ["--layer_stream_loss_chunk_tokens", str(int(chunk)), *NOTHING_ELSE_ON] if chunk else []
+
+
+def given_chunk(flags: list) -> Optional[str]:
+    """The loss chunk a same-loss baseline's flags gave it (None: not one)."""
+    return (
+        flags[flags.index("--layer_stream_loss_chunk_tokens") + 1]
+        if "--layer_stream_loss_chunk_tokens" in flags
+        else None
+    )
+
+
+def ran_as_given(attempt: dict, given: list) -> bool:
+    """Whether a baseline ``attempt`` ran with the settings ``given``: given them, or (a
+    same-loss run from before the other settings were given off) given the same chunk alone
+    with "auto" turning nothing on."""
+    flags = attempt.get("baseline_flags", [])
+    if flags == given:
+        return True
+    decided = (attempt.get("long_settings") or {}).get("auto_decided")
+    return bool(given) and flags == given[:2] and not decided
 
 
 def latest_streamed(attempts, client: str, cap: str, tokens: int) -> Optional[dict]:
@@ -111,6 +144,25 @@ def latest_streamed(attempts, client: str, cap: str, tokens: int) -> Optional[di
         and not a.get("streamed_flags")
     ]
     return max(runs, key=lambda a: a["round"]) if runs else None
+
+
+def attempt_name(attempts: dict, kind: str, cap: str, tokens: int, client: str, flags: list, loss_flags: list):
+    """(name, round) of the next attempt of this kind: its round counts the earlier ones run
+    alike, and a name already taken (an earlier run counted apart) takes the next round."""
+    round_ = 1 + sum(
+        (a["kind"], a["cap"], a["tokens"], client_of(a), a.get("streamed_flags", []))
+        == (kind, cap, tokens, client, flags)
+        and ran_as_given(a, loss_flags)
+        for a in attempts.values()
+    )
+    prefix = "" if client == "sft" else f"{client}-"  # TRL's script's names as they were
+    if loss_flags:  # a same-loss baseline is named by the chunk it was given
+        prefix += f"chunk{given_chunk(loss_flags)}-"
+    if flags:  # an ablation's attempts are named by their flags, apart from the client's own
+        prefix += "ablation-" + re.sub(r"[^A-Za-z0-9]+", "-", " ".join(flags)).strip("-") + "-"
+    while f"{prefix}{kind}-{cap}-{tokens}-round{round_}" in attempts:
+        round_ += 1
+    return f"{prefix}{kind}-{cap}-{tokens}-round{round_}", round_
 
 
 def same_card(one: dict, other: dict) -> bool:
@@ -135,7 +187,7 @@ def baseline_runs(attempts: list, client: str, tokens: int, streamed: dict) -> t
                 if not a["streamed"]
                 and a["tokens"] == tokens
                 and client_of(a) == baseline
-                and a.get("baseline_flags", []) == given
+                and ran_as_given(a, given)
                 and same_card(a, streamed)
             ),
             key=lambda a: a["round"],

@@ -255,7 +255,8 @@ def test_the_same_loss_baseline_runs_with_the_streamed_runs_loss_chunk(prepared,
     streamed, baseline = json.loads((out / "long-context-client.json").read_text())["attempts"]
     assert baseline["name"] == "trainer-same-loss-chunk64-resident-whole-256-round1" and baseline["cap"] == "whole"
     assert baseline["verdict"] == "trained" and baseline["same_loss_for"] == streamed["name"]
-    assert baseline["client_command"].endswith("--layer_stream true --layer_stream_loss_chunk_tokens 64")
+    given = " ".join(["--layer_stream true --layer_stream_loss_chunk_tokens 64", *long_context_clients.NOTHING_ELSE_ON])
+    assert baseline["client_command"].endswith(given), "the chunk given, every other setting off"
     assert any("loss_chunk_tokens=64" in line for line in baseline["layerstream_lines"]), "the flag reached the run"
     (row,) = [r for r in json.loads((out / "long-context.json").read_text()) if r["model"].startswith("tiny")]
     assert row["baseline_client"] == long_context_clients.client_label("trainer-same-loss")
@@ -328,3 +329,31 @@ def test_a_plain_baseline_names_the_trl_release_its_run_kept():
     assert label("sft", {"versions": {"trl": "1.16.0"}}) == "TRL 1.16.0 trl.scripts.sft, plain, the whole GPU"
     assert label("sft", {"versions": None}) == "TRL's trl.scripts.sft, plain, the whole GPU"
     assert label("trainer", {}) == "Trainer script without --layer_stream, the whole GPU"
+
+
+def test_a_same_loss_run_given_the_chunk_alone_counts_only_where_auto_turned_nothing_else_on():
+    """Same-loss baselines are given every other long-sequence setting off (left at "auto",
+    a length near the whole GPU would turn them on). An earlier run given the chunk alone ran
+    the same settings where "auto" turned nothing on, and is still its row's baseline and a
+    round of the series; where "auto" did turn something on, it is neither."""
+    streamed = _run("s", True, "trainer", chunk=512, gpu="H100")
+    given = long_context_clients.same_loss_flags(streamed)
+    assert (
+        given[:2] == ["--layer_stream_loss_chunk_tokens", "512"] and given[2:] == long_context_clients.NOTHING_ELSE_ON
+    )
+    older = _run("trainer-same-loss-chunk512-resident-whole-4096-round1", False, "trainer-same-loss", gpu="H100")
+    older.update(baseline_flags=given[:2], long_settings={"auto_decided": None}, kind="resident", streamed_flags=[])
+    _, trained, whose = long_context_client.baseline_runs([older], "trainer", 4096, streamed)
+    assert (whose, trained) == ("trainer-same-loss", [older])
+    attempts = {older["name"]: older}
+    name, round_ = long_context_clients.attempt_name(
+        attempts, "resident", "whole", 4096, "trainer-same-loss", [], given
+    )
+    assert (name, round_) == ("trainer-same-loss-chunk512-resident-whole-4096-round2", 2)
+    older["long_settings"] = {"auto_decided": {"offload_activations": 1}}  # it ran offloaded: not resident
+    _, trained, whose = long_context_client.baseline_runs([older], "trainer", 4096, streamed)
+    assert trained == [] and whose == "trainer-same-loss"
+    name, round_ = long_context_clients.attempt_name(
+        attempts, "resident", "whole", 4096, "trainer-same-loss", [], given
+    )
+    assert (name, round_) == ("trainer-same-loss-chunk512-resident-whole-4096-round2", 2), "a taken name is skipped"
