@@ -26,7 +26,7 @@ prepare() {  # the checkpoint and data of the long rows, beside the suite where 
   fi
 }
 job prepare prepare python3 benchmarks/long_context_client.py --client trainer \
-  --cells "$cap:400000,$cap:217088,12:45056" --prepare-only --work /tmp/lcc
+  --cells "$cap:400000,$cap:217088,12:45056,16:67584,24:133120" --prepare-only --work /tmp/lcc
 # the 80 GB rows of the other two clients (TRL's sft.py trained 400,000 under 79 GiB on an H100):
 # `layerstream train`'s long recipe at 400,000; the Trainer script near the longest a 125 GiB
 # host holds its offloaded float32 residual stream: 230,740 by the plan
@@ -57,6 +57,16 @@ done
 job trainer12 python3 benchmarks/long_context_client.py --client trainer --cells 12:45056 --baseline \
   --same-loss-baseline --merge benchmarks/results/long-context/long-context-client.json --work /tmp/lcc \
   --deadline 480 --out "$QUEUE/out/trainer12"
+# the Trainer script's 16 and 24 GiB rows against same-loss baselines: by the plan 67.89 GiB
+# at 67,584 tokens (an H100 holds it) and 128.01 GiB at 133,120 (an H200 only)
+job trainer16 python3 benchmarks/long_context_client.py --client trainer --cells 16:67584 --baseline \
+  --same-loss-baseline --merge benchmarks/results/long-context/long-context-client.json --work /tmp/lcc \
+  --deadline 480 --out "$QUEUE/out/trainer16"
+if [ "$gib" -gt 100 ]; then
+  job trainer24 python3 benchmarks/long_context_client.py --client trainer --cells 24:133120 --baseline \
+    --same-loss-baseline --merge benchmarks/results/long-context/long-context-client.json --work /tmp/lcc \
+    --deadline 560 --out "$QUEUE/out/trainer24"
+fi
 # generation under 8 GiB against the same command's resident rounds with the whole GPU: the
 # capped rows' bound is the slower of the resident token step and the copies (fraction_of_bound)
 job generate python3 benchmarks/rl.py --part generate --caps 8GiB --rounds 3 --work /tmp/rl --deadline 560 \
