@@ -176,6 +176,9 @@ def card_of(gpu) -> str:
     return model.group(0).lower() if model else "gpu"
 
 
+FOLLOWING = ("follows", "same_loss_for")  # a run's fields that name another run
+
+
 def keep_by_card(runs: dict, run: dict) -> None:
     """Put ``run`` in ``runs`` under its name. Where one of that name was measured on another
     GPU, that one stays too, under its card's name (``-h200``): the run added last keeps the
@@ -184,6 +187,10 @@ def keep_by_card(runs: dict, run: dict) -> None:
     if known is not None and known.get("gpu") and run.get("gpu") and known["gpu"] != run["gpu"]:
         kept = f"{known['name']}-{card_of(known['gpu'])}"
         runs[kept] = dict(known, name=kept)
+        for other in runs.values():  # its card's runs that name it (a baseline's run) follow it
+            for key in FOLLOWING:
+                if other.get(key) == known["name"] and other.get("gpu") == known["gpu"]:
+                    other[key] = kept
     runs[run["name"]] = run
 
 

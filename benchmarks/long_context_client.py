@@ -142,6 +142,8 @@ def attempt(ctx, streamed: bool, cap: str, tokens: int, matching: Optional[dict]
     record = {"name": name, "kind": kind, "streamed": streamed, "cap": cap, "tokens": tokens, "round": round_}
     record["client"] = client
     record["streamed_flags"] = flags
+    if matching is not None:  # a baseline: the streamed run it follows (a row pairs their losses)
+        record["follows"] = matching["name"]
     if loss_flags:  # a same-loss baseline: the streamed run's loss chunk, given to this one
         record.update(baseline_flags=loss_flags, same_loss_for=matching["name"])
     record["shape"] = ctx.shape
@@ -267,10 +269,12 @@ def rows_from(attempts: list) -> list:
             why = [f"{a['name']}: {a['verdict']}" for a in residents]
             row["baseline_note"] = "; ".join(why) if why else "no resident run at this length (--baseline)"
         elif residents and at and LORAS[baseline] == LORAS[client]:  # the same script and LoRA
-            bases, runs = followed(base_runs, at)
-            if bases:
-                pair = compare(("sft", "llama3-8b", "nf4", f"{cap:g}GiB"), bases, runs)
-                row["losses_equal"], row["max_loss_difference"] = pair["losses_equal"], pair["max_loss_difference"]
+            pairs = [
+                compare(("sft", "llama3-8b", "nf4", f"{cap:g}GiB"), [b], [s]) for b, s in zip(*followed(base_runs, at))
+            ]
+            if pairs:  # each baseline against the run it followed, not against another pair's
+                row["losses_equal"] = all(pair["losses_equal"] for pair in pairs)
+                row["max_loss_difference"] = max(pair["max_loss_difference"] for pair in pairs)
         rows.append(row)
     return rows
 

@@ -130,8 +130,9 @@ def ran_as_given(attempt: dict, given: list) -> bool:
     flags = attempt.get("baseline_flags", [])
     if flags == given:
         return True
-    decided = (attempt.get("long_settings") or {}).get("auto_decided")
-    return bool(given) and flags == given[:2] and not decided
+    settings = attempt.get("long_settings") or {}
+    turned_on = settings.get("auto_decided") or any(" is on" in line for line in settings.get("lines") or [])
+    return bool(given) and flags == given[:2] and not turned_on
 
 
 def latest_streamed(attempts, client: str, cap: str, tokens: int) -> Optional[dict]:
@@ -205,17 +206,26 @@ def median_of(runs: list):
 
 def followed(base_runs: list, streamed_runs: list) -> tuple:
     """(baseline runs, streamed runs) pairwise: each baseline with the streamed run it followed,
-    the one it names (``same_loss_for``) or else the one of its round; a baseline whose run is
-    not among ``streamed_runs`` is left out. So a row's losses are compared within a pair, not
-    against an earlier round that no baseline followed."""
+    the one it names (``follows``; a same-loss baseline's ``same_loss_for``), else (attempts
+    from before baselines named it) the one whose name ends in the same round; a baseline whose
+    run is not among ``streamed_runs`` is left out. So a row's losses are compared within a
+    pair, not against a round that no baseline followed."""
     by_name = {run["name"]: run for run in streamed_runs}
-    by_round = {run["round"]: run for run in streamed_runs}
-    pairs = [
-        (base, by_name.get(base.get("same_loss_for")) if base.get("same_loss_for") else by_round.get(base["round"]))
-        for base in base_runs
-    ]
-    pairs = [(base, run) for base, run in pairs if run is not None]
+    by_round = {_round_in_name(run["name"]): run for run in streamed_runs}
+    pairs = []
+    for base in base_runs:
+        named = base.get("follows") or base.get("same_loss_for")
+        run = by_name.get(named) if named else by_round.get(_round_in_name(base["name"]))
+        if run is not None:
+            pairs.append((base, run))
     return [base for base, _ in pairs], [run for _, run in pairs]
+
+
+def _round_in_name(name: str) -> Optional[str]:
+    """ "round3" of "trainer-streamed-12GiB-24576-round3" (or of "...-round3-h100"): the name's
+    round, which an older merge kept where it renumbered the field."""
+    found = re.search(r"-(round\d+)(-[a-z0-9]+)?$", name)
+    return found.group(1) if found else None
 
 
 # -- inputs: the checkpoint and the dataset -------------------------------------------------

@@ -25,6 +25,7 @@ prepare() {  # the checkpoint and data of the long rows, beside the suite where 
     "$@"
   fi
 }
+# the checkpoint and the longest length's data (each job writes its own shorter data, seconds)
 job prepare prepare python3 benchmarks/long_context_client.py --client trainer \
   --cells "$cap:400000,$cap:217088,12:45056,16:67584,24:133120" --prepare-only --work /tmp/lcc
 # the 80 GB rows of the other two clients (TRL's sft.py trained 400,000 under 79 GiB on an H100):
@@ -53,7 +54,8 @@ for what in none tiles offload ends all; do
     --streamed-flags "$flags" --work /tmp/lcc --deadline 240 --out "$QUEUE/out/ablate-$what"
 done
 # a second pair of the Trainer script's 12 GiB row against its same-loss baseline (one pair so
-# far, 0.934); --merge numbers the rounds on from the committed attempts
+# far, 0.934, an H100's); --merge numbers the rounds on from the committed attempts. A row is of
+# one card, its last round's: run on an H200, these pairs make the rows the H200's
 job trainer12 python3 benchmarks/long_context_client.py --client trainer --cells 12:45056 --baseline \
   --same-loss-baseline --merge benchmarks/results/long-context/long-context-client.json --work /tmp/lcc \
   --deadline 480 --out "$QUEUE/out/trainer12"

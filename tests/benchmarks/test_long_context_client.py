@@ -254,7 +254,7 @@ def test_the_same_loss_baseline_runs_with_the_streamed_runs_loss_chunk(prepared,
     assert long_context_client.main([*argv, "--steps", "1", "--work", str(tmp_path), "--out", str(out)]) == 0
     streamed, baseline = json.loads((out / "long-context-client.json").read_text())["attempts"]
     assert baseline["name"] == "trainer-same-loss-chunk64-resident-whole-256-round1" and baseline["cap"] == "whole"
-    assert baseline["verdict"] == "trained" and baseline["same_loss_for"] == streamed["name"]
+    assert baseline["verdict"] == "trained" and baseline["same_loss_for"] == streamed["name"] == baseline["follows"]
     given = " ".join(["--layer_stream true --layer_stream_loss_chunk_tokens 64", *long_context_clients.NOTHING_ELSE_ON])
     assert baseline["client_command"].endswith(given), "the chunk given, every other setting off"
     assert any("loss_chunk_tokens=64" in line for line in baseline["layerstream_lines"]), "the flag reached the run"
@@ -357,3 +357,54 @@ def test_a_same_loss_run_given_the_chunk_alone_counts_only_where_auto_turned_not
         attempts, "resident", "whole", 4096, "trainer-same-loss", [], given
     )
     assert (name, round_) == ("trainer-same-loss-chunk512-resident-whole-4096-round2", 2), "a taken name is skipped"
+
+
+def _pair_run(name, streamed, client, losses, follows=None, **fields):
+    record = _run(name, streamed, client, gpu="H100", **fields)
+    if follows:
+        record["follows"] = follows
+    record.update(kind="streamed" if streamed else "resident", shape="llama3-8b", bench_command="b")
+    record.update(client_command="c", warmup_steps=1, step_s=[10.0] * 3, losses=losses, peak_allocated_gib=1.0)
+    record.update(peak_reserved_gib=1.0, vram_gib=12.0 if streamed else None, versions={"trl": "1.16.0"})
+    return record
+
+
+def test_a_row_compares_each_baseline_with_its_own_run_only():
+    """Two pairs, each equal within itself, differ between them (other code): the row's losses
+    are equal. A baseline named after another round's run is paired with the run it names."""
+    given = long_context_clients.same_loss_flags({"long_settings": {"auto_decided": {"loss_chunk_tokens": 512}}})
+    first = _pair_run("s-round3", True, "trainer", [12.50, 12.46], chunk=512, round_=3)
+    second = _pair_run("s-round4", True, "trainer", [12.47, 12.44], chunk=512, round_=4)
+    bases = [
+        _pair_run("b-round1", False, "trainer-same-loss", [12.50, 12.46], flags=given, follows="s-round3"),
+        _pair_run("b-round2", False, "trainer-same-loss", [12.47, 12.44], flags=given, follows="s-round4", round_=2),
+    ]
+    (row,) = long_context_client.rows_from([first, second, *bases])
+    assert row["losses_equal"] is True and row["max_loss_difference"] == 0.0
+    bases[1]["losses"] = [12.47, 12.45]  # the control: one pair differs, and the row says by how much
+    (row,) = long_context_client.rows_from([first, second, *bases])
+    assert row["losses_equal"] is False and row["max_loss_difference"] == pytest.approx(0.01)
+
+
+def test_a_run_renamed_for_its_card_keeps_the_baselines_that_follow_it():
+    """Merged beside a namesake from another card, a run takes its card's name, and its own
+    card's baselines that named it name it still; the other card's keep the plain name."""
+    runs = {}
+    h100 = dict(_run("s-round1", True, "trainer", gpu="H100"))
+    base = dict(_run("b-round1", False, "trainer-same-loss", gpu="H100"), follows="s-round1", same_loss_for="s-round1")
+    common.keep_by_card(runs, h100)
+    common.keep_by_card(runs, base)
+    common.keep_by_card(runs, dict(_run("s-round1", True, "trainer", gpu="H200")))
+    assert set(runs) == {"s-round1", "s-round1-h100", "b-round1"}
+    assert runs["b-round1"]["follows"] == runs["b-round1"]["same_loss_for"] == "s-round1-h100"
+
+
+def test_an_older_same_loss_run_whose_log_turned_a_setting_on_is_not_its_baseline():
+    """A chunk-only run that stopped before its first log records no decision, but its lines
+    say what "auto" turned on: it did not run resident, so it is not a same-loss baseline."""
+    given = long_context_clients.same_loss_flags({"long_settings": {"auto_decided": {"loss_chunk_tokens": 512}}})
+    older = dict(_run("b", False, "trainer-same-loss"), baseline_flags=given[:2])
+    older["long_settings"] = {"auto_decided": None, "lines": []}
+    assert long_context_clients.ran_as_given(older, given)
+    older["long_settings"]["lines"] = ["layerstream: ... offload_activations='auto' is on (frees 19.94 GiB)"]
+    assert not long_context_clients.ran_as_given(older, given)
