@@ -40,16 +40,16 @@ job "trainer$cap" python3 benchmarks/long_context_client.py --client trainer --c
 # where the Trainer script's 12 GiB row loses its 6.6% (0.934 against the same-loss run): each
 # long-sequence setting alone, with every layer resident (a 79 GiB cap, no layer copied), the
 # loss chunked as on both sides; "all" is the capped run's settings without its copies
-chunk="--layer_stream_loss_chunk_tokens 512"
-off="--layer_stream_mlp_tile_tokens 0 --layer_stream_offload_activations false --layer_stream_embeddings false"
 for what in none tiles offload ends all; do
+  tiles=0 offload=false ends=false  # each setting alone, none, or all three
   case $what in
-    none) flags="$chunk $off" ;;
-    tiles) flags="$chunk --layer_stream_mlp_tile_tokens 4096 --layer_stream_offload_activations false --layer_stream_embeddings false" ;;
-    offload) flags="$chunk --layer_stream_mlp_tile_tokens 0 --layer_stream_offload_activations true --layer_stream_embeddings false" ;;
-    ends) flags="$chunk --layer_stream_mlp_tile_tokens 0 --layer_stream_offload_activations false --layer_stream_embeddings true" ;;
-    all) flags="$chunk --layer_stream_mlp_tile_tokens 4096 --layer_stream_offload_activations true --layer_stream_embeddings true" ;;
+    tiles) tiles=4096 ;;
+    offload) offload=true ;;
+    ends) ends=true ;;
+    all) tiles=4096 offload=true ends=true ;;
   esac
+  flags="--layer_stream_loss_chunk_tokens 512 --layer_stream_mlp_tile_tokens $tiles"
+  flags+=" --layer_stream_offload_activations $offload --layer_stream_embeddings $ends"
   job "ablate-$what" python3 benchmarks/long_context_client.py --client trainer --cells "$cap:45056" \
     --streamed-flags "$flags" --work /tmp/lcc --deadline 240 --out "$QUEUE/out/ablate-$what"
 done
