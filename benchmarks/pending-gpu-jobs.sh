@@ -28,15 +28,6 @@ prepare() {  # the checkpoint and data of the long rows, beside the suite where 
 # the checkpoint and the longest length's data (each job writes its own shorter data, seconds)
 job prepare prepare python3 benchmarks/long_context_client.py --client trainer \
   --cells "$cap:400000,$cap:217088,12:45056,16:67584,24:133120" --prepare-only --work /tmp/lcc
-# the 80 GB rows of the other two clients (TRL's sft.py trained 400,000 under 79 GiB on an H100):
-# `layerstream train`'s long recipe at 400,000; the Trainer script near the longest a 125 GiB
-# host holds its offloaded float32 residual stream: 230,740 by the plan
-# (long-context/plan-trainer-script-79gib-host-125gib.txt); at 217,088 the plan needs 110.36 GiB
-# of host RAM (plan-trainer-script-79gib-217088.txt), 2 GiB under what may be page-locked
-job "train$cap" python3 benchmarks/long_context_client.py --client train --cells "$cap:400000" --warmup 0 \
-  --steps 1 --work /tmp/lcc --deadline 840 --out "$QUEUE/out/train$cap"
-job "trainer$cap" python3 benchmarks/long_context_client.py --client trainer --cells "$cap:217088" \
-  --warmup 0 --steps 1 --work /tmp/lcc --deadline 600 --out "$QUEUE/out/trainer$cap"
 # where the Trainer script's 12 GiB row loses its 6.6% (0.934 against the same-loss run): each
 # long-sequence setting alone, with every layer resident (a 79 GiB cap, no layer copied), the
 # loss chunked as on both sides; "all" is the capped run's settings without its copies
@@ -53,12 +44,6 @@ for what in none tiles offload ends all; do
   job "ablate-$what" python3 benchmarks/long_context_client.py --client trainer --cells "$cap:45056" \
     --streamed-flags "$flags" --work /tmp/lcc --deadline 240 --out "$QUEUE/out/ablate-$what"
 done
-# a second pair of the Trainer script's 12 GiB row against its same-loss baseline (one pair so
-# far, 0.934, an H100's); --merge numbers the rounds on from the committed attempts. A row is of
-# one card, its last round's: run on an H200, these pairs make the rows the H200's
-job trainer12 python3 benchmarks/long_context_client.py --client trainer --cells 12:45056 --baseline \
-  --same-loss-baseline --merge benchmarks/results/long-context/long-context-client.json --work /tmp/lcc \
-  --deadline 480 --out "$QUEUE/out/trainer12"
 # the Trainer script's 16 and 24 GiB rows against same-loss baselines: by the plan 67.89 GiB
 # at 67,584 tokens (an H100 holds it) and 128.01 GiB at 133,120 (an H200 only)
 job trainer16 python3 benchmarks/long_context_client.py --client trainer --cells 16:67584 --baseline \
@@ -69,6 +54,12 @@ if [ "$gib" -gt 100 ]; then
     --same-loss-baseline --merge benchmarks/results/long-context/long-context-client.json --work /tmp/lcc \
     --deadline 560 --out "$QUEUE/out/trainer24"
 fi
+# a second pair of the Trainer script's 12 GiB row against its same-loss baseline (one pair so
+# far, 0.934, an H100's); --merge numbers the rounds on from the committed attempts. A row is of
+# one card, its last round's: run on an H200, these pairs make the rows the H200's
+job trainer12 python3 benchmarks/long_context_client.py --client trainer --cells 12:45056 --baseline \
+  --same-loss-baseline --merge benchmarks/results/long-context/long-context-client.json --work /tmp/lcc \
+  --deadline 480 --out "$QUEUE/out/trainer12"
 # generation under 8 GiB against the same command's resident rounds with the whole GPU: the
 # capped rows' bound is the slower of the resident token step and the copies (fraction_of_bound)
 job generate python3 benchmarks/rl.py --part generate --caps 8GiB --rounds 3 --work /tmp/rl --deadline 560 \
@@ -77,3 +68,12 @@ job generate python3 benchmarks/rl.py --part generate --caps 8GiB --rounds 3 --w
 # eight processes ran in the fortieth session; more rounds settle the processes' spread)
 job decode python3 benchmarks/decode_allocator_ab.py --as-trl --rounds 2 --calls 2 --deadline 420 \
   --out "$QUEUE/out/decode"
+# the 80 GB rows of the other two clients (TRL's sft.py trained 400,000 under 79 GiB on an H100):
+# `layerstream train`'s long recipe at 400,000; the Trainer script near the longest a 125 GiB
+# host holds its offloaded float32 residual stream: 230,740 by the plan
+# (long-context/plan-trainer-script-79gib-host-125gib.txt); at 217,088 the plan needs 110.36 GiB
+# of host RAM (plan-trainer-script-79gib-217088.txt), 2 GiB under what may be page-locked
+job "train$cap" python3 benchmarks/long_context_client.py --client train --cells "$cap:400000" --warmup 0 \
+  --steps 1 --work /tmp/lcc --deadline 840 --out "$QUEUE/out/train$cap"
+job "trainer$cap" python3 benchmarks/long_context_client.py --client trainer --cells "$cap:217088" \
+  --warmup 0 --steps 1 --work /tmp/lcc --deadline 600 --out "$QUEUE/out/trainer$cap"
