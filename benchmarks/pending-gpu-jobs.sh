@@ -28,6 +28,13 @@ prepare() {  # the checkpoint and data of the long rows, beside the suite where 
 # the checkpoint and the longest length's data (each job writes its own shorter data, seconds)
 job prepare prepare python3 benchmarks/long_context_client.py --client trainer \
   --cells "$cap:400000,$cap:217088,12:45056,16:67584,24:133120" --prepare-only --work /tmp/lcc
+# a second pair of the Trainer script's 12 GiB row against its same-loss baseline (one pair so
+# far, 0.934, an H100's, of two timed steps: 12.96 then 12.65 s; four here); --merge numbers
+# the rounds on from the committed attempts. A row is of one card, its last round's: run on an
+# H200, these pairs make the rows the H200's
+job trainer12 python3 benchmarks/long_context_client.py --client trainer --cells 12:45056 --baseline --steps 4 \
+  --same-loss-baseline --merge benchmarks/results/long-context/long-context-client.json --work /tmp/lcc \
+  --deadline 480 --out "$QUEUE/out/trainer12"
 # where the Trainer script's 12 GiB row loses its 6.6% (0.934 against the same-loss run): each
 # long-sequence setting alone, with every layer resident (a 79 GiB cap, no layer copied), the
 # loss chunked as on both sides; "all" is the capped run's settings without its copies
@@ -42,7 +49,7 @@ for what in none tiles offload ends all; do
   flags="--layer_stream_loss_chunk_tokens 512 --layer_stream_mlp_tile_tokens $tiles"
   flags+=" --layer_stream_offload_activations $offload --layer_stream_embeddings $ends"
   job "ablate-$what" python3 benchmarks/long_context_client.py --client trainer --cells "$cap:45056" \
-    --streamed-flags "$flags" --work /tmp/lcc --deadline 240 --out "$QUEUE/out/ablate-$what"
+    --streamed-flags "$flags" --steps 3 --work /tmp/lcc --deadline 240 --out "$QUEUE/out/ablate-$what"
 done
 # the Trainer script's 16 and 24 GiB rows against same-loss baselines: by the plan 67.89 GiB
 # at 67,584 tokens (an H100 holds it) and 128.01 GiB at 133,120 (an H200 only)
@@ -54,12 +61,6 @@ if [ "$gib" -gt 100 ]; then
     --same-loss-baseline --merge benchmarks/results/long-context/long-context-client.json --work /tmp/lcc \
     --deadline 560 --out "$QUEUE/out/trainer24"
 fi
-# a second pair of the Trainer script's 12 GiB row against its same-loss baseline (one pair so
-# far, 0.934, an H100's); --merge numbers the rounds on from the committed attempts. A row is of
-# one card, its last round's: run on an H200, these pairs make the rows the H200's
-job trainer12 python3 benchmarks/long_context_client.py --client trainer --cells 12:45056 --baseline \
-  --same-loss-baseline --merge benchmarks/results/long-context/long-context-client.json --work /tmp/lcc \
-  --deadline 480 --out "$QUEUE/out/trainer12"
 # generation under 8 GiB against the same command's resident rounds with the whole GPU: the
 # capped rows' bound is the slower of the resident token step and the copies (fraction_of_bound)
 job generate python3 benchmarks/rl.py --part generate --caps 8GiB --rounds 3 --work /tmp/rl --deadline 560 \
