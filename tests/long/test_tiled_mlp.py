@@ -9,7 +9,7 @@ from long_pairs import CHUNK, SEQ, STEPS, TILE, long_pair, step_flops
 
 import layerstream
 from layerstream.long import chunked_loss, tiled_mlp
-from layerstream.modules import nf4
+from layerstream.modules import nf4, nf4_dense
 
 from tiny import (
     assert_traces_equal,
@@ -146,4 +146,46 @@ def test_phi3_fused_mlp_tiled_streamed_matches_resident_bit_for_bit(monkeypatch)
     runtime = layerstream.get_runtime(streamed)
     corrupt_copies(runtime, lambda layer, slot: runtime.records[0].host_region if layer == 2 else None)
     with pytest.raises(AssertionError):  # negative control: the same comparison sees a wrong layer
+        assert_traces_equal(train_steps(streamed, 1, seq=SEQ), train_steps(resident, 1, seq=SEQ))
+
+
+def _nf4_tiled_pair(tmp_path):
+    """A streamed and a resident QLoRA model, both with the MLP in tiles and the loss in
+    chunks; bitsandbytes' CPU route for training-sized calls: dequantise + linear."""
+    streamed, resident = nf4_pair(tmp_path, "llama", layers=5)
+    portable_cpu_nf4(resident)
+    stream(streamed, "cpu", slots=2, prefetch=1, mlp_tile_tokens=TILE, loss_chunk_tokens=CHUNK)
+    tiled_mlp.apply(resident, TILE)
+    chunked_loss.apply(resident, CHUNK)
+    return streamed, resident
+
+
+def test_nf4_tiles_dequantise_each_weight_once_per_call(tmp_path):
+    """Five streamed NF4 layers, four tiles a call: each MLP weight is dequantised once for
+    the forward's tiles and once for the backward's (3 weights x 2 x 5 layers a step), not
+    at every tile, and every step equals the resident model's, which dequantises at every
+    tile as bitsandbytes does."""
+    streamed, resident = _nf4_tiled_pair(tmp_path)
+    got = train_steps(streamed, STEPS, seq=SEQ)
+    stats = layerstream.get_runtime(streamed).stats()
+    assert stats["nf4_dequantisations"] == STEPS * 5 * 3 * 2
+    assert stats["nf4_dequant_calls"] >= STEPS * 5 * 3 * 2 * 4, "every tile's call took the kept weight"
+    assert not nf4_dense.active(), "the kept weights go when the call ends"
+    assert_traces_equal(got, train_steps(resident, STEPS, seq=SEQ))
+
+
+def test_a_kept_weight_served_to_another_projection_is_caught(tmp_path, monkeypatch):
+    """Negative control: weights kept by shape alone (gate_proj's then serves up_proj, the
+    same shape) break the parity above."""
+    streamed, resident = _nf4_tiled_pair(tmp_path)
+    table = {}
+
+    def by_shape(module, packed, state, dtype, counters=None):
+        key = (tuple(state.shape), dtype)
+        if key not in table:
+            table[key] = nf4_dense.dequantised_weight(packed, state, dtype)
+        return table[key]
+
+    monkeypatch.setattr(nf4_dense, "kept", by_shape)
+    with pytest.raises(AssertionError):
         assert_traces_equal(train_steps(streamed, 1, seq=SEQ), train_steps(resident, 1, seq=SEQ))

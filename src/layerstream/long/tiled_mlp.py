@@ -18,6 +18,10 @@ Dropout (PEFT's ``lora_dropout``): the backward's tiles run with the random stat
 forward's tiles started from (``ForwardRandomState``), so each tile draws the masks its
 forward drew, as ``torch.utils.checkpoint`` does with ``preserve_rng_state``. The masks are
 drawn tile by tile, so they are not those of an untiled MLP with the same seed.
+
+Streamed NF4 projections dequantise their weight once for all of a call's tiles
+(``nf4_dense``), forward and backward, where bitsandbytes would dequantise it at each tile:
+the same bits, without re-dequantising every tile.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from torch import nn
 
 from ..config import check_tokens
 from ..errors import StreamingError
-from ..modules import swap
+from ..modules import nf4_dense, swap
 from ..modules.discovery import describe_family, find_decoder_layers, layer_name
 from . import adapter_inputs, tiled_norm
 from .chunked_loss import autocast_as, autocast_state, refuse_second_order, span_gradients, spans
@@ -73,7 +77,7 @@ class TiledFunction(torch.autograd.Function):
         ctx.random = ForwardRandomState(x)
         rows = x.reshape(-1, x.shape[-1])
         out = None
-        with torch.no_grad():  # each tile written into the output: no list of tiles beside it
+        with torch.no_grad(), nf4_dense.once_per_weight():  # each tile written into the output
             for a, b in spans(rows.shape[0], tile):
                 part = _plain(module, rows[a:b].unsqueeze(0))[0]
                 if out is None:
@@ -98,7 +102,7 @@ class TiledFunction(torch.autograd.Function):
         def run(leaf, a, b):
             return _plain(ctx.module, leaf.unsqueeze(0)), grad_rows[a:b].unsqueeze(0)
 
-        with bound_to(ctx.specs, frozen), autocast_as(ctx.autocast), ctx.random.replayed():
+        with bound_to(ctx.specs, frozen), autocast_as(ctx.autocast), ctx.random.replayed(), nf4_dense.once_per_weight():
             parts = spans(rows.shape[0], ctx.tile)
             param_grads = span_gradients(rows, parts, ctx.trainables, wanted, run, grad_x)
         return (

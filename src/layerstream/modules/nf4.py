@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..system.log import get_logger
-from . import cpu_repacking, swap
+from . import cpu_repacking, nf4_dense, swap
 from .nf4_gate import fused_kernel_would_run
 
 logger = get_logger(__name__)
@@ -47,6 +47,10 @@ QUANT_PATHS: Tuple[Tuple[str, ...], ...] = (
     ("state2", "absmax"),
     ("state2", "code"),
 )
+
+# what a streamed projection's calls count, by route (``streamed_nf4_forward``), and the
+# weights dequantised once for a run of calls (``nf4_dense.kept``): in the runtime's stats
+COUNTERS = ("nf4_function_calls", "nf4_dequant_calls", "nf4_inference_calls", "nf4_dequantisations")
 
 MIN_BNB = "0.50.2"  # the oldest bitsandbytes whose dispatch and QuantState layout we test
 
@@ -308,18 +312,7 @@ def _gemm_4bit(x, packed, state, bias):
 
 def dequantized_linear(x, packed, state, bias):
     """dequantize_4bit + F.linear, as bitsandbytes' unfused gemm_4bit fallback computes it."""
-    absmax = state.absmax
-    if state.nested:
-        absmax = (
-            torch.ops.bitsandbytes.dequantize_blockwise.default(
-                state.absmax, state.state2.absmax, state.state2.code, 256, torch.float32
-            )
-            + state.offset
-        )
-    weight = torch.ops.bitsandbytes.dequantize_4bit.default(
-        packed, absmax, state.blocksize, state.quant_type, state.shape, x.dtype
-    )
-    return F.linear(x, weight, bias)
+    return F.linear(x, nf4_dense.dequantised_weight(packed, state, x.dtype), bias)
 
 
 class NF4Matmul(torch.autograd.Function):
@@ -415,6 +408,13 @@ def streamed_nf4_forward(module, x: torch.Tensor, owner=None, counters: Optional
     bias = module.bias
     if bias is not None:
         bias = bias.to(x.dtype).to(module.compute_dtype) if module.compute_dtype is not None else bias.to(x.dtype)
+    if nf4_dense.active() and x.numel() and not fused_kernel_would_run(x, state.shape, state.blocksize):
+        # a run of calls on this weight (the tiled MLP's tiles): the route bitsandbytes takes
+        # here is dequantise + linear, on a weight dequantised once for the run
+        if counters is not None:
+            counters["nf4_dequant_calls"] += 1
+        dense = nf4_dense.kept(module, weight.data.view(-1, 1), state, x.dtype, counters)
+        return F.linear(x, dense, bias).to(inp_dtype)
     if not (torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))):
         # nothing to differentiate (generation, a frozen input): bitsandbytes' own call,
         # as matmul_4bit makes it without grad; nothing keeps a reference into the slot

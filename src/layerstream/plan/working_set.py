@@ -32,7 +32,9 @@ of ``e`` bytes, query and key/value widths ``q`` and ``kv``):
   as the MLP's phase.
 
 Per layer, NF4 projections keep their dequantised weight for the input gradient (all of
-them in the MLP's phase, the attention projections' in attention's), and Parameters adapted
+them in the MLP's phase, the attention projections' in attention's; a tiled MLP dequantises
+its three once for all tiles and holds them through the tiles, ``modules/nf4_dense``,
+within this count), and Parameters adapted
 through PEFT's ParamWrapper keep the merged weight. Pure arithmetic: no CUDA.
 """
 

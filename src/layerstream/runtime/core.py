@@ -27,7 +27,7 @@ from torch import nn
 from ..config import StreamConfig
 from ..decisions.schedule import Phase, PrefetchSchedule
 from ..errors import ForkedChildError, StreamingError
-from ..modules import bindings, changes, packed_experts, swap
+from ..modules import bindings, changes, nf4, packed_experts, swap
 from ..modules import layer as layer_mod
 from ..system.log import get_logger
 from ..tiers import checksum
@@ -87,7 +87,7 @@ class StreamRuntime:
         self._warned_cache = False
         self._warned_placed = False
         self._placed_at = 0  # layer.registrations() when tensors were last placed
-        self.nf4_counts = {"nf4_function_calls": 0, "nf4_dequant_calls": 0, "nf4_inference_calls": 0}
+        self.nf4_counts = dict.fromkeys(nf4.COUNTERS, 0)  # the streamed NF4 routes' calls
         self._recording = None  # timeline.Recording while a step is recorded
         self._inference_mode = False  # the layer being called was called under torch.inference_mode
         self.budget_check = BudgetCheck()  # an explicit vram_budget, checked per step shape
