@@ -25,32 +25,30 @@ prepare() {  # the checkpoint and data of the long rows, beside the suite where 
     "$@"
   fi
 }
+# the tiled MLP's weights dequantised once for all tiles (modules/nf4_dense), new since the
+# last GPU suite: its CUDA parity first (a minute), the whole suite later in this list
+job nf4-dense python3 -m pytest -o addopts="" -m gpu -q -p no:cacheprovider tests/modules/test_nf4_dense.py \
+  tests/modules/test_nf4_cuda.py tests/long/test_tiled_norm.py
 # the checkpoint and the longest length's data (each job writes its own shorter data, seconds)
 job prepare prepare python3 benchmarks/long_context_client.py --client trainer \
   --cells "$cap:400000,$cap:217088,12:45056,16:67584,24:133120" --prepare-only --work /tmp/lcc
-# a second pair of the Trainer script's 12 GiB row against its same-loss baseline (one pair so
-# far, 0.934, an H100's, of two timed steps: 12.96 then 12.65 s; four here); --merge numbers
-# the rounds on from the committed attempts. A row is of one card, its last round's: run on an
-# H200, these pairs make the rows the H200's
+# what the tiled MLP costs now (12.57 s against 11.92 s without it at 45,056 tokens with every
+# layer resident, an H100, before its weights were dequantised once): the two again, same flags
+for what in none tiles; do
+  tiles=0
+  [ "$what" = tiles ] && tiles=4096
+  flags="--layer_stream_loss_chunk_tokens 512 --layer_stream_mlp_tile_tokens $tiles"
+  flags+=" --layer_stream_offload_activations false --layer_stream_embeddings false"
+  job "ablate-$what" python3 benchmarks/long_context_client.py --client trainer --cells "$cap:45056" \
+    --streamed-flags "$flags" --steps 3 --merge benchmarks/results/long-context/long-context-client.json \
+    --work /tmp/lcc --deadline 240 --out "$QUEUE/out/ablate-$what"
+done
+# the Trainer script's 12 GiB row against its same-loss baseline with the change (0.934 and
+# 0.943 in two pairs before it); --merge numbers the rounds on from the committed attempts. A
+# row is of one card, its last round's: run on an H200, these pairs make the rows the H200's
 job trainer12 python3 benchmarks/long_context_client.py --client trainer --cells 12:45056 --baseline --steps 4 \
   --same-loss-baseline --merge benchmarks/results/long-context/long-context-client.json --work /tmp/lcc \
   --deadline 480 --out "$QUEUE/out/trainer12"
-# where the Trainer script's 12 GiB row loses its 6.6% (0.934 against the same-loss run): each
-# long-sequence setting alone, with every layer resident (a 79 GiB cap, no layer copied), the
-# loss chunked as on both sides; "all" is the capped run's settings without its copies
-for what in none tiles offload ends all; do
-  tiles=0 offload=false ends=false  # each setting alone, none, or all three
-  case $what in
-    tiles) tiles=4096 ;;
-    offload) offload=true ;;
-    ends) ends=true ;;
-    all) tiles=4096 offload=true ends=true ;;
-  esac
-  flags="--layer_stream_loss_chunk_tokens 512 --layer_stream_mlp_tile_tokens $tiles"
-  flags+=" --layer_stream_offload_activations $offload --layer_stream_embeddings $ends"
-  job "ablate-$what" python3 benchmarks/long_context_client.py --client trainer --cells "$cap:45056" \
-    --streamed-flags "$flags" --steps 3 --work /tmp/lcc --deadline 240 --out "$QUEUE/out/ablate-$what"
-done
 # the Trainer script's 16 and 24 GiB rows against same-loss baselines: by the plan 67.89 GiB
 # at 67,584 tokens (an H100 holds it) and 128.01 GiB at 133,120 (an H200 only)
 job trainer16 python3 benchmarks/long_context_client.py --client trainer --cells 16:67584 --baseline \
@@ -61,6 +59,8 @@ if [ "$gib" -gt 100 ]; then
     --same-loss-baseline --merge benchmarks/results/long-context/long-context-client.json --work /tmp/lcc \
     --deadline 560 --out "$QUEUE/out/trainer24"
 fi
+# the GPU suite whole, in order and shuffled (seeds 1 and 2), for the code since its last run
+job suite env COMMIT="${COMMIT:-worktree}" OMP_NUM_THREADS=5 OUT="$QUEUE/out/suite" bash scripts/gpu-suite.sh all
 # generation under 8 GiB against the same command's resident rounds with the whole GPU: the
 # capped rows' bound is the slower of the resident token step and the copies (fraction_of_bound)
 job generate python3 benchmarks/rl.py --part generate --caps 8GiB --rounds 3 --work /tmp/rl --deadline 560 \
