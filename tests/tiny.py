@@ -291,9 +291,20 @@ def scale_mlp_outputs(model):
     return model
 
 
-def nf4_pair(tmp_path, family="llama", layers=5, dtype=torch.bfloat16, nested=True, device="cpu", **model_overrides):
+def nf4_pair(
+    tmp_path,
+    family="llama",
+    layers=5,
+    dtype=torch.bfloat16,
+    nested=True,
+    device="cpu",
+    compute_dtype=None,
+    **model_overrides,
+):
     """A streamed and a resident QLoRA model loaded from the same files by transformers
     with BitsAndBytesConfig (NF4), each wrapped by PEFT (lora.Linear4bit), same adapters.
+    The weights are quantised from ``dtype`` and computed in ``compute_dtype`` (default
+    ``dtype``).
 
     Both are quantised on the host, so their packed bytes are identical; on CUDA the
     resident one is then moved to the GPU (the streamed one still needs ``stream``)."""
@@ -303,7 +314,10 @@ def nf4_pair(tmp_path, family="llama", layers=5, dtype=torch.bfloat16, nested=Tr
     if not directory.exists():
         save_tiny(directory, family, layers, dtype=dtype, wide=True, **model_overrides)
     quant = BitsAndBytesConfig(
-        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=nested, bnb_4bit_compute_dtype=dtype
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=nested,
+        bnb_4bit_compute_dtype=compute_dtype or dtype,
     )
 
     def load():

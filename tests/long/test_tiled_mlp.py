@@ -149,10 +149,17 @@ def test_phi3_fused_mlp_tiled_streamed_matches_resident_bit_for_bit(monkeypatch)
         assert_traces_equal(train_steps(streamed, 1, seq=SEQ), train_steps(resident, 1, seq=SEQ))
 
 
-def _nf4_tiled_pair(tmp_path):
+def _nf4_tiled_pair(tmp_path, **overrides):
     """A streamed and a resident QLoRA model, both with the MLP in tiles and the loss in
-    chunks; bitsandbytes' CPU route for training-sized calls: dequantise + linear."""
-    streamed, resident = nf4_pair(tmp_path, "llama", layers=5)
+    chunks; bitsandbytes' CPU route for training-sized calls: dequantise + linear. With
+    ``mlp_bias=True`` the MLP's projections get the same non-zero biases on both sides."""
+    streamed, resident = nf4_pair(tmp_path, "llama", layers=5, **overrides)
+    if overrides.get("mlp_bias"):
+        for model in (streamed, resident):
+            for name, param in model.named_parameters():
+                if ".mlp." in name and name.endswith("base_layer.bias"):
+                    with torch.no_grad():
+                        param.copy_(torch.linspace(-0.5, 0.5, param.numel()).to(param.dtype))
     portable_cpu_nf4(resident)
     stream(streamed, "cpu", slots=2, prefetch=1, mlp_tile_tokens=TILE, loss_chunk_tokens=CHUNK)
     tiled_mlp.apply(resident, TILE)
@@ -172,6 +179,15 @@ def test_nf4_tiles_dequantise_each_weight_once_per_call(tmp_path):
     assert stats["nf4_dequant_calls"] >= STEPS * 5 * 3 * 2 * 4, "every tile's call took the kept weight"
     assert not nf4_dense.active(), "the kept weights go when the call ends"
     assert_traces_equal(got, train_steps(resident, STEPS, seq=SEQ))
+
+
+def test_nf4_tiles_on_kept_weights_add_the_projections_biases(tmp_path):
+    """An MLP with biases (non-zero, the same on both sides): the kept weight's product adds
+    each projection's bias as bitsandbytes' call does, bit for bit the resident model's."""
+    streamed, resident = _nf4_tiled_pair(tmp_path, mlp_bias=True)
+    got = train_steps(streamed, 2, seq=SEQ)
+    assert layerstream.get_runtime(streamed).stats()["nf4_dequantisations"] > 0
+    assert_traces_equal(got, train_steps(resident, 2, seq=SEQ))
 
 
 def test_a_kept_weight_served_to_another_projection_is_caught(tmp_path, monkeypatch):

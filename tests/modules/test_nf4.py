@@ -39,6 +39,37 @@ def test_nf4_training_matches_resident_bitsandbytes(tmp_path, dtype, nested):
     assert stats["nf4_dequant_calls"] > 0 and stats["layer_loads"] > 5
 
 
+def test_weights_quantised_from_bf16_computed_in_fp16_train_as_bitsandbytes_does(tmp_path):
+    """bitsandbytes' backward dequantises a weight to the dtype it was quantised from
+    (bfloat16) and casts that to the gradient's (float16): the streamed projections take
+    the checkpoint-visible Function there, so every gradient equals the resident model's."""
+    streamed, resident = nf4_pair(tmp_path, "llama", layers=5, compute_dtype=torch.float16)
+    stream(streamed, "cpu", slots=2, prefetch=1)
+    assert_traces_equal(train_steps(streamed, 3), train_steps(resident, 3))
+    stats = layerstream.get_runtime(streamed).stats()
+    assert stats["nf4_function_calls"] > 0 and stats["nf4_dequant_calls"] == 0
+
+
+def test_a_bf16_weight_dequantised_straight_to_fp16_is_caught(tmp_path, monkeypatch):
+    """Negative control: dequantise + linear in float16 for those weights (the route taken
+    before) gives other input gradients than bitsandbytes' backward."""
+    streamed, resident = nf4_pair(tmp_path, "llama", layers=5, compute_dtype=torch.float16)
+    stream(streamed, "cpu", slots=2, prefetch=1)
+    original = nf4.streamed_nf4_forward
+
+    def computed_as_stored(module, x, owner=None, counters=None):
+        state = module.weight.quant_state
+        kept, state.dtype = state.dtype, torch.float16
+        try:
+            return original(module, x, owner, counters)
+        finally:
+            state.dtype = kept
+
+    monkeypatch.setattr(nf4, "streamed_nf4_forward", computed_as_stored)
+    with pytest.raises(AssertionError):
+        assert_traces_equal(train_steps(streamed, 1), train_steps(resident, 1))
+
+
 def test_nf4_packed_weights_and_quant_state_stream(tmp_path):
     streamed, _ = nf4_pair(tmp_path, "qwen2", layers=3)
     stream(streamed, "cpu", slots=2)

@@ -50,6 +50,22 @@ def test_parity_at_a_training_m(tmp_path, dtype, nested):
     assert stats["nf4_dequant_calls"] > 0
 
 
+def test_parity_with_weights_quantised_from_bf16_computed_in_fp16(tmp_path):
+    """bitsandbytes' backward dequantises to the stored dtype (bfloat16) and casts to the
+    gradient's (float16): the streamed projections take the checkpoint-visible Function
+    there, at a fused M and at a training M alike."""
+    streamed, resident = nf4_pair(
+        tmp_path, "llama", layers=5, device="cuda", attn="eager", compute_dtype=torch.float16, **LONG
+    )
+    stream(streamed, "cuda", slots=2, prefetch=1)
+    for seq, size in ((FUSED_SEQ, 1), (TRAINING_SEQ, 2)):
+        assert_traces_equal(
+            _train(streamed, seq, steps=2, batch_size=size), _train(resident, seq, steps=2, batch_size=size)
+        )
+    stats = layerstream.get_runtime(streamed).stats()
+    assert stats["nf4_function_calls"] > 0 and stats["nf4_dequant_calls"] == 0
+
+
 @pytest.mark.parametrize("use_cache", [True, False], ids=["cache", "no-cache"])
 @pytest.mark.parametrize("size", [1, 8])
 def test_greedy_generation_matches_resident_token_for_token(tmp_path, size, use_cache):

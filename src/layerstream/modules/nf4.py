@@ -390,7 +390,10 @@ def streamed_nf4_forward(module, x: torch.Tensor, owner=None, counters: Optional
     ``bitsandbytes.matmul_4bit`` routes it. Without anything to differentiate, its gemm_4bit
     op as that function calls it (bitsandbytes' own dispatch between its fused kernel and
     dequantise + linear); with one, the checkpoint-visible Function where the op would run
-    its fused kernel, else dequantise + linear as autograd sees them.
+    its fused kernel or where the weight was quantised from another dtype than the compute
+    dtype (bitsandbytes' backward dequantises to the stored dtype and casts, which a weight
+    dequantised straight to the compute dtype does not round the same), else dequantise +
+    linear as autograd sees them.
 
     bitsandbytes' CPU inference repacking (AVX512-BF16) is not applied: it rewrites the
     weight in place, which would rewrite the host store.
@@ -408,7 +411,13 @@ def streamed_nf4_forward(module, x: torch.Tensor, owner=None, counters: Optional
     bias = module.bias
     if bias is not None:
         bias = bias.to(x.dtype).to(module.compute_dtype) if module.compute_dtype is not None else bias.to(x.dtype)
-    if nf4_dense.active() and x.numel() and not fused_kernel_would_run(x, state.shape, state.blocksize):
+    stored_as_computed = state.dtype == x.dtype  # else bitsandbytes' backward casts a dequantised copy
+    if (
+        nf4_dense.active()
+        and stored_as_computed
+        and x.numel()
+        and not fused_kernel_would_run(x, state.shape, state.blocksize)
+    ):
         # a run of calls on this weight (the tiled MLP's tiles): the route bitsandbytes takes
         # here is dequantise + linear, on a weight dequantised once for the run
         if counters is not None:
@@ -423,7 +432,7 @@ def streamed_nf4_forward(module, x: torch.Tensor, owner=None, counters: Optional
         if x.numel() == 0:  # as matmul_4bit answers an empty input
             return torch.empty((*x.shape[:-1], state.shape[0]), dtype=x.dtype, device=x.device).to(inp_dtype)
         out = _gemm_4bit(x, weight.data.view(-1, 1), state, bias)
-    elif fused_kernel_would_run(x, state.shape, state.blocksize):
+    elif not stored_as_computed or fused_kernel_would_run(x, state.shape, state.blocksize):
         if counters is not None:
             counters["nf4_function_calls"] += 1
         nested = state.nested

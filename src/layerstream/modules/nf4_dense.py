@@ -12,8 +12,11 @@ The bits do not change: dequantising is deterministic, so the tensor kept is the
 call would have made, and ``F.linear`` on it is what bitsandbytes' unfused fallback (and
 ``dequantized_linear``, the route of a streamed projection that trains) runs. Calls that
 bitsandbytes would send to its fused kernel never come here (``nf4.streamed_nf4_forward``
-asks first). Memory: the run holds its weights' dequantised copies until it ends (an 8B
-MLP's three: 0.34 GiB), which its backward held anyway, one tile's graph keeping all three.
+asks first), nor do weights quantised from another dtype than the compute dtype (whose
+backward in bitsandbytes casts a copy dequantised to the stored dtype). Memory: the run
+holds its weights' dequantised copies until it ends (an 8B MLP's three: 0.34 GiB). The
+backward held them anyway (one tile's graph keeps all three, which the plan counts); the
+forward's tiles, which held one at a time, now hold three, still under the backward's peak.
 """
 
 from __future__ import annotations
