@@ -6,6 +6,7 @@ import logging
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from layerstream.long import tiled_mlp, tiled_norm
 from layerstream.long.tiled_norm import TiledNormFunction
@@ -170,20 +171,65 @@ def test_removing_the_tiles_restores_the_norms_classes():
     assert [type(n) for n in tiled_norm.norms(model)] == classes
 
 
+class _WholeRowAdds(TorchDispatchMode):
+    """Counts the elements of additions whose result has rows of the hidden width."""
+
+    def __init__(self, hidden):
+        super().__init__()
+        self.hidden, self.count = hidden, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if (
+            func._overloadpacket is torch.ops.aten.add
+            and isinstance(out, torch.Tensor)
+            and out.shape[-1] == self.hidden
+        ):
+            self.count += out.numel()
+        return out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_tiled_norms_backward_adds_no_more_than_the_untiled_one(dtype):
+    """Each tile's terms are handed over as they come; autograd does not also sum them into the
+    tile's input gradient, which nothing reads (a float32 input's two terms: a sum per tile).
+    Counted in elements: the sums the norm's own backward takes, it takes tile by tile."""
+    model = tiny_model("llama", layers=1, dtype=dtype).requires_grad_(False)
+    norm = model.model.layers[0].post_attention_layernorm
+    hidden = model.config.hidden_size
+    x = torch.randn(2, SEQ, hidden, dtype=dtype)
+    grad = torch.randn_like(x)
+
+    def adds():
+        leaf = x.clone().requires_grad_(True)
+        out = norm(leaf)
+        with _WholeRowAdds(hidden) as counted:
+            out.backward(grad)
+        return counted.count, leaf.grad
+
+    untiled, plain = adds()
+    tiled_norm.apply(model, TILE)
+    tiled, gradient = adds()
+    assert torch.equal(gradient, plain)
+    assert tiled == untiled, f"{tiled} elements added tiled, {untiled} untiled"
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [16384, 16388])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("family", ["llama", "gemma3_text"])
-def test_at_an_8b_width_a_tiled_norms_input_gradient_has_the_untiled_bits(family, dtype):
+def test_at_an_8b_width_a_tiled_norms_input_gradient_has_the_untiled_bits(family, dtype, tokens):
     """On CUDA a reduction's kernel is chosen by its sizes: the row sums of a 4,096-token
-    tile must be taken as in the whole 16,384-token norm, at Llama-3-8B's width. The input
-    also feeds a residual branch, whose gradient autograd adds to the norm's terms."""
+    tile, and of a last tile of 4 tokens, must be taken as in the whole norm, at Llama-3-8B's
+    width. The input also feeds a residual branch, whose gradient autograd adds to the norm's
+    terms."""
     config = dict(hidden_size=4096, intermediate_size=64, num_attention_heads=32, num_key_value_heads=8, head_dim=128)
     model = tiny_model(family, layers=1, dtype=dtype, **config).requires_grad_(False).cuda()
     norm = model.model.layers[0].post_attention_layernorm
     gen = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(1, 16384, 4096, device="cuda", dtype=dtype, generator=gen)
-    grad = torch.randn(1, 16384, 4096, device="cuda", dtype=dtype, generator=gen)
-    residual_grad = torch.randn(1, 16384, 4096, device="cuda", dtype=dtype, generator=gen)
+    x = torch.randn(1, tokens, 4096, device="cuda", dtype=dtype, generator=gen)
+    grad = torch.randn(1, tokens, 4096, device="cuda", dtype=dtype, generator=gen)
+    residual_grad = torch.randn(1, tokens, 4096, device="cuda", dtype=dtype, generator=gen)
 
     def input_gradient():
         leaf = x.clone().requires_grad_(True)
