@@ -125,3 +125,15 @@ def test_the_plot_draws_every_row_with_its_speed_against_the_baseline(tmp_path):
     empty.write_text("[]")
     assert plot_long_context.main(["--results", str(empty), "--out", str(tmp_path / "never.png")]) == 1
     assert not (tmp_path / "never.png").exists()
+
+
+def test_every_client_attempt_names_a_committed_log_or_says_why_not():
+    """An attempt's log is what its figures can be checked against: committed beside the
+    attempts file, or (attempts whose logs stayed on the machine) none, with a ``log_note``."""
+    folder = RESULTS / "long-context"
+    attempts = json.loads((folder / "long-context-client.json").read_text())["attempts"]
+    for attempt in attempts:
+        if attempt["log"] is None:
+            assert attempt["log_note"], attempt["name"]
+            continue
+        assert (folder / attempt["log"]).is_file(), f"{attempt['name']}: {attempt['log']} is not committed"
