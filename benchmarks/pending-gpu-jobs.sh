@@ -25,8 +25,9 @@ prepare() {  # the checkpoint and data of the long rows, beside the suite where 
     "$@"
   fi
 }
-# the tiled MLP's weights dequantised once for all tiles (modules/nf4_dense), new since the
-# last GPU suite: its CUDA parity first (a minute), the whole suite later in this list
+# the tiled MLP's weights dequantised once for all tiles (modules/nf4_dense) and the tiled norms'
+# terms handed over unsummed, new since the last GPU suite: their CUDA parity first (a minute,
+# a last tile of 4 rows included), the whole suite later in this list
 job nf4-dense python3 -m pytest -o addopts="" -m gpu -q -p no:cacheprovider tests/modules/test_nf4_dense.py \
   tests/modules/test_nf4_cuda.py tests/long/test_tiled_norm.py
 # the checkpoint and the longest length's data (each job writes its own shorter data, seconds)
@@ -54,13 +55,14 @@ job trainer12 python3 benchmarks/long_context_client.py --client trainer --cells
 job trainer16 python3 benchmarks/long_context_client.py --client trainer --cells 16:67584 --baseline \
   --same-loss-baseline --merge benchmarks/results/long-context/long-context-client.json --work /tmp/lcc \
   --deadline 480 --out "$QUEUE/out/trainer16"
+# the GPU suite whole, in order and shuffled (seeds 1 and 2), for the code since its last run
+job suite env COMMIT="${COMMIT:-worktree}" OMP_NUM_THREADS=5 OUT="$QUEUE/out/suite" bash scripts/gpu-suite.sh all
+# (an H200 only) the 24 GiB pair, after the suite: nine minutes of device time
 if [ "$gib" -gt 100 ]; then
   job trainer24 python3 benchmarks/long_context_client.py --client trainer --cells 24:133120 --baseline \
     --same-loss-baseline --merge benchmarks/results/long-context/long-context-client.json --work /tmp/lcc \
     --deadline 560 --out "$QUEUE/out/trainer24"
 fi
-# the GPU suite whole, in order and shuffled (seeds 1 and 2), for the code since its last run
-job suite env COMMIT="${COMMIT:-worktree}" OMP_NUM_THREADS=5 OUT="$QUEUE/out/suite" bash scripts/gpu-suite.sh all
 # generation under 8 GiB against the same command's resident rounds with the whole GPU: the
 # capped rows' bound is the slower of the resident token step and the copies (fraction_of_bound)
 job generate python3 benchmarks/rl.py --part generate --caps 8GiB --rounds 3 --work /tmp/rl --deadline 560 \
