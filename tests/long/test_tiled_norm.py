@@ -214,13 +214,53 @@ def test_a_tiled_norms_backward_adds_no_more_than_the_untiled_one(dtype):
     assert tiled == untiled, f"{tiled} elements added tiled, {untiled} untiled"
 
 
+def test_a_remainder_shorter_than_the_fewest_rows_joins_the_tile_before_it():
+    assert tiled_norm.tile_spans(45060, 4096, 64)[-2:] == [(36864, 40960), (40960, 45060)]
+    assert len(tiled_norm.tile_spans(45060, 4096, 64)) == 11
+    assert tiled_norm.tile_spans(16448, 4096, 64)[-1] == (16384, 16448), "64 rows make a tile of their own"
+    assert tiled_norm.tile_spans(10, 7, 1) == [(0, 7), (7, 10)], "the CPU takes any remainder"
+    assert tiled_norm.tile_spans(48, 7, 64) == [(0, 48)], "a tile is at least the fewest rows"
+    assert tiled_norm.fewest_rows(torch.device("cpu")) == 1
+    assert tiled_norm.fewest_rows(torch.device("cuda", 0)) == tiled_norm.FEWEST_ROWS >= 16
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_tiles_with_a_remainder_joined_give_the_untiled_bits(dtype, monkeypatch):
+    """The tiles as CUDA takes them, on the CPU: 48 rows in tiles of at least 10, the last 8
+    joined to the one before it."""
+    taken = []
+    spans_of = tiled_norm.tile_spans
+
+    def recorded(rows, tile, fewest):
+        taken.append(spans_of(rows, tile, fewest))
+        return taken[-1]
+
+    monkeypatch.setattr(tiled_norm, "fewest_rows", lambda device: 10)
+    monkeypatch.setattr(tiled_norm, "tile_spans", recorded)
+    model = tiny_model("llama", layers=1, dtype=dtype).requires_grad_(False)
+    norm = model.model.layers[0].post_attention_layernorm
+    x = torch.randn(2, SEQ, model.config.hidden_size, dtype=dtype)
+    grad, residual_grad = torch.randn_like(x), torch.randn_like(x)
+
+    def input_gradient():
+        leaf = x.clone().requires_grad_(True)
+        torch.autograd.backward([leaf * 1.0, norm(leaf)], [residual_grad, grad])
+        return leaf.grad
+
+    plain = input_gradient()
+    tiled_norm.apply(model, TILE)
+    assert torch.equal(input_gradient(), plain)
+    assert [(0, 10), (10, 20), (20, 30), (30, 48)] in taken, taken
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [16384, 16388])
+@pytest.mark.parametrize("tokens", [16384, 16388, 16448])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("family", ["llama", "gemma3_text"])
 def test_at_an_8b_width_a_tiled_norms_input_gradient_has_the_untiled_bits(family, dtype, tokens):
     """On CUDA a reduction's kernel is chosen by its sizes: the row sums of a 4,096-token
-    tile, and of a last tile of 4 tokens, must be taken as in the whole norm, at Llama-3-8B's
+    tile, of a last tile of 64, and of 4 last tokens (joined to the tile before them: alone,
+    they were summed in another order) must be taken as in the whole norm, at Llama-3-8B's
     width. The input also feeds a residual branch, whose gradient autograd adds to the norm's
     terms."""
     config = dict(hidden_size=4096, intermediate_size=64, num_attention_heads=32, num_key_value_heads=8, head_dim=128)

@@ -28,6 +28,12 @@ Only norms whose weights take no gradient are tiled (LoRA and QLoRA freeze them)
 trainable norm weight's gradient sums over every token, and summing it tile by tile would
 change the order of that sum. Such a norm runs untiled, and that is said once.
 
+Rows are summed as in the whole input only where a tile has enough of them: on CUDA, torch
+shapes a row reduction's launch by the number of rows up to 16 (for float32: blocks of 32
+lanes by 16 rows; 4 rows take blocks of 128 lanes by 4, which add a row's values in another
+order). A CUDA tile therefore has at least ``FEWEST_ROWS`` rows, and a shorter remainder joins
+the tile before it (``tile_spans``): 45,060 tokens in tiles of 4,096 end with one of 4,100.
+
 The norm's weight of a streamed layer is bound to a slot only during the layer's call, so
 it is saved with ``save_for_backward`` (the checkpoint's recompute hands backward the one
 it bound) and bound again around the backward's tiles, as the tiled MLP does.
@@ -50,6 +56,9 @@ from .tiles import bound_to, frozen_tensors, tile_for
 logger = get_logger(__name__)
 
 _TILE = "_layerstream_norm_tile_tokens"
+# the fewest rows a CUDA tile takes: from 16 rows on, a row reduction's launch is that of the
+# whole input (torch's setReduceConfig); 64 leaves a margin
+FEWEST_ROWS = 64
 # how many of a norm's operations read its input, by norm (weakly) and (dtype, device, autocast)
 _READS: "weakref.WeakKeyDictionary[nn.Module, Dict[tuple, int]]" = weakref.WeakKeyDictionary()
 _said_trainable = False
@@ -57,6 +66,21 @@ _said_trainable = False
 
 def _plain(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return super(TiledNorm, module).forward(x)
+
+
+def fewest_rows(device: torch.device) -> int:
+    """The fewest rows a tile on ``device`` takes for its row sums to be those of the whole
+    input: CUDA chooses a reduction's launch by its row count, the CPU does not."""
+    return FEWEST_ROWS if device.type == "cuda" else 1
+
+
+def tile_spans(rows: int, tile: int, fewest: int) -> List[tuple]:
+    """(start, end) of each tile of ``rows`` rows: ``tile`` rows each (at least ``fewest``),
+    a last one shorter than ``fewest`` joined to the one before it."""
+    parts = spans(rows, max(tile, fewest))
+    if len(parts) > 1 and parts[-1][1] - parts[-1][0] < fewest:
+        parts[-2:] = [(parts[-2][0], parts[-1][1])]
+    return parts
 
 
 def _edges_to(leaf: torch.Tensor, out: torch.Tensor) -> Dict[torch.autograd.graph.Node, List[int]]:
@@ -143,7 +167,7 @@ class TiledNormFunction(torch.autograd.Function):
         grad_rows = grad.reshape(-1, grad.shape[-1])
         terms = [torch.empty_like(rows) for _ in range(ctx.reads)]
         with bound_to(ctx.specs, frozen), autocast_as(ctx.autocast), torch.enable_grad(), span_graph():
-            for a, b in spans(rows.shape[0], ctx.tile):
+            for a, b in tile_spans(rows.shape[0], ctx.tile, fewest_rows(x.device)):
                 leaf = rows[a:b].detach().requires_grad_()
                 _each_reads_gradient(ctx.module, leaf, grad_rows[a:b], terms, a, b)
         terms = [term.reshape(x.shape) for term in terms]
@@ -161,7 +185,7 @@ class TiledNorm:
             or args
             or kwargs
             or x.dim() < 2
-            or x.numel() // x.shape[-1] <= tile
+            or len(tile_spans(x.numel() // x.shape[-1], tile, fewest_rows(x.device))) < 2
             or not (torch.is_grad_enabled() and x.requires_grad)
             or not x.is_contiguous()  # the tiles' rows would be a copy, reduced by other kernels
         ):
