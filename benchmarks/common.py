@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -168,6 +169,35 @@ def commit() -> str | None:
         return None
     head = done.stdout.strip()
     return (head if clean else f"{head}+modified") if head else None
+
+
+@functools.lru_cache(maxsize=None)
+def code_of(commit_id: str | None) -> str | None:
+    """What a run's speed depends on: the tree of ``src/`` at ``commit_id`` (commits that
+    changed only docs or benchmarks ran the same code), or ``commit_id`` itself where this
+    checkout cannot tell (a GPU machine's copy may lack the commit); "+modified" kept."""
+    if not commit_id:
+        return None
+    base, _, modified = commit_id.partition("+")
+    try:
+        done = subprocess.run(
+            ["git", "rev-parse", "--verify", "-q", f"{base}:src"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).parent,
+        )
+    except OSError:
+        return commit_id
+    tree = done.stdout.strip()
+    if done.returncode != 0 or not tree:
+        return commit_id
+    return f"{tree}+{modified}" if modified else tree
+
+
+def same_code(one: dict, other: dict) -> bool:
+    """Whether two attempts ran the same layerstream code (both unrecorded: taken as the same,
+    as attempts from before they kept their commit were pooled)."""
+    return code_of(one.get("commit")) == code_of(other.get("commit"))
 
 
 def card_of(gpu) -> str:

@@ -120,7 +120,7 @@ from long_context_clients import (  # noqa: E402
 )
 
 import rl  # noqa: E402  (the harness runs as a script)
-from common import commit, keep_by_card  # noqa: E402
+from common import commit, keep_by_card, same_code  # noqa: E402
 from zero_edit import compare  # noqa: E402
 
 RESULTS = HERE / "results"
@@ -230,9 +230,14 @@ def rows_from(attempts: list) -> list:
             continue
         tokens = max(a["tokens"] for a in trained)
         at = sorted((a for a in trained if a["tokens"] == tokens), key=lambda a: a["round"])
-        at = [a for a in at if same_card(a, at[-1])]  # one card's runs (the last round's)
+        # one card's runs, of one code: the last round's (rounds of older code describe that code)
+        at = [a for a in at if same_card(a, at[-1]) and same_code(a, at[-1])]
         failing = [a["tokens"] for a in runs if a["verdict"] == OOM and a["tokens"] > tokens]
         residents, base_runs, baseline = baseline_runs(attempts, client, tokens, at[-1])
+        paired, _ = followed(base_runs, at)
+        if paired:  # the baselines that ran beside the row's rounds, where any did
+            base_runs = paired
+            residents = [a for a in residents if a in paired or a["verdict"] != TRAINED]
         step, base = median_of(at), median_of(base_runs)
         row = {
             "model": MODELS[at[0].get("shape", SHAPE)],

@@ -309,8 +309,8 @@ def test_a_row_divides_by_the_same_loss_runs_given_its_own_chunk_on_its_own_card
 
 
 def test_a_rows_losses_are_compared_with_the_streamed_run_each_baseline_followed():
-    """A row pools every streamed round at its length, but a baseline's losses are compared
-    with the run it followed: the one it names (a same-loss run), else the one of its round.
+    """A row pools the streamed rounds of one code at its length, but a baseline's losses are
+    compared with the run it followed: the one it names (a same-loss run), else the one of its round.
     Compared with an earlier round (other code, other masks), a pair that differs would pass
     for equal, and the other way round."""
     older = dict(_run("s-round2", True, "trainer", round_=2), losses=[1.0, 2.0])
@@ -384,6 +384,46 @@ def test_a_row_compares_each_baseline_with_its_own_run_only():
     bases[1]["losses"] = [12.47, 12.45]  # the control: one pair differs, and the row says by how much
     (row,) = long_context_client.rows_from([first, second, *bases])
     assert row["losses_equal"] is False and row["max_loss_difference"] == pytest.approx(0.01)
+
+
+def test_a_rows_rounds_are_its_last_rounds_code_with_the_baselines_beside_them(monkeypatch):
+    """Rounds of older code measured that code: a row pools the rounds whose src/ is its last
+    round's (commits that changed only docs or benchmarks ran the same code), divided by the
+    baselines that ran beside those rounds."""
+    trees = {"c-old": "tree-1", "c-new": "tree-2", "c-docs": "tree-2"}
+    monkeypatch.setattr(common, "code_of", lambda commit: trees.get(commit, commit))
+    given = long_context_clients.same_loss_flags({"long_settings": {"auto_decided": {"loss_chunk_tokens": 512}}})
+    old = dict(_pair_run("s-round1", True, "trainer", [12.5], chunk=512), commit="c-old", step_s=[20.0] * 3)
+    new = dict(_pair_run("s-round2", True, "trainer", [12.5], chunk=512, round_=2), commit="c-new")
+    docs = dict(_pair_run("s-round3", True, "trainer", [12.5], chunk=512, round_=3), commit="c-docs")
+    old_base = dict(
+        _pair_run("b-round1", False, "trainer-same-loss", [12.5], flags=given, follows="s-round1"),
+        commit="c-old",
+        step_s=[5.0] * 3,
+    )
+    new_base = dict(
+        _pair_run("b-round2", False, "trainer-same-loss", [12.5], flags=given, follows="s-round3", round_=2),
+        commit="c-docs",
+        step_s=[9.0] * 3,
+    )
+    (row,) = long_context_client.rows_from([old, new, docs, old_base, new_base])
+    assert row["attempts"] == ["s-round2", "s-round3", "b-round2"]
+    assert (row["step_s"], row["baseline_step_s"]) == (10.0, 9.0)
+    trees["c-old"] = "tree-2"  # the control: the same code, every round and baseline pooled
+    (row,) = long_context_client.rows_from([old, new, docs, old_base, new_base])
+    assert row["attempts"] == ["s-round1", "s-round2", "s-round3", "b-round1", "b-round2"]
+    assert row["step_s"] == 10.0 and row["baseline_step_s"] == 7.0
+
+
+def test_an_attempts_code_is_the_src_tree_at_its_commit():
+    import subprocess
+
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    tree = subprocess.run(["git", "rev-parse", "HEAD:src"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    assert common.code_of(head) == tree and common.code_of(head[:7]) == tree
+    assert common.code_of(f"{head[:7]}+modified") == f"{tree}+modified"
+    assert common.code_of("not-a-commit") == "not-a-commit", "a commit this checkout lacks stands for itself"
+    assert common.code_of(None) is None and common.same_code({}, {"commit": None})
 
 
 def test_a_run_renamed_for_its_card_keeps_the_baselines_that_follow_it():
