@@ -25,39 +25,24 @@ prepare() {  # the checkpoint and data of the long rows, beside the suite where 
     "$@"
   fi
 }
-# the tiled MLP's weights dequantised once for all tiles (modules/nf4_dense) and the tiled norms'
-# terms handed over unsummed, new since the last GPU suite: their CUDA parity first (a minute,
-# a last tile of 4 rows included), the whole suite later in this list
-job nf4-dense python3 -m pytest -o addopts="" -m gpu -q -p no:cacheprovider tests/modules/test_nf4_dense.py \
-  tests/modules/test_nf4_cuda.py tests/long/test_tiled_norm.py
+# the tiled norms' short last tile joined to the one before it (new since the last GPU run,
+# where 4 rows alone gave float32 gradients other bits): its CUDA parity first (a minute)
+job norms python3 -m pytest -o addopts="" -m gpu -q -p no:cacheprovider tests/long/test_tiled_norm.py \
+  tests/modules/test_nf4_dense.py
 # the checkpoint and the longest length's data (each job writes its own shorter data, seconds)
 job prepare prepare python3 benchmarks/long_context_client.py --client trainer \
   --cells "$cap:400000,$cap:217088,12:45056,16:67584,24:133120" --prepare-only --work /tmp/lcc
-# what the tiled MLP costs now (12.57 s against 11.92 s without it at 45,056 tokens with every
-# layer resident, an H100, before its weights were dequantised once): the two again, same flags
-for what in none tiles; do
-  tiles=0
-  [ "$what" = tiles ] && tiles=4096
-  flags="--layer_stream_loss_chunk_tokens 512 --layer_stream_mlp_tile_tokens $tiles"
-  flags+=" --layer_stream_offload_activations false --layer_stream_embeddings false"
-  job "ablate-$what" python3 benchmarks/long_context_client.py --client trainer --cells "$cap:45056" \
-    --streamed-flags "$flags" --steps 3 --merge benchmarks/results/long-context/long-context-client.json \
-    --work /tmp/lcc --deadline 240 --out "$QUEUE/out/ablate-$what"
-done
-# the Trainer script's 12 GiB row against its same-loss baseline with the change (0.934 and
-# 0.943 in two pairs before it); --merge numbers the rounds on from the committed attempts. A
-# row is of one card, its last round's: run on an H200, these pairs make the rows the H200's
+# the GPU suite whole, in order and shuffled (seeds 1 and 2), for the code since its last run
+job suite env COMMIT="${COMMIT:-worktree}" OMP_NUM_THREADS=5 OUT="$QUEUE/out/suite" bash scripts/gpu-suite.sh all
+# the Trainer script's 16 GiB pair again, four timed steps (0.939 from two in one pair), and a
+# second 12 GiB pair of this code (0.956 in one)
+job trainer16 python3 benchmarks/long_context_client.py --client trainer --cells 16:67584 --baseline --steps 4 \
+  --same-loss-baseline --merge benchmarks/results/long-context/long-context-client.json --work /tmp/lcc \
+  --deadline 560 --out "$QUEUE/out/trainer16"
 job trainer12 python3 benchmarks/long_context_client.py --client trainer --cells 12:45056 --baseline --steps 4 \
   --same-loss-baseline --merge benchmarks/results/long-context/long-context-client.json --work /tmp/lcc \
   --deadline 480 --out "$QUEUE/out/trainer12"
-# the Trainer script's 16 and 24 GiB rows against same-loss baselines: by the plan 67.89 GiB
-# at 67,584 tokens (an H100 holds it) and 128.01 GiB at 133,120 (an H200 only)
-job trainer16 python3 benchmarks/long_context_client.py --client trainer --cells 16:67584 --baseline \
-  --same-loss-baseline --merge benchmarks/results/long-context/long-context-client.json --work /tmp/lcc \
-  --deadline 480 --out "$QUEUE/out/trainer16"
-# the GPU suite whole, in order and shuffled (seeds 1 and 2), for the code since its last run
-job suite env COMMIT="${COMMIT:-worktree}" OMP_NUM_THREADS=5 OUT="$QUEUE/out/suite" bash scripts/gpu-suite.sh all
-# (an H200 only) the 24 GiB pair, after the suite: nine minutes of device time
+# (an H200 only) the 24 GiB pair: nine minutes of device time
 if [ "$gib" -gt 100 ]; then
   job trainer24 python3 benchmarks/long_context_client.py --client trainer --cells 24:133120 --baseline \
     --same-loss-baseline --merge benchmarks/results/long-context/long-context-client.json --work /tmp/lcc \
