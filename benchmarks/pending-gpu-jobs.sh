@@ -26,7 +26,8 @@ prepare() {  # the checkpoint and data of the long rows, beside the suite where 
   fi
 }
 # the tiled norms' short last tile joined to the one before it (new since the last GPU run,
-# where 4 rows alone gave float32 gradients other bits): its CUDA parity first (a minute)
+# where 4 rows alone gave float32 gradients other bits): its CUDA parity first (a minute; a last
+# tile of 16 rows and 4 rows joined)
 job norms python3 -m pytest -o addopts="" -m gpu -q -p no:cacheprovider tests/long/test_tiled_norm.py \
   tests/modules/test_nf4_dense.py
 # the checkpoint and the longest length's data (each job writes its own shorter data, seconds)

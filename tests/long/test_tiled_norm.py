@@ -215,13 +215,26 @@ def test_a_tiled_norms_backward_adds_no_more_than_the_untiled_one(dtype):
 
 
 def test_a_remainder_shorter_than_the_fewest_rows_joins_the_tile_before_it():
-    assert tiled_norm.tile_spans(45060, 4096, 64)[-2:] == [(36864, 40960), (40960, 45060)]
-    assert len(tiled_norm.tile_spans(45060, 4096, 64)) == 11
-    assert tiled_norm.tile_spans(16448, 4096, 64)[-1] == (16384, 16448), "64 rows make a tile of their own"
-    assert tiled_norm.tile_spans(10, 7, 1) == [(0, 7), (7, 10)], "the CPU takes any remainder"
-    assert tiled_norm.tile_spans(48, 7, 64) == [(0, 48)], "a tile is at least the fewest rows"
-    assert tiled_norm.fewest_rows(torch.device("cpu")) == 1
-    assert tiled_norm.fewest_rows(torch.device("cuda", 0)) == tiled_norm.FEWEST_ROWS >= 16
+    assert tiled_norm.tile_spans(45060, 4096, 16)[-2:] == [(36864, 40960), (40960, 45060)]
+    assert len(tiled_norm.tile_spans(45060, 4096, 16)) == 11
+    assert tiled_norm.tile_spans(4096 + 15, 4096, 16) == [(0, 4111)], "15 rows join the tile before them"
+    assert tiled_norm.tile_spans(16400, 4096, 16)[-1] == (16384, 16400), "16 rows make a tile of their own"
+    assert tiled_norm.tile_spans(15, 7, 2) == [(0, 7), (7, 15)], "one row left joins the tile before it"
+    assert tiled_norm.tile_spans(48, 7, 16) == [(0, 16), (16, 32), (32, 48)], "a tile is at least the fewest rows"
+    assert tiled_norm.fewest_rows(torch.device("cpu")) == 2
+    assert tiled_norm.fewest_rows(torch.device("cuda", 0)) == tiled_norm.FEWEST_ROWS == 16
+
+
+def test_a_few_rows_more_than_the_tile_still_keep_only_the_norms_input(monkeypatch):
+    """Past the tile by fewer than the fewest rows, the input is one span: it still goes
+    through the Function, which keeps only the input (the plan counts the norms tiled)."""
+    monkeypatch.setattr(tiled_norm, "fewest_rows", lambda device: 16)
+    model = tiny_model("llama", layers=1, dtype=torch.bfloat16).requires_grad_(False)
+    norm = model.model.layers[0].post_attention_layernorm
+    tiled_norm.apply(model, 40)
+    x = torch.randn(1, 48, model.config.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    assert type(norm(x).grad_fn).__name__ == "TiledNormFunctionBackward"
+    assert _saved_bytes(norm, x) == x.numel() * x.element_size() + norm.weight.numel() * norm.weight.element_size()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -254,12 +267,12 @@ def test_tiles_with_a_remainder_joined_give_the_untiled_bits(dtype, monkeypatch)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [16384, 16388, 16448])
+@pytest.mark.parametrize("tokens", [16384, 16388, 16400])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("family", ["llama", "gemma3_text"])
 def test_at_an_8b_width_a_tiled_norms_input_gradient_has_the_untiled_bits(family, dtype, tokens):
     """On CUDA a reduction's kernel is chosen by its sizes: the row sums of a 4,096-token
-    tile, of a last tile of 64, and of 4 last tokens (joined to the tile before them: alone,
+    tile, of a last tile of 16, and of 4 last tokens (joined to the tile before them: alone,
     they were summed in another order) must be taken as in the whole norm, at Llama-3-8B's
     width. The input also feeds a residual branch, whose gradient autograd adds to the norm's
     terms."""

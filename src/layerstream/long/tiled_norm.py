@@ -29,10 +29,12 @@ trainable norm weight's gradient sums over every token, and summing it tile by t
 change the order of that sum. Such a norm runs untiled, and that is said once.
 
 Rows are summed as in the whole input only where a tile has enough of them: on CUDA, torch
-shapes a row reduction's launch by the number of rows up to 16 (for float32: blocks of 32
-lanes by 16 rows; 4 rows take blocks of 128 lanes by 4, which add a row's values in another
-order). A CUDA tile therefore has at least ``FEWEST_ROWS`` rows, and a shorter remainder joins
-the tile before it (``tile_spans``): 45,060 tokens in tiles of 4,096 end with one of 4,100.
+shapes a row reduction's launch by the number of rows below 16 (for float32 at 4,096 wide:
+blocks of 32 lanes by 16 rows; 4 rows take blocks of 128 lanes by 4, which add a row's values
+in another order); on the CPU, a single row wider than torch's grain (32,768) is summed in two
+passes across threads. So a tile has at least ``fewest_rows`` rows (16 on CUDA, 2 on the CPU),
+and a shorter remainder joins the tile before it (``tile_spans``): 16,388 tokens in tiles of
+4,096 end with one of 4,100.
 
 The norm's weight of a streamed layer is bound to a slot only during the layer's call, so
 it is saved with ``save_for_backward`` (the checkpoint's recompute hands backward the one
@@ -57,8 +59,8 @@ logger = get_logger(__name__)
 
 _TILE = "_layerstream_norm_tile_tokens"
 # the fewest rows a CUDA tile takes: from 16 rows on, a row reduction's launch is that of the
-# whole input (torch's setReduceConfig); 64 leaves a margin
-FEWEST_ROWS = 64
+# whole input (torch's setReduceConfig, at every width a norm has)
+FEWEST_ROWS = 16
 # how many of a norm's operations read its input, by norm (weakly) and (dtype, device, autocast)
 _READS: "weakref.WeakKeyDictionary[nn.Module, Dict[tuple, int]]" = weakref.WeakKeyDictionary()
 _said_trainable = False
@@ -70,8 +72,9 @@ def _plain(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def fewest_rows(device: torch.device) -> int:
     """The fewest rows a tile on ``device`` takes for its row sums to be those of the whole
-    input: CUDA chooses a reduction's launch by its row count, the CPU does not."""
-    return FEWEST_ROWS if device.type == "cuda" else 1
+    input: CUDA chooses a reduction's launch by its row count below ``FEWEST_ROWS``; the CPU
+    splits a reduction with one output across threads, one with two or more by output."""
+    return FEWEST_ROWS if device.type == "cuda" else 2
 
 
 def tile_spans(rows: int, tile: int, fewest: int) -> List[tuple]:
@@ -185,7 +188,7 @@ class TiledNorm:
             or args
             or kwargs
             or x.dim() < 2
-            or len(tile_spans(x.numel() // x.shape[-1], tile, fewest_rows(x.device))) < 2
+            or x.numel() // x.shape[-1] <= tile  # a few rows more: one span, through the Function all the same
             or not (torch.is_grad_enabled() and x.requires_grad)
             or not x.is_contiguous()  # the tiles' rows would be a copy, reduced by other kernels
         ):
