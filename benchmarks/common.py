@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 import re
@@ -194,10 +195,42 @@ def code_of(commit_id: str | None) -> str | None:
     return f"{tree}+{modified}" if modified else tree
 
 
+# what a run's speed depends on besides the releases: the package, the Trainer script the
+# client benchmark runs, and the recipes and shapes in configs/
+CODE_PARTS = ("src/layerstream", "benchmarks/long_trainer_script.py", "configs")
+
+
+def code_hash() -> str:
+    """A hash of the files in ``CODE_PARTS`` as they are now (paths and contents): recorded by
+    each attempt as it runs, so that whether two attempts ran the same code needs no git (a
+    GPU machine's copy of the tree may carry an older history, or none)."""
+    root = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for part in CODE_PARTS:
+        path = root / part
+        files = sorted(f for f in path.rglob("*") if f.is_file()) if path.is_dir() else [path]
+        for file in files:
+            if "__pycache__" in file.parts or file.suffix == ".pyc" or not file.exists():
+                continue
+            digest.update(file.relative_to(root).as_posix().encode() + b"\0" + file.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
 def same_code(one: dict, other: dict) -> bool:
-    """Whether two attempts ran the same layerstream code (both unrecorded: taken as the same,
-    as attempts from before they kept their commit were pooled)."""
-    return code_of(one.get("commit")) == code_of(other.get("commit"))
+    """Whether two attempts ran the same code: by the hash each recorded as it ran (``code``),
+    else by the src/ tree at their commits (``code_of``). An unrecorded commit, or one with
+    uncommitted changes ("+modified"), matches only itself; two attempts without either are
+    taken as the same, as attempts from before they kept their commit were pooled."""
+    if one is other:
+        return True
+    if one.get("code") and other.get("code"):
+        return one["code"] == other["code"]
+    first, second = one.get("commit"), other.get("commit")
+    if first is None or second is None:
+        return first is None and second is None and not one.get("code") and not other.get("code")
+    if "+" in first or "+" in second:
+        return False
+    return code_of(first) == code_of(second)
 
 
 def card_of(gpu) -> str:

@@ -61,7 +61,10 @@ and the run's command reuses them.
 
 Each attempt records the commit its code was at (``COMMIT=<sha>`` in the environment, as
 ``scripts/gpu-suite.sh`` takes it, where the GPU machine's copy of the tree carries an older
-``.git``): the memory plan checks a run against the plan of the code that ran it.
+``.git``): the memory plan checks a run against the plan of the code that ran it. It records a
+hash of its code too (``common.code_hash``: the package, the Trainer script, configs/): a row
+pools the rounds of its last round's code, divided by the baselines that ran beside them, and
+names later runs at its length or shorter that ran out of memory (``failed_since``).
 
 Output: every attempt in ``long-context-client.json`` ($OUT, else
 benchmarks/results/long-context/) with the end of each log beside it (``long-context-client-logs/``;
@@ -120,7 +123,7 @@ from long_context_clients import (  # noqa: E402
 )
 
 import rl  # noqa: E402  (the harness runs as a script)
-from common import commit, keep_by_card, same_code  # noqa: E402
+from common import code_hash, commit, keep_by_card, same_code  # noqa: E402
 from zero_edit import compare  # noqa: E402
 
 RESULTS = HERE / "results"
@@ -150,6 +153,7 @@ def attempt(ctx, streamed: bool, cap: str, tokens: int, matching: Optional[dict]
     record["vram_gib"] = None if cap == rl.WHOLE else float(cap[: -len("GiB")])
     record.update(bench_command=ctx.command, warmup_steps=ctx.args.warmup, timed_steps=ctx.args.steps)
     record["commit"] = commit()  # the code that ran: the plan of a run is made as its code was
+    record["code"] = code_hash()  # and its files' hash: rows pool one code's rounds, git or not
     from layerstream.system.versions import versions
 
     record["versions"] = versions()  # and the releases: a merge elsewhere must not restamp its row
@@ -235,9 +239,12 @@ def rows_from(attempts: list) -> list:
         failing = [a["tokens"] for a in runs if a["verdict"] == OOM and a["tokens"] > tokens]
         residents, base_runs, baseline = baseline_runs(attempts, client, tokens, at[-1])
         paired, _ = followed(base_runs, at)
+        unpaired = bool(base_runs) and not paired
         if paired:  # the baselines that ran beside the row's rounds, where any did
             base_runs = paired
             residents = [a for a in residents if a in paired or a["verdict"] != TRAINED]
+        later = runs[runs.index(at[-1]) + 1 :]  # attempts are kept in the order they ran
+        failed_since = [a["name"] for a in later if a["verdict"] == OOM and a["tokens"] <= tokens]
         step, base = median_of(at), median_of(base_runs)
         row = {
             "model": MODELS[at[0].get("shape", SHAPE)],
@@ -270,6 +277,10 @@ def rows_from(attempts: list) -> list:
             "gpu": at[0].get("gpu"),
             "versions": at[-1].get("versions"),  # None for attempts from before they kept theirs
         }
+        if failed_since:  # a later run at this length or shorter did not fit: the row says so
+            row["failed_since"] = failed_since
+        if unpaired:
+            row["baseline_note"] = "no baseline ran beside these rounds: the baselines are earlier runs"
         if not base_runs:
             why = [f"{a['name']}: {a['verdict']}" for a in residents]
             row["baseline_note"] = "; ".join(why) if why else "no resident run at this length (--baseline)"

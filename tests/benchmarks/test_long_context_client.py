@@ -415,6 +415,36 @@ def test_a_rows_rounds_are_its_last_rounds_code_with_the_baselines_beside_them(m
     assert row["step_s"] == 10.0 and row["baseline_step_s"] == 7.0
 
 
+def test_attempts_recorded_code_decides_and_a_modified_tree_matches_only_itself(monkeypatch):
+    """Each attempt records a hash of its code as it runs, which decides with no git at hand;
+    without one, a commit with uncommitted changes, or none beside a recorded one, is another code."""
+    monkeypatch.setattr(common, "code_of", lambda commit: "one-tree")  # every commit: the same src/
+    run = lambda **fields: dict(_pair_run("s", True, "trainer", [1.0]), **fields)  # noqa: E731
+    assert common.same_code(run(code="a", commit="c1"), run(code="a", commit="c2"))
+    assert not common.same_code(run(code="a", commit="c1"), run(code="b", commit="c1")), "the hash decides"
+    assert common.same_code(run(commit="c1"), run(code="b", commit="c2")), "an older attempt: by git"
+    assert not common.same_code(run(commit="c1+modified"), run(commit="c1+modified"))
+    modified = run(commit="c1+modified")
+    assert common.same_code(modified, modified)
+    assert common.same_code(run(), run()), "attempts from before commits were kept pool as before"
+    assert not common.same_code(run(), run(code="a")) and not common.same_code(run(commit=None), run(commit="c1"))
+    assert len(common.code_hash()) == 16 and common.code_hash() == common.code_hash()
+
+
+def test_a_row_says_where_a_later_run_did_not_fit_and_where_its_baselines_ran_apart():
+    given = long_context_clients.same_loss_flags({"long_settings": {"auto_decided": {"loss_chunk_tokens": 512}}})
+    trained = _pair_run("s-round1", True, "trainer", [12.5], chunk=512)
+    base = _pair_run("b-round1", False, "trainer-same-loss", [12.5], flags=given, follows="s-round1")
+    (row,) = long_context_client.rows_from([trained, base])
+    assert "failed_since" not in row and "baseline_note" not in row
+    later = dict(_pair_run("s-round2", True, "trainer", [], chunk=512, round_=2), verdict="out of memory")
+    (row,) = long_context_client.rows_from([trained, base, later])
+    assert row["failed_since"] == ["s-round2"] and row["max_tokens"] == 4096
+    base["follows"] = "s-round0"  # a baseline that ran beside no round of the row
+    (row,) = long_context_client.rows_from([trained, base])
+    assert row["baseline_step_s"] == 10.0 and "ran beside" in row["baseline_note"]
+
+
 def test_an_attempts_code_is_the_src_tree_at_its_commit():
     import subprocess
 
