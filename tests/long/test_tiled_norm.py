@@ -171,6 +171,17 @@ def test_removing_the_tiles_restores_the_norms_classes():
     assert [type(n) for n in tiled_norm.norms(model)] == classes
 
 
+def _input_gradient_beside_a_residual(norm, x):
+    """The gradient of ``x`` (its strides kept) read by ``norm`` and by a residual branch,
+    whose gradient autograd adds to the norm's terms, as in a decoder layer."""
+    gen = torch.Generator().manual_seed(1)
+    grad = torch.randn(x.shape, generator=gen, dtype=x.dtype)
+    residual_grad = torch.randn(x.shape, generator=gen, dtype=x.dtype)
+    leaf = x.detach().requires_grad_(True)
+    torch.autograd.backward([leaf * 1.0, norm(leaf)], [residual_grad, grad])
+    return leaf.grad
+
+
 class _WholeRowAdds(TorchDispatchMode):
     """Counts the elements of additions whose result has rows of the hidden width."""
 
@@ -253,16 +264,9 @@ def test_tiles_with_a_remainder_joined_give_the_untiled_bits(dtype, monkeypatch)
     model = tiny_model("llama", layers=1, dtype=dtype).requires_grad_(False)
     norm = model.model.layers[0].post_attention_layernorm
     x = torch.randn(2, SEQ, model.config.hidden_size, dtype=dtype)
-    grad, residual_grad = torch.randn_like(x), torch.randn_like(x)
-
-    def input_gradient():
-        leaf = x.clone().requires_grad_(True)
-        torch.autograd.backward([leaf * 1.0, norm(leaf)], [residual_grad, grad])
-        return leaf.grad
-
-    plain = input_gradient()
+    plain = _input_gradient_beside_a_residual(norm, x)
     tiled_norm.apply(model, TILE)
-    assert torch.equal(input_gradient(), plain)
+    assert torch.equal(_input_gradient_beside_a_residual(norm, x), plain)
     assert [(0, 10), (10, 20), (20, 30), (30, 48)] in taken, taken
 
 
@@ -306,14 +310,7 @@ def test_a_non_contiguous_input_runs_the_norms_own_backward(dtype, monkeypatch):
     norm = model.model.layers[0].post_attention_layernorm
     hidden = model.config.hidden_size
     x = torch.randn(2, hidden, SEQ, dtype=dtype).transpose(1, 2)
-    grad, residual_grad = torch.randn_like(x), torch.randn_like(x)
-
-    def input_gradient():
-        leaf = x.detach().requires_grad_(True)
-        torch.autograd.backward([leaf * 1.0, norm(leaf)], [residual_grad, grad])
-        return leaf.grad
-
-    plain = input_gradient()
+    plain = _input_gradient_beside_a_residual(norm, x)
     tiled_norm.apply(model, TILE)
-    assert torch.equal(input_gradient(), plain)
+    assert torch.equal(_input_gradient_beside_a_residual(norm, x), plain)
     assert calls["backward"] == 0

@@ -188,7 +188,7 @@ class TiledNorm:
             or args
             or kwargs
             or x.dim() < 2
-            or x.numel() // x.shape[-1] <= tile  # a few rows more: one span, through the Function all the same
+            or x.numel() // x.shape[-1] <= tile  # past it by fewer than fewest_rows: one span, kept as tiled
             or not (torch.is_grad_enabled() and x.requires_grad)
             or not x.is_contiguous()  # the tiles' rows would be a copy, reduced by other kernels
         ):
