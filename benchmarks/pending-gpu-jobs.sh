@@ -33,19 +33,19 @@ job norms python3 -m pytest -o addopts="" -m gpu -q -p no:cacheprovider tests/lo
 # the checkpoint and the longest length's data (each job writes its own shorter data, seconds)
 job prepare prepare python3 benchmarks/long_context_client.py --client trainer \
   --cells "$cap:400000,$cap:217088,12:45056,16:67584,24:133120" --prepare-only --work /tmp/lcc
-# the GPU suite whole, in order and shuffled (seeds 1 and 2), for the code since its last run
-job suite env COMMIT="${COMMIT:-worktree}" OMP_NUM_THREADS=5 OUT="$QUEUE/out/suite" bash scripts/gpu-suite.sh all
-# the Trainer script's 16 GiB pair again, four timed steps (0.939 from two in one pair); on an
-# H200 the 24 GiB pair (none yet); a second 12 GiB pair of this code (0.956 in one)
-job trainer16 python3 benchmarks/long_context_client.py --client trainer --cells 16:67584 --baseline --steps 4 \
-  --same-loss-baseline --merge benchmarks/results/long-context/long-context-client.json --work /tmp/lcc \
-  --deadline 560 --out "$QUEUE/out/trainer16"
-# (an H200 only) the 24 GiB pair: nine minutes of device time
+# (an H200 only) the Trainer script's 24 GiB pair, none yet: nine minutes of device time
 if [ "$gib" -gt 100 ]; then
   job trainer24 python3 benchmarks/long_context_client.py --client trainer --cells 24:133120 --baseline \
     --same-loss-baseline --merge benchmarks/results/long-context/long-context-client.json --work /tmp/lcc \
     --deadline 560 --out "$QUEUE/out/trainer24"
 fi
+# the Trainer script's 16 GiB pair again, four timed steps (0.939 from two in one pair)
+job trainer16 python3 benchmarks/long_context_client.py --client trainer --cells 16:67584 --baseline --steps 4 \
+  --same-loss-baseline --merge benchmarks/results/long-context/long-context-client.json --work /tmp/lcc \
+  --deadline 560 --out "$QUEUE/out/trainer16"
+# the GPU suite whole, in order and shuffled (seeds 1 and 2), for the code since its last run
+job suite env COMMIT="${COMMIT:-worktree}" OMP_NUM_THREADS=5 OUT="$QUEUE/out/suite" bash scripts/gpu-suite.sh all
+# a second 12 GiB pair of this code (0.956 in one)
 job trainer12 python3 benchmarks/long_context_client.py --client trainer --cells 12:45056 --baseline --steps 4 \
   --same-loss-baseline --merge benchmarks/results/long-context/long-context-client.json --work /tmp/lcc \
   --deadline 480 --out "$QUEUE/out/trainer12"
