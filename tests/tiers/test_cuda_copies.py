@@ -141,6 +141,33 @@ def test_timeline_on_cuda_places_every_compute_inside_its_layers_residency(tmp_p
     assert (tmp_path / "layerstream-trace.json").exists()
 
 
+def test_timeline_records_each_compute_mark_once(monkeypatch):
+    """A recorded step brackets every layer call with two events; each is recorded once
+    (a new event's first record makes its handle, so taking one already recorded doubles it)."""
+    streamed, _ = peft_pair("llama", layers=6, attn="eager", hidden_size=256, intermediate_size=1024, head_dim=64)
+    stream(streamed, "cuda", slots=2, prefetch=1)
+    train_steps(streamed, 1, "cuda", seq=4)
+    runtime = layerstream.get_runtime(streamed)
+    records = {}
+    original = torch.cuda.Event.record
+
+    def counted(event, stream=None):
+        records[id(event)] = records.get(id(event), 0) + 1
+        return original(event, stream)
+
+    runtime.start_timeline()
+    recording = runtime._recording
+    monkeypatch.setattr(torch.cuda.Event, "record", counted)
+    try:
+        train_steps(streamed, 1, "cuda", seq=4)
+    finally:
+        monkeypatch.undo()
+        runtime.finish_timeline()
+    marks = [mark for *_, begin, end in recording.computes for mark in (begin, end)]
+    assert len(marks) == 24
+    assert [records.get(id(mark)) for mark in marks] == [1] * len(marks)
+
+
 # ~20 ms: longer than the host takes to issue a tiny layer (1-2 ms on the GPU machine),
 # so the compute stream falls far behind the host and an unguarded copy really races
 SLOW_READER_CYCLES = 40_000_000

@@ -52,7 +52,7 @@ class Recording:
     def now(self):
         if not self.cuda:
             return time.perf_counter()
-        event = self.pool._events.get()
+        event = self.pool._events.get(materialise=False)  # recorded once, here
         event.record(torch.cuda.current_stream(self.pool.device))
         return event
 

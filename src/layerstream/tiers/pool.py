@@ -51,10 +51,13 @@ class _EventPool:
         self.device = device
         self.free: List[torch.cuda.Event] = []
 
-    def get(self) -> "torch.cuda.Event":
+    def get(self, materialise: bool = True) -> "torch.cuda.Event":
+        """A pooled event, or a new one; ``materialise=False`` for a caller that records it at
+        once itself (a new event's handle comes with its first record, which would be doubled)."""
         if self.free:
             return self.free.pop()
-        return _materialised(torch.cuda.Event(enable_timing=True), self.device)
+        event = torch.cuda.Event(enable_timing=True)
+        return _materialised(event, self.device) if materialise else event
 
     def put(self, *events) -> None:
         self.free.extend(events)
