@@ -260,11 +260,17 @@ def _trace_first_step_memory(path: str) -> None:
 
 
 def prepare(
-    cap: str, used_first: bool, times, profile_dir=None, memory_trace=None, profile_steps=PROFILE_STEPS
+    cap: str,
+    used_first: bool,
+    times,
+    profile_dir=None,
+    memory_trace=None,
+    profile_steps=PROFILE_STEPS,
+    trace_decode=None,
 ) -> None:
     """The cap, the earlier use of the GPU, the step timer, the profiler (``profile_steps``:
-    the first step and the count Python's profiler takes) and the first step's memory trace,
-    in this process."""
+    the first step and the count Python's profiler takes), the first step's memory trace
+    and the trace of a few decode token steps (``decode_trace``), in this process."""
     from layerstream.commands.run import allocator_defaults
     from layerstream.units import parse_bytes
 
@@ -290,6 +296,11 @@ def prepare(
         _profile_trainer_steps(profile_dir, *profile_steps)
     if memory_trace:
         _trace_first_step_memory(memory_trace)
+    if trace_decode:
+        import decode_trace
+
+        folder, start, count = trace_decode
+        decode_trace.arm(folder, start=start, count=count, add_callback=_add_to_every_trainer)
 
 
 def main():
@@ -313,11 +324,26 @@ def main():
     parser.add_argument(
         "--memory-trace", default=None, metavar="FILE", help="the first step's tensors alive at its peak (JSON)"
     )
+    parser.add_argument(
+        "--trace-decode",
+        default=None,
+        metavar="DIR",
+        help="torch's profiler over a few decode token steps of the second step's generation, and "
+        "each forward's host time (decode_trace.py)",
+    )
+    parser.add_argument(
+        "--trace-decode-steps",
+        default="32,16",
+        metavar="START,COUNT",
+        help="--trace-decode: the token steps torch's profiler takes, COUNT from forward START (1: the prefill)",
+    )
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     profile_steps = tuple(int(v) for v in args.profile_steps.split(","))
-    prepare(args.cap, args.used_first, args.times, args.profile, args.memory_trace, profile_steps)
+    start, count = (int(v) for v in args.trace_decode_steps.split(","))
+    trace_decode = (args.trace_decode, start, count) if args.trace_decode else None
+    prepare(args.cap, args.used_first, args.times, args.profile, args.memory_trace, profile_steps, trace_decode)
     # processes the command starts (``trl sft``, ``accelerate launch``) get the same
     os.environ["CAPPED_CHILD"] = json.dumps(
         {
@@ -328,6 +354,7 @@ def main():
             "profile": args.profile,
             "profile_steps": profile_steps,
             "memory_trace": args.memory_trace,
+            "trace_decode": trace_decode,
         }
     )
     site = os.path.join(os.path.dirname(os.path.abspath(__file__)), "capped_site")

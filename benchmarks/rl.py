@@ -11,6 +11,7 @@ part in time to write what it measured):
     python benchmarks/rl.py --part grpo-8b --grpo-trainer rloo --round 1 --work /tmp/rl ...
     python benchmarks/rl.py --part grpo-8b --full-determinism --round 1 ...  # adapters comparable
     python benchmarks/rl.py --part grpo-8b --profile-grpo DIR ...  # a steady step's host time
+    python benchmarks/rl.py --part grpo-8b --trace-decode DIR ...  # 16 token steps, decode_trace.py
     python benchmarks/rl.py --part grpo-8b --grpo-cap whole ...  # streamed uncapped: the cap's cost
     python benchmarks/rl.py --rows-only --merge A.json --merge B.json --out DIR  # rows again
     python benchmarks/rl.py --part grpo-70b --work /tmp/rl --merge benchmarks/results/rl.json
@@ -69,7 +70,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from rl_rows import DEFAULT_GRPO_CAP, WHOLE, WINDOWS, rows  # noqa: E402  (the harness runs as a script)
+import decode_trace  # noqa: E402  (the harness runs as a script)
+
+from rl_rows import DEFAULT_GRPO_CAP, WHOLE, rows, summary  # noqa: E402
 
 MODELS = {"llama3-8b": "llama-3.1-8b", "llama3-70b": "llama-3.1-70b", "tiny": "tiny"}  # configs/shapes names
 TINY = dict(
@@ -110,6 +113,8 @@ class Settings:
     # attention's backward may differ between two runs of the same script, and so the adapters
     full_determinism: bool = False
     profile_grpo: str = ""  # grpo-8b: a folder for each run's profile of steady steps (``--profile-grpo``)
+    trace_decode: str = ""  # grpo-8b: a folder for each run's decode trace; START,COUNT forwards:
+    trace_decode_steps: str = "32,16"
     big_shape: str = "llama3-70b"
     big_cap: str = "24GiB"
     # under 24 GiB a 70B token step copies most of its 80 NF4 layers, so a step's generation
@@ -340,17 +345,24 @@ def measure_grpo_pair(settings: Settings, args, command: str, save, deadline: fl
         run.update(quantization=settings.grpo_quantization, trainer=settings.grpo_trainer)
         run.update(layer_bytes=mean_layer_bytes(settings.grpo_shape, settings.grpo_quantization))
         run.update(adapter=adapter_digest(work / "runs" / name))
+        if settings.trace_decode:
+            run.update(decode_trace=decode_trace.summary_of(Path(settings.trace_decode) / name))
         save([dict(run, settings_used=dict(used, steps=settings.grpo_steps), rl_command=command)])
 
 
 def profile_arguments(settings: Settings, name: str) -> list:
-    """``--profile-grpo``: Python's profiler on one steady step (from the third, as the rows
-    time, where the run has steps enough); not torch's, whose summary of a GRPO step's
-    hundreds of decode steps outlasted a command's deadline."""
+    """``--trace-decode``: torch's profiler over a few token steps of the second step's
+    generation (decode_trace.py). ``--profile-grpo``: Python's profiler on one steady step
+    (from the third, as the rows time, where the run has steps enough); not torch's, whose
+    summary of a GRPO step's hundreds of decode steps outlasted a command's deadline."""
+    arguments = []
+    if settings.trace_decode:  # the second step's generation: sized window, not timed by the rows
+        arguments += ["--trace-decode", str(Path(settings.trace_decode) / name), "--trace-decode-steps"]
+        arguments.append(settings.trace_decode_steps)
     if not settings.profile_grpo:
-        return []
+        return arguments
     first = max(0, min(2, settings.grpo_steps - 3))
-    return ["--profile", str(Path(settings.profile_grpo) / name), "--profile-steps", f"{first},1,0"]
+    return arguments + ["--profile", str(Path(settings.profile_grpo) / name), "--profile-steps", f"{first},1,0"]
 
 
 def measure_grpo_big(settings: Settings, args, command: str, save, deadline: float) -> None:
@@ -461,6 +473,7 @@ def parse(argv):
         help="grpo-8b: profile one steady step of each run (Python's profiler) into DIR/<run>: "
         "where a step's host time goes, resident against streamed",
     )
+    parser.add_argument("--trace-decode", default=None, metavar="DIR", help="grpo-8b: see decode_trace.py")
     parser.add_argument("--big-steps", type=int, default=defaults.big_steps)
     parser.add_argument("--big-completion-tokens", type=int, default=defaults.big_completion_tokens)
     parser.add_argument("--tflops", type=float, default=None, help="the decode term's compute-bound batch at this rate")
@@ -501,6 +514,8 @@ def settings_from(args) -> Settings:
         settings.grpo_trainer = args.grpo_trainer
         settings.full_determinism = args.full_determinism
         settings.profile_grpo = args.profile_grpo or ""
+        settings.trace_decode = args.trace_decode or ""
+        settings.trace_decode_steps = "2,3"  # of the dry run's 8 completion tokens
         settings.grpo_cap = args.grpo_cap
         return settings
     return Settings(
@@ -514,6 +529,7 @@ def settings_from(args) -> Settings:
         grpo_trainer=args.grpo_trainer,
         full_determinism=args.full_determinism,
         profile_grpo=args.profile_grpo or "",
+        trace_decode=args.trace_decode or "",
         grpo_cap=args.grpo_cap,
         big_steps=args.big_steps,
         big_completion_tokens=args.big_completion_tokens,
@@ -564,25 +580,6 @@ def measure_generate_part(settings: Settings, args, command: str, save, deadline
     if settings.dry_run:
         torch.set_num_threads(1)  # as the GRPO runs' OMP_NUM_THREADS=1: the copy thread shares the CPU
     measure_generation(settings, shape_values(settings.shape), args.tflops, command, save, deadline)
-
-
-def summary(table: list) -> str:
-    def number(value, digits=3):
-        return "-" if value is None else f"{value:.{digits}f}"
-
-    lines = [
-        "| model | cap | trainer | gens | tokens | window layers | step s | resident s | x resident | ms/token step |"
-    ]
-    lines.append("|---|---|---|---|---|---|---|---|---|---|")
-    for row in table:
-        by_hand = " (by hand)" if row.get("window") == WINDOWS["all"] else ""
-        window = f"{row['window_layers']:g}{by_hand}" if row.get("window_layers") is not None else "-"
-        lines.append(
-            f"| {row['model']} | {row['cap']} | {row['trainer']} | {row['generations']} | {row['completion_tokens']} | "
-            f"{window} | {number(row['step_s'])} | {number(row['resident_step_s'])} | "
-            f"{number(row['speed_vs_resident'], 2)} | {number(row['decode_ms_per_token_step'], 1)} |"
-        )
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -236,6 +236,7 @@ def grpo_pair_row(runs: list) -> dict:
             side: max((run["alloc_retries"][-1] for run in chosen.values() if run.get("alloc_retries")), default=None)
             for side, chosen in (("streamed", streamed), ("resident", resident))
         },
+        "decode_trace": latest_decode_traces(streamed, resident),
         "full_determinism": deterministic(first),
         **training_compared(verdict, plains, streameds),
         "target": f"speed_vs_resident >= {TARGETS[trainer]}" if trainer in TARGETS else None,
@@ -300,6 +301,17 @@ def adapters_compared(runs: list) -> dict:
     return {"adapters_equal": len(saved) == 1, "adapter_step": min(step for step, _ in saved)}
 
 
+def latest_decode_traces(streamed: dict, resident: dict):
+    """Each side's summary of a few traced token steps (``--trace-decode``: torch's profiler
+    in the second step's generation) from its latest round that has one; None where neither."""
+    traces = {}
+    for side, chosen in (("streamed", streamed), ("resident", resident)):
+        traced = [r for r in sorted(chosen) if chosen[r].get("decode_trace")]
+        if traced:
+            traces[side] = dict(chosen[traced[-1]]["decode_trace"], round=traced[-1])
+    return traces or None
+
+
 def grpo_big_rows(runs: list) -> list:
     return [grpo_big_row(run) for run in runs if run.get("kind") == "grpo-big"]
 
@@ -360,3 +372,24 @@ def grpo_big_row(run: dict) -> dict:
         "command": [run["rl_command"]],
         "run_commands": {"streamed": run["command"]},
     }
+
+
+def summary(table: list) -> str:
+    """The rows as a Markdown table, for the command's output."""
+
+    def number(value, digits=3):
+        return "-" if value is None else f"{value:.{digits}f}"
+
+    lines = [
+        "| model | cap | trainer | gens | tokens | window layers | step s | resident s | x resident | ms/token step |"
+    ]
+    lines.append("|---|---|---|---|---|---|---|---|---|---|")
+    for row in table:
+        by_hand = " (by hand)" if row.get("window") == WINDOWS["all"] else ""
+        window = f"{row['window_layers']:g}{by_hand}" if row.get("window_layers") is not None else "-"
+        lines.append(
+            f"| {row['model']} | {row['cap']} | {row['trainer']} | {row['generations']} | {row['completion_tokens']} | "
+            f"{window} | {number(row['step_s'])} | {number(row['resident_step_s'])} | "
+            f"{number(row['speed_vs_resident'], 2)} | {number(row['decode_ms_per_token_step'], 1)} |"
+        )
+    return "\n".join(lines)

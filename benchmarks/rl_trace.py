@@ -29,9 +29,14 @@ def _union_ms(intervals) -> float:
     return busy / 1e3
 
 
-def summarise(path: str) -> dict:
+def summarise(path: str, token_steps: int = 0) -> dict:
+    """The trace's figures; ``token_steps``: how many token steps it holds, for the figures
+    per token step (kernels launched, their busy time, the host's span, waits on the GPU)."""
     events = [e for e in json.load(gzip.open(path))["traceEvents"] if e.get("ph") == "X"]
     gpu = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    per_step = _per_token_step(events, gpu, token_steps) if token_steps else {}
+    if not gpu:  # a CPU run of the harness
+        return {"trace": path, **per_step}
     start = min(e["ts"] for e in gpu)
     end = max(e["ts"] + e["dur"] for e in gpu)
     copies = collections.defaultdict(lambda: [0, 0.0])
@@ -55,6 +60,31 @@ def summarise(path: str) -> dict:
         "longest_memcpy_call_ms": max(
             (e["dur"] / 1e3 for e in events if e.get("name") == "cudaMemcpyAsync"), default=0
         ),
+        **per_step,
+    }
+
+
+def _per_token_step(events: list, gpu: list, steps: int) -> dict:
+    """Kernels launched, their busy time, the host's span and its calls that wait for the
+    GPU (synchronisations, blocking copies), each per token step."""
+    host = [e for e in events if e.get("cat") in ("cpu_op", "user_annotation", "cuda_runtime", "python_function")]
+    span = (max(e["ts"] + e["dur"] for e in host) - min(e["ts"] for e in host)) / 1e3 if host else 0.0
+    kernels = [e for e in gpu if e["cat"] == "kernel"]
+    waits = collections.defaultdict(lambda: [0, 0.0])
+    for e in events:
+        name = e.get("name", "")
+        if e.get("cat") == "cuda_runtime" and ("Synchronize" in name or name in ("cudaMemcpy", "cudaStreamWaitEvent")):
+            waits[name][0] += 1
+            waits[name][1] += e["dur"] / 1e3
+    return {
+        "token_steps": steps,
+        "kernels_per_token_step": len(kernels) / steps,
+        "kernels_busy_ms_per_token_step": _union_ms((e["ts"], e["ts"] + e["dur"]) for e in kernels) / steps,
+        "host_span_ms_per_token_step": span / steps,
+        "cpu_ops_per_token_step": sum(e.get("cat") == "cpu_op" for e in events) / steps,
+        "waits_per_token_step": {
+            name: {"count": n / steps, "host_ms": round(ms / steps, 3)} for name, (n, ms) in sorted(waits.items())
+        },
     }
 
 

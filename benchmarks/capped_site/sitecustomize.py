@@ -22,4 +22,5 @@ if _settings:
         _settings.get("profile"),
         _settings.get("memory_trace"),
         tuple(_settings.get("profile_steps") or capped.PROFILE_STEPS),
+        tuple(_settings["trace_decode"]) if _settings.get("trace_decode") else None,
     )

@@ -43,7 +43,7 @@ def dry_run(tmp_path_factory):
     argv += ["--profile-generate", str(work / "profiles")]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    return dict(json.loads((work / "out" / "rl.json").read_text()), profiles=work / "profiles")
+    return dict(json.loads((work / "out" / "rl.json").read_text()), profiles=work / "profiles", traces=work / "traces")
 
 
 def rows_of(result, trainer, **where):
@@ -125,10 +125,10 @@ def other_pair(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if k != "OUT"}
     argv = [sys.executable, str(ROOT / "benchmarks" / "rl.py"), "--dry-run", "--work", str(work)]
     argv += ["--part", "grpo-8b", "--grpo-quantization", "bf16", "--grpo-trainer", "rloo"]
-    argv += ["--profile-grpo", str(work / "profiles")]
+    argv += ["--profile-grpo", str(work / "profiles"), "--trace-decode", str(work / "traces")]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    return dict(json.loads((work / "out" / "rl.json").read_text()), profiles=work / "profiles")
+    return dict(json.loads((work / "out" / "rl.json").read_text()), profiles=work / "profiles", traces=work / "traces")
 
 
 def test_a_pair_of_another_trainer_and_quantization_has_its_own_row(other_pair):
@@ -147,6 +147,24 @@ def test_a_pair_of_another_trainer_and_quantization_has_its_own_row(other_pair):
     assert all(f"trl.scripts.{trainer}" in run["command"] for run in runs)
     assert all(("--load_in_4bit" in run["command"]) == (quantization == "nf4") for run in runs)
     assert all(any(norm > 0 for norm in run["grad_norms"]) for run in runs)
+
+
+def test_each_run_of_a_traced_pair_profiles_a_few_token_steps_of_its_second_step(other_pair):
+    """``--trace-decode``: each side's second step's generation, token steps 2-4 on the dry run
+    (its 8 completion tokens), under torch's profiler inside TRL's script, summarised in the
+    run and the row."""
+    runs = [run for run in other_pair["runs"] if run.get("kind") == "grpo-pair"]
+    assert len(runs) == 2
+    for run in runs:
+        trace = run["decode_trace"]
+        assert trace["traced_forwards"] == [2, 4] and trace["forwards"] >= 5, trace
+        assert trace["trace"]["token_steps"] == 3 and trace["trace"]["cpu_ops_per_token_step"] > 0
+        assert trace["host_ms_per_forward_median"] > 0 and "host_ms_per_forward" not in trace
+        folder = other_pair["traces"] / run["name"]
+        assert (folder / "decode-trace.json.gz").exists()
+        assert len(json.loads((folder / "decode-trace.json").read_text())["host_ms_per_forward"]) == trace["forwards"]
+    (pair,) = rows_of(other_pair, "rloo", quantization="bf16")
+    assert set(pair["decode_trace"]) == {"streamed", "resident"}
 
 
 def test_the_script_runs_unchanged_behind_the_launcher():
