@@ -25,11 +25,8 @@ prepare() {  # the checkpoint and data of the long rows, beside the suite where 
     "$@"
   fi
 }
-# the tiled norms' short last tile joined to the one before it (new since the last GPU run,
-# where 4 rows alone gave float32 gradients other bits): its CUDA parity first (a minute; a last
-# tile of 16 rows and 4 rows joined)
-job norms python3 -m pytest -o addopts="" -m gpu -q -p no:cacheprovider tests/long/test_tiled_norm.py \
-  tests/modules/test_nf4_dense.py
+# the timeline's mark events recorded once each (new since the last GPU run; seconds)
+job timeline python3 -m pytest -o addopts="" -m gpu -q -p no:cacheprovider tests/tiers/test_cuda_copies.py -k timeline
 # the checkpoint and the longest length's data (each job writes its own shorter data, seconds)
 job prepare prepare python3 benchmarks/long_context_client.py --client trainer \
   --cells "$cap:400000,$cap:217088,12:45056,16:67584,24:133120" --prepare-only --work /tmp/lcc
@@ -39,16 +36,16 @@ if [ "$gib" -gt 100 ]; then
     --same-loss-baseline --merge benchmarks/results/long-context/long-context-client.json --work /tmp/lcc \
     --deadline 560 --out "$QUEUE/out/trainer24"
 fi
-# the Trainer script's 16 GiB pair again, four timed steps (0.939 from two in one pair)
-job trainer16 python3 benchmarks/long_context_client.py --client trainer --cells 16:67584 --baseline --steps 4 \
-  --same-loss-baseline --merge benchmarks/results/long-context/long-context-client.json --work /tmp/lcc \
-  --deadline 560 --out "$QUEUE/out/trainer16"
+# TRL's GRPO (QLoRA, 12 GiB) streamed against resident, each run's second step's generation
+# traced for 16 token steps (decode_trace.py: kernels, host time and waits per token step):
+# inside TRL the streamed side decoded 5-36% slower than resident, outside TRL at par; then the
+# same pair with the streamed side uncapped, to tell the cap's share
+job grpo-trace python3 benchmarks/rl.py --part grpo-8b --round 3 --grpo-steps 5 --work /tmp/rl \
+  --trace-decode "$QUEUE/out/grpo-trace/traces" --deadline 560 --out "$QUEUE/out/grpo-trace"
+job grpo-whole python3 benchmarks/rl.py --part grpo-8b --round 1 --grpo-cap whole --grpo-steps 5 --work /tmp/rl \
+  --trace-decode "$QUEUE/out/grpo-whole/traces" --deadline 560 --out "$QUEUE/out/grpo-whole"
 # the GPU suite whole, in order and shuffled (seeds 1 and 2), for the code since its last run
 job suite env COMMIT="${COMMIT:-worktree}" OMP_NUM_THREADS=5 OUT="$QUEUE/out/suite" bash scripts/gpu-suite.sh all
-# a second 12 GiB pair of this code (0.956 in one)
-job trainer12 python3 benchmarks/long_context_client.py --client trainer --cells 12:45056 --baseline --steps 4 \
-  --same-loss-baseline --merge benchmarks/results/long-context/long-context-client.json --work /tmp/lcc \
-  --deadline 480 --out "$QUEUE/out/trainer12"
 # generation under 8 GiB against the same command's resident rounds with the whole GPU: the
 # capped rows' bound is the slower of the resident token step and the copies (fraction_of_bound)
 job generate python3 benchmarks/rl.py --part generate --caps 8GiB --rounds 3 --work /tmp/rl --deadline 560 \
