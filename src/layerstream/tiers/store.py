@@ -116,6 +116,7 @@ class LayerRecord:
     # load_state_dict(assign=True) under torch.__future__'s swap flag) gives the same
     # Parameter object another tensor, whose version counter ``alias`` does not share
     addresses: List[int] = field(default_factory=list)
+    watched_tensors: List[torch.Tensor] = field(default_factory=list)  # ``watch``'s tensors, in order
     # a disk-tier layer (no host region) in debug mode: the checksum of its bytes at load
     reference_checksum: Optional[int] = None
     # a disk layer's tensors kept on the device for good once changed (runtime/disk_changes),
@@ -156,8 +157,8 @@ class LayerRecord:
         weights' quant states too (checked once per pass)."""
         if not self.fresh():
             return False
-        for (_, _, tensor, _, _), address in zip(self.watch, self.addresses):
-            if tensor.data_ptr() != address:
+        with torch._C.DisableTorchFunctionSubclass():  # a 4-bit weight's data_ptr() is the C one, not via Python
+            if list(map(TensorBase.data_ptr, self.watched_tensors)) != self.addresses:
                 return False
         return self.quant_states_unchanged()
 
@@ -183,7 +184,8 @@ class LayerRecord:
         self.watch = [
             (e.table, e.name, v, _alias(v), v._version) for e, v in zip(self.entries, self.host_values) if e.bound
         ]
-        self.addresses = [watched[2].data_ptr() for watched in self.watch]
+        self.watched_tensors = [watched[2] for watched in self.watch]
+        self.addresses = [tensor.data_ptr() for tensor in self.watched_tensors]
         deep, states = [], {}
         for entry, view in zip(self.entries, self.host_values):
             if not entry.is_quant_state:
