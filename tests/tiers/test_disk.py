@@ -99,6 +99,19 @@ def test_a_file_changed_under_the_run_is_refused(copy_of):
     assert str(path) in str(caught.value) and "Restore the file" in str(caught.value)
 
 
+def test_a_file_changed_under_the_run_is_refused_at_the_pass_start(copy_of):
+    """The check at each pass's start reads a disk layer's addresses through its tensors, which
+    check their files: the change is refused there, before any layer of the pass computes."""
+    fed = with_lora(load_streamed(copy_of, small_budget(copy_of)))
+    runtime = layerstream.get_runtime(fed)
+    path, _ = disk_layer_tensor(fed)  # in the middle disk layer's file
+    record = runtime.disk.layers[runtime.disk.tiers.disk[len(runtime.disk.tiers.disk) // 2]].record
+    assert record.host_region is None and record.fresh_deep()
+    os.utime(path, ns=(os.stat(path).st_atime_ns, os.stat(path).st_mtime_ns + 10**9))
+    with pytest.raises(DiskReadError, match="changed while the run used it"):
+        record.fresh_deep()
+
+
 TRUNCATED_THEN_READ = """
 import json, os, sys, torch, layerstream
 from layerstream.errors import DiskReadError

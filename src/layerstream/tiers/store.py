@@ -157,10 +157,19 @@ class LayerRecord:
         weights' quant states too (checked once per pass)."""
         if not self.fresh():
             return False
-        with torch._C.DisableTorchFunctionSubclass():  # a 4-bit weight's data_ptr() is the C one, not via Python
-            if list(map(TensorBase.data_ptr, self.watched_tensors)) != self.addresses:
-                return False
+        if self._addresses_now() != self.addresses:
+            return False
         return self.quant_states_unchanged()
+
+    def _addresses_now(self) -> List[int]:
+        """Where each watched tensor's memory is now. A layer in host memory reads it in C
+        (a 4-bit weight's ``data_ptr`` through Python's ``__torch_function__`` costs most of
+        the pass's check); a disk layer through each tensor's own ``data_ptr``, which checks
+        its files first (``FileBacked``): a changed file is refused here, at the pass start."""
+        if self.host_region is None:
+            return [tensor.data_ptr() for tensor in self.watched_tensors]
+        with torch._C.DisableTorchFunctionSubclass():
+            return list(map(TensorBase.data_ptr, self.watched_tensors))
 
     def quant_states_unchanged(self) -> bool:
         """Whether the 4-bit weights' quant states (``watch_deep``) are as last snapshot."""
@@ -185,7 +194,7 @@ class LayerRecord:
             (e.table, e.name, v, _alias(v), v._version) for e, v in zip(self.entries, self.host_values) if e.bound
         ]
         self.watched_tensors = [watched[2] for watched in self.watch]
-        self.addresses = [tensor.data_ptr() for tensor in self.watched_tensors]
+        self.addresses = self._addresses_now()
         deep, states = [], {}
         for entry, view in zip(self.entries, self.host_values):
             if not entry.is_quant_state:
