@@ -23,6 +23,8 @@ import shutil
 import statistics
 import time
 
+from rl_trace import STOP, summarise
+
 STEP, START, COUNT = 1, 32, 16
 TRACE_NAME, SUMMARY_NAME = "decode-trace.json.gz", "decode-trace.json"
 
@@ -31,8 +33,8 @@ class Tracer:
     """Forward hooks for one ``generate`` call: host times of every forward, torch's
     profiler over forwards ``start`` to ``start + count - 1`` and what follows each."""
 
-    def __init__(self, folder: str, start: int = START, count: int = COUNT):
-        self.folder, self.start, self.count = folder, start, count
+    def __init__(self, folder: str, start: int = START, count: int = COUNT, trainer_step=None):
+        self.folder, self.start, self.count, self.trainer_step = folder, start, count, trainer_step
         self.forwards, self.entered = 0, None
         self.host_ms: list = []  # each forward, entry to return
         self.interval_ms: list = []  # each forward's entry from the one before's
@@ -46,7 +48,7 @@ class Tracer:
             self.interval_ms.append((now - self.entered) * 1e3)
         self.forwards += 1
         if self.forwards == self.start + self.count and self.profiler is not None:
-            self._stop()
+            self._stop(self.count)
         if self.forwards == self.start:
             from torch.profiler import ProfilerActivity, profile
 
@@ -60,13 +62,16 @@ class Tracer:
     def after(self, module, args, output):
         self.host_ms.append((time.perf_counter() - self.entered) * 1e3)
 
-    def _stop(self) -> None:
+    def _stop(self, profiled: int) -> None:
+        """Stop after ``profiled`` token steps; the wait for the GPU is marked (``STOP``), so
+        the summary leaves this harness's own wait out of the steps' figures."""
         import torch
 
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        with torch.profiler.record_function(STOP):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
         self.profiler.__exit__(None, None, None)
-        self.profiled = self.forwards - self.start
+        self.profiled = profiled
         os.makedirs(self.folder, exist_ok=True)
         plain = os.path.join(self.folder, "decode-trace.json.tmp")
         self.profiler.export_chrome_trace(plain)
@@ -76,9 +81,10 @@ class Tracer:
         self.profiler = None
 
     def close(self) -> dict:
-        """Stop the profiler if the call ended inside its token steps; write the summary."""
+        """Stop the profiler if the call ended inside its token steps (forwards ``start`` to
+        the last, each a token step); write the summary."""
         if self.profiler is not None:
-            self._stop()
+            self._stop(self.forwards - self.start + 1)
         untraced = [
             ms
             for i, ms in enumerate(self.host_ms)
@@ -90,6 +96,7 @@ class Tracer:
             if i >= 1 and not (self.start - 1 <= i < self.start - 1 + self.count)
         ]
         summary = {
+            "trainer_step": self.trainer_step,
             "forwards": self.forwards,
             "traced_forwards": [self.start, self.start + self.profiled - 1] if self.profiled else None,
             "host_ms_per_forward_median": statistics.median(untraced) if untraced else None,
@@ -99,8 +106,6 @@ class Tracer:
         }
         trace = os.path.join(self.folder, TRACE_NAME)
         if self.profiled and os.path.exists(trace):
-            from rl_trace import summarise
-
             summary["trace"] = summarise(trace, token_steps=self.profiled)
         os.makedirs(self.folder, exist_ok=True)
         with open(os.path.join(self.folder, SUMMARY_NAME), "w") as handle:
@@ -119,8 +124,10 @@ def summary_of(folder) -> dict:
 
 
 def arm(folder: str, step: int = STEP, start: int = START, count: int = COUNT, add_callback=None) -> None:
-    """Trace the first ``generate`` call of Trainer step ``step`` of every Trainer in this
-    process (``add_callback``: capped's way of giving each Trainer a callback class)."""
+    """Trace the first ``generate`` call of Trainer step ``step`` or, where that step does not
+    generate (a trainer generating every few steps), of the first later step that does, in
+    every Trainer of this process (``add_callback``: capped's way of giving each Trainer a
+    callback class). The summary names the step traced."""
     from transformers import TrainerCallback
     from transformers.generation.utils import GenerationMixin
 
@@ -128,10 +135,9 @@ def arm(folder: str, step: int = STEP, start: int = START, count: int = COUNT, a
 
     class ArmForStep(TrainerCallback):
         def on_step_begin(self, args, trainer_state, control, **kwargs):
-            state["armed"] = state["seen"] == step and not state["done"]
+            state["armed"] = state["seen"] >= step and not state["done"]
 
         def on_step_end(self, args, trainer_state, control, **kwargs):
-            state["armed"] = False
             state["seen"] += 1
 
     add_callback(ArmForStep)
@@ -142,13 +148,21 @@ def arm(folder: str, step: int = STEP, start: int = START, count: int = COUNT, a
         if not state["armed"] or state["done"]:
             return original(self, *args, **kwargs)
         state["done"] = True  # this call only, and not the calls it makes
-        tracer = Tracer(folder, start, count)
+        tracer = Tracer(folder, start, count, trainer_step=state["seen"])
         handles = [self.register_forward_pre_hook(tracer.before), self.register_forward_hook(tracer.after)]
+        failed = True
         try:
-            return original(self, *args, **kwargs)
+            result = original(self, *args, **kwargs)
+            failed = False
+            return result
         finally:
             for handle in handles:
                 handle.remove()
-            tracer.close()
+            try:
+                tracer.close()
+            except Exception as exc:  # noqa: BLE001 - never hide the call's own error
+                if not failed:
+                    raise
+                print(f"decode_trace: the trace of a failed call was not written: {exc!r}", flush=True)
 
     GenerationMixin.generate = generate

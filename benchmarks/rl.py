@@ -332,6 +332,8 @@ def measure_grpo_pair(settings: Settings, args, command: str, save, deadline: fl
         name = f"{settings.grpo_trainer}-{settings.grpo_shape}{variant}-{side}-round{args.round}"
         shutil.rmtree(work / "runs" / name, ignore_errors=True)  # no adapter left by an earlier run
         target = script_command(checkpoint, data, settings, work / "runs" / name, streamed)
+        if settings.trace_decode:  # nor a trace of an earlier run of this name
+            shutil.rmtree(Path(settings.trace_decode) / name, ignore_errors=True)
         cap = settings.grpo_cap if streamed else WHOLE
         profile = profile_arguments(settings, name)
         run = run_capped(

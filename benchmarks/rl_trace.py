@@ -14,6 +14,8 @@ import gzip
 import json
 import sys
 
+STOP = "decode_trace.stop"  # decode_trace.py's closing wait for the GPU, inside its trace
+
 
 def _union_ms(intervals) -> float:
     busy, current = 0.0, None
@@ -65,8 +67,14 @@ def summarise(path: str, token_steps: int = 0) -> dict:
 
 
 def _per_token_step(events: list, gpu: list, steps: int) -> dict:
-    """Kernels launched, their busy time, the host's span and its calls that wait for the
-    GPU (synchronisations, blocking copies), each per token step."""
+    """Kernels launched, their busy time, the host's span (the wall time from the first
+    host event to the last: the host issuing the steps and waiting where they wait) and its
+    calls that wait for the GPU (synchronisations, blocking copies), each per token step. The
+    host's events from the harness's closing wait (``STOP``) on are left out; the kernels the
+    GPU runs during it were issued by the steps, and count."""
+    stop = min((e["ts"] for e in events if e.get("name") == STOP), default=None)  # the harness's own wait
+    if stop is not None:  # the host's side of it; the kernels running then are the steps' own
+        events = [e for e in events if e["ts"] < stop]
     host = [e for e in events if e.get("cat") in ("cpu_op", "user_annotation", "cuda_runtime", "python_function")]
     span = (max(e["ts"] + e["dur"] for e in host) - min(e["ts"] for e in host)) / 1e3 if host else 0.0
     kernels = [e for e in gpu if e["cat"] == "kernel"]

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -157,7 +158,7 @@ def test_each_run_of_a_traced_pair_profiles_a_few_token_steps_of_its_second_step
     assert len(runs) == 2
     for run in runs:
         trace = run["decode_trace"]
-        assert trace["traced_forwards"] == [2, 4] and trace["forwards"] >= 5, trace
+        assert trace["traced_forwards"] == [2, 4] and trace["forwards"] >= 5 and trace["trainer_step"] == 1, trace
         assert trace["trace"]["token_steps"] == 3 and trace["trace"]["cpu_ops_per_token_step"] > 0
         assert trace["host_ms_per_forward_median"] > 0 and "host_ms_per_forward" not in trace
         folder = other_pair["traces"] / run["name"]
@@ -165,6 +166,23 @@ def test_each_run_of_a_traced_pair_profiles_a_few_token_steps_of_its_second_step
         assert len(json.loads((folder / "decode-trace.json").read_text())["host_ms_per_forward"]) == trace["forwards"]
     (pair,) = rows_of(other_pair, "rloo", quantization="bf16")
     assert set(pair["decode_trace"]) == {"streamed", "resident"}
+
+
+@pytest.mark.parametrize("forwards, traced", [(5, [3, 5]), (3, [3, 3]), (2, None), (30, [3, 18])])
+def test_a_decode_trace_counts_the_token_steps_it_profiled(tmp_path, forwards, traced):
+    """A call that ends inside the profiled steps counts the steps it ran (forward 3 to its
+    last); one that ends before them profiles none; a longer one stops after COUNT."""
+    import decode_trace
+
+    tracer = decode_trace.Tracer(str(tmp_path), start=3, count=16)
+    for _ in range(forwards):
+        tracer.before(None, ())
+        torch.ones(8).sum()
+        tracer.after(None, (), None)
+    summary = tracer.close()
+    assert summary["traced_forwards"] == traced and len(summary["host_ms_per_forward"]) == forwards
+    steps = summary.get("trace", {}).get("token_steps")
+    assert steps == (traced[1] - traced[0] + 1 if traced else None)
 
 
 def test_the_script_runs_unchanged_behind_the_launcher():
