@@ -8,9 +8,11 @@ none. In the first ``generate`` call of Trainer step ``step`` (counted from 0: t
 step, whose window is already sized, and which the rows do not time), each forward of the
 model ``generate`` runs on gets its host time (entry to return) and the interval from the
 one before, and torch's profiler runs over ``count`` token steps from forward ``start``
-(from its entry to the next one's). Written to DIR: ``decode-trace.json.gz`` (a Chrome
-trace) and ``decode-trace.json`` (``rl_trace.summarise`` of it, per token step, and the
-host's times).
+(from its entry to the next one's). Written to DIR: ``decode-trace.json`` (``rl_trace.
+summarise`` of the Chrome trace, per token step, and the host's times) and
+``decode-ops.txt`` (the operators by host time and by device time). The Chrome trace itself
+(tens of MB for an 8B model: more than the GPU machine sends back) is deleted once
+summarised, unless DECODE_TRACE_KEEP=1 keeps it as ``decode-trace.json.gz``.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import time
 from rl_trace import STOP, summarise
 
 STEP, START, COUNT = 1, 32, 16
-TRACE_NAME, SUMMARY_NAME = "decode-trace.json.gz", "decode-trace.json"
+TRACE_NAME, SUMMARY_NAME, OPS_NAME = "decode-trace.json.gz", "decode-trace.json", "decode-ops.txt"
 
 
 class Tracer:
@@ -72,6 +74,13 @@ class Tracer:
                 torch.cuda.synchronize()
         self.profiler.__exit__(None, None, None)
         self.profiled = profiled
+        averages = self.profiler.key_averages()
+        sort = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+        os.makedirs(self.folder, exist_ok=True)
+        with open(os.path.join(self.folder, OPS_NAME), "w") as handle:
+            handle.write(f"{profiled} token steps\n")
+            handle.write(averages.table(sort_by="self_cpu_time_total", row_limit=40))
+            handle.write(averages.table(sort_by=sort, row_limit=25))
         os.makedirs(self.folder, exist_ok=True)
         plain = os.path.join(self.folder, "decode-trace.json.tmp")
         self.profiler.export_chrome_trace(plain)
@@ -107,6 +116,9 @@ class Tracer:
         trace = os.path.join(self.folder, TRACE_NAME)
         if self.profiled and os.path.exists(trace):
             summary["trace"] = summarise(trace, token_steps=self.profiled)
+            if os.environ.get("DECODE_TRACE_KEEP") != "1":
+                os.remove(trace)
+                summary["trace"]["trace"] = None  # deleted once summarised (DECODE_TRACE_KEEP=1 keeps it)
         os.makedirs(self.folder, exist_ok=True)
         with open(os.path.join(self.folder, SUMMARY_NAME), "w") as handle:
             json.dump(summary, handle, indent=1)
