@@ -39,10 +39,11 @@ fi
 # TRL's GRPO (QLoRA, 12 GiB) streamed against resident, each run's second step's generation
 # traced for 16 token steps (decode_trace.py: kernels, host time and waits per token step):
 # inside TRL the streamed side decoded 5-36% slower than resident, outside TRL at par; then the
-# same pair with the streamed side uncapped, to tell the cap's share
-job grpo-trace python3 benchmarks/rl.py --part grpo-8b --round 3 --grpo-steps 5 --work /tmp/rl \
+# same pair with the streamed side uncapped, to tell the cap's share (four steps, as round 1 of
+# the QLoRA pair on an H100: a round of about eight minutes with the traces)
+job grpo-trace python3 benchmarks/rl.py --part grpo-8b --round 3 --grpo-steps 4 --work /tmp/rl \
   --trace-decode "$QUEUE/out/grpo-trace/traces" --deadline 560 --out "$QUEUE/out/grpo-trace"
-job grpo-whole python3 benchmarks/rl.py --part grpo-8b --round 1 --grpo-cap whole --grpo-steps 5 --work /tmp/rl \
+job grpo-whole python3 benchmarks/rl.py --part grpo-8b --round 1 --grpo-cap whole --grpo-steps 4 --work /tmp/rl \
   --trace-decode "$QUEUE/out/grpo-whole/traces" --deadline 560 --out "$QUEUE/out/grpo-whole"
 # the GPU suite whole, in order and shuffled (seeds 1 and 2), for the code since its last run
 job suite env COMMIT="${COMMIT:-worktree}" OMP_NUM_THREADS=5 OUT="$QUEUE/out/suite" bash scripts/gpu-suite.sh all
