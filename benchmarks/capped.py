@@ -333,16 +333,21 @@ def main():
     )
     parser.add_argument(
         "--trace-decode-steps",
-        default="32,16",
+        default=None,
         metavar="START,COUNT",
-        help="--trace-decode: the token steps torch's profiler takes, COUNT from forward START (1: the prefill)",
+        help="--trace-decode: the token steps torch's profiler takes, COUNT from forward START (1: the prefill; "
+        "default decode_trace.START, COUNT)",
     )
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     profile_steps = tuple(int(v) for v in args.profile_steps.split(","))
-    start, count = (int(v) for v in args.trace_decode_steps.split(","))
-    trace_decode = (args.trace_decode, start, count) if args.trace_decode else None
+    trace_decode = None
+    if args.trace_decode:
+        import decode_trace
+
+        steps = args.trace_decode_steps or f"{decode_trace.START},{decode_trace.COUNT}"
+        trace_decode = (args.trace_decode, *(int(v) for v in steps.split(",")))
     prepare(args.cap, args.used_first, args.times, args.profile, args.memory_trace, profile_steps, trace_decode)
     # processes the command starts (``trl sft``, ``accelerate launch``) get the same
     os.environ["CAPPED_CHILD"] = json.dumps(

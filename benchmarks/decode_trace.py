@@ -81,29 +81,23 @@ class Tracer:
             handle.write(f"{profiled} token steps\n")
             handle.write(averages.table(sort_by="self_cpu_time_total", row_limit=40))
             handle.write(averages.table(sort_by=sort, row_limit=25))
-        os.makedirs(self.folder, exist_ok=True)
-        plain = os.path.join(self.folder, "decode-trace.json.tmp")
-        self.profiler.export_chrome_trace(plain)
-        with open(plain, "rb") as source, gzip.open(os.path.join(self.folder, TRACE_NAME), "wb") as target:
-            shutil.copyfileobj(source, target)
-        os.remove(plain)
+        self.profiler.export_chrome_trace(self._exported())
         self.profiler = None
+
+    def _exported(self) -> str:
+        return os.path.join(self.folder, "decode-trace.json.tmp")
+
+    def _outside_trace(self, values: list) -> list:
+        """Each forward's figure but the prefill's (the first) and the profiled ones'."""
+        first = self.start - 1
+        return [value for i, value in enumerate(values) if i >= 1 and not first <= i < first + self.count]
 
     def close(self) -> dict:
         """Stop the profiler if the call ended inside its token steps (forwards ``start`` to
         the last, each a token step); write the summary."""
         if self.profiler is not None:
             self._stop(self.forwards - self.start + 1)
-        untraced = [
-            ms
-            for i, ms in enumerate(self.host_ms)
-            if i >= 1 and not (self.start - 1 <= i < self.start - 1 + self.count)
-        ]
-        gaps = [
-            ms
-            for i, ms in enumerate(self.interval_ms)
-            if i >= 1 and not (self.start - 1 <= i < self.start - 1 + self.count)
-        ]
+        untraced, gaps = self._outside_trace(self.host_ms), self._outside_trace(self.interval_ms)
         summary = {
             "trainer_step": self.trainer_step,
             "forwards": self.forwards,
@@ -113,12 +107,15 @@ class Tracer:
             "host_ms_per_forward": [round(ms, 3) for ms in self.host_ms],
             "token_step_ms": [round(ms, 3) for ms in self.interval_ms],
         }
-        trace = os.path.join(self.folder, TRACE_NAME)
-        if self.profiled and os.path.exists(trace):
-            summary["trace"] = summarise(trace, token_steps=self.profiled)
-            if os.environ.get("DECODE_TRACE_KEEP") != "1":
-                os.remove(trace)
-                summary["trace"]["trace"] = None  # deleted once summarised (DECODE_TRACE_KEEP=1 keeps it)
+        exported = self._exported()
+        if self.profiled and os.path.exists(exported):
+            summary["trace"] = summarise(exported, token_steps=self.profiled)
+            summary["trace"]["trace"] = None  # deleted once summarised, unless DECODE_TRACE_KEEP=1 keeps it
+            if os.environ.get("DECODE_TRACE_KEEP") == "1":
+                summary["trace"]["trace"] = os.path.join(self.folder, TRACE_NAME)
+                with open(exported, "rb") as source, gzip.open(summary["trace"]["trace"], "wb") as target:
+                    shutil.copyfileobj(source, target)
+            os.remove(exported)
         os.makedirs(self.folder, exist_ok=True)
         with open(os.path.join(self.folder, SUMMARY_NAME), "w") as handle:
             json.dump(summary, handle, indent=1)

@@ -114,7 +114,7 @@ class Settings:
     full_determinism: bool = False
     profile_grpo: str = ""  # grpo-8b: a folder for each run's profile of steady steps (``--profile-grpo``)
     trace_decode: str = ""  # grpo-8b: a folder for each run's decode trace; START,COUNT forwards:
-    trace_decode_steps: str = "32,16"
+    trace_decode_steps: str = f"{decode_trace.START},{decode_trace.COUNT}"
     big_shape: str = "llama3-70b"
     big_cap: str = "24GiB"
     # under 24 GiB a 70B token step copies most of its 80 NF4 layers, so a step's generation

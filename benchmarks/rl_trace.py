@@ -32,9 +32,10 @@ def _union_ms(intervals) -> float:
 
 
 def summarise(path: str, token_steps: int = 0) -> dict:
-    """The trace's figures; ``token_steps``: how many token steps it holds, for the figures
+    """The trace's figures (``path``: gzipped or not); ``token_steps``: how many token steps it holds, for the figures
     per token step (kernels launched, their busy time, the host's span, waits on the GPU)."""
-    events = [e for e in json.load(gzip.open(path))["traceEvents"] if e.get("ph") == "X"]
+    with gzip.open(path) if path.endswith(".gz") else open(path) as handle:
+        events = [e for e in json.load(handle)["traceEvents"] if e.get("ph") == "X"]
     gpu = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     per_step = _per_token_step(events, gpu, token_steps) if token_steps else {}
     if not gpu:  # a CPU run of the harness
