@@ -11,6 +11,7 @@ both, alternated in rounds in one process: a token step is (call of N+1 tokens -
 token) / N. Python's profiler over one more call of each counts the Python-level calls.
 
     python benchmarks/decode_host_cost.py --out benchmarks/results/decode-host-cost/cpu.json
+    python benchmarks/decode_host_cost.py --nf4 ...   # bitsandbytes NF4 layers, as --load_in_4bit
     python benchmarks/decode_host_cost.py --device cuda --layers 32 --hidden 4096 ...   # on a GPU
 
 Both models compute the same tokens (checked each round), so the difference is host work.
@@ -33,10 +34,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import layerstream
 
 
-def build(args, streamed: bool):
-    torch.manual_seed(0)
-    config = AutoConfig.for_model(
-        "llama",
+def shape(args) -> dict:
+    return dict(
+        model_type="llama",
         vocab_size=96,
         hidden_size=args.hidden,
         intermediate_size=2 * args.hidden,
@@ -48,13 +48,28 @@ def build(args, streamed: bool):
         pad_token_id=0,
         bos_token_id=1,
         eos_token_id=2,
-        use_cache=True,
     )
-    model = AutoModelForCausalLM.from_config(config).to(args.device)
+
+
+def build(args, streamed: bool):
+    torch.manual_seed(0)
+    if args.nf4:  # bitsandbytes' NF4 layers as BitsAndBytesConfig loads them, the same bytes twice
+        from common import build_random_nf4
+
+        model = build_random_nf4(shape(args))
+        model.config.use_cache = True
+        model.requires_grad_(False)
+        if not streamed:
+            model = model.to(args.device)
+    else:
+        values = shape(args)
+        config = AutoConfig.for_model(values.pop("model_type"), **values, use_cache=True)
+        model = AutoModelForCausalLM.from_config(config).to(args.device)
     if streamed:
         layerstream.stream_model(model, slots=3, vram_budget=None, device=args.device)
         window = args.layers if args.window is None else args.window
         layerstream.get_runtime(model).set_window(range(window))
+        model = model.to(args.device)  # the resident part
     if args.lora:
         lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules="all-linear", task_type="CAUSAL_LM")
         model = get_peft_model(model, lora)
@@ -104,6 +119,7 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--window", type=int, default=None, help="layers kept resident (default: all); the rest are copied in each step"
     )
+    parser.add_argument("--nf4", action="store_true", help="bitsandbytes NF4 layers (as --load_in_4bit loads them)")
     parser.add_argument("--no-lora", dest="lora", action="store_false")
     parser.add_argument("--eval", dest="train", action="store_false", help="eval mode (default: train, as TRL)")
     parser.add_argument("--out", default=None)

@@ -25,6 +25,16 @@ def test_a_small_run_writes_equal_tokens_and_the_extra_python_calls(tmp_path):
     assert result["layer_loads_per_call"] == 0  # every layer in the window: nothing copied
 
 
+def test_nf4_layers_decode_the_same_tokens_streamed_as_bitsandbytes_resident(tmp_path):
+    out = tmp_path / "cost.json"
+    argv = ["--nf4", "--layers", "3", "--hidden", "64", "--new-tokens", "3", "--rounds", "1", "--out", str(out)]
+    assert decode_host_cost.main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["same_tokens"] is True and result["settings"]["nf4"]
+    assert result["layer_loads_per_call"] == 0
+    assert result["extra_python_calls_per_layer_visit"] > 0
+
+
 def test_a_smaller_window_copies_the_other_layers_each_token_step(tmp_path):
     out = tmp_path / "cost.json"
     # 5 streamed layers through the runtime's 3 slots: each forward copies them in again
@@ -37,8 +47,9 @@ def test_a_smaller_window_copies_the_other_layers_each_token_step(tmp_path):
     assert result["layer_loads_per_call"] == 5 * 4
 
 
-def test_the_committed_cpu_result_is_one_this_script_writes():
-    committed = json.loads((ROOT / "benchmarks/results/decode-host-cost/cpu-lora-train.json").read_text())
+@pytest.mark.parametrize("name", ["cpu-lora-train.json", "cpu-nf4-lora-train.json"])
+def test_the_committed_cpu_result_is_one_this_script_writes(name):
+    committed = json.loads((ROOT / "benchmarks/results/decode-host-cost" / name).read_text())
     assert committed["same_tokens"] is True
     assert set(committed) >= {"token_step_ms", "streamed_over_resident", "python_calls_per_call"}
 
