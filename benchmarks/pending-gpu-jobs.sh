@@ -43,6 +43,11 @@ fi
 # the QLoRA pair on an H100: a round of about eight minutes with the traces)
 job grpo-trace python3 benchmarks/rl.py --part grpo-8b --round 3 --grpo-steps 4 --work /tmp/rl \
   --trace-decode "$QUEUE/out/grpo-trace/traces" --deadline 560 --out "$QUEUE/out/grpo-trace"
+# the streamed side's own host work per token step on the GPU, both models in one process
+# (NF4 as --load_in_4bit loads it, LoRA in train mode, batch 8, every layer in the window; a
+# minute): on the CPU 1.024x resident (decode-host-cost/cpu-nf4-lora-train.json)
+job hostcost python3 benchmarks/decode_host_cost.py --device cuda --nf4 --layers 32 --hidden 4096 \
+  --out "$QUEUE/out/hostcost/decode-host-cost.json"
 job grpo-whole python3 benchmarks/rl.py --part grpo-8b --round 1 --grpo-cap whole --grpo-steps 4 --work /tmp/rl \
   --trace-decode "$QUEUE/out/grpo-whole/traces" --deadline 560 --out "$QUEUE/out/grpo-whole"
 # the GPU suite whole, in order and shuffled (seeds 1 and 2), for the code since its last run
