@@ -35,14 +35,15 @@ import layerstream
 
 
 def shape(args) -> dict:
+    heads = max(4, args.hidden // 128)  # 8B's head width at 8B's hidden size
     return dict(
         model_type="llama",
         vocab_size=96,
         hidden_size=args.hidden,
         intermediate_size=2 * args.hidden,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=args.hidden // 4,
+        num_attention_heads=heads,
+        num_key_value_heads=heads // 2 if heads == 4 else heads // 4,
+        head_dim=args.hidden // heads,
         num_hidden_layers=args.layers,
         max_position_embeddings=256,
         pad_token_id=0,
