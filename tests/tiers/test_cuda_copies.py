@@ -141,6 +141,30 @@ def test_timeline_on_cuda_places_every_compute_inside_its_layers_residency(tmp_p
     assert (tmp_path / "layerstream-trace.json").exists()
 
 
+def test_timeline_on_cuda_draws_a_generate_call_as_one_span():
+    """A step that generates (TRL's GRPO and RLOO): the call is one span with no marks in it,
+    and the training step after it still computes each layer inside that layer's residency."""
+    streamed, _ = peft_pair("llama", layers=6, attn="eager", hidden_size=256, intermediate_size=1024, head_dim=64)
+    stream(streamed, "cuda", slots=2, prefetch=1)
+    train_steps(streamed, 1, "cuda", seq=4)
+    runtime = layerstream.get_runtime(streamed)
+    prompt = torch.arange(3, 11, device="cuda").reshape(2, 4)
+    with runtime.timeline() as spans:
+        streamed.generate(input_ids=prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        train_steps(streamed, 1, "cuda", seq=4)
+    (call,) = [s for s in spans if s.kind == "generate"]
+    computes = [s for s in spans if s.row == "compute" and s.kind != "generate"]
+    assert len(computes) == 12 and all(s.start_ms >= call.end_ms for s in computes)
+    assert not [s for s in spans if s.kind == "copy" and call.start_ms < s.start_ms < call.end_ms]
+    for span in computes:
+        holding = [
+            h
+            for h in spans
+            if h.kind == "hold" and h.slot == span.slot and h.start_ms <= span.start_ms and span.end_ms <= h.end_ms
+        ]
+        assert [h.layer for h in holding] == [span.layer], span
+
+
 def test_timeline_records_each_compute_mark_once(monkeypatch):
     """A recorded step brackets every layer call with two events; each is recorded once
     (a new event's first record makes its handle, so taking one already recorded doubles it)."""

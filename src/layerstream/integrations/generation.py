@@ -168,21 +168,23 @@ def _counted(original):
         before, start = runtime.stats(), time.perf_counter()
         totals.active = True
         tokens = cached_tokens(self, args, kwargs)
-        if tokens:
-            with outside_inference_mode():  # the window's buffers outlive this call
-                runtime.resident_window.before_generation(tokens)
-        try:
-            return _run_again_after_oom(original, self, runtime, args, kwargs)
-        finally:
-            with outside_inference_mode():
-                runtime.resident_window.after_generation()
-            totals.active = False
-            after = runtime.stats()
-            totals.calls += 1
-            totals.seconds += time.perf_counter() - start
-            for name in COUNTED:
-                setattr(totals, name, getattr(totals, name) + after[name] - before[name])
-            totals.window_layers = after["window_layers"]
+        # inside a Trainer's recorded step (TRL's GRPO and RLOO generate in it), one span
+        with runtime.summarised("generate"):
+            if tokens:
+                with outside_inference_mode():  # the window's buffers outlive this call
+                    runtime.resident_window.before_generation(tokens)
+            try:
+                return _run_again_after_oom(original, self, runtime, args, kwargs)
+            finally:
+                with outside_inference_mode():
+                    runtime.resident_window.after_generation()
+                totals.active = False
+                after = runtime.stats()
+                totals.calls += 1
+                totals.seconds += time.perf_counter() - start
+                for name in COUNTED:
+                    setattr(totals, name, getattr(totals, name) + after[name] - before[name])
+                totals.window_layers = after["window_layers"]
 
     generate._layerstream = True
     return generate

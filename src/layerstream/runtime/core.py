@@ -46,7 +46,7 @@ from .window import ResidentWindow
 logger = get_logger(__name__)
 
 
-class StreamRuntime:
+class StreamRuntime(timeline.TimelineRecorder):
     def __init__(
         self,
         model: nn.Module,
@@ -487,32 +487,7 @@ class StreamRuntime:
                 tables.setdefault(id(entry.table), (entry.table, set()))[1].add(entry.name)
         return swap.tensors_hidden(tables.values())
 
-    # -- timeline ------------------------------------------------------------------
-    @property
-    def timeline_active(self) -> bool:
-        return self._recording is not None
-
-    def start_timeline(self) -> None:
-        """Record copies, residency and layer calls from now until ``finish_timeline``."""
-        if self._recording is not None:
-            raise StreamingError("a timeline is already being recorded; call finish_timeline() first")
-        self._recording = self.pool.recording = timeline.Recording(self.pool, self.pool.owner)
-
-    def finish_timeline(self) -> List["timeline.Span"]:
-        """Stop recording; returns the spans (waits once for the device)."""
-        recording = self._recording
-        if recording is None:
-            raise StreamingError("no timeline is being recorded; call start_timeline() first")
-        try:
-            return recording.finish()
-        finally:
-            self._recording = self.pool.recording = None
-
-    def timeline(self, directory: Optional[str] = None):
-        """Record the steps run inside the block; write the trace and plot to ``directory``.
-        Yields a list that holds the spans once the block ends."""
-        return timeline.recorded(self, directory)
-
+    # -- timeline (the recording itself: timeline.TimelineRecorder) -----------------
     @property
     def slot_rows(self) -> int:
         """Slots a timeline draws: the ring and the backward slots."""

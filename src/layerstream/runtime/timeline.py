@@ -20,6 +20,7 @@ from typing import List, Optional
 
 import torch
 
+from ..errors import StreamingError
 from ..system.log import get_logger
 
 logger = get_logger(__name__)
@@ -47,6 +48,9 @@ class Recording:
         self.initial_owners = list(owners)
         self.copies: list = []  # (layer, slot, start mark, end mark)
         self.computes: list = []  # (layer, slot, phase, start mark, end mark)
+        # calls drawn as one span each (``TimelineRecorder.summarised``): (copies recorded
+        # before it, kind, start mark, end mark, what each slot holds after it)
+        self.summarised_calls: list = []
         self.base = self.now()
 
     def now(self):
@@ -68,13 +72,21 @@ class Recording:
         step_end = self._ms(end)
         spans: List[Span] = []
         holds = {slot: (owner, 0.0) for slot, owner in enumerate(self.initial_owners) if owner is not None}
-        for layer, slot, start, stop in self.copies:
+        calls = iter(self.summarised_calls)
+        call = next(calls, None)
+        for position, (layer, slot, start, stop) in enumerate(self.copies):
+            while call is not None and call[0] == position:
+                self._summarise(call, holds, spans)
+                call = next(calls, None)
             begin = self._ms(start)
             if slot in holds:
                 held, since = holds[slot]
                 spans.append(Span(f"slot {slot}", "hold", held, slot, since, begin))
             spans.append(Span("copy", "copy", layer, slot, begin, self._ms(stop)))
             holds[slot] = (layer, begin)
+        while call is not None:
+            self._summarise(call, holds, spans)
+            call = next(calls, None)
         for slot, (held, since) in holds.items():
             spans.append(Span(f"slot {slot}", "hold", held, slot, since, step_end))
         for layer, slot, phase, start, stop in self.computes:
@@ -82,6 +94,70 @@ class Recording:
                 Span("compute", phase.value.replace("train_", ""), layer, slot, self._ms(start), self._ms(stop))
             )
         return sorted(spans, key=lambda s: (s.start_ms, s.row))
+
+    def _summarise(self, call: tuple, holds: dict, spans: List[Span]) -> None:
+        """One summarised call: a span on the compute row; the slots' holds end where it
+        begins (its own copies are not drawn) and start again, from what each slot holds
+        after it, where it ends."""
+        _, kind, start, stop, owners = call
+        begin, end = self._ms(start), self._ms(stop)
+        for slot, (held, since) in holds.items():
+            spans.append(Span(f"slot {slot}", "hold", held, slot, since, begin))
+        holds.clear()
+        holds.update({slot: (owner, end) for slot, owner in enumerate(owners) if owner is not None})
+        spans.append(Span("compute", kind, -1, -1, begin, end))
+
+
+class TimelineRecorder:
+    """The runtime's timeline surface (a mixin of ``StreamRuntime``: its ``_recording``
+    and ``pool``)."""
+
+    _recording: Optional[Recording] = None
+
+    @property
+    def timeline_active(self) -> bool:
+        return self._recording is not None
+
+    def start_timeline(self) -> None:
+        """Record copies, residency and layer calls from now until ``finish_timeline``."""
+        if self._recording is not None:
+            raise StreamingError("a timeline is already being recorded; call finish_timeline() first")
+        self._recording = self.pool.recording = Recording(self.pool, self.pool.owner)
+
+    def finish_timeline(self) -> List[Span]:
+        """Stop recording; returns the spans (waits once for the device)."""
+        recording = self._recording
+        if recording is None:
+            raise StreamingError("no timeline is being recorded; call start_timeline() first")
+        try:
+            return recording.finish()
+        finally:
+            self._recording = self.pool.recording = None
+
+    def timeline(self, directory: Optional[str] = None):
+        """Record the steps run inside the block; write the trace and plot to ``directory``.
+        Yields a list that holds the spans once the block ends."""
+        return recorded(self, directory)
+
+    @contextlib.contextmanager
+    def summarised(self, kind: str):
+        """Inside a recorded step, draw the block as one span of ``kind`` (a ``generate``
+        call: its token steps would take two marks per layer each, most of the step's marks
+        and host time, for a picture no one can read): nothing in it is marked. Outside a
+        recording, nothing."""
+        recording = self._recording
+        if recording is None:
+            yield
+            return
+        start = recording.now()
+        self._recording = self.pool.recording = None
+        try:
+            yield
+        finally:
+            self._recording = self.pool.recording = recording
+            recording.summarised_calls.append(
+                (len(recording.copies), kind, start, recording.now(), list(self.pool.owner))
+            )
 
 
 def chrome_trace(spans: List[Span], slots: int) -> dict:
@@ -95,9 +171,11 @@ def chrome_trace(spans: List[Span], slots: int) -> dict:
         for row in rows
     ]
     for span in spans:
-        name = {"copy": f"copy layer {span.layer} -> slot {span.slot}", "hold": f"layer {span.layer}"}.get(
-            span.kind, f"{span.kind} layer {span.layer}"
-        )
+        name = {
+            "copy": f"copy layer {span.layer} -> slot {span.slot}",
+            "hold": f"layer {span.layer}",
+            "generate": "generate (token steps not drawn)",
+        }.get(span.kind, f"{span.kind} layer {span.layer}")
         events.append(
             {
                 "ph": "X",
@@ -113,7 +191,22 @@ def chrome_trace(spans: List[Span], slots: int) -> dict:
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
-_COLOURS = {"forward": "#3a7bd5", "backward": "#d5563a", "inference": "#3a9d5d", "copy": "#8e6bbf", "hold": "#d9d9d9"}
+_COLOURS = {
+    "forward": "#3a7bd5",
+    "backward": "#d5563a",
+    "inference": "#3a9d5d",
+    "generate": "#9fcfae",
+    "copy": "#8e6bbf",
+    "hold": "#d9d9d9",
+}
+_LEGEND = {
+    "forward": "forward",
+    "backward": "backward (recompute)",
+    "inference": "inference",
+    "generate": "generate (token steps not drawn)",
+    "copy": "copy",
+    "hold": "slot holds layer",
+}
 
 
 def plot(spans: List[Span], slots: int, path: str, title: str = "") -> bool:
@@ -150,7 +243,7 @@ def plot(spans: List[Span], slots: int, path: str, title: str = "") -> bool:
             ax.text(
                 span.start_ms + width / 2,
                 y[span.row],
-                str(span.layer),
+                "generate" if span.kind == "generate" else str(span.layer),
                 ha="center",
                 va="center",
                 fontsize=6,
@@ -159,13 +252,13 @@ def plot(spans: List[Span], slots: int, path: str, title: str = "") -> bool:
     ax.set_yticks([y[r] for r in rows], rows)
     ax.set_xlim(0, end)
     ax.set_xlabel("ms since the step began")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in _COLOURS.values()]
+    handles = [plt.Rectangle((0, 0), 1, 1, color=_COLOURS[kind]) for kind in _LEGEND]
     ax.legend(
         handles,
-        ["forward", "backward (recompute)", "inference", "copy", "slot holds layer"],
+        list(_LEGEND.values()),
         loc="upper center",
         bbox_to_anchor=(0.5, -0.25 - 0.02 * len(rows)),
-        ncol=5,
+        ncol=6,
         fontsize=8,
         frameon=False,
     )
