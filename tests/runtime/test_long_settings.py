@@ -320,6 +320,33 @@ def test_what_was_turned_on_is_said_once_per_decision(small_tiles, caplog):
     )
 
 
+def test_a_trainer_that_calls_the_model_without_labels_gets_no_loss_chunk_planned_or_said(small_tiles, caplog):
+    """Label smoothing, a compute_loss of the trainer's own, ORPO and CPO call the model
+    without labels and compute the loss from its full logits: there is no loss to chunk.
+    "auto" decides again without loss chunks, so the plan counts the full logits, and the
+    summary does not name the chunked loss."""
+    streamed, resident = _pair()
+    chunked = _needed(resident, 28, loss_chunk_tokens=16)
+    runtime = _stream(streamed, int((chunked + 1) / (1 - OFFLOAD_AUTO_MARGIN)) + 1, offload_activations=False)
+    train_steps(streamed, 1, seq=24)  # with labels: the loss is chunked
+    assert runtime.long_settings.decision(48).names == (CHUNK,)
+    ids = batch(400, seq=24, seed=3)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="layerstream"):
+        for _ in range(2):
+            logits = streamed(input_ids=ids).logits
+            loss = torch.nn.functional.cross_entropy(
+                logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(), label_smoothing=0.1
+            )
+            loss.backward()
+    said = [r.message for r in caplog.records if "called without labels" in r.message]
+    assert len(said) == 1 and "loss_chunk_tokens='auto' stays off" in said[0]
+    assert not [r.message for r in caplog.records if "loss_chunk_tokens='auto' is on" in r.message]
+    assert CHUNK not in runtime.long_settings.decision(48).names
+    assert runtime.long_settings.settings_for(48)[CHUNK] is None
+    assert "called without labels" in runtime.summary() and "layerstream's chunked loss" not in runtime.summary()
+
+
 # -- out of memory -------------------------------------------------------------------------------
 def _step(seq, **settings):
     """The plan request of an 8B QLoRA step as it ran: the settings off unless given."""

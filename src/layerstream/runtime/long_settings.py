@@ -99,6 +99,10 @@ class LongSettingsPolicy:
         self._said: set = set()  # the sets of settings said on
         self._reported: List[Tuple[int, int, LongDecision]] = []  # (batch, seq, decision)
         self._said_unplanned = False
+        # a training call came without labels (label smoothing, a compute_loss of the trainer's
+        # own, ORPO, CPO): the model computes no loss, so there is none to chunk, and the full
+        # logits are the trainer's; from then on the plan counts them and no chunk is turned on
+        self._unlabelled = False
         self._adapters_at = 0  # modules.layer.registrations() when adapter_inputs last looked
         # whether training passes run under autocast, as the last one seen started (None:
         # none seen; the plan then reads the state of the moment)
@@ -124,7 +128,12 @@ class LongSettingsPolicy:
     def loss_chunks_possible(self) -> bool:
         """Whether loss_chunk_tokens="auto" can chunk this model's loss (its forward was
         checked at stream time); False for an explicit setting too."""
-        return self._chunked is not None
+        return self._chunked is not None and not self._unlabelled
+
+    @property
+    def called_without_labels(self) -> bool:
+        """Whether a training call came without labels (its trainer's loss, on full logits)."""
+        return self._unlabelled
 
     @staticmethod
     def _chunkable(model) -> bool:
@@ -202,7 +211,7 @@ class LongSettingsPolicy:
         and run can take, off for the other "auto" ones, the explicit values as given."""
         config = self.config
         possible = {
-            "loss_chunk_tokens": self._chunked is not None,
+            "loss_chunk_tokens": self.loss_chunks_possible,
             "mlp_tile_tokens": self._tiles_possible,
             "offload_activations": self.offload.offloader is not None,
         }
@@ -263,8 +272,23 @@ class LongSettingsPolicy:
         chunk = 0
         if tokens and torch.is_grad_enabled():
             self.pass_starts()
+            if kwargs.get("labels") is None and self.loss_chunks_possible:
+                self._without_labels(tokens)
             chunk = self.decision(tokens).value("loss_chunk_tokens") or 0
         chunked_loss.set_tokens(module, chunk)
+
+    def _without_labels(self, tokens: int) -> None:
+        """A training call without labels: the trainer computes the loss from the full logits,
+        so loss_chunk_tokens="auto" cannot chunk it. Decided again without loss chunks (the
+        MLP tiles, offloading or the ends make up for them where they can), and said once."""
+        self._unlabelled = True
+        self.forget_decisions()
+        logger.warning(
+            "layerstream: loss_chunk_tokens='auto' stays off: the model is called without labels for training "
+            "(%d tokens), so the trainer computes its loss from the full logits (label smoothing, its own "
+            "compute_loss, ORPO, CPO); the memory plan counts them.",
+            tokens,
+        )
 
     def say(self, shape: Tuple[int, int], offloading: bool) -> None:
         """At the start of a training pass of ``shape`` (batch, seq), once offloading is

@@ -200,6 +200,11 @@ def _loss_line(runtime) -> str:
         return f"Liger-Kernel's fused linear cross-entropy{bypassed}"
     if chunk:
         return f"layerstream's chunked loss, {chunk} tokens at a time (loss_chunk_tokens)"
+    if runtime.config.loss_chunk_tokens == "auto" and runtime.long_settings.called_without_labels:
+        return (
+            "the trainer's own loss on the model's full logits (loss_chunk_tokens auto stays off: the model is "
+            "called without labels for training)"
+        )
     if runtime.config.loss_chunk_tokens == "auto" and runtime.long_settings.loss_chunks_possible:
         return "the model's own forward, full logits (loss_chunk_tokens auto: chunked once a step needs it)"
     if runtime.config.loss_chunk_tokens == "auto":
