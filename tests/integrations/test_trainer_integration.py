@@ -362,6 +362,37 @@ def test_vllm_generation_is_refused_for_a_streamed_model_before_the_trainer_star
         Trainer(model=model, args=args)
 
 
+@pytest.mark.parametrize(
+    "dtype, bf16, refused",
+    [(torch.float32, True, True), (torch.float32, False, False), (torch.bfloat16, True, False)],
+    ids=["float32-bf16", "float32-no-bf16", "bfloat16-bf16"],
+)
+def test_continuous_batching_that_would_cast_the_streamed_weights_is_refused_at_init(tmp_path, dtype, bf16, refused):
+    """TRL's GRPO and RLOO with use_transformers_continuous_batching=True and bf16 cast the
+    whole model to bfloat16 before each generate (trl 1.16), which streamed weights of
+    another dtype refuse: said in the Trainer's __init__, naming what to change, rather than
+    at the first step's generation. A model loaded in bfloat16, or bf16=False, is let through."""
+    from trl import GRPOConfig
+
+    model, _ = peft_pair("llama", layers=3, dtype=dtype)
+    layerstream.stream_model(model, device="cpu", slots=2)
+    args = GRPOConfig(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        report_to=[],
+        max_steps=1,
+        bf16=bf16,
+        use_transformers_continuous_batching=True,
+    )
+    if refused:
+        with pytest.raises(
+            layerstream.StreamingError, match="continuous_batching=True with bf16=True.*--dtype bfloat16"
+        ):
+            Trainer(model=model, args=args)
+    else:
+        Trainer(model=model, args=args)
+
+
 class _GeneratingTrainer(Trainer):
     """As an online RL trainer does: generate inside the training step, then train."""
 

@@ -297,11 +297,17 @@ def check_activation_offloading(runtime, training_args) -> None:
     runtime.set_offload_activations(False)
 
 
-def check_generation_backend(training_args) -> None:
+def check_generation_backend(training_args, runtime=None) -> None:
     """TRL's online trainers (GRPO, RLOO, ...) can generate with vLLM (``use_vllm=True``),
     which loads its own copy of every weight onto a GPU and does not stream: a model that
     needs streaming does not fit it, and its weights would not be the streamed ones.
-    Refused in the Trainer's ``__init__``, before vLLM starts or a step runs."""
+    Refused in the Trainer's ``__init__``, before vLLM starts or a step runs.
+
+    With ``use_transformers_continuous_batching=True`` and ``bf16``/``fp16``, TRL casts the
+    whole model to that dtype before each generation (``model.to(torch.bfloat16)``), which
+    streamed weights of another dtype refuse: said here, before the first step generates,
+    rather than at that cast."""
+    _check_continuous_batching_cast(training_args, runtime)
     if getattr(training_args, "use_vllm", False):
         raise StreamingError(
             "use_vllm=True generates with vLLM, which loads its own full copy of the model's weights onto "
@@ -309,6 +315,29 @@ def check_generation_backend(training_args) -> None:
             "use_vllm=False (--use_vllm false): generation then runs through transformers' generate on the "
             "streamed model, each layer copied once per token step for the whole batch."
         )
+
+
+def _check_continuous_batching_cast(training_args, runtime) -> None:
+    if runtime is None or not getattr(training_args, "use_transformers_continuous_batching", False):
+        return
+    flag = (
+        "bf16" if getattr(training_args, "bf16", False) else "fp16" if getattr(training_args, "fp16", False) else None
+    )
+    if flag is None:
+        return
+    dtype = torch.bfloat16 if flag == "bf16" else torch.float16
+    name = str(dtype).split(".")[-1]
+    try:
+        runtime.check_apply(lambda t: t.to(dtype) if t.is_floating_point() else t)  # as Module.to casts
+    except StreamingError as exc:
+        raise StreamingError(
+            f"use_transformers_continuous_batching=True with {flag}=True: TRL casts the whole model to {dtype} "
+            "before each continuous-batching generate, and streamed weights keep the dtype they were loaded "
+            f"in, so the first step would stop at that cast. Load the model in {dtype} (--dtype {name}, or "
+            f"model_init_kwargs={{'dtype': '{name}'}}), or set {flag}=False, or "
+            "use_transformers_continuous_batching=False (generation then runs through transformers' generate "
+            "on the streamed model)."
+        ) from exc
 
 
 def warn_fused_loss(trainer) -> None:
@@ -338,7 +367,7 @@ def install() -> None:
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         _auto_stream(model, training_args)
         if isinstance(model, nn.Module) and is_streamed(model):
-            check_generation_backend(training_args)
+            check_generation_backend(training_args, get_runtime(model))
             check_activation_offloading(get_runtime(model), training_args)
         original_init(self, *args, **kwargs)
         trl_head.note_trainer(self)  # TRL's SFT with label smoothing: full logits, not its fused head
