@@ -42,7 +42,7 @@ def shape(args) -> dict:
         hidden_size=args.hidden,
         intermediate_size=2 * args.hidden,
         num_attention_heads=heads,
-        num_key_value_heads=heads // 2 if heads == 4 else heads // 4,
+        num_key_value_heads=max(2, heads // 4),
         head_dim=args.hidden // heads,
         num_hidden_layers=args.layers,
         max_position_embeddings=256,

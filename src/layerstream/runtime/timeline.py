@@ -174,7 +174,7 @@ def chrome_trace(spans: List[Span], slots: int) -> dict:
         name = {
             "copy": f"copy layer {span.layer} -> slot {span.slot}",
             "hold": f"layer {span.layer}",
-            "generate": "generate (token steps not drawn)",
+            "generate": _LEGEND["generate"],
         }.get(span.kind, f"{span.kind} layer {span.layer}")
         events.append(
             {
